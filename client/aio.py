@@ -1,0 +1,760 @@
+"""`AsyncClient`: the asyncio client library, with the WebSocket (`GET /v1/ws`) as fast path.
+
+Why it is shaped like this: the server's cost is per frame and per LMDB transaction, and
+the client's cost is per await, so the client coalesces. Every call (enqueue, receive, ack,
+release, ...) appends one typed op to an outgoing list and awaits one future keyed by its
+request id; the first op of an event-loop turn wakes the writer task (one `call_soon` under
+the hood of the future it waits on), which runs on the next turn and sends everything
+submitted in between as ONE frame. While a send waits for the socket to drain, new ops pile
+up and go in the next frame, so batches grow with load. Nothing else happens per message:
+no task, no timer, no log line.
+
+Failures: the socket reconnects on its own with bounded exponential backoff. An enqueue
+that was in flight when the connection dropped is sent again with the SAME dedupe id, for a
+bounded time and number of attempts, so it is stored once; any other in-flight op fails
+with `E_UNAVAILABLE` and `outcome_unknown=True`. A `Closing` item from the server fails
+pending ops with its code, and E_UNAUTHENTICATED or E_FORBIDDEN stops reconnecting for good.
+Subscriptions (`consume`) are re-made after a reconnect with the credit still owed.
+
+Admin calls go over signed REST (`client/http.py`) and share the client's aiohttp session.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import random
+from collections import deque
+from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Self
+
+import aiohttp
+from yarl import URL
+
+from client.credentials import Credentials, load_credentials
+from client.errors import E_BAD_FRAME, E_UNAVAILABLE, QueueError
+from client.http import Grant, HttpClient, error_from_status
+from client.protocol import (
+    FRAME_ITEMS_MAX,
+    AckOp,
+    ClientOp,
+    Closing,
+    CreditOp,
+    DeliveredMessage,
+    Delivery,
+    EnqueueOp,
+    ErrorReply,
+    FrameError,
+    OkReply,
+    PingOp,
+    ReceiveOp,
+    ReleaseOp,
+    SubscribeOp,
+    UnsubscribeOp,
+    decode_server_frame,
+    encode_frame,
+    messages_from_result,
+)
+
+FATAL_CLOSING_CODES = frozenset({"E_UNAUTHENTICATED", "E_FORBIDDEN"})
+FRAME_BYTES_IN_MAX = 64 * 1024 * 1024
+CLEANUP_TIMEOUT_S = 2.0
+_INTERNAL_OPS = (SubscribeOp, CreditOp, UnsubscribeOp)
+
+CredentialsArg = Credentials | str | Path | None
+
+
+class Message:
+    """A leased message; `ack()` deletes it and `release()` gives it back, through the client
+    that received it."""
+
+    __slots__ = ("_client", "deliveries", "id", "payload", "priority", "queue", "receipt")
+
+    def __init__(self, client: AsyncClient, queue: str, delivered: DeliveredMessage) -> None:
+        self.id = delivered.message_id
+        self.receipt = delivered.receipt
+        self.priority = delivered.priority
+        self.deliveries = delivered.deliveries
+        self.payload = delivered.payload
+        self.queue = queue
+        self._client = client
+
+    def ack(self) -> Coroutine[Any, Any, None]:
+        return self._client.ack(self.queue, self.id, self.receipt)
+
+    def release(self) -> Coroutine[Any, Any, None]:
+        return self._client.release(self.queue, self.id, self.receipt)
+
+    def __repr__(self) -> str:
+        return (f"Message(queue={self.queue!r}, id={self.id}, priority={self.priority}, "
+                f"deliveries={self.deliveries}, payload={self.payload[:32]!r})")
+
+
+def resolve_credentials(credentials: CredentialsArg) -> Credentials:
+    if isinstance(credentials, Credentials):
+        return credentials
+    return load_credentials(credentials)
+
+
+def _milliseconds(seconds: float | None) -> int | None:
+    return None if seconds is None else round(seconds * 1000)
+
+
+def _ignore_outcome(future: asyncio.Future[Any]) -> None:
+    """Done-callback of fire-and-forget ops: read the outcome so asyncio does not report it."""
+    if not future.cancelled():
+        future.exception()
+
+
+class AsyncClient:
+    """The asyncio client. Use as `async with AsyncClient() as client:`; every method must be
+    called from the event loop that first used the client."""
+
+    def __init__(self, url: str | None = None, credentials: CredentialsArg = None, *,
+                 request_timeout_s: float = 30.0, connect_timeout_s: float = 10.0,
+                 reconnect_delay_initial_s: float = 0.05, reconnect_delay_max_s: float = 2.0,
+                 enqueue_retry_time_s: float = 30.0, enqueue_attempts_max: int = 10,
+                 in_flight_max: int = 20_000, frame_bytes_max: int = 1024 * 1024,
+                 heartbeat_s: float = 10.0) -> None:
+        creds = resolve_credentials(credentials)
+        self.url = (url or creds.url).rstrip("/")
+        self.client_id = creds.client_id
+        self._signer = creds.signer()
+        self.http = HttpClient(self.url, self._signer, request_timeout_s=request_timeout_s)
+        base = URL(self.url)
+        self._ws_path = base.raw_path.rstrip("/") + "/v1/ws"
+        self._ws_url = URL(self.url.replace("http", "ws", 1) + "/v1/ws", encoded=True) \
+            if self.url.startswith("http") else URL(self.url + "/v1/ws", encoded=True)
+        self._connect_timeout_s = connect_timeout_s
+        self._reconnect_delay_initial_s = reconnect_delay_initial_s
+        self._reconnect_delay_max_s = reconnect_delay_max_s
+        self._enqueue_retry_time_s = enqueue_retry_time_s
+        self._enqueue_attempts_max = enqueue_attempts_max
+        self._in_flight_max = in_flight_max
+        self._frame_bytes_max = frame_bytes_max
+        self._heartbeat_s = heartbeat_s
+
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ids = itertools.count(1)
+        # A dedupe id is a random 80-bit prefix per client plus a counter: unique like a
+        # uuid4 hex (same 32 hex characters) for a fraction of the cost per message.
+        self._dedupe_prefix = os.urandom(10).hex()
+        self._dedupe_counter = itertools.count(1)
+        self._pending: dict[int, tuple[asyncio.Future[Any], ClientOp]] = {}
+        self._outgoing: list[ClientOp] = []
+        self._outgoing_bytes = 0
+        self._writer_waiter: asyncio.Future[None] | None = None
+        self._ws: aiohttp.ClientWebSocketResponse | None = None
+        self._supervisor: asyncio.Task[None] | None = None
+        self._attempt_waiters: list[asyncio.Future[QueueError | None]] = []
+        self._fatal: QueueError | None = None
+        self._closed = False
+        self._room = asyncio.Event()
+        self._room_needed = False
+        self._retry_deadline: dict[int, float] = {}
+        self._retry_attempts: dict[int, int] = {}
+        self._consumers: set[Consumer] = set()
+        self._consumers_by_subscription: dict[int, Consumer] = {}
+        self._subscribing: dict[int, Consumer] = {}
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    async def __aenter__(self) -> Self:
+        try:
+            await self.connect()
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    @property
+    def connected(self) -> bool:
+        return self._ws is not None
+
+    async def connect(self) -> None:
+        """Open the WebSocket now rather than on the first call; raises the first attempt's
+        error (reconnecting goes on in the background unless the error is fatal)."""
+        self._start()
+        if self._ws is not None:
+            return
+        outcome: asyncio.Future[QueueError | None] = self._bound_loop().create_future()
+        self._attempt_waiters.append(outcome)
+        error = await outcome
+        if error is not None:
+            raise error
+
+    async def close(self) -> None:
+        """Unsubscribe consumers (releasing what they buffered), fail what is still pending,
+        close the socket and the HTTP session."""
+        if self._closed:
+            return
+        for consumer in list(self._consumers):
+            await consumer.close()
+        self._closed = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            await asyncio.gather(self._supervisor, return_exceptions=True)
+        self._fail_everything(QueueError(E_UNAVAILABLE, "the client is closed"))
+        await self.http.close()
+
+    def _bound_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop
+
+    def _start(self) -> None:
+        if self._closed:
+            raise QueueError(E_UNAVAILABLE, "the client is closed")
+        if self._fatal is not None:
+            raise self._fatal
+        if self._supervisor is None:
+            self._supervisor = self._bound_loop().create_task(self._supervise())
+
+    # --- the per-op path ----------------------------------------------------------------------
+    def _submit(self, op: ClientOp) -> asyncio.Future[Any]:
+        """Queue one op for the next frame and return the future its answer resolves."""
+        if self._supervisor is None or self._fatal is not None or self._closed:
+            self._start()
+        future: asyncio.Future[Any] = self._loop.create_future()  # type: ignore[union-attr]
+        self._pending[op.request_id] = (future, op)
+        self._outgoing.append(op)
+        waiter = self._writer_waiter
+        if waiter is not None:
+            self._writer_waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+        return future
+
+    def _submit_quietly(self, op: ClientOp) -> None:
+        self._submit(op).add_done_callback(_ignore_outcome)
+
+    async def _wait_for_room(self) -> None:
+        """Back-pressure: at most `in_flight_max` ops wait for answers at once."""
+        while len(self._pending) >= self._in_flight_max:
+            self._start()
+            self._room_needed = True
+            self._room.clear()
+            await self._room.wait()
+
+    def _new_dedupe_id(self) -> str:
+        return f"{self._dedupe_prefix}{next(self._dedupe_counter):012x}"
+
+    # --- messages -----------------------------------------------------------------------------
+    async def enqueue(self, queue: str, payload: bytes, priority: int = 4,
+                      dedupe_id: str | None = None) -> int:
+        """Enqueue one message and return its id once the server has made it durable."""
+        if len(self._pending) >= self._in_flight_max:
+            await self._wait_for_room()
+        if type(payload) is not bytes:
+            payload = _as_bytes(payload)
+        op = EnqueueOp(next(self._ids), queue, payload, priority,
+                       dedupe_id or self._new_dedupe_id())
+        self._outgoing_bytes += len(payload)
+        result = await self._submit(op)
+        return int(result[0])
+
+    async def enqueue_many(self, queue: str, payloads: Iterable[bytes], priority: int = 4, *,
+                           dedupe_ids: Sequence[str] | None = None) -> list[int]:
+        """Enqueue many messages in one frame; returns their ids in order. On an error the
+        first one is raised after every answer is in (some messages may be stored: pass
+        `dedupe_ids` to make a retry of the whole batch safe)."""
+        items = [_as_bytes(p) for p in payloads]
+        if dedupe_ids is not None and len(dedupe_ids) != len(items):
+            raise ValueError("dedupe_ids must have one id per payload")
+        if len(self._pending) + len(items) > self._in_flight_max:
+            await self._wait_for_room()
+        futures = []
+        for index, payload in enumerate(items):
+            dedupe = dedupe_ids[index] if dedupe_ids is not None else self._new_dedupe_id()
+            self._outgoing_bytes += len(payload)
+            futures.append(self._submit(EnqueueOp(next(self._ids), queue, payload, priority, dedupe)))
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return [int(result[0]) for result in results]  # type: ignore[index]
+
+    async def receive(self, queue: str, max_messages: int = 1, wait_s: float = 0.0,
+                      visibility_timeout_s: float | None = None) -> list[Message]:
+        """Lease up to `max_messages`, waiting up to `wait_s` for the first; [] if none came."""
+        if len(self._pending) >= self._in_flight_max:
+            await self._wait_for_room()
+        op = ReceiveOp(next(self._ids), queue, max_messages, int(wait_s * 1000),
+                       _milliseconds(visibility_timeout_s))
+        result = await self._submit(op)
+        return [Message(self, queue, m) for m in messages_from_result(result)]
+
+    async def ack(self, queue: str, message_id: int, receipt: str) -> None:
+        if len(self._pending) >= self._in_flight_max:
+            await self._wait_for_room()
+        await self._submit(AckOp(next(self._ids), queue, message_id, receipt))
+
+    async def release(self, queue: str, message_id: int, receipt: str) -> None:
+        if len(self._pending) >= self._in_flight_max:
+            await self._wait_for_room()
+        await self._submit(ReleaseOp(next(self._ids), queue, message_id, receipt))
+
+    async def ping(self) -> None:
+        """One round trip over the WebSocket (connecting first if needed)."""
+        await self._submit(PingOp(next(self._ids)))
+
+    def consume(self, queue: str, prefetch: int = 100,
+                visibility_timeout_s: float | None = None) -> Consumer:
+        """Messages pushed by the server as an async iterator; at most `prefetch` are leased
+        and not yet taken at any time. Use `async with client.consume(q) as messages:`."""
+        if not 1 <= prefetch <= 100_000:
+            raise ValueError("prefetch must be in [1, 100000]")
+        self._start()
+        consumer = Consumer(self, queue, prefetch, _milliseconds(visibility_timeout_s))
+        self._consumers.add(consumer)
+        if self._ws is not None:
+            consumer._subscribe()
+        return consumer
+
+    # --- admin and the REST-only message calls (client/http.py) ---------------------------------
+    async def create_queue(self, name: str, **options: Any) -> dict[str, Any]:
+        return await self.http.create_queue(name, **options)
+
+    async def delete_queue(self, name: str) -> dict[str, Any]:
+        return await self.http.delete_queue(name)
+
+    async def list_queues(self) -> list[dict[str, Any]]:
+        return await self.http.list_queues()
+
+    async def queue_stats(self, name: str) -> dict[str, Any]:
+        return await self.http.queue_stats(name)
+
+    async def reply(self, queue: str, message_id: int, receipt: str, body: bytes) -> None:
+        await self.http.reply(queue, message_id, receipt, body)
+
+    async def message_status(self, queue: str, message_id: int, wait_s: float = 0.0,
+                             until: str | None = None) -> dict[str, Any]:
+        return await self.http.message_status(queue, message_id, wait_s, until)
+
+    async def register_client(self, name: str, grants: Iterable[Grant],
+                              public_key: str | None = None) -> dict[str, Any]:
+        return await self.http.register_client(name, grants, public_key)
+
+    async def list_clients(self) -> list[dict[str, Any]]:
+        return await self.http.list_clients()
+
+    async def remove_client(self, client_id: str) -> dict[str, Any]:
+        return await self.http.remove_client(client_id)
+
+    async def set_grants(self, client_id: str, grants: Iterable[Grant]) -> dict[str, Any]:
+        return await self.http.set_grants(client_id, grants)
+
+    async def cluster(self) -> dict[str, Any]:
+        return await self.http.cluster()
+
+    # --- connection supervision ---------------------------------------------------------------
+    async def _supervise(self) -> None:
+        """Connect, serve until the socket ends, reconnect with backoff; forever, until closed
+        or told something no reconnect can fix."""
+        delay_s = self._reconnect_delay_initial_s
+        while not self._closed:
+            try:
+                ws = await self._open_socket()
+            except QueueError as error:
+                if not error.retriable:
+                    self._set_fatal(error)
+                    return
+                self._on_connect_failed(error)
+                await asyncio.sleep(delay_s * random.uniform(0.5, 1.0))
+                delay_s = min(delay_s * 2, self._reconnect_delay_max_s)
+                continue
+            delay_s = self._reconnect_delay_initial_s
+            self._resolve_attempt_waiters(None)
+            cause = await self._serve(ws)
+            if cause.code in FATAL_CLOSING_CODES:
+                self._set_fatal(cause)
+                return
+            self._on_connection_lost(cause)
+
+    async def _open_socket(self) -> aiohttp.ClientWebSocketResponse:
+        headers = self._signer.headers("GET", self._ws_path, [], b"")
+        try:
+            async with asyncio.timeout(self._connect_timeout_s):
+                return await self.http.session().ws_connect(
+                    self._ws_url, headers=headers, heartbeat=self._heartbeat_s,
+                    max_msg_size=FRAME_BYTES_IN_MAX, timeout=aiohttp.ClientWSTimeout(ws_close=CLEANUP_TIMEOUT_S))
+        except aiohttp.WSServerHandshakeError as exc:
+            raise error_from_status(exc.status) from None
+        except TimeoutError:
+            raise QueueError(E_UNAVAILABLE, f"no WebSocket from {self.url} in time") from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise QueueError(E_UNAVAILABLE, f"cannot reach {self.url}: {exc}") from None
+
+    async def _serve(self, ws: aiohttp.ClientWebSocketResponse) -> QueueError:
+        """Run the reader and the writer until either ends; return why the socket is done."""
+        loop = self._bound_loop()
+        self._ws = ws
+        for consumer in list(self._consumers):
+            consumer._subscribe()
+        reader = loop.create_task(self._read_loop(ws))
+        writer = loop.create_task(self._write_loop(ws))
+        try:
+            await asyncio.wait((reader, writer), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._ws = None
+            writer.cancel()
+            reader.cancel()
+            await asyncio.gather(reader, writer, return_exceptions=True)
+            await asyncio.shield(self._close_socket(ws))
+        failure: BaseException | None = None
+        for task in (reader, writer):
+            if task.done() and not task.cancelled():
+                failure = failure or task.exception()
+        if failure is None and reader.done() and not reader.cancelled():
+            return reader.result()
+        return QueueError(E_UNAVAILABLE, f"the connection failed: {failure!r}", outcome_unknown=True)
+
+    @staticmethod
+    async def _close_socket(ws: aiohttp.ClientWebSocketResponse) -> None:
+        try:
+            await asyncio.wait_for(ws.close(), CLEANUP_TIMEOUT_S)
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            pass  # the socket is going away either way; nothing left to tell the server
+
+    async def _read_loop(self, ws: aiohttp.ClientWebSocketResponse) -> QueueError:
+        while True:
+            message = await ws.receive()
+            if message.type is aiohttp.WSMsgType.BINARY:
+                try:
+                    items = decode_server_frame(message.data)
+                except FrameError as exc:
+                    return QueueError(E_BAD_FRAME, f"the server sent a bad frame: {exc}",
+                                      outcome_unknown=True)
+                closing = self._dispatch(items)
+                if closing is not None:
+                    return closing
+            elif message.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING,
+                                  aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR):
+                detail = message.extra or message.data or "closed"
+                return QueueError(E_UNAVAILABLE, f"the connection was lost ({detail})",
+                                  outcome_unknown=True)
+
+    async def _write_loop(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        loop = self._bound_loop()
+        try:
+            while True:
+                if not self._outgoing:
+                    self._writer_waiter = loop.create_future()
+                    await self._writer_waiter
+                    continue
+                items, self._outgoing = self._outgoing, []
+                size_bytes, self._outgoing_bytes = self._outgoing_bytes, 0
+                for frame in self._frames(items, size_bytes):
+                    await ws.send_bytes(frame)
+        finally:
+            self._writer_waiter = None
+
+    def _frames(self, items: list[ClientOp], size_bytes: int) -> list[bytes]:
+        """Encode ops into frames within the item and byte limits; an op that cannot be
+        encoded fails alone instead of taking the writer down."""
+        if size_bytes <= self._frame_bytes_max and len(items) <= FRAME_ITEMS_MAX:
+            try:
+                return [encode_frame(items)]
+            except (TypeError, ValueError, OverflowError):
+                pass  # find and fail the culprit below
+        frames: list[bytes] = []
+        chunk: list[ClientOp] = []
+        chunk_bytes = 0
+        for op in items:
+            try:
+                encode_frame([op])
+            except (TypeError, ValueError, OverflowError) as exc:
+                self._fail_op(op.request_id, TypeError(f"cannot encode {type(op).__name__}: {exc}"))
+                continue
+            op_bytes = len(op.payload) if type(op) is EnqueueOp else 0
+            if chunk and (chunk_bytes + op_bytes > self._frame_bytes_max or len(chunk) >= FRAME_ITEMS_MAX):
+                frames.append(encode_frame(chunk))
+                chunk, chunk_bytes = [], 0
+            chunk.append(op)
+            chunk_bytes += op_bytes
+        if chunk:
+            frames.append(encode_frame(chunk))
+        return frames
+
+    # --- answers from the server ----------------------------------------------------------------
+    def _dispatch(self, items: list[Any]) -> QueueError | None:
+        """Resolve the futures a frame answers; returns the error of a Closing item."""
+        pending = self._pending
+        for item in items:
+            kind = type(item)
+            if kind is OkReply:
+                entry = pending.pop(item.request_id, None)
+                if entry is None:
+                    continue
+                future, op = entry
+                if type(op) is SubscribeOp:
+                    self._on_subscribed(op.request_id, item.result)
+                if not future.done():
+                    future.set_result(item.result)
+            elif kind is ErrorReply:
+                if item.request_id == 0:  # the whole frame was refused: we cannot tell whose ops
+                    return QueueError(item.code, item.message, outcome_unknown=True)
+                error = QueueError(item.code, item.message, outcome_unknown=item.outcome_unknown)
+                self._fail_op(item.request_id, error)
+            elif kind is Delivery:
+                self._on_delivery(item)
+            elif kind is Closing:
+                return QueueError(item.code, item.message, outcome_unknown=True)
+        if self._retry_deadline:
+            self._forget_retries()
+        if self._room_needed:
+            self._wake_room()
+        return None
+
+    def _fail_op(self, request_id: int, error: BaseException) -> None:
+        entry = self._pending.pop(request_id, None)
+        if entry is None:
+            return
+        future, op = entry
+        if type(op) is SubscribeOp:
+            consumer = self._subscribing.pop(request_id, None)
+            if consumer is not None and isinstance(error, QueueError):
+                consumer._on_subscribe_failed(error)
+        if not future.done():
+            future.set_exception(error)
+
+    def _forget_retries(self) -> None:
+        for request_id in [r for r in self._retry_deadline if r not in self._pending]:
+            del self._retry_deadline[request_id]
+            self._retry_attempts.pop(request_id, None)
+
+    def _wake_room(self) -> None:
+        if len(self._pending) < self._in_flight_max:
+            self._room_needed = False
+            self._room.set()
+
+    def _on_subscribed(self, request_id: int, result: Any) -> None:
+        consumer = self._subscribing.pop(request_id, None)
+        if consumer is not None and type(result) is int:
+            self._consumers_by_subscription[result] = consumer
+            consumer._on_subscribed(result)
+
+    def _on_delivery(self, delivery: Delivery) -> None:
+        consumer = self._consumers_by_subscription.get(delivery.subscription_id)
+        if consumer is None or consumer.closed:
+            # Pushed after we let go of the subscription: hand the leases straight back.
+            queue = consumer.queue if consumer is not None else None
+            for delivered in delivery.messages:
+                if queue is not None and self._ws is not None:
+                    self._submit_quietly(ReleaseOp(next(self._ids), queue, delivered.message_id,
+                                                   delivered.receipt))
+            return
+        consumer._on_messages(delivery.messages)
+
+    def _forget_subscription(self, subscription_id: int) -> None:
+        self._consumers_by_subscription.pop(subscription_id, None)
+
+    # --- losing the connection --------------------------------------------------------------------
+    def _on_connection_lost(self, cause: QueueError) -> None:
+        """Sent enqueues go out again with their dedupe id; other sent ops fail with `cause`;
+        ops never sent wait for the next connection."""
+        loop_time = self._bound_loop().time()
+        unsent = {op.request_id for op in self._outgoing}
+        resend: list[ClientOp] = []
+        for request_id, (future, op) in list(self._pending.items()):
+            if request_id in unsent:
+                continue
+            if type(op) is EnqueueOp and self._may_retry(request_id, loop_time) and not future.done():
+                resend.append(op)
+                continue
+            self._fail_op(request_id, QueueError(cause.kind, cause.message, outcome_unknown=True))
+        # Subscription ops name subscriptions of the dead socket; consumers re-subscribe.
+        for op in [op for op in self._outgoing if isinstance(op, _INTERNAL_OPS)]:
+            self._fail_op(op.request_id, QueueError(E_UNAVAILABLE, "resubscribing"))
+        kept = [op for op in self._outgoing if op.request_id in self._pending]
+        self._outgoing = resend + kept
+        self._outgoing_bytes = sum(len(op.payload) for op in self._outgoing if type(op) is EnqueueOp)
+        self._subscribing.clear()
+        self._consumers_by_subscription.clear()
+        for consumer in self._consumers:
+            consumer._on_connection_lost()
+        self._wake_room()
+
+    def _may_retry(self, request_id: int, loop_time: float) -> bool:
+        deadline = self._retry_deadline.setdefault(request_id, loop_time + self._enqueue_retry_time_s)
+        attempts = self._retry_attempts.get(request_id, 0) + 1
+        self._retry_attempts[request_id] = attempts
+        return attempts <= self._enqueue_attempts_max and loop_time < deadline
+
+    def _on_connect_failed(self, error: QueueError) -> None:
+        """Ops waiting for a connection fail now, except enqueues inside their retry time."""
+        loop_time = self._bound_loop().time()
+        for op in list(self._outgoing):
+            request_id = op.request_id
+            if type(op) is EnqueueOp:
+                deadline = self._retry_deadline.setdefault(request_id, loop_time + self._enqueue_retry_time_s)
+                if loop_time < deadline:
+                    continue
+            was_sent = request_id in self._retry_attempts
+            self._fail_op(request_id, QueueError(error.kind, error.message, outcome_unknown=was_sent))
+        self._outgoing = [op for op in self._outgoing if op.request_id in self._pending]
+        self._outgoing_bytes = sum(len(op.payload) for op in self._outgoing if type(op) is EnqueueOp)
+        self._resolve_attempt_waiters(error)
+        self._wake_room()
+
+    def _set_fatal(self, error: QueueError) -> None:
+        self._fatal = error
+        self._fail_everything(error)
+
+    def _fail_everything(self, error: QueueError) -> None:
+        unsent = {op.request_id for op in self._outgoing}
+        for request_id in list(self._pending):
+            was_sent = request_id not in unsent or request_id in self._retry_attempts
+            self._fail_op(request_id, QueueError(error.kind, error.message, outcome_unknown=was_sent))
+        self._outgoing = []
+        self._outgoing_bytes = 0
+        for consumer in list(self._consumers):
+            consumer._on_fatal(error)
+        self._resolve_attempt_waiters(error)
+        self._room_needed = False
+        self._room.set()
+
+    def _resolve_attempt_waiters(self, error: QueueError | None) -> None:
+        waiters, self._attempt_waiters = self._attempt_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(error)
+
+
+def _as_bytes(payload: Any) -> bytes:
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        return bytes(payload)
+    raise TypeError(f"a payload is bytes, not {type(payload).__name__}")
+
+
+class Consumer:
+    """An async iterator of messages pushed to a subscription, with credit-based flow control.
+
+    The server may push as many messages as it has credit for; the consumer starts with
+    `prefetch` credit and grants more, in batches of half the prefetch, as the application
+    takes messages, so at most `prefetch` messages are leased but not yet taken.
+    """
+
+    def __init__(self, client: AsyncClient, queue: str, prefetch: int, visibility_ms: int | None) -> None:
+        self.queue = queue
+        self.prefetch = prefetch
+        self.closed = False
+        self._client = client
+        self._visibility_ms = visibility_ms
+        self._credit_batch = max(1, prefetch // 2)
+        self._buffer: deque[Message] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._subscription_id: int | None = None
+        self._subscribing = False
+        self._taken = 0  # messages taken since credit was last granted
+        self._error: QueueError | None = None
+
+    def __aiter__(self) -> Consumer:
+        return self
+
+    async def __anext__(self) -> Message:
+        while not self._buffer:
+            if self._error is not None:
+                raise self._error
+            if self.closed:
+                raise StopAsyncIteration
+            self._waiter = self._client._bound_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        message = self._buffer.popleft()
+        self._taken += 1
+        if self._taken >= self._credit_batch:
+            self._grant()
+        return message
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Unsubscribe and release every buffered message so others get it now, not after
+        its visibility timeout."""
+        if self.closed:
+            return
+        self.closed = True
+        self._wake()
+        client = self._client
+        client._consumers.discard(self)
+        if client._ws is None or client._closed:
+            return
+        calls = [client._submit(ReleaseOp(next(client._ids), self.queue, m.id, m.receipt))
+                 for m in self._buffer]
+        self._buffer.clear()
+        if self._subscription_id is not None:
+            calls.append(client._submit(UnsubscribeOp(next(client._ids), self._subscription_id)))
+        if calls:
+            await asyncio.wait(calls, timeout=CLEANUP_TIMEOUT_S)
+            for call in calls:
+                call.add_done_callback(_ignore_outcome)
+        if self._subscription_id is not None:
+            client._forget_subscription(self._subscription_id)
+
+    # --- driven by the client -----------------------------------------------------------------
+    def _subscribe(self) -> None:
+        """(Re)subscribe with the credit not yet in use: prefetch minus what is buffered."""
+        credit = self.prefetch - len(self._buffer)
+        if self.closed or self._subscribing or credit < 1:
+            return
+        op = SubscribeOp(next(self._client._ids), self.queue, credit, self._visibility_ms)
+        self._subscribing = True
+        self._taken = 0
+        self._client._subscribing[op.request_id] = self
+        self._client._submit_quietly(op)
+
+    def _grant(self) -> None:
+        if self._subscription_id is not None:
+            op = CreditOp(next(self._client._ids), self._subscription_id, self._taken)
+            self._taken = 0
+            self._client._submit_quietly(op)
+        elif not self._subscribing and self._client._ws is not None:
+            self._subscribe()
+
+    def _on_subscribed(self, subscription_id: int) -> None:
+        self._subscription_id = subscription_id
+        self._subscribing = False
+        if self.closed:
+            self._client._submit_quietly(UnsubscribeOp(next(self._client._ids), subscription_id))
+        elif self._taken >= self._credit_batch:
+            self._grant()
+
+    def _on_subscribe_failed(self, error: QueueError) -> None:
+        self._subscribing = False
+        if not error.retriable:
+            self._error = error
+            self._wake()
+
+    def _on_messages(self, messages: tuple[DeliveredMessage, ...]) -> None:
+        client, queue, buffer = self._client, self.queue, self._buffer
+        for delivered in messages:
+            buffer.append(Message(client, queue, delivered))
+        self._wake()
+
+    def _on_connection_lost(self) -> None:
+        self._subscription_id = None
+        self._subscribing = False
+
+    def _on_fatal(self, error: QueueError) -> None:
+        self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+def grants_from_mapping(grants: Mapping[str, Sequence[str]]) -> list[dict[str, Any]]:
+    """`{"orders.*": ["post", "get"]}` as the server's grant list."""
+    return [{"pattern": pattern, "privileges": list(privileges)} for pattern, privileges in grants.items()]

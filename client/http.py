@@ -1,0 +1,252 @@
+"""Signed REST calls to a node: the admin API and the simple (one message per request) ops.
+
+`qctl` and the admin half of `AsyncClient` use this module; the WebSocket in `client/aio.py`
+is the fast path for messages. Every request is signed over exactly the bytes sent: the
+path is percent-encoded once here and handed to aiohttp as already encoded, so the server
+sees the same path string that was signed (docs/PROTOCOL.md, "Signing").
+
+Foreign exceptions are translated in one place (`_send`): a non-2xx answer becomes the
+server's `QueueError`, a connection failure becomes `E_UNAVAILABLE` and a timeout
+`E_TIMEOUT`, with `outcome_unknown` set when the request may have reached the server and
+the call is not idempotent.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Self
+from urllib.parse import quote
+
+import aiohttp
+from multidict import CIMultiDictProxy
+from yarl import URL
+
+from client.errors import (
+    E_FORBIDDEN,
+    E_INTERNAL,
+    E_NOT_FOUND,
+    E_TIMEOUT,
+    E_UNAUTHENTICATED,
+    E_UNAVAILABLE,
+    QueueError,
+)
+from client.protocol import DeliveredMessage
+from client.signing import Signer
+
+REQUEST_TIMEOUT_S = 30.0
+ERROR_BODY_BYTES_MAX = 64 * 1024
+
+Grant = Mapping[str, Any]
+Query = Sequence[tuple[str, str]]
+
+
+@dataclass(frozen=True, slots=True)
+class Response:
+    status: int
+    headers: CIMultiDictProxy[str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body) if self.body else None
+
+
+def error_from_status(status: int, body: bytes = b"", *, outcome_unknown: bool = False) -> QueueError:
+    """The QueueError for a non-2xx answer: the server's envelope when there is one, else a
+    code chosen by status (a proxy or a half-started server may answer without one)."""
+    try:
+        document = json.loads(body[:ERROR_BODY_BYTES_MAX]) if body else None
+    except ValueError:
+        document = None
+    if isinstance(document, dict) and isinstance(document.get("error"), dict):
+        return QueueError.from_envelope(document, status)
+    by_status = {401: E_UNAUTHENTICATED, 403: E_FORBIDDEN, 404: E_NOT_FOUND,
+                 502: E_UNAVAILABLE, 503: E_UNAVAILABLE, 504: E_TIMEOUT}
+    kind = by_status.get(status, E_INTERNAL)
+    return QueueError(kind, f"HTTP {status} without an error envelope",
+                      outcome_unknown=outcome_unknown and kind.retriable)
+
+
+def query_number(value: float) -> str:
+    """A number as a query value: integers without a fraction, so `wait_s=1` not `1.0`."""
+    number = float(value)
+    return str(int(number)) if number.is_integer() else repr(number)
+
+
+def _segment(text: str | int) -> str:
+    return quote(str(text), safe="")
+
+
+def queue_path(queue: str, *rest: str | int) -> str:
+    return "/v1/queues/" + "/".join([_segment(queue), *(_segment(part) for part in rest)])
+
+
+class HttpClient:
+    """Signed REST calls to one node. Share an aiohttp session by passing `session`;
+    otherwise one is created on first use and closed by `close()`."""
+
+    def __init__(self, url: str, signer: Signer, *, session: aiohttp.ClientSession | None = None,
+                 request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+        base = URL(url)
+        self.url = str(base.with_path("").with_query(None)).rstrip("/")
+        self._path_prefix = base.raw_path.rstrip("/")
+        self._signer = signer
+        self._session = session
+        self._owns_session = session is None
+        self._request_timeout_s = request_timeout_s
+
+    async def close(self) -> None:
+        if self._owns_session and self._session is not None:
+            await self._session.close()
+        self._session = None
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # --- the one place that talks to aiohttp ------------------------------------------------
+    async def request(self, method: str, path: str, *, query: Query = (), body: bytes = b"",
+                      headers: Mapping[str, str] | None = None, idempotent: bool = True,
+                      wait_s: float = 0.0) -> Response:
+        """Send one signed request; 2xx answers come back, everything else raises QueueError.
+
+        `path` is already percent-encoded (see `queue_path`); `wait_s` extends the timeout of
+        long polls so a server-side wait is not mistaken for a dead server.
+        """
+        full_path = self._path_prefix + path
+        query_text = "&".join(f"{_segment(k)}={_segment(v)}" for k, v in query)
+        target = URL(self.url + full_path + ("?" + query_text if query_text else ""), encoded=True)
+        signed = self._signer.headers(method, full_path, list(query), body)
+        all_headers = {**(headers or {}), **signed}
+        timeout = aiohttp.ClientTimeout(total=self._request_timeout_s + wait_s)
+        session = self.session()
+        try:
+            async with session.request(method, target, data=body or None, headers=all_headers,
+                                       timeout=timeout, allow_redirects=False) as answer:
+                data = await answer.read()
+                status, answer_headers = answer.status, answer.headers
+        except aiohttp.ClientConnectorError as exc:  # nothing was sent, so nothing happened
+            raise QueueError(E_UNAVAILABLE, f"cannot reach {self.url}: {exc}") from None
+        except TimeoutError:  # before OSError: TimeoutError is one
+            raise QueueError(E_TIMEOUT, f"{method} {full_path}: no answer in time",
+                             outcome_unknown=not idempotent) from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise QueueError(E_UNAVAILABLE, f"{method} {full_path}: {exc or type(exc).__name__}",
+                             outcome_unknown=not idempotent) from None
+        if not 200 <= status < 300:
+            raise error_from_status(status, data, outcome_unknown=not idempotent)
+        return Response(status, answer_headers, data)
+
+    def session(self) -> aiohttp.ClientSession:
+        """The aiohttp session (created on first use, inside the running loop)."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+            self._owns_session = True
+        return self._session
+
+    async def _json(self, method: str, path: str, *, document: Any = None, query: Query = (),
+                    idempotent: bool = True, wait_s: float = 0.0) -> Any:
+        body = b"" if document is None else json.dumps(document).encode()
+        headers = {"Content-Type": "application/json"} if document is not None else None
+        answer = await self.request(method, path, query=query, body=body, headers=headers,
+                                    idempotent=idempotent, wait_s=wait_s)
+        try:
+            return answer.json()
+        except ValueError:
+            raise QueueError(E_INTERNAL, f"{method} {path}: the answer is not JSON") from None
+
+    # --- queues -----------------------------------------------------------------------------
+    async def create_queue(self, name: str, **options: Any) -> dict[str, Any]:
+        """Create or open a queue; options left as None are not sent (server defaults)."""
+        chosen = {key: value for key, value in options.items() if value is not None}
+        return dict(await self._json("PUT", queue_path(name), document=chosen))
+
+    async def delete_queue(self, name: str) -> dict[str, Any]:
+        return dict(await self._json("DELETE", queue_path(name), idempotent=False))
+
+    async def list_queues(self) -> list[dict[str, Any]]:
+        answer = await self._json("GET", "/v1/queues")
+        return list(answer.get("queues", [])) if isinstance(answer, dict) else list(answer or [])
+
+    async def queue_stats(self, name: str) -> dict[str, Any]:
+        return dict(await self._json("GET", queue_path(name)))
+
+    # --- messages ---------------------------------------------------------------------------
+    async def enqueue_http(self, queue: str, payload: bytes, priority: int = 4,
+                           dedupe_id: str | None = None) -> int:
+        """Enqueue one message; returns its id. A dedupe id is always sent so a caller that
+        retries after `outcome_unknown` can pass the same one and not store twice."""
+        headers = {"X-Priority": str(priority), "X-Dedupe-Id": dedupe_id or uuid.uuid4().hex,
+                   "Content-Type": "application/octet-stream"}
+        answer = await self.request("POST", queue_path(queue, "messages"), body=payload,
+                                    headers=headers, idempotent=False)
+        return int(answer.json()["id"])
+
+    async def receive_http(self, queue: str, wait_s: float = 0.0,
+                           visibility_timeout_s: float | None = None) -> DeliveredMessage | None:
+        """Lease the next message, or None when none arrived within `wait_s`."""
+        query = [("wait_s", query_number(wait_s))]
+        if visibility_timeout_s is not None:
+            query.append(("visibility_timeout_s", query_number(visibility_timeout_s)))
+        answer = await self.request("POST", queue_path(queue, "receive"), query=query,
+                                    idempotent=False, wait_s=wait_s)
+        if answer.status == 204:
+            return None
+        headers = answer.headers
+        try:
+            return DeliveredMessage(int(headers["X-Message-Id"]), headers["X-Receipt"],
+                                    int(headers.get("X-Priority", "4")),
+                                    int(headers.get("X-Deliveries", "1")), answer.body)
+        except (KeyError, ValueError):
+            raise QueueError(E_INTERNAL, "a receive answer lacks its message headers") from None
+
+    async def ack_http(self, queue: str, message_id: int, receipt: str) -> None:
+        await self.request("DELETE", queue_path(queue, "messages", message_id),
+                           query=[("receipt", receipt)], idempotent=False)
+
+    async def release_http(self, queue: str, message_id: int, receipt: str) -> None:
+        await self.request("POST", queue_path(queue, "messages", message_id, "release"),
+                           query=[("receipt", receipt)], idempotent=False)
+
+    async def reply(self, queue: str, message_id: int, receipt: str, body: bytes) -> None:
+        await self.request("POST", queue_path(queue, "messages", message_id, "reply"),
+                           query=[("receipt", receipt)], body=body, idempotent=False,
+                           headers={"Content-Type": "application/octet-stream"})
+
+    async def message_status(self, queue: str, message_id: int, wait_s: float = 0.0,
+                             until: str | None = None) -> dict[str, Any]:
+        """The producer's view of a message; with `until`, wait up to `wait_s` for that state."""
+        query = [("wait_s", query_number(wait_s))]
+        if until is not None:
+            query.append(("until", until))
+        path = queue_path(queue, "messages", message_id, "status")
+        return dict(await self._json("GET", path, query=query, wait_s=wait_s))
+
+    # --- clients and cluster ------------------------------------------------------------------
+    async def register_client(self, name: str, grants: Iterable[Grant],
+                              public_key: str | None = None) -> dict[str, Any]:
+        """Register a client; without `public_key` the server generates the key pair and
+        returns the private key once, in this answer."""
+        document: dict[str, Any] = {"name": name, "grants": [dict(g) for g in grants]}
+        if public_key is not None:
+            document["public_key"] = public_key
+        return dict(await self._json("POST", "/v1/clients", document=document, idempotent=False))
+
+    async def list_clients(self) -> list[dict[str, Any]]:
+        answer = await self._json("GET", "/v1/clients")
+        return list(answer.get("clients", [])) if isinstance(answer, dict) else list(answer or [])
+
+    async def remove_client(self, client_id: str) -> dict[str, Any]:
+        answer = await self._json("DELETE", "/v1/clients/" + _segment(client_id), idempotent=False)
+        return dict(answer or {})
+
+    async def set_grants(self, client_id: str, grants: Iterable[Grant]) -> dict[str, Any]:
+        path = "/v1/clients/" + _segment(client_id) + "/grants"
+        answer = await self._json("PUT", path, document={"grants": [dict(g) for g in grants]})
+        return dict(answer or {})
+
+    async def cluster(self) -> dict[str, Any]:
+        return dict(await self._json("GET", "/v1/cluster"))

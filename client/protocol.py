@@ -1,0 +1,284 @@
+"""Typed frames of the client WebSocket (`GET /v1/ws`) and their one msgpack codec.
+
+A frame is a msgpack array `[PROTOCOL_VERSION, [item, item, ...]]`; one frame carries many
+operations (the client coalesces concurrent calls) and the server answers many per frame.
+Each item is an array whose first element is a fixed tag; tags are never reused and new
+ones are only added at the end. docs/PROTOCOL.md describes the format for other languages.
+Decoding validates every field, so a malformed frame raises `FrameError` and nothing else.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Union
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+FRAME_ITEMS_MAX = 10_000
+
+
+class FrameError(ValueError):
+    """The bytes are not a well-formed frame; `request_id` is set when it could be read."""
+
+    def __init__(self, message: str, request_id: int = 0) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+# --- client -> server --------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class EnqueueOp:
+    TAG: ClassVar[int] = 1
+    request_id: int
+    queue: str
+    payload: bytes
+    priority: int = 4
+    dedupe_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiveOp:
+    TAG: ClassVar[int] = 2
+    request_id: int
+    queue: str
+    max_messages: int = 1
+    wait_ms: int = 0
+    visibility_ms: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AckOp:
+    TAG: ClassVar[int] = 3
+    request_id: int
+    queue: str
+    message_id: int
+    receipt: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseOp:
+    TAG: ClassVar[int] = 4
+    request_id: int
+    queue: str
+    message_id: int
+    receipt: str
+
+
+@dataclass(frozen=True, slots=True)
+class SubscribeOp:
+    """Start pushing messages of `queue`; the server sends at most `credit` before more is given."""
+    TAG: ClassVar[int] = 5
+    request_id: int
+    queue: str
+    credit: int
+    visibility_ms: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CreditOp:
+    TAG: ClassVar[int] = 6
+    request_id: int
+    subscription_id: int
+    credit: int
+
+
+@dataclass(frozen=True, slots=True)
+class UnsubscribeOp:
+    TAG: ClassVar[int] = 7
+    request_id: int
+    subscription_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class PingOp:
+    TAG: ClassVar[int] = 8
+    request_id: int
+
+
+ClientOp = Union[EnqueueOp, ReceiveOp, AckOp, ReleaseOp, SubscribeOp, CreditOp, UnsubscribeOp, PingOp]
+
+
+# --- server -> client --------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class DeliveredMessage:
+    message_id: int
+    receipt: str
+    priority: int
+    deliveries: int
+    payload: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class OkReply:
+    """Success of request `request_id`. `result` by op: enqueue -> [message_id, epoch];
+    receive -> list of DeliveredMessage; subscribe -> subscription id; others -> None."""
+    TAG: ClassVar[int] = 101
+    request_id: int
+    result: Any
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply:
+    TAG: ClassVar[int] = 102
+    request_id: int
+    code: str
+    message: str
+    outcome_unknown: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """Messages pushed to a subscription; each one uses one unit of the subscription's credit."""
+    TAG: ClassVar[int] = 103
+    subscription_id: int
+    messages: tuple[DeliveredMessage, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Closing:
+    """The server is about to close the socket (client removed, grant revoked, shutdown)."""
+    TAG: ClassVar[int] = 104
+    code: str
+    message: str
+
+
+ServerItem = Union[OkReply, ErrorReply, Delivery, Closing]
+
+
+# --- encoding --------------------------------------------------------------------------------
+def _message_row(m: DeliveredMessage) -> list[Any]:
+    return [m.message_id, m.receipt, m.priority, m.deliveries, m.payload]
+
+
+def _encode_item(item: ClientOp | ServerItem) -> list[Any]:
+    if isinstance(item, OkReply):
+        result = item.result
+        if isinstance(result, list) and result and isinstance(result[0], DeliveredMessage):
+            result = [_message_row(m) for m in result]
+        return [item.TAG, item.request_id, result]
+    if isinstance(item, Delivery):
+        return [item.TAG, item.subscription_id, [_message_row(m) for m in item.messages]]
+    return [item.TAG, *(getattr(item, name) for name in item.__slots__)]  # type: ignore[union-attr]
+
+
+def encode_frame(items: list[Any]) -> bytes:
+    return msgpack.packb([PROTOCOL_VERSION, [_encode_item(i) for i in items]], use_bin_type=True)
+
+
+def _unpack(data: bytes) -> list[Any]:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise FrameError("frames are binary")
+    try:
+        frame = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True,
+                                max_bin_len=len(data), max_str_len=len(data),
+                                max_array_len=FRAME_ITEMS_MAX, max_map_len=64)
+    except Exception as exc:  # msgpack raises several unrelated types for garbage
+        raise FrameError(f"not msgpack: {type(exc).__name__}") from None
+    if not isinstance(frame, list) or len(frame) != 2 or not isinstance(frame[1], list):
+        raise FrameError("a frame is [version, [items...]]")
+    if frame[0] != PROTOCOL_VERSION:
+        raise FrameError(f"unsupported protocol version {frame[0]!r}")
+    return frame[1]
+
+
+def _int(value: Any, name: str, low: int, high: int, request_id: int) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise FrameError(f"{name} must be an integer in [{low}, {high}]", request_id)
+    return value
+
+
+def _str(value: Any, name: str, request_id: int, *, optional: bool = False) -> Any:
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise FrameError(f"{name} must be a string", request_id)
+    return value
+
+
+INT64_MAX = 2**63 - 1
+_OP_ARITY = {1: (5, 6), 2: (3, 6), 3: (5, 5), 4: (5, 5), 5: (4, 5), 6: (4, 4), 7: (3, 3), 8: (2, 2)}
+
+
+def _decode_op(row: Any) -> ClientOp:
+    if not isinstance(row, list) or len(row) < 2:
+        raise FrameError("an item is [tag, request_id, ...]")
+    tag, request_id = row[0], row[1]
+    request_id = _int(request_id, "request_id", 1, INT64_MAX, 0)
+    arity = _OP_ARITY.get(tag) if type(tag) is int else None
+    if arity is None:
+        raise FrameError(f"unknown operation tag {tag!r}", request_id)
+    if not arity[0] <= len(row) <= arity[1]:
+        raise FrameError(f"operation {tag} takes {arity[0]}..{arity[1]} fields", request_id)
+    args = row[2:]
+    if tag == EnqueueOp.TAG:
+        payload = args[1]
+        if not isinstance(payload, (bytes, bytearray)):
+            raise FrameError("payload must be binary", request_id)
+        dedupe = _str(args[3], "dedupe_id", request_id, optional=True) if len(args) > 3 else None
+        return EnqueueOp(request_id, _str(args[0], "queue", request_id), bytes(payload),
+                         _int(args[2], "priority", 0, 9, request_id), dedupe)
+    if tag == ReceiveOp.TAG:
+        padded = args + [None] * (4 - len(args))
+        visibility = padded[3]
+        return ReceiveOp(request_id, _str(padded[0], "queue", request_id),
+                         _int(1 if padded[1] is None else padded[1], "max_messages", 1, 10_000, request_id),
+                         _int(0 if padded[2] is None else padded[2], "wait_ms", 0, 3_600_000, request_id),
+                         None if visibility is None else _int(visibility, "visibility_ms", 0, 43_200_000, request_id))
+    if tag in (AckOp.TAG, ReleaseOp.TAG):
+        cls = AckOp if tag == AckOp.TAG else ReleaseOp
+        return cls(request_id, _str(args[0], "queue", request_id),
+                   _int(args[1], "message_id", 1, INT64_MAX, request_id), _str(args[2], "receipt", request_id))
+    if tag == SubscribeOp.TAG:
+        visibility = args[2] if len(args) > 2 else None
+        return SubscribeOp(request_id, _str(args[0], "queue", request_id),
+                           _int(args[1], "credit", 1, 100_000, request_id),
+                           None if visibility is None else _int(visibility, "visibility_ms", 0, 43_200_000, request_id))
+    if tag == CreditOp.TAG:
+        return CreditOp(request_id, _int(args[0], "subscription_id", 1, INT64_MAX, request_id),
+                        _int(args[1], "credit", 1, 100_000, request_id))
+    if tag == UnsubscribeOp.TAG:
+        return UnsubscribeOp(request_id, _int(args[0], "subscription_id", 1, INT64_MAX, request_id))
+    return PingOp(request_id)
+
+
+def decode_client_frame(data: bytes) -> list[ClientOp | FrameError]:
+    """Decode a client frame. A broken frame raises FrameError; a broken item inside a good
+    frame comes back as a FrameError in its place, so the other items still run."""
+    items: list[ClientOp | FrameError] = []
+    for row in _unpack(data):
+        try:
+            items.append(_decode_op(row))
+        except FrameError as exc:
+            items.append(exc)
+    return items
+
+
+def _decode_message(row: Any) -> DeliveredMessage:
+    if not isinstance(row, list) or len(row) != 5:
+        raise FrameError("a message is [id, receipt, priority, deliveries, payload]")
+    return DeliveredMessage(int(row[0]), str(row[1]), int(row[2]), int(row[3]), bytes(row[4]))
+
+
+def decode_server_frame(data: bytes) -> list[ServerItem]:
+    """Decode a server frame (the client's side); receive results become DeliveredMessage."""
+    out: list[ServerItem] = []
+    for row in _unpack(data):
+        if not isinstance(row, list) or not row:
+            raise FrameError("an item is [tag, ...]")
+        tag = row[0]
+        if tag == OkReply.TAG:
+            out.append(OkReply(row[1], row[2]))
+        elif tag == ErrorReply.TAG:
+            out.append(ErrorReply(row[1], str(row[2]), str(row[3]), bool(row[4])))
+        elif tag == Delivery.TAG:
+            out.append(Delivery(row[1], tuple(_decode_message(m) for m in row[2])))
+        elif tag == Closing.TAG:
+            out.append(Closing(str(row[1]), str(row[2])))
+        else:
+            raise FrameError(f"unknown server item tag {tag!r}")
+    return out
+
+
+def messages_from_result(result: Any) -> list[DeliveredMessage]:
+    """The DeliveredMessage list of a receive's OkReply result."""
+    return [_decode_message(row) for row in result or []]

@@ -1,0 +1,322 @@
+"""`qctl`: the operator's command line for a qserver cluster.
+
+Every command is one or two signed REST calls (`client/http.py`); there is no state beyond
+the credentials file, which is found like the library finds it (`--credentials`, then
+`$QSERVER_CREDENTIALS`, `./.qserver/credentials.json`, `~/.config/qserver/credentials.json`).
+Output is a plain aligned table or `key: value` lines for people, or with `--json` exactly
+one JSON document on stdout for scripts. Errors print `error: CODE: message` on stderr and
+exit 1 (with `--json` the error envelope is also the one document on stdout); usage errors
+exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import sys
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from client.credentials import Credentials, load_credentials, save_credentials
+from client.errors import QueueError
+from client.http import HttpClient
+from client.signing import new_private_key, private_key_to_text, public_key_text
+
+PRIVILEGES = ("post", "get", "delete", "admin")
+QUEUE_TYPES = ("one_way", "one_way_ack", "queued_ack", "two_way")
+STRENGTHS = ("producer", "full")
+# Queue statistics shown in `status` and `queue list`, in this order, when a node reports them.
+QUEUE_COLUMNS = ("name", "type", "strength", "depth", "current_depth", "highest_depth", "max_depth",
+                 "in_flight", "enqueued", "acked", "dead_lettered", "replication_state", "master_status")
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What a command produced: the JSON document, and its rendering for people."""
+
+    document: Any
+    human: str
+
+
+# --- rendering ------------------------------------------------------------------------------
+def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """Left-aligned columns separated by two spaces; None shows as '-'."""
+    text_rows = [[_cell(value) for value in row] for row in rows]
+    widths = [len(h) for h in headers]
+    for row in text_rows:
+        for index, cell in enumerate(row):
+            widths[index] = max(widths[index], len(cell))
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+             for row in [list(headers), *text_rows]]
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, separators=(",", ":"))
+    return str(value)
+
+
+def format_fields(document: dict[str, Any]) -> str:
+    """`key: value` lines, nested objects flattened with dots."""
+    pairs = list(_flatten(document, ""))
+    width = max((len(key) for key, _ in pairs), default=0)
+    return "\n".join(f"{key + ':':<{width + 1}} {_cell(value)}" for key, value in pairs)
+
+
+def _flatten(document: dict[str, Any], prefix: str) -> Iterable[tuple[str, Any]]:
+    for key, value in document.items():
+        if isinstance(value, dict) and value:
+            yield from _flatten(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def format_grants(grants: Any) -> str:
+    if not isinstance(grants, list):
+        return _cell(grants)
+    return "; ".join(f"{g.get('pattern')}:{','.join(g.get('privileges', []))}"
+                     for g in grants if isinstance(g, dict))
+
+
+def queue_table(queues: list[dict[str, Any]], placement: dict[str, Any] | None = None) -> str:
+    """One row per queue: the known statistics it reports, and its pair from the cluster map."""
+    columns = [c for c in QUEUE_COLUMNS if any(c in q for q in queues)] or ["name"]
+    headers = [c.upper() for c in columns]
+    if placement is not None:
+        headers += ["MASTER", "REPLICA", "EPOCH"]
+    rows = []
+    for stats in queues:
+        row = [stats.get(c) for c in columns]
+        if placement is not None:
+            pair = placement.get(str(stats.get("name")), {})
+            row += [pair.get("master"), pair.get("replica"), pair.get("epoch")]
+        rows.append(row)
+    return format_table(headers, rows)
+
+
+def payload_fields(payload: bytes) -> dict[str, Any]:
+    """A payload in JSON: as text when it is UTF-8, always as base64."""
+    try:
+        text: str | None = payload.decode()
+    except UnicodeDecodeError:
+        text = None
+    return {"payload": text, "payload_b64": base64.b64encode(payload).decode()}
+
+
+# --- argument parsing ---------------------------------------------------------------------------
+def parse_grant(text: str) -> dict[str, Any]:
+    """'orders.*:post,get' -> {"pattern": "orders.*", "privileges": ["post", "get"]}."""
+    pattern, separator, privileges_text = text.rpartition(":")
+    privileges = [p.strip() for p in privileges_text.split(",") if p.strip()]
+    if not separator or not pattern or not privileges:
+        raise argparse.ArgumentTypeError(f"a grant is PATTERN:PRIVILEGE[,PRIVILEGE...], not {text!r}")
+    unknown = [p for p in privileges if p not in PRIVILEGES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown privilege {unknown[0]!r} (one of {', '.join(PRIVILEGES)})")
+    return {"pattern": pattern, "privileges": privileges}
+
+
+def _priority(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 9:
+        raise argparse.ArgumentTypeError("a priority is 0 (lowest) to 9 (highest)")
+    return value
+
+
+def _add_globals(parser: argparse.ArgumentParser, *, in_subcommand: bool) -> None:
+    """Global options, accepted before or after the command. In subcommands they default to
+    SUPPRESS so an option given before the command is not overwritten by the default."""
+    default: Any = argparse.SUPPRESS if in_subcommand else None
+    parser.add_argument("--json", action="store_true", default=argparse.SUPPRESS if in_subcommand else False,
+                        help="print one JSON document on stdout")
+    parser.add_argument("--credentials", metavar="PATH", default=default, help="credentials file")
+    parser.add_argument("--url", default=default, help="node URL (default: the credentials' url)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qctl", description="Operate a qserver cluster.")
+    _add_globals(parser, in_subcommand=False)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(group: Any, name: str, handler: Handler, help_text: str) -> argparse.ArgumentParser:
+        sub: argparse.ArgumentParser = group.add_parser(name, help=help_text, description=help_text)
+        _add_globals(sub, in_subcommand=True)
+        sub.set_defaults(handler=handler)
+        return sub
+
+    command(commands, "status", cmd_status, "cluster nodes and every queue's statistics")
+    queue = commands.add_parser("queue", help="create, list, inspect and delete queues")
+    queue_commands = queue.add_subparsers(dest="queue_command", required=True, metavar="ACTION")
+    create = command(queue_commands, "create", cmd_queue_create, "create or open a queue")
+    create.add_argument("name")
+    create.add_argument("--strength", choices=STRENGTHS)
+    create.add_argument("--type", dest="queue_type", choices=QUEUE_TYPES)
+    create.add_argument("--max-depth", type=int)
+    create.add_argument("--visibility-timeout-s", type=float)
+    create.add_argument("--max-deliveries", type=int)
+    create.add_argument("--dead-letter", action=argparse.BooleanOptionalAction, default=None)
+    create.add_argument("--min-in-sync", type=int, choices=(1, 2))
+    command(queue_commands, "list", cmd_queue_list, "every queue with its statistics")
+    command(queue_commands, "stats", cmd_queue_stats, "one queue's statistics").add_argument("name")
+    command(queue_commands, "delete", cmd_queue_delete, "delete a queue and its messages").add_argument("name")
+
+    put = command(commands, "put", cmd_put, "enqueue one message")
+    put.add_argument("queue")
+    put.add_argument("data", nargs="?", default="-", help="the payload, or - (default) to read stdin")
+    put.add_argument("--priority", type=_priority, default=4)
+    put.add_argument("--dedupe-id")
+    get = command(commands, "get", cmd_get, "lease (and with --ack delete) the next message")
+    get.add_argument("queue")
+    get.add_argument("--wait-s", type=float, default=0.0)
+    get.add_argument("--visibility-timeout-s", type=float)
+    get.add_argument("--ack", action="store_true", help="acknowledge the message at once")
+    ack = command(commands, "ack", cmd_ack, "acknowledge (delete) a leased message")
+    ack.add_argument("queue")
+    ack.add_argument("message_id", type=int)
+    ack.add_argument("receipt")
+
+    clients = commands.add_parser("clients", help="register, list and remove clients")
+    client_commands = clients.add_subparsers(dest="clients_command", required=True, metavar="ACTION")
+    add = command(client_commands, "add", cmd_clients_add, "register a client with a new key pair")
+    add.add_argument("name")
+    add.add_argument("--grant", dest="grants", type=parse_grant, action="append", required=True,
+                     metavar="PATTERN:PRIVILEGES", help="e.g. 'orders.*:post,get' (repeatable)")
+    add.add_argument("--out", type=Path, help="write the new client's credentials file here")
+    command(client_commands, "list", cmd_clients_list, "registered clients and their grants")
+    command(client_commands, "remove", cmd_clients_remove, "remove a client").add_argument("client_id")
+    return parser
+
+
+# --- commands ----------------------------------------------------------------------------------
+Handler = Callable[[HttpClient, argparse.Namespace], Awaitable[Outcome]]
+
+
+async def cmd_status(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    cluster = await http.cluster()
+    queues = await http.list_queues()
+    nodes = cluster.get("nodes", [])
+    node_table = format_table(["NODE", "URL", "STATE"],
+                              [[n.get("id"), n.get("url"), n.get("state")] for n in nodes])
+    placement = cluster.get("queues", {})
+    human = node_table + "\n\n" + (queue_table(queues, placement) if queues else "no queues")
+    return Outcome({"cluster": cluster, "queues": queues}, human)
+
+
+async def cmd_queue_create(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    description = await http.create_queue(
+        args.name, strength=args.strength, type=args.queue_type, max_depth=args.max_depth,
+        visibility_timeout_s=args.visibility_timeout_s, max_deliveries=args.max_deliveries,
+        dead_letter=args.dead_letter, min_in_sync=args.min_in_sync)
+    return Outcome(description, format_fields(description))
+
+
+async def cmd_queue_list(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    queues = await http.list_queues()
+    return Outcome({"queues": queues}, queue_table(queues) if queues else "no queues")
+
+
+async def cmd_queue_stats(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    stats = await http.queue_stats(args.name)
+    return Outcome(stats, format_fields(stats))
+
+
+async def cmd_queue_delete(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    answer = await http.delete_queue(args.name)
+    return Outcome(answer, f"deleted {args.name}")
+
+
+async def cmd_put(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    payload = sys.stdin.buffer.read() if args.data == "-" else args.data.encode()
+    message_id = await http.enqueue_http(args.queue, payload, args.priority, args.dedupe_id)
+    return Outcome({"queue": args.queue, "id": message_id}, f"id: {message_id}")
+
+
+async def cmd_get(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    message = await http.receive_http(args.queue, args.wait_s, args.visibility_timeout_s)
+    if message is None:
+        return Outcome(None, "no message")
+    if args.ack:
+        await http.ack_http(args.queue, message.message_id, message.receipt)
+    document = {"queue": args.queue, "id": message.message_id, "receipt": message.receipt,
+                "priority": message.priority, "deliveries": message.deliveries,
+                "acked": bool(args.ack), **payload_fields(message.payload)}
+    shown = {key: value for key, value in document.items() if key not in ("payload", "payload_b64")}
+    human = format_fields(shown) + "\npayload: " + message.payload.decode(errors="backslashreplace")
+    return Outcome(document, human)
+
+
+async def cmd_ack(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    await http.ack_http(args.queue, args.message_id, args.receipt)
+    return Outcome({"queue": args.queue, "acked": args.message_id}, f"acked {args.message_id}")
+
+
+async def cmd_clients_add(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    """The key pair is made here, so the server only ever sees the public key."""
+    key = new_private_key()
+    answer = await http.register_client(args.name, args.grants, public_key_text(key))
+    private_text = answer.pop("private_key", None) or private_key_to_text(key)
+    document = dict(answer)
+    if args.out is not None:
+        save_credentials(args.out, Credentials(str(answer["id"]), private_text, http.url))
+        document["credentials_file"] = str(args.out)
+    else:
+        document["private_key"] = private_text  # shown once: nowhere else keeps it
+    document["grants"] = answer.get("grants", args.grants)
+    human = format_fields({**document, "grants": format_grants(document["grants"])})
+    return Outcome(document, human)
+
+
+async def cmd_clients_list(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    clients = await http.list_clients()
+    rows = [[c.get("id"), c.get("name"), format_grants(c.get("grants"))] for c in clients]
+    return Outcome({"clients": clients}, format_table(["ID", "NAME", "GRANTS"], rows))
+
+
+async def cmd_clients_remove(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    answer = await http.remove_client(args.client_id)
+    return Outcome(answer or {"removed": args.client_id}, f"removed {args.client_id}")
+
+
+# --- entry point ---------------------------------------------------------------------------------
+async def run_command(args: argparse.Namespace) -> Outcome:
+    creds = load_credentials(args.credentials)
+    async with HttpClient(args.url or creds.url, creds.signer()) as http:
+        handler: Handler = args.handler
+        return await handler(http, args)
+
+
+def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,
+         stderr: TextIO | None = None) -> int:
+    out, err = stdout or sys.stdout, stderr or sys.stderr
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on usage errors and 0 on --help
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        outcome = asyncio.run(run_command(args))
+    except QueueError as error:
+        if args.json:
+            print(json.dumps(error.envelope()), file=out)
+        print(f"error: {error.code}: {error.message}", file=err)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    if args.json:
+        print(json.dumps(outcome.document, indent=2, sort_keys=True), file=out)
+    else:
+        print(outcome.human, file=out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

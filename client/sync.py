@@ -1,0 +1,197 @@
+"""`Client`: the AsyncClient's API for synchronous code.
+
+One private event loop runs in a daemon thread and owns an `AsyncClient`; each method hands
+its coroutine to that loop (`asyncio.run_coroutine_threadsafe`) and waits for the answer.
+Calls from several threads at once therefore still share one WebSocket and are coalesced
+into frames like concurrent coroutines are. `consume` is a plain iterator.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Iterable, Iterator, Sequence
+from typing import Any, Self, TypeVar
+
+from client.aio import AsyncClient, Consumer, CredentialsArg, Message
+from client.http import Grant
+
+T = TypeVar("T")
+
+
+class SyncMessage:
+    """A leased message received through a `Client`; `ack()` and `release()` block."""
+
+    __slots__ = ("_client", "deliveries", "id", "payload", "priority", "queue", "receipt")
+
+    def __init__(self, client: Client, message: Message) -> None:
+        self.id = message.id
+        self.receipt = message.receipt
+        self.priority = message.priority
+        self.deliveries = message.deliveries
+        self.payload = message.payload
+        self.queue = message.queue
+        self._client = client
+
+    def ack(self) -> None:
+        self._client.ack(self.queue, self.id, self.receipt)
+
+    def release(self) -> None:
+        self._client.release(self.queue, self.id, self.receipt)
+
+    def __repr__(self) -> str:
+        return (f"SyncMessage(queue={self.queue!r}, id={self.id}, priority={self.priority}, "
+                f"deliveries={self.deliveries}, payload={self.payload[:32]!r})")
+
+
+class SyncConsumer:
+    """Iterator over a subscription's messages; close it (or use `with`) to unsubscribe."""
+
+    def __init__(self, client: Client, consumer: Consumer) -> None:
+        self._client = client
+        self._consumer = consumer
+
+    def __iter__(self) -> Iterator[SyncMessage]:
+        return self
+
+    def __next__(self) -> SyncMessage:
+        message = self._client._run(_next_or_none(self._consumer))
+        if message is None:
+            raise StopIteration
+        return SyncMessage(self._client, message)
+
+    def close(self) -> None:
+        self._client._run(self._consumer.close())
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+async def _next_or_none(consumer: Consumer) -> Message | None:
+    try:
+        return await consumer.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+class Client:
+    """Synchronous client: `with Client() as client: client.enqueue("orders", b"hi")`.
+    Keyword options are those of `AsyncClient`."""
+
+    def __init__(self, url: str | None = None, credentials: CredentialsArg = None, **options: Any) -> None:
+        self._async = AsyncClient(url, credentials, **options)
+        self.url = self._async.url
+        self.client_id = self._async.client_id
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="qserver-client-loop", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+            self._loop.close()
+
+    def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine on the client's loop and wait for its result."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # e.g. KeyboardInterrupt while waiting: do not leave it running
+            raise
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    def connect(self) -> None:
+        self._run(self._async.connect())
+
+    def close(self) -> None:
+        """Close the client and stop its thread; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._run(self._async.close())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+
+    def __enter__(self) -> Self:
+        try:
+            self.connect()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- messages -----------------------------------------------------------------------------
+    def enqueue(self, queue: str, payload: bytes, priority: int = 4, dedupe_id: str | None = None) -> int:
+        return self._run(self._async.enqueue(queue, payload, priority, dedupe_id))
+
+    def enqueue_many(self, queue: str, payloads: Iterable[bytes], priority: int = 4, *,
+                     dedupe_ids: Sequence[str] | None = None) -> list[int]:
+        return self._run(self._async.enqueue_many(queue, list(payloads), priority, dedupe_ids=dedupe_ids))
+
+    def receive(self, queue: str, max_messages: int = 1, wait_s: float = 0.0,
+                visibility_timeout_s: float | None = None) -> list[SyncMessage]:
+        messages = self._run(self._async.receive(queue, max_messages, wait_s, visibility_timeout_s))
+        return [SyncMessage(self, m) for m in messages]
+
+    def ack(self, queue: str, message_id: int, receipt: str) -> None:
+        self._run(self._async.ack(queue, message_id, receipt))
+
+    def release(self, queue: str, message_id: int, receipt: str) -> None:
+        self._run(self._async.release(queue, message_id, receipt))
+
+    def ping(self) -> None:
+        self._run(self._async.ping())
+
+    def consume(self, queue: str, prefetch: int = 100,
+                visibility_timeout_s: float | None = None) -> SyncConsumer:
+        async def subscribe() -> Consumer:
+            return self._async.consume(queue, prefetch, visibility_timeout_s)
+        return SyncConsumer(self, self._run(subscribe()))
+
+    # --- admin --------------------------------------------------------------------------------
+    def create_queue(self, name: str, **options: Any) -> dict[str, Any]:
+        return self._run(self._async.create_queue(name, **options))
+
+    def delete_queue(self, name: str) -> dict[str, Any]:
+        return self._run(self._async.delete_queue(name))
+
+    def list_queues(self) -> list[dict[str, Any]]:
+        return self._run(self._async.list_queues())
+
+    def queue_stats(self, name: str) -> dict[str, Any]:
+        return self._run(self._async.queue_stats(name))
+
+    def reply(self, queue: str, message_id: int, receipt: str, body: bytes) -> None:
+        self._run(self._async.reply(queue, message_id, receipt, body))
+
+    def message_status(self, queue: str, message_id: int, wait_s: float = 0.0,
+                       until: str | None = None) -> dict[str, Any]:
+        return self._run(self._async.message_status(queue, message_id, wait_s, until))
+
+    def register_client(self, name: str, grants: Iterable[Grant],
+                        public_key: str | None = None) -> dict[str, Any]:
+        return self._run(self._async.register_client(name, list(grants), public_key))
+
+    def list_clients(self) -> list[dict[str, Any]]:
+        return self._run(self._async.list_clients())
+
+    def remove_client(self, client_id: str) -> dict[str, Any]:
+        return self._run(self._async.remove_client(client_id))
+
+    def set_grants(self, client_id: str, grants: Iterable[Grant]) -> dict[str, Any]:
+        return self._run(self._async.set_grants(client_id, list(grants)))
+
+    def cluster(self) -> dict[str, Any]:
+        return self._run(self._async.cluster())

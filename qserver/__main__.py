@@ -1,0 +1,5 @@
+import sys
+
+from qserver.cli import main
+
+sys.exit(main())

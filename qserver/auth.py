@@ -1,0 +1,133 @@
+"""Client authentication and grants (DESIGN.md 4.5, seed 000).
+
+Registered clients are stored with their Ed25519 public key only. Every request is verified
+against the canonical string of client/signing.py; timestamps outside the skew window and
+nonces already seen inside it are refused, so a captured request cannot be replayed. Grants
+are shell-style queue-name patterns, each with a set of privileges.
+"""
+from __future__ import annotations
+
+import collections
+import fnmatch
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from client.errors import (E_FORBIDDEN, E_INVALID_OPTION, E_OVERLOADED, E_REPLAYED_REQUEST,
+                           E_STALE_REQUEST, E_UNAUTHENTICATED, QueueError)
+from client.signing import (HEADER_CLIENT, HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP,
+                            canonical_string, public_key_from_text, verify)
+
+PRIVILEGES = frozenset({"post", "get", "delete", "admin"})
+ADMIN_GRANTS = [{"pattern": "*", "privileges": sorted(PRIVILEGES)}]
+NONCES_KEPT_MAX = 2_000_000
+GRANTS_MAX = 100
+
+
+def validate_grants(raw: Any) -> list[dict[str, Any]]:
+    if not isinstance(raw, list) or len(raw) > GRANTS_MAX:
+        raise QueueError(E_INVALID_OPTION, f"grants must be a list of at most {GRANTS_MAX}")
+    grants = []
+    for grant in raw:
+        if not isinstance(grant, dict) or set(grant) != {"pattern", "privileges"}:
+            raise QueueError(E_INVALID_OPTION, 'a grant is {"pattern": ..., "privileges": [...]}')
+        pattern, privileges = grant["pattern"], grant["privileges"]
+        if not isinstance(pattern, str) or not 0 < len(pattern) <= 200:
+            raise QueueError(E_INVALID_OPTION, "a grant pattern is a non-empty string")
+        if not isinstance(privileges, list) or not privileges or not set(privileges) <= PRIVILEGES:
+            raise QueueError(E_INVALID_OPTION, f"privileges are some of {', '.join(sorted(PRIVILEGES))}")
+        grants.append({"pattern": pattern, "privileges": sorted(set(privileges))})
+    return grants
+
+
+@dataclass
+class Principal:
+    """An authenticated client, with its grants resolved per queue name on first use."""
+    client_id: str
+    grants: list[dict[str, Any]]
+    _cache: dict[tuple[str, str], bool] = field(default_factory=dict)
+
+    def allows(self, privilege: str, queue: str) -> bool:
+        key = (privilege, queue)
+        allowed = self._cache.get(key)
+        if allowed is None:
+            allowed = any(privilege in g["privileges"] and fnmatch.fnmatchcase(queue, g["pattern"])
+                          for g in self.grants)
+            if len(self._cache) < 10_000:
+                self._cache[key] = allowed
+        return allowed
+
+    def require(self, privilege: str, queue: str = "*") -> None:
+        if not self.allows(privilege, queue):
+            raise QueueError(E_FORBIDDEN, f"client {self.client_id} may not {privilege} on {queue}")
+
+    def may_see(self, queue: str) -> bool:
+        return any(fnmatch.fnmatchcase(queue, g["pattern"]) for g in self.grants)
+
+
+ANONYMOUS_ADMIN = Principal("anonymous", ADMIN_GRANTS)   # when auth is switched off
+
+
+class Authenticator:
+    def __init__(self, clients: dict[str, dict[str, Any]], *, skew_max_s: float, enabled: bool = True) -> None:
+        self._clients = clients            # the engine's live registry (client id -> record)
+        self._skew_max_ms = int(skew_max_s * 1000)
+        self.enabled = enabled
+        self._keys: dict[str, tuple[str, Ed25519PublicKey]] = {}
+        self._nonces: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self.failures = collections.Counter[str]()
+
+    def authenticate(self, method: str, path: str, query: Iterable[tuple[str, str]],
+                     headers: Any, body: bytes) -> Principal:
+        if not self.enabled:
+            return ANONYMOUS_ADMIN
+        try:
+            return self._authenticate(method, path, query, headers, body)
+        except QueueError as error:
+            self.failures[error.code] += 1
+            raise
+
+    def _authenticate(self, method: str, path: str, query: Iterable[tuple[str, str]],
+                      headers: Any, body: bytes) -> Principal:
+        client_id = headers.get(HEADER_CLIENT)
+        stamp, nonce, signature = headers.get(HEADER_TIMESTAMP), headers.get(HEADER_NONCE), headers.get(HEADER_SIGNATURE)
+        if not (client_id and stamp and nonce and signature):
+            raise QueueError(E_UNAUTHENTICATED, "the request is not signed (X-Client-Id, X-Timestamp, X-Nonce, X-Signature)")
+        if not stamp.isdigit() or len(nonce) > 64:
+            raise QueueError(E_UNAUTHENTICATED, "malformed signing headers")
+        timestamp_ms = int(stamp)
+        now_ms = int(time.time() * 1000)
+        if abs(now_ms - timestamp_ms) > self._skew_max_ms:
+            raise QueueError(E_STALE_REQUEST, "the request timestamp is outside the accepted window")
+        record = self._clients.get(client_id)
+        if record is None:
+            raise QueueError(E_UNAUTHENTICATED, "unknown client or bad signature")
+        key = self._public_key(client_id, record)
+        if not verify(key, signature, canonical_string(method, path, query, timestamp_ms, nonce, body)):
+            raise QueueError(E_UNAUTHENTICATED, "unknown client or bad signature")
+        self._remember_nonce(client_id + ":" + nonce, now_ms)
+        return Principal(client_id, record["grants"])
+
+    def _public_key(self, client_id: str, record: dict[str, Any]) -> Ed25519PublicKey:
+        cached = self._keys.get(client_id)
+        if cached is None or cached[0] != record["public_key"]:
+            cached = (record["public_key"], public_key_from_text(record["public_key"]))
+            self._keys[client_id] = cached
+        return cached[1]
+
+    def _remember_nonce(self, nonce: str, now_ms: int) -> None:
+        """Refuse a nonce seen within the skew window; older ones cannot pass the clock check."""
+        nonces = self._nonces
+        horizon = now_ms - 2 * self._skew_max_ms
+        while nonces:
+            oldest, seen_ms = next(iter(nonces.items()))
+            if seen_ms >= horizon:
+                break
+            nonces.popitem(last=False)
+        if nonce in nonces:
+            raise QueueError(E_REPLAYED_REQUEST, "this request was already received")
+        if len(nonces) >= NONCES_KEPT_MAX:
+            raise QueueError(E_OVERLOADED, "too many signed requests in the replay window")
+        nonces[nonce] = now_ms

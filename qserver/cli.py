@@ -1,0 +1,75 @@
+"""`qserver init` and `qserver run`."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+
+from client.credentials import Credentials, save_credentials
+from client.signing import new_private_key, private_key_to_text, public_key_text
+from qserver.auth import ADMIN_GRANTS
+from qserver.config import load_config
+from qserver.storage import SealedBatch, Storage
+
+DEFAULT_CREDENTIALS = Path.home() / ".config" / "qserver" / "credentials.json"
+
+
+def init(data_dir: Path, node_id: str, credentials_path: Path, url: str, force: bool) -> int:
+    """Create the cluster secret and the first admin client, and write its credentials."""
+    secret_path = data_dir / "cluster.secret"
+    if secret_path.exists() and not force:
+        print(f"error: {data_dir} is already initialised (use --force to add a new admin credential)", file=sys.stderr)
+        return 1
+    data_dir.mkdir(parents=True, exist_ok=True)
+    if not secret_path.exists():
+        secret_path.write_text(secrets.token_hex(32) + "\n")
+        os.chmod(secret_path, 0o600)
+    key = new_private_key()
+    client_id = "admin" if not force else "admin-" + secrets.token_hex(3)
+    record = {"id": client_id, "name": client_id, "public_key": public_key_text(key), "grants": ADMIN_GRANTS,
+              "created_ms": int(time.time() * 1000)}
+    storage = Storage(data_dir / "lmdb", node_id=node_id)
+    try:
+        storage.commit(SealedBatch(client_puts={client_id: record}))
+    finally:
+        storage.close()
+    save_credentials(credentials_path, Credentials(client_id, private_key_to_text(key), url))
+    print(f"initialised {data_dir}: cluster secret and admin client {client_id!r}; credentials in {credentials_path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="qserver", description="replicated queue server node")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_init = sub.add_parser("init", help="create the cluster secret and the first admin credential")
+    p_init.add_argument("--data-dir", required=True, type=Path)
+    p_init.add_argument("--node-id", default="n1")
+    p_init.add_argument("--credentials", type=Path, default=DEFAULT_CREDENTIALS, help="where to write the admin credential")
+    p_init.add_argument("--url", default="http://127.0.0.1:7100", help="the URL clients should use")
+    p_init.add_argument("--force", action="store_true")
+    p_run = sub.add_parser("run", help="run one node")
+    p_run.add_argument("--config", type=Path)
+    p_run.add_argument("--data-dir", type=Path)
+    p_run.add_argument("--node-id")
+    p_run.add_argument("--host")
+    p_run.add_argument("--port", type=int)
+    p_run.add_argument("--no-journal", action="store_true", help="benchmark only: do not write the journal")
+    p_run.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    if args.command == "init":
+        return init(args.data_dir, args.node_id, args.credentials, args.url, args.force)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = load_config(args.config, node_id=args.node_id, host=args.host, port=args.port,
+                         data_dir=None if args.data_dir is None else str(args.data_dir),
+                         journal_enabled=False if args.no_journal else None)
+    from qserver.node import run
+    run(config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

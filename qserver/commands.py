@@ -1,0 +1,139 @@
+"""Commands the API handlers push into the engine's inbox, and how answers come back.
+
+Handlers never touch a queue core: they validate input, build one of these and hand it to
+`Engine.submit`. The engine answers through the command's `Replier` once the effects are
+durable. A WebSocket connection is itself a Replier (its replies batch into frames); an HTTP
+request uses a `FutureReplier`.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Union
+
+from client.errors import QueueError
+
+
+class Replier(Protocol):
+    def reply(self, request_id: int, result: Any) -> None: ...
+    def fail(self, request_id: int, error: QueueError) -> None: ...
+
+
+class FutureReplier:
+    """Answers one request through a future (the HTTP path)."""
+    __slots__ = ("future",)
+
+    def __init__(self) -> None:
+        self.future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+    def reply(self, request_id: int, result: Any) -> None:
+        if not self.future.done():
+            self.future.set_result(result)
+
+    def fail(self, request_id: int, error: QueueError) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
+
+
+@dataclass(slots=True)
+class Enqueue:
+    queue: str
+    payload: bytes
+    priority: int
+    dedupe_id: str | None
+    client: str
+    replier: Replier
+    request_id: int = 0
+
+
+@dataclass(slots=True)
+class Receive:
+    queue: str
+    max_messages: int
+    wait_ms: int
+    visibility_ms: int | None
+    client: str
+    replier: Replier
+    request_id: int = 0
+
+
+@dataclass(slots=True)
+class Ack:
+    queue: str
+    message_id: int
+    receipt: str
+    client: str
+    replier: Replier
+    request_id: int = 0
+    release: bool = False          # give the lease back instead of deleting
+    reply_payload: bytes | None = None   # two_way reply (acks too)
+
+
+@dataclass(slots=True)
+class Subscribe:
+    queue: str
+    credit: int
+    visibility_ms: int | None
+    client: str
+    replier: Any                   # the WebSocket connection (it receives pushes)
+    request_id: int = 0
+
+
+@dataclass(slots=True)
+class Credit:
+    subscription_id: int
+    credit: int
+    replier: Replier
+    request_id: int = 0
+
+
+@dataclass(slots=True)
+class Unsubscribe:
+    subscription_id: int
+    replier: Replier | None
+    request_id: int = 0
+
+
+@dataclass(slots=True)
+class CreateQueue:
+    name: str
+    options: dict[str, Any]
+    placement: dict[str, Any]
+    replier: Replier
+    request_id: int = 0
+
+
+@dataclass(slots=True)
+class DeleteQueue:
+    name: str
+    replier: Replier
+    request_id: int = 0
+
+
+@dataclass(slots=True)
+class MessageStatus:
+    queue: str
+    message_id: int
+    wait_ms: int
+    until: frozenset[str]
+    replier: Replier
+    request_id: int = 0
+
+
+@dataclass(slots=True)
+class PutClient:
+    client_id: str
+    record: dict[str, Any] | None   # None removes the client
+    replier: Replier
+    request_id: int = 0
+
+
+@dataclass(slots=True)
+class Shutdown:
+    replier: Replier
+    request_id: int = 0
+    done: list[bool] = field(default_factory=list)
+
+
+Command = Union[Enqueue, Receive, Ack, Subscribe, Credit, Unsubscribe, CreateQueue, DeleteQueue,
+                MessageStatus, PutClient, Shutdown]

@@ -1,0 +1,61 @@
+"""Node configuration: defaults, TOML loading and the checks between limits."""
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    node_id: str = "n1"
+    data_dir: str = "./data/n1"
+    host: str = "127.0.0.1"
+    port: int = 7100
+    auth_enabled: bool = True
+    journal_enabled: bool = True           # benchmark-only switch; keep on in production
+    body_bytes_max: int = 1 << 20          # largest message or JSON body accepted
+    map_size_bytes: int = 1 << 30          # initial LMDB map; grows by doubling
+    map_size_max_bytes: int = 1 << 40
+    inbox_commands_max: int = 200_000
+    batch_operations_max: int = 20_000
+    dedupe_window_s: float = 300.0
+    status_retention_s: float = 3600.0
+    signature_skew_max_s: float = 300.0
+    housekeeping_interval_ms: int = 1000
+    receive_wait_max_s: float = 60.0
+    websocket_pending_bytes_max: int = 16 << 20   # unsent replies per socket before it is cut
+    subscription_credit_max: int = 10_000
+
+    def check(self) -> "NodeConfig":
+        problems = []
+        if not self.node_id or not self.node_id[0].isalpha():
+            problems.append("node_id must start with a letter (ids are logical, never addresses)")
+        if self.map_size_bytes > self.map_size_max_bytes:
+            problems.append("map_size_bytes exceeds map_size_max_bytes")
+        if self.body_bytes_max * 4 > self.map_size_max_bytes:
+            problems.append("map_size_max_bytes must hold at least four maximal messages")
+        if self.batch_operations_max > self.inbox_commands_max:
+            problems.append("batch_operations_max exceeds inbox_commands_max")
+        if self.dedupe_window_s <= 0 or self.status_retention_s <= 0:
+            problems.append("dedupe_window_s and status_retention_s must be positive")
+        if problems:
+            raise ValueError("invalid node configuration: " + "; ".join(problems))
+        return self
+
+    def with_overrides(self, **overrides: Any) -> "NodeConfig":
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None}).check()
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> NodeConfig:
+    """Defaults, then the TOML file's `[node]` table (or top level), then flags."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        raw = tomllib.loads(Path(path).read_text())
+        values = raw.get("node", raw)
+        known = {f.name for f in fields(NodeConfig)}
+        unknown = set(values) - known
+        if unknown:
+            raise ValueError(f"unknown configuration keys: {', '.join(sorted(unknown))}")
+    return NodeConfig(**values).with_overrides(**overrides)

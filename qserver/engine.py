@@ -1,0 +1,603 @@
+"""The engine: the one task that owns every queue core of a node.
+
+API handlers push commands into a bounded inbox; the engine's task drains it, steps each
+command into its queue core, and collects the resulting operations into the open batch.
+One batch at a time is committed by the writer thread (one LMDB transaction, one fsync)
+while the next one fills: group commit. Replies are released only when the batch holding
+their operations is durable (DESIGN.md 3.1), errors right away. No locks: only this task
+touches cores; the writer thread only reads a sealed batch.
+
+Order per batch (STYLE.md): persist, then answer clients and push to subscribers, then
+advance the cores (their dedupe overlays drop what the reader now sees).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from client.errors import (E_INVALID_NAME, E_MASTER_EXISTS, E_OPTIONS_MISMATCH, E_OVERLOADED,
+                           E_RESERVED_NAME, E_SHUTTING_DOWN, E_STORAGE_FULL, E_UNKNOWN_MESSAGE,
+                           E_UNKNOWN_QUEUE, E_INTERNAL, QueueError)
+from client.protocol import DeliveredMessage
+from qserver import commands as c
+from qserver.config import NodeConfig
+from qserver.metrics import Histogram
+from qserver.storage import CommitResult, MapGrowthNeeded, SealedBatch, Storage, StorageFull
+from replication.operations import Acked, DeadLettered, Enqueued, Leased, Operation, Released
+from replication.options import (DEAD_LETTER_SUFFIX, QueueOptions, QueueState, QueueType,
+                                 dead_letter_name, is_valid_queue_name, mismatched_options)
+from replication.queue_core import InvariantViolation, QueueCore, QueueRecord
+
+log = logging.getLogger("qserver.engine")
+TERMINAL_STATES = frozenset({"acked", "replied", "dead_lettered"})
+
+
+def wall_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass(slots=True)
+class Waiter:
+    """A receive that found nothing and waits for a message until `deadline_ms`."""
+    command: c.Receive
+    deadline_ms: int
+
+
+@dataclass(slots=True)
+class Subscription:
+    subscription_id: int
+    queue: str
+    connection: Any
+    credit: int
+    visibility_ms: int | None
+    client: str
+
+
+@dataclass(slots=True)
+class StatusWaiter:
+    command: c.MessageStatus
+    queue_id: int
+    deadline_ms: int
+
+
+@dataclass
+class OpenBatch:
+    sealed: SealedBatch = field(default_factory=SealedBatch)
+    # (replier, request_id, result) answered after commit; results of receives are built
+    # from ("messages", first payload position, leased ops).
+    replies: list[tuple[Any, int, Any]] = field(default_factory=list)
+    pushes: list[tuple[Subscription, int, list[Leased]]] = field(default_factory=list)
+    touched: dict[str, QueueCore] = field(default_factory=dict)
+    after_commit: list[Callable[[], None]] = field(default_factory=list)
+
+    def empty(self) -> bool:
+        s = self.sealed
+        return not (s.operations or self.replies or self.pushes or s.queue_records or s.deleted_queues
+                    or s.client_puts or s.client_deletes or s.housekeeping_ms is not None)
+
+
+class _Messages:
+    """Marks a reply result to be built from leased operations once payloads are read."""
+    __slots__ = ("first", "leased")
+
+    def __init__(self, first: int, leased: list[Leased]) -> None:
+        self.first = first
+        self.leased = leased
+
+
+class Engine:
+    def __init__(self, config: NodeConfig, storage: Storage, *, rng: random.Random | None = None,
+                 clock_ms: Callable[[], int] = wall_ms) -> None:
+        self.config = config
+        self.storage = storage
+        self.clock_ms = clock_ms
+        self._rng = rng or random.Random()
+        self.cores: dict[str, QueueCore] = {}
+        self.clients: dict[str, dict[str, Any]] = {}
+        self._inbox: collections.deque[c.Command] = collections.deque()
+        self._wake = asyncio.Event()
+        self._open = OpenBatch()
+        self._committing: OpenBatch | None = None
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmdb-writer")
+        self._waiters: dict[str, collections.deque[Waiter]] = {}
+        self._subscriptions: dict[str, list[Subscription]] = {}
+        self._subscriptions_by_id: dict[int, Subscription] = {}
+        self._next_subscription_id = 1
+        self._status_waiters: dict[tuple[int, int], list[StatusWaiter]] = {}
+        self._to_serve: set[str] = set()
+        self._next_queue_id = storage.next_queue_id()
+        self._next_housekeeping_ms = 0
+        self._task: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._stopping = False
+        self.on_clients_changed: Callable[[], None] = lambda: None
+        self.commit_seconds = Histogram("qserver_commit_seconds", "LMDB commit (fsync) latency",
+                                        [0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 1.0])
+        self.batch_operations = Histogram("qserver_commit_batch_operations", "operations per commit",
+                                          [1, 2, 5, 10, 50, 100, 500, 1000, 5000, 20000])
+        self.rejected = collections.Counter[str]()
+
+    # --- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._load()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="engine")
+
+    def _load(self) -> None:
+        """Rebuild cores from storage: queue records and leases only, never the messages."""
+        self.cores = {}
+        for record in self.storage.load_queue_records():
+            self.cores[record.name] = self._new_core(record, self.storage.load_leases(record.queue_id))
+        for name, core in self.cores.items():
+            if not name.endswith(DEAD_LETTER_SUFFIX):
+                core.dead_letter_core = self.cores.get(dead_letter_name(name))
+        self.clients = self.storage.load_clients()
+        self._next_queue_id = self.storage.next_queue_id()
+
+    def _new_core(self, record: QueueRecord, leases: list[Any]) -> QueueCore:
+        return QueueCore(record, self.storage, self._rng, leases=leases,
+                         dedupe_window_ms=int(self.config.dedupe_window_s * 1000))
+
+    async def stop(self) -> None:
+        """Answer what is queued with E_SHUTTING_DOWN, commit what was decided, stop."""
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            await self._task
+        self._writer.shutdown(wait=True)
+
+    # --- the inbox -------------------------------------------------------------------------
+    def submit(self, command: c.Command) -> None:
+        if self._stopping:
+            command.replier.fail(command.request_id, QueueError(E_SHUTTING_DOWN))  # type: ignore[union-attr]
+            return
+        if len(self._inbox) >= self.config.inbox_commands_max:
+            self.rejected["overloaded"] += 1
+            command.replier.fail(command.request_id, QueueError(E_OVERLOADED))  # type: ignore[union-attr]
+            return
+        self._inbox.append(command)
+        if not self._wake.is_set():
+            self._wake.set()
+
+    async def call(self, command_factory: Callable[[c.FutureReplier], c.Command]) -> Any:
+        """Submit one command and wait for its answer (the HTTP path)."""
+        replier = c.FutureReplier()
+        self.submit(command_factory(replier))
+        return await replier.future
+
+    # --- the task --------------------------------------------------------------------------
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            now_ms = self.clock_ms()
+            self.storage.begin_read()
+            try:
+                self._step_inbox(now_ms)
+                self._expire_leases(now_ms)
+                self._serve(now_ms)
+                self._expire_waiters(now_ms)
+            finally:
+                self.storage.end_read()
+            if now_ms >= self._next_housekeeping_ms:
+                self._open.sealed.housekeeping_ms = now_ms
+                self._next_housekeeping_ms = now_ms + self.config.housekeeping_interval_ms
+            if self._committing is None and not self._open.empty():
+                self._start_commit()
+            if self._stopping and not self._inbox and self._committing is None:
+                self._fail_waiters_on_stop()
+                return
+            self._arm_timer(now_ms)
+
+    def _step_inbox(self, now_ms: int) -> None:
+        budget = self.config.batch_operations_max
+        inbox = self._inbox
+        step = self._step
+        while inbox and budget > 0:
+            command = inbox.popleft()
+            if self._stopping:
+                command.replier.fail(command.request_id, QueueError(E_SHUTTING_DOWN))  # type: ignore[union-attr]
+                continue
+            try:
+                step(command, now_ms)
+            except QueueError as error:
+                if command.replier is not None:
+                    command.replier.fail(command.request_id, error)
+            budget -= 1
+        if inbox:
+            self._wake.set()   # more to do: come back after this batch goes to disk
+
+    def _step(self, command: c.Command, now_ms: int) -> None:
+        kind = type(command)
+        if kind is c.Enqueue:
+            self._step_enqueue(command, now_ms)  # type: ignore[arg-type]
+        elif kind is c.Ack:
+            self._step_ack(command, now_ms)  # type: ignore[arg-type]
+        elif kind is c.Receive:
+            self._step_receive(command, now_ms)  # type: ignore[arg-type]
+        else:
+            self._STEP_OTHER[kind](self, command, now_ms)
+
+    def _core(self, name: str) -> QueueCore:
+        core = self.cores.get(name)
+        if core is None:
+            raise QueueError(E_UNKNOWN_QUEUE, f"no queue named {name!r}")
+        return core
+
+    def _touch(self, core: QueueCore) -> None:
+        self._open.touched[core.name] = core
+
+    def _step_enqueue(self, command: c.Enqueue, now_ms: int) -> None:
+        core = self._core(command.queue)
+        batch = self._open
+        index, _ = core.enqueue(command.payload, command.priority, command.dedupe_id, command.client,
+                                now_ms, batch.sealed.operations)
+        batch.touched[core.name] = core
+        result = [index, core.record.epoch]
+        if core.options.type is QueueType.ONE_WAY:
+            command.replier.reply(command.request_id, result)   # seed 004 One_Way: no durable ack
+        else:
+            batch.replies.append((command.replier, command.request_id, result))
+        self._to_serve.add(core.name)
+
+    def _step_receive(self, command: c.Receive, now_ms: int) -> None:
+        core = self._core(command.queue)
+        leased = core.lease(command.max_messages, command.visibility_ms, command.client, now_ms,
+                            self._open.sealed.operations)
+        if leased:
+            self._answer_with_messages(core, command.replier, command.request_id, leased)
+        elif command.wait_ms > 0:
+            self._waiters.setdefault(core.name, collections.deque()).append(
+                Waiter(command, now_ms + command.wait_ms))
+        else:
+            command.replier.reply(command.request_id, [])
+
+    def _answer_with_messages(self, core: QueueCore, replier: Any, request_id: int, leased: list[Leased]) -> None:
+        batch = self._open
+        reads = batch.sealed.payload_reads
+        batch.replies.append((replier, request_id, _Messages(len(reads), leased)))
+        reads.extend((op.queue_id, op.index) for op in leased)
+        batch.touched[core.name] = core
+
+    def _step_ack(self, command: c.Ack, now_ms: int) -> None:
+        core = self._core(command.queue)
+        operations = self._open.sealed.operations
+        try:
+            if command.release:
+                core.release(command.message_id, command.receipt, now_ms, operations)
+                self._to_serve.add(core.name)
+            elif command.reply_payload is not None:
+                core.reply(command.message_id, command.receipt, command.reply_payload, command.client, now_ms, operations)
+            else:
+                core.ack(command.message_id, command.receipt, command.client, now_ms, operations)
+        finally:
+            self._touch(core)   # a refused ack may still have ended an overdue lease
+        self._open.replies.append((command.replier, command.request_id, None))
+
+    def _step_subscribe(self, command: c.Subscribe, now_ms: int) -> None:
+        core = self._core(command.queue)
+        subscription = Subscription(self._next_subscription_id, core.name, command.replier,
+                                    min(command.credit, self.config.subscription_credit_max),
+                                    command.visibility_ms, command.client)
+        self._next_subscription_id += 1
+        self._subscriptions.setdefault(core.name, []).append(subscription)
+        self._subscriptions_by_id[subscription.subscription_id] = subscription
+        command.replier.subscription_started(subscription.subscription_id)
+        command.replier.reply(command.request_id, subscription.subscription_id)
+        self._to_serve.add(core.name)
+
+    def _step_credit(self, command: c.Credit, now_ms: int) -> None:
+        subscription = self._subscriptions_by_id.get(command.subscription_id)
+        if subscription is None:
+            raise QueueError(E_UNKNOWN_QUEUE, f"no subscription {command.subscription_id}")
+        subscription.credit = min(subscription.credit + command.credit, self.config.subscription_credit_max)
+        self._to_serve.add(subscription.queue)
+        command.replier.reply(command.request_id, None)
+
+    def _step_unsubscribe(self, command: c.Unsubscribe, now_ms: int) -> None:
+        subscription = self._subscriptions_by_id.pop(command.subscription_id, None)
+        if subscription is not None:
+            self._subscriptions[subscription.queue].remove(subscription)
+        if command.replier is not None:
+            command.replier.reply(command.request_id, None)
+
+    def _step_create(self, command: c.CreateQueue, now_ms: int) -> None:
+        name = command.name
+        if not is_valid_queue_name(name):
+            raise QueueError(E_INVALID_NAME, "queue names are 1-200 of A-Z a-z 0-9 . _ : - starting alphanumeric")
+        if name.endswith(DEAD_LETTER_SUFFIX):
+            raise QueueError(E_RESERVED_NAME, f"names ending {DEAD_LETTER_SUFFIX} belong to dead-letter queues")
+        existing = self.cores.get(name)
+        if existing is not None:
+            if command.placement.get("master_required"):
+                raise QueueError(E_MASTER_EXISTS, f"queue {name} already has a master")
+            different = mismatched_options(existing.options, command.options)
+            if different:
+                raise QueueError(E_OPTIONS_MISMATCH, f"queue {name} exists with other {', '.join(different)}")
+            self._open.replies.append((command.replier, command.request_id, {"created": False, **self.describe(existing)}))
+            return
+        options = QueueOptions(**command.options)
+        core = self._create_core(name, options, now_ms, dead_letter_of=None)
+        if options.dead_letter:
+            dead = self._create_core(dead_letter_name(name), QueueOptions(max_depth=2**40, dead_letter=False,
+                                     strength=options.strength), now_ms, dead_letter_of=name)
+            core.dead_letter_core = dead
+        self._open.replies.append((command.replier, command.request_id, {"created": True, **self.describe(core)}))
+
+    def _create_core(self, name: str, options: QueueOptions, now_ms: int, dead_letter_of: str | None) -> QueueCore:
+        record = QueueRecord(self._next_queue_id, name, options, now_ms, dead_letter_of=dead_letter_of)
+        self._next_queue_id += 1
+        self._open.sealed.next_queue_id = self._next_queue_id
+        core = self._new_core(record, [])
+        core.transition(QueueState.CONFIGURING)
+        core.transition(QueueState.CONFIGURED)
+        core.transition(QueueState.OPENING)
+        core.transition(QueueState.OPEN)
+        self.cores[name] = core
+        self._open.sealed.epochs[name] = record.epoch
+        self._touch(core)
+        return core
+
+    def _step_delete(self, command: c.DeleteQueue, now_ms: int) -> None:
+        core = self._core(command.name)
+        if core.record.dead_letter_of is not None:
+            raise QueueError(E_RESERVED_NAME, f"{command.name} goes with queue {core.record.dead_letter_of}")
+        for victim in filter(None, (core, self.cores.get(dead_letter_name(core.name)))):
+            victim.transition(QueueState.CLOSING)
+            victim.transition(QueueState.CLOSED)
+            del self.cores[victim.name]
+            self._open.touched.pop(victim.name, None)
+            self._open.sealed.deleted_queues.append((victim.name, victim.queue_id))
+            self._drop_queue_listeners(victim.name)
+        self._open.replies.append((command.replier, command.request_id, {"deleted": command.name}))
+
+    def _drop_queue_listeners(self, name: str) -> None:
+        for waiter in self._waiters.pop(name, ()):
+            waiter.command.replier.fail(waiter.command.request_id, QueueError(E_UNKNOWN_QUEUE, f"queue {name} was deleted"))
+        for subscription in self._subscriptions.pop(name, []):
+            self._subscriptions_by_id.pop(subscription.subscription_id, None)
+            subscription.connection.subscription_ended(subscription.subscription_id,
+                                                       QueueError(E_UNKNOWN_QUEUE, f"queue {name} was deleted"))
+
+    def _step_status(self, command: c.MessageStatus, now_ms: int) -> None:
+        core = self._core(command.queue)
+        if not 1 <= command.message_id < core.record.next_index:
+            raise QueueError(E_UNKNOWN_MESSAGE, f"queue {core.name} has no message {command.message_id}")
+        waiter = StatusWaiter(command, core.queue_id, now_ms + command.wait_ms)
+        # Read after the batch in flight lands, so the answer never shows uncommitted state.
+        self._open.after_commit.append(lambda: self._check_status(waiter, final=command.wait_ms == 0))
+
+    def _step_put_client(self, command: c.PutClient, now_ms: int) -> None:
+        if command.record is None:
+            if self.clients.pop(command.client_id, None) is None:
+                from client.errors import E_UNKNOWN_CLIENT
+                raise QueueError(E_UNKNOWN_CLIENT, f"no client {command.client_id}")
+            self._open.sealed.client_deletes.append(command.client_id)
+        else:
+            self.clients[command.client_id] = command.record
+            self._open.sealed.client_puts[command.client_id] = command.record
+        self._open.replies.append((command.replier, command.request_id, command.record))
+        self._open.after_commit.append(self.on_clients_changed)
+
+    _STEP_OTHER: dict[type, Callable[["Engine", Any, int], None]] = {
+        c.Subscribe: _step_subscribe, c.Credit: _step_credit, c.Unsubscribe: _step_unsubscribe,
+        c.CreateQueue: _step_create, c.DeleteQueue: _step_delete, c.MessageStatus: _step_status,
+        c.PutClient: _step_put_client,
+    }
+
+    # --- time-driven work ------------------------------------------------------------------
+    def _expire_leases(self, now_ms: int) -> None:
+        operations = self._open.sealed.operations
+        for core in self.cores.values():
+            deadline = core.next_deadline_ms()
+            if deadline is not None and deadline <= now_ms and core.expire_leases(now_ms, operations):
+                self._touch(core)
+                if core.dead_letter_core is not None:
+                    self._touch(core.dead_letter_core)
+                    self._to_serve.add(core.dead_letter_core.name)
+                self._to_serve.add(core.name)
+
+    def _serve(self, now_ms: int) -> None:
+        """Hand ready messages to waiting receives, then to subscriptions with credit."""
+        for name in self._to_serve:
+            core = self.cores.get(name)
+            if core is None or not core.has_ready():
+                continue
+            waiters = self._waiters.get(name)
+            while waiters and core.has_ready():
+                waiter = waiters.popleft()
+                command = waiter.command
+                leased = core.lease(command.max_messages, command.visibility_ms, command.client, now_ms,
+                                    self._open.sealed.operations)
+                self._answer_with_messages(core, command.replier, command.request_id, leased)
+            for subscription in self._subscriptions.get(name, ()):
+                if not core.has_ready():
+                    break
+                if subscription.credit > 0:
+                    leased = core.lease(subscription.credit, subscription.visibility_ms, subscription.client,
+                                        now_ms, self._open.sealed.operations)
+                    subscription.credit -= len(leased)
+                    self._push(core, subscription, leased)
+        self._to_serve.clear()
+
+    def _push(self, core: QueueCore, subscription: Subscription, leased: list[Leased]) -> None:
+        batch = self._open
+        reads = batch.sealed.payload_reads
+        batch.pushes.append((subscription, len(reads), leased))
+        reads.extend((op.queue_id, op.index) for op in leased)
+        batch.touched[core.name] = core
+
+    def _expire_waiters(self, now_ms: int) -> None:
+        for waiters in self._waiters.values():
+            while waiters and waiters[0].deadline_ms <= now_ms:
+                waiter = waiters.popleft()
+                waiter.command.replier.reply(waiter.command.request_id, [])
+            # Waiters are appended in arrival order but with different waits: sweep the rest.
+            if any(w.deadline_ms <= now_ms for w in waiters):
+                kept = [w for w in waiters if w.deadline_ms > now_ms]
+                for waiter in waiters:
+                    if waiter.deadline_ms <= now_ms:
+                        waiter.command.replier.reply(waiter.command.request_id, [])
+                waiters.clear()
+                waiters.extend(kept)
+        for key, status_waiters in list(self._status_waiters.items()):
+            for waiter in [w for w in status_waiters if w.deadline_ms <= now_ms]:
+                status_waiters.remove(waiter)
+                self._check_status(waiter, final=True)
+            if not status_waiters:
+                del self._status_waiters[key]
+
+    def _arm_timer(self, now_ms: int) -> None:
+        deadlines = [self._next_housekeeping_ms]
+        deadlines.extend(d for d in (core.next_deadline_ms() for core in self.cores.values()) if d is not None)
+        deadlines.extend(w.deadline_ms for ws in self._waiters.values() for w in ws)
+        deadlines.extend(w.deadline_ms for ws in self._status_waiters.values() for w in ws)
+        delay_s = max(0.0, (min(deadlines) - now_ms) / 1000) + 0.001
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_later(min(delay_s, 1.0), self._wake.set)
+
+    # --- group commit ----------------------------------------------------------------------
+    def _start_commit(self) -> None:
+        batch, self._open = self._open, OpenBatch()
+        sealed = batch.sealed
+        sealed.dedupe_window_ms = int(self.config.dedupe_window_s * 1000)
+        sealed.status_retention_ms = int(self.config.status_retention_s * 1000)
+        for name, core in batch.touched.items():
+            sealed.queue_records[name] = core.record.to_json()
+            core.seal()
+        self._committing = batch
+        future = asyncio.get_running_loop().run_in_executor(self._writer, self.storage.commit, sealed)
+        future.add_done_callback(self._commit_done)
+
+    def _commit_done(self, future: asyncio.Future[CommitResult]) -> None:
+        batch = self._committing
+        assert batch is not None
+        try:
+            result = future.result()
+        except MapGrowthNeeded:
+            self._grow_and_retry(batch)
+            return
+        except Exception as error:  # an LMDB or invariant failure: nothing was stored
+            log.exception("commit failed")
+            self._committing = None
+            self._abandon(batch, error)
+            return
+        self._committing = None
+        self.commit_seconds.observe(result.commit_seconds)
+        self.batch_operations.observe(result.operations)
+        for core in batch.touched.values():
+            core.advance()
+        self._release(batch, result.payloads)
+        self._wake.set()
+
+    def _grow_and_retry(self, batch: OpenBatch) -> None:
+        try:
+            self.storage.end_read()
+            size = self.storage.grow_map()
+            log.info("storage map grown to %d bytes", size)
+        except StorageFull as error:
+            self._committing = None
+            self._abandon(batch, error)
+            return
+        future = asyncio.get_running_loop().run_in_executor(self._writer, self.storage.commit, batch.sealed)
+        future.add_done_callback(self._commit_done)
+
+    def _abandon(self, batch: OpenBatch, error: Exception) -> None:
+        """A batch could not be stored. Its commands, and those stepped on top of it, fail;
+        the cores are rebuilt from storage, which still holds exactly what was committed."""
+        refusal = (QueueError(E_STORAGE_FULL, str(error)) if isinstance(error, StorageFull)
+                   else QueueError(E_INTERNAL, f"storage failure: {error}"))
+        later, self._open = self._open, OpenBatch()
+        for failed in (batch, later):
+            for replier, request_id, _ in failed.replies:
+                replier.fail(request_id, refusal)
+            for subscription, _, leased in failed.pushes:
+                subscription.credit += len(leased)
+        if isinstance(error, InvariantViolation):
+            raise error
+        self._load()
+        self._to_serve.update(self.cores)
+        self._wake.set()
+
+    def _release(self, batch: OpenBatch, payloads: list[bytes | None]) -> None:
+        for replier, request_id, result in batch.replies:
+            if type(result) is _Messages:
+                result = self._messages(result.leased, payloads, result.first)
+            replier.reply(request_id, result)
+        for subscription, first, leased in batch.pushes:
+            subscription.connection.push(subscription.subscription_id, self._messages(leased, payloads, first))
+        for callback in batch.after_commit:
+            callback()
+        if self._status_waiters:
+            self._wake_status_waiters(batch.sealed.operations)
+
+    @staticmethod
+    def _messages(leased: list[Leased], payloads: list[bytes | None], first: int) -> list[DeliveredMessage]:
+        out = []
+        for position, op in enumerate(leased, first):
+            payload = payloads[position]
+            if payload is None:
+                raise InvariantViolation(f"leased message {op.queue_id}/{op.index} has no payload")
+            out.append(DeliveredMessage(op.index, op.receipt, op.priority, op.deliveries, payload))
+        return out
+
+    # --- message status (seed 004 CheckMsgCompletion) --------------------------------------
+    def _check_status(self, waiter: StatusWaiter, *, final: bool) -> None:
+        command = waiter.command
+        with_read = self.storage._read_txn is None
+        if with_read:
+            self.storage.begin_read()
+        try:
+            found = self.storage.message_status(waiter.queue_id, command.message_id)
+        finally:
+            if with_read:
+                self.storage.end_read()
+        state, deliveries, reply = found if found is not None else ("acked", 0, None)
+        if final or state in command.until:
+            result: dict[str, Any] = {"id": command.message_id, "state": state, "deliveries": deliveries}
+            if reply is not None:
+                result["reply"] = reply
+            command.replier.reply(command.request_id, result)
+        else:
+            self._status_waiters.setdefault((waiter.queue_id, command.message_id), []).append(waiter)
+
+    def _wake_status_waiters(self, operations: list[Operation]) -> None:
+        for op in operations:
+            waiters = self._status_waiters.pop((op.queue_id, op.index), None)
+            for waiter in waiters or ():
+                self._check_status(waiter, final=False)
+
+    def _fail_waiters_on_stop(self) -> None:
+        for name in list(self._waiters):
+            for waiter in self._waiters.pop(name):
+                waiter.command.replier.fail(waiter.command.request_id, QueueError(E_SHUTTING_DOWN))
+        for waiters in self._status_waiters.values():
+            for waiter in waiters:
+                waiter.command.replier.fail(waiter.command.request_id, QueueError(E_SHUTTING_DOWN))
+        self._status_waiters.clear()
+
+    # --- views -----------------------------------------------------------------------------
+    def describe(self, core: QueueCore) -> dict[str, Any]:
+        """Seed 004 QueueStats for one queue (replication fields filled by later releases)."""
+        record = core.record
+        return {
+            "name": record.name, "incarnation": record.queue_id, "state": record.state.value,
+            "options": record.options.to_json(), "epoch": record.epoch,
+            "master": self.config.node_id, "replica": None, "replication_state": "unreplicated",
+            "master_status": "local",
+            "depth": core.depth, "in_flight": core.in_flight, "ready": record.ready_count,
+            "total_enqueued": record.total_enqueued, "total_acked": record.total_acked,
+            "total_dead_lettered": record.total_dead_lettered, "total_redelivered": record.total_redelivered,
+            "highest_depth": record.highest_depth, "configured_depth": record.options.max_depth,
+            "average_service_ms": (record.service_ms_total / record.service_count) if record.service_count else 0.0,
+            "next_index": record.next_index, "dead_letter_of": record.dead_letter_of,
+        }
+
+    def pending_commands(self) -> int:
+        return len(self._inbox)

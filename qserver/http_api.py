@@ -1,0 +1,351 @@
+"""The REST API of DESIGN.md 4.4 (aiohttp), at exactly its paths.
+
+Every handler authenticates (middleware), validates its input into a command, hands it to
+the engine and shapes the answer. Foreign exceptions become catalog errors here and only
+here; nothing a client sends can reach a core unvalidated.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import os
+import time
+from typing import Any, Awaitable, Callable
+
+from aiohttp import web
+
+from client import errors as e
+from client.errors import QueueError
+from client.signing import new_private_key, private_key_to_text, public_key_from_text, public_key_text
+from qserver import commands as c
+from qserver.auth import Principal, validate_grants
+from qserver.engine import TERMINAL_STATES, Engine
+from replication.options import (OptionError, PRIORITY_DEFAULT, is_valid_queue_name, parse_options)
+
+log = logging.getLogger("qserver.http")
+PRINCIPAL = web.AppKey("principal", Principal)
+UNSIGNED_PATHS = frozenset({"/healthz", "/metrics"})
+ENGINE_ANSWER_GRACE_S = 30.0
+STATUS_STATES = frozenset({"queued", "delivered", "acked", "replied", "dead_lettered"})
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_response(error: QueueError) -> web.Response:
+    return web.json_response(error.envelope(), status=error.http_status)
+
+
+@web.middleware
+async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Translate every failure into the error envelope, and authenticate signed routes."""
+    node = request.app["node"]
+    try:
+        if request.path not in UNSIGNED_PATHS:
+            length = request.content_length
+            if length is not None and length > node.config.body_bytes_max:
+                raise QueueError(e.E_PAYLOAD_TOO_LARGE, f"body over {node.config.body_bytes_max} bytes")
+            body = await request.read()
+            raw_path = request.raw_path.split("?", 1)[0]
+            request["principal"] = node.auth.authenticate(request.method, raw_path, request.rel_url.query.items(),
+                                                          request.headers, body)
+        return await handler(request)
+    except QueueError as error:
+        return error_response(error)
+    except web.HTTPRequestEntityTooLarge:
+        return error_response(QueueError(e.E_PAYLOAD_TOO_LARGE, f"body over {node.config.body_bytes_max} bytes"))
+    except web.HTTPMethodNotAllowed:
+        return error_response(QueueError(e.E_METHOD_NOT_ALLOWED))
+    except web.HTTPNotFound:
+        return error_response(QueueError(e.E_NOT_FOUND, f"no route {request.method} {request.path}"))
+    except web.HTTPException:
+        raise
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("unexpected error on %s %s", request.method, request.path)
+        return error_response(QueueError(e.E_INTERNAL))
+
+
+def principal(request: web.Request) -> Principal:
+    return request["principal"]  # type: ignore[no-any-return]
+
+
+def queue_name(request: web.Request, privilege: str) -> str:
+    name = request.match_info["q"]
+    if not is_valid_queue_name(name):
+        raise QueueError(e.E_INVALID_NAME, "queue names are 1-200 of A-Z a-z 0-9 . _ : - starting alphanumeric")
+    principal(request).require(privilege, name)
+    return name
+
+
+async def json_body(request: web.Request) -> Any:
+    raw = await request.read()
+    if not raw:
+        return {}
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise QueueError(e.E_BAD_JSON, "the body is not valid JSON") from None
+
+
+def number_param(request: web.Request, name: str, default: float, low: float, high: float) -> float:
+    raw = request.rel_url.query.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise QueueError(e.E_INVALID_OPTION, f"{name} must be a number") from None
+    if not low <= value <= high or value != value:
+        raise QueueError(e.E_INVALID_OPTION, f"{name} must be between {low:g} and {high:g}")
+    return value
+
+
+def message_id(request: web.Request) -> int:
+    raw = request.match_info["id"]
+    if not raw.isdigit() or not 0 < int(raw) < 2**63:
+        raise QueueError(e.E_INVALID_OPTION, "message ids are positive integers")
+    return int(raw)
+
+
+def receipt(request: web.Request) -> str:
+    value = request.rel_url.query.get("receipt", "")
+    if not value or len(value) > 64:
+        raise QueueError(e.E_BAD_REQUEST, "the receipt query parameter is required")
+    return value
+
+
+async def call(engine: Engine, factory: Callable[[c.FutureReplier], c.Command], wait_s: float = 0.0,
+               *, may_have_applied: bool = False) -> Any:
+    try:
+        return await asyncio.wait_for(engine.call(factory), wait_s + ENGINE_ANSWER_GRACE_S)
+    except asyncio.TimeoutError:
+        raise QueueError(e.E_TIMEOUT, "the node did not answer in time", outcome_unknown=may_have_applied) from None
+
+
+# --- queues ------------------------------------------------------------------------------
+async def put_queue(request: web.Request) -> web.Response:
+    name = queue_name(request, "admin")
+    try:
+        options, placement = parse_options(await json_body(request))
+    except OptionError as error:
+        raise QueueError(e.E_INVALID_OPTION, str(error)) from None
+    engine = request.app["node"].engine
+    result = await call(engine, lambda r: c.CreateQueue(name, options, placement, r))
+    return web.json_response(result, status=201 if result["created"] else 200)
+
+
+async def empty_queue_name(request: web.Request) -> web.Response:
+    raise QueueError(e.E_INVALID_NAME, "the queue name is empty")
+
+
+async def list_queues(request: web.Request) -> web.Response:
+    engine = request.app["node"].engine
+    who = principal(request)
+    return web.json_response({"queues": [engine.describe(core) for name, core in sorted(engine.cores.items())
+                                         if who.may_see(name)]})
+
+
+async def get_queue(request: web.Request) -> web.Response:
+    name = request.match_info["q"]
+    if not is_valid_queue_name(name):
+        raise QueueError(e.E_INVALID_NAME, "invalid queue name")
+    if not principal(request).may_see(name):
+        raise QueueError(e.E_FORBIDDEN, f"no grant covers {name}")
+    engine = request.app["node"].engine
+    core = engine.cores.get(name)
+    if core is None:
+        raise QueueError(e.E_UNKNOWN_QUEUE, f"no queue named {name!r}")
+    stats = engine.describe(core)
+    stats.update(request.app["node"].client_counts(name))
+    return web.json_response(stats)
+
+
+async def delete_queue(request: web.Request) -> web.Response:
+    name = queue_name(request, "admin")
+    return web.json_response(await call(request.app["node"].engine, lambda r: c.DeleteQueue(name, r)))
+
+
+# --- messages ----------------------------------------------------------------------------
+async def enqueue(request: web.Request) -> web.Response:
+    name = queue_name(request, "post")
+    raw_priority = request.headers.get("X-Priority", str(PRIORITY_DEFAULT))
+    if not raw_priority.isdigit() or not 0 <= int(raw_priority) <= 9:
+        raise QueueError(e.E_INVALID_OPTION, "X-Priority must be 0-9")
+    dedupe_id = request.headers.get("X-Dedupe-Id")
+    if dedupe_id is not None and not 0 < len(dedupe_id) <= 128:
+        raise QueueError(e.E_INVALID_OPTION, "X-Dedupe-Id must be 1-128 characters")
+    payload = await request.read()
+    engine = request.app["node"].engine
+    client = principal(request).client_id
+    message_index, epoch = await call(
+        engine, lambda r: c.Enqueue(name, payload, int(raw_priority), dedupe_id, client, r), may_have_applied=True)
+    one_way = engine.cores[name].options.type.value == "one_way" if name in engine.cores else False
+    return web.json_response({"id": message_index, "epoch": epoch}, status=202 if one_way else 201)
+
+
+async def receive(request: web.Request) -> web.Response:
+    name = queue_name(request, "get")
+    node = request.app["node"]
+    wait_s = number_param(request, "wait_s", 0.0, 0.0, node.config.receive_wait_max_s)
+    visibility_s = number_param(request, "visibility_timeout_s", -1.0, 0.0, 43_200.0) if \
+        "visibility_timeout_s" in request.rel_url.query else None
+    visibility_ms = None if visibility_s is None else int(visibility_s * 1000)
+    client = principal(request).client_id
+    messages = await call(node.engine, lambda r: c.Receive(name, 1, int(wait_s * 1000), visibility_ms, client, r),
+                          wait_s)
+    if not messages:
+        return web.Response(status=204)
+    message = messages[0]
+    return web.Response(status=200, body=message.payload, content_type="application/octet-stream", headers={
+        "X-Message-Id": str(message.message_id), "X-Receipt": message.receipt,
+        "X-Priority": str(message.priority), "X-Deliveries": str(message.deliveries)})
+
+
+async def ack(request: web.Request) -> web.Response:
+    name = queue_name(request, "delete")
+    index, token = message_id(request), receipt(request)
+    client = principal(request).client_id
+    await call(request.app["node"].engine, lambda r: c.Ack(name, index, token, client, r))
+    return web.json_response({"acked": index})
+
+
+async def release(request: web.Request) -> web.Response:
+    name = queue_name(request, "get")
+    index, token = message_id(request), receipt(request)
+    client = principal(request).client_id
+    await call(request.app["node"].engine, lambda r: c.Ack(name, index, token, client, r, release=True))
+    return web.json_response({"released": index})
+
+
+async def reply(request: web.Request) -> web.Response:
+    name = queue_name(request, "delete")
+    index, token = message_id(request), receipt(request)
+    payload = await request.read()
+    client = principal(request).client_id
+    await call(request.app["node"].engine, lambda r: c.Ack(name, index, token, client, r, reply_payload=payload))
+    return web.json_response({"replied": index})
+
+
+async def message_status(request: web.Request) -> web.Response:
+    name = queue_name(request, "post")
+    index = message_id(request)
+    node = request.app["node"]
+    wait_s = number_param(request, "wait_s", 0.0, 0.0, node.config.receive_wait_max_s)
+    until_raw = request.rel_url.query.get("until")
+    until = frozenset(until_raw.split(",")) if until_raw else TERMINAL_STATES
+    if not until <= STATUS_STATES:
+        raise QueueError(e.E_INVALID_OPTION, f"until takes states among {', '.join(sorted(STATUS_STATES))}")
+    result = await call(node.engine, lambda r: c.MessageStatus(name, index, int(wait_s * 1000), until, r), wait_s)
+    reply_payload = result.pop("reply", None)
+    if reply_payload is not None:
+        result["reply_b64"] = base64.b64encode(reply_payload).decode()
+    return web.json_response(result)
+
+
+# --- clients -----------------------------------------------------------------------------
+async def register_client(request: web.Request) -> web.Response:
+    principal(request).require("admin")
+    body = await json_body(request)
+    if not isinstance(body, dict) or not isinstance(body.get("name"), str) or not is_valid_queue_name(body["name"]):
+        raise QueueError(e.E_INVALID_NAME, "a client needs a name of 1-200 of A-Z a-z 0-9 . _ : -")
+    grants = validate_grants(body.get("grants", []))
+    engine = request.app["node"].engine
+    if any(record["name"] == body["name"] for record in engine.clients.values()):
+        raise QueueError(e.E_CLIENT_EXISTS, f"a client named {body['name']} exists")
+    private_text = None
+    if body.get("public_key") is not None:
+        try:
+            public_key_from_text(str(body["public_key"]))
+        except ValueError:
+            raise QueueError(e.E_INVALID_OPTION, "public_key must be a base64 raw Ed25519 key") from None
+        public_text = str(body["public_key"])
+    else:
+        key = new_private_key()
+        private_text, public_text = private_key_to_text(key), public_key_text(key)
+    client_id = "c-" + os.urandom(6).hex()
+    record = {"id": client_id, "name": body["name"], "public_key": public_text, "grants": grants,
+              "created_ms": int(time.time() * 1000)}
+    await call(engine, lambda r: c.PutClient(client_id, record, r))
+    answer = dict(record)
+    if private_text is not None:
+        answer["private_key"] = private_text
+    return web.json_response(answer, status=201)
+
+
+async def list_clients(request: web.Request) -> web.Response:
+    principal(request).require("admin")
+    return web.json_response({"clients": sorted(request.app["node"].engine.clients.values(), key=lambda r: r["name"])})
+
+
+async def remove_client(request: web.Request) -> web.Response:
+    principal(request).require("admin")
+    client_id = request.match_info["id"]
+    await call(request.app["node"].engine, lambda r: c.PutClient(client_id, None, r))
+    return web.json_response({"removed": client_id})
+
+
+async def set_grants(request: web.Request) -> web.Response:
+    principal(request).require("admin")
+    client_id = request.match_info["id"]
+    engine = request.app["node"].engine
+    body = await json_body(request)
+    grants = validate_grants(body.get("grants") if isinstance(body, dict) else None)
+    record = engine.clients.get(client_id)
+    if record is None:
+        raise QueueError(e.E_UNKNOWN_CLIENT, f"no client {client_id}")
+    updated = {**record, "grants": grants}
+    await call(engine, lambda r: c.PutClient(client_id, updated, r))
+    return web.json_response(updated)
+
+
+# --- cluster, node ----------------------------------------------------------------------
+async def cluster(request: web.Request) -> web.Response:
+    node = request.app["node"]
+    who = principal(request)
+    queues = {name: {"master": node.config.node_id, "replica": None, "epoch": core.record.epoch}
+              for name, core in node.engine.cores.items() if who.may_see(name)}
+    return web.json_response({"nodes": [{"id": node.config.node_id, "url": node.url, "state": "up"}],
+                              "leader": None, "queues": queues})
+
+
+async def not_yet(request: web.Request) -> web.Response:
+    principal(request).require("admin", request.match_info.get("q", "*"))
+    raise QueueError(e.E_NOT_IMPLEMENTED, f"{request.method} {request.path} arrives with the replication and membership releases")
+
+
+async def healthz(request: web.Request) -> web.Response:
+    node = request.app["node"]
+    return web.json_response({"status": "ok", "node": node.config.node_id, "queues": len(node.engine.cores)})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(text=request.app["node"].render_metrics(), content_type="text/plain")
+
+
+def add_routes(app: web.Application) -> None:
+    r = app.router
+    r.add_put("/v1/queues/", empty_queue_name)
+    r.add_get("/v1/queues", list_queues)
+    r.add_put("/v1/queues/{q}", put_queue)
+    r.add_get("/v1/queues/{q}", get_queue)
+    r.add_delete("/v1/queues/{q}", delete_queue)
+    r.add_post("/v1/queues/{q}/messages", enqueue)
+    r.add_post("/v1/queues/{q}/receive", receive)
+    r.add_delete("/v1/queues/{q}/messages/{id}", ack)
+    r.add_post("/v1/queues/{q}/messages/{id}/release", release)
+    r.add_post("/v1/queues/{q}/messages/{id}/reply", reply)
+    r.add_get("/v1/queues/{q}/messages/{id}/status", message_status)
+    for path in ("/v1/queues/{q}/handoff", "/v1/queues/{q}/move", "/v1/queues/{q}/promote",
+                 "/v1/cluster/rebalance", "/v1/journal/export", "/v1/cluster/nodes",
+                 "/v1/cluster/nodes/{id}/drain"):
+        r.add_post(path, not_yet)
+    r.add_delete("/v1/cluster/nodes/{id}", not_yet)
+    r.add_get("/v1/cluster", cluster)
+    r.add_post("/v1/clients", register_client)
+    r.add_get("/v1/clients", list_clients)
+    r.add_delete("/v1/clients/{id}", remove_client)
+    r.add_put("/v1/clients/{id}/grants", set_grants)
+    r.add_get("/healthz", healthz)
+    r.add_get("/metrics", metrics)

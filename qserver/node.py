@@ -1,0 +1,138 @@
+"""One node: storage, engine, authentication and the aiohttp application around them."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from client import errors as e
+from client.errors import QueueError
+from qserver.auth import Authenticator
+from qserver.config import NodeConfig
+from qserver.engine import Engine
+from qserver.http_api import add_routes, errors_and_auth
+from qserver.metrics import render_family
+from qserver.storage import Storage
+from qserver.ws_api import ClientConnection, websocket
+
+log = logging.getLogger("qserver")
+
+
+class Node:
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.storage = Storage(Path(config.data_dir) / "lmdb", node_id=config.node_id, map_size_bytes=config.map_size_bytes,
+                               map_size_max_bytes=config.map_size_max_bytes,
+                               journal_enabled=config.journal_enabled)
+        self.engine = Engine(config, self.storage)
+        self.auth = Authenticator(self.engine.clients, skew_max_s=config.signature_skew_max_s,
+                                  enabled=config.auth_enabled)
+        self.connections: set[ClientConnection] = set()
+        self.bad_frames = 0
+        self.url = f"http://{config.host}:{config.port}"
+        self.engine.on_clients_changed = self._clients_changed
+
+    async def start(self) -> None:
+        await self.engine.start()
+        self.auth._clients = self.engine.clients   # the engine rebuilt its registry on load
+
+    async def stop(self) -> None:
+        for connection in list(self.connections):
+            await connection.close_with(QueueError(e.E_SHUTTING_DOWN, "the node is stopping"))
+        await self.engine.stop()
+        self.storage.close()
+
+    def _clients_changed(self) -> None:
+        """Close the sockets of removed clients and of clients that lost a grant."""
+        self.auth._clients = self.engine.clients
+        for connection in list(self.connections):
+            record = self.engine.clients.get(connection.principal.client_id)
+            if record is None:
+                error = QueueError(e.E_UNAUTHENTICATED, "the client was removed")
+            elif any(grant not in record["grants"] for grant in connection.principal.grants):
+                error = QueueError(e.E_FORBIDDEN, "a grant of this client was revoked")
+            else:
+                continue
+            asyncio.get_running_loop().create_task(connection.close_with(error))
+
+    def client_counts(self, queue: str) -> dict[str, int]:
+        producers = sum(1 for conn in self.connections if queue in conn.queues_produced)
+        consumers = sum(1 for conn in self.connections if queue in conn.queues_consumed)
+        return {"producer_clients": producers, "consumer_clients": consumers,
+                "remote_clients": len({conn.principal.client_id for conn in self.connections
+                                       if queue in conn.queues_produced or queue in conn.queues_consumed})}
+
+    def render_metrics(self) -> str:
+        engine = self.engine
+        per_queue: dict[str, list[tuple[dict[str, str], float]]] = {
+            "depth": [], "in_flight": [], "enqueued": [], "acked": [], "dead_lettered": [], "redelivered": []}
+        for name, core in sorted(engine.cores.items()):
+            labels = {"queue": name}
+            record = core.record
+            per_queue["depth"].append((labels, core.depth))
+            per_queue["in_flight"].append((labels, core.in_flight))
+            per_queue["enqueued"].append((labels, record.total_enqueued))
+            per_queue["acked"].append((labels, record.total_acked))
+            per_queue["dead_lettered"].append((labels, record.total_dead_lettered))
+            per_queue["redelivered"].append((labels, record.total_redelivered))
+        lines: list[str] = []
+        lines += render_family("qserver_queue_depth", "gauge", "messages held (ready and in flight)", per_queue["depth"])
+        lines += render_family("qserver_queue_in_flight", "gauge", "messages leased to consumers", per_queue["in_flight"])
+        for name in ("enqueued", "acked", "dead_lettered", "redelivered"):
+            lines += render_family(f"qserver_queue_{name}_total", "counter", f"messages {name.replace('_', ' ')}",
+                                   per_queue[name])
+        lines += engine.commit_seconds.render()
+        lines += engine.batch_operations.render()
+        lines += render_family("qserver_inbox_commands", "gauge", "commands waiting for the engine",
+                               [({}, engine.pending_commands())])
+        lines += render_family("qserver_websocket_connections", "gauge", "open client WebSockets",
+                               [({}, len(self.connections))])
+        lines += render_family("qserver_rejected_total", "counter", "requests refused for bad input or auth",
+                               [({"code": code}, count) for code, count in sorted(self.auth.failures.items())]
+                               + [({"code": "E_BAD_FRAME"}, self.bad_frames)]
+                               + [({"code": "E_OVERLOADED"}, engine.rejected["overloaded"])])
+        lines += render_family("qserver_storage_map_bytes", "gauge", "LMDB map size", [({}, self.storage.map_size())])
+        return "\n".join(lines) + "\n"
+
+    def application(self) -> web.Application:
+        app = web.Application(middlewares=[errors_and_auth], client_max_size=self.config.body_bytes_max + 4096)
+        app["node"] = self
+        add_routes(app)
+        app.router.add_get("/v1/ws", websocket)
+        return app
+
+
+async def serve(config: NodeConfig, *, ready: asyncio.Event | None = None) -> None:
+    """Run a node until SIGTERM or SIGINT, then stop in order (answers first, then storage)."""
+    node = Node(config)
+    await node.start()
+    runner = web.AppRunner(node.application(), access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port, reuse_address=True, backlog=1024)
+    await site.start()
+    log.info("node %s serving on %s (data in %s)", config.node_id, node.url, config.data_dir)
+    print(f"qserver {config.node_id} ready on {node.url}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    log.info("node %s stopping", config.node_id)
+    await site.stop()
+    await node.stop()
+    await runner.cleanup()
+
+
+def run(config: NodeConfig) -> None:
+    try:
+        import uvloop
+        runner: Any = uvloop.run
+    except ImportError:  # uvloop is optional on platforms without it
+        runner = asyncio.run
+    runner(serve(config))

@@ -1,0 +1,188 @@
+"""The client WebSocket (`GET /v1/ws`): the fast path of the client library.
+
+One connection carries many pipelined requests: a frame of N operations becomes N commands
+in the engine's inbox without an await per operation, and the answers the engine releases
+after each group commit are coalesced into one outgoing frame per event-loop turn. The
+upgrade request is signed like any request; grants are checked per operation. Frames are
+documented in docs/PROTOCOL.md.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from aiohttp import WSMsgType, web
+
+from client import errors as e
+from client.errors import QueueError
+from client.protocol import (AckOp, Closing, CreditOp, Delivery, DeliveredMessage, EnqueueOp, ErrorReply,
+                             FrameError, OkReply, PingOp, ReceiveOp, ReleaseOp, SubscribeOp, UnsubscribeOp,
+                             decode_client_frame, encode_frame)
+from qserver import commands as c
+from qserver.auth import Principal
+from replication.options import is_valid_queue_name
+
+log = logging.getLogger("qserver.ws")
+
+
+class ClientConnection:
+    """One client's socket; also the Replier its commands answer through."""
+
+    def __init__(self, ws: web.WebSocketResponse, principal: Principal, node: Any) -> None:
+        self.ws = ws
+        self.principal = principal
+        self.node = node
+        self.engine = node.engine
+        self._body_bytes_max = node.config.body_bytes_max
+        self._pending_bytes_max = node.config.websocket_pending_bytes_max
+        self._out: list[Any] = []
+        self._flush_scheduled = False
+        self._sending = False
+        self._closed = False
+        self.subscriptions: set[int] = set()
+        self.queues_produced: set[str] = set()
+        self.queues_consumed: set[str] = set()
+        self._loop = asyncio.get_running_loop()
+
+    # --- Replier ---------------------------------------------------------------------------
+    def reply(self, request_id: int, result: Any) -> None:
+        self._emit(OkReply(request_id, result))
+
+    def fail(self, request_id: int, error: QueueError) -> None:
+        self._emit(ErrorReply(request_id, error.code, error.message, error.outcome_unknown))
+
+    def push(self, subscription_id: int, messages: list[DeliveredMessage]) -> None:
+        self._emit(Delivery(subscription_id, tuple(messages)))
+
+    def subscription_started(self, subscription_id: int) -> None:
+        self.subscriptions.add(subscription_id)
+
+    def subscription_ended(self, subscription_id: int, error: QueueError) -> None:
+        self.subscriptions.discard(subscription_id)
+        self._emit(ErrorReply(subscription_id, error.code, error.message, False))
+
+    def _emit(self, item: Any) -> None:
+        if self._closed:
+            return
+        self._out.append(item)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self._sending or not self._out or self._closed:
+            return
+        self._sending = True
+        self._loop.create_task(self._send_all())
+
+    async def _send_all(self) -> None:
+        try:
+            while self._out and not self._closed:
+                items, self._out = self._out, []
+                await self.ws.send_bytes(encode_frame(items))
+        except (ConnectionError, RuntimeError):
+            self._closed = True
+        finally:
+            self._sending = False
+
+    async def close_with(self, error: QueueError) -> None:
+        """Tell the client why, then close (client removed, grant revoked, shutdown)."""
+        if self._closed:
+            return
+        try:
+            await self.ws.send_bytes(encode_frame([Closing(error.code, error.message)]))
+        except (ConnectionError, RuntimeError):
+            pass
+        self._closed = True
+        await self.ws.close()
+
+    # --- reading ---------------------------------------------------------------------------
+    async def serve(self) -> None:
+        async for message in self.ws:
+            if message.type == WSMsgType.BINARY:
+                self._handle_frame(message.data)
+            elif message.type == WSMsgType.TEXT:
+                self.fail(0, QueueError(e.E_BAD_FRAME, "frames are binary msgpack"))
+            elif message.type == WSMsgType.ERROR:
+                break
+        self._closed = True
+        for subscription_id in list(self.subscriptions):
+            self.engine.submit(c.Unsubscribe(subscription_id, None))
+
+    def _handle_frame(self, data: bytes) -> None:
+        try:
+            items = decode_client_frame(data)
+        except FrameError as error:
+            self.node.bad_frames += 1
+            self.fail(0, QueueError(e.E_BAD_FRAME, str(error)))
+            return
+        submit = self.engine.submit
+        for item in items:
+            if type(item) is PingOp:
+                self.reply(item.request_id, None)
+                continue
+            try:
+                submit(self._command(item))
+            except QueueError as error:
+                self.fail(item.request_id, error)
+            except FrameError as error:
+                self.node.bad_frames += 1
+                self.fail(error.request_id, QueueError(e.E_BAD_FRAME, str(error)))
+
+    def _queue(self, name: str, privilege: str, request_id: int) -> str:
+        if not is_valid_queue_name(name):
+            raise QueueError(e.E_INVALID_NAME, f"invalid queue name {name[:40]!r}")
+        if not self.principal.allows(privilege, name):
+            raise QueueError(e.E_FORBIDDEN, f"client {self.principal.client_id} may not {privilege} on {name}")
+        return name
+
+    def _command(self, op: Any) -> c.Command:
+        if isinstance(op, FrameError):
+            raise op
+        kind = type(op)
+        client = self.principal.client_id
+        if kind is EnqueueOp:
+            if len(op.payload) > self._body_bytes_max:
+                raise QueueError(e.E_PAYLOAD_TOO_LARGE, f"message over {self._body_bytes_max} bytes")
+            if op.dedupe_id is not None and not 0 < len(op.dedupe_id) <= 128:
+                raise QueueError(e.E_INVALID_OPTION, "dedupe ids are 1-128 characters")
+            if op.queue not in self.queues_produced:
+                self.queues_produced.add(self._queue(op.queue, "post", op.request_id))
+            return c.Enqueue(op.queue, op.payload, op.priority, op.dedupe_id, client, self, op.request_id)
+        if kind is AckOp or kind is ReleaseOp:
+            self._queue(op.queue, "delete" if kind is AckOp else "get", op.request_id)
+            return c.Ack(op.queue, op.message_id, op.receipt, client, self, op.request_id, release=kind is ReleaseOp)
+        if kind is ReceiveOp:
+            self.queues_consumed.add(self._queue(op.queue, "get", op.request_id))
+            wait_ms = min(op.wait_ms, int(self.node.config.receive_wait_max_s * 1000))
+            return c.Receive(op.queue, op.max_messages, wait_ms, op.visibility_ms, client, self, op.request_id)
+        if kind is SubscribeOp:
+            self.queues_consumed.add(self._queue(op.queue, "get", op.request_id))
+            return c.Subscribe(op.queue, op.credit, op.visibility_ms, client, self, op.request_id)
+        if kind is CreditOp:
+            self._own_subscription(op.subscription_id)
+            return c.Credit(op.subscription_id, op.credit, self, op.request_id)
+        if kind is UnsubscribeOp:
+            self._own_subscription(op.subscription_id)
+            self.subscriptions.discard(op.subscription_id)
+            return c.Unsubscribe(op.subscription_id, self, op.request_id)
+        raise QueueError(e.E_BAD_FRAME, f"unsupported operation {kind.__name__}")
+
+    def _own_subscription(self, subscription_id: int) -> None:
+        if subscription_id not in self.subscriptions:
+            raise QueueError(e.E_BAD_REQUEST, f"subscription {subscription_id} is not on this connection")
+
+
+async def websocket(request: web.Request) -> web.StreamResponse:
+    node = request.app["node"]
+    ws = web.WebSocketResponse(max_msg_size=max(16 << 20, node.config.body_bytes_max * 16), heartbeat=30.0)
+    await ws.prepare(request)
+    connection = ClientConnection(ws, request["principal"], node)
+    node.connections.add(connection)
+    try:
+        await connection.serve()
+    finally:
+        node.connections.discard(connection)
+    return ws

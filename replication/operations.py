@@ -1,0 +1,77 @@
+"""The operations a queue core applies, as typed records.
+
+Each record is what the node persists (and journals) in one LMDB transaction and, from the
+replication release on, what the master sends to its replica in ordering-index order. Tags
+are fixed and never reused. They are plain values: no behaviour, no I/O.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Union
+
+
+@dataclass(frozen=True, slots=True)
+class Enqueued:
+    TAG: ClassVar[int] = 1
+    queue_id: int
+    index: int            # the ordering index; it is the message id
+    priority: int
+    enqueued_ms: int
+    dedupe_id: str | None
+    client: str
+    payload: bytes = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Leased:
+    """A ready message handed to a consumer until `deadline_ms` (the master's clock)."""
+    TAG: ClassVar[int] = 2
+    queue_id: int
+    index: int
+    priority: int
+    receipt: str
+    deadline_ms: int
+    deliveries: int
+    client: str
+    leased_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Acked:
+    TAG: ClassVar[int] = 3
+    queue_id: int
+    index: int
+    priority: int
+    client: str
+    acked_ms: int
+    track_status: bool
+    reply: bytes | None = field(default=None, repr=False)   # set for two_way replies
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    """A lease ended without an ack (given back, or expired): the message is ready again."""
+    TAG: ClassVar[int] = 4
+    queue_id: int
+    index: int
+    priority: int
+    deliveries: int
+    expired: bool
+    at_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLettered:
+    """After max_deliveries the message moves to the queue's dead-letter queue, in one step."""
+    TAG: ClassVar[int] = 5
+    queue_id: int
+    index: int
+    priority: int
+    deliveries: int
+    dead_letter_queue_id: int
+    dead_letter_index: int
+    at_ms: int
+    track_status: bool
+
+
+Operation = Union[Enqueued, Leased, Acked, Released, DeadLettered]

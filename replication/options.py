@@ -1,0 +1,166 @@
+"""Queue options, types, strengths and states, validated in one place.
+
+The option names are the public API of DESIGN.md 4.4 (`PUT /v1/queues/{q}` JSON). Queue
+types follow seed 004 ("Management of message queues", US 2003/0182464):
+- one_way: the producer is answered as soon as the node accepted the message, before it is
+  durable, and no completion status is kept (seed 004 One_Way: no RQP_ENQUEUE_ACK);
+- one_way_ack: answered once durable; the producer can wait for the consumer's ack
+  (seed 004 One_Way_Acknowledged and its CheckMsgCompletion);
+- queued_ack: answered once durable (the default; DESIGN.md 3.1);
+- two_way: as queued_ack, and the consumer sends a reply the producer can wait for
+  (seed 004 Two_Way, SendReply).
+"""
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+QUEUE_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$")
+DEAD_LETTER_SUFFIX = ".dlq"
+PRIORITY_MAX = 9
+PRIORITY_DEFAULT = 4
+
+
+class QueueType(str, enum.Enum):
+    ONE_WAY = "one_way"
+    ONE_WAY_ACK = "one_way_ack"
+    QUEUED_ACK = "queued_ack"
+    TWO_WAY = "two_way"
+
+
+class Strength(str, enum.Enum):
+    PRODUCER = "producer"
+    FULL = "full"
+
+
+class QueueState(str, enum.Enum):
+    """Seed 004's queue state machine (UNKNOWN ... OPEN ... FAILED)."""
+    UNKNOWN = "UNKNOWN"
+    CONFIGURING = "CONFIGURING"
+    CONFIGURED = "CONFIGURED"
+    OPENING = "OPENING"
+    OPEN = "OPEN"
+    CLOSING = "CLOSING"
+    CLOSED = "CLOSED"
+    FAILED = "FAILED"
+
+
+# Every allowed state change in one table; anything else is a programmer error.
+QUEUE_STATE_TRANSITIONS: dict[QueueState, frozenset[QueueState]] = {
+    QueueState.UNKNOWN: frozenset({QueueState.CONFIGURING}),
+    QueueState.CONFIGURING: frozenset({QueueState.CONFIGURED, QueueState.FAILED}),
+    QueueState.CONFIGURED: frozenset({QueueState.OPENING, QueueState.CLOSING, QueueState.FAILED}),
+    QueueState.OPENING: frozenset({QueueState.OPEN, QueueState.FAILED}),
+    QueueState.OPEN: frozenset({QueueState.CLOSING, QueueState.FAILED}),
+    QueueState.CLOSING: frozenset({QueueState.CLOSED, QueueState.FAILED}),
+    QueueState.CLOSED: frozenset(),
+    QueueState.FAILED: frozenset({QueueState.OPENING, QueueState.CLOSING}),
+}
+
+
+class OptionError(ValueError):
+    """An option value is out of range; the message names the option."""
+
+
+@dataclass(frozen=True, slots=True)
+class QueueOptions:
+    strength: Strength = Strength.PRODUCER
+    max_depth: int = 1_000_000
+    type: QueueType = QueueType.QUEUED_ACK
+    visibility_timeout_s: float = 30.0
+    max_deliveries: int = 10
+    dead_letter: bool = True
+    min_in_sync: int = 1
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["strength"] = self.strength.value
+        out["type"] = self.type.value
+        return out
+
+    @property
+    def tracks_status(self) -> bool:
+        return self.type is not QueueType.ONE_WAY
+
+    @property
+    def visibility_timeout_ms(self) -> int:
+        return int(self.visibility_timeout_s * 1000)
+
+
+OPTION_NAMES = frozenset(f.name for f in fields(QueueOptions))
+# Placement options are requests about where the pair lives, not properties of the queue:
+# they are validated but never stored or compared (DESIGN.md 4.4, seed 004 MASTER_REQUIRED).
+PLACEMENT_OPTION_NAMES = frozenset({"master_required", "master", "replica"})
+
+
+def _number(raw: dict[str, Any], name: str, low: float, high: float, integral: bool) -> Any:
+    value = raw[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integral and not isinstance(value, int)):
+        raise OptionError(f"{name} must be {'an integer' if integral else 'a number'}")
+    if not low <= value <= high:
+        raise OptionError(f"{name} must be between {low:g} and {high:g}")
+    return value
+
+
+def parse_options(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split a create/open request into (queue options given, placement requests), validated.
+
+    Only the options the caller named are returned, so `open` can compare just those with
+    an existing queue's (DESIGN.md: different options -> E_OPTIONS_MISMATCH)."""
+    if not isinstance(raw, dict):
+        raise OptionError("options must be a JSON object")
+    unknown = set(raw) - OPTION_NAMES - PLACEMENT_OPTION_NAMES
+    if unknown:
+        raise OptionError(f"unknown options: {', '.join(sorted(unknown))}")
+    given: dict[str, Any] = {}
+    for name in raw.keys() & OPTION_NAMES:
+        if name == "strength":
+            given[name] = _enum(Strength, raw[name], name)
+        elif name == "type":
+            given[name] = _enum(QueueType, raw[name], name)
+        elif name == "dead_letter":
+            if not isinstance(raw[name], bool):
+                raise OptionError("dead_letter must be true or false")
+            given[name] = raw[name]
+        elif name == "visibility_timeout_s":
+            given[name] = float(_number(raw, name, 0.0, 43_200.0, False))
+        elif name == "max_depth":
+            given[name] = _number(raw, name, 1, 2**40, True)
+        elif name == "max_deliveries":
+            given[name] = _number(raw, name, 1, 1_000_000, True)
+        else:  # min_in_sync
+            given[name] = _number(raw, name, 1, 2, True)
+    placement = {k: raw[k] for k in raw.keys() & PLACEMENT_OPTION_NAMES}
+    if "master_required" in placement and not isinstance(placement["master_required"], bool):
+        raise OptionError("master_required must be true or false")
+    for member in ("master", "replica"):
+        if member in placement and not isinstance(placement[member], str):
+            raise OptionError(f"{member} must be a node id")
+    return given, placement
+
+
+def _enum(kind: type[enum.Enum], value: Any, name: str) -> Any:
+    try:
+        return kind(value)
+    except ValueError:
+        allowed = ", ".join(member.value for member in kind)  # type: ignore[attr-defined]
+        raise OptionError(f"{name} must be one of {allowed}") from None
+
+
+def options_from_json(raw: dict[str, Any]) -> QueueOptions:
+    """Rebuild stored options (already validated when the queue was created)."""
+    return QueueOptions(**{**raw, "strength": Strength(raw["strength"]), "type": QueueType(raw["type"])})
+
+
+def mismatched_options(existing: QueueOptions, given: dict[str, Any]) -> list[str]:
+    return sorted(name for name, value in given.items() if getattr(existing, name) != value)
+
+
+def is_valid_queue_name(name: str) -> bool:
+    return bool(QUEUE_NAME_PATTERN.match(name))
+
+
+def dead_letter_name(queue: str) -> str:
+    return queue + DEAD_LETTER_SUFFIX

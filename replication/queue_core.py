@@ -1,0 +1,311 @@
+"""The queue core: one queue's decisions as a pure state machine.
+
+The node feeds it commands (`enqueue`, `lease`, `ack`, `release`, `reply`, `expire_leases`)
+with the current time as an argument; each appends the operations it decided to `out`, in
+order, for the node to persist in one transaction before answering anyone (group commit:
+DESIGN.md 4.3, STYLE.md "effects in order"). Nothing here waits, sleeps or does I/O apart
+from committed-state reads through `StoreReader`.
+
+Memory holds the leases in flight and, per priority, a heap of ready message indices. After
+a restart the heap starts empty and pages of pre-restart messages are loaded on demand
+(`_fill_head`), so a node holding a million messages serves at once. Invariant per priority:
+the heap holds every ready message with index <= `_loaded_upto`, plus any newer ones
+(everything made ready since the restart); a page is loaded whenever the heap's head lies
+beyond `_loaded_upto`, which keeps delivery in (priority, index) order.
+"""
+from __future__ import annotations
+
+import heapq
+import random
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from client.errors import (E_LEASE_EXPIRED, E_QUEUE_FULL, E_UNKNOWN_MESSAGE, E_WRONG_QUEUE_TYPE,
+                           QueueError)
+from replication.operations import Acked, DeadLettered, Enqueued, Leased, Operation, Released
+from replication.options import (PRIORITY_MAX, QUEUE_STATE_TRANSITIONS, QueueOptions, QueueState,
+                                 QueueType, options_from_json)
+from replication.store import StoreReader, StoredLease
+
+READY_PAGE_SIZE = 1024
+PRIORITIES_HIGH_FIRST = tuple(range(PRIORITY_MAX, -1, -1))
+
+
+class InvariantViolation(Exception):
+    """A broken invariant: a programmer error. The node crashes and restarts (STYLE.md)."""
+
+
+@dataclass(slots=True)
+class QueueRecord:
+    """A queue's persisted identity and counters; written in every batch that touched it."""
+    queue_id: int          # the incarnation: a new id each time a name is (re)created
+    name: str
+    options: QueueOptions
+    created_ms: int
+    next_index: int = 1
+    epoch: int = 1
+    state: QueueState = QueueState.UNKNOWN
+    ready_count: int = 0
+    dead_letter_of: str | None = None
+    total_enqueued: int = 0
+    total_acked: int = 0
+    total_dead_lettered: int = 0
+    total_redelivered: int = 0
+    highest_depth: int = 0
+    service_ms_total: int = 0
+    service_count: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["options"] = self.options.to_json()
+        out["state"] = self.state.value
+        return out
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> "QueueRecord":
+        return cls(**{**raw, "options": options_from_json(raw["options"]), "state": QueueState(raw["state"])})
+
+
+@dataclass(slots=True)
+class _Lease:
+    priority: int
+    receipt: str
+    deadline_ms: int
+    deliveries: int
+    leased_ms: int
+
+
+@dataclass(slots=True)
+class _DedupeOverlay:
+    """Dedupe ids of enqueues not yet committed (reads see committed state only)."""
+    staged: dict[str, tuple[int, int]] = field(default_factory=dict)
+    sealed: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+class QueueCore:
+    def __init__(self, record: QueueRecord, reader: StoreReader, rng: random.Random, *,
+                 leases: list[StoredLease] = (), dedupe_window_ms: int = 300_000) -> None:  # type: ignore[assignment]
+        self.record = record
+        self._reader = reader
+        self._rng = rng
+        self._dedupe_window_ms = dedupe_window_ms
+        self._dedupe = _DedupeOverlay()
+        self.dead_letter_core: QueueCore | None = None
+        # Every index below the boundary was stored before this core was built.
+        self._boundary = record.next_index
+        self._ready: list[list[int]] = [[] for _ in range(PRIORITY_MAX + 1)]
+        self._ready_deliveries: dict[int, int] = {}
+        self._loaded_upto = [0] * (PRIORITY_MAX + 1)
+        self._exhausted = [record.ready_count == 0] * (PRIORITY_MAX + 1)
+        self._pushed_beyond: list[set[int]] = [set() for _ in range(PRIORITY_MAX + 1)]
+        self._leases: dict[int, _Lease] = {}
+        self._lease_deadlines: list[tuple[int, int, str]] = []
+        for stored in leases:
+            self._add_lease(stored.index, _Lease(stored.priority, stored.receipt, stored.deadline_ms,
+                                                 stored.deliveries, stored.leased_ms))
+
+    # --- identity and state ----------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.record.name
+
+    @property
+    def queue_id(self) -> int:
+        return self.record.queue_id
+
+    @property
+    def options(self) -> QueueOptions:
+        return self.record.options
+
+    @property
+    def depth(self) -> int:
+        return self.record.ready_count + len(self._leases)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._leases)
+
+    def transition(self, state: QueueState) -> None:
+        if state not in QUEUE_STATE_TRANSITIONS[self.record.state]:
+            raise InvariantViolation(f"queue {self.name}: {self.record.state.value} -> {state.value}")
+        self.record.state = state
+
+    # --- commands --------------------------------------------------------------------------
+    def enqueue(self, payload: bytes, priority: int, dedupe_id: str | None, client: str,
+                now_ms: int, out: list[Operation]) -> tuple[int, bool]:
+        """Place a message; returns (message id, True if it repeats a kept dedupe id)."""
+        if dedupe_id is not None:
+            earlier = self._find_dedupe(dedupe_id, now_ms)
+            if earlier is not None:
+                return earlier, True
+        record = self.record
+        if record.ready_count + len(self._leases) >= record.options.max_depth:
+            raise QueueError(E_QUEUE_FULL, f"queue {record.name} holds {record.options.max_depth} messages")
+        index = record.next_index
+        record.next_index = index + 1
+        out.append(Enqueued(record.queue_id, index, priority, now_ms, dedupe_id, client, payload))
+        heapq.heappush(self._ready[priority], index)
+        record.ready_count += 1
+        record.total_enqueued += 1
+        if record.ready_count + len(self._leases) > record.highest_depth:
+            record.highest_depth = record.ready_count + len(self._leases)
+        if dedupe_id is not None:
+            self._dedupe.staged[dedupe_id] = (index, now_ms)
+        return index, False
+
+    def lease(self, max_messages: int, visibility_ms: int | None, client: str, now_ms: int,
+              out: list[Operation]) -> list[Leased]:
+        """Lease up to max_messages ready messages, highest priority first, then oldest."""
+        leased: list[Leased] = []
+        if self.record.ready_count == 0:
+            return leased
+        deadline_ms = now_ms + (self.options.visibility_timeout_ms if visibility_ms is None else visibility_ms)
+        for priority in PRIORITIES_HIGH_FIRST:
+            while len(leased) < max_messages and self._fill_head(priority):
+                index = heapq.heappop(self._ready[priority])
+                deliveries = self._ready_deliveries.pop(index, 0) + 1
+                receipt = f"{self._rng.getrandbits(64):016x}"
+                self.record.ready_count -= 1
+                self._add_lease(index, _Lease(priority, receipt, deadline_ms, deliveries, now_ms))
+                op = Leased(self.queue_id, index, priority, receipt, deadline_ms, deliveries, client, now_ms)
+                out.append(op)
+                leased.append(op)
+            if len(leased) == max_messages:
+                break
+        return leased
+
+    def ack(self, index: int, receipt: str, client: str, now_ms: int, out: list[Operation],
+            reply: bytes | None = None) -> None:
+        lease = self._valid_lease(index, receipt, now_ms, out)
+        del self._leases[index]
+        record = self.record
+        record.total_acked += 1
+        record.service_ms_total += now_ms - lease.leased_ms
+        record.service_count += 1
+        out.append(Acked(record.queue_id, index, lease.priority, client, now_ms,
+                         record.options.tracks_status, reply))
+
+    def reply(self, index: int, receipt: str, payload: bytes, client: str, now_ms: int,
+              out: list[Operation]) -> None:
+        """Seed 004 SendReply: the consumer's answer completes (acks) a two_way message."""
+        if self.options.type is not QueueType.TWO_WAY:
+            raise QueueError(E_WRONG_QUEUE_TYPE, f"queue {self.name} is {self.options.type.value}, not two_way")
+        self.ack(index, receipt, client, now_ms, out, reply=payload)
+
+    def release(self, index: int, receipt: str, now_ms: int, out: list[Operation]) -> None:
+        lease = self._valid_lease(index, receipt, now_ms, out)
+        self._end_lease(index, lease, now_ms, expired=False, out=out)
+
+    def expire_leases(self, now_ms: int, out: list[Operation]) -> int:
+        """End every lease whose deadline has passed; returns how many ended."""
+        ended = 0
+        deadlines = self._lease_deadlines
+        while deadlines and deadlines[0][0] <= now_ms:
+            _, index, receipt = heapq.heappop(deadlines)
+            lease = self._leases.get(index)
+            if lease is not None and lease.receipt == receipt:
+                self._end_lease(index, lease, now_ms, expired=True, out=out)
+                ended += 1
+        return ended
+
+    def next_deadline_ms(self) -> int | None:
+        return self._lease_deadlines[0][0] if self._lease_deadlines else None
+
+    def seal(self) -> None:
+        """The staged batch is going to disk; its dedupe ids stay visible until committed."""
+        self._dedupe.sealed, self._dedupe.staged = self._dedupe.staged, {}
+
+    def advance(self) -> None:
+        """The sealed batch is committed: the reader sees it now."""
+        self._dedupe.sealed = {}
+
+    def accept_dead_letter(self, priority: int, now_ms: int) -> int:
+        """Make room for a message moving in from the queue this one is the dead-letter queue of."""
+        record = self.record
+        index = record.next_index
+        record.next_index = index + 1
+        heapq.heappush(self._ready[priority], index)
+        record.ready_count += 1
+        record.total_enqueued += 1
+        record.highest_depth = max(record.highest_depth, self.depth)
+        return index
+
+    def has_ready(self) -> bool:
+        return self.record.ready_count > 0
+
+    # --- internals -------------------------------------------------------------------------
+    def _find_dedupe(self, dedupe_id: str, now_ms: int) -> int | None:
+        hit = self._dedupe.staged.get(dedupe_id) or self._dedupe.sealed.get(dedupe_id)
+        if hit is None:
+            hit = self._reader.dedupe_lookup(self.queue_id, dedupe_id)
+        if hit is not None and now_ms - hit[1] <= self._dedupe_window_ms:
+            return hit[0]
+        return None
+
+    def _fill_head(self, priority: int) -> bool:
+        """True when the priority's heap head is the lowest ready index of that priority."""
+        heap = self._ready[priority]
+        while not self._exhausted[priority] and (not heap or heap[0] > self._loaded_upto[priority]):
+            self._load_page(priority)
+        return bool(heap)
+
+    def _load_page(self, priority: int) -> None:
+        rows = self._reader.ready_page(self.queue_id, priority, self._loaded_upto[priority],
+                                       self._boundary, READY_PAGE_SIZE)
+        heap, skip = self._ready[priority], self._pushed_beyond[priority]
+        for index, deliveries in rows:
+            if index in skip:
+                skip.discard(index)
+                continue
+            heapq.heappush(heap, index)
+            if deliveries:
+                self._ready_deliveries[index] = deliveries
+        if len(rows) < READY_PAGE_SIZE:
+            self._exhausted[priority] = True
+            self._loaded_upto[priority] = self._boundary
+            skip.clear()
+        else:
+            self._loaded_upto[priority] = rows[-1][0]
+
+    def _add_lease(self, index: int, lease: _Lease) -> None:
+        self._leases[index] = lease
+        heapq.heappush(self._lease_deadlines, (lease.deadline_ms, index, lease.receipt))
+
+    def _valid_lease(self, index: int, receipt: str, now_ms: int, out: list[Operation]) -> _Lease:
+        lease = self._leases.get(index)
+        if lease is None:
+            if 1 <= index < self.record.next_index:
+                raise QueueError(E_LEASE_EXPIRED, f"message {index} is not leased under this receipt")
+            raise QueueError(E_UNKNOWN_MESSAGE, f"queue {self.name} has no message {index}")
+        if lease.receipt != receipt:
+            raise QueueError(E_LEASE_EXPIRED, f"receipt for message {index} is stale")
+        if lease.deadline_ms <= now_ms:
+            # The lease ran out before the expiry sweep got to it: end it now, so the
+            # message is redelivered exactly as if the sweep had run first.
+            self._end_lease(index, lease, now_ms, expired=True, out=out)
+            raise QueueError(E_LEASE_EXPIRED, f"lease on message {index} expired")
+        return lease
+
+    def _end_lease(self, index: int, lease: _Lease, now_ms: int, *, expired: bool,
+                   out: list[Operation]) -> None:
+        del self._leases[index]
+        record = self.record
+        dead_letter = self.dead_letter_core
+        if dead_letter is not None and record.options.dead_letter and lease.deliveries >= record.options.max_deliveries:
+            dead_index = dead_letter.accept_dead_letter(lease.priority, now_ms)
+            record.total_dead_lettered += 1
+            out.append(DeadLettered(record.queue_id, index, lease.priority, lease.deliveries,
+                                    dead_letter.queue_id, dead_index, now_ms, record.options.tracks_status))
+            return
+        record.ready_count += 1
+        record.total_redelivered += 1
+        priority = lease.priority
+        if index <= self._loaded_upto[priority] or index >= self._boundary:
+            heapq.heappush(self._ready[priority], index)
+        else:
+            # A pre-restart message whose page is not loaded yet: keep it in memory and make
+            # the page load skip it, since the page may or may not see its committed copy.
+            heapq.heappush(self._ready[priority], index)
+            self._pushed_beyond[priority].add(index)
+        self._ready_deliveries[index] = lease.deliveries
+        out.append(Released(record.queue_id, index, priority, lease.deliveries, expired, now_ms))

@@ -1,0 +1,124 @@
+"""What a queue core may read from storage, and an in-memory twin of the node's storage.
+
+The core keeps in memory only what it must decide on: leases in flight and the ready
+messages it has loaded. After a restart it loads ready messages lazily, a bounded page at a
+time, so a node holding millions of messages serves at once (`StoreReader.ready_page`).
+`MemoryStore` applies the same operations as `qserver.storage.Storage` and answers the same
+reads; tests/test_store_contract.py runs one suite against both.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from replication.operations import Acked, DeadLettered, Enqueued, Leased, Operation, Released
+
+
+class StoreReader(Protocol):
+    def ready_page(self, queue_id: int, priority: int, after_index: int, before_index: int,
+                   limit: int) -> list[tuple[int, int]]:
+        """Committed ready messages of one priority with after_index < index < before_index,
+        lowest first, at most `limit`: (index, deliveries so far)."""
+        ...
+
+    def dedupe_lookup(self, queue_id: int, dedupe_id: str) -> tuple[int, int] | None:
+        """(message index, enqueued_ms) of a committed enqueue with this dedupe id, if kept."""
+        ...
+
+
+@dataclass(slots=True)
+class StoredLease:
+    index: int
+    priority: int
+    receipt: str
+    deadline_ms: int
+    deliveries: int
+    leased_ms: int
+
+
+@dataclass
+class _MemoryQueue:
+    messages: dict[int, Enqueued] = field(default_factory=dict)
+    ready: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # priority -> sorted (index, deliveries)
+    leases: dict[int, StoredLease] = field(default_factory=dict)
+    status: dict[int, tuple[str, bytes | None]] = field(default_factory=dict)
+    dedupe: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+class MemoryStore:
+    """In-memory twin of the LMDB storage: same reads, same operation semantics."""
+
+    def __init__(self) -> None:
+        self.queues: dict[int, _MemoryQueue] = {}
+
+    def _queue(self, queue_id: int) -> _MemoryQueue:
+        return self.queues.setdefault(queue_id, _MemoryQueue())
+
+    # --- reads -----------------------------------------------------------------------------
+    def ready_page(self, queue_id: int, priority: int, after_index: int, before_index: int,
+                   limit: int) -> list[tuple[int, int]]:
+        rows = self._queue(queue_id).ready.get(priority, [])
+        start = bisect.bisect_right(rows, (after_index, 2**63))
+        return [row for row in rows[start:start + limit] if row[0] < before_index]
+
+    def dedupe_lookup(self, queue_id: int, dedupe_id: str) -> tuple[int, int] | None:
+        return self._queue(queue_id).dedupe.get(dedupe_id)
+
+    def leases(self, queue_id: int) -> list[StoredLease]:
+        return list(self._queue(queue_id).leases.values())
+
+    def payload(self, queue_id: int, index: int) -> bytes | None:
+        message = self._queue(queue_id).messages.get(index)
+        return None if message is None else message.payload
+
+    # --- writes ----------------------------------------------------------------------------
+    def apply(self, operations: list[Operation]) -> None:
+        for op in operations:
+            getattr(self, "_apply_" + type(op).__name__)(op)
+
+    def _set_ready(self, queue: _MemoryQueue, priority: int, index: int, deliveries: int) -> None:
+        bisect.insort(queue.ready.setdefault(priority, []), (index, deliveries))
+
+    def _drop_ready(self, queue: _MemoryQueue, priority: int, index: int) -> None:
+        rows = queue.ready.get(priority, [])
+        position = bisect.bisect_left(rows, (index, -1))
+        if position < len(rows) and rows[position][0] == index:
+            rows.pop(position)
+
+    def _apply_Enqueued(self, op: Enqueued) -> None:
+        queue = self._queue(op.queue_id)
+        queue.messages[op.index] = op
+        self._set_ready(queue, op.priority, op.index, 0)
+        if op.dedupe_id is not None:
+            queue.dedupe[op.dedupe_id] = (op.index, op.enqueued_ms)
+
+    def _apply_Leased(self, op: Leased) -> None:
+        queue = self._queue(op.queue_id)
+        self._drop_ready(queue, op.priority, op.index)
+        queue.leases[op.index] = StoredLease(op.index, op.priority, op.receipt, op.deadline_ms,
+                                             op.deliveries, op.leased_ms)
+
+    def _apply_Acked(self, op: Acked) -> None:
+        queue = self._queue(op.queue_id)
+        queue.leases.pop(op.index, None)
+        queue.messages.pop(op.index, None)
+        if op.track_status:
+            queue.status[op.index] = ("replied" if op.reply is not None else "acked", op.reply)
+
+    def _apply_Released(self, op: Released) -> None:
+        queue = self._queue(op.queue_id)
+        queue.leases.pop(op.index, None)
+        self._set_ready(queue, op.priority, op.index, op.deliveries)
+
+    def _apply_DeadLettered(self, op: DeadLettered) -> None:
+        queue = self._queue(op.queue_id)
+        queue.leases.pop(op.index, None)
+        message = queue.messages.pop(op.index)
+        dead = self._queue(op.dead_letter_queue_id)
+        dead.messages[op.dead_letter_index] = Enqueued(op.dead_letter_queue_id, op.dead_letter_index,
+                                                       op.priority, op.at_ms, None, message.client,
+                                                       message.payload)
+        self._set_ready(dead, op.priority, op.dead_letter_index, 0)
+        if op.track_status:
+            queue.status[op.index] = ("dead_lettered", None)
