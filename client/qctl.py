@@ -28,9 +28,13 @@ from client.signing import new_private_key, private_key_to_text, public_key_text
 PRIVILEGES = ("post", "get", "delete", "admin")
 QUEUE_TYPES = ("one_way", "one_way_ack", "queued_ack", "two_way")
 STRENGTHS = ("producer", "full")
-# Queue statistics shown in `status` and `queue list`, in this order, when a node reports them.
-QUEUE_COLUMNS = ("name", "type", "strength", "depth", "current_depth", "highest_depth", "max_depth",
-                 "in_flight", "enqueued", "acked", "dead_lettered", "replication_state", "master_status")
+# Queue statistics shown in `status` and `queue list` (header, dotted key in the stats), in
+# this order; a column is shown when any queue reports it.
+QUEUE_COLUMNS = (("NAME", "name"), ("STRENGTH", "options.strength"), ("TYPE", "options.type"),
+                 ("DEPTH", "depth"), ("READY", "ready"), ("IN_FLIGHT", "in_flight"),
+                 ("ENQUEUED", "total_enqueued"), ("ACKED", "total_acked"),
+                 ("DEAD_LETTERED", "total_dead_lettered"), ("REPLICATION", "replication_state"),
+                 ("MASTER", "master"), ("REPLICA", "replica"), ("EPOCH", "epoch"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,20 +92,23 @@ def format_grants(grants: Any) -> str:
                      for g in grants if isinstance(g, dict))
 
 
+def _lookup(document: dict[str, Any], dotted_key: str) -> Any:
+    value: Any = document
+    for part in dotted_key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
 def queue_table(queues: list[dict[str, Any]], placement: dict[str, Any] | None = None) -> str:
-    """One row per queue: the known statistics it reports, and its pair from the cluster map."""
-    columns = [c for c in QUEUE_COLUMNS if any(c in q for q in queues)] or ["name"]
-    headers = [c.upper() for c in columns]
-    if placement is not None:
-        headers += ["MASTER", "REPLICA", "EPOCH"]
+    """One row per queue with the statistics it reports; `placement` (the cluster map's
+    queues) fills in master, replica and epoch where the statistics lack them."""
     rows = []
     for stats in queues:
-        row = [stats.get(c) for c in columns]
-        if placement is not None:
-            pair = placement.get(str(stats.get("name")), {})
-            row += [pair.get("master"), pair.get("replica"), pair.get("epoch")]
-        rows.append(row)
-    return format_table(headers, rows)
+        pair = (placement or {}).get(str(stats.get("name")), {})
+        rows.append({key: _lookup(stats, key) if _lookup(stats, key) is not None else pair.get(key)
+                     for _, key in QUEUE_COLUMNS})
+    shown = [(header, key) for header, key in QUEUE_COLUMNS if any(row[key] is not None for row in rows)]
+    return format_table([header for header, _ in shown], [[row[key] for _, key in shown] for row in rows])
 
 
 def payload_fields(payload: bytes) -> dict[str, Any]:
@@ -251,8 +258,8 @@ async def cmd_get(http: HttpClient, args: argparse.Namespace) -> Outcome:
                 "priority": message.priority, "deliveries": message.deliveries,
                 "acked": bool(args.ack), **payload_fields(message.payload)}
     shown = {key: value for key, value in document.items() if key not in ("payload", "payload_b64")}
-    human = format_fields(shown) + "\npayload: " + message.payload.decode(errors="backslashreplace")
-    return Outcome(document, human)
+    shown["payload"] = message.payload.decode(errors="backslashreplace")
+    return Outcome(document, format_fields(shown))
 
 
 async def cmd_ack(http: HttpClient, args: argparse.Namespace) -> Outcome:

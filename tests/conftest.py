@@ -1,0 +1,117 @@
+"""Shared fixtures: real `qserver` processes on loopback.
+
+`qnode` starts one node in a fresh data directory, initialised with `qserver init`, and
+gives its URL and the admin credentials file. It can be killed with SIGKILL and started
+again on the same data and port, which is how the restart tests crash it.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPOSITORY = Path(__file__).resolve().parent.parent
+START_TIMEOUT_S = 20.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class QNode:
+    """One real qserver process (loopback only)."""
+
+    def __init__(self, data_dir: Path, port: int, extra_args: list[str] | None = None) -> None:
+        self.data_dir = data_dir
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.credentials_path = data_dir / "admin-credentials.json"
+        self.extra_args = extra_args or []
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log_path = data_dir / "qserver.log"
+        subprocess.run([sys.executable, "-m", "qserver", "init", "--data-dir", str(data_dir),
+                        "--credentials", str(self.credentials_path), "--url", self.url],
+                       check=True, capture_output=True, cwd=REPOSITORY)
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "qserver", "run", "--data-dir", str(self.data_dir), "--port", str(self.port),
+             "--log-level", "WARNING", *self.extra_args],
+            stdout=log, stderr=subprocess.STDOUT, cwd=REPOSITORY)
+        log.close()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"qserver exited with {self.process.returncode}: {self.log_path.read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/healthz", timeout=1) as answer:
+                    if answer.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"qserver did not start within {START_TIMEOUT_S}s")
+
+    def kill(self) -> None:
+        """SIGKILL: no chance to flush anything that was not already committed."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=10)
+        self.process = None
+
+    def stop(self) -> int:
+        """SIGTERM: orderly shutdown; returns the exit code."""
+        code = 0
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            code = self.process.wait(timeout=30)
+        self.process = None
+        return code
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+
+@pytest.fixture
+def qnode(tmp_path: Path) -> Iterator[QNode]:
+    node = QNode(tmp_path / "n1", free_port())
+    node.start()
+    try:
+        yield node
+    finally:
+        node.kill()
+
+
+@pytest.fixture
+def qnode_factory(tmp_path: Path) -> Iterator[object]:
+    """Build nodes with extra `qserver run` arguments (e.g. a config file)."""
+    nodes: list[QNode] = []
+
+    def make(name: str = "n1", extra_args: list[str] | None = None) -> QNode:
+        node = QNode(tmp_path / name, free_port(), extra_args)
+        nodes.append(node)
+        return node
+    try:
+        yield make
+    finally:
+        for node in nodes:
+            node.kill()
+
+
+@pytest.fixture(autouse=True)
+def _no_user_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Tests never read or write the developer's own ~/.config/qserver credentials."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("QSERVER_CREDENTIALS", raising=False)
+    os.makedirs(tmp_path / "home", exist_ok=True)

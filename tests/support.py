@@ -1,0 +1,46 @@
+"""Raw signed HTTP and WebSocket access for tests that must send what a client library never
+would (bad signatures, garbage frames, replays)."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+
+from client.credentials import load_credentials
+from client.signing import Signer
+
+
+class RawApi:
+    def __init__(self, session: aiohttp.ClientSession, url: str, signer: Signer | None) -> None:
+        self.session = session
+        self.url = url
+        self.signer = signer
+
+    @classmethod
+    def for_credentials(cls, session: aiohttp.ClientSession, path: Any) -> "RawApi":
+        creds = load_credentials(path)
+        return cls(session, creds.url, creds.signer())
+
+    async def request(self, method: str, path: str, body: bytes | dict[str, Any] | None = None, *,
+                      query: dict[str, str] | None = None, headers: dict[str, str] | None = None,
+                      sign: bool = True, signed_headers: dict[str, str] | None = None) -> tuple[int, Any, Any]:
+        raw = json.dumps(body).encode() if isinstance(body, dict) else (body or b"")
+        all_headers: dict[str, str] = {}
+        if sign and self.signer is not None:
+            all_headers.update(signed_headers or self.signer.headers(method, path, query or {}, raw))
+        all_headers.update(headers or {})
+        async with self.session.request(method, self.url + path, data=raw, params=query, headers=all_headers) as answer:
+            data = await answer.read()
+            parsed: Any = data
+            if answer.headers.get("Content-Type", "").startswith("application/json"):
+                parsed = json.loads(data)
+            return answer.status, parsed, answer.headers
+
+    async def ws(self) -> aiohttp.ClientWebSocketResponse:
+        assert self.signer is not None
+        return await self.session.ws_connect(self.url + "/v1/ws", headers=self.signer.headers("GET", "/v1/ws", {}, b""))
+
+
+def error_code(body: Any) -> str:
+    return str(body["error"]["code"])

@@ -1,0 +1,645 @@
+"""Unit tests of the client library and qctl that need no qserver.
+
+The WebSocket and REST behaviour is checked against `FakeNode`, a small aiohttp server in
+this file that verifies signatures with client/signing.py and speaks the frame protocol
+with client/protocol.py, so coalescing, reconnects, dedupe-id retries, subscriptions and
+credit can be observed frame by frame, including failures a real server rarely shows.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import os
+import stat
+import threading
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from aiohttp import WSMsgType, web
+
+from client import AsyncClient, Client, Credentials, QueueError, load_credentials, save_credentials
+from client.credentials import ENV_CREDENTIALS
+from client.http import HttpClient, queue_path
+from client.protocol import (
+    AckOp,
+    Closing,
+    CreditOp,
+    DeliveredMessage,
+    Delivery,
+    EnqueueOp,
+    ErrorReply,
+    OkReply,
+    ReceiveOp,
+    ReleaseOp,
+    SubscribeOp,
+    UnsubscribeOp,
+    decode_client_frame,
+    encode_frame,
+)
+from client.qctl import build_parser, format_fields, format_table, main, parse_grant
+from client.signing import (
+    HEADER_CLIENT,
+    HEADER_NONCE,
+    HEADER_SIGNATURE,
+    HEADER_TIMESTAMP,
+    canonical_string,
+    new_private_key,
+    private_key_to_text,
+    verify,
+)
+
+FAST = {"reconnect_delay_initial_s": 0.01, "reconnect_delay_max_s": 0.05}
+
+
+# --- a fake node --------------------------------------------------------------------------------
+class FakeNode:
+    """Verifies every signature, answers WebSocket frames and canned REST routes, and records
+    what it got. Switches let a test lose a frame's answers or send a Closing item."""
+
+    def __init__(self) -> None:
+        key = new_private_key()
+        self.credentials = Credentials("c-test", private_key_to_text(key), "")
+        self._public_key = key.public_key()
+        self.frames: list[list[Any]] = []
+        self.rest_requests: list[dict[str, Any]] = []
+        self.rest_answers: dict[tuple[str, str], tuple[int, Any]] = {}
+        self.stored_by_dedupe: dict[str, int] = {}
+        self.ready: list[DeliveredMessage] = []
+        self.credit_given: list[int] = []
+        self.connections = 0
+        self.drop_next_frame_unanswered = False
+        self.hold_receives = False
+        self.closing_on_next_frame: Closing | None = None
+        self._sockets: set[web.WebSocketResponse] = set()
+        self._subscriptions: dict[int, int] = {}  # subscription id -> credit left
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/v1/ws", self._websocket)
+        app.router.add_route("*", "/{tail:.*}", self._rest)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+        self.credentials = Credentials(self.credentials.client_id, self.credentials.private_key_text, self.url)
+
+    async def stop(self) -> None:
+        await self.drop_connections()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def drop_connections(self) -> None:
+        for ws in list(self._sockets):
+            await ws.close()
+
+    def signature_ok(self, request: web.Request, body: bytes) -> bool:
+        headers = request.headers
+        if any(h not in headers for h in (HEADER_CLIENT, HEADER_TIMESTAMP, HEADER_NONCE, HEADER_SIGNATURE)):
+            return False
+        text = canonical_string(request.method, request.raw_path.split("?", 1)[0],
+                                request.rel_url.query.items(), int(headers[HEADER_TIMESTAMP]),
+                                headers[HEADER_NONCE], body)
+        return headers[HEADER_CLIENT] == self.credentials.client_id and \
+            verify(self._public_key, headers[HEADER_SIGNATURE], text)
+
+    async def _rest(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        path = request.raw_path.split("?", 1)[0]
+        self.rest_requests.append({"method": request.method, "path": path, "body": body,
+                                   "query": dict(request.rel_url.query), "headers": dict(request.headers)})
+        if not self.signature_ok(request, body):
+            return web.json_response(QueueError("E_UNAUTHENTICATED").envelope(), status=401)
+        status, document = self.rest_answers.get((request.method, path), (404, QueueError("E_NOT_FOUND").envelope()))
+        return web.json_response(document, status=status)
+
+    async def _websocket(self, request: web.Request) -> web.StreamResponse:
+        if not self.signature_ok(request, b""):
+            return web.json_response(QueueError("E_UNAUTHENTICATED").envelope(), status=401)
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        self.connections += 1
+        self._sockets.add(ws)
+        try:
+            async for message in ws:
+                if message.type is WSMsgType.BINARY:
+                    await self._answer(ws, message.data)
+        finally:
+            self._sockets.discard(ws)
+        return ws
+
+    async def _answer(self, ws: web.WebSocketResponse, data: bytes) -> None:
+        ops = decode_client_frame(data)
+        self.frames.append(ops)
+        replies: list[Any] = []
+        for op in ops:
+            replies.extend(self._apply(op))
+        if self.closing_on_next_frame is not None:
+            closing, self.closing_on_next_frame = self.closing_on_next_frame, None
+            await ws.send_bytes(encode_frame([closing]))
+            await ws.close()
+            return
+        if self.drop_next_frame_unanswered:
+            self.drop_next_frame_unanswered = False
+            await ws.close()
+            return
+        if replies:
+            await ws.send_bytes(encode_frame(replies))
+
+    def _apply(self, op: Any) -> list[Any]:
+        if isinstance(op, EnqueueOp):
+            if op.queue == "refused":
+                return [ErrorReply(op.request_id, "E_QUEUE_FULL", "full", False)]
+            message_id = self.stored_by_dedupe.setdefault(op.dedupe_id or "", len(self.stored_by_dedupe) + 1)
+            return [OkReply(op.request_id, [message_id, 1])]
+        if isinstance(op, ReceiveOp):
+            if self.hold_receives:
+                return []
+            taken, self.ready = self.ready[:op.max_messages], self.ready[op.max_messages:]
+            return [OkReply(op.request_id, taken)]
+        if isinstance(op, SubscribeOp):
+            subscription_id = len(self._subscriptions) + 1
+            self._subscriptions[subscription_id] = op.credit
+            self.credit_given.append(op.credit)
+            return [OkReply(op.request_id, subscription_id), *self._push(subscription_id)]
+        if isinstance(op, CreditOp):
+            self._subscriptions[op.subscription_id] += op.credit
+            self.credit_given.append(op.credit)
+            return [OkReply(op.request_id, None), *self._push(op.subscription_id)]
+        if isinstance(op, UnsubscribeOp):
+            self._subscriptions.pop(op.subscription_id, None)
+        return [OkReply(op.request_id, None)]
+
+    def _push(self, subscription_id: int) -> list[Any]:
+        credit = self._subscriptions[subscription_id]
+        taken, self.ready = self.ready[:credit], self.ready[credit:]
+        self._subscriptions[subscription_id] = credit - len(taken)
+        return [Delivery(subscription_id, tuple(taken))] if taken else []
+
+    def ops_of(self, kind: type) -> list[Any]:
+        return [op for frame in self.frames for op in frame if isinstance(op, kind)]
+
+
+def ready_messages(count: int) -> list[DeliveredMessage]:
+    return [DeliveredMessage(i, f"r{i}", 4, 1, f"m{i}".encode()) for i in range(1, count + 1)]
+
+
+@pytest_asyncio.fixture
+async def fake_node() -> AsyncIterator[FakeNode]:
+    node = FakeNode()
+    await node.start()
+    yield node
+    await node.stop()
+
+
+@pytest_asyncio.fixture
+async def client(fake_node: FakeNode) -> AsyncIterator[AsyncClient]:
+    async with AsyncClient(credentials=fake_node.credentials, **FAST) as connected:  # type: ignore[arg-type]
+        yield connected
+
+
+async def eventually(condition: Any, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+# --- credentials --------------------------------------------------------------------------------
+def test_saved_credentials_load_back_identically_and_are_private_to_the_owner(tmp_path: Path) -> None:
+    creds = Credentials("c-1", private_key_to_text(new_private_key()), "http://127.0.0.1:7100")
+    path = tmp_path / "deep" / "credentials.json"
+    save_credentials(path, creds)
+    assert load_credentials(path) == creds
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert json.loads(path.read_text()) == {"client_id": "c-1", "private_key": creds.private_key_text,
+                                            "url": "http://127.0.0.1:7100"}
+
+
+def test_saving_over_a_world_readable_file_leaves_it_mode_0600(tmp_path: Path) -> None:
+    path = tmp_path / "credentials.json"
+    path.write_text("{}")
+    path.chmod(0o644)
+    save_credentials(str(path), Credentials("c-2", private_key_to_text(new_private_key())))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert load_credentials(path).client_id == "c-2"
+
+
+def _write(path: Path, client_id: str) -> None:
+    save_credentials(path, Credentials(client_id, private_key_to_text(new_private_key())))
+
+
+@pytest.fixture
+def credential_places(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
+    """A home directory, a working directory and an env file, each holding a different id."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    places = {"explicit": tmp_path / "explicit.json", "env": tmp_path / "env.json",
+              "local": work / ".qserver" / "credentials.json",
+              "user": home / ".config" / "qserver" / "credentials.json"}
+    for name, path in places.items():
+        _write(path, name)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    monkeypatch.setenv(ENV_CREDENTIALS, str(places["env"]))
+    return places
+
+
+def test_credentials_are_searched_explicit_then_env_then_local_then_user(
+        credential_places: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    assert load_credentials(credential_places["explicit"]).client_id == "explicit"
+    assert load_credentials().client_id == "env"
+    monkeypatch.delenv(ENV_CREDENTIALS)
+    assert load_credentials().client_id == "local"
+    credential_places["local"].unlink()
+    assert load_credentials().client_id == "user"
+    credential_places["user"].unlink()
+    with pytest.raises(QueueError) as caught:
+        load_credentials()
+    assert caught.value.code == "E_UNAUTHENTICATED" and "looked in" in caught.value.message
+
+
+def test_a_missing_explicit_or_env_file_is_an_error_rather_than_another_identity(
+        credential_places: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(QueueError, match="no credentials file"):
+        load_credentials(tmp_path / "absent.json")
+    monkeypatch.setenv(ENV_CREDENTIALS, str(tmp_path / "absent.json"))
+    with pytest.raises(QueueError, match="no credentials file"):
+        load_credentials()
+
+
+@pytest.mark.parametrize("content", ["not json", "[]", '{"client_id": "x"}',
+                                     '{"client_id": "x", "private_key": "AAAA"}'])
+def test_a_malformed_credentials_file_is_refused_with_a_clear_code(tmp_path: Path, content: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(QueueError) as caught:
+        load_credentials(path)
+    assert caught.value.code == "E_UNAUTHENTICATED" and str(path) in caught.value.message
+
+
+# --- REST -------------------------------------------------------------------------------------------
+@pytest.mark.asyncio
+async def test_rest_requests_are_signed_over_the_encoded_path_query_and_body(fake_node: FakeNode) -> None:
+    name = "odd name/with+slash"
+    path = queue_path(name, "messages", 7)
+    fake_node.rest_answers[("DELETE", path)] = (200, {"acked": 7})
+    fake_node.rest_answers[("PUT", queue_path(name))] = (201, {"name": name, "strength": "full"})
+    async with HttpClient(fake_node.url, fake_node.credentials.signer()) as http:
+        await http.ack_http(name, 7, "receipt+with/odd=chars")
+        created = await http.create_queue(name, strength="full", max_depth=None)
+    assert created == {"name": name, "strength": "full"}
+    ack, create = fake_node.rest_requests
+    assert ack["path"] == "/v1/queues/odd%20name%2Fwith%2Bslash/messages/7"
+    assert ack["query"] == {"receipt": "receipt+with/odd=chars"}
+    assert json.loads(create["body"]) == {"strength": "full"}  # None options are not sent
+
+
+@pytest.mark.asyncio
+async def test_a_non_2xx_answer_raises_the_servers_error_with_its_traits(fake_node: FakeNode) -> None:
+    envelope = QueueError("E_OPTIONS_MISMATCH", "max_depth differs").envelope()
+    fake_node.rest_answers[("PUT", "/v1/queues/orders")] = (409, envelope)
+    async with HttpClient(fake_node.url, fake_node.credentials.signer()) as http:
+        with pytest.raises(QueueError) as caught:
+            await http.create_queue("orders", max_depth=5)
+        assert (caught.value.code, caught.value.message) == ("E_OPTIONS_MISMATCH", "max_depth differs")
+        with pytest.raises(QueueError) as missing:
+            await http.queue_stats("nowhere")
+        assert missing.value.code == "E_NOT_FOUND"
+
+
+@pytest.mark.asyncio
+async def test_a_wrong_key_is_refused_as_unauthenticated(fake_node: FakeNode) -> None:
+    impostor = Credentials(fake_node.credentials.client_id, private_key_to_text(new_private_key()), fake_node.url)
+    async with HttpClient(fake_node.url, impostor.signer()) as http:
+        with pytest.raises(QueueError) as caught:
+            await http.list_queues()
+    assert caught.value.code == "E_UNAUTHENTICATED" and not caught.value.retriable
+
+
+@pytest.mark.asyncio
+async def test_an_unreachable_node_is_unavailable_and_retriable(unused_tcp_port: int) -> None:
+    creds = Credentials("c", private_key_to_text(new_private_key()))
+    async with HttpClient(f"http://127.0.0.1:{unused_tcp_port}", creds.signer()) as http:
+        with pytest.raises(QueueError) as caught:
+            await http.enqueue_http("orders", b"x")
+    assert caught.value.code == "E_UNAVAILABLE" and caught.value.retriable
+    assert not caught.value.outcome_unknown  # the connection was refused: nothing was sent
+
+
+@pytest.mark.asyncio
+async def test_receive_http_returns_the_message_from_its_headers(fake_node: FakeNode) -> None:
+    async def receive(request: web.Request) -> web.Response:
+        return web.Response(body=b"payload", headers={"X-Message-Id": "9", "X-Receipt": "rc",
+                                                      "X-Priority": "7", "X-Deliveries": "2"})
+    app = web.Application()
+    app.router.add_post("/v1/queues/{q}/receive", receive)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        async with HttpClient(f"http://127.0.0.1:{port}", fake_node.credentials.signer()) as http:
+            message = await http.receive_http("orders", wait_s=0.5)
+    finally:
+        await runner.cleanup()
+    assert message == DeliveredMessage(9, "rc", 7, 2, b"payload")
+
+
+# --- WebSocket: signing, coalescing, answers ---------------------------------------------------
+@pytest.mark.asyncio
+async def test_the_websocket_upgrade_is_signed_and_a_bad_key_is_fatal(fake_node: FakeNode) -> None:
+    async with AsyncClient(credentials=fake_node.credentials) as good:
+        await good.ping()
+    impostor = Credentials("c-test", private_key_to_text(new_private_key()), fake_node.url)
+    bad = AsyncClient(credentials=impostor, **FAST)  # type: ignore[arg-type]
+    with pytest.raises(QueueError) as caught:
+        await bad.connect()
+    assert caught.value.code == "E_UNAUTHENTICATED"
+    with pytest.raises(QueueError):
+        await bad.enqueue("orders", b"x")  # no endless reconnecting after a fatal answer
+    await bad.close()
+
+
+@pytest.mark.asyncio
+async def test_one_hundred_concurrent_enqueues_travel_in_one_frame(fake_node: FakeNode, client: AsyncClient) -> None:
+    ids = await asyncio.gather(*(client.enqueue("orders", b"x" * 1024) for _ in range(100)))
+    enqueue_frames = [f for f in fake_node.frames if any(isinstance(op, EnqueueOp) for op in f)]
+    assert len(enqueue_frames) == 1 and len(enqueue_frames[0]) == 100
+    assert sorted(ids) == list(range(1, 101))
+    dedupe_ids = {op.dedupe_id for op in enqueue_frames[0]}
+    assert len(dedupe_ids) == 100 and all(len(d) == 32 for d in dedupe_ids)
+
+
+@pytest.mark.asyncio
+async def test_enqueue_many_sends_one_frame_and_returns_ids_in_order(fake_node: FakeNode, client: AsyncClient) -> None:
+    ids = await client.enqueue_many("orders", [b"a", b"b", b"c"], priority=7, dedupe_ids=["d1", "d2", "d3"])
+    assert ids == [1, 2, 3]
+    [frame] = fake_node.frames
+    assert [(op.payload, op.priority, op.dedupe_id) for op in frame] == [
+        (b"a", 7, "d1"), (b"b", 7, "d2"), (b"c", 7, "d3")]
+
+
+@pytest.mark.asyncio
+async def test_frames_are_split_when_payloads_exceed_the_frame_byte_limit(fake_node: FakeNode) -> None:
+    async with AsyncClient(credentials=fake_node.credentials, frame_bytes_max=10_000) as small:
+        await small.enqueue_many("orders", [b"x" * 4000] * 5)
+    assert [len(frame) for frame in fake_node.frames] == [2, 2, 1]
+
+
+@pytest.mark.asyncio
+async def test_an_error_item_fails_only_its_own_call(fake_node: FakeNode, client: AsyncClient) -> None:
+    results = await asyncio.gather(client.enqueue("orders", b"1"), client.enqueue("refused", b"2"),
+                                   client.enqueue("orders", b"3"), return_exceptions=True)
+    assert isinstance(results[1], QueueError) and results[1].code == "E_QUEUE_FULL"
+    assert results[1].retriable and not results[1].outcome_unknown
+    assert isinstance(results[0], int) and isinstance(results[2], int)
+    assert len(fake_node.frames) == 1
+
+
+@pytest.mark.asyncio
+async def test_receive_returns_messages_bound_to_the_client_for_ack_and_release(
+        fake_node: FakeNode, client: AsyncClient) -> None:
+    fake_node.ready = ready_messages(2)
+    first, second = await client.receive("orders", max_messages=5, wait_s=1.5, visibility_timeout_s=2)
+    await asyncio.gather(first.ack(), second.release())
+    [receive] = fake_node.ops_of(ReceiveOp)
+    assert (receive.max_messages, receive.wait_ms, receive.visibility_ms) == (5, 1500, 2000)
+    assert fake_node.ops_of(AckOp) == [AckOp(fake_node.ops_of(AckOp)[0].request_id, "orders", 1, "r1")]
+    assert fake_node.ops_of(ReleaseOp)[0].message_id == 2
+    assert (first.queue, first.payload, first.deliveries) == ("orders", b"m1", 1)
+    assert await client.receive("orders") == []
+
+
+# --- WebSocket: connection loss ------------------------------------------------------------------
+@pytest.mark.asyncio
+async def test_a_retried_enqueue_after_reconnect_keeps_its_dedupe_id_and_is_stored_once(
+        fake_node: FakeNode, client: AsyncClient) -> None:
+    fake_node.drop_next_frame_unanswered = True  # stored, but the answer is lost
+    message_id = await client.enqueue("orders", b"once")
+    sent = fake_node.ops_of(EnqueueOp)
+    assert len(sent) == 2 and sent[0].dedupe_id == sent[1].dedupe_id
+    assert fake_node.connections == 2
+    assert len(fake_node.stored_by_dedupe) == 1 and message_id == 1
+
+
+@pytest.mark.asyncio
+async def test_other_pending_ops_fail_with_outcome_unknown_when_the_connection_drops(
+        fake_node: FakeNode, client: AsyncClient) -> None:
+    fake_node.hold_receives = True
+    waiting = asyncio.ensure_future(client.receive("orders", wait_s=30))
+    await eventually(lambda: fake_node.ops_of(ReceiveOp))
+    await fake_node.drop_connections()
+    with pytest.raises(QueueError) as caught:
+        await waiting
+    assert caught.value.code == "E_UNAVAILABLE" and caught.value.outcome_unknown
+    await eventually(lambda: client.connected)
+    fake_node.hold_receives = False
+    assert await client.receive("orders") == []  # the client reconnected on its own
+
+
+@pytest.mark.asyncio
+async def test_enqueues_wait_for_a_node_that_is_down_and_fail_after_their_retry_time(unused_tcp_port: int) -> None:
+    creds = Credentials("c", private_key_to_text(new_private_key()), f"http://127.0.0.1:{unused_tcp_port}")
+    lonely = AsyncClient(credentials=creds, enqueue_retry_time_s=0.2, **FAST)  # type: ignore[arg-type]
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(QueueError) as enqueue_error:
+        await lonely.enqueue("orders", b"x")
+    assert asyncio.get_running_loop().time() - started >= 0.2
+    assert enqueue_error.value.code == "E_UNAVAILABLE" and not enqueue_error.value.outcome_unknown
+    with pytest.raises(QueueError):
+        await lonely.receive("orders")  # not retried: fails at the next failed connect
+    await lonely.close()
+
+
+@pytest.mark.asyncio
+async def test_a_closing_item_for_a_removed_client_fails_pending_and_stops_reconnecting(
+        fake_node: FakeNode, client: AsyncClient) -> None:
+    fake_node.closing_on_next_frame = Closing("E_UNAUTHENTICATED", "client removed")
+    with pytest.raises(QueueError) as caught:
+        await client.ping()
+    assert caught.value.code == "E_UNAUTHENTICATED"
+    await asyncio.sleep(0.1)
+    assert fake_node.connections == 1
+    with pytest.raises(QueueError, match="client removed"):
+        await client.enqueue("orders", b"x")
+
+
+@pytest.mark.asyncio
+async def test_a_closing_item_for_shutdown_is_followed_by_a_reconnect(fake_node: FakeNode, client: AsyncClient) -> None:
+    fake_node.closing_on_next_frame = Closing("E_SHUTTING_DOWN", "stopping")
+    with pytest.raises(QueueError) as caught:
+        await client.ping()
+    assert caught.value.code == "E_SHUTTING_DOWN" and caught.value.outcome_unknown
+    await client.ping()
+    assert fake_node.connections == 2
+
+
+# --- consume --------------------------------------------------------------------------------------
+@pytest.mark.asyncio
+async def test_consume_grants_credit_in_half_prefetch_batches_as_messages_are_taken(
+        fake_node: FakeNode, client: AsyncClient) -> None:
+    fake_node.ready = ready_messages(25)
+    taken = []
+    async with client.consume("orders", prefetch=10, visibility_timeout_s=5) as messages:
+        async for message in messages:
+            taken.append(message.id)
+            if len(taken) == 25:
+                break
+    assert taken == list(range(1, 26))
+    [subscribe] = fake_node.ops_of(SubscribeOp)
+    assert (subscribe.credit, subscribe.visibility_ms) == (10, 5000)
+    assert fake_node.credit_given[1:] == [5] * (len(fake_node.credit_given) - 1)
+    await eventually(lambda: fake_node.ops_of(UnsubscribeOp))
+
+
+@pytest.mark.asyncio
+async def test_closing_a_consumer_releases_what_it_buffered(fake_node: FakeNode, client: AsyncClient) -> None:
+    fake_node.ready = ready_messages(4)
+    consumer = client.consume("orders", prefetch=4)
+    first = await consumer.__anext__()
+    await eventually(lambda: len(consumer._buffer) == 3)
+    await consumer.close()
+    assert first.id == 1
+    assert sorted(op.message_id for op in fake_node.ops_of(ReleaseOp)) == [2, 3, 4]
+    with pytest.raises(StopAsyncIteration):
+        await consumer.__anext__()
+
+
+@pytest.mark.asyncio
+async def test_consume_resubscribes_after_reconnect_with_the_credit_still_owed(
+        fake_node: FakeNode, client: AsyncClient) -> None:
+    fake_node.ready = ready_messages(3)
+    async with client.consume("orders", prefetch=8) as messages:
+        assert (await messages.__anext__()).id == 1
+        await eventually(lambda: len(messages._buffer) == 2)
+        await fake_node.drop_connections()
+        await eventually(lambda: len(fake_node.ops_of(SubscribeOp)) == 2)
+        fake_node.ready = ready_messages(1)
+        await fake_node.drop_connections()  # once more, so the new message arrives on a third socket
+        await eventually(lambda: len(fake_node.ops_of(SubscribeOp)) == 3)
+        assert [(await messages.__anext__()).id for _ in range(3)] == [2, 3, 1]
+    credits = [op.credit for op in fake_node.ops_of(SubscribeOp)]
+    assert credits == [8, 6, 6]  # prefetch minus the two still buffered
+
+
+# --- the synchronous client ------------------------------------------------------------------------
+@pytest.fixture
+def threaded_fake_node() -> Iterator[FakeNode]:
+    """A FakeNode on its own loop and thread, for callers that block."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    node = FakeNode()
+    asyncio.run_coroutine_threadsafe(node.start(), loop).result()
+    yield node
+    asyncio.run_coroutine_threadsafe(node.stop(), loop).result()
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join()
+    loop.close()
+
+
+def test_the_sync_client_enqueues_receives_acks_and_consumes(threaded_fake_node: FakeNode) -> None:
+    threaded_fake_node.ready = ready_messages(1)
+    with Client(credentials=threaded_fake_node.credentials) as sync_client:
+        assert sync_client.enqueue("orders", b"x") == 1
+        assert sync_client.enqueue_many("orders", [b"y", b"z"]) == [2, 3]
+        [message] = sync_client.receive("orders")
+        message.ack()
+        threaded_fake_node.ready = ready_messages(3)
+        with sync_client.consume("orders", prefetch=2) as consumer:
+            assert [next(consumer).id for _ in range(3)] == [1, 2, 3]
+    assert threaded_fake_node.ops_of(AckOp)[0].message_id == 1
+
+
+def test_a_sync_client_that_cannot_authenticate_raises_and_stops_its_thread(threaded_fake_node: FakeNode) -> None:
+    impostor = Credentials("c-test", private_key_to_text(new_private_key()), threaded_fake_node.url)
+    before = threading.active_count()
+    with pytest.raises(QueueError) as caught, Client(credentials=impostor):
+        pass
+    assert caught.value.code == "E_UNAUTHENTICATED"
+    assert threading.active_count() == before
+
+
+# --- qctl -----------------------------------------------------------------------------------------------
+def test_format_table_aligns_columns_and_shows_missing_values_as_dashes() -> None:
+    table = format_table(["NAME", "DEPTH"], [["orders", 12], ["a", None]])
+    assert table.splitlines() == ["NAME    DEPTH", "orders  12", "a       -"]
+
+
+def test_format_fields_flattens_nested_objects() -> None:
+    assert format_fields({"id": 3, "stats": {"depth": 1}}).splitlines() == ["id:          3",
+                                                                          "stats.depth: 1"]
+
+
+def test_grants_parse_from_pattern_and_privileges() -> None:
+    assert parse_grant("orders.*:post,get") == {"pattern": "orders.*", "privileges": ["post", "get"]}
+    assert parse_grant("a:b:c:admin")["pattern"] == "a:b:c"
+
+
+@pytest.mark.parametrize("argv", [["clients", "add", "x", "--grant", "orders:fly"],
+                                  ["clients", "add", "x", "--grant", "nocolon"],
+                                  ["put", "q", "data", "--priority", "12"],
+                                  ["queue", "create", "q", "--strength", "weak"], []])
+def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_global_options_are_accepted_before_or_after_the_command() -> None:
+    parser = build_parser()
+    after = parser.parse_args(["queue", "create", "q", "--json", "--dead-letter", "--min-in-sync", "2"])
+    before = parser.parse_args(["--json", "--url", "http://x", "queue", "stats", "q"])
+    assert after.json and after.dead_letter is True and after.min_in_sync == 2
+    assert before.json and before.url == "http://x" and before.name == "q"
+
+
+def test_qctl_without_credentials_prints_the_error_code_and_exits_1(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_CREDENTIALS, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    out, err = io.StringIO(), io.StringIO()
+    assert main(["--json", "queue", "list"], stdout=out, stderr=err) == 1
+    assert err.getvalue().startswith("error: E_UNAUTHENTICATED: no credentials found")
+    assert json.loads(out.getvalue())["error"]["code"] == "E_UNAUTHENTICATED"
+
+
+def test_qctl_json_prints_exactly_one_document(threaded_fake_node: FakeNode, tmp_path: Path) -> None:
+    creds_path = tmp_path / "admin.json"
+    save_credentials(creds_path, threaded_fake_node.credentials)
+    threaded_fake_node.rest_answers[("GET", "/v1/queues")] = (200, {"queues": [{"name": "orders", "depth": 3}]})
+    out = io.StringIO()
+    assert main(["--credentials", str(creds_path), "--json", "queue", "list"], stdout=out) == 0
+    assert json.loads(out.getvalue()) == {"queues": [{"name": "orders", "depth": 3}]}
+    human = io.StringIO()
+    assert main(["--credentials", str(creds_path), "queue", "list"], stdout=human) == 0
+    assert human.getvalue().splitlines() == ["NAME    DEPTH", "orders  3"]
+
+
+def test_qctl_clients_add_sends_only_the_public_key_and_writes_a_usable_credentials_file(
+        threaded_fake_node: FakeNode, tmp_path: Path) -> None:
+    creds_path, new_path = tmp_path / "admin.json", tmp_path / "new" / "worker.json"
+    save_credentials(creds_path, threaded_fake_node.credentials)
+    grants = [{"pattern": "orders.*", "privileges": ["post"]}]
+    threaded_fake_node.rest_answers[("POST", "/v1/clients")] = (201, {"id": "c-9", "name": "worker", "grants": grants})
+    out = io.StringIO()
+    argv = ["--credentials", str(creds_path), "clients", "add", "worker", "--grant", "orders.*:post",
+            "--out", str(new_path), "--json"]
+    assert main(argv, stdout=out) == 0
+    document = json.loads(out.getvalue())
+    assert document["credentials_file"] == str(new_path) and "private_key" not in document
+    sent = json.loads(threaded_fake_node.rest_requests[-1]["body"])
+    assert sent["grants"] == grants and len(base64.b64decode(sent["public_key"])) == 32
+    written = load_credentials(new_path)
+    assert written.client_id == "c-9" and written.url == threaded_fake_node.url
+    assert stat.S_IMODE(os.stat(new_path).st_mode) == 0o600

@@ -1,0 +1,209 @@
+"""The REST API of a real node: queue semantics end to end through signed HTTP."""
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from tests.support import RawApi, error_code
+
+pytestmark = pytest.mark.asyncio
+
+
+@pytest_asyncio.fixture
+async def api(qnode):  # type: ignore[no-untyped-def]
+    async with aiohttp.ClientSession() as session:
+        yield RawApi.for_credentials(session, qnode.credentials_path)
+
+
+async def put(api: RawApi, queue: str, payload: bytes, priority: int = 4, **headers: str) -> int:
+    status, body, _ = await api.request("POST", f"/v1/queues/{queue}/messages", payload,
+                                        headers={"X-Priority": str(priority), **headers})
+    assert status == 201, body
+    return int(body["id"])
+
+
+async def get(api: RawApi, queue: str, **query: str) -> tuple[int, bytes, dict[str, str]]:
+    status, body, headers = await api.request("POST", f"/v1/queues/{queue}/receive", query=query)
+    return status, body, dict(headers)
+
+
+async def test_creating_a_queue_twice_opens_it_and_other_options_are_refused(api: RawApi) -> None:
+    status, body, _ = await api.request("PUT", "/v1/queues/orders", {"max_depth": 10, "strength": "full"})
+    assert status == 201 and body["created"] and body["incarnation"] >= 1 and body["state"] == "OPEN"
+    status, body, _ = await api.request("PUT", "/v1/queues/orders", {"max_depth": 10})
+    assert status == 200 and not body["created"]
+    status, body, _ = await api.request("PUT", "/v1/queues/orders", {"max_depth": 11})
+    assert status == 409 and error_code(body) == "E_OPTIONS_MISMATCH" and "max_depth" in body["error"]["message"]
+    status, body, _ = await api.request("PUT", "/v1/queues/orders", {"master_required": True})
+    assert status == 409 and error_code(body) == "E_MASTER_EXISTS"
+
+
+async def test_messages_are_delivered_by_priority_then_by_order_of_arrival(api: RawApi) -> None:
+    await api.request("PUT", "/v1/queues/work", {})
+    for payload, priority in [(b"a4", 4), (b"b9", 9), (b"c0", 0), (b"d9", 9), (b"e4", 4)]:
+        await put(api, "work", payload, priority)
+    seen = []
+    for _ in range(5):
+        status, body, headers = await get(api, "work")
+        assert status == 200
+        seen.append(body)
+        assert (await api.request("DELETE", f"/v1/queues/work/messages/{headers['X-Message-Id']}",
+                                  query={"receipt": headers["X-Receipt"]}))[0] == 200
+    assert seen == [b"b9", b"d9", b"a4", b"e4", b"c0"]
+    assert (await get(api, "work"))[0] == 204
+
+
+async def test_a_waiting_receive_gets_a_message_enqueued_after_it_started(api: RawApi) -> None:
+    await api.request("PUT", "/v1/queues/slow", {})
+    waiting = asyncio.create_task(get(api, "slow", wait_s="5"))
+    await asyncio.sleep(0.2)
+    message_id = await put(api, "slow", b"late")
+    status, body, headers = await asyncio.wait_for(waiting, 5)
+    assert status == 200 and body == b"late" and int(headers["X-Message-Id"]) == message_id
+
+
+async def test_a_stale_receipt_is_refused_and_a_release_redelivers_with_a_higher_count(api: RawApi) -> None:
+    await api.request("PUT", "/v1/queues/leases", {})
+    message_id = await put(api, "leases", b"m")
+    _, _, first = await get(api, "leases")
+    assert first["X-Deliveries"] == "1"
+    status, body, _ = await api.request("DELETE", f"/v1/queues/leases/messages/{message_id}", query={"receipt": "0" * 16})
+    assert status == 409 and error_code(body) == "E_LEASE_EXPIRED"
+    status, _, _ = await api.request("POST", f"/v1/queues/leases/messages/{message_id}/release",
+                                     query={"receipt": first["X-Receipt"]})
+    assert status == 200
+    _, body, second = await get(api, "leases")
+    assert body == b"m" and second["X-Deliveries"] == "2" and second["X-Receipt"] != first["X-Receipt"]
+    status, body, _ = await api.request("DELETE", f"/v1/queues/leases/messages/{message_id}",
+                                        query={"receipt": first["X-Receipt"]})
+    assert status == 409 and error_code(body) == "E_LEASE_EXPIRED"
+
+
+async def test_an_expired_lease_is_redelivered_and_dead_lettered_after_max_deliveries(api: RawApi) -> None:
+    await api.request("PUT", "/v1/queues/flaky", {"max_deliveries": 2, "visibility_timeout_s": 0.2})
+    message_id = await put(api, "flaky", b"poison")
+    for delivery in (1, 2):
+        status, _, headers = await get(api, "flaky", wait_s="3")
+        assert status == 200 and headers["X-Deliveries"] == str(delivery)
+    status, body, headers = await get(api, "flaky.dlq", wait_s="3")
+    assert status == 200 and body == b"poison"
+    assert (await get(api, "flaky"))[0] == 204
+    _, status_body, _ = await api.request("GET", f"/v1/queues/flaky/messages/{message_id}/status")
+    assert status_body["state"] == "dead_lettered"
+    _, stats, _ = await api.request("GET", "/v1/queues/flaky")
+    assert stats["total_dead_lettered"] == 1 and stats["depth"] == 0
+
+
+async def test_a_full_queue_refuses_enqueues_and_keeps_what_it_holds(api: RawApi) -> None:
+    await api.request("PUT", "/v1/queues/tiny", {"max_depth": 2})
+    await put(api, "tiny", b"1")
+    await put(api, "tiny", b"2")
+    status, body, _ = await api.request("POST", "/v1/queues/tiny/messages", b"3")
+    assert status == 507 and error_code(body) == "E_QUEUE_FULL" and body["error"]["retriable"]
+    _, stats, _ = await api.request("GET", "/v1/queues/tiny")
+    assert stats["depth"] == 2 and stats["total_enqueued"] == 2
+
+
+async def test_a_repeated_dedupe_id_returns_the_first_message_id_and_stores_once(api: RawApi) -> None:
+    await api.request("PUT", "/v1/queues/dedupe", {})
+    first = await put(api, "dedupe", b"x", **{"X-Dedupe-Id": "order-17"})
+    again = await put(api, "dedupe", b"x", **{"X-Dedupe-Id": "order-17"})
+    assert first == again
+    _, stats, _ = await api.request("GET", "/v1/queues/dedupe")
+    assert stats["depth"] == 1
+
+
+async def test_a_two_way_producer_waits_for_the_consumers_reply(api: RawApi) -> None:
+    await api.request("PUT", "/v1/queues/rpc", {"type": "two_way"})
+    message_id = await put(api, "rpc", b"question")
+    waiting = asyncio.create_task(api.request("GET", f"/v1/queues/rpc/messages/{message_id}/status",
+                                              query={"wait_s": "5", "until": "replied"}))
+    await asyncio.sleep(0.1)
+    _, status_now, _ = await api.request("GET", f"/v1/queues/rpc/messages/{message_id}/status")
+    assert status_now["state"] == "queued"
+    _, _, headers = await get(api, "rpc")
+    status, _, _ = await api.request("POST", f"/v1/queues/rpc/messages/{message_id}/reply", b"answer",
+                                     query={"receipt": headers["X-Receipt"]})
+    assert status == 200
+    _, answer, _ = await asyncio.wait_for(waiting, 5)
+    import base64
+    assert answer["state"] == "replied" and base64.b64decode(answer["reply_b64"]) == b"answer"
+
+
+async def test_a_reply_on_a_queue_that_is_not_two_way_is_refused(api: RawApi) -> None:
+    await api.request("PUT", "/v1/queues/oneway", {})
+    message_id = await put(api, "oneway", b"q")
+    _, _, headers = await get(api, "oneway")
+    status, body, _ = await api.request("POST", f"/v1/queues/oneway/messages/{message_id}/reply", b"a",
+                                        query={"receipt": headers["X-Receipt"]})
+    assert status == 409 and error_code(body) == "E_WRONG_QUEUE_TYPE"
+
+
+async def test_a_one_way_enqueue_is_answered_with_202(api: RawApi) -> None:
+    await api.request("PUT", "/v1/queues/fire", {"type": "one_way"})
+    status, body, _ = await api.request("POST", "/v1/queues/fire/messages", b"f")
+    assert status == 202 and body["id"] == 1
+
+
+async def test_deleting_and_recreating_a_queue_starts_a_new_incarnation_from_index_one(api: RawApi) -> None:
+    _, created, _ = await api.request("PUT", "/v1/queues/again", {})
+    await put(api, "again", b"old")
+    await put(api, "again", b"old")
+    status, _, _ = await api.request("DELETE", "/v1/queues/again")
+    assert status == 200
+    status, body, _ = await api.request("GET", "/v1/queues/again")
+    assert status == 404 and error_code(body) == "E_UNKNOWN_QUEUE"
+    assert (await api.request("GET", "/v1/queues/again.dlq"))[0] == 404
+    _, recreated, _ = await api.request("PUT", "/v1/queues/again", {})
+    assert recreated["incarnation"] != created["incarnation"]
+    assert await put(api, "again", b"new") == 1
+    assert (await get(api, "again"))[1] == b"new"
+
+
+async def test_dead_letter_queues_cannot_be_created_or_deleted_on_their_own(api: RawApi) -> None:
+    await api.request("PUT", "/v1/queues/parent", {})
+    status, body, _ = await api.request("PUT", "/v1/queues/parent.dlq", {})
+    assert status == 409 and error_code(body) == "E_RESERVED_NAME"
+    status, body, _ = await api.request("DELETE", "/v1/queues/parent.dlq")
+    assert status == 409 and error_code(body) == "E_RESERVED_NAME"
+
+
+async def test_queue_statistics_follow_seed_004_queue_stats(api: RawApi) -> None:
+    await api.request("PUT", "/v1/queues/stats", {"max_depth": 50})
+    for _ in range(3):
+        await put(api, "stats", b"s")
+    _, _, headers = await get(api, "stats")
+    await api.request("DELETE", f"/v1/queues/stats/messages/{headers['X-Message-Id']}", query={"receipt": headers["X-Receipt"]})
+    _, stats, _ = await api.request("GET", "/v1/queues/stats")
+    assert {k: stats[k] for k in ("state", "depth", "total_enqueued", "total_acked", "highest_depth",
+                                  "configured_depth", "in_flight")} == {
+        "state": "OPEN", "depth": 2, "total_enqueued": 3, "total_acked": 1, "highest_depth": 3,
+        "configured_depth": 50, "in_flight": 0}
+    assert {"average_service_ms", "replication_state", "master_status", "producer_clients",
+            "consumer_clients", "remote_clients"} <= stats.keys()
+    _, listing, _ = await api.request("GET", "/v1/queues")
+    assert "stats" in [q["name"] for q in listing["queues"]]
+
+
+async def test_cluster_routes_of_later_releases_answer_not_implemented(api: RawApi) -> None:
+    await api.request("PUT", "/v1/queues/later", {})
+    status, body, _ = await api.request("POST", "/v1/queues/later/handoff", {"initiator": "master"})
+    assert status == 501 and error_code(body) == "E_NOT_IMPLEMENTED"
+    status, cluster, _ = await api.request("GET", "/v1/cluster")
+    assert status == 200 and cluster["nodes"][0]["id"] == "n1" and cluster["queues"]["later"]["master"] == "n1"
+
+
+async def test_health_and_metrics_need_no_signature(api: RawApi) -> None:
+    await api.request("PUT", "/v1/queues/metered", {})
+    await put(api, "metered", b"m")
+    status, health, _ = await api.request("GET", "/healthz", sign=False)
+    assert status == 200 and health["status"] == "ok"
+    status, text, _ = await api.request("GET", "/metrics", sign=False)
+    text = text.decode()
+    for family in ("qserver_queue_depth{queue=\"metered\"} 1", "qserver_queue_in_flight",
+                   "qserver_queue_enqueued_total", "qserver_queue_acked_total", "qserver_commit_seconds_bucket",
+                   "qserver_commit_batch_operations_bucket"):
+        assert family in text
