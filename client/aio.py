@@ -498,7 +498,10 @@ class AsyncClient:
                 if item.request_id == 0:  # the whole frame was refused: we cannot tell whose ops
                     return QueueError(item.code, item.message, outcome_unknown=True)
                 error = QueueError(item.code, item.message, outcome_unknown=item.outcome_unknown)
-                self._fail_op(item.request_id, error)
+                if item.request_id in pending:
+                    self._fail_op(item.request_id, error)
+                else:  # qserver ends a subscription (its queue was deleted) with its id here
+                    self._end_subscription(item.request_id, error)
             elif kind is Delivery:
                 self._on_delivery(item)
             elif kind is Closing:
@@ -548,6 +551,11 @@ class AsyncClient:
                                                    delivered.receipt))
             return
         consumer._on_messages(delivery.messages)
+
+    def _end_subscription(self, subscription_id: int, error: QueueError) -> None:
+        consumer = self._consumers_by_subscription.pop(subscription_id, None)
+        if consumer is not None:
+            consumer._on_subscription_ended(error)
 
     def _forget_subscription(self, subscription_id: int) -> None:
         self._consumers_by_subscription.pop(subscription_id, None)
@@ -744,6 +752,15 @@ class Consumer:
     def _on_connection_lost(self) -> None:
         self._subscription_id = None
         self._subscribing = False
+
+    def _on_subscription_ended(self, error: QueueError) -> None:
+        """The server ended the subscription: surface a lasting reason, else subscribe again."""
+        self._subscription_id = None
+        if error.retriable:
+            self._subscribe()
+        else:
+            self._error = error
+            self._wake()
 
     def _on_fatal(self, error: QueueError) -> None:
         self._error = error

@@ -2,6 +2,7 @@
 would (bad signatures, garbage frames, replays)."""
 from __future__ import annotations
 
+import io
 import json
 from typing import Any
 
@@ -30,7 +31,8 @@ class RawApi:
         if sign and self.signer is not None:
             all_headers.update(signed_headers or self.signer.headers(method, path, query or {}, raw))
         all_headers.update(headers or {})
-        async with self.session.request(method, self.url + path, data=raw, params=query, headers=all_headers) as answer:
+        data: Any = io.BytesIO(raw) if len(raw) > 512 * 1024 else raw
+        async with self.session.request(method, self.url + path, data=data, params=query, headers=all_headers) as answer:
             data = await answer.read()
             parsed: Any = data
             if answer.headers.get("Content-Type", "").startswith("application/json"):

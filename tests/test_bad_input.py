@@ -1,0 +1,238 @@
+"""Bad input never costs data (DESIGN.md 3.7): every malformed request, unknown name,
+oversized body, bad signature or missing grant gets a stable E_* code, and afterwards the
+stored messages and other clients' connections are exactly as they were."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+import msgpack
+import pytest
+import pytest_asyncio
+
+from client.protocol import (AckOp, Closing, EnqueueOp, ErrorReply, OkReply, PingOp, ReceiveOp,
+                             decode_server_frame, encode_frame)
+from client.signing import Signer, private_key_from_text
+from tests.support import RawApi, error_code
+
+pytestmark = pytest.mark.asyncio
+BODY_LIMIT = 1 << 20
+
+
+@pytest_asyncio.fixture
+async def api(qnode):  # type: ignore[no-untyped-def]
+    async with aiohttp.ClientSession() as session:
+        admin = RawApi.for_credentials(session, qnode.credentials_path)
+        await admin.request("PUT", "/v1/queues/keep", {})
+        for n in range(3):
+            await admin.request("POST", "/v1/queues/keep/messages", f"kept-{n}".encode())
+        yield admin
+        # The guarantee every test here checks: the stored messages are untouched.
+        _, stats, _ = await admin.request("GET", "/v1/queues/keep")
+        assert stats["depth"] == 3 and stats["total_enqueued"] == 3
+
+
+async def client_with(api: RawApi, grants: list[dict[str, Any]]) -> RawApi:
+    status, body, _ = await api.request("POST", "/v1/clients", {"name": f"c{time.monotonic_ns()}", "grants": grants})
+    assert status == 201, body
+    return RawApi(api.session, api.url, Signer(body["id"], private_key_from_text(body["private_key"])))
+
+
+async def ws_exchange(ws: aiohttp.ClientWebSocketResponse, frame: bytes, *, text: bool = False) -> list[Any]:
+    if text:
+        await ws.send_str(frame.decode(errors="replace"))
+    else:
+        await ws.send_bytes(frame)
+    message = await asyncio.wait_for(ws.receive(), 5)
+    assert message.type == aiohttp.WSMsgType.BINARY, message
+    return decode_server_frame(message.data)
+
+
+@pytest.mark.parametrize("body, code", [
+    (b"{not json", "E_BAD_JSON"),
+    (b'{"max_depth": "ten"}', "E_INVALID_OPTION"),
+    (b'{"max_depth": 0}', "E_INVALID_OPTION"),
+    (b'{"max_depth": true}', "E_INVALID_OPTION"),
+    (b'{"strength": "strong"}', "E_INVALID_OPTION"),
+    (b'{"colour": "blue"}', "E_INVALID_OPTION"),
+    (b'[1, 2]', "E_INVALID_OPTION"),
+])
+async def test_a_malformed_queue_definition_is_refused_with_its_code(api: RawApi, body: bytes, code: str) -> None:
+    status, answer, _ = await api.request("PUT", "/v1/queues/newq", body)
+    assert status == 400 and error_code(answer) == code
+    assert answer["error"]["retriable"] is False and answer["error"]["outcome_unknown"] is False
+    assert (await api.request("GET", "/v1/queues/newq"))[0] == 404
+
+
+@pytest.mark.parametrize("path", ["/v1/queues/a%2Fb", "/v1/queues/" + "x" * 201, "/v1/queues/bad%01name",
+                                  "/v1/queues/.hidden", "/v1/queues/sp%20ace"])
+async def test_an_invalid_queue_name_is_refused(api: RawApi, path: str) -> None:
+    for method, suffix in (("PUT", ""), ("POST", "/messages"), ("POST", "/receive")):
+        status, answer, _ = await api.request(method, path + suffix, b"{}" if method == "PUT" else b"x")
+        assert status in (400, 404), (method, path, answer)
+        assert error_code(answer) in ("E_INVALID_NAME", "E_NOT_FOUND")
+    status, answer, _ = await api.request("PUT", path, b"{}")
+    assert error_code(answer) in ("E_INVALID_NAME", "E_NOT_FOUND")
+
+
+async def test_an_empty_queue_name_is_refused(api: RawApi) -> None:
+    status, answer, _ = await api.request("PUT", "/v1/queues/", b"{}")
+    assert status == 400 and error_code(answer) == "E_INVALID_NAME"
+
+
+async def test_operations_on_an_unknown_queue_name_it(api: RawApi) -> None:
+    for method, path in (("POST", "/v1/queues/ghost/messages"), ("POST", "/v1/queues/ghost/receive"),
+                         ("GET", "/v1/queues/ghost"), ("DELETE", "/v1/queues/ghost"),
+                         ("DELETE", "/v1/queues/ghost/messages/1")):
+        status, answer, _ = await api.request(method, path, b"x", query={"receipt": "r"} if "messages/1" in path else None)
+        assert status == 404 and error_code(answer) == "E_UNKNOWN_QUEUE", (method, path, answer)
+
+
+async def test_an_oversized_body_is_refused_before_it_is_stored(api: RawApi) -> None:
+    status, answer, _ = await api.request("POST", "/v1/queues/keep/messages", b"x" * (BODY_LIMIT + 1))
+    assert status == 413 and error_code(answer) == "E_PAYLOAD_TOO_LARGE"
+
+
+@pytest.mark.parametrize("headers, query, code", [
+    ({"X-Priority": "10"}, None, "E_INVALID_OPTION"),
+    ({"X-Priority": "high"}, None, "E_INVALID_OPTION"),
+    ({"X-Dedupe-Id": "d" * 129}, None, "E_INVALID_OPTION"),
+])
+async def test_bad_enqueue_headers_are_refused(api: RawApi, headers: dict[str, str], query: Any, code: str) -> None:
+    status, answer, _ = await api.request("POST", "/v1/queues/keep/messages", b"x", headers=headers)
+    assert status == 400 and error_code(answer) == code
+
+
+@pytest.mark.parametrize("path, query, code", [
+    ("/v1/queues/keep/receive", {"wait_s": "soon"}, "E_INVALID_OPTION"),
+    ("/v1/queues/keep/receive", {"wait_s": "-1"}, "E_INVALID_OPTION"),
+    ("/v1/queues/keep/receive", {"visibility_timeout_s": "nan"}, "E_INVALID_OPTION"),
+    ("/v1/queues/keep/messages/abc/release", {"receipt": "r"}, "E_INVALID_OPTION"),
+    ("/v1/queues/keep/messages/1/release", None, "E_BAD_REQUEST"),
+])
+async def test_bad_parameters_are_refused(api: RawApi, path: str, query: Any, code: str) -> None:
+    status, answer, _ = await api.request("POST", path, b"", query=query)
+    assert status == 400 and error_code(answer) == code, answer
+
+
+async def test_an_unsigned_request_is_refused(api: RawApi) -> None:
+    status, answer, _ = await api.request("POST", "/v1/queues/keep/messages", b"x", sign=False)
+    assert status == 401 and error_code(answer) == "E_UNAUTHENTICATED"
+
+
+async def test_a_signature_over_another_body_is_refused(api: RawApi) -> None:
+    assert api.signer is not None
+    headers = api.signer.headers("POST", "/v1/queues/keep/messages", {}, b"original")
+    status, answer, _ = await api.request("POST", "/v1/queues/keep/messages", b"tampered", signed_headers=headers)
+    assert status == 401 and error_code(answer) == "E_UNAUTHENTICATED"
+
+
+async def test_a_signature_by_an_unknown_client_is_refused(api: RawApi) -> None:
+    from client.signing import new_private_key
+    stranger = RawApi(api.session, api.url, Signer("c-nobody", new_private_key()))
+    status, answer, _ = await stranger.request("GET", "/v1/queues")
+    assert status == 401 and error_code(answer) == "E_UNAUTHENTICATED"
+
+
+async def test_a_stale_timestamp_is_refused(api: RawApi) -> None:
+    assert api.signer is not None
+    old = api.signer.headers("GET", "/v1/queues", {}, b"", timestamp_ms=int(time.time() * 1000) - 3_600_000)
+    status, answer, _ = await api.request("GET", "/v1/queues", signed_headers=old)
+    assert status == 401 and error_code(answer) == "E_STALE_REQUEST"
+
+
+async def test_a_replayed_request_is_refused_and_not_applied_twice(api: RawApi) -> None:
+    assert api.signer is not None
+    await api.request("PUT", "/v1/queues/replayed", {})
+    headers = api.signer.headers("POST", "/v1/queues/replayed/messages", {}, b"once")
+    status, _, _ = await api.request("POST", "/v1/queues/replayed/messages", b"once", signed_headers=headers)
+    assert status == 201
+    status, answer, _ = await api.request("POST", "/v1/queues/replayed/messages", b"once", signed_headers=headers)
+    assert status == 401 and error_code(answer) == "E_REPLAYED_REQUEST"
+    _, stats, _ = await api.request("GET", "/v1/queues/replayed")
+    assert stats["depth"] == 1
+
+
+async def test_a_client_without_the_grant_is_forbidden_and_changes_nothing(api: RawApi) -> None:
+    producer = await client_with(api, [{"pattern": "keep", "privileges": ["post"]}])
+    status, answer, _ = await producer.request("POST", "/v1/queues/keep/receive")
+    assert status == 403 and error_code(answer) == "E_FORBIDDEN"
+    status, answer, _ = await producer.request("DELETE", "/v1/queues/keep")
+    assert status == 403 and error_code(answer) == "E_FORBIDDEN"
+    status, answer, _ = await producer.request("POST", "/v1/queues/other/messages", b"x")
+    assert status == 403 and error_code(answer) == "E_FORBIDDEN"
+    status, answer, _ = await producer.request("POST", "/v1/clients", {"name": "sneaky", "grants": []})
+    assert status == 403 and error_code(answer) == "E_FORBIDDEN"
+
+
+@pytest.mark.parametrize("body", [{"name": "x", "grants": [{"pattern": "*", "privileges": ["root"]}]},
+                                  {"name": "x", "grants": "all"}, {"name": "bad/name", "grants": []},
+                                  {"name": "x", "public_key": "not-a-key", "grants": []}])
+async def test_a_malformed_client_registration_is_refused(api: RawApi, body: dict[str, Any]) -> None:
+    status, answer, _ = await api.request("POST", "/v1/clients", body)
+    assert status == 400 and error_code(answer) in ("E_INVALID_OPTION", "E_INVALID_NAME")
+
+
+async def test_garbage_on_the_websocket_gets_e_bad_frame_and_the_socket_keeps_working(api: RawApi) -> None:
+    bystander = await api.ws()
+    ws = await api.ws()
+    try:
+        for garbage in (b"\xc1\xff\x00", msgpack.packb({"not": "a frame"}), msgpack.packb([99, []]),
+                        msgpack.packb([1, "items"]), b""):
+            [item] = await ws_exchange(ws, garbage)
+            assert isinstance(item, ErrorReply) and item.code == "E_BAD_FRAME" and item.request_id == 0
+        [item] = await ws_exchange(ws, b"text frame", text=True)
+        assert isinstance(item, ErrorReply) and item.code == "E_BAD_FRAME"
+        mixed = msgpack.packb([1, [[1, 7, "keep", "not-bytes", 4, None], [8, 8], [42, 9]]])
+        items = await ws_exchange(ws, mixed)
+        by_id = {i.request_id: i for i in items}
+        assert isinstance(by_id[7], ErrorReply) and by_id[7].code == "E_BAD_FRAME"
+        assert isinstance(by_id[8], OkReply)
+        assert isinstance(by_id[9], ErrorReply) and by_id[9].code == "E_BAD_FRAME"
+        oversized = encode_frame([EnqueueOp(10, "keep", b"x" * (BODY_LIMIT + 1), 4, None)])
+        [item] = await ws_exchange(ws, oversized)
+        assert isinstance(item, ErrorReply) and item.code == "E_PAYLOAD_TOO_LARGE"
+        [item] = await ws_exchange(ws, encode_frame([AckOp(11, "keep", 999, "nope")]))
+        assert isinstance(item, ErrorReply) and item.code == "E_UNKNOWN_MESSAGE"
+        [item] = await ws_exchange(ws, encode_frame([EnqueueOp(12, "no/such", b"x", 4, None)]))
+        assert isinstance(item, ErrorReply) and item.code == "E_INVALID_NAME"
+        [item] = await ws_exchange(bystander, encode_frame([PingOp(1)]))
+        assert isinstance(item, OkReply)
+    finally:
+        await ws.close()
+        await bystander.close()
+
+
+async def test_removing_a_client_closes_its_websocket(api: RawApi) -> None:
+    consumer = await client_with(api, [{"pattern": "keep", "privileges": ["get"]}])
+    ws = await consumer.ws()
+    [item] = await ws_exchange(ws, encode_frame([ReceiveOp(1, "keep", 1, 0, 60_000)]))
+    assert isinstance(item, OkReply) and len(item.result) == 1
+    # Give the lease back so the fixture's queue holds its three messages unleased.
+    row = item.result[0]
+    await ws_exchange(ws, encode_frame([__import__("client.protocol").protocol.ReleaseOp(2, "keep", row[0], row[1])]))
+    status, _, _ = await api.request("DELETE", f"/v1/clients/{consumer.signer.client_id}")  # type: ignore[union-attr]
+    assert status == 200
+    message = await asyncio.wait_for(ws.receive(), 5)
+    assert message.type == aiohttp.WSMsgType.BINARY
+    [closing] = decode_server_frame(message.data)
+    assert isinstance(closing, Closing) and closing.code == "E_UNAUTHENTICATED"
+    assert (await asyncio.wait_for(ws.receive(), 5)).type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
+    status, answer, _ = await consumer.request("GET", "/v1/queues")
+    assert status == 401
+
+
+async def test_revoking_a_grant_closes_the_clients_websocket(api: RawApi) -> None:
+    worker = await client_with(api, [{"pattern": "keep", "privileges": ["get", "post"]}])
+    ws = await worker.ws()
+    [item] = await ws_exchange(ws, encode_frame([PingOp(1)]))
+    assert isinstance(item, OkReply)
+    client_id = worker.signer.client_id  # type: ignore[union-attr]
+    status, _, _ = await api.request("PUT", f"/v1/clients/{client_id}/grants",
+                                     {"grants": [{"pattern": "keep", "privileges": ["post"]}]})
+    assert status == 200
+    [closing] = decode_server_frame((await asyncio.wait_for(ws.receive(), 5)).data)
+    assert isinstance(closing, Closing) and closing.code == "E_FORBIDDEN"
+    await ws.close()
