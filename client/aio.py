@@ -25,7 +25,7 @@ import itertools
 import os
 import random
 from collections import deque
-from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Coroutine, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -124,8 +124,8 @@ class AsyncClient:
         self.http = HttpClient(self.url, self._signer, request_timeout_s=request_timeout_s)
         base = URL(self.url)
         self._ws_path = base.raw_path.rstrip("/") + "/v1/ws"
-        self._ws_url = URL(self.url.replace("http", "ws", 1) + "/v1/ws", encoded=True) \
-            if self.url.startswith("http") else URL(self.url + "/v1/ws", encoded=True)
+        ws_scheme = {"http": "ws", "https": "wss"}.get(base.scheme, base.scheme)
+        self._ws_url = URL(f"{ws_scheme}://{base.raw_authority}{self._ws_path}", encoded=True)
         self._connect_timeout_s = connect_timeout_s
         self._reconnect_delay_initial_s = reconnect_delay_initial_s
         self._reconnect_delay_max_s = reconnect_delay_max_s
@@ -208,8 +208,8 @@ class AsyncClient:
     def _start(self) -> None:
         if self._closed:
             raise QueueError(E_UNAVAILABLE, "the client is closed")
-        if self._fatal is not None:
-            raise self._fatal
+        if self._fatal is not None:  # a fresh error: this op was never sent
+            raise QueueError(self._fatal.kind, self._fatal.message)
         if self._supervisor is None:
             self._supervisor = self._bound_loop().create_task(self._supervise())
 
@@ -398,19 +398,21 @@ class AsyncClient:
         writer = loop.create_task(self._write_loop(ws))
         try:
             await asyncio.wait((reader, writer), return_when=asyncio.FIRST_COMPLETED)
+            if not reader.done():
+                # The writer failed; the reader may still hold the reason (a Closing item),
+                # and a broken socket ends it promptly anyway.
+                await asyncio.wait((reader,), timeout=CLEANUP_TIMEOUT_S)
         finally:
             self._ws = None
             writer.cancel()
             reader.cancel()
             await asyncio.gather(reader, writer, return_exceptions=True)
             await asyncio.shield(self._close_socket(ws))
-        failure: BaseException | None = None
-        for task in (reader, writer):
-            if task.done() and not task.cancelled():
-                failure = failure or task.exception()
-        if failure is None and reader.done() and not reader.cancelled():
+        if reader.done() and not reader.cancelled() and reader.exception() is None:
             return reader.result()
-        return QueueError(E_UNAVAILABLE, f"the connection failed: {failure!r}", outcome_unknown=True)
+        failed = [t for t in (reader, writer) if t.done() and not t.cancelled() and t.exception()]
+        reason = repr(failed[0].exception()) if failed else "closed"
+        return QueueError(E_UNAVAILABLE, f"the connection failed: {reason}", outcome_unknown=True)
 
     @staticmethod
     async def _close_socket(ws: aiohttp.ClientWebSocketResponse) -> None:
@@ -643,7 +645,9 @@ class Consumer:
 
     The server may push as many messages as it has credit for; the consumer starts with
     `prefetch` credit and grants more, in batches of half the prefetch, as the application
-    takes messages, so at most `prefetch` messages are leased but not yet taken.
+    takes messages, so at most `prefetch` messages are leased but not yet taken. Several
+    tasks may iterate one consumer at once (workers that each await their own acks keep many
+    acks in one frame).
     """
 
     def __init__(self, client: AsyncClient, queue: str, prefetch: int, visibility_ms: int | None) -> None:
@@ -654,7 +658,7 @@ class Consumer:
         self._visibility_ms = visibility_ms
         self._credit_batch = max(1, prefetch // 2)
         self._buffer: deque[Message] = deque()
-        self._waiter: asyncio.Future[None] | None = None
+        self._waiters: list[asyncio.Future[None]] = []
         self._subscription_id: int | None = None
         self._subscribing = False
         self._taken = 0  # messages taken since credit was last granted
@@ -669,11 +673,9 @@ class Consumer:
                 raise self._error
             if self.closed:
                 raise StopAsyncIteration
-            self._waiter = self._client._bound_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+            waiter: asyncio.Future[None] = self._client._bound_loop().create_future()
+            self._waiters.append(waiter)
+            await waiter
         message = self._buffer.popleft()
         self._taken += 1
         if self._taken >= self._credit_batch:
@@ -767,11 +769,8 @@ class Consumer:
         self._wake()
 
     def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-
-def grants_from_mapping(grants: Mapping[str, Sequence[str]]) -> list[dict[str, Any]]:
-    """`{"orders.*": ["post", "get"]}` as the server's grant list."""
-    return [{"pattern": pattern, "privileges": list(privileges)} for pattern, privileges in grants.items()]
+        """Wake every waiting task; each checks the buffer again (a cancelled one is skipped)."""
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)

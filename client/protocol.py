@@ -95,7 +95,31 @@ class PingOp:
     request_id: int
 
 
-ClientOp = Union[EnqueueOp, ReceiveOp, AckOp, ReleaseOp, SubscribeOp, CreditOp, UnsubscribeOp, PingOp]
+@dataclass(frozen=True, slots=True)
+class EnqueueBatchOp:
+    """Many messages to one queue at one priority: the client coalesces concurrent enqueue()
+    calls into these. The result is [epoch, [message_id or [code, message], ...]], one entry
+    per payload in order, so one full queue or bad item fails only its own message."""
+    TAG: ClassVar[int] = 9
+    request_id: int
+    queue: str
+    priority: int
+    payloads: tuple[bytes, ...]
+    dedupe_ids: tuple[str | None, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AckBatchOp:
+    """Many acks on one queue; the result is [None or [code, message], ...] in order."""
+    TAG: ClassVar[int] = 10
+    request_id: int
+    queue: str
+    items: tuple[tuple[int, str], ...]
+
+
+ClientOp = Union[EnqueueOp, ReceiveOp, AckOp, ReleaseOp, SubscribeOp, CreditOp, UnsubscribeOp, PingOp,
+                 EnqueueBatchOp, AckBatchOp]
+BATCH_ITEMS_MAX = 10_000
 
 
 # --- server -> client --------------------------------------------------------------------------
@@ -158,6 +182,11 @@ def _encode_item(item: ClientOp | ServerItem) -> list[Any]:
         return [item.TAG, item.request_id, result]
     if isinstance(item, Delivery):
         return [item.TAG, item.subscription_id, [_message_row(m) for m in item.messages]]
+    if isinstance(item, EnqueueBatchOp):
+        return [item.TAG, item.request_id, item.queue, item.priority, list(item.payloads),
+                None if item.dedupe_ids is None else list(item.dedupe_ids)]
+    if isinstance(item, AckBatchOp):
+        return [item.TAG, item.request_id, item.queue, [list(pair) for pair in item.items]]
     return [item.TAG, *(getattr(item, name) for name in item.__slots__)]  # type: ignore[union-attr]
 
 
@@ -176,7 +205,7 @@ def _unpack(data: bytes) -> list[Any]:
         raise FrameError(f"not msgpack: {type(exc).__name__}") from None
     if not isinstance(frame, list) or len(frame) != 2 or not isinstance(frame[1], list):
         raise FrameError("a frame is [version, [items...]]")
-    if frame[0] != PROTOCOL_VERSION:
+    if type(frame[0]) is not int or frame[0] != PROTOCOL_VERSION:
         raise FrameError(f"unsupported protocol version {frame[0]!r}")
     return frame[1]
 
@@ -196,7 +225,8 @@ def _str(value: Any, name: str, request_id: int, *, optional: bool = False) -> A
 
 
 INT64_MAX = 2**63 - 1
-_OP_ARITY = {1: (5, 6), 2: (3, 6), 3: (5, 5), 4: (5, 5), 5: (4, 5), 6: (4, 4), 7: (3, 3), 8: (2, 2)}
+_OP_ARITY = {1: (5, 6), 2: (3, 6), 3: (5, 5), 4: (5, 5), 5: (4, 5), 6: (4, 4), 7: (3, 3), 8: (2, 2),
+             9: (5, 6), 10: (4, 4)}
 
 
 def _decode_op(row: Any) -> ClientOp:
@@ -236,9 +266,43 @@ def _decode_op(row: Any) -> ClientOp:
     if tag == CreditOp.TAG:
         return CreditOp(request_id, _int(args[0], "subscription_id", 1, INT64_MAX, request_id),
                         _int(args[1], "credit", 1, 100_000, request_id))
+    if tag == EnqueueBatchOp.TAG:
+        return _decode_enqueue_batch(request_id, args)
+    if tag == AckBatchOp.TAG:
+        return _decode_ack_batch(request_id, args)
     if tag == UnsubscribeOp.TAG:
         return UnsubscribeOp(request_id, _int(args[0], "subscription_id", 1, INT64_MAX, request_id))
     return PingOp(request_id)
+
+
+def _decode_enqueue_batch(request_id: int, args: list[Any]) -> EnqueueBatchOp:
+    queue = _str(args[0], "queue", request_id)
+    priority = _int(args[1], "priority", 0, 9, request_id)
+    payloads, dedupe_ids = args[2], args[3] if len(args) > 3 else None
+    if not isinstance(payloads, list) or not 0 < len(payloads) <= BATCH_ITEMS_MAX:
+        raise FrameError(f"payloads must be a list of 1..{BATCH_ITEMS_MAX}", request_id)
+    if not all(isinstance(p, (bytes, bytearray)) for p in payloads):
+        raise FrameError("payloads must be binary", request_id)
+    if dedupe_ids is not None:
+        if not isinstance(dedupe_ids, list) or len(dedupe_ids) != len(payloads):
+            raise FrameError("dedupe_ids must match payloads one for one", request_id)
+        if not all(d is None or isinstance(d, str) for d in dedupe_ids):
+            raise FrameError("dedupe ids must be strings or nil", request_id)
+        dedupe_ids = tuple(dedupe_ids)
+    return EnqueueBatchOp(request_id, queue, priority, tuple(bytes(p) for p in payloads), dedupe_ids)
+
+
+def _decode_ack_batch(request_id: int, args: list[Any]) -> AckBatchOp:
+    queue = _str(args[0], "queue", request_id)
+    rows = args[1]
+    if not isinstance(rows, list) or not 0 < len(rows) <= BATCH_ITEMS_MAX:
+        raise FrameError(f"items must be a list of 1..{BATCH_ITEMS_MAX}", request_id)
+    items = []
+    for row in rows:
+        if not isinstance(row, list) or len(row) != 2 or not isinstance(row[1], str):
+            raise FrameError("an ack item is [message_id, receipt]", request_id)
+        items.append((_int(row[0], "message_id", 1, INT64_MAX, request_id), row[1]))
+    return AckBatchOp(request_id, queue, tuple(items))
 
 
 def decode_client_frame(data: bytes) -> list[ClientOp | FrameError]:
@@ -260,9 +324,18 @@ def _decode_message(row: Any) -> DeliveredMessage:
 
 
 def decode_server_frame(data: bytes) -> list[ServerItem]:
-    """Decode a server frame (the client's side); receive results become DeliveredMessage."""
+    """Decode a server frame (the client's side). Anything malformed raises FrameError."""
+    try:
+        return _decode_server_items(_unpack(data))
+    except FrameError:
+        raise
+    except (IndexError, TypeError, ValueError, KeyError) as exc:
+        raise FrameError(f"malformed server frame: {type(exc).__name__}") from None
+
+
+def _decode_server_items(rows: list[Any]) -> list[ServerItem]:
     out: list[ServerItem] = []
-    for row in _unpack(data):
+    for row in rows:
         if not isinstance(row, list) or not row:
             raise FrameError("an item is [tag, ...]")
         tag = row[0]
@@ -280,5 +353,10 @@ def decode_server_frame(data: bytes) -> list[ServerItem]:
 
 
 def messages_from_result(result: Any) -> list[DeliveredMessage]:
-    """The DeliveredMessage list of a receive's OkReply result."""
-    return [_decode_message(row) for row in result or []]
+    """The DeliveredMessage list of a receive's OkReply result; FrameError if malformed."""
+    try:
+        return [_decode_message(row) for row in result or []]
+    except FrameError:
+        raise
+    except (IndexError, TypeError, ValueError) as exc:
+        raise FrameError(f"malformed messages: {type(exc).__name__}") from None

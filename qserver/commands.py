@@ -47,6 +47,27 @@ class Enqueue:
 
 
 @dataclass(slots=True)
+class EnqueueMany:
+    """One coalesced batch from a client: answered once, with a result per payload."""
+    queue: str
+    priority: int
+    payloads: tuple[bytes, ...]
+    dedupe_ids: tuple[str | None, ...] | None
+    client: str
+    replier: Replier
+    request_id: int = 0
+
+
+@dataclass(slots=True)
+class AckMany:
+    queue: str
+    items: tuple[tuple[int, str], ...]
+    client: str
+    replier: Replier
+    request_id: int = 0
+
+
+@dataclass(slots=True)
 class Receive:
     queue: str
     max_messages: int
@@ -135,5 +156,5 @@ class Shutdown:
     done: list[bool] = field(default_factory=list)
 
 
-Command = Union[Enqueue, Receive, Ack, Subscribe, Credit, Unsubscribe, CreateQueue, DeleteQueue,
+Command = Union[Enqueue, EnqueueMany, AckMany, Receive, Ack, Subscribe, Credit, Unsubscribe, CreateQueue, DeleteQueue,
                 MessageStatus, PutClient, Shutdown]

@@ -32,7 +32,8 @@ from qserver.storage import CommitResult, MapGrowthNeeded, SealedBatch, Storage,
 from replication.operations import Acked, DeadLettered, Enqueued, Leased, Operation, Released
 from replication.options import (DEAD_LETTER_SUFFIX, QueueOptions, QueueState, QueueType,
                                  dead_letter_name, is_valid_queue_name, mismatched_options)
-from replication.queue_core import InvariantViolation, QueueCore, QueueRecord
+from replication.invariants import InvariantViolation
+from replication.queue_core import QueueCore, QueueRecord
 
 log = logging.getLogger("qserver.engine")
 TERMINAL_STATES = frozenset({"acked", "replied", "dead_lettered"})
@@ -214,7 +215,11 @@ class Engine:
 
     def _step(self, command: c.Command, now_ms: int) -> None:
         kind = type(command)
-        if kind is c.Enqueue:
+        if kind is c.EnqueueMany:
+            self._step_enqueue_many(command, now_ms)  # type: ignore[arg-type]
+        elif kind is c.AckMany:
+            self._step_ack_many(command, now_ms)  # type: ignore[arg-type]
+        elif kind is c.Enqueue:
             self._step_enqueue(command, now_ms)  # type: ignore[arg-type]
         elif kind is c.Ack:
             self._step_ack(command, now_ms)  # type: ignore[arg-type]
@@ -244,6 +249,40 @@ class Engine:
         else:
             batch.replies.append((command.replier, command.request_id, result))
         self._to_serve.add(core.name)
+
+    def _step_enqueue_many(self, command: c.EnqueueMany, now_ms: int) -> None:
+        core = self._core(command.queue)
+        batch = self._open
+        operations = batch.sealed.operations
+        enqueue, priority, client = core.enqueue, command.priority, command.client
+        dedupe_ids = command.dedupe_ids or (None,) * len(command.payloads)
+        outcomes: list[Any] = []
+        for payload, dedupe_id in zip(command.payloads, dedupe_ids):
+            try:
+                outcomes.append(enqueue(payload, priority, dedupe_id, client, now_ms, operations)[0])
+            except QueueError as error:
+                outcomes.append([error.code, error.message])
+        batch.touched[core.name] = core
+        result = [core.record.epoch, outcomes]
+        if core.options.type is QueueType.ONE_WAY:
+            command.replier.reply(command.request_id, result)
+        else:
+            batch.replies.append((command.replier, command.request_id, result))
+        self._to_serve.add(core.name)
+
+    def _step_ack_many(self, command: c.AckMany, now_ms: int) -> None:
+        core = self._core(command.queue)
+        operations = self._open.sealed.operations
+        ack, client = core.ack, command.client
+        outcomes: list[Any] = []
+        for message_id, receipt in command.items:
+            try:
+                ack(message_id, receipt, client, now_ms, operations)
+                outcomes.append(None)
+            except QueueError as error:
+                outcomes.append([error.code, error.message])
+        self._touch(core)
+        self._open.replies.append((command.replier, command.request_id, outcomes))
 
     def _step_receive(self, command: c.Receive, now_ms: int) -> None:
         core = self._core(command.queue)

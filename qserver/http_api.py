@@ -32,6 +32,21 @@ STATUS_STATES = frozenset({"queued", "delivered", "acked", "replied", "dead_lett
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+PRIORITY_TEXTS = frozenset(str(p) for p in range(10))
+
+
+def valid_dedupe_id(dedupe_id: str) -> bool:
+    """1-128 printable characters that encode as UTF-8 (aiohttp hands undecodable header
+    bytes over as surrogates, which storage could not encode)."""
+    if not 0 < len(dedupe_id) <= 128 or not dedupe_id.isprintable():
+        return False
+    try:
+        dedupe_id.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def error_response(error: QueueError) -> web.Response:
     return web.json_response(error.envelope(), status=error.http_status)
 
@@ -171,11 +186,11 @@ async def delete_queue(request: web.Request) -> web.Response:
 async def enqueue(request: web.Request) -> web.Response:
     name = queue_name(request, "post")
     raw_priority = request.headers.get("X-Priority", str(PRIORITY_DEFAULT))
-    if not raw_priority.isdigit() or not 0 <= int(raw_priority) <= 9:
+    if raw_priority not in PRIORITY_TEXTS:
         raise QueueError(e.E_INVALID_OPTION, "X-Priority must be 0-9")
     dedupe_id = request.headers.get("X-Dedupe-Id")
-    if dedupe_id is not None and not 0 < len(dedupe_id) <= 128:
-        raise QueueError(e.E_INVALID_OPTION, "X-Dedupe-Id must be 1-128 characters")
+    if dedupe_id is not None and not valid_dedupe_id(dedupe_id):
+        raise QueueError(e.E_INVALID_OPTION, "X-Dedupe-Id must be 1-128 printable UTF-8 characters")
     payload = await request.read()
     engine = request.app["node"].engine
     client = principal(request).client_id

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from qserver.storage import Storage
 from qserver.ws_api import ClientConnection, websocket
 
 log = logging.getLogger("qserver")
+GIL_SWITCH_INTERVAL_S = 0.0002
 
 
 class Node:
@@ -130,6 +132,9 @@ async def serve(config: NodeConfig, *, ready: asyncio.Event | None = None) -> No
 
 
 def run(config: NodeConfig) -> None:
+    # The LMDB writer thread needs the GIL back promptly when its fsync returns; the default
+    # 5 ms switch interval would make every group commit wait on the event loop's Python.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     try:
         import uvloop
         runner: Any = uvloop.run

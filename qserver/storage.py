@@ -13,7 +13,7 @@ Key layout (big-endian integers so LMDB's byte order is numeric order):
     leases    queue_id:8 index:8                  -> msgpack [priority, receipt, deadline_ms, deliveries, leased_ms]
     status    queue_id:8 index:8                  -> msgpack [state, at_ms, reply]   (completed messages)
     dedupe    queue_id:8 dedupe_id                -> index:8 enqueued_ms:8
-    expiry    kind:1 at_ms:8 queue_id:8 id        -> ""   (what housekeeping prunes, oldest first)
+    expiry    kind:1 at_ms:8 queue_id:8 index:8   -> ""   (completion statuses to prune, oldest first)
     doomed    queue_id:8                          -> ""   (deleted incarnations still being erased)
     epochs    name                                -> epoch:8
     journal   sequence:8                          -> msgpack record + crc32:4
@@ -36,7 +36,8 @@ import lmdb
 import msgpack
 
 from replication.operations import Acked, DeadLettered, Enqueued, Leased, Operation, Released
-from replication.queue_core import InvariantViolation, QueueRecord
+from replication.invariants import InvariantViolation
+from replication.queue_core import QueueRecord
 from replication.store import StoredLease
 
 SCHEMA_VERSION = 1
@@ -46,7 +47,6 @@ _Q = struct.Struct(">Q")
 _U32 = struct.Struct(">I")
 _EXPIRY = struct.Struct(">BQQ")
 EXPIRY_STATUS = 1
-EXPIRY_DEDUPE = 2
 DB_NAMES = ("queues", "messages", "ready", "leases", "status", "dedupe", "expiry", "doomed",
             "epochs", "journal", "clients", "meta")
 ERASE_KEYS_PER_BATCH_MAX = 5_000
@@ -103,6 +103,7 @@ class Storage:
                              max_readers=256, readahead=False)
         self.db = {name: self.env.open_db(name.encode()) for name in DB_NAMES}
         self._journal_sequence = 0
+        self._dedupe_sweep_from = b""     # where the next dedupe sweep resumes (writer thread)
         self._read_txn: lmdb.Transaction | None = None
         self._check_schema()
 
@@ -231,10 +232,17 @@ class Storage:
         db = self.db
         names = {record["queue_id"]: (name, record["epoch"]) for name, record in batch.queue_records.items()}
         journal = self._journal_writer(txn, names) if self.journal_enabled else None
-        for op in batch.operations:
+        operations = batch.operations
+        position, count = 0, len(operations)
+        while position < count:
+            if type(operations[position]) is Enqueued:
+                position = self._apply_enqueue_run(txn, operations, position, journal)
+                continue
+            op = operations[position]
             self._APPLY[type(op)](self, txn, op)
             if journal is not None:
                 journal(op)
+            position += 1
         for name, record in batch.queue_records.items():
             txn.put(name.encode(), msgpack.packb(record), db=db["queues"])
         for name, queue_id in batch.deleted_queues:
@@ -260,16 +268,31 @@ class Storage:
             payloads.append(None if raw is None else msgpack.unpackb(raw)[4])
         return payloads
 
-    def _apply_enqueued(self, txn: lmdb.Transaction, op: Enqueued) -> None:
-        key = _QI.pack(op.queue_id, op.index)
-        txn.put(key, msgpack.packb([op.priority, op.enqueued_ms, op.dedupe_id, op.client, op.payload]),
-                db=self.db["messages"])
-        txn.put(_QPI.pack(op.queue_id, op.priority, op.index), b"", db=self.db["ready"])
-        if op.dedupe_id is not None:
-            dedupe_key = _Q.pack(op.queue_id) + op.dedupe_id.encode()
-            txn.put(dedupe_key, _QI.pack(op.index, op.enqueued_ms), db=self.db["dedupe"])
-            txn.put(_EXPIRY.pack(EXPIRY_DEDUPE, op.enqueued_ms, op.queue_id) + op.dedupe_id.encode(), b"",
-                    db=self.db["expiry"])
+    def _apply_enqueue_run(self, txn: lmdb.Transaction, operations: list[Operation], start: int,
+                           journal: Any) -> int:
+        """Store a run of consecutive enqueues with one putmulti per database: most of a
+        producer's batch is such a run, and this keeps the per-message Python work small."""
+        messages: list[tuple[bytes, bytes]] = []
+        ready: list[tuple[bytes, bytes]] = []
+        dedupe: list[tuple[bytes, bytes]] = []
+        pack, qi, qpi, q = msgpack.packb, _QI.pack, _QPI.pack, _Q.pack
+        end = start
+        for op in operations[start:]:
+            if type(op) is not Enqueued:
+                break
+            messages.append((qi(op.queue_id, op.index),
+                             pack([op.priority, op.enqueued_ms, op.dedupe_id, op.client, op.payload])))
+            ready.append((qpi(op.queue_id, op.priority, op.index), b""))
+            if op.dedupe_id is not None:
+                dedupe.append((q(op.queue_id) + op.dedupe_id.encode(), qi(op.index, op.enqueued_ms)))
+            if journal is not None:
+                journal(op)   # appends in sequence order; putmulti would gain little here
+            end += 1
+        txn.cursor(db=self.db["messages"]).putmulti(messages)
+        txn.cursor(db=self.db["ready"]).putmulti(ready)
+        if dedupe:
+            txn.cursor(db=self.db["dedupe"]).putmulti(dedupe)
+        return end
 
     def _apply_leased(self, txn: lmdb.Transaction, op: Leased) -> None:
         if not txn.delete(_QPI.pack(op.queue_id, op.priority, op.index), db=self.db["ready"]):
@@ -303,7 +326,7 @@ class Storage:
         if op.track_status:
             self._put_status(txn, op.queue_id, op.index, "dead_lettered", op.at_ms, None)
 
-    _APPLY = {Enqueued: _apply_enqueued, Leased: _apply_leased, Acked: _apply_acked,
+    _APPLY = {Leased: _apply_leased, Acked: _apply_acked,
               Released: _apply_released, DeadLettered: _apply_dead_lettered}
 
     def _put_status(self, txn: lmdb.Transaction, queue_id: int, index: int, state: str, at_ms: int,
@@ -330,25 +353,39 @@ class Storage:
         return append
 
     def _housekeeping(self, txn: lmdb.Transaction, batch: SealedBatch) -> None:
-        """Bounded clean-up inside a normal batch: expired dedupe ids and statuses, and the
-        records of deleted queue incarnations, a few thousand keys at a time."""
+        """Bounded clean-up inside a normal batch: completion statuses past their retention
+        (oldest first, from the expiry index), dedupe ids past the window (an incremental
+        sweep, so enqueues need no second index), and the records of deleted queue
+        incarnations, a few thousand keys at a time."""
         now_ms = batch.housekeeping_ms or 0
         cursor = txn.cursor(db=self.db["expiry"])
+        horizon = now_ms - batch.status_retention_ms
         pruned = 0
-        for kind in (EXPIRY_STATUS, EXPIRY_DEDUPE):
-            horizon = now_ms - (batch.status_retention_ms if kind == EXPIRY_STATUS else batch.dedupe_window_ms)
-            if not cursor.set_range(bytes([kind])):
-                continue
+        if cursor.set_range(bytes([EXPIRY_STATUS])):
             while pruned < PRUNE_KEYS_PER_BATCH_MAX:
                 key = cursor.key()
-                if not key or key[0] != kind or _EXPIRY.unpack_from(key)[1] > horizon:
+                if not key or key[0] != EXPIRY_STATUS or _EXPIRY.unpack_from(key)[1] > horizon:
                     break
-                queue_id = _EXPIRY.unpack_from(key)[2]
-                target = _Q.pack(queue_id) + key[_EXPIRY.size:]
-                txn.delete(target, db=self.db["status" if kind == EXPIRY_STATUS else "dedupe"])
+                txn.delete(_Q.pack(_EXPIRY.unpack_from(key)[2]) + key[_EXPIRY.size:], db=self.db["status"])
                 cursor.delete()
                 pruned += 1
+        self._sweep_dedupe(txn, now_ms - batch.dedupe_window_ms)
         self._erase_doomed(txn)
+
+    def _sweep_dedupe(self, txn: lmdb.Transaction, horizon_ms: int) -> None:
+        cursor = txn.cursor(db=self.db["dedupe"])
+        if not (cursor.set_range(self._dedupe_sweep_from) if self._dedupe_sweep_from else cursor.first()):
+            self._dedupe_sweep_from = b""
+            return
+        for _ in range(PRUNE_KEYS_PER_BATCH_MAX):
+            key = cursor.key()
+            if not key:
+                break
+            if _QI.unpack(cursor.value())[1] < horizon_ms:
+                cursor.delete()      # moves to the next entry
+            elif not cursor.next():
+                break
+        self._dedupe_sweep_from = cursor.key()
 
     def _erase_doomed(self, txn: lmdb.Transaction) -> None:
         doomed = txn.cursor(db=self.db["doomed"])

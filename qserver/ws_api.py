@@ -16,11 +16,12 @@ from aiohttp import WSMsgType, web
 
 from client import errors as e
 from client.errors import QueueError
-from client.protocol import (AckOp, Closing, CreditOp, Delivery, DeliveredMessage, EnqueueOp, ErrorReply,
+from client.protocol import (AckBatchOp, AckOp, EnqueueBatchOp, Closing, CreditOp, Delivery, DeliveredMessage, EnqueueOp, ErrorReply,
                              FrameError, OkReply, PingOp, ReceiveOp, ReleaseOp, SubscribeOp, UnsubscribeOp,
                              decode_client_frame, encode_frame)
 from qserver import commands as c
 from qserver.auth import Principal
+from qserver.http_api import valid_dedupe_id
 from replication.options import is_valid_queue_name
 
 log = logging.getLogger("qserver.ws")
@@ -146,11 +147,22 @@ class ClientConnection:
         if kind is EnqueueOp:
             if len(op.payload) > self._body_bytes_max:
                 raise QueueError(e.E_PAYLOAD_TOO_LARGE, f"message over {self._body_bytes_max} bytes")
-            if op.dedupe_id is not None and not 0 < len(op.dedupe_id) <= 128:
-                raise QueueError(e.E_INVALID_OPTION, "dedupe ids are 1-128 characters")
+            if op.dedupe_id is not None and not valid_dedupe_id(op.dedupe_id):
+                raise QueueError(e.E_INVALID_OPTION, "dedupe ids are 1-128 printable characters")
             if op.queue not in self.queues_produced:
                 self.queues_produced.add(self._queue(op.queue, "post", op.request_id))
             return c.Enqueue(op.queue, op.payload, op.priority, op.dedupe_id, client, self, op.request_id)
+        if kind is EnqueueBatchOp:
+            if any(len(p) > self._body_bytes_max for p in op.payloads):
+                raise QueueError(e.E_PAYLOAD_TOO_LARGE, f"a message is over {self._body_bytes_max} bytes")
+            if op.dedupe_ids is not None and not all(d is None or valid_dedupe_id(d) for d in op.dedupe_ids):
+                raise QueueError(e.E_INVALID_OPTION, "dedupe ids are 1-128 printable characters")
+            if op.queue not in self.queues_produced:
+                self.queues_produced.add(self._queue(op.queue, "post", op.request_id))
+            return c.EnqueueMany(op.queue, op.priority, op.payloads, op.dedupe_ids, client, self, op.request_id)
+        if kind is AckBatchOp:
+            self._queue(op.queue, "delete", op.request_id)
+            return c.AckMany(op.queue, op.items, client, self, op.request_id)
         if kind is AckOp or kind is ReleaseOp:
             self._queue(op.queue, "delete" if kind is AckOp else "get", op.request_id)
             return c.Ack(op.queue, op.message_id, op.receipt, client, self, op.request_id, release=kind is ReleaseOp)

@@ -17,8 +17,9 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-QUEUE_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$")
 DEAD_LETTER_SUFFIX = ".dlq"
+# 196 characters, so that a queue's dead-letter queue name (+ ".dlq") stays within 200.
+QUEUE_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,195}")
 PRIORITY_MAX = 9
 PRIORITY_DEFAULT = 4
 
@@ -82,7 +83,10 @@ class QueueOptions:
 
     @property
     def tracks_status(self) -> bool:
-        return self.type is not QueueType.ONE_WAY
+        """Whether acks leave a completion record (seed 004: the acknowledged queue types
+        report completion to the producer). For the others an acked message is simply gone,
+        which the status call reports as acked; dead-lettering is always recorded."""
+        return self.type in (QueueType.ONE_WAY_ACK, QueueType.TWO_WAY)
 
     @property
     def visibility_timeout_ms(self) -> int:
@@ -159,7 +163,9 @@ def mismatched_options(existing: QueueOptions, given: dict[str, Any]) -> list[st
 
 
 def is_valid_queue_name(name: str) -> bool:
-    return bool(QUEUE_NAME_PATTERN.match(name))
+    if name.endswith(DEAD_LETTER_SUFFIX):
+        return bool(QUEUE_NAME_PATTERN.fullmatch(name[:-len(DEAD_LETTER_SUFFIX)]))
+    return bool(QUEUE_NAME_PATTERN.fullmatch(name))
 
 
 def dead_letter_name(queue: str) -> str:

@@ -22,6 +22,7 @@ from typing import Any
 
 from client.errors import (E_LEASE_EXPIRED, E_QUEUE_FULL, E_UNKNOWN_MESSAGE, E_WRONG_QUEUE_TYPE,
                            QueueError)
+from replication.invariants import InvariantViolation
 from replication.operations import Acked, DeadLettered, Enqueued, Leased, Operation, Released
 from replication.options import (PRIORITY_MAX, QUEUE_STATE_TRANSITIONS, QueueOptions, QueueState,
                                  QueueType, options_from_json)
@@ -29,10 +30,6 @@ from replication.store import StoreReader, StoredLease
 
 READY_PAGE_SIZE = 1024
 PRIORITIES_HIGH_FIRST = tuple(range(PRIORITY_MAX, -1, -1))
-
-
-class InvariantViolation(Exception):
-    """A broken invariant: a programmer error. The node crashes and restarts (STYLE.md)."""
 
 
 @dataclass(slots=True)
@@ -295,17 +292,15 @@ class QueueCore:
             dead_index = dead_letter.accept_dead_letter(lease.priority, now_ms)
             record.total_dead_lettered += 1
             out.append(DeadLettered(record.queue_id, index, lease.priority, lease.deliveries,
-                                    dead_letter.queue_id, dead_index, now_ms, record.options.tracks_status))
+                                    dead_letter.queue_id, dead_index, now_ms, True))
             return
         record.ready_count += 1
         record.total_redelivered += 1
         priority = lease.priority
-        if index <= self._loaded_upto[priority] or index >= self._boundary:
-            heapq.heappush(self._ready[priority], index)
-        else:
-            # A pre-restart message whose page is not loaded yet: keep it in memory and make
-            # the page load skip it, since the page may or may not see its committed copy.
-            heapq.heappush(self._ready[priority], index)
+        heapq.heappush(self._ready[priority], index)
+        if self._loaded_upto[priority] < index < self._boundary:
+            # A pre-restart message whose page is not loaded yet: the page load must skip it,
+            # since it may or may not see the committed copy of this release.
             self._pushed_beyond[priority].add(index)
         self._ready_deliveries[index] = lease.deliveries
         out.append(Released(record.queue_id, index, priority, lease.deliveries, expired, now_ms))

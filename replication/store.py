@@ -12,6 +12,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from replication.invariants import InvariantViolation
 from replication.operations import Acked, DeadLettered, Enqueued, Leased, Operation, Released
 
 
@@ -80,11 +81,13 @@ class MemoryStore:
     def _set_ready(self, queue: _MemoryQueue, priority: int, index: int, deliveries: int) -> None:
         bisect.insort(queue.ready.setdefault(priority, []), (index, deliveries))
 
-    def _drop_ready(self, queue: _MemoryQueue, priority: int, index: int) -> None:
+    def _drop_ready(self, queue: _MemoryQueue, priority: int, index: int) -> bool:
         rows = queue.ready.get(priority, [])
         position = bisect.bisect_left(rows, (index, -1))
         if position < len(rows) and rows[position][0] == index:
             rows.pop(position)
+            return True
+        return False
 
     def _apply_Enqueued(self, op: Enqueued) -> None:
         queue = self._queue(op.queue_id)
@@ -95,7 +98,8 @@ class MemoryStore:
 
     def _apply_Leased(self, op: Leased) -> None:
         queue = self._queue(op.queue_id)
-        self._drop_ready(queue, op.priority, op.index)
+        if not self._drop_ready(queue, op.priority, op.index):
+            raise InvariantViolation(f"leased message {op.queue_id}/{op.index} was not ready")
         queue.leases[op.index] = StoredLease(op.index, op.priority, op.receipt, op.deadline_ms,
                                              op.deliveries, op.leased_ms)
 
@@ -114,7 +118,9 @@ class MemoryStore:
     def _apply_DeadLettered(self, op: DeadLettered) -> None:
         queue = self._queue(op.queue_id)
         queue.leases.pop(op.index, None)
-        message = queue.messages.pop(op.index)
+        message = queue.messages.pop(op.index, None)
+        if message is None:
+            raise InvariantViolation(f"dead-lettered message {op.queue_id}/{op.index} has no body")
         dead = self._queue(op.dead_letter_queue_id)
         dead.messages[op.dead_letter_index] = Enqueued(op.dead_letter_queue_id, op.dead_letter_index,
                                                        op.priority, op.at_ms, None, message.client,

@@ -105,6 +105,22 @@ async def test_bad_enqueue_headers_are_refused(api: RawApi, headers: dict[str, s
     assert status == 400 and error_code(answer) == code
 
 
+async def test_a_dedupe_id_that_is_not_utf8_is_refused(api: RawApi) -> None:
+    # aiohttp clients cannot send such a header, so write the request by hand.
+    assert api.signer is not None
+    path, body = "/v1/queues/keep/messages", b"odd"
+    signed = api.signer.headers("POST", path, {}, body)
+    host, port = api.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    head = "".join(f"{k}: {v}\r\n" for k, v in signed.items()).encode()
+    writer.write(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: " + host.encode() + b"\r\n" + head
+                 + b"X-Dedupe-Id: order-\xff\r\nContent-Length: 3\r\nConnection: close\r\n\r\n" + body)
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 400") and b"E_INVALID_OPTION" in answer, answer[:200]
+
+
 @pytest.mark.parametrize("path, query, code", [
     ("/v1/queues/keep/receive", {"wait_s": "soon"}, "E_INVALID_OPTION"),
     ("/v1/queues/keep/receive", {"wait_s": "-1"}, "E_INVALID_OPTION"),

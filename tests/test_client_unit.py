@@ -503,6 +503,27 @@ async def test_consume_grants_credit_in_half_prefetch_batches_as_messages_are_ta
 
 
 @pytest.mark.asyncio
+async def test_several_tasks_can_iterate_one_consumer_and_share_its_messages(
+        fake_node: FakeNode, client: AsyncClient) -> None:
+    fake_node.ready = ready_messages(30)
+    taken: list[int] = []
+    async with client.consume("orders", prefetch=6) as messages:
+        async def worker() -> None:
+            async for message in messages:
+                taken.append(message.id)
+                await message.ack()
+                if len(taken) >= 30:
+                    return
+        workers = [asyncio.ensure_future(worker()) for _ in range(4)]
+        await eventually(lambda: len(taken) >= 30)
+        for each in workers:
+            each.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+    assert sorted(taken) == list(range(1, 31))
+    assert len(fake_node.ops_of(AckOp)) == 30
+
+
+@pytest.mark.asyncio
 async def test_closing_a_consumer_releases_what_it_buffered(fake_node: FakeNode, client: AsyncClient) -> None:
     fake_node.ready = ready_messages(4)
     consumer = client.consume("orders", prefetch=4)

@@ -1,0 +1,419 @@
+"""One contract for both stores: the in-memory twin (`MemoryStore`) and LMDB (`Storage`).
+
+The same operations, applied by `MemoryStore.apply` and by `Storage.commit`, must give the
+same answers to every read a queue core makes (`ready_page`, `dedupe_lookup`), the same
+leases at start-up and the same payloads; otherwise tests run against the twin prove nothing
+about the node. LMDB-only promises follow: durability across reopen, the checksummed
+journal, and a full map that grows once, then refuses, losing nothing.
+"""
+from __future__ import annotations
+
+import random
+import zlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgpack
+import pytest
+
+from qserver.storage import JOURNAL_FIELDS, MapGrowthNeeded, SealedBatch, Storage, StorageFull
+from replication.operations import Acked, DeadLettered, Enqueued, Leased, Operation, Released
+from replication.options import QueueOptions
+from replication.queue_core import InvariantViolation, QueueCore, QueueRecord
+from replication.store import MemoryStore, StoredLease
+
+QUEUE = 1
+OTHER = 2
+EVERYTHING = 2**63
+AT_MS = 1_700_000_000_000
+
+
+class Backend(Protocol):
+    def commit(self, operations: Sequence[Operation], records: dict[str, dict[str, Any]] | None = None) -> None: ...
+    def ready_page(self, queue_id: int, priority: int, after_index: int, before_index: int,
+                   limit: int) -> list[tuple[int, int]]: ...
+    def dedupe_lookup(self, queue_id: int, dedupe_id: str) -> tuple[int, int] | None: ...
+    def leases(self, queue_id: int) -> list[StoredLease]: ...
+    def payload(self, queue_id: int, index: int) -> bytes | None: ...
+
+
+class MemoryBackend:
+    def __init__(self, tmp_path: Path) -> None:
+        self.store = MemoryStore()
+
+    def commit(self, operations: Sequence[Operation], records: dict[str, dict[str, Any]] | None = None) -> None:
+        self.store.apply(list(operations))
+
+    def ready_page(self, queue_id: int, priority: int, after_index: int, before_index: int,
+                   limit: int) -> list[tuple[int, int]]:
+        return self.store.ready_page(queue_id, priority, after_index, before_index, limit)
+
+    def dedupe_lookup(self, queue_id: int, dedupe_id: str) -> tuple[int, int] | None:
+        return self.store.dedupe_lookup(queue_id, dedupe_id)
+
+    def leases(self, queue_id: int) -> list[StoredLease]:
+        return sorted(self.store.leases(queue_id), key=lambda lease: lease.index)
+
+    def payload(self, queue_id: int, index: int) -> bytes | None:
+        return self.store.payload(queue_id, index)
+
+    def close(self) -> None:
+        pass
+
+
+class LmdbBackend:
+    def __init__(self, tmp_path: Path) -> None:
+        self.storage = Storage(tmp_path / "lmdb", node_id="n1", map_size_bytes=64 << 20)
+
+    def commit(self, operations: Sequence[Operation], records: dict[str, dict[str, Any]] | None = None) -> None:
+        self.storage.commit(SealedBatch(operations=list(operations), queue_records=dict(records or {})))
+        self.storage.end_read()   # the node's next step cycle reads in a new transaction
+
+    def ready_page(self, queue_id: int, priority: int, after_index: int, before_index: int,
+                   limit: int) -> list[tuple[int, int]]:
+        return self.storage.ready_page(queue_id, priority, after_index, before_index, limit)
+
+    def dedupe_lookup(self, queue_id: int, dedupe_id: str) -> tuple[int, int] | None:
+        found = self.storage.dedupe_lookup(queue_id, dedupe_id)
+        return None if found is None else tuple(found)  # type: ignore[return-value]
+
+    def leases(self, queue_id: int) -> list[StoredLease]:
+        return sorted(self.storage.load_leases(queue_id), key=lambda lease: lease.index)
+
+    def payload(self, queue_id: int, index: int) -> bytes | None:
+        return self.storage.read_client_payload(queue_id, index)
+
+    def close(self) -> None:
+        self.storage.close()
+
+
+@pytest.fixture(params=[MemoryBackend, LmdbBackend], ids=["memory", "lmdb"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
+    backend = request.param(tmp_path)
+    yield backend
+    backend.close()
+
+
+# --- operation builders -----------------------------------------------------------------------
+def enqueued(index: int, priority: int = 4, *, queue_id: int = QUEUE, dedupe_id: str | None = None,
+             payload: bytes | None = None, at_ms: int = AT_MS) -> Enqueued:
+    return Enqueued(queue_id, index, priority, at_ms, dedupe_id, "producer",
+                    payload if payload is not None else b"payload-%d-%d" % (queue_id, index))
+
+
+def leased(index: int, priority: int = 4, *, queue_id: int = QUEUE, deliveries: int = 1,
+           receipt: str | None = None, deadline_ms: int = AT_MS + 30_000) -> Leased:
+    return Leased(queue_id, index, priority, receipt or f"{index:016x}", deadline_ms, deliveries, "consumer", AT_MS)
+
+
+def released(index: int, priority: int = 4, *, queue_id: int = QUEUE, deliveries: int = 1,
+             expired: bool = False) -> Released:
+    return Released(queue_id, index, priority, deliveries, expired, AT_MS + 1)
+
+
+def acked(index: int, priority: int = 4, *, queue_id: int = QUEUE, reply: bytes | None = None) -> Acked:
+    return Acked(queue_id, index, priority, "consumer", AT_MS + 2, True, reply)
+
+
+def whole(store: Backend, queue_id: int, priority: int) -> list[tuple[int, int]]:
+    return store.ready_page(queue_id, priority, 0, EVERYTHING, 1 << 20)
+
+
+# --- the contract, run against both stores ------------------------------------------------------
+def test_an_enqueued_message_is_ready_at_its_priority_with_no_deliveries(store: Backend) -> None:
+    store.commit([enqueued(1, 7, payload=b"hello")])
+    assert whole(store, QUEUE, 7) == [(1, 0)]
+    assert all(whole(store, QUEUE, priority) == [] for priority in range(10) if priority != 7)
+    assert store.payload(QUEUE, 1) == b"hello"
+    assert store.leases(QUEUE) == []
+
+
+PAGE_WINDOWS = [(0, EVERYTHING, 100), (0, EVERYTHING, 3), (3, EVERYTHING, 100), (3, 9, 100), (3, 9, 2),
+                (0, 1, 10), (0, 2, 10), (10, 20, 5), (11, 20, 5), (0, EVERYTHING, 0), (5, 5, 10), (9, 3, 10),
+                (30, EVERYTHING, 10)]
+
+
+@pytest.mark.parametrize(("after_index", "before_index", "limit"), PAGE_WINDOWS)
+def test_a_ready_page_holds_indices_strictly_between_its_bounds_lowest_first_and_at_most_limit(
+        store: Backend, after_index: int, before_index: int, limit: int) -> None:
+    # Neighbouring keys (the priority on either side, the next queue) must never leak in.
+    at_four = [1, 2, 3, 5, 8, 9, 13, 21]
+    store.commit([enqueued(i, 4) for i in at_four] + [enqueued(i, 3) for i in (4, 6)]
+                 + [enqueued(i, 5) for i in (7, 10, 11)] + [enqueued(i, 4, queue_id=OTHER) for i in (1, 12, 14)])
+    expected = [(i, 0) for i in at_four if after_index < i < before_index][:limit]
+    assert store.ready_page(QUEUE, 4, after_index, before_index, limit) == expected
+
+
+def test_a_ready_page_reaches_the_largest_indices(store: Backend) -> None:
+    big = [2**40, 2**62, 2**63 - 2]
+    store.commit([enqueued(i, 9) for i in big] + [enqueued(1, 0, queue_id=OTHER)])
+    assert whole(store, QUEUE, 9) == [(i, 0) for i in big]
+    assert store.ready_page(QUEUE, 9, 2**40, EVERYTHING, 10) == [(2**62, 0), (2**63 - 2, 0)]
+
+
+def test_a_lease_takes_the_message_out_of_ready_and_a_release_brings_it_back_with_its_deliveries(
+        store: Backend) -> None:
+    store.commit([enqueued(1), enqueued(2), enqueued(3)])
+    store.commit([leased(2, deliveries=1, receipt="aa" * 8, deadline_ms=AT_MS + 5)])
+    assert whole(store, QUEUE, 4) == [(1, 0), (3, 0)]
+    assert store.leases(QUEUE) == [StoredLease(2, 4, "aa" * 8, AT_MS + 5, 1, AT_MS)]
+    store.commit([released(2, deliveries=1, expired=True)])
+    assert whole(store, QUEUE, 4) == [(1, 0), (2, 1), (3, 0)]
+    assert store.leases(QUEUE) == []
+    store.commit([leased(2, deliveries=2), released(2, deliveries=2)])
+    assert whole(store, QUEUE, 4) == [(1, 0), (2, 2), (3, 0)]
+    assert store.payload(QUEUE, 2) == b"payload-1-2"
+
+
+def test_an_ack_removes_the_lease_and_the_message(store: Backend) -> None:
+    store.commit([enqueued(1), enqueued(2), leased(1), leased(2)])
+    store.commit([acked(1), acked(2, reply=b"answer")])
+    assert whole(store, QUEUE, 4) == []
+    assert store.leases(QUEUE) == []
+    assert store.payload(QUEUE, 1) is None and store.payload(QUEUE, 2) is None
+
+
+def test_a_dead_letter_moves_the_message_to_its_queue_ready_with_no_deliveries(store: Backend) -> None:
+    store.commit([enqueued(5, 6, payload=b"poison"), leased(5, 6, deliveries=3)])
+    store.commit([DeadLettered(QUEUE, 5, 6, 3, OTHER, 1, AT_MS + 9, True)])
+    assert store.leases(QUEUE) == [] and whole(store, QUEUE, 6) == []
+    assert store.payload(QUEUE, 5) is None
+    assert whole(store, OTHER, 6) == [(1, 0)]
+    assert store.payload(OTHER, 1) == b"poison"
+
+
+def test_a_dedupe_id_names_the_latest_enqueue_that_used_it_within_its_queue(store: Backend) -> None:
+    store.commit([enqueued(1, dedupe_id="order-1", at_ms=AT_MS), enqueued(2, dedupe_id="order-2", at_ms=AT_MS + 1),
+                   enqueued(1, queue_id=OTHER, dedupe_id="order-1", at_ms=AT_MS + 2)])
+    assert store.dedupe_lookup(QUEUE, "order-1") == (1, AT_MS)
+    assert store.dedupe_lookup(QUEUE, "order-2") == (2, AT_MS + 1)
+    assert store.dedupe_lookup(OTHER, "order-1") == (1, AT_MS + 2)
+    assert store.dedupe_lookup(OTHER, "order-2") is None
+    assert store.dedupe_lookup(QUEUE, "order-") is None and store.dedupe_lookup(QUEUE, "order-10") is None
+    store.commit([enqueued(3, dedupe_id="order-1", at_ms=AT_MS + 500_000)])
+    assert store.dedupe_lookup(QUEUE, "order-1") == (3, AT_MS + 500_000)
+    # An ack ends the message, not its dedupe id.
+    store.commit([leased(3), acked(3)])
+    assert store.dedupe_lookup(QUEUE, "order-1") == (3, AT_MS + 500_000)
+
+
+def test_dedupe_ids_are_matched_exactly_whatever_their_characters(store: Backend) -> None:
+    ids = ["", "ö", "a/b", "x" * 300, "\x00", "日本"]
+    store.commit([enqueued(n + 1, dedupe_id=dedupe_id) for n, dedupe_id in enumerate(ids)])
+    assert [store.dedupe_lookup(QUEUE, dedupe_id) for dedupe_id in ids] == [(n + 1, AT_MS) for n in range(len(ids))]
+
+
+def test_leases_are_listed_per_queue(store: Backend) -> None:
+    store.commit([enqueued(i, i % 10) for i in range(1, 8)] + [enqueued(1, 0, queue_id=OTHER)])
+    store.commit([leased(i, i % 10, deliveries=i, deadline_ms=AT_MS + i) for i in (6, 2, 4)]
+                 + [leased(1, 0, queue_id=OTHER)])
+    assert store.leases(QUEUE) == [StoredLease(i, i % 10, f"{i:016x}", AT_MS + i, i, AT_MS) for i in (2, 4, 6)]
+    assert [lease.index for lease in store.leases(OTHER)] == [1]
+    assert store.leases(3) == []
+
+
+def test_leasing_a_message_that_is_not_ready_is_an_invariant_violation(store: Backend) -> None:
+    store.commit([enqueued(1), leased(1)])
+    with pytest.raises(InvariantViolation):
+        store.commit([leased(1, deliveries=2)])
+    with pytest.raises(InvariantViolation):
+        store.commit([leased(9)])
+
+
+def test_dead_lettering_a_message_without_a_body_is_an_invariant_violation(store: Backend) -> None:
+    with pytest.raises(InvariantViolation):
+        store.commit([DeadLettered(QUEUE, 9, 4, 3, OTHER, 1, AT_MS, True)])
+
+
+# --- the two stores side by side on random operation sequences --------------------------------
+def random_batches(seed: int, batches: int) -> Iterator[tuple[list[Operation], dict[str, dict[str, Any]]]]:
+    """Batches a real QueueCore decides (with a dead-letter queue) on random commands."""
+    rng = random.Random(seed)
+    reference = MemoryStore()
+    core = QueueCore(QueueRecord(QUEUE, "orders", QueueOptions(max_deliveries=3), AT_MS), reference, rng,
+                     dedupe_window_ms=1_000)
+    dead = QueueCore(QueueRecord(OTHER, "orders.dlq", QueueOptions(dead_letter=False), AT_MS,
+                                 dead_letter_of="orders"), reference, rng)
+    core.dead_letter_core = dead
+    now_ms = AT_MS
+    held: list[Leased] = []
+    for _ in range(batches):
+        out: list[Operation] = []
+        for _ in range(rng.randint(1, 12)):
+            now_ms += rng.randint(0, 300)
+            roll = rng.random()
+            if roll < 0.45:
+                dedupe_id = f"d{rng.randrange(5)}" if rng.random() < 0.3 else None
+                core.enqueue(rng.randbytes(rng.randrange(64)), rng.randrange(10), dedupe_id, "p", now_ms, out)
+            elif roll < 0.7:
+                held += core.lease(rng.randint(1, 4), rng.randint(100, 1_500), "c", now_ms, out)
+            elif roll < 0.9 and held:
+                lease = held.pop(rng.randrange(len(held)))
+                try:
+                    if rng.random() < 0.6:
+                        core.ack(lease.index, lease.receipt, "c", now_ms, out)
+                    else:
+                        core.release(lease.index, lease.receipt, now_ms, out)
+                except Exception as error:  # an overdue or superseded lease: refused, maybe ended
+                    assert getattr(error, "code", None) == "E_LEASE_EXPIRED", error
+            else:
+                core.expire_leases(now_ms, out)
+        core.seal()
+        reference.apply(out)
+        core.advance()
+        yield out, {"orders": core.record.to_json(), "orders.dlq": dead.record.to_json()}
+
+
+def everything_read(store: Backend, rng: random.Random, top_index: int) -> dict[str, Any]:
+    reads: dict[str, Any] = {}
+    for queue_id in (QUEUE, OTHER):
+        for priority in range(10):
+            reads[f"ready {queue_id}/{priority}"] = whole(store, queue_id, priority)
+            after, before, limit = rng.randrange(top_index + 2), rng.randrange(top_index + 2), rng.randint(0, 5)
+            reads[f"page {queue_id}/{priority} ({after}, {before}, {limit})"] = store.ready_page(
+                queue_id, priority, after, before, limit)
+        reads[f"leases {queue_id}"] = store.leases(queue_id)
+        reads[f"dedupe {queue_id}"] = [store.dedupe_lookup(queue_id, f"d{n}") for n in range(6)]
+        reads[f"payloads {queue_id}"] = [store.payload(queue_id, index) for index in range(top_index + 2)]
+    return reads
+
+
+@pytest.mark.parametrize("seed", range(6), ids=lambda seed: f"seed_{seed}")
+def test_the_two_stores_answer_alike_after_every_batch_of_a_random_run(seed: int, tmp_path: Path) -> None:
+    memory, lmdb_store = MemoryBackend(tmp_path), LmdbBackend(tmp_path)
+    try:
+        top_index = 0
+        for number, (operations, records) in enumerate(random_batches(seed, 60)):
+            memory.commit(operations, records)
+            lmdb_store.commit(operations, records)
+            top_index += sum(isinstance(op, (Enqueued, DeadLettered)) for op in operations)
+            reads_seed = seed * 1_000 + number
+            memory_reads = everything_read(memory, random.Random(reads_seed), top_index)
+            lmdb_reads = everything_read(lmdb_store, random.Random(reads_seed), top_index)
+            for what, answer in memory_reads.items():
+                assert lmdb_reads[what] == answer, f"seed {seed}, batch {number}: {what}"
+    finally:
+        lmdb_store.close()
+
+
+# --- LMDB only --------------------------------------------------------------------------------
+def queue_record_json(queue_id: int = QUEUE, name: str = "orders", **changes: Any) -> dict[str, Any]:
+    record = QueueRecord(queue_id, name, QueueOptions(), AT_MS, **changes)
+    return record.to_json()
+
+
+def open_storage(path: Path, map_size_bytes: int = 64 << 20, map_size_max_bytes: int = 1 << 40) -> Storage:
+    return Storage(path, node_id="n1", map_size_bytes=map_size_bytes, map_size_max_bytes=map_size_max_bytes)
+
+
+def test_a_commit_is_durable_across_close_and_reopen(tmp_path: Path) -> None:
+    storage = open_storage(tmp_path / "db")
+    record = queue_record_json(next_index=4, ready_count=1, epoch=3)
+    storage.commit(SealedBatch(
+        operations=[enqueued(1, dedupe_id="order-1"), enqueued(2, 9), enqueued(3, 0), leased(2, 9), leased(1),
+                    acked(1)],
+        queue_records={"orders": record}, next_queue_id=3, epochs={"orders": 3}))
+    storage.close()
+
+    storage = open_storage(tmp_path / "db")
+    try:
+        [loaded] = storage.load_queue_records()
+        assert loaded.to_json() == record
+        assert storage.next_queue_id() == 3
+        assert storage.ready_page(QUEUE, 0, 0, EVERYTHING, 10) == [(3, 0)]
+        assert storage.ready_page(QUEUE, 9, 0, EVERYTHING, 10) == []
+        assert tuple(storage.dedupe_lookup(QUEUE, "order-1") or ()) == (1, AT_MS)
+        assert storage.load_leases(QUEUE) == [StoredLease(2, 9, f"{2:016x}", AT_MS + 30_000, 1, AT_MS)]
+        assert storage.read_client_payload(QUEUE, 3) == b"payload-1-3"
+        assert storage.message_status(QUEUE, 1) == ("acked", 0, None)
+        assert storage.message_status(QUEUE, 2) == ("delivered", 1, None)
+        assert storage.message_status(QUEUE, 3) == ("queued", 0, None)
+        assert storage.message_status(QUEUE, 4) is None
+    finally:
+        storage.close()
+
+
+def test_the_journal_holds_one_checksummed_record_per_operation_across_reopen(tmp_path: Path) -> None:
+    storage = open_storage(tmp_path / "db")
+    first: list[Operation] = [enqueued(1, 7, dedupe_id="order-1", payload=b"body"), leased(1, 7), released(1, 7, expired=True),
+             leased(1, 7, deliveries=2), acked(1, 7, reply=b"answer")]
+    records = {"orders": queue_record_json(epoch=5)}
+    storage.commit(SealedBatch(operations=first, queue_records=records))
+    storage.close()
+    storage = open_storage(tmp_path / "db")
+    try:
+        second: list[Operation] = [enqueued(2, 1), leased(2, 1, deliveries=3), DeadLettered(QUEUE, 2, 1, 3, OTHER, 1, AT_MS + 7, True)]
+        storage.commit(SealedBatch(operations=second, queue_records=records))
+        journal = [dict(zip(JOURNAL_FIELDS, fields, strict=True)) for fields in storage.journal_records()]
+    finally:
+        storage.close()
+    assert [(entry["op"], entry["message_id"]) for entry in journal] == [
+        ("enqueue", 1), ("lease", 1), ("expire", 1), ("lease", 1), ("reply", 1),
+        ("enqueue", 2), ("lease", 2), ("dead_letter", 2)]
+    assert all((entry["queue"], entry["queue_id"], entry["epoch"], entry["node"]) == ("orders", QUEUE, 5, "n1")
+               for entry in journal)
+    assert (journal[0]["dedupe_id"], journal[0]["priority"], journal[0]["payload_size"],
+            journal[0]["payload_crc32"]) == ("order-1", 7, 4, zlib.crc32(b"body"))
+
+
+def test_a_corrupted_journal_record_is_detected(tmp_path: Path) -> None:
+    storage = open_storage(tmp_path / "db")
+    try:
+        storage.commit(SealedBatch(operations=[enqueued(1), enqueued(2)]))
+        with storage.env.begin(write=True, db=storage.db["journal"]) as txn:
+            key, value = next(iter(txn.cursor()))
+            body = msgpack.unpackb(value[:-4])
+            body[6] = 99
+            txn.put(key, msgpack.packb(body) + value[-4:])
+        with pytest.raises(InvariantViolation):
+            storage.journal_records()
+    finally:
+        storage.close()
+
+
+def test_a_full_map_grows_once_then_refuses_and_loses_nothing(tmp_path: Path) -> None:
+    initial, limit = 256 * 1024, 512 * 1024
+    storage = open_storage(tmp_path / "db", map_size_bytes=initial, map_size_max_bytes=limit)
+    committed: dict[int, bytes] = {}
+    growths = 0
+    try:
+        for index in range(1, 200):
+            payload = bytes([index % 251]) * 20_000
+            batch = SealedBatch(operations=[enqueued(index, payload=payload)],
+                                queue_records={"orders": queue_record_json(next_index=index + 1)})
+            try:
+                storage.commit(batch)
+            except MapGrowthNeeded:
+                storage.end_read()
+                assert storage.read_client_payload(QUEUE, index) is None, "a refused batch left a trace"
+                storage.end_read()
+                if growths == 1:
+                    with pytest.raises(StorageFull):
+                        storage.grow_map()
+                    break
+                assert storage.grow_map() == 2 * initial
+                growths += 1
+                storage.commit(batch)
+            committed[index] = payload
+        else:
+            pytest.fail("the map never filled")
+        assert growths == 1 and storage.map_size() == limit
+        assert len(committed) > 10
+        assert_everything_readable(storage, committed)
+        storage.close()
+        storage = open_storage(tmp_path / "db", map_size_bytes=initial, map_size_max_bytes=limit)
+        assert_everything_readable(storage, committed)
+    finally:
+        storage.close()
+
+
+def assert_everything_readable(storage: Storage, committed: dict[int, bytes]) -> None:
+    storage.end_read()
+    assert storage.ready_page(QUEUE, 4, 0, EVERYTHING, 10_000) == [(index, 0) for index in sorted(committed)]
+    for index, payload in committed.items():
+        assert storage.read_client_payload(QUEUE, index) == payload
+    [record] = storage.load_queue_records()
+    assert record.next_index == max(committed) + 1
+    assert len(storage.journal_records()) == len(committed)
+    storage.end_read()
