@@ -1,20 +1,23 @@
 """`AsyncClient`: the asyncio client library, with the WebSocket (`GET /v1/ws`) as fast path.
 
-Why it is shaped like this: the server's cost is per frame and per LMDB transaction, and
-the client's cost is per await, so the client coalesces. Every call (enqueue, receive, ack,
-release, ...) appends one typed op to an outgoing list and awaits one future keyed by its
-request id; the first op of an event-loop turn wakes the writer task (one `call_soon` under
-the hood of the future it waits on), which runs on the next turn and sends everything
-submitted in between as ONE frame. While a send waits for the socket to drain, new ops pile
-up and go in the next frame, so batches grow with load. Nothing else happens per message:
-no task, no timer, no log line.
+Why it is shaped like this: the server's cost is per item, per frame and per LMDB
+transaction, and the client's cost is per await, so the client coalesces on two levels.
+Concurrent `enqueue()` calls on one queue and priority join one open enqueue batch, and
+concurrent `ack()` calls on one queue one open ack batch; every other call becomes one
+typed op. The first call of an event-loop turn schedules one flush (`loop.call_soon`),
+which closes the open batches into batch ops (tags 9 and 10) and wakes the writer task;
+the writer sends everything queued as one frame (more only past the size limits). While a
+send waits for the socket to drain, new calls pile up for the next frame, so batches grow
+with load. Per message there is one future and a few list appends: no task, no timer, no
+log line.
 
 Failures: the socket reconnects on its own with bounded exponential backoff. An enqueue
-that was in flight when the connection dropped is sent again with the SAME dedupe id, for a
-bounded time and number of attempts, so it is stored once; any other in-flight op fails
-with `E_UNAVAILABLE` and `outcome_unknown=True`. A `Closing` item from the server fails
-pending ops with its code, and E_UNAUTHENTICATED or E_FORBIDDEN stops reconnecting for good.
-Subscriptions (`consume`) are re-made after a reconnect with the credit still owed.
+batch that was in flight when the connection dropped is sent again with the SAME dedupe
+ids (every enqueue gets one), for a bounded time and number of attempts, so each message
+is stored once; any other in-flight op fails with `E_UNAVAILABLE` and
+`outcome_unknown=True`. A `Closing` item from the server fails pending ops with its code,
+and E_UNAUTHENTICATED or E_FORBIDDEN stops reconnecting for good. Subscriptions
+(`consume`) are re-made after a reconnect with the credit still owed.
 
 Admin calls go over signed REST (`client/http.py`) and share the client's aiohttp session.
 """
@@ -33,17 +36,18 @@ import aiohttp
 from yarl import URL
 
 from client.credentials import Credentials, load_credentials
-from client.errors import E_BAD_FRAME, E_UNAVAILABLE, QueueError
+from client.errors import E_BAD_FRAME, E_INTERNAL, E_UNAVAILABLE, QueueError
 from client.http import Grant, HttpClient, error_from_status
 from client.protocol import (
+    BATCH_ITEMS_MAX,
     FRAME_ITEMS_MAX,
-    AckOp,
+    AckBatchOp,
     ClientOp,
     Closing,
     CreditOp,
     DeliveredMessage,
     Delivery,
-    EnqueueOp,
+    EnqueueBatchOp,
     ErrorReply,
     FrameError,
     OkReply,
@@ -60,9 +64,11 @@ from client.protocol import (
 FATAL_CLOSING_CODES = frozenset({"E_UNAUTHENTICATED", "E_FORBIDDEN"})
 FRAME_BYTES_IN_MAX = 64 * 1024 * 1024
 CLEANUP_TIMEOUT_S = 2.0
-_INTERNAL_OPS = (SubscribeOp, CreditOp, UnsubscribeOp)
+_SUBSCRIPTION_OPS = (SubscribeOp, CreditOp, UnsubscribeOp)
 
 CredentialsArg = Credentials | str | Path | None
+# What a pending op resolves: one future, or one per item of a batch op, in item order.
+Target = asyncio.Future[Any] | list[asyncio.Future[Any]]
 
 
 class Message:
@@ -91,6 +97,28 @@ class Message:
                 f"deliveries={self.deliveries}, payload={self.payload[:32]!r})")
 
 
+class _EnqueueBatch:
+    """The enqueue() calls of one turn for one (queue, priority)."""
+
+    __slots__ = ("dedupe_ids", "futures", "payloads", "size_bytes")
+
+    def __init__(self) -> None:
+        self.payloads: list[bytes] = []
+        self.dedupe_ids: list[str] = []
+        self.futures: list[asyncio.Future[Any]] = []
+        self.size_bytes = 0
+
+
+class _AckBatch:
+    """The ack() calls of one turn for one queue."""
+
+    __slots__ = ("futures", "items")
+
+    def __init__(self) -> None:
+        self.items: list[tuple[int, str]] = []
+        self.futures: list[asyncio.Future[Any]] = []
+
+
 def resolve_credentials(credentials: CredentialsArg) -> Credentials:
     if isinstance(credentials, Credentials):
         return credentials
@@ -107,6 +135,16 @@ def _ignore_outcome(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
+def _as_bytes(payload: Any) -> bytes:
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        return bytes(payload)
+    raise TypeError(f"a payload is bytes, not {type(payload).__name__}")
+
+
+def _op_bytes(op: ClientOp) -> int:
+    return sum(map(len, op.payloads)) if type(op) is EnqueueBatchOp else 0
+
+
 class AsyncClient:
     """The asyncio client. Use as `async with AsyncClient() as client:`; every method must be
     called from the event loop that first used the client."""
@@ -115,7 +153,7 @@ class AsyncClient:
                  request_timeout_s: float = 30.0, connect_timeout_s: float = 10.0,
                  reconnect_delay_initial_s: float = 0.05, reconnect_delay_max_s: float = 2.0,
                  enqueue_retry_time_s: float = 30.0, enqueue_attempts_max: int = 10,
-                 in_flight_max: int = 20_000, frame_bytes_max: int = 1024 * 1024,
+                 in_flight_max: int = 50_000, frame_bytes_max: int = 1024 * 1024,
                  heartbeat_s: float = 10.0) -> None:
         creds = resolve_credentials(credentials)
         self.url = (url or creds.url).rstrip("/")
@@ -141,9 +179,12 @@ class AsyncClient:
         # uuid4 hex (same 32 hex characters) for a fraction of the cost per message.
         self._dedupe_prefix = os.urandom(10).hex()
         self._dedupe_counter = itertools.count(1)
-        self._pending: dict[int, tuple[asyncio.Future[Any], ClientOp]] = {}
+        self._open_enqueues: dict[tuple[str, int], _EnqueueBatch] = {}
+        self._open_acks: dict[str, _AckBatch] = {}
+        self._flush_scheduled = False
+        self._calls_in_flight = 0  # futures handed out and not yet answered
+        self._pending: dict[int, tuple[Target, ClientOp]] = {}
         self._outgoing: list[ClientOp] = []
-        self._outgoing_bytes = 0
         self._writer_waiter: asyncio.Future[None] | None = None
         self._ws: aiohttp.ClientWebSocketResponse | None = None
         self._supervisor: asyncio.Task[None] | None = None
@@ -208,32 +249,77 @@ class AsyncClient:
     def _start(self) -> None:
         if self._closed:
             raise QueueError(E_UNAVAILABLE, "the client is closed")
-        if self._fatal is not None:  # a fresh error: this op was never sent
+        if self._fatal is not None:  # a fresh error: this call was never sent
             raise QueueError(self._fatal.kind, self._fatal.message)
         if self._supervisor is None:
             self._supervisor = self._bound_loop().create_task(self._supervise())
 
-    # --- the per-op path ----------------------------------------------------------------------
-    def _submit(self, op: ClientOp) -> asyncio.Future[Any]:
-        """Queue one op for the next frame and return the future its answer resolves."""
+    # --- the per-call path --------------------------------------------------------------------
+    def _new_future(self) -> asyncio.Future[Any]:
         if self._supervisor is None or self._fatal is not None or self._closed:
             self._start()
-        future: asyncio.Future[Any] = self._loop.create_future()  # type: ignore[union-attr]
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)  # type: ignore[union-attr]
+        self._calls_in_flight += 1
+        return self._loop.create_future()  # type: ignore[union-attr]
+
+    def _submit(self, op: ClientOp) -> asyncio.Future[Any]:
+        """Queue one op for this turn's frame and return the future its answer resolves."""
+        future = self._new_future()
         self._pending[op.request_id] = (future, op)
         self._outgoing.append(op)
-        waiter = self._writer_waiter
-        if waiter is not None:
-            self._writer_waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
         return future
 
     def _submit_quietly(self, op: ClientOp) -> None:
         self._submit(op).add_done_callback(_ignore_outcome)
 
+    def _flush(self) -> None:
+        """Once per turn: close the open batches into ops and wake the writer."""
+        self._flush_scheduled = False
+        if self._open_enqueues:
+            batches, self._open_enqueues = self._open_enqueues, {}
+            for (queue, priority), batch in batches.items():
+                self._queue_enqueue_batch(queue, priority, batch)
+        if self._open_acks:
+            acks, self._open_acks = self._open_acks, {}
+            for queue, ack_batch in acks.items():
+                for start in range(0, len(ack_batch.items), BATCH_ITEMS_MAX):
+                    end = start + BATCH_ITEMS_MAX
+                    op = AckBatchOp(next(self._ids), queue, tuple(ack_batch.items[start:end]))
+                    self._pending[op.request_id] = (ack_batch.futures[start:end], op)
+                    self._outgoing.append(op)
+        waiter = self._writer_waiter
+        if waiter is not None and self._outgoing:
+            self._writer_waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _queue_enqueue_batch(self, queue: str, priority: int, batch: _EnqueueBatch) -> None:
+        """One op for the batch, or several when it passes the item or byte limit."""
+        payloads, count = batch.payloads, len(batch.payloads)
+        if count <= BATCH_ITEMS_MAX and batch.size_bytes <= self._frame_bytes_max:
+            op = EnqueueBatchOp(next(self._ids), queue, priority, tuple(payloads), tuple(batch.dedupe_ids))
+            self._pending[op.request_id] = (batch.futures, op)
+            self._outgoing.append(op)
+            return
+        bounds, start, size_bytes = [], 0, 0
+        for index, payload in enumerate(payloads):
+            if index > start and (index - start >= BATCH_ITEMS_MAX
+                                  or size_bytes + len(payload) > self._frame_bytes_max):
+                bounds.append((start, index))
+                start, size_bytes = index, 0
+            size_bytes += len(payload)
+        bounds.append((start, count))
+        for start, end in bounds:
+            op = EnqueueBatchOp(next(self._ids), queue, priority, tuple(payloads[start:end]),
+                                tuple(batch.dedupe_ids[start:end]))
+            self._pending[op.request_id] = (batch.futures[start:end], op)
+            self._outgoing.append(op)
+
     async def _wait_for_room(self) -> None:
-        """Back-pressure: at most `in_flight_max` ops wait for answers at once."""
-        while len(self._pending) >= self._in_flight_max:
+        """Back-pressure: at most `in_flight_max` calls wait for answers at once."""
+        while self._calls_in_flight >= self._in_flight_max:
             self._start()
             self._room_needed = True
             self._room.clear()
@@ -242,58 +328,75 @@ class AsyncClient:
     def _new_dedupe_id(self) -> str:
         return f"{self._dedupe_prefix}{next(self._dedupe_counter):012x}"
 
+    def _join_enqueue(self, queue: str, priority: int, payload: bytes, dedupe_id: str) -> asyncio.Future[Any]:
+        key = (queue, priority)
+        batch = self._open_enqueues.get(key)
+        if batch is None:
+            batch = self._open_enqueues[key] = _EnqueueBatch()
+        future = self._new_future()
+        batch.payloads.append(payload)
+        batch.dedupe_ids.append(dedupe_id)
+        batch.futures.append(future)
+        batch.size_bytes += len(payload)
+        return future
+
     # --- messages -----------------------------------------------------------------------------
     async def enqueue(self, queue: str, payload: bytes, priority: int = 4,
                       dedupe_id: str | None = None) -> int:
         """Enqueue one message and return its id once the server has made it durable."""
-        if len(self._pending) >= self._in_flight_max:
+        if self._calls_in_flight >= self._in_flight_max:
             await self._wait_for_room()
         if type(payload) is not bytes:
             payload = _as_bytes(payload)
-        op = EnqueueOp(next(self._ids), queue, payload, priority,
-                       dedupe_id or self._new_dedupe_id())
-        self._outgoing_bytes += len(payload)
-        result = await self._submit(op)
-        return int(result[0])
+        future = self._join_enqueue(queue, priority, payload, dedupe_id or self._new_dedupe_id())
+        return await future  # type: ignore[no-any-return]
 
     async def enqueue_many(self, queue: str, payloads: Iterable[bytes], priority: int = 4, *,
                            dedupe_ids: Sequence[str] | None = None) -> list[int]:
-        """Enqueue many messages in one frame; returns their ids in order. On an error the
-        first one is raised after every answer is in (some messages may be stored: pass
-        `dedupe_ids` to make a retry of the whole batch safe)."""
+        """Enqueue many messages in one batch; returns their ids in order. On an error the
+        first one is raised after every answer is in (the others may be stored: pass
+        `dedupe_ids` to make a retry of the whole call safe)."""
         items = [_as_bytes(p) for p in payloads]
         if dedupe_ids is not None and len(dedupe_ids) != len(items):
             raise ValueError("dedupe_ids must have one id per payload")
-        if len(self._pending) + len(items) > self._in_flight_max:
+        if self._calls_in_flight >= self._in_flight_max:
             await self._wait_for_room()
-        futures = []
-        for index, payload in enumerate(items):
-            dedupe = dedupe_ids[index] if dedupe_ids is not None else self._new_dedupe_id()
-            self._outgoing_bytes += len(payload)
-            futures.append(self._submit(EnqueueOp(next(self._ids), queue, payload, priority, dedupe)))
+        futures = [self._join_enqueue(queue, priority, payload,
+                                      dedupe_ids[index] if dedupe_ids is not None else self._new_dedupe_id())
+                   for index, payload in enumerate(items)]
         results = await asyncio.gather(*futures, return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
-        return [int(result[0]) for result in results]  # type: ignore[index]
+        return results  # type: ignore[return-value]
 
     async def receive(self, queue: str, max_messages: int = 1, wait_s: float = 0.0,
                       visibility_timeout_s: float | None = None) -> list[Message]:
         """Lease up to `max_messages`, waiting up to `wait_s` for the first; [] if none came."""
-        if len(self._pending) >= self._in_flight_max:
+        if self._calls_in_flight >= self._in_flight_max:
             await self._wait_for_room()
         op = ReceiveOp(next(self._ids), queue, max_messages, int(wait_s * 1000),
                        _milliseconds(visibility_timeout_s))
         result = await self._submit(op)
-        return [Message(self, queue, m) for m in messages_from_result(result)]
+        try:
+            return [Message(self, queue, m) for m in messages_from_result(result)]
+        except FrameError as exc:
+            raise QueueError(E_INTERNAL, f"a malformed receive answer: {exc}", outcome_unknown=True) from None
 
     async def ack(self, queue: str, message_id: int, receipt: str) -> None:
-        if len(self._pending) >= self._in_flight_max:
+        """Acknowledge (delete) a leased message; concurrent acks on a queue share one batch."""
+        if self._calls_in_flight >= self._in_flight_max:
             await self._wait_for_room()
-        await self._submit(AckOp(next(self._ids), queue, message_id, receipt))
+        batch = self._open_acks.get(queue)
+        if batch is None:
+            batch = self._open_acks[queue] = _AckBatch()
+        future = self._new_future()
+        batch.items.append((message_id, receipt))
+        batch.futures.append(future)
+        await future
 
     async def release(self, queue: str, message_id: int, receipt: str) -> None:
-        if len(self._pending) >= self._in_flight_max:
+        if self._calls_in_flight >= self._in_flight_max:
             await self._wait_for_room()
         await self._submit(ReleaseOp(next(self._ids), queue, message_id, receipt))
 
@@ -447,31 +550,31 @@ class AsyncClient:
                     self._writer_waiter = loop.create_future()
                     await self._writer_waiter
                     continue
-                items, self._outgoing = self._outgoing, []
-                size_bytes, self._outgoing_bytes = self._outgoing_bytes, 0
-                for frame in self._frames(items, size_bytes):
+                ops, self._outgoing = self._outgoing, []
+                for frame in self._frames(ops):
                     await ws.send_bytes(frame)
         finally:
             self._writer_waiter = None
 
-    def _frames(self, items: list[ClientOp], size_bytes: int) -> list[bytes]:
+    def _frames(self, ops: list[ClientOp]) -> list[bytes]:
         """Encode ops into frames within the item and byte limits; an op that cannot be
         encoded fails alone instead of taking the writer down."""
-        if size_bytes <= self._frame_bytes_max and len(items) <= FRAME_ITEMS_MAX:
+        if len(ops) == 1 or (len(ops) <= FRAME_ITEMS_MAX
+                             and sum(map(_op_bytes, ops)) <= self._frame_bytes_max):
             try:
-                return [encode_frame(items)]
+                return [encode_frame(ops)]
             except (TypeError, ValueError, OverflowError):
                 pass  # find and fail the culprit below
         frames: list[bytes] = []
         chunk: list[ClientOp] = []
         chunk_bytes = 0
-        for op in items:
+        for op in ops:
             try:
                 encode_frame([op])
             except (TypeError, ValueError, OverflowError) as exc:
                 self._fail_op(op.request_id, TypeError(f"cannot encode {type(op).__name__}: {exc}"))
                 continue
-            op_bytes = len(op.payload) if type(op) is EnqueueOp else 0
+            op_bytes = _op_bytes(op)
             if chunk and (chunk_bytes + op_bytes > self._frame_bytes_max or len(chunk) >= FRAME_ITEMS_MAX):
                 frames.append(encode_frame(chunk))
                 chunk, chunk_bytes = [], 0
@@ -489,13 +592,8 @@ class AsyncClient:
             kind = type(item)
             if kind is OkReply:
                 entry = pending.pop(item.request_id, None)
-                if entry is None:
-                    continue
-                future, op = entry
-                if type(op) is SubscribeOp:
-                    self._on_subscribed(op.request_id, item.result)
-                if not future.done():
-                    future.set_result(item.result)
+                if entry is not None:
+                    self._resolve(entry[0], entry[1], item.result)
             elif kind is ErrorReply:
                 if item.request_id == 0:  # the whole frame was refused: we cannot tell whose ops
                     return QueueError(item.code, item.message, outcome_unknown=True)
@@ -514,17 +612,50 @@ class AsyncClient:
             self._wake_room()
         return None
 
+    def _resolve(self, target: Target, op: ClientOp, result: Any) -> None:
+        kind = type(op)
+        if kind is EnqueueBatchOp or kind is AckBatchOp:
+            futures: list[asyncio.Future[Any]] = target  # type: ignore[assignment]
+            try:
+                outcomes = result[1] if kind is EnqueueBatchOp else result
+                if len(outcomes) != len(futures):
+                    raise ValueError("one outcome per item")
+            except (TypeError, IndexError, ValueError):
+                self._fail_target(target, QueueError(E_INTERNAL, "a malformed batch answer", outcome_unknown=True))
+                return
+            self._calls_in_flight -= len(futures)
+            for future, outcome in zip(futures, outcomes, strict=True):
+                if future.done():
+                    continue
+                if outcome is None or type(outcome) is int:
+                    future.set_result(outcome)
+                else:
+                    future.set_exception(_item_error(outcome))
+            return
+        if kind is SubscribeOp:
+            self._on_subscribed(op.request_id, result)
+        self._calls_in_flight -= 1
+        single: asyncio.Future[Any] = target  # type: ignore[assignment]
+        if not single.done():
+            single.set_result(result)
+
     def _fail_op(self, request_id: int, error: BaseException) -> None:
         entry = self._pending.pop(request_id, None)
         if entry is None:
             return
-        future, op = entry
+        target, op = entry
         if type(op) is SubscribeOp:
             consumer = self._subscribing.pop(request_id, None)
             if consumer is not None and isinstance(error, QueueError):
                 consumer._on_subscribe_failed(error)
-        if not future.done():
-            future.set_exception(error)
+        self._fail_target(target, error)
+
+    def _fail_target(self, target: Target, error: BaseException) -> None:
+        futures = target if isinstance(target, list) else [target]
+        self._calls_in_flight -= len(futures)
+        for future in futures:
+            if not future.done():
+                future.set_exception(error)
 
     def _forget_retries(self) -> None:
         for request_id in [r for r in self._retry_deadline if r not in self._pending]:
@@ -532,7 +663,7 @@ class AsyncClient:
             self._retry_attempts.pop(request_id, None)
 
     def _wake_room(self) -> None:
-        if len(self._pending) < self._in_flight_max:
+        if self._calls_in_flight < self._in_flight_max:
             self._room_needed = False
             self._room.set()
 
@@ -546,10 +677,9 @@ class AsyncClient:
         consumer = self._consumers_by_subscription.get(delivery.subscription_id)
         if consumer is None or consumer.closed:
             # Pushed after we let go of the subscription: hand the leases straight back.
-            queue = consumer.queue if consumer is not None else None
-            for delivered in delivery.messages:
-                if queue is not None and self._ws is not None:
-                    self._submit_quietly(ReleaseOp(next(self._ids), queue, delivered.message_id,
+            if consumer is not None and self._ws is not None:
+                for delivered in delivery.messages:
+                    self._submit_quietly(ReleaseOp(next(self._ids), consumer.queue, delivered.message_id,
                                                    delivered.receipt))
             return
         consumer._on_messages(delivery.messages)
@@ -564,24 +694,22 @@ class AsyncClient:
 
     # --- losing the connection --------------------------------------------------------------------
     def _on_connection_lost(self, cause: QueueError) -> None:
-        """Sent enqueues go out again with their dedupe id; other sent ops fail with `cause`;
-        ops never sent wait for the next connection."""
+        """Sent enqueue batches go out again with their dedupe ids; other sent ops fail with
+        `cause`; ops never sent wait for the next connection."""
         loop_time = self._bound_loop().time()
         unsent = {op.request_id for op in self._outgoing}
         resend: list[ClientOp] = []
-        for request_id, (future, op) in list(self._pending.items()):
+        for request_id, (_, op) in list(self._pending.items()):
             if request_id in unsent:
                 continue
-            if type(op) is EnqueueOp and self._may_retry(request_id, loop_time) and not future.done():
+            if type(op) is EnqueueBatchOp and self._may_retry(request_id, loop_time):
                 resend.append(op)
                 continue
             self._fail_op(request_id, QueueError(cause.kind, cause.message, outcome_unknown=True))
         # Subscription ops name subscriptions of the dead socket; consumers re-subscribe.
-        for op in [op for op in self._outgoing if isinstance(op, _INTERNAL_OPS)]:
+        for op in [op for op in self._outgoing if isinstance(op, _SUBSCRIPTION_OPS)]:
             self._fail_op(op.request_id, QueueError(E_UNAVAILABLE, "resubscribing"))
-        kept = [op for op in self._outgoing if op.request_id in self._pending]
-        self._outgoing = resend + kept
-        self._outgoing_bytes = sum(len(op.payload) for op in self._outgoing if type(op) is EnqueueOp)
+        self._outgoing = resend + [op for op in self._outgoing if op.request_id in self._pending]
         self._subscribing.clear()
         self._consumers_by_subscription.clear()
         for consumer in self._consumers:
@@ -599,14 +727,13 @@ class AsyncClient:
         loop_time = self._bound_loop().time()
         for op in list(self._outgoing):
             request_id = op.request_id
-            if type(op) is EnqueueOp:
+            if type(op) is EnqueueBatchOp:
                 deadline = self._retry_deadline.setdefault(request_id, loop_time + self._enqueue_retry_time_s)
                 if loop_time < deadline:
                     continue
             was_sent = request_id in self._retry_attempts
             self._fail_op(request_id, QueueError(error.kind, error.message, outcome_unknown=was_sent))
         self._outgoing = [op for op in self._outgoing if op.request_id in self._pending]
-        self._outgoing_bytes = sum(len(op.payload) for op in self._outgoing if type(op) is EnqueueOp)
         self._resolve_attempt_waiters(error)
         self._wake_room()
 
@@ -615,12 +742,12 @@ class AsyncClient:
         self._fail_everything(error)
 
     def _fail_everything(self, error: QueueError) -> None:
+        self._flush()  # calls of this turn become ops, so they fail below like the rest
         unsent = {op.request_id for op in self._outgoing}
         for request_id in list(self._pending):
             was_sent = request_id not in unsent or request_id in self._retry_attempts
             self._fail_op(request_id, QueueError(error.kind, error.message, outcome_unknown=was_sent))
         self._outgoing = []
-        self._outgoing_bytes = 0
         for consumer in list(self._consumers):
             consumer._on_fatal(error)
         self._resolve_attempt_waiters(error)
@@ -634,10 +761,12 @@ class AsyncClient:
                 waiter.set_result(error)
 
 
-def _as_bytes(payload: Any) -> bytes:
-    if isinstance(payload, (bytes, bytearray, memoryview)):
-        return bytes(payload)
-    raise TypeError(f"a payload is bytes, not {type(payload).__name__}")
+def _item_error(outcome: Any) -> QueueError:
+    """The error of one item of a batch answer, `[code, message]`; it was not applied."""
+    try:
+        return QueueError(str(outcome[0]), str(outcome[1]))
+    except (TypeError, IndexError):
+        return QueueError(E_INTERNAL, f"a malformed batch outcome {outcome!r}", outcome_unknown=True)
 
 
 class Consumer:
@@ -646,8 +775,8 @@ class Consumer:
     The server may push as many messages as it has credit for; the consumer starts with
     `prefetch` credit and grants more, in batches of half the prefetch, as the application
     takes messages, so at most `prefetch` messages are leased but not yet taken. Several
-    tasks may iterate one consumer at once (workers that each await their own acks keep many
-    acks in one frame).
+    tasks may iterate one consumer at once: workers that each await their own ack keep
+    many acks in one batch, where one task awaiting each ack in turn pays a round trip each.
     """
 
     def __init__(self, client: AsyncClient, queue: str, prefetch: int, visibility_ms: int | None) -> None:

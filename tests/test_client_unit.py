@@ -26,12 +26,12 @@ from client import AsyncClient, Client, Credentials, QueueError, load_credential
 from client.credentials import ENV_CREDENTIALS
 from client.http import HttpClient, queue_path
 from client.protocol import (
-    AckOp,
+    AckBatchOp,
     Closing,
     CreditOp,
     DeliveredMessage,
     Delivery,
-    EnqueueOp,
+    EnqueueBatchOp,
     ErrorReply,
     OkReply,
     ReceiveOp,
@@ -71,6 +71,7 @@ class FakeNode:
         self.stored_by_dedupe: dict[str, int] = {}
         self.ready: list[DeliveredMessage] = []
         self.credit_given: list[int] = []
+        self.acked: list[int] = []
         self.connections = 0
         self.drop_next_frame_unanswered = False
         self.hold_receives = False
@@ -155,11 +156,19 @@ class FakeNode:
             await ws.send_bytes(encode_frame(replies))
 
     def _apply(self, op: Any) -> list[Any]:
-        if isinstance(op, EnqueueOp):
-            if op.queue == "refused":
-                return [ErrorReply(op.request_id, "E_QUEUE_FULL", "full", False)]
-            message_id = self.stored_by_dedupe.setdefault(op.dedupe_id or "", len(self.stored_by_dedupe) + 1)
-            return [OkReply(op.request_id, [message_id, 1])]
+        if isinstance(op, EnqueueBatchOp):
+            if op.queue == "forbidden":
+                return [ErrorReply(op.request_id, "E_FORBIDDEN", "no post on forbidden", False)]
+            outcomes: list[Any] = []
+            for payload, dedupe_id in zip(op.payloads, op.dedupe_ids or [None] * len(op.payloads), strict=True):
+                if payload == b"refuse":
+                    outcomes.append(["E_QUEUE_FULL", "full"])
+                else:
+                    outcomes.append(self.stored_by_dedupe.setdefault(dedupe_id or "", len(self.stored_by_dedupe) + 1))
+            return [OkReply(op.request_id, [1, outcomes])]
+        if isinstance(op, AckBatchOp):
+            self.acked.extend(message_id for message_id, _ in op.items)
+            return [OkReply(op.request_id, [None] * len(op.items))]
         if isinstance(op, ReceiveOp):
             if self.hold_receives:
                 return []
@@ -371,39 +380,65 @@ async def test_the_websocket_upgrade_is_signed_and_a_bad_key_is_fatal(fake_node:
 
 
 @pytest.mark.asyncio
-async def test_one_hundred_concurrent_enqueues_travel_in_one_frame(fake_node: FakeNode, client: AsyncClient) -> None:
+async def test_one_hundred_concurrent_enqueues_travel_as_one_batch_in_one_frame(
+        fake_node: FakeNode, client: AsyncClient) -> None:
     ids = await asyncio.gather(*(client.enqueue("orders", b"x" * 1024) for _ in range(100)))
-    enqueue_frames = [f for f in fake_node.frames if any(isinstance(op, EnqueueOp) for op in f)]
-    assert len(enqueue_frames) == 1 and len(enqueue_frames[0]) == 100
-    assert sorted(ids) == list(range(1, 101))
-    dedupe_ids = {op.dedupe_id for op in enqueue_frames[0]}
-    assert len(dedupe_ids) == 100 and all(len(d) == 32 for d in dedupe_ids)
+    [frame] = fake_node.frames
+    [batch] = frame
+    assert isinstance(batch, EnqueueBatchOp) and len(batch.payloads) == 100
+    assert ids == list(range(1, 101))  # answers map back to callers in order
+    assert batch.dedupe_ids is not None and len(set(batch.dedupe_ids)) == 100
+    assert all(d is not None and len(d) == 32 for d in batch.dedupe_ids)
 
 
 @pytest.mark.asyncio
-async def test_enqueue_many_sends_one_frame_and_returns_ids_in_order(fake_node: FakeNode, client: AsyncClient) -> None:
+async def test_concurrent_calls_of_one_turn_share_a_frame_with_one_batch_per_queue_and_priority(
+        fake_node: FakeNode, client: AsyncClient) -> None:
+    fake_node.ready = ready_messages(1)
+    await asyncio.gather(client.enqueue("a", b"1"), client.enqueue("a", b"2", priority=9),
+                         client.enqueue("b", b"3"), client.enqueue("a", b"4"),
+                         client.ack("a", 1, "r1"), client.ack("a", 2, "r2"), client.receive("a"))
+    [frame] = fake_node.frames
+    batches = {(op.queue, op.priority): op.payloads for op in frame if isinstance(op, EnqueueBatchOp)}
+    assert batches == {("a", 4): (b"1", b"4"), ("a", 9): (b"2",), ("b", 4): (b"3",)}
+    [acks] = [op for op in frame if isinstance(op, AckBatchOp)]
+    assert acks.items == ((1, "r1"), (2, "r2"))
+    assert len(fake_node.ops_of(ReceiveOp)) == 1
+
+
+@pytest.mark.asyncio
+async def test_enqueue_many_sends_one_batch_and_returns_ids_in_order(fake_node: FakeNode, client: AsyncClient) -> None:
     ids = await client.enqueue_many("orders", [b"a", b"b", b"c"], priority=7, dedupe_ids=["d1", "d2", "d3"])
     assert ids == [1, 2, 3]
-    [frame] = fake_node.frames
-    assert [(op.payload, op.priority, op.dedupe_id) for op in frame] == [
-        (b"a", 7, "d1"), (b"b", 7, "d2"), (b"c", 7, "d3")]
+    [[batch]] = fake_node.frames
+    assert (batch.payloads, batch.priority, batch.dedupe_ids) == ((b"a", b"b", b"c"), 7, ("d1", "d2", "d3"))
 
 
 @pytest.mark.asyncio
-async def test_frames_are_split_when_payloads_exceed_the_frame_byte_limit(fake_node: FakeNode) -> None:
+async def test_batches_and_frames_are_split_at_the_frame_byte_limit(fake_node: FakeNode) -> None:
     async with AsyncClient(credentials=fake_node.credentials, frame_bytes_max=10_000) as small:
-        await small.enqueue_many("orders", [b"x" * 4000] * 5)
-    assert [len(frame) for frame in fake_node.frames] == [2, 2, 1]
+        ids = await small.enqueue_many("orders", [b"x" * 4000] * 5)
+    assert ids == [1, 2, 3, 4, 5]
+    assert [[len(op.payloads) for op in frame] for frame in fake_node.frames] == [[2], [2], [1]]
 
 
 @pytest.mark.asyncio
-async def test_an_error_item_fails_only_its_own_call(fake_node: FakeNode, client: AsyncClient) -> None:
-    results = await asyncio.gather(client.enqueue("orders", b"1"), client.enqueue("refused", b"2"),
+async def test_a_refused_item_fails_only_its_own_call(fake_node: FakeNode, client: AsyncClient) -> None:
+    results = await asyncio.gather(client.enqueue("orders", b"1"), client.enqueue("orders", b"refuse"),
                                    client.enqueue("orders", b"3"), return_exceptions=True)
     assert isinstance(results[1], QueueError) and results[1].code == "E_QUEUE_FULL"
     assert results[1].retriable and not results[1].outcome_unknown
     assert isinstance(results[0], int) and isinstance(results[2], int)
     assert len(fake_node.frames) == 1
+
+
+@pytest.mark.asyncio
+async def test_a_refused_batch_fails_each_of_its_calls_and_nothing_else(fake_node: FakeNode, client: AsyncClient) -> None:
+    results = await asyncio.gather(client.enqueue("forbidden", b"1"), client.enqueue("forbidden", b"2"),
+                                   client.enqueue("orders", b"3"), return_exceptions=True)
+    assert [getattr(r, "code", r) for r in results] == ["E_FORBIDDEN", "E_FORBIDDEN", 1]
+    with pytest.raises(QueueError, match="E_FORBIDDEN"):
+        await client.enqueue_many("forbidden", [b"x", b"y"])
 
 
 @pytest.mark.asyncio
@@ -414,7 +449,8 @@ async def test_receive_returns_messages_bound_to_the_client_for_ack_and_release(
     await asyncio.gather(first.ack(), second.release())
     [receive] = fake_node.ops_of(ReceiveOp)
     assert (receive.max_messages, receive.wait_ms, receive.visibility_ms) == (5, 1500, 2000)
-    assert fake_node.ops_of(AckOp) == [AckOp(fake_node.ops_of(AckOp)[0].request_id, "orders", 1, "r1")]
+    [ack] = fake_node.ops_of(AckBatchOp)
+    assert (ack.queue, ack.items) == ("orders", ((1, "r1"),))
     assert fake_node.ops_of(ReleaseOp)[0].message_id == 2
     assert (first.queue, first.payload, first.deliveries) == ("orders", b"m1", 1)
     assert await client.receive("orders") == []
@@ -426,8 +462,8 @@ async def test_a_retried_enqueue_after_reconnect_keeps_its_dedupe_id_and_is_stor
         fake_node: FakeNode, client: AsyncClient) -> None:
     fake_node.drop_next_frame_unanswered = True  # stored, but the answer is lost
     message_id = await client.enqueue("orders", b"once")
-    sent = fake_node.ops_of(EnqueueOp)
-    assert len(sent) == 2 and sent[0].dedupe_id == sent[1].dedupe_id
+    sent = fake_node.ops_of(EnqueueBatchOp)
+    assert len(sent) == 2 and sent[0].dedupe_ids == sent[1].dedupe_ids
     assert fake_node.connections == 2
     assert len(fake_node.stored_by_dedupe) == 1 and message_id == 1
 
@@ -520,7 +556,7 @@ async def test_several_tasks_can_iterate_one_consumer_and_share_its_messages(
             each.cancel()
         await asyncio.gather(*workers, return_exceptions=True)
     assert sorted(taken) == list(range(1, 31))
-    assert len(fake_node.ops_of(AckOp)) == 30
+    assert sorted(fake_node.acked) == list(range(1, 31))
 
 
 @pytest.mark.asyncio
@@ -579,7 +615,7 @@ def test_the_sync_client_enqueues_receives_acks_and_consumes(threaded_fake_node:
         threaded_fake_node.ready = ready_messages(3)
         with sync_client.consume("orders", prefetch=2) as consumer:
             assert [next(consumer).id for _ in range(3)] == [1, 2, 3]
-    assert threaded_fake_node.ops_of(AckOp)[0].message_id == 1
+    assert threaded_fake_node.acked == [1]
 
 
 def test_a_sync_client_that_cannot_authenticate_raises_and_stops_its_thread(threaded_fake_node: FakeNode) -> None:
