@@ -10,11 +10,29 @@
 `Client` is the same API for synchronous code; `load_credentials` finds the credentials
 file (explicit path, `$QSERVER_CREDENTIALS`, `./.qserver/`, `~/.config/qserver/`).
 Every failure is a `QueueError` with a stable `.code`, `.retriable` and `.outcome_unknown`.
+
+The names are imported on first use (PEP 562), so code that needs only the error catalog
+or the frame codec (`client.errors`, `client.protocol`, e.g. the server's pure cores) does
+not load asyncio, aiohttp or threads by importing this package.
 """
-from client.aio import AsyncClient, Consumer, Message
-from client.credentials import Credentials, load_credentials, save_credentials
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from client.errors import QueueError
-from client.sync import Client, SyncConsumer, SyncMessage
+
+if TYPE_CHECKING:
+    from client.aio import AsyncClient, Consumer, Message
+    from client.credentials import Credentials, load_credentials, save_credentials
+    from client.sync import Client, SyncConsumer, SyncMessage
+
+_HOMES = {
+    "AsyncClient": "client.aio", "Consumer": "client.aio", "Message": "client.aio",
+    "Credentials": "client.credentials", "load_credentials": "client.credentials",
+    "save_credentials": "client.credentials",
+    "Client": "client.sync", "SyncConsumer": "client.sync", "SyncMessage": "client.sync",
+}
 
 __all__ = [
     "AsyncClient",
@@ -28,3 +46,16 @@ __all__ = [
     "load_credentials",
     "save_credentials",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'client' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
