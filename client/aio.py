@@ -55,6 +55,7 @@ from client.protocol import (
     ReceiveOp,
     ReleaseOp,
     SubscribeOp,
+    SubscriptionEnded,
     UnsubscribeOp,
     decode_server_frame,
     encode_frame,
@@ -485,7 +486,9 @@ class AsyncClient:
                     self._ws_url, headers=headers, heartbeat=self._heartbeat_s,
                     max_msg_size=FRAME_BYTES_IN_MAX, timeout=aiohttp.ClientWSTimeout(ws_close=CLEANUP_TIMEOUT_S))
         except aiohttp.WSServerHandshakeError as exc:
-            raise error_from_status(exc.status) from None
+            code = exc.headers.get("X-Error-Code") if exc.headers else None
+            raise (QueueError(code, f"the WebSocket was refused (HTTP {exc.status})") if code
+                   else error_from_status(exc.status)) from None
         except TimeoutError:
             raise QueueError(E_UNAVAILABLE, f"no WebSocket from {self.url} in time") from None
         except (aiohttp.ClientError, OSError) as exc:
@@ -598,10 +601,9 @@ class AsyncClient:
                 if item.request_id == 0:  # the whole frame was refused: we cannot tell whose ops
                     return QueueError(item.code, item.message, outcome_unknown=True)
                 error = QueueError(item.code, item.message, outcome_unknown=item.outcome_unknown)
-                if item.request_id in pending:
-                    self._fail_op(item.request_id, error)
-                else:  # qserver ends a subscription (its queue was deleted) with its id here
-                    self._end_subscription(item.request_id, error)
+                self._fail_op(item.request_id, error)
+            elif kind is SubscriptionEnded:
+                self._end_subscription(item.subscription_id, QueueError(item.code, item.message))
             elif kind is Delivery:
                 self._on_delivery(item)
             elif kind is Closing:

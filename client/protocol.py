@@ -166,7 +166,16 @@ class Closing:
     message: str
 
 
-ServerItem = Union[OkReply, ErrorReply, Delivery, Closing]
+@dataclass(frozen=True, slots=True)
+class SubscriptionEnded:
+    """The server ended a subscription (its queue was deleted); no more deliveries follow."""
+    TAG: ClassVar[int] = 105
+    subscription_id: int
+    code: str
+    message: str
+
+
+ServerItem = Union[OkReply, ErrorReply, Delivery, Closing, SubscriptionEnded]
 
 
 # --- encoding --------------------------------------------------------------------------------
@@ -347,6 +356,8 @@ def _decode_server_items(rows: list[Any]) -> list[ServerItem]:
             out.append(Delivery(row[1], tuple(_decode_message(m) for m in row[2])))
         elif tag == Closing.TAG:
             out.append(Closing(str(row[1]), str(row[2])))
+        elif tag == SubscriptionEnded.TAG:
+            out.append(SubscriptionEnded(int(row[1]), str(row[2]), str(row[3])))
         else:
             raise FrameError(f"unknown server item tag {tag!r}")
     return out

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from client.errors import (E_INVALID_NAME, E_MASTER_EXISTS, E_OPTIONS_MISMATCH, E_OVERLOADED,
+from client.errors import (E_INVALID_NAME, E_INVALID_OPTION, E_PAYLOAD_TOO_LARGE, E_MASTER_EXISTS, E_OPTIONS_MISMATCH, E_OVERLOADED,
                            E_RESERVED_NAME, E_SHUTTING_DOWN, E_STORAGE_FULL, E_UNKNOWN_MESSAGE,
                            E_UNKNOWN_QUEUE, E_INTERNAL, QueueError)
 from client.protocol import DeliveredMessage
@@ -30,13 +30,18 @@ from qserver.config import NodeConfig
 from qserver.metrics import Histogram
 from qserver.storage import CommitResult, MapGrowthNeeded, SealedBatch, Storage, StorageFull
 from replication.operations import Acked, DeadLettered, Enqueued, Leased, Operation, Released
-from replication.options import (DEAD_LETTER_SUFFIX, QueueOptions, QueueState, QueueType,
+from replication.options import (DEAD_LETTER_SUFFIX, valid_dedupe_id, QueueOptions, QueueState, QueueType,
                                  dead_letter_name, is_valid_queue_name, mismatched_options)
 from replication.invariants import InvariantViolation
 from replication.queue_core import QueueCore, QueueRecord
 
 log = logging.getLogger("qserver.engine")
 TERMINAL_STATES = frozenset({"acked", "replied", "dead_lettered"})
+
+
+def _refuse(command: c.Command, error: QueueError) -> None:
+    if command.replier is not None:   # an unsubscribe from a closed socket expects no answer
+        command.replier.fail(command.request_id, error)
 
 
 def wall_ms() -> int:
@@ -155,11 +160,11 @@ class Engine:
     # --- the inbox -------------------------------------------------------------------------
     def submit(self, command: c.Command) -> None:
         if self._stopping:
-            command.replier.fail(command.request_id, QueueError(E_SHUTTING_DOWN))  # type: ignore[union-attr]
+            _refuse(command, QueueError(E_SHUTTING_DOWN))
             return
         if len(self._inbox) >= self.config.inbox_commands_max:
             self.rejected["overloaded"] += 1
-            command.replier.fail(command.request_id, QueueError(E_OVERLOADED))  # type: ignore[union-attr]
+            _refuse(command, QueueError(E_OVERLOADED))
             return
         self._inbox.append(command)
         if not self._wake.is_set():
@@ -202,13 +207,12 @@ class Engine:
         while inbox and budget > 0:
             command = inbox.popleft()
             if self._stopping:
-                command.replier.fail(command.request_id, QueueError(E_SHUTTING_DOWN))  # type: ignore[union-attr]
+                _refuse(command, QueueError(E_SHUTTING_DOWN))
                 continue
             try:
                 step(command, now_ms)
             except QueueError as error:
-                if command.replier is not None:
-                    command.replier.fail(command.request_id, error)
+                _refuse(command, error)
             budget -= 1
         if inbox:
             self._wake.set()   # more to do: come back after this batch goes to disk
@@ -256,12 +260,18 @@ class Engine:
         operations = batch.sealed.operations
         enqueue, priority, client = core.enqueue, command.priority, command.client
         dedupe_ids = command.dedupe_ids or (None,) * len(command.payloads)
+        body_bytes_max = self.config.body_bytes_max
         outcomes: list[Any] = []
         for payload, dedupe_id in zip(command.payloads, dedupe_ids):
-            try:
-                outcomes.append(enqueue(payload, priority, dedupe_id, client, now_ms, operations)[0])
-            except QueueError as error:
-                outcomes.append([error.code, error.message])
+            if len(payload) > body_bytes_max:
+                outcomes.append([E_PAYLOAD_TOO_LARGE.code, f"message over {body_bytes_max} bytes"])
+            elif dedupe_id is not None and not valid_dedupe_id(dedupe_id):
+                outcomes.append([E_INVALID_OPTION.code, "dedupe ids are 1-128 printable characters"])
+            else:
+                try:
+                    outcomes.append(enqueue(payload, priority, dedupe_id, client, now_ms, operations)[0])
+                except QueueError as error:
+                    outcomes.append([error.code, error.message])
         batch.touched[core.name] = core
         result = [core.record.epoch, outcomes]
         if core.options.type is QueueType.ONE_WAY:

@@ -22,7 +22,8 @@ from client.signing import new_private_key, private_key_to_text, public_key_from
 from qserver import commands as c
 from qserver.auth import Principal, validate_grants
 from qserver.engine import TERMINAL_STATES, Engine
-from replication.options import (OptionError, PRIORITY_DEFAULT, is_valid_queue_name, parse_options)
+from replication.options import (PRIORITY_DEFAULT, OptionError, is_valid_queue_name, parse_options,
+                                 valid_dedupe_id)
 
 log = logging.getLogger("qserver.http")
 PRINCIPAL = web.AppKey("principal", Principal)
@@ -35,20 +36,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 PRIORITY_TEXTS = frozenset(str(p) for p in range(10))
 
 
-def valid_dedupe_id(dedupe_id: str) -> bool:
-    """1-128 printable characters that encode as UTF-8 (aiohttp hands undecodable header
-    bytes over as surrogates, which storage could not encode)."""
-    if not 0 < len(dedupe_id) <= 128 or not dedupe_id.isprintable():
-        return False
-    try:
-        dedupe_id.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def error_response(error: QueueError) -> web.Response:
-    return web.json_response(error.envelope(), status=error.http_status)
+    # The code also travels as a header: a refused WebSocket upgrade hides its body from clients.
+    return web.json_response(error.envelope(), status=error.http_status, headers={"X-Error-Code": error.code})
 
 
 @web.middleware

@@ -17,12 +17,13 @@ from aiohttp import WSMsgType, web
 from client import errors as e
 from client.errors import QueueError
 from client.protocol import (AckBatchOp, AckOp, EnqueueBatchOp, Closing, CreditOp, Delivery, DeliveredMessage, EnqueueOp, ErrorReply,
-                             FrameError, OkReply, PingOp, ReceiveOp, ReleaseOp, SubscribeOp, UnsubscribeOp,
+                             FrameError, OkReply, PingOp, ReceiveOp, ReleaseOp, SubscribeOp, SubscriptionEnded,
+                             UnsubscribeOp,
                              decode_client_frame, encode_frame)
 from qserver import commands as c
 from qserver.auth import Principal
-from qserver.http_api import valid_dedupe_id
-from replication.options import is_valid_queue_name
+
+from replication.options import is_valid_queue_name, valid_dedupe_id
 
 log = logging.getLogger("qserver.ws")
 
@@ -61,7 +62,7 @@ class ClientConnection:
 
     def subscription_ended(self, subscription_id: int, error: QueueError) -> None:
         self.subscriptions.discard(subscription_id)
-        self._emit(ErrorReply(subscription_id, error.code, error.message, False))
+        self._emit(SubscriptionEnded(subscription_id, error.code, error.message))
 
     def _emit(self, item: Any) -> None:
         if self._closed:
@@ -153,10 +154,8 @@ class ClientConnection:
                 self.queues_produced.add(self._queue(op.queue, "post", op.request_id))
             return c.Enqueue(op.queue, op.payload, op.priority, op.dedupe_id, client, self, op.request_id)
         if kind is EnqueueBatchOp:
-            if any(len(p) > self._body_bytes_max for p in op.payloads):
-                raise QueueError(e.E_PAYLOAD_TOO_LARGE, f"a message is over {self._body_bytes_max} bytes")
-            if op.dedupe_ids is not None and not all(d is None or valid_dedupe_id(d) for d in op.dedupe_ids):
-                raise QueueError(e.E_INVALID_OPTION, "dedupe ids are 1-128 printable characters")
+            # Oversized payloads and bad dedupe ids fail only their own item (engine step):
+            # the batch coalesces many callers' messages.
             if op.queue not in self.queues_produced:
                 self.queues_produced.add(self._queue(op.queue, "post", op.request_id))
             return c.EnqueueMany(op.queue, op.priority, op.payloads, op.dedupe_ids, client, self, op.request_id)

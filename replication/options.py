@@ -168,5 +168,17 @@ def is_valid_queue_name(name: str) -> bool:
     return bool(QUEUE_NAME_PATTERN.fullmatch(name))
 
 
+def valid_dedupe_id(dedupe_id: str) -> bool:
+    """1-128 printable characters that encode as UTF-8 (aiohttp hands undecodable header
+    bytes over as surrogates, which storage could not encode)."""
+    if not 0 < len(dedupe_id) <= 128 or not dedupe_id.isprintable():
+        return False
+    try:
+        dedupe_id.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def dead_letter_name(queue: str) -> str:
     return queue + DEAD_LETTER_SUFFIX

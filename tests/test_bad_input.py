@@ -12,7 +12,7 @@ import msgpack
 import pytest
 import pytest_asyncio
 
-from client.protocol import (AckOp, Closing, EnqueueOp, ErrorReply, OkReply, PingOp, ReceiveOp,
+from client.protocol import (AckOp, Closing, EnqueueBatchOp, EnqueueOp, ErrorReply, OkReply, PingOp, ReceiveOp,
                              decode_server_frame, encode_frame)
 from client.signing import Signer, private_key_from_text
 from tests.support import RawApi, error_code
@@ -192,6 +192,7 @@ async def test_a_malformed_client_registration_is_refused(api: RawApi, body: dic
 
 
 async def test_garbage_on_the_websocket_gets_e_bad_frame_and_the_socket_keeps_working(api: RawApi) -> None:
+    await api.request("PUT", "/v1/queues/scratch", {})
     bystander = await api.ws()
     ws = await api.ws()
     try:
@@ -210,6 +211,10 @@ async def test_garbage_on_the_websocket_gets_e_bad_frame_and_the_socket_keeps_wo
         oversized = encode_frame([EnqueueOp(10, "keep", b"x" * (BODY_LIMIT + 1), 4, None)])
         [item] = await ws_exchange(ws, oversized)
         assert isinstance(item, ErrorReply) and item.code == "E_PAYLOAD_TOO_LARGE"
+        batch = EnqueueBatchOp(13, "scratch", 4, (b"ok", b"x" * (BODY_LIMIT + 1), b"ok"), (None, None, "\x00bad"))
+        [item] = await ws_exchange(ws, encode_frame([batch]))
+        _, outcomes = item.result
+        assert type(outcomes[0]) is int and outcomes[1][0] == "E_PAYLOAD_TOO_LARGE" and outcomes[2][0] == "E_INVALID_OPTION"
         [item] = await ws_exchange(ws, encode_frame([AckOp(11, "keep", 999, "nope")]))
         assert isinstance(item, ErrorReply) and item.code == "E_UNKNOWN_MESSAGE"
         [item] = await ws_exchange(ws, encode_frame([EnqueueOp(12, "no/such", b"x", 4, None)]))
