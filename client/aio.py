@@ -28,7 +28,7 @@ import itertools
 import os
 import random
 from collections import deque
-from collections.abc import Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Coroutine, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -72,6 +72,18 @@ CredentialsArg = Credentials | str | Path | None
 Target = asyncio.Future[Any] | list[asyncio.Future[Any]]
 
 
+def _batch_bounds(payloads: Sequence[bytes], frame_bytes_max: int) -> list[tuple[int, int]]:
+    """Split a batch so no part passes BATCH_ITEMS_MAX items or frame_bytes_max bytes."""
+    bounds, start, size_bytes = [], 0, 0
+    for index, payload in enumerate(payloads):
+        if index > start and (index - start >= BATCH_ITEMS_MAX or size_bytes + len(payload) > frame_bytes_max):
+            bounds.append((start, index))
+            start, size_bytes = index, 0
+        size_bytes += len(payload)
+    bounds.append((start, len(payloads)))
+    return bounds
+
+
 class Message:
     """A leased message; `ack()` deletes it and `release()` gives it back, through the client
     that received it."""
@@ -87,7 +99,7 @@ class Message:
         self.queue = queue
         self._client = client
 
-    def ack(self) -> Coroutine[Any, Any, None]:
+    def ack(self) -> Awaitable[None]:
         return self._client.ack(self.queue, self.id, self.receipt)
 
     def release(self) -> Coroutine[Any, Any, None]:
@@ -304,15 +316,7 @@ class AsyncClient:
             self._pending[op.request_id] = (batch.futures, op)
             self._outgoing.append(op)
             return
-        bounds, start, size_bytes = [], 0, 0
-        for index, payload in enumerate(payloads):
-            if index > start and (index - start >= BATCH_ITEMS_MAX
-                                  or size_bytes + len(payload) > self._frame_bytes_max):
-                bounds.append((start, index))
-                start, size_bytes = index, 0
-            size_bytes += len(payload)
-        bounds.append((start, count))
-        for start, end in bounds:
+        for start, end in _batch_bounds(payloads, self._frame_bytes_max):
             op = EnqueueBatchOp(next(self._ids), queue, priority, tuple(payloads[start:end]),
                                 tuple(batch.dedupe_ids[start:end]))
             self._pending[op.request_id] = (batch.futures[start:end], op)
@@ -362,14 +366,17 @@ class AsyncClient:
             raise ValueError("dedupe_ids must have one id per payload")
         if self._calls_in_flight >= self._in_flight_max:
             await self._wait_for_room()
-        futures = [self._join_enqueue(queue, priority, payload,
-                                      dedupe_ids[index] if dedupe_ids is not None else self._new_dedupe_id())
-                   for index, payload in enumerate(items)]
-        results = await asyncio.gather(*futures, return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return results  # type: ignore[return-value]
+        ids = list(dedupe_ids) if dedupe_ids is not None else [self._new_dedupe_id() for _ in items]
+        # The call is its own batch with one future for all its answers: no future per message.
+        futures = []
+        for start, end in _batch_bounds(items, self._frame_bytes_max):
+            op = EnqueueBatchOp(next(self._ids), queue, priority, tuple(items[start:end]), tuple(ids[start:end]))
+            futures.append(self._submit(op))
+        outcomes = [outcome for part in await asyncio.gather(*futures) for outcome in part[1]]
+        for outcome in outcomes:
+            if type(outcome) is not int:
+                raise _item_error(outcome)
+        return outcomes
 
     async def receive(self, queue: str, max_messages: int = 1, wait_s: float = 0.0,
                       visibility_timeout_s: float | None = None) -> list[Message]:
@@ -384,17 +391,27 @@ class AsyncClient:
         except FrameError as exc:
             raise QueueError(E_INTERNAL, f"a malformed receive answer: {exc}", outcome_unknown=True) from None
 
-    async def ack(self, queue: str, message_id: int, receipt: str) -> None:
-        """Acknowledge (delete) a leased message; concurrent acks on a queue share one batch."""
+    def ack(self, queue: str, message_id: int, receipt: str) -> Awaitable[None]:
+        """Acknowledge (delete) a leased message; concurrent acks on a queue share one batch.
+
+        Returns an awaitable future rather than a coroutine, so a consumer that acks without
+        waiting (`asyncio.ensure_future(message.ack())`) creates no task per message."""
         if self._calls_in_flight >= self._in_flight_max:
-            await self._wait_for_room()
+            return self._ack_when_room(queue, message_id, receipt)
+        return self._join_ack(queue, message_id, receipt)
+
+    async def _ack_when_room(self, queue: str, message_id: int, receipt: str) -> None:
+        await self._wait_for_room()
+        await self._join_ack(queue, message_id, receipt)
+
+    def _join_ack(self, queue: str, message_id: int, receipt: str) -> asyncio.Future[Any]:
         batch = self._open_acks.get(queue)
         if batch is None:
             batch = self._open_acks[queue] = _AckBatch()
         future = self._new_future()
         batch.items.append((message_id, receipt))
         batch.futures.append(future)
-        await future
+        return future
 
     async def release(self, queue: str, message_id: int, receipt: str) -> None:
         if self._calls_in_flight >= self._in_flight_max:
@@ -616,7 +633,7 @@ class AsyncClient:
 
     def _resolve(self, target: Target, op: ClientOp, result: Any) -> None:
         kind = type(op)
-        if kind is EnqueueBatchOp or kind is AckBatchOp:
+        if (kind is EnqueueBatchOp or kind is AckBatchOp) and type(target) is list:
             futures: list[asyncio.Future[Any]] = target  # type: ignore[assignment]
             try:
                 outcomes = result[1] if kind is EnqueueBatchOp else result

@@ -146,7 +146,8 @@ class Client:
         return [SyncMessage(self, m) for m in messages]
 
     def ack(self, queue: str, message_id: int, receipt: str) -> None:
-        self._run(self._async.ack(queue, message_id, receipt))
+        # AsyncClient.ack does its work when called, so call it on the loop's thread.
+        self._run(_on_loop(self._async.ack, queue, message_id, receipt))
 
     def release(self, queue: str, message_id: int, receipt: str) -> None:
         self._run(self._async.release(queue, message_id, receipt))
@@ -195,3 +196,8 @@ class Client:
 
     def cluster(self) -> dict[str, Any]:
         return self._run(self._async.cluster())
+
+
+async def _on_loop(function: Any, *args: Any) -> Any:
+    """Run an AsyncClient method that acts when called (not when awaited) on the loop."""
+    return await function(*args)
