@@ -9,7 +9,8 @@ line per run, then a summary line per workload with the median and spread of the
   produce_one_at_a_time   one enqueue() at a time: latency p50/p99
   produce_batched         enqueue_many() of 100 messages, 10 calls in flight
   drain_with_acks         consume() with prefetch, every message acked (acks pipelined)
-  produce_and_consume     both at once: msgs/s consumed and end-to-end latency
+  produce_and_consume     both at once (10 batches of 100 in flight, one consumer with prefetch
+                          1000): msgs/s consumed and end-to-end latency
 Every workload is bounded by --seconds (and the queue is drained between workloads).
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from client import AsyncClient  # noqa: E402
 
 STAMP = struct.Struct(">d")
+PREFETCH = 1000
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -92,28 +94,35 @@ async def fill(client: AsyncClient, queue: str, payload: bytes, count: int) -> N
 
 async def drain(client: AsyncClient, queue: str, seconds: float, prefetch: int = 1000,
                 latencies: list[float] | None = None, expected: int | None = None) -> dict[str, Any]:
+    """Consume with prefetch and ack every message without waiting for each ack (acks are
+    coalesced into batches by the client); stops after `expected` messages or `seconds`."""
     acked = 0
     acks: set[asyncio.Future[None]] = set()
     started = time.perf_counter()
-    stop_at = started + seconds
 
     def on_ack(future: asyncio.Future[None]) -> None:
         nonlocal acked
         acks.discard(future)
         if not future.cancelled() and future.exception() is None:
             acked += 1
-    async with client.consume(queue, prefetch=prefetch) as messages:
-        while time.perf_counter() < stop_at and (expected is None or acked + len(acks) < expected):
-            try:
-                message = await asyncio.wait_for(messages.__anext__(), max(0.01, stop_at - time.perf_counter()))
-            except asyncio.TimeoutError:
-                break
-            if latencies is not None:
-                latencies.append((time.time() - STAMP.unpack_from(message.payload)[0]) * 1000)
-            future = asyncio.ensure_future(message.ack())
-            acks.add(future)
-            future.add_done_callback(on_ack)
-        await asyncio.gather(*acks, return_exceptions=True)
+
+    async def take() -> None:
+        taken = 0
+        async with client.consume(queue, prefetch=prefetch) as messages:
+            async for message in messages:
+                if latencies is not None:
+                    latencies.append((time.time() - STAMP.unpack_from(message.payload)[0]) * 1000)
+                future = asyncio.ensure_future(message.ack())
+                acks.add(future)
+                future.add_done_callback(on_ack)
+                taken += 1
+                if expected is not None and taken >= expected:
+                    break
+    try:
+        await asyncio.wait_for(take(), seconds)
+    except asyncio.TimeoutError:
+        pass
+    await asyncio.gather(*acks, return_exceptions=True)
     elapsed = time.perf_counter() - started
     return {"msgs_per_s": acked / elapsed, "messages": acked}
 
@@ -125,9 +134,9 @@ async def produce_and_consume(client: AsyncClient, consumer_client: AsyncClient,
 
     async def producer() -> None:
         while time.perf_counter() < stop_at:
-            await client.enqueue_many(queue, [STAMP.pack(time.time()) + payload[STAMP.size:]] * 50)
-    consumer = asyncio.ensure_future(drain(consumer_client, queue, seconds + 2, latencies=latencies))
-    await asyncio.gather(*(producer() for _ in range(4)))
+            await client.enqueue_many(queue, [STAMP.pack(time.time()) + payload[STAMP.size:]] * 100)
+    consumer = asyncio.ensure_future(drain(consumer_client, queue, seconds + 2, latencies=latencies, prefetch=PREFETCH))
+    await asyncio.gather(*(producer() for _ in range(10)))
     result = await consumer
     return {"msgs_per_s": result["msgs_per_s"], "messages": result["messages"],
             "e2e_p50_ms": percentile(latencies, 0.5), "e2e_p99_ms": percentile(latencies, 0.99)}

@@ -19,7 +19,8 @@ class NodeConfig:
     map_size_bytes: int = 1 << 30          # initial LMDB map; grows by doubling
     map_size_max_bytes: int = 1 << 40
     inbox_commands_max: int = 200_000
-    batch_operations_max: int = 20_000
+    batch_operations_max: int = 20_000     # commands stepped per turn of the engine
+    commit_early_operations: int = 256     # an idle writer takes a batch this big without waiting
     dedupe_window_s: float = 300.0
     status_retention_s: float = 3600.0
     signature_skew_max_s: float = 300.0

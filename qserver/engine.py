@@ -201,10 +201,15 @@ class Engine:
             self._arm_timer(now_ms)
 
     def _step_inbox(self, now_ms: int) -> None:
-        budget = self.config.batch_operations_max
+        """Step queued commands into the open batch. When the writer is idle and the batch
+        already holds `commit_early_operations`, it goes to disk at once and stepping goes
+        on into the next batch: the commit overlaps the stepping instead of following it,
+        and the first answers leave sooner (a window of many requests arrives together)."""
         inbox = self._inbox
         step = self._step
-        while inbox and budget > 0:
+        early = self.config.commit_early_operations
+        stepped = 0
+        while inbox and stepped < self.config.batch_operations_max:
             command = inbox.popleft()
             if self._stopping:
                 _refuse(command, QueueError(E_SHUTTING_DOWN))
@@ -213,7 +218,9 @@ class Engine:
                 step(command, now_ms)
             except QueueError as error:
                 _refuse(command, error)
-            budget -= 1
+            stepped += 1
+            if self._committing is None and len(self._open.sealed.operations) >= early:
+                self._start_commit()
         if inbox:
             self._wake.set()   # more to do: come back after this batch goes to disk
 

@@ -103,6 +103,10 @@ class Storage:
                              max_readers=256, readahead=False)
         self.db = {name: self.env.open_db(name.encode()) for name in DB_NAMES}
         self._journal_sequence = 0
+        # msgpack.packb builds a Packer per call, which costs more than packing a small record;
+        # this one is used by the writer thread only (commit), so it is never shared.
+        self._pack = msgpack.Packer(use_bin_type=True).pack
+        self._batch_names: dict[int, tuple[str, int]] = {}   # queue id -> (name, epoch) of the batch
         self._dedupe_sweep_from = b""     # where the next dedupe sweep resumes (writer thread)
         self._read_txn: lmdb.Transaction | None = None
         self._check_schema()
@@ -231,6 +235,7 @@ class Storage:
     def _write(self, txn: lmdb.Transaction, batch: SealedBatch) -> list[bytes | None]:
         db = self.db
         names = {record["queue_id"]: (name, record["epoch"]) for name, record in batch.queue_records.items()}
+        self._batch_names = names
         journal = self._journal_writer(txn, names) if self.journal_enabled else None
         operations = batch.operations
         position, count = 0, len(operations)
@@ -244,7 +249,7 @@ class Storage:
                 journal(op)
             position += 1
         for name, record in batch.queue_records.items():
-            txn.put(name.encode(), msgpack.packb(record), db=db["queues"])
+            txn.put(name.encode(), self._pack(record), db=db["queues"])
         for name, queue_id in batch.deleted_queues:
             txn.delete(name.encode(), db=db["queues"])
             txn.delete(name.encode(), db=db["epochs"])
@@ -275,30 +280,40 @@ class Storage:
         messages: list[tuple[bytes, bytes]] = []
         ready: list[tuple[bytes, bytes]] = []
         dedupe: list[tuple[bytes, bytes]] = []
-        pack, qi, qpi, q = msgpack.packb, _QI.pack, _QPI.pack, _Q.pack
+        journal_rows: list[tuple[bytes, bytes]] = []
+        pack, qi, qpi, q, u32, crc32 = self._pack, _QI.pack, _QPI.pack, _Q.pack, _U32.pack, zlib.crc32
+        names, node, sequence = self._batch_names, self.node_id, self._journal_sequence
         end = start
         for op in operations[start:]:
             if type(op) is not Enqueued:
                 break
+            payload = op.payload
             messages.append((qi(op.queue_id, op.index),
-                             pack([op.priority, op.enqueued_ms, op.dedupe_id, op.client, op.payload])))
+                             pack([op.priority, op.enqueued_ms, op.dedupe_id, op.client, payload])))
             ready.append((qpi(op.queue_id, op.priority, op.index), b""))
             if op.dedupe_id is not None:
                 dedupe.append((q(op.queue_id) + op.dedupe_id.encode(), qi(op.index, op.enqueued_ms)))
             if journal is not None:
-                journal(op)   # appends in sequence order; putmulti would gain little here
+                name, epoch = names.get(op.queue_id, ("", 0))
+                record = pack([op.enqueued_ms, name, op.queue_id, epoch, op.index, "enqueue", op.index,
+                               op.dedupe_id, op.priority, len(payload), crc32(payload), "master", node, op.client])
+                sequence += 1
+                journal_rows.append((q(sequence), record + u32(crc32(record))))
             end += 1
         txn.cursor(db=self.db["messages"]).putmulti(messages)
         txn.cursor(db=self.db["ready"]).putmulti(ready)
         if dedupe:
             txn.cursor(db=self.db["dedupe"]).putmulti(dedupe)
+        if journal_rows:
+            txn.cursor(db=self.db["journal"]).putmulti(journal_rows, append=True)
+            self._journal_sequence = sequence
         return end
 
     def _apply_leased(self, txn: lmdb.Transaction, op: Leased) -> None:
         if not txn.delete(_QPI.pack(op.queue_id, op.priority, op.index), db=self.db["ready"]):
             raise InvariantViolation(f"leased message {op.queue_id}/{op.index} was not ready")
         txn.put(_QI.pack(op.queue_id, op.index),
-                msgpack.packb([op.priority, op.receipt, op.deadline_ms, op.deliveries, op.leased_ms]),
+                self._pack([op.priority, op.receipt, op.deadline_ms, op.deliveries, op.leased_ms]),
                 db=self.db["leases"])
 
     def _apply_acked(self, txn: lmdb.Transaction, op: Acked) -> None:
@@ -321,7 +336,7 @@ class Storage:
             raise InvariantViolation(f"dead-lettered message {op.queue_id}/{op.index} has no body")
         priority, _, _, client, payload = msgpack.unpackb(raw)
         txn.put(_QI.pack(op.dead_letter_queue_id, op.dead_letter_index),
-                msgpack.packb([priority, op.at_ms, None, client, payload]), db=self.db["messages"])
+                self._pack([priority, op.at_ms, None, client, payload]), db=self.db["messages"])
         txn.put(_QPI.pack(op.dead_letter_queue_id, priority, op.dead_letter_index), b"", db=self.db["ready"])
         if op.track_status:
             self._put_status(txn, op.queue_id, op.index, "dead_lettered", op.at_ms, None)
@@ -331,25 +346,21 @@ class Storage:
 
     def _put_status(self, txn: lmdb.Transaction, queue_id: int, index: int, state: str, at_ms: int,
                     reply: bytes | None) -> None:
-        txn.put(_QI.pack(queue_id, index), msgpack.packb([state, at_ms, reply]), db=self.db["status"])
+        txn.put(_QI.pack(queue_id, index), self._pack([state, at_ms, reply]), db=self.db["status"])
         txn.put(_EXPIRY.pack(EXPIRY_STATUS, at_ms, queue_id) + _Q.pack(index), b"", db=self.db["expiry"])
 
     def _journal_writer(self, txn: lmdb.Transaction, names: dict[int, tuple[str, int]]) -> Any:
         """A function that appends one checksummed journal record per operation (DESIGN.md 4.6)."""
         journal_db = self.db["journal"]
         node = self.node_id
-        pack = msgpack.packb
+        pack = self._pack
 
         def append(op: Operation) -> None:
             name, epoch = names.get(op.queue_id, ("", 0))
-            if isinstance(op, Enqueued):
-                fields = [op.enqueued_ms, name, op.queue_id, epoch, op.index, "enqueue", op.index,
-                          op.dedupe_id, op.priority, len(op.payload), zlib.crc32(op.payload), "master", node, op.client]
-            else:
-                fields = _journal_fields(op, name, epoch, node)
-            record = pack(fields)
+            record = pack(_journal_fields(op, name, epoch, node))   # enqueues: _apply_enqueue_run
             self._journal_sequence += 1
-            txn.put(_Q.pack(self._journal_sequence), record + _U32.pack(zlib.crc32(record)), db=journal_db)
+            txn.put(_Q.pack(self._journal_sequence), record + _U32.pack(zlib.crc32(record)), db=journal_db,
+                    append=True)   # sequence numbers only grow: skip the search
         return append
 
     def _housekeeping(self, txn: lmdb.Transaction, batch: SealedBatch) -> None:

@@ -169,15 +169,9 @@ def is_valid_queue_name(name: str) -> bool:
 
 
 def valid_dedupe_id(dedupe_id: str) -> bool:
-    """1-128 printable characters that encode as UTF-8 (aiohttp hands undecodable header
-    bytes over as surrogates, which storage could not encode)."""
-    if not 0 < len(dedupe_id) <= 128 or not dedupe_id.isprintable():
-        return False
-    try:
-        dedupe_id.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
+    """1-128 printable characters. Lone surrogates, which is how aiohttp hands over header
+    bytes that are not UTF-8 and which storage could not encode, are not printable."""
+    return 0 < len(dedupe_id) <= 128 and dedupe_id.isprintable()
 
 
 def dead_letter_name(queue: str) -> str:
