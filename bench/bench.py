@@ -120,7 +120,7 @@ async def drain(client: AsyncClient, queue: str, seconds: float, prefetch: int =
                     break
     try:
         await asyncio.wait_for(take(), seconds)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         pass
     await asyncio.gather(*acks, return_exceptions=True)
     elapsed = time.perf_counter() - started

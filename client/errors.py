@@ -106,7 +106,7 @@ class QueueError(Exception):
                           "retriable": self.retriable, "outcome_unknown": self.outcome_unknown}}
 
     @classmethod
-    def from_envelope(cls, body: Any, http_status: int = 500) -> "QueueError":
+    def from_envelope(cls, body: Any, http_status: int = 500) -> QueueError:
         """Rebuild an error from a server's JSON envelope (or a WebSocket error tuple)."""
         try:
             error = body["error"]

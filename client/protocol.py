@@ -9,7 +9,7 @@ Decoding validates every field, so a malformed frame raises `FrameError` and not
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 import msgpack
 
@@ -117,8 +117,7 @@ class AckBatchOp:
     items: tuple[tuple[int, str], ...]
 
 
-ClientOp = Union[EnqueueOp, ReceiveOp, AckOp, ReleaseOp, SubscribeOp, CreditOp, UnsubscribeOp, PingOp,
-                 EnqueueBatchOp, AckBatchOp]
+ClientOp = (EnqueueOp | ReceiveOp | AckOp | ReleaseOp | SubscribeOp | CreditOp | UnsubscribeOp | PingOp | EnqueueBatchOp | AckBatchOp)
 BATCH_ITEMS_MAX = 10_000
 
 
@@ -175,7 +174,7 @@ class SubscriptionEnded:
     message: str
 
 
-ServerItem = Union[OkReply, ErrorReply, Delivery, Closing, SubscriptionEnded]
+ServerItem = (OkReply | ErrorReply | Delivery | Closing | SubscriptionEnded)
 
 
 # --- encoding --------------------------------------------------------------------------------

@@ -10,15 +10,30 @@ from __future__ import annotations
 import collections
 import fnmatch
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from client.errors import (E_FORBIDDEN, E_INVALID_OPTION, E_OVERLOADED, E_REPLAYED_REQUEST,
-                           E_STALE_REQUEST, E_UNAUTHENTICATED, QueueError)
-from client.signing import (HEADER_CLIENT, HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP,
-                            canonical_string, public_key_from_text, verify)
+from client.errors import (
+    E_FORBIDDEN,
+    E_INVALID_OPTION,
+    E_OVERLOADED,
+    E_REPLAYED_REQUEST,
+    E_STALE_REQUEST,
+    E_UNAUTHENTICATED,
+    QueueError,
+)
+from client.signing import (
+    HEADER_CLIENT,
+    HEADER_NONCE,
+    HEADER_SIGNATURE,
+    HEADER_TIMESTAMP,
+    canonical_string,
+    public_key_from_text,
+    verify,
+)
 
 PRIVILEGES = frozenset({"post", "get", "delete", "admin"})
 ADMIN_GRANTS = [{"pattern": "*", "privileges": sorted(PRIVILEGES)}]

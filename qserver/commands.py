@@ -8,8 +8,8 @@ request uses a `FutureReplier`.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
-from typing import Any, Protocol, Union
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from client.errors import QueueError
 
@@ -149,12 +149,4 @@ class PutClient:
     request_id: int = 0
 
 
-@dataclass(slots=True)
-class Shutdown:
-    replier: Replier
-    request_id: int = 0
-    done: list[bool] = field(default_factory=list)
-
-
-Command = Union[Enqueue, EnqueueMany, AckMany, Receive, Ack, Subscribe, Credit, Unsubscribe, CreateQueue, DeleteQueue,
-                MessageStatus, PutClient, Shutdown]
+Command = (Enqueue | EnqueueMany | AckMany | Receive | Ack | Subscribe | Credit | Unsubscribe | CreateQueue | DeleteQueue | MessageStatus | PutClient)

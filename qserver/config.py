@@ -29,7 +29,7 @@ class NodeConfig:
     websocket_pending_bytes_max: int = 16 << 20   # unsent replies per socket before it is cut
     subscription_credit_max: int = 10_000
 
-    def check(self) -> "NodeConfig":
+    def check(self) -> NodeConfig:
         problems = []
         if not self.node_id or not self.node_id[0].isalpha():
             problems.append("node_id must start with a letter (ids are logical, never addresses)")
@@ -45,7 +45,7 @@ class NodeConfig:
             raise ValueError("invalid node configuration: " + "; ".join(problems))
         return self
 
-    def with_overrides(self, **overrides: Any) -> "NodeConfig":
+    def with_overrides(self, **overrides: Any) -> NodeConfig:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None}).check()
 
 

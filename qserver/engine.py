@@ -17,22 +17,43 @@ import collections
 import logging
 import random
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-from client.errors import (E_INVALID_NAME, E_INVALID_OPTION, E_PAYLOAD_TOO_LARGE, E_MASTER_EXISTS, E_OPTIONS_MISMATCH, E_OVERLOADED,
-                           E_RESERVED_NAME, E_SHUTTING_DOWN, E_STORAGE_FULL, E_UNKNOWN_MESSAGE,
-                           E_UNKNOWN_QUEUE, E_INTERNAL, QueueError)
+from client.errors import (
+    E_INTERNAL,
+    E_INVALID_NAME,
+    E_INVALID_OPTION,
+    E_MASTER_EXISTS,
+    E_OPTIONS_MISMATCH,
+    E_OVERLOADED,
+    E_PAYLOAD_TOO_LARGE,
+    E_RESERVED_NAME,
+    E_SHUTTING_DOWN,
+    E_STORAGE_FULL,
+    E_UNKNOWN_MESSAGE,
+    E_UNKNOWN_QUEUE,
+    QueueError,
+)
 from client.protocol import DeliveredMessage
 from qserver import commands as c
 from qserver.config import NodeConfig
 from qserver.metrics import Histogram
 from qserver.storage import CommitResult, MapGrowthNeeded, SealedBatch, Storage, StorageFull
-from replication.operations import Acked, DeadLettered, Enqueued, Leased, Operation, Released
-from replication.options import (DEAD_LETTER_SUFFIX, valid_dedupe_id, QueueOptions, QueueState, QueueType,
-                                 dead_letter_name, is_valid_queue_name, mismatched_options)
 from replication.invariants import InvariantViolation
+from replication.operations import Leased, Operation
+from replication.options import (
+    DEAD_LETTER_SUFFIX,
+    QueueOptions,
+    QueueState,
+    QueueType,
+    dead_letter_name,
+    is_valid_queue_name,
+    mismatched_options,
+    valid_dedupe_id,
+)
 from replication.queue_core import QueueCore, QueueRecord
 
 log = logging.getLogger("qserver.engine")
@@ -269,7 +290,7 @@ class Engine:
         dedupe_ids = command.dedupe_ids or (None,) * len(command.payloads)
         body_bytes_max = self.config.body_bytes_max
         outcomes: list[Any] = []
-        for payload, dedupe_id in zip(command.payloads, dedupe_ids):
+        for payload, dedupe_id in zip(command.payloads, dedupe_ids, strict=False):
             if len(payload) > body_bytes_max:
                 outcomes.append([E_PAYLOAD_TOO_LARGE.code, f"message over {body_bytes_max} bytes"])
             elif dedupe_id is not None and not valid_dedupe_id(dedupe_id):
@@ -440,7 +461,7 @@ class Engine:
         self._open.replies.append((command.replier, command.request_id, command.record))
         self._open.after_commit.append(self.on_clients_changed)
 
-    _STEP_OTHER: dict[type, Callable[["Engine", Any, int], None]] = {
+    _STEP_OTHER: dict[type, Callable[[Engine, Any, int], None]] = {
         c.Subscribe: _step_subscribe, c.Credit: _step_credit, c.Unsubscribe: _step_unsubscribe,
         c.CreateQueue: _step_create, c.DeleteQueue: _step_delete, c.MessageStatus: _step_status,
         c.PutClient: _step_put_client,
@@ -489,22 +510,19 @@ class Engine:
         batch.touched[core.name] = core
 
     def _expire_waiters(self, now_ms: int) -> None:
+        """Answer receives whose wait ran out (empty) and status waits (with the state now)."""
         for waiters in self._waiters.values():
-            while waiters and waiters[0].deadline_ms <= now_ms:
-                waiter = waiters.popleft()
-                waiter.command.replier.reply(waiter.command.request_id, [])
-            # Waiters are appended in arrival order but with different waits: sweep the rest.
             if any(w.deadline_ms <= now_ms for w in waiters):
+                expired = [w for w in waiters if w.deadline_ms <= now_ms]
                 kept = [w for w in waiters if w.deadline_ms > now_ms]
-                for waiter in waiters:
-                    if waiter.deadline_ms <= now_ms:
-                        waiter.command.replier.reply(waiter.command.request_id, [])
                 waiters.clear()
                 waiters.extend(kept)
+                for waiter in expired:
+                    waiter.command.replier.reply(waiter.command.request_id, [])
         for key, status_waiters in list(self._status_waiters.items()):
-            for waiter in [w for w in status_waiters if w.deadline_ms <= now_ms]:
-                status_waiters.remove(waiter)
-                self._check_status(waiter, final=True)
+            for status_waiter in [w for w in status_waiters if w.deadline_ms <= now_ms]:
+                status_waiters.remove(status_waiter)
+                self._check_status(status_waiter, final=True)
             if not status_waiters:
                 del self._status_waiters[key]
 
@@ -633,9 +651,9 @@ class Engine:
         for name in list(self._waiters):
             for waiter in self._waiters.pop(name):
                 waiter.command.replier.fail(waiter.command.request_id, QueueError(E_SHUTTING_DOWN))
-        for waiters in self._status_waiters.values():
-            for waiter in waiters:
-                waiter.command.replier.fail(waiter.command.request_id, QueueError(E_SHUTTING_DOWN))
+        for status_waiters in self._status_waiters.values():
+            for status_waiter in status_waiters:
+                status_waiter.command.replier.fail(status_waiter.command.request_id, QueueError(E_SHUTTING_DOWN))
         self._status_waiters.clear()
 
     # --- views -----------------------------------------------------------------------------

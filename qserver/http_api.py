@@ -12,7 +12,8 @@ import json
 import logging
 import os
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -22,8 +23,7 @@ from client.signing import new_private_key, private_key_to_text, public_key_from
 from qserver import commands as c
 from qserver.auth import Principal, validate_grants
 from qserver.engine import TERMINAL_STATES, Engine
-from replication.options import (PRIORITY_DEFAULT, OptionError, is_valid_queue_name, parse_options,
-                                 valid_dedupe_id)
+from replication.options import PRIORITY_DEFAULT, OptionError, is_valid_queue_name, parse_options, valid_dedupe_id
 
 log = logging.getLogger("qserver.http")
 PRINCIPAL = web.AppKey("principal", Principal)
@@ -125,7 +125,7 @@ async def call(engine: Engine, factory: Callable[[c.FutureReplier], c.Command], 
                *, may_have_applied: bool = False) -> Any:
     try:
         return await asyncio.wait_for(engine.call(factory), wait_s + ENGINE_ANSWER_GRACE_S)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise QueueError(e.E_TIMEOUT, "the node did not answer in time", outcome_unknown=may_have_applied) from None
 
 

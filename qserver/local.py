@@ -86,7 +86,7 @@ class Demo:
                 task.add_done_callback(self._acked)
                 task.add_done_callback(acks.discard)
 
-    def _acked(self, task: "asyncio.Task[None]") -> None:
+    def _acked(self, task: asyncio.Task[None]) -> None:
         if task.cancelled() or task.exception() is not None:
             self.errors += 1
         else:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 
 class Histogram:
@@ -22,7 +22,7 @@ class Histogram:
     def render(self) -> list[str]:
         lines = [f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} histogram"]
         running = 0
-        for bound, count in zip(self.buckets, self.counts):
+        for bound, count in zip(self.buckets, self.counts, strict=False):
             running += count
             lines.append(f'{self.name}_bucket{{le="{bound:g}"}} {running}')
         lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.samples}')
@@ -35,7 +35,7 @@ def label_value(text: str) -> str:
     return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def render_family(name: str, kind: str, help_text: str, samples: list[tuple[dict[str, str], float]]) -> list[str]:
+def render_family(name: str, kind: str, help_text: str, samples: Sequence[tuple[dict[str, str], float]]) -> list[str]:
     lines = [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
     for labels, value in samples:
         rendered = ",".join(f'{key}="{label_value(val)}"' for key, val in labels.items())

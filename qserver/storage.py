@@ -35,8 +35,8 @@ from typing import Any
 import lmdb
 import msgpack
 
-from replication.operations import Acked, DeadLettered, Enqueued, Leased, Operation, Released
 from replication.invariants import InvariantViolation
+from replication.operations import Acked, DeadLettered, Enqueued, Leased, Operation, Released
 from replication.queue_core import QueueRecord
 from replication.store import StoredLease
 
@@ -244,7 +244,7 @@ class Storage:
                 position = self._apply_enqueue_run(txn, operations, position, journal)
                 continue
             op = operations[position]
-            self._APPLY[type(op)](self, txn, op)
+            self._APPLY[type(op)](self, txn, op)  # type: ignore[operator]
             if journal is not None:
                 journal(op)
             position += 1
@@ -396,7 +396,7 @@ class Storage:
                 cursor.delete()      # moves to the next entry
             elif not cursor.next():
                 break
-        self._dedupe_sweep_from = cursor.key()
+        self._dedupe_sweep_from = bytes(cursor.key())
 
     def _erase_doomed(self, txn: lmdb.Transaction) -> None:
         doomed = txn.cursor(db=self.db["doomed"])
@@ -409,7 +409,7 @@ class Storage:
             cursor = txn.cursor(db=self.db[name])
             if not cursor.set_range(prefix):
                 continue
-            while budget > 0 and cursor.key().startswith(prefix):
+            while budget > 0 and bytes(cursor.key()).startswith(prefix):
                 cursor.delete()
                 budget -= 1
             if budget == 0:

@@ -16,13 +16,29 @@ from aiohttp import WSMsgType, web
 
 from client import errors as e
 from client.errors import QueueError
-from client.protocol import (AckBatchOp, AckOp, EnqueueBatchOp, Closing, CreditOp, Delivery, DeliveredMessage, EnqueueOp, ErrorReply,
-                             FrameError, OkReply, PingOp, ReceiveOp, ReleaseOp, SubscribeOp, SubscriptionEnded,
-                             UnsubscribeOp,
-                             decode_client_frame, encode_frame)
+from client.protocol import (
+    AckBatchOp,
+    AckOp,
+    Closing,
+    CreditOp,
+    DeliveredMessage,
+    Delivery,
+    EnqueueBatchOp,
+    EnqueueOp,
+    ErrorReply,
+    FrameError,
+    OkReply,
+    PingOp,
+    ReceiveOp,
+    ReleaseOp,
+    SubscribeOp,
+    SubscriptionEnded,
+    UnsubscribeOp,
+    decode_client_frame,
+    encode_frame,
+)
 from qserver import commands as c
 from qserver.auth import Principal
-
 from replication.options import is_valid_queue_name, valid_dedupe_id
 
 log = logging.getLogger("qserver.ws")

@@ -9,7 +9,7 @@ about three times as much, and one of these is made for every message on the hot
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Union
+from typing import ClassVar
 
 
 @dataclass(slots=True)
@@ -76,4 +76,4 @@ class DeadLettered:
     track_status: bool
 
 
-Operation = Union[Enqueued, Leased, Acked, Released, DeadLettered]
+Operation = (Enqueued | Leased | Acked | Released | DeadLettered)

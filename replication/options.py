@@ -24,19 +24,19 @@ PRIORITY_MAX = 9
 PRIORITY_DEFAULT = 4
 
 
-class QueueType(str, enum.Enum):
+class QueueType(enum.StrEnum):
     ONE_WAY = "one_way"
     ONE_WAY_ACK = "one_way_ack"
     QUEUED_ACK = "queued_ack"
     TWO_WAY = "two_way"
 
 
-class Strength(str, enum.Enum):
+class Strength(enum.StrEnum):
     PRODUCER = "producer"
     FULL = "full"
 
 
-class QueueState(str, enum.Enum):
+class QueueState(enum.StrEnum):
     """Seed 004's queue state machine (UNKNOWN ... OPEN ... FAILED)."""
     UNKNOWN = "UNKNOWN"
     CONFIGURING = "CONFIGURING"

@@ -20,13 +20,18 @@ import random
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from client.errors import (E_LEASE_EXPIRED, E_QUEUE_FULL, E_UNKNOWN_MESSAGE, E_WRONG_QUEUE_TYPE,
-                           QueueError)
+from client.errors import E_LEASE_EXPIRED, E_QUEUE_FULL, E_UNKNOWN_MESSAGE, E_WRONG_QUEUE_TYPE, QueueError
 from replication.invariants import InvariantViolation
 from replication.operations import Acked, DeadLettered, Enqueued, Leased, Operation, Released
-from replication.options import (PRIORITY_MAX, QUEUE_STATE_TRANSITIONS, QueueOptions, QueueState,
-                                 QueueType, options_from_json)
-from replication.store import StoreReader, StoredLease
+from replication.options import (
+    PRIORITY_MAX,
+    QUEUE_STATE_TRANSITIONS,
+    QueueOptions,
+    QueueState,
+    QueueType,
+    options_from_json,
+)
+from replication.store import StoredLease, StoreReader
 
 READY_PAGE_SIZE = 1024
 PRIORITIES_HIGH_FIRST = tuple(range(PRIORITY_MAX, -1, -1))
@@ -59,7 +64,7 @@ class QueueRecord:
         return out
 
     @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> "QueueRecord":
+    def from_json(cls, raw: dict[str, Any]) -> QueueRecord:
         return cls(**{**raw, "options": options_from_json(raw["options"]), "state": QueueState(raw["state"])})
 
 

@@ -19,7 +19,7 @@ class RawApi:
         self.signer = signer
 
     @classmethod
-    def for_credentials(cls, session: aiohttp.ClientSession, path: Any) -> "RawApi":
+    def for_credentials(cls, session: aiohttp.ClientSession, path: Any) -> RawApi:
         creds = load_credentials(path)
         return cls(session, creds.url, creds.signer())
 

@@ -12,8 +12,18 @@ import msgpack
 import pytest
 import pytest_asyncio
 
-from client.protocol import (AckOp, Closing, EnqueueBatchOp, EnqueueOp, ErrorReply, OkReply, PingOp, ReceiveOp,
-                             decode_server_frame, encode_frame)
+from client.protocol import (
+    AckOp,
+    Closing,
+    EnqueueBatchOp,
+    EnqueueOp,
+    ErrorReply,
+    OkReply,
+    PingOp,
+    ReceiveOp,
+    decode_server_frame,
+    encode_frame,
+)
 from client.signing import Signer, private_key_from_text
 from tests.support import RawApi, error_code
 
