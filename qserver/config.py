@@ -21,6 +21,7 @@ class NodeConfig:
     inbox_commands_max: int = 200_000
     batch_operations_max: int = 20_000     # commands stepped per turn of the engine
     commit_early_operations: int = 256     # an idle writer takes a batch this big without waiting
+    commit_inline_operations_max: int = 4  # batches this small commit on the loop thread
     dedupe_window_s: float = 300.0
     status_retention_s: float = 3600.0
     signature_skew_max_s: float = 300.0

@@ -215,7 +215,7 @@ class Engine:
                 self._open.sealed.housekeeping_ms = now_ms
                 self._next_housekeeping_ms = now_ms + self.config.housekeeping_interval_ms
             if self._committing is None and not self._open.empty():
-                self._start_commit()
+                self._start_commit(inline_allowed=True)
             if self._stopping and not self._inbox and self._committing is None:
                 self._fail_waiters_on_stop()
                 return
@@ -537,7 +537,10 @@ class Engine:
         self._timer = asyncio.get_running_loop().call_later(min(delay_s, 1.0), self._wake.set)
 
     # --- group commit ----------------------------------------------------------------------
-    def _start_commit(self) -> None:
+    def _start_commit(self, *, inline_allowed: bool = False) -> None:
+        """Seal the open batch and commit it. A small batch (a lone producer's message) is
+        committed right here when allowed (no read transaction open on this thread): the two
+        thread hand-offs would cost a third of its latency, and there is nothing to overlap."""
         batch, self._open = self._open, OpenBatch()
         sealed = batch.sealed
         sealed.dedupe_window_ms = int(self.config.dedupe_window_s * 1000)
@@ -546,7 +549,16 @@ class Engine:
             sealed.queue_records[name] = core.record.to_json()
             core.seal()
         self._committing = batch
-        future = asyncio.get_running_loop().run_in_executor(self._writer, self.storage.commit, sealed)
+        loop = asyncio.get_running_loop()
+        if inline_allowed and len(sealed.operations) <= self.config.commit_inline_operations_max:
+            done: asyncio.Future[CommitResult] = loop.create_future()
+            try:
+                done.set_result(self.storage.commit(sealed))
+            except Exception as error:
+                done.set_exception(error)
+            self._commit_done(done)
+            return
+        future = loop.run_in_executor(self._writer, self.storage.commit, sealed)
         future.add_done_callback(self._commit_done)
 
     def _commit_done(self, future: asyncio.Future[CommitResult]) -> None:
