@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import base64
 import json
+import os
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -318,10 +319,14 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,
         return 1
     except KeyboardInterrupt:
         return 130
-    if args.json:
-        print(json.dumps(outcome.document, indent=2, sort_keys=True), file=out)
-    else:
-        print(outcome.human, file=out)
+    try:
+        if args.json:
+            print(json.dumps(outcome.document, indent=2, sort_keys=True), file=out)
+        else:
+            print(outcome.human, file=out)
+        out.flush()
+    except BrokenPipeError:  # `qctl ... | head`: the reader left; nothing more to say
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - keeps Python's exit flush quiet
     return 0
 
 
