@@ -434,17 +434,18 @@ class Storage:
 
 
 def _journal_fields(op: Operation, name: str, epoch: int, node: str) -> list[Any]:
+    """The journal row of a consumption step; `index` is its ordering index (0 when local)."""
     if isinstance(op, Leased):
-        return [op.leased_ms, name, op.queue_id, epoch, 0, "lease", op.index, None, op.priority,
+        return [op.leased_ms, name, op.queue_id, epoch, op.order, "lease", op.index, None, op.priority,
                 0, 0, "master", node, op.client]
     if isinstance(op, Acked):
-        return [op.acked_ms, name, op.queue_id, epoch, 0, "reply" if op.reply is not None else "ack",
+        return [op.acked_ms, name, op.queue_id, epoch, op.order, "reply" if op.reply is not None else "ack",
                 op.index, None, op.priority, 0, 0, "master", node, op.client]
     if isinstance(op, Released):
-        return [op.at_ms, name, op.queue_id, epoch, 0, "expire" if op.expired else "release", op.index,
+        return [op.at_ms, name, op.queue_id, epoch, op.order, "expire" if op.expired else "release", op.index,
                 None, op.priority, 0, 0, "master", node, ""]
     if isinstance(op, DeadLettered):
-        return [op.at_ms, name, op.queue_id, epoch, 0, "dead_letter", op.index, None, op.priority,
+        return [op.at_ms, name, op.queue_id, epoch, op.order, "dead_letter", op.index, None, op.priority,
                 0, 0, "master", node, ""]
     raise InvariantViolation(f"no journal form for {type(op).__name__}")
 

@@ -23,6 +23,11 @@ class Enqueued:
     client: str
     payload: bytes = field(repr=False)
 
+    @property
+    def order(self) -> int:
+        """An enqueue's ordering index is its message id."""
+        return self.index
+
 
 @dataclass(slots=True)
 class Leased:
@@ -36,6 +41,7 @@ class Leased:
     deliveries: int
     client: str
     leased_ms: int
+    order: int = 0        # ordering index under `full`; 0 for a member's local lease (`producer`)
 
 
 @dataclass(slots=True)
@@ -48,6 +54,7 @@ class Acked:
     acked_ms: int
     track_status: bool
     reply: bytes | None = field(default=None, repr=False)   # set for two_way replies
+    order: int = 0
 
 
 @dataclass(slots=True)
@@ -60,6 +67,7 @@ class Released:
     deliveries: int
     expired: bool
     at_ms: int
+    order: int = 0
 
 
 @dataclass(slots=True)
@@ -74,6 +82,12 @@ class DeadLettered:
     dead_letter_index: int
     at_ms: int
     track_status: bool
+    order: int = 0
 
+
+OPERATION_TYPES: dict[int, type] = {}   # filled below: tag -> class, for the codec
 
 Operation = (Enqueued | Leased | Acked | Released | DeadLettered)
+
+for _kind in (Enqueued, Leased, Acked, Released, DeadLettered):
+    OPERATION_TYPES[_kind.TAG] = _kind

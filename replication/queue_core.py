@@ -29,6 +29,7 @@ from replication.options import (
     QueueOptions,
     QueueState,
     QueueType,
+    Strength,
     options_from_json,
 )
 from replication.store import StoredLease, StoreReader
@@ -100,6 +101,7 @@ class QueueCore:
         self._loaded_upto = [0] * (PRIORITY_MAX + 1)
         self._exhausted = [record.ready_count == 0] * (PRIORITY_MAX + 1)
         self._pushed_beyond: list[set[int]] = [set() for _ in range(PRIORITY_MAX + 1)]
+        self._removed: set[int] = set()   # ready indices taken out of order by apply()
         self._leases: dict[int, _Lease] = {}
         self._lease_deadlines: list[tuple[int, int, str]] = []
         for stored in leases:
@@ -169,7 +171,8 @@ class QueueCore:
                 receipt = f"{self._rng.getrandbits(64):016x}"
                 self.record.ready_count -= 1
                 self._add_lease(index, _Lease(priority, receipt, deadline_ms, deliveries, now_ms))
-                op = Leased(self.queue_id, index, priority, receipt, deadline_ms, deliveries, client, now_ms)
+                op = Leased(self.queue_id, index, priority, receipt, deadline_ms, deliveries, client, now_ms,
+                            self._consumption_order())
                 out.append(op)
                 leased.append(op)
             if len(leased) == max_messages:
@@ -185,7 +188,7 @@ class QueueCore:
         record.service_ms_total += now_ms - lease.leased_ms
         record.service_count += 1
         out.append(Acked(record.queue_id, index, lease.priority, client, now_ms,
-                         record.options.tracks_status, reply))
+                         record.options.tracks_status, reply, self._consumption_order()))
 
     def reply(self, index: int, receipt: str, payload: bytes, client: str, now_ms: int,
               out: list[Operation]) -> None:
@@ -221,10 +224,14 @@ class QueueCore:
         """The sealed batch is committed: the reader sees it now."""
         self._dedupe.sealed = {}
 
-    def accept_dead_letter(self, priority: int, now_ms: int) -> int:
-        """Make room for a message moving in from the queue this one is the dead-letter queue of."""
+    def accept_dead_letter(self, priority: int, now_ms: int, *, index: int = 0) -> int:
+        """Make room for a message moving in from the queue this one is the dead-letter queue of
+        (at `index` when applying the master's decision, else at the next index)."""
         record = self.record
-        index = record.next_index
+        if index == 0:
+            index = record.next_index
+        elif index < record.next_index:
+            raise InvariantViolation(f"queue {self.name}: dead letter at {index} below {record.next_index}")
         record.next_index = index + 1
         heapq.heappush(self._ready[priority], index)
         record.ready_count += 1
@@ -234,6 +241,76 @@ class QueueCore:
 
     def has_ready(self) -> bool:
         return self.record.ready_count > 0
+
+    # --- the replica's side: applying what the master decided ------------------------------
+    def apply(self, op: Operation) -> None:
+        """Apply an operation the master decided, in ordering-index order (DESIGN.md 4.1).
+
+        The replica never decides: it places each message, lease, ack, release and
+        dead-lettering exactly as the master did, so under `full` both members hold identical
+        state. The ordering index only moves forward."""
+        if type(op) is Enqueued:
+            self._apply_enqueued(op)
+            return
+        if op.order:
+            self._advance_order(op.order)
+        if type(op) is Leased:
+            self._take_ready(op.priority, op.index)
+            self._add_lease(op.index, _Lease(op.priority, op.receipt, op.deadline_ms, op.deliveries, op.leased_ms))
+            return
+        lease = self._leases.pop(op.index, None)
+        if lease is None:
+            raise InvariantViolation(f"queue {self.name}: {type(op).__name__} of message {op.index} that is not leased")
+        record = self.record
+        if type(op) is Acked:
+            record.total_acked += 1
+            record.service_ms_total += op.acked_ms - lease.leased_ms
+            record.service_count += 1
+        elif type(op) is Released:
+            record.ready_count += 1
+            record.total_redelivered += 1
+            heapq.heappush(self._ready[op.priority], op.index)
+            self._ready_deliveries[op.index] = op.deliveries
+        elif type(op) is DeadLettered:
+            record.total_dead_lettered += 1
+            if self.dead_letter_core is None:
+                raise InvariantViolation(f"queue {self.name} has no dead-letter queue")
+            self.dead_letter_core.accept_dead_letter(op.priority, 0, index=op.dead_letter_index)
+
+    def _apply_enqueued(self, op: Enqueued) -> None:
+        record = self.record
+        if op.index < record.next_index:
+            raise InvariantViolation(f"queue {self.name}: enqueue at {op.index} below {record.next_index}")
+        record.next_index = op.index + 1
+        heapq.heappush(self._ready[op.priority], op.index)
+        record.ready_count += 1
+        record.total_enqueued += 1
+        record.highest_depth = max(record.highest_depth, self.depth)
+        if op.dedupe_id is not None:
+            self._dedupe.staged[op.dedupe_id] = (op.index, op.enqueued_ms)
+
+    def _advance_order(self, order: int) -> None:
+        if order < self.record.next_index:
+            raise InvariantViolation(f"queue {self.name}: ordering index {order} below {self.record.next_index}")
+        self.record.next_index = order + 1
+
+    def _take_ready(self, priority: int, index: int) -> None:
+        """Remove one ready message that is not necessarily at its heap's head."""
+        if self._fill_head(priority) and self._ready[priority][0] == index:
+            heapq.heappop(self._ready[priority])
+        else:
+            self._removed.add(index)      # skipped when it reaches a head or a page load
+        self._ready_deliveries.pop(index, None)
+        self.record.ready_count -= 1
+
+    def _consumption_order(self) -> int:
+        """Under `full` every consumption step takes the next ordering index (it is replicated);
+        under `producer` it is local to this member and outside the ordering index."""
+        if self.record.options.strength is not Strength.FULL:
+            return 0
+        order = self.record.next_index
+        self.record.next_index = order + 1
+        return order
 
     # --- internals -------------------------------------------------------------------------
     def _find_dedupe(self, dedupe_id: str, now_ms: int) -> int | None:
@@ -247,9 +324,13 @@ class QueueCore:
     def _fill_head(self, priority: int) -> bool:
         """True when the priority's heap head is the lowest ready index of that priority."""
         heap = self._ready[priority]
-        while not self._exhausted[priority] and (not heap or heap[0] > self._loaded_upto[priority]):
-            self._load_page(priority)
-        return bool(heap)
+        removed = self._removed
+        while True:
+            while not self._exhausted[priority] and (not heap or heap[0] > self._loaded_upto[priority]):
+                self._load_page(priority)
+            if not heap or not removed or heap[0] not in removed:
+                return bool(heap)
+            removed.discard(heapq.heappop(heap))
 
     def _load_page(self, priority: int) -> None:
         rows = self._reader.ready_page(self.queue_id, priority, self._loaded_upto[priority],
@@ -258,6 +339,9 @@ class QueueCore:
         for index, deliveries in rows:
             if index in skip:
                 skip.discard(index)
+                continue
+            if index in self._removed:
+                self._removed.discard(index)
                 continue
             heapq.heappush(heap, index)
             if deliveries:
@@ -297,7 +381,7 @@ class QueueCore:
             dead_index = dead_letter.accept_dead_letter(lease.priority, now_ms)
             record.total_dead_lettered += 1
             out.append(DeadLettered(record.queue_id, index, lease.priority, lease.deliveries,
-                                    dead_letter.queue_id, dead_index, now_ms, True))
+                                    dead_letter.queue_id, dead_index, now_ms, True, self._consumption_order()))
             return
         record.ready_count += 1
         record.total_redelivered += 1
@@ -308,4 +392,5 @@ class QueueCore:
             # since it may or may not see the committed copy of this release.
             self._pushed_beyond[priority].add(index)
         self._ready_deliveries[index] = lease.deliveries
-        out.append(Released(record.queue_id, index, priority, lease.deliveries, expired, now_ms))
+        out.append(Released(record.queue_id, index, priority, lease.deliveries, expired, now_ms,
+                            self._consumption_order()))

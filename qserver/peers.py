@@ -1,0 +1,645 @@
+"""Peer transport: one authenticated WebSocket per pair of nodes (DESIGN.md 4.1 and 4.7).
+
+Replication messages are opaque bytes here (their codec lives in replication/); this module
+only moves them between two nodes, in order and batched, over exactly one link per pair that
+multiplexes every queue the two nodes share. The node whose logical id sorts lower dials and
+the other only accepts, so two nodes never race to open two links. A peer's identity is the
+signed X-Peer-From header, never the address it came from or was reached at, so a proxy can
+sit on every link (Toxiproxy in the chaos tests).
+
+What the replication protocol above may assume, per peer:
+- messages arrive in the order they were sent, each at most once, to `on_message` on the loop;
+- messages sent while the link is down wait in a bounded queue and go out, in order, once it
+  is up; `send` refuses (returns False) rather than grow that queue past its bound;
+- messages already written to a socket that then broke MAY BE LOST, and so may frames still
+  being read from a link a newer one replaced. The protocol retransmits from its acknowledged
+  index when `on_link_change(peer, True)` reports a (re)established link.
+
+The callbacks must not raise: what they raise is a programmer error and ends that link's task.
+
+Wire: the upgrade request carries the headers of `auth_headers`; every WebSocket binary
+message is msgpack `[PEER_FRAME_VERSION, [message, ...]]` (bin items). `MemoryPeerNetwork` is
+the in-memory twin with the same surface, for the simulator and unit tests.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import hmac
+import logging
+import os
+import random
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import msgpack
+from aiohttp import WSCloseCode, WSMsgType, web
+from yarl import URL
+
+from client import errors as e
+from client.errors import QueueError
+
+log = logging.getLogger("qserver.peers")
+
+PEER_PATH = "/v1/peer"
+PEER_PROTOCOL = "1"
+PEER_FRAME_VERSION = 1
+SIGNATURE_PREFIX = "QP1"
+HEADER_FROM = "X-Peer-From"
+HEADER_TO = "X-Peer-To"
+HEADER_TIMESTAMP = "X-Peer-Timestamp"
+HEADER_NONCE = "X-Peer-Nonce"
+HEADER_PROTOCOL = "X-Peer-Protocol"
+HEADER_AUTH = "X-Peer-Auth"
+TIMESTAMP_SKEW_MAX_MS = 300_000
+NONCE_CHARACTERS_MAX = 64
+NONCES_KEPT_MAX = 100_000
+# Upper bounds of msgpack's headers: a bin32 item, and the frame's array and version.
+ITEM_OVERHEAD_BYTES = 5
+FRAME_OVERHEAD_BYTES = 16
+CONNECT_TIMEOUT_S = 5.0
+CLOSE_TIMEOUT_S = 1.0
+
+OnMessage = Callable[[str, bytes], None]
+OnLinkChange = Callable[[str, bool], None]
+Socket = web.WebSocketResponse | aiohttp.ClientWebSocketResponse
+
+
+def _ignore_link_change(peer_id: str, up: bool) -> None:
+    """The default: a caller that does not care about link state."""
+
+
+# --- handshake ---------------------------------------------------------------------------
+def peer_signature(secret: bytes, from_id: str, to_id: str, timestamp_ms: int, nonce: str) -> str:
+    text = f"{SIGNATURE_PREFIX}\n{from_id}\n{to_id}\n{timestamp_ms}\n{nonce}"
+    return hmac.new(secret, text.encode("utf-8", "replace"), hashlib.sha256).hexdigest()
+
+
+def auth_headers(secret: bytes, from_id: str, to_id: str, *, timestamp_ms: int | None = None,
+                 nonce: str | None = None) -> dict[str, str]:
+    """The headers a dialer signs its upgrade request with."""
+    stamp_ms = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
+    nonce_text = os.urandom(16).hex() if nonce is None else nonce
+    return {HEADER_FROM: from_id, HEADER_TO: to_id, HEADER_TIMESTAMP: str(stamp_ms), HEADER_NONCE: nonce_text,
+            HEADER_PROTOCOL: PEER_PROTOCOL,
+            HEADER_AUTH: peer_signature(secret, from_id, to_id, stamp_ms, nonce_text)}
+
+
+def error_response(error: QueueError) -> web.Response:
+    # Same shape as http_api.error_response; the code travels as a header too because a
+    # refused WebSocket upgrade hides its body from the dialer.
+    return web.json_response(error.envelope(), status=error.http_status, headers={"X-Error-Code": error.code})
+
+
+def dial_url(base_url: str) -> str:
+    """A peer's base URL gets the peer path; a URL that already has a path is used as is."""
+    trimmed = base_url.rstrip("/")
+    return trimmed + PEER_PATH if URL(trimmed).path in ("", "/") else base_url
+
+
+# --- frames ------------------------------------------------------------------------------
+class FrameError(ValueError):
+    """A peer sent a frame that is not msgpack `[PEER_FRAME_VERSION, [bin, ...]]`."""
+
+
+def encode_frame(messages: list[bytes]) -> bytes:
+    return msgpack.packb([PEER_FRAME_VERSION, messages], use_bin_type=True)
+
+
+def decode_frame(data: bytes) -> list[bytes]:
+    try:
+        frame = msgpack.unpackb(data, raw=False, use_list=True)
+    except Exception as error:  # msgpack raises several unrelated types for bad input
+        raise FrameError(f"not msgpack: {type(error).__name__}") from None
+    if type(frame) is not list or len(frame) != 2:
+        raise FrameError("a frame is a two-item array")
+    version, messages = frame
+    if type(version) is not int or version != PEER_FRAME_VERSION:
+        raise FrameError(f"frame version {version!r} is not {PEER_FRAME_VERSION}")
+    if type(messages) is not list or any(type(message) is not bytes for message in messages):
+        raise FrameError("a frame carries an array of bin messages")
+    return messages
+
+
+# --- the real transport --------------------------------------------------------------------
+@dataclass(eq=False)
+class _Peer:
+    peer_id: str
+    url: str
+    queue: collections.deque[bytes] = field(default_factory=collections.deque)
+    queued_bytes: int = 0
+    wake: asyncio.Event = field(default_factory=asyncio.Event)   # set when the queue may be non-empty
+    link: _Link | None = None
+    dialer: asyncio.Task[None] | None = None
+    removed: bool = False
+
+
+@dataclass(eq=False)
+class _Link:
+    peer: _Peer
+    ws: Socket
+    opened_s: float
+    writer: asyncio.Task[None] | None = None
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class PeerTransport:
+    """The real transport: aiohttp WebSockets, dialed by the lower id, accepted at `handle`."""
+
+    def __init__(self, node_id: str, cluster_secret: bytes, peers: dict[str, str], *,
+                 on_message: OnMessage, on_link_change: OnLinkChange = _ignore_link_change,
+                 send_queue_bytes_max: int = 8 << 20, frame_bytes_max: int = 1 << 20,
+                 reconnect_delay_initial_s: float = 0.05, reconnect_delay_max_s: float = 2.0,
+                 heartbeat_s: float = 2.0, connect_timeout_s: float = CONNECT_TIMEOUT_S,
+                 close_timeout_s: float = CLOSE_TIMEOUT_S, rng: random.Random | None = None) -> None:
+        _check_limits(cluster_secret, send_queue_bytes_max, frame_bytes_max, reconnect_delay_initial_s,
+                      reconnect_delay_max_s, heartbeat_s)
+        self.node_id = node_id
+        self._secret = cluster_secret
+        self._on_message = on_message
+        self._on_link_change = on_link_change
+        self._send_queue_bytes_max = send_queue_bytes_max
+        self._frame_bytes_max = frame_bytes_max
+        self._delay_initial_s = reconnect_delay_initial_s
+        self._delay_max_s = reconnect_delay_max_s
+        self._heartbeat_s = heartbeat_s
+        self._connect_timeout_s = connect_timeout_s
+        self._close_timeout_s = close_timeout_s
+        # A lone message may exceed frame_bytes_max but never the queue bound, so a frame
+        # from a peer with the same configuration always fits.
+        self._receive_bytes_max = max(frame_bytes_max, send_queue_bytes_max) + FRAME_OVERHEAD_BYTES + ITEM_OVERHEAD_BYTES
+        self._rng = rng or random.Random()
+        self._peers: dict[str, _Peer] = {}
+        self._nonces: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._background: set[asyncio.Task[Any]] = set()
+        self._session: aiohttp.ClientSession | None = None
+        self._started = False
+        self._stopping = False
+        # Counters for /metrics.
+        self.frames_sent = 0
+        self.frames_received = 0
+        self.bad_frames = 0
+        self.links_dialed = 0
+        self.links_accepted = 0
+        self.refused = collections.Counter[str]()
+        self.set_peers(peers)
+
+    # --- the surface ------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        self._session = aiohttp.ClientSession()
+        for peer in self._peers.values():
+            self._start_dialer(peer)
+
+    async def stop(self) -> None:
+        """Close every link and end every task; unsent messages are dropped with the transport."""
+        self._stopping = True
+        dialers = [peer.dialer for peer in self._peers.values() if peer.dialer is not None]
+        for task in dialers:
+            task.cancel()
+        await asyncio.gather(*dialers, return_exceptions=True)
+        accepted = [peer.link for peer in self._peers.values() if peer.link is not None]
+        for link in accepted:
+            self._close_soon(link, WSCloseCode.GOING_AWAY, b"E_SHUTTING_DOWN")
+        await asyncio.gather(*self._background, return_exceptions=True)
+        await asyncio.gather(*(self._wait_finished(link) for link in accepted))
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def send(self, peer_id: str, message: bytes) -> bool:
+        peer = self._peers.get(peer_id)
+        if peer is None or peer.queued_bytes + len(message) > self._send_queue_bytes_max:
+            return False
+        peer.queue.append(message)
+        peer.queued_bytes += len(message)
+        peer.wake.set()
+        return True
+
+    def is_up(self, peer_id: str) -> bool:
+        peer = self._peers.get(peer_id)
+        return peer is not None and peer.link is not None
+
+    def pending_bytes(self, peer_id: str) -> int:
+        """Bytes accepted by `send` and not yet written to a socket."""
+        peer = self._peers.get(peer_id)
+        return 0 if peer is None else peer.queued_bytes
+
+    def set_peers(self, peers: dict[str, str]) -> None:
+        """Add and remove peers; a removed peer's link closes and its queue is dropped. An
+        entry for this node itself is ignored, so callers may pass the whole node table."""
+        wanted = {peer_id: url for peer_id, url in peers.items() if peer_id != self.node_id}
+        for peer_id in [peer_id for peer_id in self._peers if peer_id not in wanted]:
+            self._remove_peer(self._peers.pop(peer_id))
+        for peer_id, url in wanted.items():
+            peer = self._peers.get(peer_id)
+            if peer is not None:
+                peer.url = url   # used from the next dial on; a live link stays
+                continue
+            peer = self._peers[peer_id] = _Peer(peer_id, url)
+            if self._started and not self._stopping:
+                self._start_dialer(peer)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        """GET /v1/peer: authenticate the dialer, upgrade, then serve the link until it ends."""
+        try:
+            peer = self._authenticate(request.headers)
+            if not web.WebSocketResponse().can_prepare(request).ok:
+                raise QueueError(e.E_BAD_REQUEST, "a peer link is a WebSocket upgrade")
+        except QueueError as error:
+            self.refused[error.code] += 1
+            log.warning("refused a peer link from %s: %s", request.headers.get(HEADER_FROM, "?"), error)
+            return error_response(error)
+        ws = web.WebSocketResponse(heartbeat=self._heartbeat_s, max_msg_size=self._receive_bytes_max,
+                                   compress=False, timeout=self._close_timeout_s)
+        await ws.prepare(request)
+        if self._stopping or peer.removed:
+            await ws.close(code=WSCloseCode.GOING_AWAY, message=b"E_UNAVAILABLE")
+            return ws
+        self.links_accepted += 1
+        await self._run_link(peer, ws)
+        return ws
+
+    # --- accepting ---------------------------------------------------------------------------
+    def _authenticate(self, headers: Mapping[str, str]) -> _Peer:
+        if self._stopping:
+            raise QueueError(e.E_SHUTTING_DOWN, "the node is stopping")
+        protocol = headers.get(HEADER_PROTOCOL)
+        if protocol is not None and protocol != PEER_PROTOCOL:
+            raise QueueError(e.E_BAD_REQUEST, f"peer protocol {protocol[:20]!r} is not {PEER_PROTOCOL}")
+        from_id, to_id, stamp, nonce, signature = (headers.get(name, "") for name in (
+            HEADER_FROM, HEADER_TO, HEADER_TIMESTAMP, HEADER_NONCE, HEADER_AUTH))
+        if not (protocol and from_id and to_id and stamp and nonce and signature):
+            raise QueueError(e.E_UNAUTHENTICATED, "a peer link needs the X-Peer-* headers")
+        if not stamp.isdigit() or len(stamp) > 20 or len(nonce) > NONCE_CHARACTERS_MAX:
+            raise QueueError(e.E_UNAUTHENTICATED, "malformed X-Peer-* headers")
+        if to_id != self.node_id:
+            raise QueueError(e.E_UNAUTHENTICATED, f"this node is {self.node_id}, not {to_id[:64]}")
+        peer = self._peers.get(from_id)
+        if peer is None:
+            raise QueueError(e.E_UNAUTHENTICATED, f"{from_id[:64]} is not a peer of {self.node_id}")
+        now_ms = int(time.time() * 1000)
+        if abs(now_ms - int(stamp)) > TIMESTAMP_SKEW_MAX_MS:
+            raise QueueError(e.E_STALE_REQUEST, "the peer timestamp is outside the accepted window")
+        expected = peer_signature(self._secret, from_id, to_id, int(stamp), nonce)
+        if not hmac.compare_digest(expected.encode(), signature.encode("utf-8", "replace")):
+            raise QueueError(e.E_UNAUTHENTICATED, "bad peer signature (is the cluster secret the same?)")
+        self._remember_nonce(f"{from_id}:{nonce}", now_ms)
+        if not from_id < self.node_id:
+            raise QueueError(e.E_BAD_REQUEST, f"{self.node_id} dials {from_id}, not the reverse")
+        return peer
+
+    def _remember_nonce(self, key: str, now_ms: int) -> None:
+        """Refuse a replayed upgrade; a nonce older than the clock window cannot pass anyway."""
+        horizon_ms = now_ms - 2 * TIMESTAMP_SKEW_MAX_MS
+        nonces = self._nonces
+        while nonces and (next(iter(nonces.values())) < horizon_ms or len(nonces) >= NONCES_KEPT_MAX):
+            nonces.popitem(last=False)
+        if key in nonces:
+            raise QueueError(e.E_REPLAYED_REQUEST, "this peer nonce was already used")
+        nonces[key] = now_ms
+
+    # --- dialing -------------------------------------------------------------------------------
+    def _start_dialer(self, peer: _Peer) -> None:
+        # Exactly one link per pair: only the lower id dials.
+        if self.node_id < peer.peer_id and peer.dialer is None:
+            peer.dialer = asyncio.get_running_loop().create_task(self._dial_forever(peer))
+
+    async def _dial_forever(self, peer: _Peer) -> None:
+        delay_s = self._delay_initial_s
+        while not peer.removed:
+            ws = await self._dial_once(peer)
+            if ws is not None:
+                self.links_dialed += 1
+                opened_s = time.monotonic()
+                await self._run_link(peer, ws)
+                # A link that lived long resets the backoff; one that keeps breaking at once
+                # (a peer that refuses our frames) must not become a tight redial loop.
+                if time.monotonic() - opened_s >= self._delay_max_s:
+                    delay_s = self._delay_initial_s
+            await asyncio.sleep(delay_s * self._rng.uniform(0.5, 1.0))
+            delay_s = min(delay_s * 2, self._delay_max_s)
+
+    async def _dial_once(self, peer: _Peer) -> aiohttp.ClientWebSocketResponse | None:
+        if self._session is None:
+            raise RuntimeError("the transport is not started")
+        headers = auth_headers(self._secret, self.node_id, peer.peer_id)
+        try:
+            async with asyncio.timeout(self._connect_timeout_s):
+                return await self._session.ws_connect(
+                    dial_url(peer.url), headers=headers, heartbeat=self._heartbeat_s, compress=0,
+                    max_msg_size=self._receive_bytes_max, timeout=aiohttp.ClientWSTimeout(ws_close=self._close_timeout_s))
+        except aiohttp.WSServerHandshakeError as error:
+            code = error.headers.get("X-Error-Code", "?") if error.headers else "?"
+            log.warning("peer %s at %s refused the link: HTTP %s %s", peer.peer_id, peer.url, error.status, code)
+        except (aiohttp.ClientError, OSError, TimeoutError) as error:
+            log.debug("cannot reach peer %s at %s: %r", peer.peer_id, peer.url, error)
+        return None
+
+    # --- one link ------------------------------------------------------------------------------
+    async def _run_link(self, peer: _Peer, ws: Socket) -> None:
+        link = _Link(peer, ws, time.monotonic())
+        self._attach(link)
+        try:
+            await self._read(link)
+        finally:
+            await self._detach(link)
+
+    def _attach(self, link: _Link) -> None:
+        """Make `link` the peer's link; a newer link always replaces an older one."""
+        peer = link.peer
+        older, peer.link = peer.link, link
+        if older is not None:
+            if older.writer is not None:
+                older.writer.cancel()
+            self._close_soon(older, WSCloseCode.OK, b"superseded")
+            self._on_link_change(peer.peer_id, False)
+        link.writer = asyncio.get_running_loop().create_task(self._write(link))
+        self._on_link_change(peer.peer_id, True)
+
+    async def _detach(self, link: _Link) -> None:
+        peer = link.peer
+        current = peer.link is link
+        if current:
+            peer.link = None
+        if link.writer is not None:
+            link.writer.cancel()
+        try:
+            if current:   # before the close handshake, which may wait on a dead socket
+                self._on_link_change(peer.peer_id, False)
+        finally:
+            try:
+                if link.writer is not None:
+                    _log_failure(await asyncio.gather(link.writer, return_exceptions=True), peer.peer_id)
+                await link.ws.close()
+            finally:
+                link.finished.set()
+
+    async def _read(self, link: _Link) -> None:
+        async for frame in link.ws:
+            if frame.type is WSMsgType.BINARY and self._deliver(link, frame.data):
+                continue
+            if frame.type is WSMsgType.ERROR:   # heartbeat timeout, oversized frame, reset
+                log.info("link to peer %s failed: %r", link.peer.peer_id, frame.data)
+                return
+            if frame.type is not WSMsgType.BINARY:
+                self._count_bad_frame(link, f"a {frame.type.name} frame")
+            await link.ws.close(code=WSCloseCode.UNSUPPORTED_DATA, message=b"E_BAD_FRAME")
+            return
+
+    def _count_bad_frame(self, link: _Link, reason: str) -> None:
+        # Bad input from a peer is counted and costs only its link; the peer redials.
+        self.bad_frames += 1
+        log.warning("bad frame from peer %s, closing the link: %s", link.peer.peer_id, reason)
+
+    def _deliver(self, link: _Link, data: bytes) -> bool:
+        try:
+            messages = decode_frame(data)
+        except FrameError as error:
+            self._count_bad_frame(link, str(error))
+            return False
+        self.frames_received += 1
+        if link.peer.link is not link:
+            return True   # a newer link replaced this one; these may be lost (module docstring)
+        on_message, peer_id = self._on_message, link.peer.peer_id
+        for message in messages:
+            on_message(peer_id, message)
+        return True
+
+    async def _write(self, link: _Link) -> None:
+        """Drain the peer's queue into frames; owns every write of data to this socket."""
+        peer = link.peer
+        try:
+            while True:
+                while not peer.queue:
+                    peer.wake.clear()
+                    await peer.wake.wait()
+                frame = encode_frame(self._take_batch(peer))
+                await link.ws.send_bytes(frame)
+                self.frames_sent += 1
+        except (ConnectionError, RuntimeError) as error:
+            # The batch just taken is lost with the socket (module docstring); the reader
+            # sees the closed socket too and ends the link.
+            log.info("write to peer %s failed: %r", peer.peer_id, error)
+            self._close_soon(link, WSCloseCode.ABNORMAL_CLOSURE, b"")
+
+    def _take_batch(self, peer: _Peer) -> list[bytes]:
+        queue = peer.queue
+        batch: list[bytes] = []
+        frame_bytes = FRAME_OVERHEAD_BYTES
+        taken_bytes = 0
+        while queue:
+            message_bytes = len(queue[0])
+            if batch and frame_bytes + message_bytes + ITEM_OVERHEAD_BYTES > self._frame_bytes_max:
+                break
+            batch.append(queue.popleft())
+            frame_bytes += message_bytes + ITEM_OVERHEAD_BYTES
+            taken_bytes += message_bytes
+        peer.queued_bytes -= taken_bytes
+        return batch
+
+    # --- closing -------------------------------------------------------------------------------
+    def _remove_peer(self, peer: _Peer) -> None:
+        peer.removed = True
+        peer.queue.clear()
+        peer.queued_bytes = 0
+        if peer.dialer is not None:
+            peer.dialer.cancel()   # its link ends with it
+            self._track(peer.dialer)
+        elif peer.link is not None:
+            self._close_soon(peer.link, WSCloseCode.GOING_AWAY, b"removed")
+
+    def _close_soon(self, link: _Link, code: int, message: bytes) -> None:
+        """Close from outside the link's own task; its reader then ends the link."""
+        self._track(asyncio.get_running_loop().create_task(link.ws.close(code=code, message=message)))
+
+    def _track(self, task: asyncio.Task[Any]) -> None:
+        """Keep a fire-and-forget task until it ends, so stop() can wait for it."""
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(_retrieve)
+
+    async def _wait_finished(self, link: _Link) -> None:
+        # The link's own task (an aiohttp handler) ends it; bounded, as the close itself is.
+        try:
+            async with asyncio.timeout(self._close_timeout_s * 2):
+                await link.finished.wait()
+        except TimeoutError:
+            log.warning("link to peer %s did not end in time", link.peer.peer_id)
+
+
+def _log_failure(results: Iterable[object], peer_id: str) -> None:
+    for result in results:
+        if isinstance(result, Exception):
+            log.error("a task of the link to peer %s failed", peer_id, exc_info=result)
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """Mark a fire-and-forget task's outcome as seen; closing a dead socket may fail."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _check_limits(secret: bytes, send_queue_bytes_max: int, frame_bytes_max: int, delay_initial_s: float,
+                  delay_max_s: float, heartbeat_s: float) -> None:
+    if not secret:
+        raise ValueError("the cluster secret is empty")
+    if frame_bytes_max <= FRAME_OVERHEAD_BYTES + ITEM_OVERHEAD_BYTES or send_queue_bytes_max <= 0:
+        raise ValueError("frame_bytes_max and send_queue_bytes_max must leave room for a message")
+    if not 0 < delay_initial_s <= delay_max_s:
+        raise ValueError("reconnect delays must satisfy 0 < initial <= max")
+    if heartbeat_s <= 0:
+        raise ValueError("heartbeat_s must be positive")
+
+
+# --- the in-memory twin ----------------------------------------------------------------------
+class MemoryPeerNetwork:
+    """Peers in one process: delivery by `loop.call_soon`, FIFO per pair; partitions on demand.
+
+    A pair's link is up when both transports are started, each lists the other as a peer
+    and the pair is not partitioned. Each time a link goes down its generation advances, so
+    what was in flight on it is dropped, as on a socket that broke."""
+
+    def __init__(self) -> None:
+        self._transports: dict[str, MemoryPeerTransport] = {}
+        self._cut: set[frozenset[str]] = set()
+        self._up: set[frozenset[str]] = set()
+        self._generation: collections.Counter[frozenset[str]] = collections.Counter()
+
+    def transport(self, node_id: str, on_message: OnMessage, on_link_change: OnLinkChange = _ignore_link_change,
+                  *, peers: Iterable[str] | None = None, send_queue_bytes_max: int = 8 << 20) -> MemoryPeerTransport:
+        """A node's transport; `peers` defaults to every other node of the network."""
+        if node_id in self._transports:
+            raise ValueError(f"node {node_id} already has a transport on this network")
+        transport = MemoryPeerTransport(self, node_id, on_message, on_link_change, peers, send_queue_bytes_max)
+        self._transports[node_id] = transport
+        return transport
+
+    def partition(self, a: str, b: str) -> None:
+        self._cut.add(frozenset((a, b)))
+        self._refresh(a, b)
+
+    def heal(self, a: str, b: str) -> None:
+        self._cut.discard(frozenset((a, b)))
+        self._refresh(a, b)
+
+    def heal_all(self) -> None:
+        cut, self._cut = self._cut, set()
+        for pair in cut:
+            self._refresh(*sorted(pair))
+
+    def is_up(self, a: str, b: str) -> bool:
+        return frozenset((a, b)) in self._up
+
+    def _refresh_all(self, node_id: str) -> None:
+        for other in list(self._transports):
+            if other != node_id:
+                self._refresh(node_id, other)
+
+    def _refresh(self, a: str, b: str) -> None:
+        pair = frozenset((a, b))
+        up = pair not in self._cut and self._wants(a, b) and self._wants(b, a)
+        if up == (pair in self._up):
+            return
+        loop = asyncio.get_running_loop()
+        if up:
+            self._up.add(pair)
+        else:
+            self._up.discard(pair)
+            self._generation[pair] += 1   # drops what is in flight on the old link
+        for here, there in ((a, b), (b, a)):
+            transport = self._transports[here]
+            loop.call_soon(transport.notify_link_change, there, up)
+        if up:   # after the notifications, so a node learns of the link before its messages
+            self._transports[a].flush(b)
+            self._transports[b].flush(a)
+
+    def _wants(self, here: str, there: str) -> bool:
+        transport = self._transports.get(here)
+        return transport is not None and transport.running and transport.has_peer(there)
+
+    def _carry(self, source: str, target: str, message: bytes) -> None:
+        pair = frozenset((source, target))
+        generation = self._generation[pair]
+        asyncio.get_running_loop().call_soon(self._arrive, pair, generation, source, target, message)
+
+    def _arrive(self, pair: frozenset[str], generation: int, source: str, target: str, message: bytes) -> None:
+        if self._generation[pair] == generation and pair in self._up:
+            self._transports[target].receive(source, message)
+
+
+class MemoryPeerTransport:
+    """The twin of `PeerTransport`: same send/is_up/pending_bytes/start/stop/set_peers."""
+
+    def __init__(self, network: MemoryPeerNetwork, node_id: str, on_message: OnMessage,
+                 on_link_change: OnLinkChange, peers: Iterable[str] | None, send_queue_bytes_max: int) -> None:
+        self.node_id = node_id
+        self.running = False
+        self._network = network
+        self._on_message = on_message
+        self._on_link_change = on_link_change
+        self._peers: set[str] | None = None if peers is None else set(peers) - {node_id}
+        self._send_queue_bytes_max = send_queue_bytes_max
+        self._queues: dict[str, collections.deque[bytes]] = collections.defaultdict(collections.deque)
+        self._queued_bytes: collections.Counter[str] = collections.Counter()
+
+    async def start(self) -> None:
+        self.running = True
+        self._network._refresh_all(self.node_id)
+
+    async def stop(self) -> None:
+        self.running = False
+        self._network._refresh_all(self.node_id)
+        self._queues.clear()
+        self._queued_bytes.clear()
+
+    def set_peers(self, peers: dict[str, str] | Iterable[str]) -> None:
+        self._peers = set(peers) - {self.node_id}
+        for peer_id in list(self._queues):
+            if peer_id not in self._peers:
+                del self._queues[peer_id]
+                del self._queued_bytes[peer_id]
+        self._network._refresh_all(self.node_id)
+
+    def has_peer(self, peer_id: str) -> bool:
+        return peer_id != self.node_id and (self._peers is None or peer_id in self._peers)
+
+    def send(self, peer_id: str, message: bytes) -> bool:
+        # Like the real transport, it queues before start() too.
+        if not self.has_peer(peer_id) or peer_id not in self._network._transports:
+            return False
+        if self._network.is_up(self.node_id, peer_id):
+            self._network._carry(self.node_id, peer_id, message)
+            return True
+        if self._queued_bytes[peer_id] + len(message) > self._send_queue_bytes_max:
+            return False
+        self._queues[peer_id].append(message)
+        self._queued_bytes[peer_id] += len(message)
+        return True
+
+    def is_up(self, peer_id: str) -> bool:
+        return self._network.is_up(self.node_id, peer_id)
+
+    def pending_bytes(self, peer_id: str) -> int:
+        return self._queued_bytes[peer_id]
+
+    def flush(self, peer_id: str) -> None:
+        """The link came up: what waited goes out, in order."""
+        queue = self._queues.pop(peer_id, None)
+        self._queued_bytes.pop(peer_id, None)
+        for message in queue or ():
+            self._network._carry(self.node_id, peer_id, message)
+
+    def notify_link_change(self, peer_id: str, up: bool) -> None:
+        if self.running or not up:
+            self._on_link_change(peer_id, up)
+
+    def receive(self, peer_id: str, message: bytes) -> None:
+        if self.running:
+            self._on_message(peer_id, message)

@@ -1,0 +1,24 @@
+"""The rolling digest of a queue's replicated history (STYLE.md: checksums across every
+boundary). Each member folds every replicated operation into it in ordering-index order, so
+master and replica compare one value at index N instead of their whole histories: equal
+digests at equal indices mean equal histories (up to a 128-bit hash collision)."""
+from __future__ import annotations
+
+import hashlib
+
+from replication.messages import encode_operation
+from replication.operations import Operation
+
+DIGEST_BYTES = 16
+EMPTY_DIGEST = bytes(DIGEST_BYTES)
+
+
+def fold(digest: bytes, op: Operation) -> bytes:
+    """The digest after `op`, from the digest before it."""
+    return hashlib.blake2b(digest + encode_operation(op), digest_size=DIGEST_BYTES).digest()
+
+
+def fold_all(digest: bytes, ops: list[Operation]) -> bytes:
+    for op in ops:
+        digest = fold(digest, op)
+    return digest

@@ -1,0 +1,179 @@
+"""Typed replication messages between the two members of a queue pair, and their one codec.
+
+Every message names the queue, its incarnation and the sender's epoch (fencing: a member
+refuses anything from an older epoch, DESIGN.md 4.1). Encoded as msgpack
+`[PROTOCOL_VERSION, tag, field, ...]`; tags are fixed, never reused, only added. Operations
+inside messages are encoded by `encode_operation`, which is also what the rolling digest
+hashes, so both members digest byte-identical records.
+
+The flows (seed 004 FIG. 21-22, with ordering-index acknowledgements):
+    master -> replica   Append(ops, commit_order)      every replicated operation, in order
+    replica -> master   AppendAck(ordering=0, durable_order)   what the replica holds durably
+    replica -> master   Open(last_epoch, last_order, digest)   a (re)joining replica
+    master -> replica   SyncBegin(from_order, reset) · Append... · SyncEnd(order, digest)
+    replica -> master   OpenAck(order)                 it matched the master's digest
+    replica -> master   Forward(request_id, request)   a client's operation received at the replica
+    master -> replica   ForwardResult(request_id, outcomes)   the orders that place it
+    either              Refused(code, message)         fenced (older epoch), unknown queue, ...
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import msgpack
+
+from replication.operations import OPERATION_TYPES, Operation
+
+PROTOCOL_VERSION = 1
+_OPERATION_FIELDS = {tag: tuple(f.name for f in fields(kind)) for tag, kind in OPERATION_TYPES.items()}
+
+
+class MessageError(ValueError):
+    """Bytes from a peer that are not a well-formed message of this protocol version."""
+
+
+def encode_operation(op: Operation) -> bytes:
+    return msgpack.packb(_operation_row(op), use_bin_type=True)
+
+
+def _operation_row(op: Operation) -> list[Any]:
+    return [op.TAG, *(getattr(op, name) for name in _OPERATION_FIELDS[op.TAG])]
+
+
+def _operation_from_row(row: Any) -> Operation:
+    if not isinstance(row, list) or not row or row[0] not in OPERATION_TYPES:
+        raise MessageError("an operation is [tag, fields...]")
+    names = _OPERATION_FIELDS[row[0]]
+    if len(row) - 1 != len(names):
+        raise MessageError(f"operation {row[0]} has {len(names)} fields")
+    return OPERATION_TYPES[row[0]](*row[1:])  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True, slots=True)
+class Append:
+    TAG: ClassVar[int] = 1
+    queue: str
+    incarnation: int
+    epoch: int
+    ops: tuple[Operation, ...]
+    commit_order: int          # the master's commit point, so the replica may expose up to it
+
+
+@dataclass(frozen=True, slots=True)
+class AppendAck:
+    TAG: ClassVar[int] = 2
+    queue: str
+    incarnation: int
+    epoch: int
+    ordering: int              # always 0: an acknowledgement is not itself ordered (seed 004)
+    durable_order: int         # the highest ordering index the replica holds durably
+
+
+@dataclass(frozen=True, slots=True)
+class Open:
+    TAG: ClassVar[int] = 3
+    queue: str
+    incarnation: int
+    epoch: int
+    last_epoch: int
+    last_order: int
+    digest: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class SyncBegin:
+    TAG: ClassVar[int] = 4
+    queue: str
+    incarnation: int
+    epoch: int
+    from_order: int
+    reset: bool                # histories diverged or the log was pruned: start from empty
+    record: dict[str, Any] | None = None   # the queue record to start from when reset
+
+
+@dataclass(frozen=True, slots=True)
+class SyncEnd:
+    TAG: ClassVar[int] = 5
+    queue: str
+    incarnation: int
+    epoch: int
+    order: int
+    digest: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAck:
+    TAG: ClassVar[int] = 6
+    queue: str
+    incarnation: int
+    epoch: int
+    order: int
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    TAG: ClassVar[int] = 7
+    queue: str
+    incarnation: int
+    epoch: int
+    request_id: int
+    request: list[Any]         # [kind, args...]: see replication.replica.forwarded_request
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardResult:
+    TAG: ClassVar[int] = 8
+    queue: str
+    incarnation: int
+    epoch: int
+    request_id: int
+    outcomes: list[Any]        # per item: an ordering index, or [code, message]
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    TAG: ClassVar[int] = 9
+    queue: str
+    incarnation: int
+    epoch: int                 # the refusing member's epoch: a fenced sender learns it
+    code: str
+    message: str
+
+
+Message = Append | AppendAck | Open | SyncBegin | SyncEnd | OpenAck | Forward | ForwardResult | Refused
+MESSAGE_TYPES: dict[int, type] = {kind.TAG: kind for kind in
+                                  (Append, AppendAck, Open, SyncBegin, SyncEnd, OpenAck, Forward, ForwardResult, Refused)}
+_MESSAGE_FIELDS = {tag: tuple(f.name for f in fields(kind)) for tag, kind in MESSAGE_TYPES.items()}
+
+
+def encode_message(message: Message) -> bytes:
+    row: list[Any] = [PROTOCOL_VERSION, message.TAG]
+    for name in _MESSAGE_FIELDS[message.TAG]:
+        value = getattr(message, name)
+        row.append([_operation_row(op) for op in value] if name == "ops" else value)
+    return msgpack.packb(row, use_bin_type=True)
+
+
+def decode_message(data: bytes) -> Message:
+    try:
+        row = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types for garbage
+        raise MessageError(f"not msgpack: {type(exc).__name__}") from None
+    if not isinstance(row, list) or len(row) < 2:
+        raise MessageError("a message is [version, tag, fields...]")
+    if type(row[0]) is not int or row[0] != PROTOCOL_VERSION:
+        raise MessageError(f"unsupported replication protocol {row[0]!r}")
+    kind = MESSAGE_TYPES.get(row[1]) if type(row[1]) is int else None
+    if kind is None:
+        raise MessageError(f"unknown message tag {row[1]!r}")
+    names = _MESSAGE_FIELDS[row[1]]
+    values = row[2:]
+    if len(values) != len(names):
+        raise MessageError(f"message {kind.__name__} has {len(names)} fields")
+    arguments = {name: (tuple(_operation_from_row(op) for op in value) if name == "ops" else value)
+                 for name, value in zip(names, values, strict=True)}
+    try:
+        return kind(**arguments)  # type: ignore[no-any-return]
+    except TypeError as exc:
+        raise MessageError(str(exc)) from None
