@@ -110,7 +110,7 @@ class Authenticator:
         stamp, nonce, signature = headers.get(HEADER_TIMESTAMP), headers.get(HEADER_NONCE), headers.get(HEADER_SIGNATURE)
         if not (client_id and stamp and nonce and signature):
             raise QueueError(E_UNAUTHENTICATED, "the request is not signed (X-Client-Id, X-Timestamp, X-Nonce, X-Signature)")
-        if not stamp.isdigit() or len(nonce) > 64:
+        if not (stamp.isascii() and stamp.isdigit()) or len(nonce) > 64:
             raise QueueError(E_UNAUTHENTICATED, "malformed signing headers")
         timestamp_ms = int(stamp)
         now_ms = int(time.time() * 1000)

@@ -142,7 +142,6 @@ class _Peer:
 class _Link:
     peer: _Peer
     ws: Socket
-    opened_s: float
     writer: asyncio.Task[None] | None = None
     finished: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -190,15 +189,19 @@ class PeerTransport:
 
     # --- the surface ------------------------------------------------------------------------
     async def start(self) -> None:
+        if self._stopping:
+            raise RuntimeError("a stopped transport does not start again; make a new one")
         if self._started:
             return
         self._started = True
-        self._session = aiohttp.ClientSession()
+        # No pool limit: one connection per dialed peer, and the peers are the bound.
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         for peer in self._peers.values():
             self._start_dialer(peer)
 
     async def stop(self) -> None:
-        """Close every link and end every task; unsent messages are dropped with the transport."""
+        """Close every link and end every task; unsent messages are dropped with the transport,
+        which is not started again (a restarted node makes a new one)."""
         self._stopping = True
         dialers = [peer.dialer for peer in self._peers.values() if peer.dialer is not None]
         for task in dialers:
@@ -248,16 +251,16 @@ class PeerTransport:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """GET /v1/peer: authenticate the dialer, upgrade, then serve the link until it ends."""
+        ws = web.WebSocketResponse(heartbeat=self._heartbeat_s, max_msg_size=self._receive_bytes_max,
+                                   compress=False, timeout=self._close_timeout_s)
         try:
             peer = self._authenticate(request.headers)
-            if not web.WebSocketResponse().can_prepare(request).ok:
+            if not ws.can_prepare(request).ok:
                 raise QueueError(e.E_BAD_REQUEST, "a peer link is a WebSocket upgrade")
         except QueueError as error:
             self.refused[error.code] += 1
-            log.warning("refused a peer link from %s: %s", request.headers.get(HEADER_FROM, "?"), error)
+            log.warning("refused a peer link from %s: %s", request.headers.get(HEADER_FROM, "?")[:64], error)
             return error_response(error)
-        ws = web.WebSocketResponse(heartbeat=self._heartbeat_s, max_msg_size=self._receive_bytes_max,
-                                   compress=False, timeout=self._close_timeout_s)
         await ws.prepare(request)
         if self._stopping or peer.removed:
             await ws.close(code=WSCloseCode.GOING_AWAY, message=b"E_UNAVAILABLE")
@@ -277,7 +280,7 @@ class PeerTransport:
             HEADER_FROM, HEADER_TO, HEADER_TIMESTAMP, HEADER_NONCE, HEADER_AUTH))
         if not (protocol and from_id and to_id and stamp and nonce and signature):
             raise QueueError(e.E_UNAUTHENTICATED, "a peer link needs the X-Peer-* headers")
-        if not stamp.isdigit() or len(stamp) > 20 or len(nonce) > NONCE_CHARACTERS_MAX:
+        if not (stamp.isascii() and stamp.isdigit()) or len(stamp) > 20 or len(nonce) > NONCE_CHARACTERS_MAX:
             raise QueueError(e.E_UNAUTHENTICATED, "malformed X-Peer-* headers")
         if to_id != self.node_id:
             raise QueueError(e.E_UNAUTHENTICATED, f"this node is {self.node_id}, not {to_id[:64]}")
@@ -310,6 +313,14 @@ class PeerTransport:
         # Exactly one link per pair: only the lower id dials.
         if self.node_id < peer.peer_id and peer.dialer is None:
             peer.dialer = asyncio.get_running_loop().create_task(self._dial_forever(peer))
+            peer.dialer.add_done_callback(self._dialer_ended)
+
+    @staticmethod
+    def _dialer_ended(task: asyncio.Task[None]) -> None:
+        # Only cancellation ends a dialer; anything else is a bug (often a callback that
+        # raised) and leaves that peer without a link, so say so loudly now, not at stop().
+        if not task.cancelled() and task.exception() is not None:
+            log.critical("a peer dialer died; its peer stays unlinked", exc_info=task.exception())
 
     async def _dial_forever(self, peer: _Peer) -> None:
         delay_s = self._delay_initial_s
@@ -344,7 +355,7 @@ class PeerTransport:
 
     # --- one link ------------------------------------------------------------------------------
     async def _run_link(self, peer: _Peer, ws: Socket) -> None:
-        link = _Link(peer, ws, time.monotonic())
+        link = _Link(peer, ws)
         self._attach(link)
         try:
             await self._read(link)
@@ -427,7 +438,7 @@ class PeerTransport:
             # The batch just taken is lost with the socket (module docstring); the reader
             # sees the closed socket too and ends the link.
             log.info("write to peer %s failed: %r", peer.peer_id, error)
-            self._close_soon(link, WSCloseCode.ABNORMAL_CLOSURE, b"")
+            self._close_soon(link, WSCloseCode.INTERNAL_ERROR, b"")
 
     def _take_batch(self, peer: _Peer) -> list[bytes]:
         queue = peer.queue

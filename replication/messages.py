@@ -56,6 +56,7 @@ class Append:
     queue: str
     incarnation: int
     epoch: int
+    prev_order: int            # the ordering index of the op sent just before these (gap check)
     ops: tuple[Operation, ...]
     commit_order: int          # the master's commit point, so the replica may expose up to it
 
@@ -68,6 +69,7 @@ class AppendAck:
     epoch: int
     ordering: int              # always 0: an acknowledgement is not itself ordered (seed 004)
     durable_order: int         # the highest ordering index the replica holds durably
+    gap: bool = False          # the replica saw a gap: resend everything after durable_order
 
 
 @dataclass(frozen=True, slots=True)

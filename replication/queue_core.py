@@ -102,6 +102,9 @@ class QueueCore:
         self._exhausted = [record.ready_count == 0] * (PRIORITY_MAX + 1)
         self._pushed_beyond: list[set[int]] = [set() for _ in range(PRIORITY_MAX + 1)]
         self._removed: set[int] = set()   # ready indices taken out of order by apply()
+        # Consumers may see messages up to this ordering index: the commit point of a
+        # replicated queue (DESIGN.md 3.2: only committed operations are visible). None: all.
+        self.visible_upto: int | None = None
         self._leases: dict[int, _Lease] = {}
         self._lease_deadlines: list[tuple[int, int, str]] = []
         for stored in leases:
@@ -164,8 +167,11 @@ class QueueCore:
         if self.record.ready_count == 0:
             return leased
         deadline_ms = now_ms + (self.options.visibility_timeout_ms if visibility_ms is None else visibility_ms)
+        visible_upto = self.visible_upto
         for priority in PRIORITIES_HIGH_FIRST:
             while len(leased) < max_messages and self._fill_head(priority):
+                if visible_upto is not None and self._ready[priority][0] > visible_upto:
+                    break       # the rest of this priority is newer still: not committed yet
                 index = heapq.heappop(self._ready[priority])
                 deliveries = self._ready_deliveries.pop(index, 0) + 1
                 receipt = f"{self._rng.getrandbits(64):016x}"

@@ -128,3 +128,8 @@ class MemoryStore:
         self._set_ready(dead, op.priority, op.dead_letter_index, 0)
         if op.track_status:
             queue.status[op.index] = ("dead_lettered", None)
+
+
+def drop_queue(store: MemoryStore, queue_id: int) -> None:
+    """Forget everything of one queue (a replica reset before a full transfer)."""
+    store.queues.pop(queue_id, None)

@@ -1,0 +1,76 @@
+"""The replicated operation log of each queue, as the replication roles read it.
+
+Both members append every replicated operation with the rolling digest after it, keyed by
+(queue, ordering index). The master streams a returning replica's missing suffix from it
+(catch-up costs what was missed, not the queue's size) and both compare digests at an index.
+`MemoryOpLog` is the in-memory twin; the node's LMDB storage implements the same reads.
+"""
+from __future__ import annotations
+
+import bisect
+from typing import Protocol
+
+from replication.operations import Operation
+
+
+class OpLogReader(Protocol):
+    def read(self, queue_id: int, after_order: int, limit: int) -> list[Operation]:
+        """Replicated operations with order > after_order, ascending, at most `limit`."""
+        ...
+
+    def digest_at(self, queue_id: int, order: int) -> bytes | None:
+        """The rolling digest right after `order`, or None if this log does not hold it."""
+        ...
+
+    def last(self, queue_id: int) -> tuple[int, bytes]:
+        """(highest order held, digest after it); (0, empty digest) for an empty log."""
+        ...
+
+
+class MemoryOpLog:
+    """In-memory twin: `append` is called only for durable operations by the simulator."""
+
+    def __init__(self, empty_digest: bytes) -> None:
+        self._orders: dict[int, list[int]] = {}
+        self._entries: dict[int, dict[int, tuple[Operation, bytes]]] = {}
+        self._empty = empty_digest
+
+    def append(self, queue_id: int, op: Operation, digest: bytes) -> None:
+        orders = self._orders.setdefault(queue_id, [])
+        if orders and op.order <= orders[-1]:
+            raise ValueError(f"oplog order {op.order} after {orders[-1]}")
+        orders.append(op.order)
+        self._entries.setdefault(queue_id, {})[op.order] = (op, digest)
+
+    def truncate_after(self, queue_id: int, order: int) -> None:
+        orders = self._orders.get(queue_id, [])
+        keep = bisect.bisect_right(orders, order)
+        for dropped in orders[keep:]:
+            del self._entries[queue_id][dropped]
+        del orders[keep:]
+
+    def clear(self, queue_id: int) -> None:
+        self._orders.pop(queue_id, None)
+        self._entries.pop(queue_id, None)
+
+    def read(self, queue_id: int, after_order: int, limit: int) -> list[Operation]:
+        orders = self._orders.get(queue_id, [])
+        start = bisect.bisect_right(orders, after_order)
+        entries = self._entries.get(queue_id, {})
+        return [entries[o][0] for o in orders[start:start + limit]]
+
+    def digest_at(self, queue_id: int, order: int) -> bytes | None:
+        if order == 0:
+            return self._empty
+        entry = self._entries.get(queue_id, {}).get(order)
+        return None if entry is None else entry[1]
+
+    def last(self, queue_id: int) -> tuple[int, bytes]:
+        orders = self._orders.get(queue_id, [])
+        if not orders:
+            return 0, self._empty
+        return orders[-1], self._entries[queue_id][orders[-1]][1]
+
+    def operations(self, queue_id: int) -> list[Operation]:
+        entries = self._entries.get(queue_id, {})
+        return [entries[o][0] for o in self._orders.get(queue_id, [])]

@@ -1,0 +1,218 @@
+"""The replica role of one queue's pair: apply what the master ordered, in order.
+
+A (re)joining replica sends Open with its last (epoch, ordering index) and rolling digest;
+the master answers SyncBegin (incremental, or `reset` when the histories differ), streams
+what is missing, and SyncEnd with its digest at the end of the transfer; the replica
+acknowledges the open (OpenAck) once its own digest matches (seed 004 FIG. 22). Live
+operations keep flowing during and after the transfer. Every Append names the order of the
+operation before it, so a gap (a lost or reordered message) is noticed and the master
+streams again from the replica's durable point; repeats are skipped.
+
+Acknowledgements carry 0 in the ordering field and, separately, the highest ordering index
+held durably (seed 004), which is what lets the master commit. Clients of the replica see
+only what the master has committed (`visible_order`), and operations its clients send are
+forwarded to the master, which answers with the ordering index that places each one.
+
+Pure: effects accumulate in `resets` (wipe the queue and start from this record), `applied`
+(operations to persist with their digests), `outbox` and `forward_results`; the driver drains
+them in that order after every call.
+"""
+from __future__ import annotations
+
+import collections
+import enum
+from typing import Any
+
+from replication.digest import EMPTY_DIGEST, fold
+from replication.master import Applied, ReplicationLimits
+from replication.messages import (
+    Append,
+    AppendAck,
+    Forward,
+    ForwardResult,
+    Message,
+    Open,
+    OpenAck,
+    Refused,
+    SyncBegin,
+    SyncEnd,
+)
+from replication.oplog import OpLogReader
+from replication.queue_core import QueueCore
+
+
+class ReplicaPhase(enum.StrEnum):
+    OPENING = "opening"        # Open sent; waiting for the master's SyncBegin
+    SYNCING = "syncing"        # receiving the transfer
+    FOLLOWING = "following"    # digests matched: applying live operations
+    FENCED = "fenced"          # a newer epoch exists elsewhere: stop
+
+
+PHASE_TRANSITIONS: dict[ReplicaPhase, frozenset[ReplicaPhase]] = {
+    ReplicaPhase.OPENING: frozenset({ReplicaPhase.OPENING, ReplicaPhase.SYNCING, ReplicaPhase.FENCED}),
+    ReplicaPhase.SYNCING: frozenset({ReplicaPhase.OPENING, ReplicaPhase.SYNCING, ReplicaPhase.FOLLOWING,
+                                     ReplicaPhase.FENCED}),
+    ReplicaPhase.FOLLOWING: frozenset({ReplicaPhase.OPENING, ReplicaPhase.SYNCING, ReplicaPhase.FENCED}),
+    ReplicaPhase.FENCED: frozenset(),
+}
+
+
+class ReplicaRole:
+    def __init__(self, core: QueueCore, oplog: OpLogReader, *, node_id: str, master_id: str, epoch: int,
+                 incarnation: int, applied_order: int, digest: bytes, last_epoch: int,
+                 limits: ReplicationLimits | None = None) -> None:
+        self.core = core
+        self.oplog = oplog
+        self.node_id = node_id
+        self.master_id = master_id
+        self.epoch = epoch
+        self.incarnation = incarnation
+        self.last_epoch = last_epoch
+        self.limits = limits or ReplicationLimits()
+        self.phase = ReplicaPhase.OPENING
+        self.applied_order = applied_order
+        self.durable_order = applied_order
+        self.digest = digest
+        self.master_commit_order = 0
+        self._recent_digests: collections.deque[tuple[int, bytes]] = collections.deque()   # not yet durable
+        self._last_open_ms: int | None = None
+        core.visible_upto = self.visible_order
+        self.resets: list[dict[str, Any]] = []
+        self.applied: list[Applied] = []
+        self.outbox: list[tuple[str, Message]] = []
+        self.forward_results: list[ForwardResult] = []
+
+    @property
+    def visible_order(self) -> int:
+        """Clients here may see operations up to this order: committed by the master and
+        durable here."""
+        return min(self.master_commit_order, self.durable_order)
+
+    # --- opening ---------------------------------------------------------------------------
+    def start(self, now_ms: int) -> None:
+        """Send Open (again): at start, when the link comes back, or after a mismatch."""
+        self._set_phase(ReplicaPhase.OPENING)
+        self._last_open_ms = now_ms
+        self._send(Open(self.core.name, self.incarnation, self.epoch, self.last_epoch, self.applied_order, self.digest))
+
+    def tick(self, now_ms: int) -> None:
+        if self.phase is ReplicaPhase.OPENING and self._last_open_ms is not None \
+                and now_ms - self._last_open_ms >= self.limits.open_retry_ms:
+            self.start(now_ms)
+
+    def link_down(self) -> None:
+        if self.phase is not ReplicaPhase.FENCED:
+            self._set_phase(ReplicaPhase.OPENING)
+            self._last_open_ms = None   # the driver calls start() when the link is back
+
+    # --- messages from the master ----------------------------------------------------------
+    def receive(self, message: Message, now_ms: int) -> None:
+        if message.epoch < self.epoch:
+            self._send(Refused(self.core.name, self.incarnation, self.epoch, "E_FENCED",
+                               f"epoch {message.epoch} is older than {self.epoch}"))
+            return
+        if message.epoch > self.epoch or isinstance(message, Refused):
+            self._set_phase(ReplicaPhase.FENCED)   # placement changed: the driver re-reads it
+            return
+        if isinstance(message, Append):
+            self._on_append(message)
+        elif isinstance(message, SyncBegin):
+            self._on_sync_begin(message)
+        elif isinstance(message, SyncEnd):
+            self._on_sync_end(message, now_ms)
+        elif isinstance(message, ForwardResult):
+            self.forward_results.append(message)
+
+    def _on_append(self, append: Append) -> None:
+        if self.phase not in (ReplicaPhase.SYNCING, ReplicaPhase.FOLLOWING):
+            return                      # not opened yet: the transfer will carry these
+        self.master_commit_order = max(self.master_commit_order, append.commit_order)
+        self.core.visible_upto = self.visible_order
+        previous = append.prev_order
+        repeated = False
+        for op in append.ops:
+            if op.order <= self.applied_order:
+                previous = op.order     # already applied (a resend)
+                repeated = True
+                continue
+            if previous != self.applied_order:
+                self._send(AppendAck(self.core.name, self.incarnation, self.epoch, 0, self.durable_order, True))
+                return
+            self.core.apply(op)
+            self.digest = fold(self.digest, op)
+            self.applied_order = op.order
+            self._recent_digests.append((op.order, self.digest))
+            self.applied.append(Applied(op, self.digest))
+            previous = op.order
+            repeated = False
+        if repeated:
+            # The master streams again when an acknowledgement was lost: say it once more.
+            self._send(AppendAck(self.core.name, self.incarnation, self.epoch, 0, self.durable_order))
+
+    def _on_sync_begin(self, begin: SyncBegin) -> None:
+        if begin.reset:
+            if begin.record is None:
+                return
+            # Our history differs from the master's (an uncommitted suffix of a deposed master,
+            # or a pruned log): start from an empty queue and take everything.
+            self.resets.append(begin.record)
+            self.applied_order = 0
+            self.durable_order = 0
+            self.digest = EMPTY_DIGEST
+            self._recent_digests.clear()
+            self.applied.clear()
+        elif begin.from_order != self.applied_order + 1:
+            return                      # an answer to an older Open; the newer one follows
+        self._set_phase(ReplicaPhase.SYNCING)
+
+    def _on_sync_end(self, end: SyncEnd, now_ms: int) -> None:
+        if self.phase is not ReplicaPhase.SYNCING:
+            return
+        ours = self._digest_at(end.order)
+        if ours is None:
+            return                      # not there yet: the master repeats SyncEnd on our acks
+        if ours != end.digest:
+            # Same index, different history: wipe and take everything from the master.
+            self.resets.append(self.core.record.to_json())
+            self.applied_order = 0
+            self.durable_order = 0
+            self.digest = EMPTY_DIGEST
+            self._recent_digests.clear()
+            self.start(now_ms)
+            return
+        self._set_phase(ReplicaPhase.FOLLOWING)
+        self.last_epoch = self.epoch
+        self._send(OpenAck(self.core.name, self.incarnation, self.epoch, end.order))
+
+    # --- durability and forwarding ---------------------------------------------------------
+    def local_durable_to(self, order: int) -> None:
+        """Everything applied up to `order` is in local storage: tell the master."""
+        if order <= self.durable_order:
+            return
+        self.durable_order = order
+        self.core.visible_upto = self.visible_order
+        while self._recent_digests and self._recent_digests[0][0] <= order:
+            self._recent_digests.popleft()
+        self._send(AppendAck(self.core.name, self.incarnation, self.epoch, 0, order))
+
+    def forward(self, request_id: int, request: list[Any]) -> None:
+        self._send(Forward(self.core.name, self.incarnation, self.epoch, request_id, request))
+
+    # --- internals -------------------------------------------------------------------------
+    def _digest_at(self, order: int) -> bytes | None:
+        if order == self.applied_order:
+            return self.digest
+        for recent_order, digest in self._recent_digests:
+            if recent_order == order:
+                return digest
+        if order > self.applied_order:
+            return None
+        return self.oplog.digest_at(self.core.queue_id, order)
+
+    def _send(self, message: Message) -> None:
+        self.outbox.append((self.master_id, message))
+
+    def _set_phase(self, phase: ReplicaPhase) -> None:
+        if phase is not self.phase and phase not in PHASE_TRANSITIONS[self.phase]:
+            return   # FENCED is final
+        self.phase = phase
