@@ -13,9 +13,29 @@ from client.credentials import Credentials, save_credentials
 from client.signing import new_private_key, private_key_to_text, public_key_text
 from qserver.auth import ADMIN_GRANTS
 from qserver.config import load_config
-from qserver.storage import SealedBatch, Storage
+from qserver.storage import SealedBatch, Storage, read_clients
 
 DEFAULT_CREDENTIALS = Path.home() / ".config" / "qserver" / "credentials.json"
+
+
+def join(data_dir: Path, node_id: str, existing: Path) -> int:
+    """Initialise a further node of a cluster: the same cluster secret and client registry as
+    an existing node's data directory (until the membership layer replicates the registry)."""
+    secret_path = data_dir / "cluster.secret"
+    if secret_path.exists():
+        print(f"error: {data_dir} is already initialised", file=sys.stderr)
+        return 1
+    data_dir.mkdir(parents=True, exist_ok=True)
+    secret_path.write_text((existing / "cluster.secret").read_text())
+    os.chmod(secret_path, 0o600)
+    clients = read_clients(existing / "lmdb")
+    storage = Storage(data_dir / "lmdb", node_id=node_id)
+    try:
+        storage.commit(SealedBatch(client_puts=clients))
+    finally:
+        storage.close()
+    print(f"initialised {data_dir} as {node_id}, joining the cluster of {existing} ({len(clients)} clients)")
+    return 0
 
 
 def init(data_dir: Path, node_id: str, credentials_path: Path, url: str, force: bool) -> int:
@@ -51,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     p_init.add_argument("--credentials", type=Path, default=DEFAULT_CREDENTIALS, help="where to write the admin credential")
     p_init.add_argument("--url", default="http://127.0.0.1:7100", help="the URL clients should use")
     p_init.add_argument("--force", action="store_true")
+    p_init.add_argument("--join", type=Path, metavar="DATA_DIR",
+                        help="another node's data directory: take its cluster secret and clients")
     p_run = sub.add_parser("run", help="run one node")
     p_run.add_argument("--config", type=Path)
     p_run.add_argument("--data-dir", type=Path)
@@ -61,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     p_run.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     if args.command == "init":
+        if args.join is not None:
+            return join(args.data_dir, args.node_id, args.join)
         return init(args.data_dir, args.node_id, args.credentials, args.url, args.force)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = load_config(args.config, node_id=args.node_id, host=args.host, port=args.port,

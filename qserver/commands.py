@@ -149,4 +149,21 @@ class PutClient:
     request_id: int = 0
 
 
-Command = (Enqueue | EnqueueMany | AckMany | Receive | Ack | Subscribe | Credit | Unsubscribe | CreateQueue | DeleteQueue | MessageStatus | PutClient)
+@dataclass(slots=True)
+class PeerMessage:
+    """A replication message from a peer node (already authenticated by the transport)."""
+    peer: str
+    data: bytes
+    replier: None = None
+    request_id: int = 0
+
+
+@dataclass(slots=True)
+class LinkChange:
+    peer: str
+    up: bool
+    replier: None = None
+    request_id: int = 0
+
+
+Command = (Enqueue | EnqueueMany | AckMany | Receive | Ack | Subscribe | Credit | Unsubscribe | CreateQueue | DeleteQueue | MessageStatus | PutClient | PeerMessage | LinkChange)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,13 @@ class NodeConfig:
     receive_wait_max_s: float = 60.0
     websocket_pending_bytes_max: int = 16 << 20   # unsent replies per socket before it is cut
     subscription_credit_max: int = 10_000
+    # The cluster (static until the membership layer): every node's id -> the URL peers and
+    # clients dial for it (a proxy's address in chaos tests), and configured queue pairs.
+    cluster_nodes: dict[str, str] = field(default_factory=dict)
+    placement: dict[str, list[str]] = field(default_factory=dict)
+    replica_lag_max: int = 100_000          # operations behind before the replica is out of sync
+    replica_lag_max_ms: int = 2_000         # silence before the same
+    peer_send_queue_bytes_max: int = 8 << 20
 
     def check(self) -> NodeConfig:
         problems = []
@@ -42,6 +49,11 @@ class NodeConfig:
             problems.append("batch_operations_max exceeds inbox_commands_max")
         if self.dedupe_window_s <= 0 or self.status_retention_s <= 0:
             problems.append("dedupe_window_s and status_retention_s must be positive")
+        if self.cluster_nodes and self.node_id not in self.cluster_nodes:
+            problems.append("cluster_nodes must list this node's own id")
+        for queue, pair in self.placement.items():
+            if len(pair) != 2 or pair[0] == pair[1] or not set(pair) <= set(self.cluster_nodes):
+                problems.append(f"placement of {queue} must name two different nodes of cluster_nodes")
         if problems:
             raise ValueError("invalid node configuration: " + "; ".join(problems))
         return self
@@ -55,7 +67,12 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> NodeConfig:
     values: dict[str, Any] = {}
     if path is not None:
         raw = tomllib.loads(Path(path).read_text())
-        values = raw.get("node", raw)
+        values = dict(raw.get("node", raw))
+        cluster = raw.get("cluster", {})
+        if "nodes" in cluster:
+            values["cluster_nodes"] = dict(cluster["nodes"])
+        if "placement" in cluster:
+            values["placement"] = {name: list(pair) for name, pair in cluster["placement"].items()}
         known = {f.name for f in fields(NodeConfig)}
         unknown = set(values) - known
         if unknown:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import random
 import time
@@ -23,10 +24,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from client.errors import (
+    E_BAD_REQUEST,
     E_INTERNAL,
     E_INVALID_NAME,
     E_INVALID_OPTION,
     E_MASTER_EXISTS,
+    E_NOT_MASTER,
     E_OPTIONS_MISMATCH,
     E_OVERLOADED,
     E_PAYLOAD_TOO_LARGE,
@@ -41,8 +44,11 @@ from client.protocol import DeliveredMessage
 from qserver import commands as c
 from qserver.config import NodeConfig
 from qserver.metrics import Histogram
+from qserver.pairs import PairDriver, Placement
 from qserver.storage import CommitResult, MapGrowthNeeded, SealedBatch, Storage, StorageFull
 from replication.invariants import InvariantViolation
+from replication.master import ReplicationLimits
+from replication.messages import encode_operation
 from replication.operations import Leased, Operation
 from replication.options import (
     DEAD_LETTER_SUFFIX,
@@ -58,6 +64,49 @@ from replication.queue_core import QueueCore, QueueRecord
 
 log = logging.getLogger("qserver.engine")
 TERMINAL_STATES = frozenset({"acked", "replied", "dead_lettered"})
+REPLICATION_TICK_MS = 20    # how often replication roles check lag, resends and retries
+
+
+_QUEUE_TRAFFIC = frozenset({c.Enqueue, c.EnqueueMany, c.Receive, c.Ack, c.AckMany, c.Subscribe})
+_WRITES = frozenset({c.Enqueue, c.EnqueueMany})
+
+
+def _forwarded(command: Any) -> list[Any]:
+    """A replica's client operation as the request of a Forward message."""
+    kind = type(command)
+    if kind is c.Enqueue:
+        return ["enqueue", command.priority, [command.payload], [command.dedupe_id], command.client]
+    if kind is c.EnqueueMany:
+        return ["enqueue", command.priority, list(command.payloads),
+                None if command.dedupe_ids is None else list(command.dedupe_ids), command.client]
+    if kind is c.Receive:
+        return ["receive", command.max_messages, command.wait_ms, command.visibility_ms, command.client]
+    if kind is c.AckMany:
+        return ["ack", [list(item) for item in command.items], command.client]
+    if kind is c.Ack and command.release:
+        return ["release", command.message_id, command.receipt, command.client]
+    if kind is c.Ack and command.reply_payload is None:
+        return ["ack", [[command.message_id, command.receipt]], command.client]
+    raise QueueError(E_NOT_MASTER, f"send this to the master of {command.queue}")
+
+
+class _ForwardReplier:
+    """Answers a forwarded request back to the replica (after commit, like any answer)."""
+
+    def __init__(self, pairs: Any, role: Any, request: Any) -> None:
+        self.pairs, self.role, self.request = pairs, role, request
+
+    def reply(self, request_id: int, result: Any) -> None:
+        if isinstance(result, list) and result and isinstance(result[0], DeliveredMessage):
+            result = [[m.message_id, m.receipt, m.priority, m.deliveries, m.payload] for m in result]
+        self._answer(result)
+
+    def fail(self, request_id: int, error: QueueError) -> None:
+        self._answer([error.code, error.message])
+
+    def _answer(self, outcome: Any) -> None:
+        self.role.answer_forward(self.request, [self.role.commit_order, outcome])
+        self.pairs.flush(self.role)
 
 
 def _refuse(command: c.Command, error: QueueError) -> None:
@@ -102,11 +151,15 @@ class OpenBatch:
     pushes: list[tuple[Subscription, int, list[Leased]]] = field(default_factory=list)
     touched: dict[str, QueueCore] = field(default_factory=dict)
     after_commit: list[Callable[[], None]] = field(default_factory=list)
+    # Answers about replicated operations also wait for the queue's commit point:
+    # position in replies / pushes -> (queue name, ordering index required).
+    holds: dict[int, tuple[str, int]] = field(default_factory=dict)
+    push_holds: dict[int, tuple[str, int]] = field(default_factory=dict)
 
     def empty(self) -> bool:
         s = self.sealed
         return not (s.operations or self.replies or self.pushes or s.queue_records or s.deleted_queues
-                    or s.client_puts or s.client_deletes or s.housekeeping_ms is not None)
+                    or s.client_puts or s.client_deletes or s.housekeeping_ms is not None or self.after_commit)
 
 
 class _Messages:
@@ -126,6 +179,9 @@ class Engine:
         self.clock_ms = clock_ms
         self._rng = rng or random.Random()
         self.cores: dict[str, QueueCore] = {}
+        self.pairs = PairDriver(self, Placement(config.cluster_nodes, config.placement),
+                                ReplicationLimits(replica_lag_max=config.replica_lag_max,
+                                                  replica_lag_max_ms=config.replica_lag_max_ms))
         self.clients: dict[str, dict[str, Any]] = {}
         self._inbox: collections.deque[c.Command] = collections.deque()
         self._wake = asyncio.Event()
@@ -140,6 +196,7 @@ class Engine:
         self._to_serve: set[str] = set()
         self._next_queue_id = storage.next_queue_id()
         self._next_housekeeping_ms = 0
+        self._next_replication_tick_ms = 0
         self._task: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._stopping = False
@@ -163,6 +220,11 @@ class Engine:
         for name, core in self.cores.items():
             if not name.endswith(DEAD_LETTER_SUFFIX):
                 core.dead_letter_core = self.cores.get(dead_letter_name(name))
+        self.pairs.masters.clear()
+        self.pairs.replicas.clear()
+        for core in self.cores.values():
+            self.pairs.attach(core)
+        self.storage.end_read()
         self.clients = self.storage.load_clients()
         self._next_queue_id = self.storage.next_queue_id()
 
@@ -206,6 +268,9 @@ class Engine:
             self.storage.begin_read()
             try:
                 self._step_inbox(now_ms)
+                if self.pairs.placement.clustered and now_ms >= self._next_replication_tick_ms:
+                    self.pairs.tick(now_ms)
+                    self._next_replication_tick_ms = now_ms + REPLICATION_TICK_MS
                 self._expire_leases(now_ms)
                 self._serve(now_ms)
                 self._expire_waiters(now_ms)
@@ -247,6 +312,35 @@ class Engine:
 
     def _step(self, command: c.Command, now_ms: int) -> None:
         kind = type(command)
+        queue = getattr(command, "queue", None)
+        if queue is not None and self.pairs.placement.clustered and kind in _QUEUE_TRAFFIC:
+            if self._step_clustered(command, queue, now_ms):
+                return
+        self._step_local(command, now_ms)
+
+    def _step_clustered(self, command: c.Command, queue: str, now_ms: int) -> bool:
+        """Route a client's queue operation in a cluster: True when it was handled here (a
+        replica forwards to its master); raises for a node that holds neither member."""
+        pairs = self.pairs
+        if queue in pairs.replicas:
+            return self._step_at_replica(command, queue)
+        pairs.refuse_if_not_master(queue)
+        master = pairs.masters.get(queue)
+        if master is None:
+            return False
+        if type(command) in _WRITES or master.core.options.strength.value == "full":
+            master.check_writable()
+        batch = self._open
+        op_mark, reply_mark = len(batch.sealed.operations), len(batch.replies)
+        self._step_local(command, now_ms)
+        required = pairs.replicated_order(master.core, batch.sealed.operations[op_mark:])
+        if required:
+            for position in range(reply_mark, len(batch.replies)):
+                batch.holds.setdefault(position, (queue, required))
+        return True
+
+    def _step_local(self, command: c.Command, now_ms: int) -> None:
+        kind = type(command)
         if kind is c.EnqueueMany:
             self._step_enqueue_many(command, now_ms)  # type: ignore[arg-type]
         elif kind is c.AckMany:
@@ -259,6 +353,118 @@ class Engine:
             self._step_receive(command, now_ms)  # type: ignore[arg-type]
         else:
             self._STEP_OTHER[kind](self, command, now_ms)
+
+    def _step_at_replica(self, command: Any, queue: str) -> bool:
+        """At the replica: enqueues always go to the master (it orders them); under `full`
+        consumption too. Under `producer` this member serves its own consumers (False)."""
+        core = self.cores[queue]
+        kind = type(command)
+        full = core.options.strength.value == "full"
+        if kind is c.Subscribe and full:
+            raise QueueError(E_NOT_MASTER, f"subscribe to {queue} at its master {self.pairs.masters_hint(queue)}")
+        if kind not in _WRITES and not full:
+            return False
+        replier, request_id = command.replier, command.request_id
+
+        def answer(outcome: Any) -> None:
+            if isinstance(outcome, list) and len(outcome) == 2 and isinstance(outcome[0], str) \
+                    and outcome[0].startswith("E_"):
+                replier.fail(request_id, QueueError(outcome[0], str(outcome[1])))
+            elif kind is c.Enqueue:
+                epoch, [single] = outcome
+                if isinstance(single, list):
+                    replier.fail(request_id, QueueError(single[0], str(single[1])))
+                else:
+                    replier.reply(request_id, [single, epoch])
+            elif kind is c.Receive:
+                replier.reply(request_id, [DeliveredMessage(*row) for row in outcome])
+            else:
+                replier.reply(request_id, outcome)
+        self.pairs.forward(queue, _forwarded(command), answer)
+        return True
+
+    def run_forwarded(self, role: Any, request: Any) -> None:
+        """At the master: run a request a replica forwarded, as if its client were here; the
+        answer (sent after commit) carries the commit point the replica must reach first."""
+        kind, *args = request.request
+        replier = _ForwardReplier(self.pairs, role, request)
+        name = request.queue
+        try:
+            if kind == "enqueue":
+                priority, payloads, dedupe_ids, client = args
+                command: c.Command = c.EnqueueMany(name, priority, tuple(payloads),
+                                                   None if dedupe_ids is None else tuple(dedupe_ids), client, replier)
+            elif kind == "receive":
+                max_messages, wait_ms, visibility_ms, client = args
+                command = c.Receive(name, max_messages, wait_ms, visibility_ms, client, replier)
+            elif kind == "ack":
+                items, client = args
+                command = c.AckMany(name, tuple((int(i), str(r)) for i, r in items), client, replier)
+            elif kind == "release":
+                message_id, receipt, client = args
+                command = c.Ack(name, message_id, receipt, client, replier, release=True)
+            else:
+                raise QueueError(E_BAD_REQUEST, f"unknown forwarded request {kind!r}")
+            self._step(command, self.clock_ms())
+        except (QueueError, ValueError, TypeError) as error:
+            replier.fail(0, error if isinstance(error, QueueError) else QueueError(E_BAD_REQUEST, str(error)))
+
+    # --- replica instances (called by the pair driver) -------------------------------------
+    def hold_replica_instance(self, name: str, incarnation: int, record_json: dict[str, Any]) -> None:
+        core = self.cores.get(name)
+        if core is not None and (core.record.incarnation or core.queue_id) == incarnation:
+            return
+        if core is not None:
+            self._remove_core(core)
+        options = QueueRecord.from_json(record_json).options
+        dead_letter = name.endswith(DEAD_LETTER_SUFFIX)
+        created = self._create_core(name, options, record_json.get("created_ms", self.clock_ms()),
+                                    dead_letter_of=record_json.get("dead_letter_of") if dead_letter else None,
+                                    incarnation=incarnation)
+        if not dead_letter and self.cores.get(dead_letter_name(name)) is not None:
+            created.dead_letter_core = self.cores[dead_letter_name(name)]
+        if dead_letter and record_json.get("dead_letter_of") in self.cores:
+            self.cores[record_json["dead_letter_of"]].dead_letter_core = created
+        self.pairs.attach(created)
+
+    def drop_replica_instance(self, name: str, incarnation: int) -> None:
+        core = self.cores.get(name)
+        if core is not None and (core.record.incarnation or core.queue_id) == incarnation \
+                and name in self.pairs.replicas:
+            self._remove_core(core)
+
+    def reset_replica_instance(self, role: Any, record_json: dict[str, Any]) -> None:
+        """Histories differ: drop this instance's contents and start again from empty."""
+        old = role.core
+        dead_letter = old.dead_letter_core
+        self._remove_core(old, keep_role=True)
+        fresh = self._create_core(old.name, old.options, old.record.created_ms,
+                                  dead_letter_of=old.record.dead_letter_of, incarnation=role.incarnation)
+        fresh.dead_letter_core = dead_letter
+        role.core = fresh
+        fresh.visible_upto = role.visible_order
+
+    def stage_applied(self, core: QueueCore, applied: list[Any]) -> None:
+        """Operations the replica applied: persist them with their op-log rows."""
+        sealed = self._open.sealed
+        for row in applied:
+            sealed.operations.append(row.op)
+            sealed.oplog_rows.append((core.queue_id, row.op.order, row.digest, encode_operation(row.op)))
+        self._touch(core)
+        if core.dead_letter_core is not None:
+            self._touch(core.dead_letter_core)
+        self._to_serve.add(core.name)
+
+    def touch(self, core: QueueCore) -> None:
+        self._touch(core)
+
+    def _remove_core(self, core: QueueCore, *, keep_role: bool = False) -> None:
+        del self.cores[core.name]
+        self._open.touched.pop(core.name, None)
+        self._open.sealed.deleted_queues.append((core.name, core.queue_id))
+        self._drop_queue_listeners(core.name)
+        if not keep_role:
+            self.pairs.detach(core.name)
 
     def _core(self, name: str) -> QueueCore:
         core = self.cores.get(name)
@@ -337,6 +543,9 @@ class Engine:
     def _answer_with_messages(self, core: QueueCore, replier: Any, request_id: int, leased: list[Leased]) -> None:
         batch = self._open
         reads = batch.sealed.payload_reads
+        required = self.pairs.replicated_order(core, list(leased))
+        if required:
+            batch.holds[len(batch.replies)] = (core.name, required)
         batch.replies.append((replier, request_id, _Messages(len(reads), leased)))
         reads.extend((op.queue_id, op.index) for op in leased)
         batch.touched[core.name] = core
@@ -386,7 +595,7 @@ class Engine:
     def _step_create(self, command: c.CreateQueue, now_ms: int) -> None:
         name = command.name
         if not is_valid_queue_name(name):
-            raise QueueError(E_INVALID_NAME, "queue names are 1-200 of A-Z a-z 0-9 . _ : - starting alphanumeric")
+            raise QueueError(E_INVALID_NAME, "queue names are 1-196 of A-Z a-z 0-9 . _ : - starting alphanumeric")
         if name.endswith(DEAD_LETTER_SUFFIX):
             raise QueueError(E_RESERVED_NAME, f"names ending {DEAD_LETTER_SUFFIX} belong to dead-letter queues")
         existing = self.cores.get(name)
@@ -398,16 +607,40 @@ class Engine:
                 raise QueueError(E_OPTIONS_MISMATCH, f"queue {name} exists with other {', '.join(different)}")
             self._open.replies.append((command.replier, command.request_id, {"created": False, **self.describe(existing)}))
             return
+        self._check_placement(name, command.placement)
         options = QueueOptions(**command.options)
-        core = self._create_core(name, options, now_ms, dead_letter_of=None)
+        incarnation = self._rng.getrandbits(62) | 1 if self.pairs.placement.clustered else 0
+        core = self._create_core(name, options, now_ms, dead_letter_of=None, incarnation=incarnation)
+        created = [core]
         if options.dead_letter:
             dead = self._create_core(dead_letter_name(name), QueueOptions(max_depth=2**40, dead_letter=False,
-                                     strength=options.strength), now_ms, dead_letter_of=name)
+                                     strength=options.strength), now_ms, dead_letter_of=name,
+                                     incarnation=incarnation + 1 if incarnation else 0)
             core.dead_letter_core = dead
+            created.append(dead)
+        for queue in created:
+            self.pairs.attach(queue)
+            # The replica learns of the queue once it is durable here (and again on reconnect).
+            self._open.after_commit.append(functools.partial(self.pairs.announce, queue))
         self._open.replies.append((command.replier, command.request_id, {"created": True, **self.describe(core)}))
 
-    def _create_core(self, name: str, options: QueueOptions, now_ms: int, dead_letter_of: str | None) -> QueueCore:
-        record = QueueRecord(self._next_queue_id, name, options, now_ms, dead_letter_of=dead_letter_of)
+    def _check_placement(self, name: str, requested: dict[str, Any]) -> None:
+        """Until the membership layer lands, placement is static: only the configured master
+        creates a queue, and master/replica options must agree with it."""
+        placement = self.pairs.placement
+        if not placement.clustered:
+            return
+        pair = placement.pair(name)
+        if pair.master != self.config.node_id:
+            raise QueueError(E_NOT_MASTER, f"queue {name} is created by its master {self.pairs.masters_hint(name)}")
+        for member in ("master", "replica"):
+            if member in requested and requested[member] != getattr(pair, member):
+                raise QueueError(E_INVALID_OPTION, f"{member} of {name} is {getattr(pair, member)} (static placement)")
+
+    def _create_core(self, name: str, options: QueueOptions, now_ms: int, dead_letter_of: str | None,
+                     incarnation: int = 0) -> QueueCore:
+        record = QueueRecord(self._next_queue_id, name, options, now_ms, dead_letter_of=dead_letter_of,
+                             incarnation=incarnation)
         self._next_queue_id += 1
         self._open.sealed.next_queue_id = self._next_queue_id
         core = self._new_core(record, [])
@@ -424,13 +657,14 @@ class Engine:
         core = self._core(command.name)
         if core.record.dead_letter_of is not None:
             raise QueueError(E_RESERVED_NAME, f"{command.name} goes with queue {core.record.dead_letter_of}")
+        if self.pairs.placement.clustered and command.name not in self.pairs.masters:
+            raise QueueError(E_NOT_MASTER, f"queue {command.name} is deleted by its master "
+                                           f"{self.pairs.masters_hint(command.name)}")
         for victim in filter(None, (core, self.cores.get(dead_letter_name(core.name)))):
             victim.transition(QueueState.CLOSING)
             victim.transition(QueueState.CLOSED)
-            del self.cores[victim.name]
-            self._open.touched.pop(victim.name, None)
-            self._open.sealed.deleted_queues.append((victim.name, victim.queue_id))
-            self._drop_queue_listeners(victim.name)
+            self.pairs.retire(victim.name)
+            self._remove_core(victim)
         self._open.replies.append((command.replier, command.request_id, {"deleted": command.name}))
 
     def _drop_queue_listeners(self, name: str) -> None:
@@ -461,16 +695,25 @@ class Engine:
         self._open.replies.append((command.replier, command.request_id, command.record))
         self._open.after_commit.append(self.on_clients_changed)
 
+    def _step_peer_message(self, command: c.PeerMessage, now_ms: int) -> None:
+        self.pairs.on_peer_message(command.peer, command.data, now_ms)
+
+    def _step_link_change(self, command: c.LinkChange, now_ms: int) -> None:
+        self.pairs.on_link_change(command.peer, command.up, now_ms)
+
     _STEP_OTHER: dict[type, Callable[[Engine, Any, int], None]] = {
         c.Subscribe: _step_subscribe, c.Credit: _step_credit, c.Unsubscribe: _step_unsubscribe,
         c.CreateQueue: _step_create, c.DeleteQueue: _step_delete, c.MessageStatus: _step_status,
-        c.PutClient: _step_put_client,
+        c.PutClient: _step_put_client, c.PeerMessage: _step_peer_message, c.LinkChange: _step_link_change,
     }
 
     # --- time-driven work ------------------------------------------------------------------
     def _expire_leases(self, now_ms: int) -> None:
         operations = self._open.sealed.operations
+        replicas = self.pairs.replicas
         for core in self.cores.values():
+            if core.name in replicas and core.options.strength.value == "full":
+                continue    # under `full` the master decides expiry and replicates it
             deadline = core.next_deadline_ms()
             if deadline is not None and deadline <= now_ms and core.expire_leases(now_ms, operations):
                 self._touch(core)
@@ -505,6 +748,9 @@ class Engine:
     def _push(self, core: QueueCore, subscription: Subscription, leased: list[Leased]) -> None:
         batch = self._open
         reads = batch.sealed.payload_reads
+        required = self.pairs.replicated_order(core, list(leased))
+        if required:
+            batch.push_holds[len(batch.pushes)] = (core.name, required)
         batch.pushes.append((subscription, len(reads), leased))
         reads.extend((op.queue_id, op.index) for op in leased)
         batch.touched[core.name] = core
@@ -545,6 +791,8 @@ class Engine:
         sealed = batch.sealed
         sealed.dedupe_window_ms = int(self.config.dedupe_window_s * 1000)
         sealed.status_retention_ms = int(self.config.status_retention_s * 1000)
+        self.pairs.before_commit(sealed.operations, sealed.oplog_rows, self.clock_ms())
+        sealed.replica_queue_ids = {role.core.queue_id for role in self.pairs.replicas.values()}
         for name, core in batch.touched.items():
             sealed.queue_records[name] = core.record.to_json()
             core.seal()
@@ -579,6 +827,10 @@ class Engine:
         self.batch_operations.observe(result.operations)
         for core in batch.touched.values():
             core.advance()
+        try:
+            self.pairs.after_commit(batch.sealed.operations, self.clock_ms())
+        finally:
+            self.storage.end_read()
         self._release(batch, result.payloads)
         self._wake.set()
 
@@ -612,12 +864,22 @@ class Engine:
         self._wake.set()
 
     def _release(self, batch: OpenBatch, payloads: list[bytes | None]) -> None:
-        for replier, request_id, result in batch.replies:
+        """Answer what this batch decided. Answers about replicated operations of a pair wait
+        until the queue's commit point passes them (DESIGN.md 3.1): the pair driver holds
+        those and releases them when the replica's acknowledgement arrives."""
+        holds, hold = batch.holds, self.pairs.hold
+        for position, (replier, request_id, result) in enumerate(batch.replies):
             if type(result) is _Messages:
                 result = self._messages(result.leased, payloads, result.first)
-            replier.reply(request_id, result)
-        for subscription, first, leased in batch.pushes:
-            subscription.connection.push(subscription.subscription_id, self._messages(leased, payloads, first))
+            held = holds.get(position) if holds else None
+            if held is None or not hold(held[0], held[1], functools.partial(replier.reply, request_id, result)):
+                replier.reply(request_id, result)
+        for position, (subscription, first, leased) in enumerate(batch.pushes):
+            messages = self._messages(leased, payloads, first)
+            push = functools.partial(subscription.connection.push, subscription.subscription_id, messages)
+            held = batch.push_holds.get(position)
+            if held is None or not hold(held[0], held[1], push):
+                push()
         for callback in batch.after_commit:
             callback()
         if self._status_waiters:
@@ -672,8 +934,9 @@ class Engine:
     def describe(self, core: QueueCore) -> dict[str, Any]:
         """Seed 004 QueueStats for one queue (replication fields filled by later releases)."""
         record = core.record
-        return {
-            "name": record.name, "incarnation": record.queue_id, "state": record.state.value,
+        replication = self.pairs.describe(core.name)
+        return {**{
+            "name": record.name, "incarnation": record.incarnation or record.queue_id, "state": record.state.value,
             "options": record.options.to_json(), "epoch": record.epoch,
             "master": self.config.node_id, "replica": None, "replication_state": "unreplicated",
             "master_status": "local",
@@ -683,7 +946,7 @@ class Engine:
             "highest_depth": record.highest_depth, "configured_depth": record.options.max_depth,
             "average_service_ms": (record.service_ms_total / record.service_count) if record.service_count else 0.0,
             "next_index": record.next_index, "dead_letter_of": record.dead_letter_of,
-        }
+        }, **replication}
 
     def pending_commands(self) -> int:
         return len(self._inbox)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from client import errors as e
@@ -23,22 +24,18 @@ from client.signing import new_private_key, private_key_to_text, public_key_from
 from qserver import commands as c
 from qserver.auth import Principal, validate_grants
 from qserver.engine import TERMINAL_STATES, Engine
+from qserver.http_errors import error_response
 from replication.options import PRIORITY_DEFAULT, OptionError, is_valid_queue_name, parse_options, valid_dedupe_id
 
 log = logging.getLogger("qserver.http")
 PRINCIPAL = web.AppKey("principal", Principal)
-UNSIGNED_PATHS = frozenset({"/healthz", "/metrics"})
+UNSIGNED_PATHS = frozenset({"/healthz", "/metrics", "/v1/peer"})   # peers authenticate with the cluster secret
 ENGINE_ANSWER_GRACE_S = 30.0
 STATUS_STATES = frozenset({"queued", "delivered", "acked", "replied", "dead_lettered"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 PRIORITY_TEXTS = frozenset(str(p) for p in range(10))
-
-
-def error_response(error: QueueError) -> web.Response:
-    # The code also travels as a header: a refused WebSocket upgrade hides its body from clients.
-    return web.json_response(error.envelope(), status=error.http_status, headers={"X-Error-Code": error.code})
 
 
 @web.middleware
@@ -56,6 +53,10 @@ async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamR
                                                           request.headers, body)
         return await handler(request)
     except QueueError as error:
+        if error.code == e.E_NOT_MASTER.code and node.engine.pairs.placement.clustered:
+            proxied = await proxy_to_master(request, node)
+            if proxied is not None:
+                return proxied
         return error_response(error)
     except web.HTTPRequestEntityTooLarge:
         return error_response(QueueError(e.E_PAYLOAD_TOO_LARGE, f"body over {node.config.body_bytes_max} bytes"))
@@ -70,6 +71,34 @@ async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamR
     except Exception:
         log.exception("unexpected error on %s %s", request.method, request.path)
         return error_response(QueueError(e.E_INTERNAL))
+
+
+FORWARDED_BY = "X-Forwarded-By"
+PROXY_TIMEOUT_S = 60.0
+HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection"})
+
+
+async def proxy_to_master(request: web.Request, node: Any) -> web.Response | None:
+    """Any node answers any request (DESIGN.md 4.4): one that is not the queue's master passes
+    the signed request on unchanged, and the master checks signature and nonce itself."""
+    name = request.match_info.get("q")
+    if name is None or FORWARDED_BY in request.headers or not is_valid_queue_name(name):
+        return None
+    pairs = node.engine.pairs
+    master = pairs.placement.pair(name).master
+    if master == node.config.node_id:
+        return None
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+    headers[FORWARDED_BY] = node.config.node_id
+    url = pairs.placement.url(master) + request.raw_path
+    try:
+        async with node.http_session().request(request.method, url, data=await request.read(), headers=headers,
+                                               timeout=aiohttp.ClientTimeout(total=PROXY_TIMEOUT_S)) as answer:
+            body = await answer.read()
+            kept = {k: v for k, v in answer.headers.items() if k.lower() not in HOP_HEADERS}
+            return web.Response(status=answer.status, body=body, headers=kept)
+    except (aiohttp.ClientError, TimeoutError):
+        return error_response(QueueError(e.E_QUEUE_UNAVAILABLE, f"the master {master} of {name} cannot be reached"))
 
 
 def principal(request: web.Request) -> Principal:

@@ -8,15 +8,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from client import errors as e
 from client.errors import QueueError
+from qserver import commands as c
 from qserver.auth import Authenticator
 from qserver.config import NodeConfig
 from qserver.engine import Engine
 from qserver.http_api import add_routes, errors_and_auth
 from qserver.metrics import render_family
+from qserver.peers import PEER_PATH, PeerTransport
 from qserver.storage import Storage
 from qserver.ws_api import ClientConnection, websocket
 
@@ -31,22 +34,51 @@ class Node:
                                map_size_max_bytes=config.map_size_max_bytes,
                                journal_enabled=config.journal_enabled)
         self.engine = Engine(config, self.storage)
+        self.peers = self._peer_transport()
         self.auth = Authenticator(self.engine.clients, skew_max_s=config.signature_skew_max_s,
                                   enabled=config.auth_enabled)
         self.connections: set[ClientConnection] = set()
         self.bad_frames = 0
+        self._http_session: aiohttp.ClientSession | None = None
         self.url = f"http://{config.host}:{config.port}"
         self.engine.on_clients_changed = self._clients_changed
+
+    def _peer_transport(self) -> PeerTransport | None:
+        """One WebSocket per peer node, authenticated with the cluster secret (DESIGN.md 4.1)."""
+        nodes = self.config.cluster_nodes
+        if len(nodes) < 2:
+            return None
+        secret = (Path(self.config.data_dir) / "cluster.secret").read_text().strip().encode()
+        engine = self.engine
+        transport = PeerTransport(
+            self.config.node_id, secret, {node: url for node, url in nodes.items() if node != self.config.node_id},
+            on_message=lambda peer, data: engine.submit(c.PeerMessage(peer, data)),
+            on_link_change=lambda peer, up: engine.submit(c.LinkChange(peer, up)),
+            send_queue_bytes_max=self.config.peer_send_queue_bytes_max)
+        engine.pairs.send = transport.send
+        return transport
 
     async def start(self) -> None:
         await self.engine.start()
         self.auth._clients = self.engine.clients   # the engine rebuilt its registry on load
+        if self.peers is not None:
+            await self.peers.start()
 
     async def stop(self) -> None:
         for connection in list(self.connections):
             await connection.close_with(QueueError(e.E_SHUTTING_DOWN, "the node is stopping"))
+        if self.peers is not None:
+            await self.peers.stop()
+        if self._http_session is not None:
+            await self._http_session.close()
         await self.engine.stop()
         self.storage.close()
+
+    def http_session(self) -> aiohttp.ClientSession:
+        """For requests this node passes on to a queue's master."""
+        if self._http_session is None:
+            self._http_session = aiohttp.ClientSession()
+        return self._http_session
 
     def _clients_changed(self) -> None:
         """Close the sockets of removed clients and of clients that lost a grant."""
@@ -105,6 +137,8 @@ class Node:
         app["node"] = self
         add_routes(app)
         app.router.add_get("/v1/ws", websocket)
+        if self.peers is not None:
+            app.router.add_get(PEER_PATH, self.peers.handle)
         return app
 
 

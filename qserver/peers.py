@@ -42,6 +42,7 @@ from yarl import URL
 
 from client import errors as e
 from client.errors import QueueError
+from qserver.http_errors import error_response
 
 log = logging.getLogger("qserver.peers")
 
@@ -88,11 +89,6 @@ def auth_headers(secret: bytes, from_id: str, to_id: str, *, timestamp_ms: int |
             HEADER_PROTOCOL: PEER_PROTOCOL,
             HEADER_AUTH: peer_signature(secret, from_id, to_id, stamp_ms, nonce_text)}
 
-
-def error_response(error: QueueError) -> web.Response:
-    # Same shape as http_api.error_response; the code travels as a header too because a
-    # refused WebSocket upgrade hides its body from the dialer.
-    return web.json_response(error.envelope(), status=error.http_status, headers={"X-Error-Code": error.code})
 
 
 def dial_url(base_url: str) -> str:

@@ -17,6 +17,7 @@ Key layout (big-endian integers so LMDB's byte order is numeric order):
     doomed    queue_id:8                          -> ""   (deleted incarnations still being erased)
     epochs    name                                -> epoch:8
     journal   sequence:8                          -> msgpack record + crc32:4
+    oplog     queue_id:8 order:8                  -> digest:16 + encoded operation (replicated queues)
     clients   client_id                           -> JSON client record
     meta      b"schema_version" | b"next_queue_id" | b"journal_sequence" | b"node_id"
 """
@@ -35,7 +36,9 @@ from typing import Any
 import lmdb
 import msgpack
 
+from replication.digest import DIGEST_BYTES, EMPTY_DIGEST
 from replication.invariants import InvariantViolation
+from replication.messages import decode_operation
 from replication.operations import Acked, DeadLettered, Enqueued, Leased, Operation, Released
 from replication.queue_core import QueueRecord
 from replication.store import StoredLease
@@ -48,7 +51,7 @@ _U32 = struct.Struct(">I")
 _EXPIRY = struct.Struct(">BQQ")
 EXPIRY_STATUS = 1
 DB_NAMES = ("queues", "messages", "ready", "leases", "status", "dedupe", "expiry", "doomed",
-            "epochs", "journal", "clients", "meta")
+            "epochs", "journal", "clients", "meta", "oplog")
 ERASE_KEYS_PER_BATCH_MAX = 5_000
 PRUNE_KEYS_PER_BATCH_MAX = 5_000
 
@@ -71,7 +74,9 @@ class SealedBatch:
     client_deletes: list[str] = field(default_factory=list)
     payload_reads: list[tuple[int, int]] = field(default_factory=list)       # (queue_id, index)
     epochs: dict[str, int] = field(default_factory=dict)                     # queue name -> epoch
+    oplog_rows: list[tuple[int, int, bytes, bytes]] = field(default_factory=list)  # (queue_id, order, digest, op)
     next_queue_id: int | None = None
+    replica_queue_ids: set[int] = field(default_factory=set)                 # journal role "replica"
     housekeeping_ms: int | None = None                                       # prune older than this
     dedupe_window_ms: int = 300_000
     status_retention_ms: int = 3_600_000
@@ -107,6 +112,7 @@ class Storage:
         # this one is used by the writer thread only (commit), so it is never shared.
         self._pack = msgpack.Packer(use_bin_type=True).pack
         self._batch_names: dict[int, tuple[str, int]] = {}   # queue id -> (name, epoch) of the batch
+        self._batch_replicas: set[int] = set()                # queue ids this node holds as replica
         self._dedupe_sweep_from = b""     # where the next dedupe sweep resumes (writer thread)
         self._read_txn: lmdb.Transaction | None = None
         self._check_schema()
@@ -218,6 +224,35 @@ class Storage:
             return "queued", 0, None
         return None
 
+    # --- the op log, as the replication roles read it (OpLogReader) -----------------------
+    def read(self, queue_id: int, after_order: int, limit: int) -> list[Operation]:
+        out: list[Operation] = []
+        cursor = self._reader().cursor(db=self.db["oplog"])
+        if not cursor.set_range(_QI.pack(queue_id, after_order + 1)):
+            return out
+        for key, value in cursor:
+            owner, _ = _QI.unpack(key)
+            if owner != queue_id or len(out) >= limit:
+                break
+            out.append(decode_operation(bytes(value[DIGEST_BYTES:])))
+        return out
+
+    def digest_at(self, queue_id: int, order: int) -> bytes | None:
+        if order == 0:
+            return EMPTY_DIGEST
+        raw = self._reader().get(_QI.pack(queue_id, order), db=self.db["oplog"])
+        return None if raw is None else bytes(raw[:DIGEST_BYTES])
+
+    def last(self, queue_id: int) -> tuple[int, bytes]:
+        cursor = self._reader().cursor(db=self.db["oplog"])
+        following = cursor.set_range(_QI.pack(queue_id + 1, 0))
+        found = cursor.prev() if following else cursor.last()
+        if found:
+            owner, order = _QI.unpack(cursor.key())
+            if owner == queue_id:
+                return order, bytes(cursor.value()[:DIGEST_BYTES])
+        return 0, EMPTY_DIGEST
+
     def read_client_payload(self, queue_id: int, index: int) -> bytes | None:
         raw = self._reader().get(_QI.pack(queue_id, index), db=self.db["messages"])
         return None if raw is None else msgpack.unpackb(raw)[4]
@@ -236,6 +271,7 @@ class Storage:
         db = self.db
         names = {record["queue_id"]: (name, record["epoch"]) for name, record in batch.queue_records.items()}
         self._batch_names = names
+        self._batch_replicas = batch.replica_queue_ids
         journal = self._journal_writer(txn, names) if self.journal_enabled else None
         operations = batch.operations
         position, count = 0, len(operations)
@@ -248,12 +284,15 @@ class Storage:
             if journal is not None:
                 journal(op)
             position += 1
-        for name, record in batch.queue_records.items():
-            txn.put(name.encode(), self._pack(record), db=db["queues"])
-        for name, queue_id in batch.deleted_queues:
+        for name, queue_id in batch.deleted_queues:     # before the puts: a reset replaces a name
             txn.delete(name.encode(), db=db["queues"])
             txn.delete(name.encode(), db=db["epochs"])
             txn.put(_Q.pack(queue_id), b"", db=db["doomed"])
+        for name, record in batch.queue_records.items():
+            txn.put(name.encode(), self._pack(record), db=db["queues"])
+        if batch.oplog_rows:
+            txn.cursor(db=db["oplog"]).putmulti([(_QI.pack(queue_id, order), digest + encoded)
+                                                 for queue_id, order, digest, encoded in batch.oplog_rows])
         for name, epoch in batch.epochs.items():
             txn.put(name.encode(), _Q.pack(epoch), db=db["epochs"])
         for client_id, client in batch.client_puts.items():
@@ -283,6 +322,7 @@ class Storage:
         journal_rows: list[tuple[bytes, bytes]] = []
         pack, qi, qpi, q, u32, crc32 = self._pack, _QI.pack, _QPI.pack, _Q.pack, _U32.pack, zlib.crc32
         names, node, sequence = self._batch_names, self.node_id, self._journal_sequence
+        replicas = self._batch_replicas
         end = start
         for op in operations[start:]:
             if type(op) is not Enqueued:
@@ -296,7 +336,8 @@ class Storage:
             if journal is not None:
                 name, epoch = names.get(op.queue_id, ("", 0))
                 record = pack([op.enqueued_ms, name, op.queue_id, epoch, op.index, "enqueue", op.index,
-                               op.dedupe_id, op.priority, len(payload), crc32(payload), "master", node, op.client])
+                               op.dedupe_id, op.priority, len(payload), crc32(payload),
+                               "replica" if op.queue_id in replicas else "master", node, op.client])
                 sequence += 1
                 journal_rows.append((q(sequence), record + u32(crc32(record))))
             end += 1
@@ -357,7 +398,8 @@ class Storage:
 
         def append(op: Operation) -> None:
             name, epoch = names.get(op.queue_id, ("", 0))
-            record = pack(_journal_fields(op, name, epoch, node))   # enqueues: _apply_enqueue_run
+            role = "replica" if op.queue_id in self._batch_replicas else "master"
+            record = pack(_journal_fields(op, name, epoch, node, role))   # enqueues: _apply_enqueue_run
             self._journal_sequence += 1
             txn.put(_Q.pack(self._journal_sequence), record + _U32.pack(zlib.crc32(record)), db=journal_db,
                     append=True)   # sequence numbers only grow: skip the search
@@ -405,7 +447,7 @@ class Storage:
         queue_id = _Q.unpack(doomed.key())[0]
         prefix = _queue_prefix(queue_id)
         budget = ERASE_KEYS_PER_BATCH_MAX
-        for name in ("messages", "ready", "leases", "status", "dedupe"):
+        for name in ("messages", "ready", "leases", "status", "dedupe", "oplog"):
             cursor = txn.cursor(db=self.db[name])
             if not cursor.set_range(prefix):
                 continue
@@ -433,20 +475,30 @@ class Storage:
             return int(txn.stat(self.db[name])["entries"])
 
 
-def _journal_fields(op: Operation, name: str, epoch: int, node: str) -> list[Any]:
+def read_clients(path: str | Path) -> dict[str, dict[str, Any]]:
+    """The client registry of another node's environment, read-only (it may be running)."""
+    env = lmdb.open(str(path), readonly=True, lock=True, max_dbs=len(DB_NAMES) + 2)
+    try:
+        with env.begin(db=env.open_db(b"clients", create=False)) as txn:
+            return {key.decode(): json.loads(value) for key, value in txn.cursor()}
+    finally:
+        env.close()
+
+
+def _journal_fields(op: Operation, name: str, epoch: int, node: str, role: str) -> list[Any]:
     """The journal row of a consumption step; `index` is its ordering index (0 when local)."""
     if isinstance(op, Leased):
         return [op.leased_ms, name, op.queue_id, epoch, op.order, "lease", op.index, None, op.priority,
-                0, 0, "master", node, op.client]
+                0, 0, role, node, op.client]
     if isinstance(op, Acked):
         return [op.acked_ms, name, op.queue_id, epoch, op.order, "reply" if op.reply is not None else "ack",
-                op.index, None, op.priority, 0, 0, "master", node, op.client]
+                op.index, None, op.priority, 0, 0, role, node, op.client]
     if isinstance(op, Released):
         return [op.at_ms, name, op.queue_id, epoch, op.order, "expire" if op.expired else "release", op.index,
-                None, op.priority, 0, 0, "master", node, ""]
+                None, op.priority, 0, 0, role, node, ""]
     if isinstance(op, DeadLettered):
         return [op.at_ms, name, op.queue_id, epoch, op.order, "dead_letter", op.index, None, op.priority,
-                0, 0, "master", node, ""]
+                0, 0, role, node, ""]
     raise InvariantViolation(f"no journal form for {type(op).__name__}")
 
 

@@ -37,6 +37,14 @@ def encode_operation(op: Operation) -> bytes:
     return msgpack.packb(_operation_row(op), use_bin_type=True)
 
 
+def decode_operation(data: bytes) -> Operation:
+    try:
+        row = msgpack.unpackb(data, raw=False)
+    except Exception as exc:  # msgpack raises several unrelated types for garbage
+        raise MessageError(f"not msgpack: {type(exc).__name__}") from None
+    return _operation_from_row(row)
+
+
 def _operation_row(op: Operation) -> list[Any]:
     return [op.TAG, *(getattr(op, name) for name in _OPERATION_FIELDS[op.TAG])]
 
@@ -143,9 +151,29 @@ class Refused:
     message: str
 
 
-Message = Append | AppendAck | Open | SyncBegin | SyncEnd | OpenAck | Forward | ForwardResult | Refused
-MESSAGE_TYPES: dict[int, type] = {kind.TAG: kind for kind in
-                                  (Append, AppendAck, Open, SyncBegin, SyncEnd, OpenAck, Forward, ForwardResult, Refused)}
+@dataclass(frozen=True, slots=True)
+class Create:
+    """master -> replica: hold an instance of this queue (idempotent; repeated on reconnect)."""
+    TAG: ClassVar[int] = 10
+    queue: str
+    incarnation: int
+    epoch: int
+    record: dict[str, Any]     # the master's queue record: name, options, created_ms
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    """master -> replica: drop this incarnation of the queue."""
+    TAG: ClassVar[int] = 11
+    queue: str
+    incarnation: int
+    epoch: int
+
+
+Message = (Append | AppendAck | Open | SyncBegin | SyncEnd | OpenAck | Forward | ForwardResult | Refused | Create
+           | Delete)
+MESSAGE_TYPES: dict[int, type] = {kind.TAG: kind for kind in (Append, AppendAck, Open, SyncBegin, SyncEnd, OpenAck,
+                                                              Forward, ForwardResult, Refused, Create, Delete)}
 _MESSAGE_FIELDS = {tag: tuple(f.name for f in fields(kind)) for tag, kind in MESSAGE_TYPES.items()}
 
 

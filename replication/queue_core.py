@@ -57,6 +57,8 @@ class QueueRecord:
     highest_depth: int = 0
     service_ms_total: int = 0
     service_count: int = 0
+    incarnation: int = 0     # the queue's identity across the cluster (0: a single node's queue)
+    in_sync: bool = True     # the master's record of its replica (the membership layer's, later)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
