@@ -1,0 +1,97 @@
+"""Queue pairs on real processes: producers and consumers at both members, both strengths,
+kill -9 of the replica under load and its return through state transfer."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from client import AsyncClient, QueueError
+
+pytestmark = pytest.mark.asyncio
+PLACEMENT = {"orders": ["n1", "n2"], "ledger": ["n1", "n2"]}
+
+
+async def stats(client: AsyncClient, queue: str) -> dict[str, Any]:
+    return await client.queue_stats(queue)
+
+
+async def wait_converged(master: AsyncClient, replica: AsyncClient, queue: str, timeout_s: float = 20.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m, r = await stats(master, queue), await stats(replica, queue)
+        if m["replication_state"] == "in_sync" and r["replication_state"] == "following" \
+                and m["last_order"] == r["last_order"] == m["commit_order"] and m["digest"] == r["digest"]:
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{queue} did not converge: master {m} replica {r}")
+        await asyncio.sleep(0.1)
+
+
+async def test_both_members_take_producers_and_each_serves_its_own_consumers(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
+    cluster = qcluster_factory(2, PLACEMENT)
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as master, \
+            AsyncClient(cluster.urls["n2"], cluster.credentials_path) as replica:
+        await master.create_queue("orders", strength="producer")
+        at_master = await master.enqueue_many("orders", [f"m{i}".encode() for i in range(50)])
+        at_replica = [await replica.enqueue("orders", f"r{i}".encode()) for i in range(20)]
+        assert len(set(at_master) | set(at_replica)) == 70, "the master orders both members' enqueues"
+        await wait_converged(master, replica, "orders")
+        # producer strength: each member's consumers see every message once, in the same order
+        for client in (master, replica):
+            seen = []
+            while True:
+                messages = await client.receive("orders", max_messages=100, wait_s=0.2)
+                if not messages:
+                    break
+                seen.extend(m.id for m in messages)
+                await asyncio.gather(*(m.ack() for m in messages))
+            assert seen == sorted(at_master + at_replica)
+
+
+async def test_under_full_strength_a_message_acked_at_one_member_is_never_delivered_at_the_other(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
+    cluster = qcluster_factory(2, PLACEMENT)
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as master, \
+            AsyncClient(cluster.urls["n2"], cluster.credentials_path) as replica:
+        await master.create_queue("ledger", strength="full")
+        ids = await master.enqueue_many("ledger", [f"l{i}".encode() for i in range(30)])
+        taken: list[int] = []
+        for client in (replica, master, replica):
+            messages = await client.receive("ledger", max_messages=10, wait_s=1)
+            taken.extend(m.id for m in messages)
+            await asyncio.gather(*(m.ack() for m in messages))
+        assert sorted(taken) == ids and len(set(taken)) == 30
+        final = await wait_converged(master, replica, "ledger")
+        assert final["depth"] == 0 and (await stats(replica, "ledger"))["depth"] == 0
+        assert await replica.receive("ledger", wait_s=0.2) == [] and await master.receive("ledger", wait_s=0.2) == []
+
+
+async def test_a_replica_killed_under_load_returns_through_state_transfer_identical_to_the_master(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
+    cluster = qcluster_factory(2, PLACEMENT, {"replica_lag_max_ms": 500})
+    acknowledged: list[int] = []
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as master:
+        await master.create_queue("orders", strength="producer")
+        stop = asyncio.Event()
+
+        async def produce() -> None:
+            while not stop.is_set():
+                try:
+                    acknowledged.extend(await master.enqueue_many("orders", [b"x" * 100] * 20))
+                except QueueError:
+                    await asyncio.sleep(0.01)
+        producers = [asyncio.create_task(produce()) for _ in range(4)]
+        await asyncio.sleep(1.0)
+        cluster.kill("n2")
+        before_return = len(acknowledged)
+        await asyncio.sleep(1.5)
+        assert len(acknowledged) > before_return, "the master kept acknowledging alone (recorded out of sync)"
+        assert (await stats(master, "orders"))["replication_state"] == "out_of_sync"
+        cluster.start("n2")
+        await asyncio.sleep(1.0)
+        stop.set()
+        await asyncio.gather(*producers)
+        async with AsyncClient(cluster.urls["n2"], cluster.credentials_path) as replica:
+            final = await wait_converged(master, replica, "orders")
+            assert final["depth"] == len(set(acknowledged)) == (await stats(replica, "orders"))["depth"]
