@@ -36,7 +36,7 @@ import aiohttp
 from yarl import URL
 
 from client.credentials import Credentials, load_credentials
-from client.errors import E_BAD_FRAME, E_INTERNAL, E_UNAVAILABLE, QueueError
+from client.errors import E_BAD_FRAME, E_INTERNAL, E_NOT_MASTER, E_UNAVAILABLE, QueueError
 from client.http import Grant, HttpClient, error_from_status
 from client.protocol import (
     BATCH_ITEMS_MAX,
@@ -169,6 +169,16 @@ class AsyncClient:
                  in_flight_max: int = 50_000, frame_bytes_max: int = 1024 * 1024,
                  heartbeat_s: float = 10.0) -> None:
         creds = resolve_credentials(credentials)
+        self._credentials = creds
+        self._limits = dict(request_timeout_s=request_timeout_s, connect_timeout_s=connect_timeout_s,
+                            reconnect_delay_initial_s=reconnect_delay_initial_s,
+                            reconnect_delay_max_s=reconnect_delay_max_s, enqueue_retry_time_s=enqueue_retry_time_s,
+                            enqueue_attempts_max=enqueue_attempts_max, in_flight_max=in_flight_max,
+                            frame_bytes_max=frame_bytes_max, heartbeat_s=heartbeat_s)
+        # The cluster map (DESIGN.md 4.4): each queue's master, learned when a node answers
+        # E_NOT_MASTER; traffic for a queue goes to a client of its master's node.
+        self._masters: dict[str, str] = {}
+        self._others: dict[str, AsyncClient] = {}
         self.url = (url or creds.url).rstrip("/")
         self.client_id = creds.client_id
         self._signer = creds.signer()
@@ -253,6 +263,8 @@ class AsyncClient:
             await asyncio.gather(self._supervisor, return_exceptions=True)
         self._fail_everything(QueueError(E_UNAVAILABLE, "the client is closed"))
         await self.http.close()
+        for other in self._others.values():
+            await other.close()
 
     def _bound_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
@@ -345,16 +357,72 @@ class AsyncClient:
         batch.size_bytes += len(payload)
         return future
 
+    # --- the cluster map ----------------------------------------------------------------------
+    def _route(self, queue: str) -> AsyncClient:
+        """The client for the queue's master (this one unless the map says otherwise)."""
+        url = self._masters.get(queue)
+        if url is None or url == self.url:
+            return self
+        other = self._others.get(url)
+        if other is None:
+            other = self._others[url] = AsyncClient(url, self._credentials, **self._limits)  # type: ignore[arg-type]
+        return other
+
+    async def refresh_placement(self) -> None:
+        """Read the cluster map from every node (each lists the queues it holds)."""
+        first = await self.http.cluster()
+        urls = {node["id"]: node["url"].rstrip("/") for node in first.get("nodes", [])}
+        maps = [first]
+        for node in first.get("nodes", []):
+            url = node["url"].rstrip("/")
+            if url != self.url:      # ask every node: a peer link's state says nothing of ours
+                try:
+                    maps.append(await self._route_to(url).http.cluster())
+                except QueueError:
+                    continue
+        for cluster_map in maps:
+            for queue, pair in cluster_map.get("queues", {}).items():
+                if pair.get("master") in urls:
+                    self._masters[queue] = urls[pair["master"]]
+
+    def _route_to(self, url: str) -> AsyncClient:
+        if url == self.url:
+            return self
+        other = self._others.get(url)
+        if other is None:
+            other = self._others[url] = AsyncClient(url, self._credentials, **self._limits)  # type: ignore[arg-type]
+        return other
+
+    async def _rerouted(self, queue: str, error: QueueError) -> AsyncClient | None:
+        """After E_NOT_MASTER: the master's client, if the refreshed map names another node."""
+        if error.code != E_NOT_MASTER.code:
+            return None
+        try:
+            await self.refresh_placement()
+        except QueueError:
+            return None
+        target = self._route(queue)
+        return None if target is self else target
+
     # --- messages -----------------------------------------------------------------------------
     async def enqueue(self, queue: str, payload: bytes, priority: int = 4,
                       dedupe_id: str | None = None) -> int:
         """Enqueue one message and return its id once the server has made it durable."""
+        if self._masters and (target := self._route(queue)) is not self:
+            return await target.enqueue(queue, payload, priority, dedupe_id)
         if self._calls_in_flight >= self._in_flight_max:
             await self._wait_for_room()
         if type(payload) is not bytes:
             payload = _as_bytes(payload)
-        future = self._join_enqueue(queue, priority, payload, dedupe_id or self._new_dedupe_id())
-        return await future  # type: ignore[no-any-return]
+        dedupe_id = dedupe_id or self._new_dedupe_id()
+        future = self._join_enqueue(queue, priority, payload, dedupe_id)
+        try:
+            return await future  # type: ignore[no-any-return]
+        except QueueError as error:
+            master = await self._rerouted(queue, error)
+            if master is None:
+                raise
+            return await master.enqueue(queue, payload, priority, dedupe_id)
 
     async def enqueue_many(self, queue: str, payloads: Iterable[bytes], priority: int = 4, *,
                            dedupe_ids: Sequence[str] | None = None) -> list[int]:
@@ -364,6 +432,8 @@ class AsyncClient:
         items = [_as_bytes(p) for p in payloads]
         if dedupe_ids is not None and len(dedupe_ids) != len(items):
             raise ValueError("dedupe_ids must have one id per payload")
+        if self._masters and (target := self._route(queue)) is not self:
+            return await target.enqueue_many(queue, items, priority, dedupe_ids=dedupe_ids)
         if self._calls_in_flight >= self._in_flight_max:
             await self._wait_for_room()
         ids = list(dedupe_ids) if dedupe_ids is not None else [self._new_dedupe_id() for _ in items]
@@ -372,7 +442,13 @@ class AsyncClient:
         for start, end in _batch_bounds(items, self._frame_bytes_max):
             op = EnqueueBatchOp(next(self._ids), queue, priority, tuple(items[start:end]), tuple(ids[start:end]))
             futures.append(self._submit(op))
-        outcomes = [outcome for part in await asyncio.gather(*futures) for outcome in part[1]]
+        try:
+            outcomes = [outcome for part in await asyncio.gather(*futures) for outcome in part[1]]
+        except QueueError as error:
+            master = await self._rerouted(queue, error)
+            if master is None:
+                raise
+            return await master.enqueue_many(queue, items, priority, dedupe_ids=ids)
         for outcome in outcomes:
             if type(outcome) is not int:
                 raise _item_error(outcome)
@@ -381,11 +457,19 @@ class AsyncClient:
     async def receive(self, queue: str, max_messages: int = 1, wait_s: float = 0.0,
                       visibility_timeout_s: float | None = None) -> list[Message]:
         """Lease up to `max_messages`, waiting up to `wait_s` for the first; [] if none came."""
+        if self._masters and (target := self._route(queue)) is not self:
+            return await target.receive(queue, max_messages, wait_s, visibility_timeout_s)
         if self._calls_in_flight >= self._in_flight_max:
             await self._wait_for_room()
         op = ReceiveOp(next(self._ids), queue, max_messages, int(wait_s * 1000),
                        _milliseconds(visibility_timeout_s))
-        result = await self._submit(op)
+        try:
+            result = await self._submit(op)
+        except QueueError as error:
+            master = await self._rerouted(queue, error)
+            if master is None:
+                raise
+            return await master.receive(queue, max_messages, wait_s, visibility_timeout_s)
         try:
             return [Message(self, queue, m) for m in messages_from_result(result)]
         except FrameError as exc:
@@ -396,6 +480,8 @@ class AsyncClient:
 
         Returns an awaitable future rather than a coroutine, so a consumer that acks without
         waiting (`asyncio.ensure_future(message.ack())`) creates no task per message."""
+        if self._masters and (target := self._route(queue)) is not self:
+            return target.ack(queue, message_id, receipt)
         if self._calls_in_flight >= self._in_flight_max:
             return self._ack_when_room(queue, message_id, receipt)
         return self._join_ack(queue, message_id, receipt)
@@ -414,6 +500,8 @@ class AsyncClient:
         return future
 
     async def release(self, queue: str, message_id: int, receipt: str) -> None:
+        if self._masters and (target := self._route(queue)) is not self:
+            return await target.release(queue, message_id, receipt)
         if self._calls_in_flight >= self._in_flight_max:
             await self._wait_for_room()
         await self._submit(ReleaseOp(next(self._ids), queue, message_id, receipt))
@@ -428,6 +516,8 @@ class AsyncClient:
         and not yet taken at any time. Use `async with client.consume(q) as messages:`."""
         if not 1 <= prefetch <= 100_000:
             raise ValueError("prefetch must be in [1, 100000]")
+        if self._masters and (target := self._route(queue)) is not self:
+            return target.consume(queue, prefetch, visibility_timeout_s)
         self._start()
         consumer = Consumer(self, queue, prefetch, _milliseconds(visibility_timeout_s))
         self._consumers.add(consumer)

@@ -469,6 +469,8 @@ class Engine:
     def _core(self, name: str) -> QueueCore:
         core = self.cores.get(name)
         if core is None:
+            if self.pairs.placement.clustered and self.pairs.placement.pair(name).master != self.config.node_id:
+                raise QueueError(E_NOT_MASTER, f"queue {name} is held by {self.pairs.masters_hint(name)}")
             raise QueueError(E_UNKNOWN_QUEUE, f"no queue named {name!r}")
         return core
 
@@ -723,24 +725,31 @@ class Engine:
                 self._to_serve.add(core.name)
 
     def _serve(self, now_ms: int) -> None:
-        """Hand ready messages to waiting receives, then to subscriptions with credit."""
+        """Hand ready messages to waiting receives, then to subscriptions with credit. In a
+        pair, ready is not enough: only committed messages are visible, and the commit point
+        moves with the replica's acknowledgements, so every queue with listeners is looked at."""
+        if self.pairs.placement.clustered:
+            self._to_serve.update(self._waiters)
+            self._to_serve.update(name for name, subscriptions in self._subscriptions.items() if subscriptions)
         for name in self._to_serve:
             core = self.cores.get(name)
             if core is None or not core.has_ready():
                 continue
             waiters = self._waiters.get(name)
-            while waiters and core.has_ready():
-                waiter = waiters.popleft()
-                command = waiter.command
+            while waiters:
+                command = waiters[0].command
                 leased = core.lease(command.max_messages, command.visibility_ms, command.client, now_ms,
                                     self._open.sealed.operations)
+                if not leased:
+                    break       # nothing visible yet: the waiter keeps waiting
+                waiters.popleft()
                 self._answer_with_messages(core, command.replier, command.request_id, leased)
             for subscription in self._subscriptions.get(name, ()):
-                if not core.has_ready():
-                    break
                 if subscription.credit > 0:
                     leased = core.lease(subscription.credit, subscription.visibility_ms, subscription.client,
                                         now_ms, self._open.sealed.operations)
+                    if not leased:
+                        break
                     subscription.credit -= len(leased)
                     self._push(core, subscription, leased)
         self._to_serve.clear()

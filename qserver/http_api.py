@@ -190,6 +190,7 @@ async def get_queue(request: web.Request) -> web.Response:
     engine = request.app["node"].engine
     core = engine.cores.get(name)
     if core is None:
+        engine.pairs.refuse_if_not_master(name)    # in a cluster, another node may hold it
         raise QueueError(e.E_UNKNOWN_QUEUE, f"no queue named {name!r}")
     stats = engine.describe(core)
     stats.update(request.app["node"].client_counts(name))
@@ -336,12 +337,22 @@ async def set_grants(request: web.Request) -> web.Response:
 
 # --- cluster, node ----------------------------------------------------------------------
 async def cluster(request: web.Request) -> web.Response:
+    """The cluster map as this node knows it. With static placement each node lists the
+    queues it holds; the membership release makes this the replicated map."""
     node = request.app["node"]
     who = principal(request)
-    queues = {name: {"master": node.config.node_id, "replica": None, "epoch": core.record.epoch}
-              for name, core in node.engine.cores.items() if who.may_see(name)}
-    return web.json_response({"nodes": [{"id": node.config.node_id, "url": node.url, "state": "up"}],
-                              "leader": None, "queues": queues})
+    placement = node.engine.pairs.placement
+    if placement.clustered:
+        nodes = [{"id": node_id, "url": url, "state": "up" if node_id == node.config.node_id or
+                  (node.peers is not None and node.peers.is_up(node_id)) else "unreachable"}
+                 for node_id, url in sorted(placement.nodes.items())]
+        queues = {name: {"master": (pair := placement.pair(name)).master, "replica": pair.replica, "epoch": pair.epoch}
+                  for name in node.engine.cores if who.may_see(name)}
+    else:
+        nodes = [{"id": node.config.node_id, "url": node.url, "state": "up"}]
+        queues = {name: {"master": node.config.node_id, "replica": None, "epoch": core.record.epoch}
+                  for name, core in node.engine.cores.items() if who.may_see(name)}
+    return web.json_response({"node": node.config.node_id, "nodes": nodes, "leader": None, "queues": queues})
 
 
 async def not_yet(request: web.Request) -> web.Response:

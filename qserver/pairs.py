@@ -129,6 +129,8 @@ class PairDriver:
         if not self.placement.clustered or name in self.masters or name in self.replicas:
             return
         pair = self.placement.pair(name)
+        if pair.master == self.node_id:
+            return                      # ours to master: the queue simply does not exist
         raise QueueError(E_NOT_MASTER, f"queue {name} is mastered by {pair.master} at {self.placement.url(pair.master)}")
 
     def announce(self, core: QueueCore) -> None:

@@ -95,3 +95,35 @@ async def test_a_replica_killed_under_load_returns_through_state_transfer_identi
         async with AsyncClient(cluster.urls["n2"], cluster.credentials_path) as replica:
             final = await wait_converged(master, replica, "orders")
             assert final["depth"] == len(set(acknowledged)) == (await stats(replica, "orders"))["depth"]
+
+
+async def test_a_client_of_a_node_that_holds_neither_member_is_sent_to_the_master(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
+    cluster = qcluster_factory(3, PLACEMENT)
+    async with AsyncClient(cluster.urls["n3"], cluster.credentials_path) as outsider:
+        created = await outsider.create_queue("orders")          # HTTP: passed on to the master
+        assert created["master"] == "n1" and created["replica"] == "n2"
+        first = await outsider.enqueue("orders", b"one")         # WebSocket: E_NOT_MASTER, then routed
+        assert first == 1 and outsider._masters["orders"] == cluster.urls["n1"]
+        [message] = await outsider.receive("orders", wait_s=1)
+        assert message.payload == b"one"
+        await message.ack()
+        assert (await outsider.queue_stats("orders"))["depth"] == 0
+
+
+async def test_a_subscriber_at_the_master_gets_only_committed_messages_as_they_commit(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
+    cluster = qcluster_factory(2, PLACEMENT)
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as master:
+        await master.create_queue("orders")
+        received: list[bytes] = []
+
+        async def consume() -> None:
+            async with master.consume("orders", prefetch=50) as messages:
+                async for message in messages:
+                    received.append(message.payload)
+                    await message.ack()
+                    if len(received) == 100:
+                        return
+        consumer = asyncio.create_task(consume())
+        await master.enqueue_many("orders", [f"{i}".encode() for i in range(100)])
+        await asyncio.wait_for(consumer, 10)
+        assert received == [f"{i}".encode() for i in range(100)]
