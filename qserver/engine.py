@@ -48,7 +48,6 @@ from qserver.pairs import PairDriver, Placement
 from qserver.storage import CommitResult, MapGrowthNeeded, SealedBatch, Storage, StorageFull
 from replication.invariants import InvariantViolation
 from replication.master import ReplicationLimits
-from replication.messages import encode_operation
 from replication.operations import Leased, Operation
 from replication.options import (
     DEAD_LETTER_SUFFIX,
@@ -449,7 +448,7 @@ class Engine:
         sealed = self._open.sealed
         for row in applied:
             sealed.operations.append(row.op)
-            sealed.oplog_rows.append((core.queue_id, row.op.order, row.digest, encode_operation(row.op)))
+            sealed.oplog_rows.append((core.queue_id, row.op.order, row.digest, row.encoded))
         self._touch(core)
         if core.dead_letter_core is not None:
             self._touch(core.dead_letter_core)

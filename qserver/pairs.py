@@ -30,7 +30,6 @@ from replication.messages import (
     MessageError,
     decode_message,
     encode_message,
-    encode_operation,
 )
 from replication.operations import Operation
 from replication.options import DEAD_LETTER_SUFFIX
@@ -161,7 +160,7 @@ class PairDriver:
             if ops:
                 role.replicate(ops, now_ms)
                 for row in role.to_log:
-                    oplog_rows.append((role.core.queue_id, row.op.order, row.digest, encode_operation(row.op)))
+                    oplog_rows.append((role.core.queue_id, row.op.order, row.digest, row.encoded))
                 role.to_log.clear()
                 self._flush(role)
 
@@ -344,7 +343,8 @@ class PairDriver:
             return {"replication_state": "in_sync" if master.recorded_in_sync else "out_of_sync",
                     "master_status": "master", "replica": master.replica_id, "last_order": master.last_order,
                     "commit_order": master.commit_order, "replica_durable_order": master.replica_durable,
-                    "replica_progress": master.progress.value, "digest": master.digest.hex(), "epoch": master.epoch}
+                    "replica_progress": master.progress.value, "digest": master.digest.hex(), "epoch": master.epoch,
+                    "appends_sent": master.appends_sent, "stream_rewinds": master.rewinds}
         replica = self.replicas.get(name)
         if replica is not None:
             return {"replication_state": replica.phase.value, "master_status": "replica", "master": replica.master_id,

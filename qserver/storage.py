@@ -38,7 +38,6 @@ import msgpack
 
 from replication.digest import DIGEST_BYTES, EMPTY_DIGEST
 from replication.invariants import InvariantViolation
-from replication.messages import decode_operation
 from replication.operations import Acked, DeadLettered, Enqueued, Leased, Operation, Released
 from replication.queue_core import QueueRecord
 from replication.store import StoredLease
@@ -225,16 +224,16 @@ class Storage:
         return None
 
     # --- the op log, as the replication roles read it (OpLogReader) -----------------------
-    def read(self, queue_id: int, after_order: int, limit: int) -> list[Operation]:
-        out: list[Operation] = []
+    def read(self, queue_id: int, after_order: int, limit: int) -> list[tuple[int, bytes]]:
+        out: list[tuple[int, bytes]] = []
         cursor = self._reader().cursor(db=self.db["oplog"])
         if not cursor.set_range(_QI.pack(queue_id, after_order + 1)):
             return out
         for key, value in cursor:
-            owner, _ = _QI.unpack(key)
+            owner, order = _QI.unpack(key)
             if owner != queue_id or len(out) >= limit:
                 break
-            out.append(decode_operation(bytes(value[DIGEST_BYTES:])))
+            out.append((order, bytes(value[DIGEST_BYTES:])))
         return out
 
     def digest_at(self, queue_id: int, order: int) -> bytes | None:

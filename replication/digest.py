@@ -15,7 +15,12 @@ EMPTY_DIGEST = bytes(DIGEST_BYTES)
 
 def fold(digest: bytes, op: Operation) -> bytes:
     """The digest after `op`, from the digest before it."""
-    return hashlib.blake2b(digest + encode_operation(op), digest_size=DIGEST_BYTES).digest()
+    return fold_encoded(digest, encode_operation(op))
+
+
+def fold_encoded(digest: bytes, encoded: bytes) -> bytes:
+    """The same, from the operation's encoding (which both members stream and log as is)."""
+    return hashlib.blake2b(digest + encoded, digest_size=DIGEST_BYTES).digest()
 
 
 def fold_all(digest: bytes, ops: list[Operation]) -> bytes:

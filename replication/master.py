@@ -24,7 +24,7 @@ import enum
 from dataclasses import dataclass
 
 from client.errors import E_NOT_ENOUGH_REPLICAS, E_NOT_MASTER, QueueError
-from replication.digest import fold
+from replication.digest import fold_encoded
 from replication.messages import (
     Append,
     AppendAck,
@@ -36,6 +36,7 @@ from replication.messages import (
     Refused,
     SyncBegin,
     SyncEnd,
+    encode_operation,
 )
 from replication.operations import Enqueued, Operation
 from replication.oplog import OpLogReader
@@ -65,8 +66,10 @@ PROGRESS_TRANSITIONS: dict[ReplicaProgress, frozenset[ReplicaProgress]] = {
 class ReplicationLimits:
     replica_lag_max: int = 100_000        # operations behind before the replica is out of sync
     replica_lag_max_ms: int = 2_000       # silence (with operations outstanding) before the same
-    resend_after_ms: int = 500            # no progress this long: stream again from its durable point
+    resend_after_ms: int = 2_000          # no progress this long: stream again from its durable point
     window_max: int = 20_000              # operations sent and not yet acknowledged
+    window_bytes_max: int = 4 << 20       # their encoded bytes: below the peer link's send queue,
+                                          # so streaming never overruns it (an overrun is a loss)
     append_batch_max: int = 1_000         # operations per Append message
     open_retry_ms: int = 1_000            # a replica repeats Open this often until answered
 
@@ -76,6 +79,7 @@ class Applied:
     """A replicated operation with the rolling digest after it: one row of the op log."""
     op: Operation
     digest: bytes
+    encoded: bytes          # encode_operation(op): what is streamed, digested and logged
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,10 +118,15 @@ class MasterRole:
         self.sent_order = 0                   # highest order streamed to the replica
         self._sync_target = 0                 # the order SyncEnd will vouch for
         # Every replicated op after `_recent_floor` is in memory; older ones come from the op log.
-        self._recent: collections.deque[Operation] = collections.deque()
+        self._recent: collections.deque[tuple[int, bytes]] = collections.deque()   # (order, encoded)
         self._recent_floor = last_order
         self._pending_proposal: InSyncProposal | None = None
         self._sent_commit = 0                 # the commit point the replica was last told
+        self._last_rewind_ms = -(10**12)      # when the stream last went back after a gap
+        self._in_flight: collections.deque[tuple[int, int]] = collections.deque()   # (last order, bytes)
+        self._in_flight_bytes = 0
+        self.rewinds = 0                      # counters for the queue statistics
+        self.appends_sent = 0
         self._last_progress_ms = 0
         self.outbox: list[tuple[str, Message]] = []
         self.proposals: list[InSyncProposal] = []
@@ -147,12 +156,13 @@ class MasterRole:
         for op in ops:
             if not is_replicated(op, strength):
                 continue
-            self.digest = fold(self.digest, op)
+            encoded = encode_operation(op)
+            self.digest = fold_encoded(self.digest, encoded)
             self.last_order = op.order
-            self._recent.append(op)
-            self.to_log.append(Applied(op, self.digest))
+            self._recent.append((op.order, encoded))
+            self.to_log.append(Applied(op, self.digest, encoded))
         while len(self._recent) > self.limits.replica_lag_max:
-            self._recent_floor = self._recent.popleft().order   # the op log serves a lagging replica
+            self._recent_floor = self._recent.popleft()[0]    # the op log serves a lagging replica
         self._pump(now_ms)
 
     def local_durable_to(self, order: int, now_ms: int) -> None:
@@ -181,10 +191,13 @@ class MasterRole:
         if ack.durable_order > self.replica_durable:
             self.replica_durable = min(ack.durable_order, self.last_order)
             self._last_progress_ms = now_ms
-            while self._recent and self._recent[0].order <= self.replica_durable:
-                self._recent_floor = self._recent.popleft().order
-        if ack.gap or ack.durable_order < self.replica_durable:
+            while self._recent and self._recent[0][0] <= self.replica_durable:
+                self._recent_floor = self._recent.popleft()[0]
+        if (ack.gap or ack.durable_order < self.replica_durable) and self.sent_order > self.replica_durable \
+                and now_ms - self._last_rewind_ms >= self.limits.resend_after_ms // 4:
             self.sent_order = self.replica_durable   # stream again from what it holds
+            self._last_rewind_ms = now_ms
+            self.rewinds += 1
         if self.progress is ReplicaProgress.CATCHING_UP and self.replica_durable >= self._sync_target:
             self._send(SyncEnd(self.core.name, self.incarnation, self.epoch, self._sync_target,
                                self._digest_at(self._sync_target)))
@@ -238,6 +251,7 @@ class MasterRole:
         if outstanding and silent_ms > self.limits.resend_after_ms and self.sent_order > self.replica_durable:
             self.sent_order = self.replica_durable   # an Append was lost with a broken link
             self._last_progress_ms = now_ms
+            self.rewinds += 1
         if self.progress is ReplicaProgress.CATCHING_UP and self.replica_durable >= self._sync_target \
                 and silent_ms > self.limits.resend_after_ms:
             # SyncEnd (or the replica's OpenAck) was lost: vouch for the transfer again.
@@ -262,32 +276,43 @@ class MasterRole:
         if self.progress not in (ReplicaProgress.CATCHING_UP, ReplicaProgress.CAUGHT_UP):
             return
         limits = self.limits
-        while self.sent_order < self.last_order and self.sent_order - self.replica_durable < limits.window_max:
+        in_flight = self._in_flight
+        while in_flight and in_flight[0][0] <= self.replica_durable:
+            self._in_flight_bytes -= in_flight.popleft()[1]
+        if self.sent_order <= self.replica_durable:       # a rewind: nothing is in flight any more
+            in_flight.clear()
+            self._in_flight_bytes = 0
+        while self.sent_order < self.last_order and self.sent_order - self.replica_durable < limits.window_max \
+                and self._in_flight_bytes < limits.window_bytes_max:
             ops = self._next_ops(min(limits.append_batch_max, limits.window_max - (self.sent_order - self.replica_durable)))
             if not ops:
                 break
+            size = sum(len(encoded) for _, encoded in ops)
+            in_flight.append((ops[-1][0], size))
+            self._in_flight_bytes += size
             self._sent_commit = self.commit_order
-            self._send(Append(self.core.name, self.incarnation, self.epoch, self.sent_order, tuple(ops),
-                              self._sent_commit))
-            self.sent_order = ops[-1].order
+            self.appends_sent += 1
+            self._send(Append(self.core.name, self.incarnation, self.epoch, self.sent_order,
+                              tuple(encoded for _, encoded in ops), self._sent_commit))
+            self.sent_order = ops[-1][0]
         if self.commit_order > self._sent_commit:
             # Nothing new to stream, but the replica's clients wait on the commit point.
             self._sent_commit = self.commit_order
             self._send(Append(self.core.name, self.incarnation, self.epoch, self.sent_order, (), self._sent_commit))
 
-    def _next_ops(self, limit: int) -> list[Operation]:
-        """The next operations after sent_order: from memory, or older ones from the op log
-        (which holds what is durable here; the rest follows once it is)."""
+    def _next_ops(self, limit: int) -> list[tuple[int, bytes]]:
+        """The next (order, encoded operation) after sent_order: from memory, or older ones
+        from the op log (which holds what is durable here; the rest follows once it is)."""
         if self.sent_order >= self._recent_floor:
             ops = []
-            for op in self._recent:
-                if op.order > self.sent_order:
-                    ops.append(op)
+            for entry in self._recent:
+                if entry[0] > self.sent_order:
+                    ops.append(entry)
                     if len(ops) == limit:
                         break
             return ops
         older = self.oplog.read(self.core.queue_id, self.sent_order, limit)
-        return [op for op in older if op.order <= self._recent_floor]
+        return [entry for entry in older if entry[0] <= self._recent_floor]
 
     def _digest_at(self, order: int) -> bytes:
         if order == self.last_order:

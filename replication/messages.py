@@ -65,7 +65,7 @@ class Append:
     incarnation: int
     epoch: int
     prev_order: int            # the ordering index of the op sent just before these (gap check)
-    ops: tuple[Operation, ...]
+    ops: tuple[bytes, ...]     # encoded operations (encode_operation): logged and digested as is
     commit_order: int          # the master's commit point, so the replica may expose up to it
 
 
@@ -181,7 +181,7 @@ def encode_message(message: Message) -> bytes:
     row: list[Any] = [PROTOCOL_VERSION, message.TAG]
     for name in _MESSAGE_FIELDS[message.TAG]:
         value = getattr(message, name)
-        row.append([_operation_row(op) for op in value] if name == "ops" else value)
+        row.append(list(value) if name == "ops" else value)
     return msgpack.packb(row, use_bin_type=True)
 
 
@@ -201,8 +201,12 @@ def decode_message(data: bytes) -> Message:
     values = row[2:]
     if len(values) != len(names):
         raise MessageError(f"message {kind.__name__} has {len(names)} fields")
-    arguments = {name: (tuple(_operation_from_row(op) for op in value) if name == "ops" else value)
-                 for name, value in zip(names, values, strict=True)}
+    arguments = dict(zip(names, values, strict=True))
+    if "ops" in arguments:
+        ops = arguments["ops"]
+        if not isinstance(ops, list) or not all(isinstance(op, bytes) for op in ops):
+            raise MessageError("ops are encoded operations")
+        arguments["ops"] = tuple(ops)
     try:
         return kind(**arguments)  # type: ignore[no-any-return]
     except TypeError as exc:

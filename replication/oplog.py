@@ -10,12 +10,13 @@ from __future__ import annotations
 import bisect
 from typing import Protocol
 
+from replication.messages import encode_operation
 from replication.operations import Operation
 
 
 class OpLogReader(Protocol):
-    def read(self, queue_id: int, after_order: int, limit: int) -> list[Operation]:
-        """Replicated operations with order > after_order, ascending, at most `limit`."""
+    def read(self, queue_id: int, after_order: int, limit: int) -> list[tuple[int, bytes]]:
+        """(order, encoded operation) with order > after_order, ascending, at most `limit`."""
         ...
 
     def digest_at(self, queue_id: int, order: int) -> bytes | None:
@@ -32,15 +33,15 @@ class MemoryOpLog:
 
     def __init__(self, empty_digest: bytes) -> None:
         self._orders: dict[int, list[int]] = {}
-        self._entries: dict[int, dict[int, tuple[Operation, bytes]]] = {}
+        self._entries: dict[int, dict[int, tuple[Operation, bytes, bytes]]] = {}
         self._empty = empty_digest
 
-    def append(self, queue_id: int, op: Operation, digest: bytes) -> None:
+    def append(self, queue_id: int, op: Operation, digest: bytes, encoded: bytes = b"") -> None:
         orders = self._orders.setdefault(queue_id, [])
         if orders and op.order <= orders[-1]:
             raise ValueError(f"oplog order {op.order} after {orders[-1]}")
         orders.append(op.order)
-        self._entries.setdefault(queue_id, {})[op.order] = (op, digest)
+        self._entries.setdefault(queue_id, {})[op.order] = (op, digest, encoded or encode_operation(op))
 
     def truncate_after(self, queue_id: int, order: int) -> None:
         orders = self._orders.get(queue_id, [])
@@ -53,11 +54,11 @@ class MemoryOpLog:
         self._orders.pop(queue_id, None)
         self._entries.pop(queue_id, None)
 
-    def read(self, queue_id: int, after_order: int, limit: int) -> list[Operation]:
+    def read(self, queue_id: int, after_order: int, limit: int) -> list[tuple[int, bytes]]:
         orders = self._orders.get(queue_id, [])
         start = bisect.bisect_right(orders, after_order)
         entries = self._entries.get(queue_id, {})
-        return [entries[o][0] for o in orders[start:start + limit]]
+        return [(o, entries[o][2]) for o in orders[start:start + limit]]
 
     def digest_at(self, queue_id: int, order: int) -> bytes | None:
         if order == 0:

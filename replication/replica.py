@@ -23,7 +23,7 @@ import collections
 import enum
 from typing import Any
 
-from replication.digest import EMPTY_DIGEST, fold
+from replication.digest import EMPTY_DIGEST, fold_encoded
 from replication.master import Applied, ReplicationLimits
 from replication.messages import (
     Append,
@@ -36,6 +36,7 @@ from replication.messages import (
     Refused,
     SyncBegin,
     SyncEnd,
+    decode_operation,
 )
 from replication.oplog import OpLogReader
 from replication.queue_core import QueueCore
@@ -76,6 +77,7 @@ class ReplicaRole:
         self.master_commit_order = 0
         self._recent_digests: collections.deque[tuple[int, bytes]] = collections.deque()   # not yet durable
         self._last_open_ms: int | None = None
+        self._gap_reported_at = -1
         core.visible_upto = self.visible_order
         self.resets: list[dict[str, Any]] = []
         self.applied: list[Applied] = []
@@ -130,19 +132,24 @@ class ReplicaRole:
         self.core.visible_upto = self.visible_order
         previous = append.prev_order
         repeated = False
-        for op in append.ops:
+        for encoded in append.ops:
+            op = decode_operation(encoded)
             if op.order <= self.applied_order:
                 previous = op.order     # already applied (a resend)
                 repeated = True
                 continue
             if previous != self.applied_order:
-                self._send(AppendAck(self.core.name, self.incarnation, self.epoch, 0, self.durable_order, True))
+                # A gap: an Append was lost, or this one was sent before our last Open. Ask
+                # once per position; everything in flight behind it shows the same gap.
+                if self._gap_reported_at != self.applied_order:
+                    self._gap_reported_at = self.applied_order
+                    self._send(AppendAck(self.core.name, self.incarnation, self.epoch, 0, self.durable_order, True))
                 return
             self.core.apply(op)
-            self.digest = fold(self.digest, op)
+            self.digest = fold_encoded(self.digest, encoded)
             self.applied_order = op.order
             self._recent_digests.append((op.order, self.digest))
-            self.applied.append(Applied(op, self.digest))
+            self.applied.append(Applied(op, self.digest, encoded))
             previous = op.order
             repeated = False
         if repeated:

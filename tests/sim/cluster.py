@@ -265,7 +265,7 @@ class SimNode:
             return
         self.store.apply(ops)
         for row in log:
-            self.oplog.append(QUEUE_ID, row.op, row.digest)
+            self.oplog.append(QUEUE_ID, row.op, row.digest, row.encoded)
         self.record_json = record
         self.core.advance()
         self.durable_batch = batch

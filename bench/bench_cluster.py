@@ -1,0 +1,130 @@
+"""Replicated throughput, latency, state transfer and catch-up on a local 3-node cluster
+(run by hand, not in CI; loopback only; every workload bounded in time).
+
+    .venv/bin/python bench/bench_cluster.py [--runs 3] [--seconds 5] [--skip-transfer]
+
+The queue's pair is n1 (master) and n2 (replica); the client talks to n1. Both members fsync
+every group commit. Workloads as in bench.py, then:
+  state_transfer     a wiped replica takes a queue of 100,000 x 1 KiB: payload MB/s
+  catch_up           a queue holding 1,000,000 messages; the replica misses 10,000 while down:
+                     seconds from its restart until it is in sync again
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.bench import drain, fill, produce_and_consume, produce_batched, produce_in_flight, produce_one_at_a_time  # noqa: E402
+from bench.cluster import LocalCluster  # noqa: E402
+from client import AsyncClient  # noqa: E402
+
+PLACEMENT = {"bench": ["n1", "n2"], "transfer": ["n1", "n2"], "catchup": ["n1", "n2"]}
+
+
+async def converged(master: AsyncClient, replica_url: str, credentials: Path, queue: str, timeout_s: float) -> float:
+    started = time.perf_counter()
+    async with AsyncClient(replica_url, credentials) as replica:
+        while time.perf_counter() - started < timeout_s:
+            try:
+                m, r = await master.queue_stats(queue), await replica.queue_stats(queue)
+                if m["replication_state"] == "in_sync" and r.get("replication_state") == "following" \
+                        and r["last_order"] == m["last_order"] and r["digest"] == m["digest"]:
+                    return time.perf_counter() - started
+            except Exception:
+                pass
+            await asyncio.sleep(0.01)
+    raise RuntimeError(f"{queue} did not converge in {timeout_s}s")
+
+
+async def workloads(cluster: LocalCluster, seconds: float) -> list[dict[str, Any]]:
+    payload = b"x" * 1024
+    results = []
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials) as client, \
+            AsyncClient(cluster.urls["n1"], cluster.credentials) as consumer_client:
+        await client.create_queue("bench", max_depth=50_000_000)
+        await client.ping()
+        await converged(client, cluster.urls["n2"], cluster.credentials, "bench", 10)
+        results.append({"workload": "produce_100_in_flight", **await produce_in_flight(client, "bench", payload, seconds, 100)})
+        results.append({"workload": "produce_one_at_a_time", **await produce_one_at_a_time(client, "bench", payload, seconds)})
+        results.append({"workload": "produce_batched", **await produce_batched(client, "bench", payload, seconds)})
+        depth = (await client.queue_stats("bench"))["depth"]
+        await drain(client, "bench", 120, expected=depth)
+        results.append({"workload": "produce_and_consume",
+                        **await produce_and_consume(client, consumer_client, "bench", payload, seconds)})
+        await client.delete_queue("bench")
+    return results
+
+
+async def state_transfer(cluster: LocalCluster) -> dict[str, Any]:
+    count, size = 100_000, 1024
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials) as client:
+        await client.create_queue("transfer", max_depth=10_000_000)
+        await fill(client, "transfer", b"t" * size, count)
+        cluster.wipe("n2")
+        cluster.start("n2")
+        seconds = await converged(client, cluster.urls["n2"], cluster.credentials, "transfer", 300)
+        await client.delete_queue("transfer")
+    return {"workload": "state_transfer", "messages": count, "seconds": seconds,
+            "payload_mb_per_s": count * size / seconds / 1e6}
+
+
+async def catch_up(cluster: LocalCluster) -> dict[str, Any]:
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials) as client:
+        await client.create_queue("catchup", max_depth=10_000_000)
+        await fill(client, "catchup", b"c" * 100, 1_000_000)
+        await converged(client, cluster.urls["n2"], cluster.credentials, "catchup", 300)
+        cluster.kill("n2")
+        await fill(client, "catchup", b"m" * 100, 10_000)
+        cluster.start("n2")
+        seconds = await converged(client, cluster.urls["n2"], cluster.credentials, "catchup", 120)
+        await client.delete_queue("catchup")
+    return {"workload": "catch_up_10k_of_1m", "seconds": seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--skip-transfer", action="store_true")
+    args = parser.parse_args()
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+    all_runs: dict[str, list[dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory(prefix="qbench-cluster-") as root:
+        cluster = LocalCluster(Path(root), 3, PLACEMENT)
+        cluster.start_all()
+        try:
+            for run in range(args.runs):
+                for result in asyncio.run(workloads(cluster, args.seconds)):
+                    result["run"] = run + 1
+                    print(json.dumps(result), flush=True)
+                    all_runs.setdefault(result["workload"], []).append(result)
+            if not args.skip_transfer:
+                for measure in (state_transfer, catch_up):
+                    result = asyncio.run(measure(cluster))
+                    print(json.dumps(result), flush=True)
+        finally:
+            cluster.stop_all()
+    for workload, results in all_runs.items():
+        summary: dict[str, Any] = {"workload": workload, "summary": True, "runs": len(results)}
+        for key in ("msgs_per_s", "p50_ms", "p99_ms", "e2e_p50_ms", "e2e_p99_ms"):
+            values = [r[key] for r in results if key in r]
+            if values:
+                summary[key] = round(statistics.median(values), 3)
+                summary[key + "_spread"] = [round(min(values), 3), round(max(values), 3)]
+        print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()
