@@ -806,7 +806,10 @@ class Engine:
             core.seal()
         self._committing = batch
         loop = asyncio.get_running_loop()
-        if inline_allowed and len(sealed.operations) <= self.config.commit_inline_operations_max:
+        # A master's batch goes to its replica in this same step: commit it on the writer
+        # thread, so the loop can put the Append on the wire while the fsync runs.
+        streams = bool(sealed.oplog_rows) and bool(self.pairs.masters)
+        if inline_allowed and not streams and len(sealed.operations) <= self.config.commit_inline_operations_max:
             done: asyncio.Future[CommitResult] = loop.create_future()
             try:
                 done.set_result(self.storage.commit(sealed))
