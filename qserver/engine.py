@@ -333,6 +333,9 @@ class Engine:
         op_mark, reply_mark = len(batch.sealed.operations), len(batch.replies)
         self._step_local(command, now_ms)
         required = pairs.replicated_order(master.core, batch.sealed.operations[op_mark:])
+        if type(command) in _WRITES:
+            # A repeated dedupe id answers with an earlier id, which may not be committed yet.
+            required = max(required, master.core.record.next_index - 1)
         if required:
             for position in range(reply_mark, len(batch.replies)):
                 batch.holds.setdefault(position, (queue, required))
@@ -883,7 +886,8 @@ class Engine:
             if type(result) is _Messages:
                 result = self._messages(result.leased, payloads, result.first)
             held = holds.get(position) if holds else None
-            if held is None or not hold(held[0], held[1], functools.partial(replier.reply, request_id, result)):
+            if held is None or not hold(held[0], held[1], functools.partial(replier.reply, request_id, result),
+                                        functools.partial(replier.fail, request_id)):
                 replier.reply(request_id, result)
         for position, (subscription, first, leased) in enumerate(batch.pushes):
             messages = self._messages(leased, payloads, first)

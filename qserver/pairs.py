@@ -20,7 +20,7 @@ import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from client.errors import E_NOT_MASTER, E_QUEUE_UNAVAILABLE, QueueError
+from client.errors import E_NOT_MASTER, E_UNKNOWN_QUEUE, QueueError
 from replication.master import InSyncProposal, MasterRole, ReplicationLimits, is_replicated
 from replication.messages import (
     Create,
@@ -78,7 +78,8 @@ class Placement:
 class HeldAnswer:
     """An answer released once the queue's commit point passes `required_order`."""
     required_order: int
-    release: Any      # a no-argument callable
+    release: Any              # a no-argument callable: answer
+    refuse: Any = None        # callable(QueueError): the queue went away first
 
 
 class PairDriver:
@@ -93,7 +94,6 @@ class PairDriver:
         self.forwards: dict[int, Any] = {}      # forward request id -> callback(outcome)
         self._next_forward = 1
         self.send: Any = lambda peer, data: False   # set by the node: PeerTransport.send
-        self.peer_up: Any = lambda peer: False
 
     # --- roles -----------------------------------------------------------------------------
     def attach(self, core: QueueCore) -> None:
@@ -121,7 +121,8 @@ class PairDriver:
         self.masters.pop(name, None)
         self.replicas.pop(name, None)
         for held in self.held.pop(name, ()):
-            held.release()   # their answers fail on their own: the queue is gone
+            if held.refuse is not None:   # never committed: the queue is gone
+                held.refuse(QueueError(E_UNKNOWN_QUEUE, f"queue {name} was deleted", outcome_unknown=True))
 
     def refuse_if_not_master(self, name: str) -> None:
         """Client commands for a queue this node neither masters nor holds go to its master."""
@@ -182,12 +183,12 @@ class PairDriver:
                 self._flush(replica)
         self.release_committed()
 
-    def hold(self, name: str, required_order: int, release: Any) -> bool:
+    def hold(self, name: str, required_order: int, release: Any, refuse: Any = None) -> bool:
         """Park an answer until the commit point passes required_order; False: answer now."""
         commit = self.commit_order(name)
         if commit is None or required_order <= commit:
             return False
-        self.held.setdefault(name, collections.deque()).append(HeldAnswer(required_order, release))
+        self.held.setdefault(name, collections.deque()).append(HeldAnswer(required_order, release, refuse))
         return True
 
     def commit_order(self, name: str) -> int | None:
@@ -352,5 +353,3 @@ class PairDriver:
                     "commit_order": replica.visible_order, "digest": replica.digest.hex(), "epoch": replica.epoch}
         return {}
 
-    def unavailable(self, name: str) -> QueueError:
-        return QueueError(E_QUEUE_UNAVAILABLE, f"queue {name} has no member that may serve now")

@@ -127,3 +127,32 @@ async def test_a_subscriber_at_the_master_gets_only_committed_messages_as_they_c
         await master.enqueue_many("orders", [f"{i}".encode() for i in range(100)])
         await asyncio.wait_for(consumer, 10)
         assert received == [f"{i}".encode() for i in range(100)]
+
+
+async def test_a_dedupe_id_is_kept_by_the_pair_whichever_member_the_retry_reaches(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
+    cluster = qcluster_factory(2, PLACEMENT)
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as master, \
+            AsyncClient(cluster.urls["n2"], cluster.credentials_path) as replica:
+        await master.create_queue("orders")
+        first = await master.enqueue("orders", b"pay 10", dedupe_id="payment-7")
+        again = await replica.enqueue("orders", b"pay 10", dedupe_id="payment-7")
+        assert again == first
+        final = await wait_converged(master, replica, "orders")
+        assert final["depth"] == 1 and final["total_enqueued"] == 1
+
+
+async def test_under_full_strength_dead_lettering_happens_once_for_the_pair(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
+    cluster = qcluster_factory(2, PLACEMENT)
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as master, \
+            AsyncClient(cluster.urls["n2"], cluster.credentials_path) as replica:
+        await master.create_queue("ledger", strength="full", max_deliveries=2)
+        await master.enqueue("ledger", b"poison")
+        for client in (master, replica):          # leased once at each member, given back each time
+            [message] = await client.receive("ledger", wait_s=2)
+            await message.release()
+        [dead] = await replica.receive("ledger.dlq", wait_s=2)
+        assert dead.payload == b"poison"
+        await dead.ack()
+        for queue in ("ledger", "ledger.dlq"):
+            final = await wait_converged(master, replica, queue)
+            assert final["depth"] == 0 and (await stats(replica, queue))["depth"] == 0
