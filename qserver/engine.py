@@ -332,7 +332,9 @@ class Engine:
         batch = self._open
         op_mark, reply_mark = len(batch.sealed.operations), len(batch.replies)
         self._step_local(command, now_ms)
-        required = pairs.replicated_order(master.core, batch.sealed.operations[op_mark:])
+        decided = batch.sealed.operations[op_mark:]
+        pairs.note_decided(master.core, decided)
+        required = pairs.replicated_order(master.core, decided)
         if type(command) in _WRITES:
             # A repeated dedupe id answers with an earlier id, which may not be committed yet.
             required = max(required, master.core.record.next_index - 1)
@@ -719,7 +721,9 @@ class Engine:
             if core.name in replicas and core.options.strength.value == "full":
                 continue    # under `full` the master decides expiry and replicates it
             deadline = core.next_deadline_ms()
+            mark = len(operations)
             if deadline is not None and deadline <= now_ms and core.expire_leases(now_ms, operations):
+                self.pairs.note_decided(core, operations[mark:])
                 self._touch(core)
                 if core.dead_letter_core is not None:
                     self._touch(core.dead_letter_core)

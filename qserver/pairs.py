@@ -31,7 +31,7 @@ from replication.messages import (
     decode_message,
     encode_message,
 )
-from replication.operations import Operation
+from replication.operations import DeadLettered, Operation
 from replication.options import DEAD_LETTER_SUFFIX
 from replication.queue_core import QueueCore
 from replication.replica import ReplicaRole
@@ -89,6 +89,10 @@ class PairDriver:
         self.limits = limits
         self.node_id = engine.config.node_id
         self.masters: dict[str, MasterRole] = {}
+        # Dead letters enter a dead-letter queue through its source queue's stream, so under
+        # `full` one becomes visible when the source's DeadLettered is committed:
+        # dead-letter queue name -> (source order, dead-letter index) not yet committed.
+        self.dead_letters_pending: dict[str, collections.deque[tuple[int, int]]] = {}
         self.replicas: dict[str, ReplicaRole] = {}
         self.held: dict[str, collections.deque[HeldAnswer]] = {}
         self.forwards: dict[int, Any] = {}      # forward request id -> callback(outcome)
@@ -104,18 +108,25 @@ class PairDriver:
         record = core.record
         last_order, digest = self.engine.storage.last(core.queue_id)
         incarnation = record.incarnation or record.queue_id
+        role: MasterRole | ReplicaRole
         if pair.master == self.node_id:
-            self.masters[core.name] = MasterRole(
+            role = self.masters[core.name] = MasterRole(
                 core, self.engine.storage, node_id=self.node_id, replica_id=pair.replica, epoch=pair.epoch,
                 incarnation=incarnation, recorded_in_sync=record.in_sync, last_order=last_order, digest=digest,
                 limits=self.limits)
             self.replicas.pop(core.name, None)
         elif pair.replica == self.node_id:
-            role = ReplicaRole(core, self.engine.storage, node_id=self.node_id, master_id=pair.master,
-                               epoch=pair.epoch, incarnation=incarnation, applied_order=last_order, digest=digest,
-                               last_epoch=record.epoch, limits=self.limits)
-            self.replicas[core.name] = role
+            role = self.replicas[core.name] = ReplicaRole(
+                core, self.engine.storage, node_id=self.node_id, master_id=pair.master, epoch=pair.epoch,
+                incarnation=incarnation, applied_order=last_order, digest=digest, last_epoch=record.epoch,
+                limits=self.limits)
             self.masters.pop(core.name, None)
+        else:
+            return
+        if record.dead_letter_of is not None:
+            # Its messages arrive through the source queue's stream (see _gate_dead_letters).
+            role.gates_visibility = False
+            core.visible_upto = None
 
     def detach(self, name: str) -> None:
         self.masters.pop(name, None)
@@ -198,7 +209,36 @@ class PairDriver:
         replica = self.replicas.get(name)
         return None if replica is None else replica.visible_order
 
+    def note_decided(self, core: QueueCore, ops: list[Operation]) -> None:
+        """Called as soon as a master's core decided `ops`: a replicated dead-lettering must
+        not make its message visible in the dead-letter queue before it commits."""
+        dead = core.dead_letter_core
+        if dead is None or core.name not in self.masters:
+            return
+        added = False
+        for op in ops:
+            if type(op) is DeadLettered and op.order:
+                self.dead_letters_pending.setdefault(dead.name, collections.deque()).append(
+                    (op.order, op.dead_letter_index))
+                added = True
+        if added:
+            self._gate_dead_letters()
+
+    def _gate_dead_letters(self) -> None:
+        """A dead-letter queue shows messages up to its first dead letter not yet committed."""
+        for name, pending in self.dead_letters_pending.items():
+            dead = self.engine.cores.get(name)
+            source = self.masters.get(dead.record.dead_letter_of or "") if dead is not None else None
+            if dead is None or source is None:
+                pending.clear()
+                continue
+            while pending and pending[0][0] <= source.commit_order:
+                pending.popleft()
+            dead.visible_upto = pending[0][1] - 1 if pending else None
+
     def release_committed(self) -> None:
+        if self.dead_letters_pending:
+            self._gate_dead_letters()
         for name, waiting in list(self.held.items()):
             commit = self.commit_order(name)
             if commit is None:

@@ -132,6 +132,7 @@ class MasterRole:
         self.proposals: list[InSyncProposal] = []
         self.forwarded: list[Forward] = []    # requests from the replica's clients, for the driver
         self.to_log: list[Applied] = []       # replicated ops with their digests: the op log's rows
+        self.gates_visibility = True   # False for a dead-letter queue: see qserver/pairs.py
         core.visible_upto = self.commit_order
 
     # --- commit point ----------------------------------------------------------------------
@@ -272,7 +273,8 @@ class MasterRole:
 
     # --- streaming -------------------------------------------------------------------------
     def _pump(self, now_ms: int) -> None:
-        self.core.visible_upto = self.commit_order
+        if self.gates_visibility:
+            self.core.visible_upto = self.commit_order
         if self.progress not in (ReplicaProgress.CATCHING_UP, ReplicaProgress.CAUGHT_UP):
             return
         limits = self.limits

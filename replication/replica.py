@@ -78,6 +78,7 @@ class ReplicaRole:
         self._recent_digests: collections.deque[tuple[int, bytes]] = collections.deque()   # not yet durable
         self._last_open_ms: int | None = None
         self._gap_reported_at = -1
+        self.gates_visibility = True   # False for a dead-letter queue: see qserver/pairs.py
         core.visible_upto = self.visible_order
         self.resets: list[dict[str, Any]] = []
         self.applied: list[Applied] = []
@@ -129,7 +130,8 @@ class ReplicaRole:
         if self.phase not in (ReplicaPhase.SYNCING, ReplicaPhase.FOLLOWING):
             return                      # not opened yet: the transfer will carry these
         self.master_commit_order = max(self.master_commit_order, append.commit_order)
-        self.core.visible_upto = self.visible_order
+        if self.gates_visibility:
+            self.core.visible_upto = self.visible_order
         previous = append.prev_order
         repeated = False
         for encoded in append.ops:
@@ -197,7 +199,8 @@ class ReplicaRole:
         if order <= self.durable_order:
             return
         self.durable_order = order
-        self.core.visible_upto = self.visible_order
+        if self.gates_visibility:
+            self.core.visible_upto = self.visible_order
         while self._recent_digests and self._recent_digests[0][0] <= order:
             self._recent_digests.popleft()
         self._send(AppendAck(self.core.name, self.incarnation, self.epoch, 0, order))
