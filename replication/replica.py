@@ -24,6 +24,7 @@ import enum
 from typing import Any
 
 from replication.digest import EMPTY_DIGEST, fold_encoded
+from replication.invariants import InvariantViolation
 from replication.master import Applied, ReplicationLimits
 from replication.messages import (
     Append,
@@ -38,6 +39,7 @@ from replication.messages import (
     SyncEnd,
     decode_operation,
 )
+from replication.operations import DeadLettered, Operation
 from replication.oplog import OpLogReader
 from replication.queue_core import QueueCore
 
@@ -135,7 +137,7 @@ class ReplicaRole:
         previous = append.prev_order
         repeated = False
         for encoded in append.ops:
-            op = decode_operation(encoded)
+            op = self._localized(decode_operation(encoded))
             if op.order <= self.applied_order:
                 previous = op.order     # already applied (a resend)
                 repeated = True
@@ -209,6 +211,17 @@ class ReplicaRole:
         self._send(Forward(self.core.name, self.incarnation, self.epoch, request_id, request))
 
     # --- internals -------------------------------------------------------------------------
+    def _localized(self, op: Operation) -> Operation:
+        """Queue ids in operations are the master's node-local storage ids: use ours. (The
+        encoded bytes stay as the master sent them: both members digest and log the same.)"""
+        op.queue_id = self.core.queue_id
+        if type(op) is DeadLettered:
+            dead = self.core.dead_letter_core
+            if dead is None:
+                raise InvariantViolation(f"queue {self.core.name} dead-letters but has no dead-letter queue here")
+            op.dead_letter_queue_id = dead.queue_id
+        return op
+
     def _digest_at(self, order: int) -> bytes | None:
         if order == self.applied_order:
             return self.digest

@@ -7,6 +7,7 @@ again on the same data and port, which is how the restart tests crash it.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -174,6 +175,13 @@ class QCluster:
     def stop_all(self) -> None:
         for node in list(self.processes):
             self.kill(node)
+
+    def wipe(self, node: str) -> None:
+        """The node loses its disk: a fresh data directory that joins the same cluster."""
+        self.kill(node)
+        shutil.rmtree(self.root / node)
+        subprocess.run([sys.executable, "-m", "qserver", "init", "--data-dir", str(self.root / node), "--node-id", node,
+                        "--join", str(self.root / self.ids[0])], check=True, capture_output=True, cwd=REPOSITORY)
 
 
 @pytest.fixture

@@ -156,3 +156,26 @@ async def test_under_full_strength_dead_lettering_happens_once_for_the_pair(qclu
         for queue in ("ledger", "ledger.dlq"):
             final = await wait_converged(master, replica, queue)
             assert final["depth"] == 0 and (await stats(replica, queue))["depth"] == 0
+
+
+async def test_a_replica_that_lost_its_disk_takes_the_whole_queue_again(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
+    cluster = qcluster_factory(2, {**PLACEMENT, "other": ["n2", "n1"]})
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as master:
+        await master.create_queue("ledger", strength="full")
+        await master.enqueue_many("ledger", [f"l{i}".encode() for i in range(300)])
+        [taken] = await master.receive("ledger", wait_s=5, visibility_timeout_s=600)
+        assert taken.payload == b"l0"
+    # n2 loses its disk and, before it hears from n1 again, creates a queue of its own: its
+    # local storage ids now differ from n1's, as they do between real nodes.
+    cluster.kill("n1")
+    cluster.wipe("n2")
+    cluster.start("n2")
+    async with AsyncClient(cluster.urls["n2"], cluster.credentials_path) as newcomer:
+        await newcomer.create_queue("other")
+        cluster.start("n1")
+        async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as master:
+            await master.enqueue_many("ledger", [b"after"] * 10)
+            final = await wait_converged(master, newcomer, "ledger")
+            replica_view = await stats(newcomer, "ledger")
+            assert final["depth"] == replica_view["depth"] == 310
+            assert replica_view["in_flight"] == final["in_flight"] == 1    # the lease came across too

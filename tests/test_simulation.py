@@ -13,7 +13,7 @@ import pytest
 from replication.invariants import history_disagreements, lost_acknowledged, seen_but_uncommitted
 from replication.options import Strength
 from replication.replica import ReplicaPhase
-from tests.sim.cluster import QUEUE_ID, Simulation
+from tests.sim.cluster import Simulation
 
 FIXED_SEEDS = list(range(1, 13))
 FRESH_SEEDS = [random.Random(os.getpid()).randrange(10**9) for _ in range(3)]
@@ -23,7 +23,7 @@ def check_converged(sim: Simulation) -> None:
     master, replica = sim.master, sim.replica
     assert replica.role.phase is ReplicaPhase.FOLLOWING, f"replica never caught up: {replica.role.phase}"
     assert master.role.commit_order == master.role.last_order, "the master did not commit everything"
-    assert replica.oplog.last(QUEUE_ID) == master.oplog.last(QUEUE_ID), "digests differ at the end"
+    assert replica.oplog.last(replica.queue_id) == master.oplog.last(master.queue_id), "digests differ at the end"
     assert not history_disagreements(sim.oplog_rows(master), sim.oplog_rows(replica))
     assert [order for order, _ in sim.oplog_rows(master)] == [order for order, _ in sim.oplog_rows(replica)]
 
@@ -42,7 +42,8 @@ def check_safety(sim: Simulation) -> None:
         assert not seen, f"{node} delivered uncommitted messages {sorted(seen)[:10]}"
     if sim.options.strength is Strength.FULL:
         assert sim.held(master) == sim.held(replica), "under full both members hold the same messages"
-        assert {lease.index for lease in master.store.leases(QUEUE_ID)} == {lease.index for lease in replica.store.leases(QUEUE_ID)}
+        assert {lease.index for lease in master.store.leases(master.queue_id)} == \
+            {lease.index for lease in replica.store.leases(replica.queue_id)}
     else:
         assert sim.held(master) | history.consumed["n1"] >= surviving - set()
         # each member keeps its own consumption state, but holds every enqueue it has not consumed

@@ -19,7 +19,7 @@ from typing import Any
 from client.errors import QueueError
 from replication.digest import EMPTY_DIGEST
 from replication.master import Applied, InSyncProposal, MasterRole, ReplicationLimits
-from replication.messages import Forward, Message, decode_message, encode_message, encode_operation
+from replication.messages import Forward, Message, decode_message, encode_message
 from replication.operations import Enqueued, Leased, Operation
 from replication.oplog import MemoryOpLog
 from replication.options import QueueOptions, QueueState, Strength
@@ -28,7 +28,7 @@ from replication.replica import ReplicaRole
 from replication.store import MemoryStore, drop_queue
 
 QUEUE = "q"
-QUEUE_ID = 1
+QUEUE_IDS = {"n1": 1, "n2": 7}    # node-local storage ids differ, as they do between real nodes
 INCARNATION = 1
 LIMITS = ReplicationLimits(replica_lag_max=400, replica_lag_max_ms=300, resend_after_ms=150, window_max=64,
                            append_batch_max=16, open_retry_ms=200)
@@ -142,7 +142,8 @@ class SimNode:
         self.peer = "n2" if name == "n1" else "n1"
         self.store = MemoryStore()                       # durable state
         self.oplog = MemoryOpLog(EMPTY_DIGEST)           # durable op log
-        self.record_json = QueueRecord(QUEUE_ID, QUEUE, sim.options, 0, state=QueueState.OPEN).to_json()
+        self.queue_id = QUEUE_IDS[name]
+        self.record_json = QueueRecord(self.queue_id, QUEUE, sim.options, 0, state=QueueState.OPEN).to_json()
         self.up = True
         self.boots = 0
         self.batch = 0                                   # the batch being staged
@@ -164,8 +165,8 @@ class SimNode:
         self.fsync_in_flight = False
         record = QueueRecord.from_json(self.record_json)
         self.core = QueueCore(record, self.store, random.Random(self.sim.rng.random()),
-                              leases=self.store.leases(QUEUE_ID))
-        last_order, digest = self.oplog.last(QUEUE_ID)
+                              leases=self.store.leases(self.queue_id))
+        last_order, digest = self.oplog.last(self.queue_id)
         if self.is_master:
             self.role = MasterRole(self.core, self.oplog, node_id=self.name, replica_id=self.peer, epoch=1,
                                    incarnation=INCARNATION, recorded_in_sync=self.sim.membership.in_sync,
@@ -237,9 +238,9 @@ class SimNode:
         return answer
 
     def _reset(self, record_json: dict[str, Any]) -> None:
-        drop_queue(self.store, QUEUE_ID)
-        self.oplog.clear(QUEUE_ID)
-        fresh = QueueRecord(QUEUE_ID, QUEUE, self.sim.options, record_json["created_ms"], state=QueueState.OPEN)
+        drop_queue(self.store, self.queue_id)
+        self.oplog.clear(self.queue_id)
+        fresh = QueueRecord(self.queue_id, QUEUE, self.sim.options, record_json["created_ms"], state=QueueState.OPEN)
         self.record_json = fresh.to_json()
         self.core = QueueCore(fresh, self.store, random.Random(self.sim.rng.random()))
         self.role.core = self.core
@@ -265,7 +266,7 @@ class SimNode:
             return
         self.store.apply(ops)
         for row in log:
-            self.oplog.append(QUEUE_ID, row.op, row.digest, row.encoded)
+            self.oplog.append(self.queue_id, row.op, row.digest, row.encoded)
         self.record_json = record
         self.core.advance()
         self.durable_batch = batch
@@ -449,11 +450,11 @@ class Simulation:
         return self
 
     def oplog_rows(self, node: SimNode) -> list[tuple[int, bytes]]:
-        return [(op.order, encode_operation(op)) for op in node.oplog.operations(QUEUE_ID)]
+        return [(order, encoded) for order, encoded in node.oplog.read(node.queue_id, 0, 10**9)]
 
     def surviving_enqueues(self, node: SimNode) -> set[int]:
-        return {op.index for op in node.oplog.operations(QUEUE_ID) if type(op) is Enqueued}
+        return {op.index for op in node.oplog.operations(node.queue_id) if type(op) is Enqueued}
 
     def held(self, node: SimNode) -> set[int]:
-        queue = node.store.queues.get(QUEUE_ID)
+        queue = node.store.queues.get(node.queue_id)
         return set() if queue is None else set(queue.messages)
