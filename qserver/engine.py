@@ -19,7 +19,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,7 +172,7 @@ class _Messages:
 
 class Engine:
     def __init__(self, config: NodeConfig, storage: Storage, *, rng: random.Random | None = None,
-                 clock_ms: Callable[[], int] = wall_ms) -> None:
+                 clock_ms: Callable[[], int] = wall_ms, writer: Executor | None = None) -> None:
         self.config = config
         self.storage = storage
         self.clock_ms = clock_ms
@@ -186,7 +186,8 @@ class Engine:
         self._wake = asyncio.Event()
         self._open = OpenBatch()
         self._committing: OpenBatch | None = None
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmdb-writer")
+        # The one writer. A simulation passes an executor that runs commits deterministically.
+        self._writer: Executor = writer or ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmdb-writer")
         self._waiters: dict[str, collections.deque[Waiter]] = {}
         self._subscriptions: dict[str, list[Subscription]] = {}
         self._subscriptions_by_id: dict[int, Subscription] = {}
@@ -917,7 +918,7 @@ class Engine:
     # --- message status (seed 004 CheckMsgCompletion) --------------------------------------
     def _check_status(self, waiter: StatusWaiter, *, final: bool) -> None:
         command = waiter.command
-        with_read = self.storage._read_txn is None
+        with_read = not self.storage.reading
         if with_read:
             self.storage.begin_read()
         try:

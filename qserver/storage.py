@@ -181,6 +181,10 @@ class Storage:
         if self._read_txn is None:
             self._read_txn = self.env.begin()
 
+    @property
+    def reading(self) -> bool:
+        return self._read_txn is not None
+
     def end_read(self) -> None:
         if self._read_txn is not None:
             self._read_txn.abort()
