@@ -172,6 +172,18 @@ async def one_run(url: str, credentials: str, payload_bytes: int, seconds: float
     return results
 
 
+def print_summaries(all_runs: dict[str, list[dict[str, Any]]]) -> None:
+    """One JSON line per workload: the median of the runs and their [min, max] spread."""
+    for workload, results in all_runs.items():
+        summary: dict[str, Any] = {"workload": workload, "summary": True, "runs": len(results)}
+        for key in ("msgs_per_s", "p50_ms", "p99_ms", "e2e_p50_ms", "e2e_p99_ms"):
+            values = [r[key] for r in results if key in r]
+            if values:
+                summary[key] = round(statistics.median(values), 3)
+                summary[key + "_spread"] = [round(min(values), 3), round(max(values), 3)]
+        print(json.dumps(summary), flush=True)
+
+
 def start_node(port: int, journal: bool) -> tuple[subprocess.Popen[bytes], str, tempfile.TemporaryDirectory[str]]:
     workdir = tempfile.TemporaryDirectory(prefix="qbench-")
     data = Path(workdir.name) / "n1"
@@ -223,14 +235,7 @@ def main() -> None:
         if process is not None:
             process.terminate()
             process.wait(30)
-    for workload, results in all_runs.items():
-        summary: dict[str, Any] = {"workload": workload, "summary": True, "runs": len(results)}
-        for key in ("msgs_per_s", "p50_ms", "p99_ms", "e2e_p50_ms", "e2e_p99_ms"):
-            values = [r[key] for r in results if key in r]
-            if values:
-                summary[key] = round(statistics.median(values), 3)
-                summary[key + "_spread"] = [round(min(values), 3), round(max(values), 3)]
-        print(json.dumps(summary), flush=True)
+    print_summaries(all_runs)
 
 
 if __name__ == "__main__":

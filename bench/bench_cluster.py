@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -22,9 +21,17 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.bench import drain, fill, produce_and_consume, produce_batched, produce_in_flight, produce_one_at_a_time  # noqa: E402
-from bench.cluster import LocalCluster  # noqa: E402
+from bench.bench import (  # noqa: E402
+    drain,
+    fill,
+    print_summaries,
+    produce_and_consume,
+    produce_batched,
+    produce_in_flight,
+    produce_one_at_a_time,
+)
 from client import AsyncClient  # noqa: E402
+from qserver.devcluster import LocalCluster  # noqa: E402
 
 PLACEMENT = {"bench": ["n1", "n2"], "transfer": ["n1", "n2"], "catchup": ["n1", "n2"]}
 
@@ -47,11 +54,11 @@ async def converged(master: AsyncClient, replica_url: str, credentials: Path, qu
 async def workloads(cluster: LocalCluster, seconds: float) -> list[dict[str, Any]]:
     payload = b"x" * 1024
     results = []
-    async with AsyncClient(cluster.urls["n1"], cluster.credentials) as client, \
-            AsyncClient(cluster.urls["n1"], cluster.credentials) as consumer_client:
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as client, \
+            AsyncClient(cluster.urls["n1"], cluster.credentials_path) as consumer_client:
         await client.create_queue("bench", max_depth=50_000_000)
         await client.ping()
-        await converged(client, cluster.urls["n2"], cluster.credentials, "bench", 10)
+        await converged(client, cluster.urls["n2"], cluster.credentials_path, "bench", 10)
         results.append({"workload": "produce_100_in_flight", **await produce_in_flight(client, "bench", payload, seconds, 100)})
         results.append({"workload": "produce_one_at_a_time", **await produce_one_at_a_time(client, "bench", payload, seconds)})
         results.append({"workload": "produce_batched", **await produce_batched(client, "bench", payload, seconds)})
@@ -65,26 +72,26 @@ async def workloads(cluster: LocalCluster, seconds: float) -> list[dict[str, Any
 
 async def state_transfer(cluster: LocalCluster) -> dict[str, Any]:
     count, size = 100_000, 1024
-    async with AsyncClient(cluster.urls["n1"], cluster.credentials) as client:
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as client:
         await client.create_queue("transfer", max_depth=10_000_000)
         await fill(client, "transfer", b"t" * size, count)
         cluster.wipe("n2")
         cluster.start("n2")
-        seconds = await converged(client, cluster.urls["n2"], cluster.credentials, "transfer", 300)
+        seconds = await converged(client, cluster.urls["n2"], cluster.credentials_path, "transfer", 300)
         await client.delete_queue("transfer")
     return {"workload": "state_transfer", "messages": count, "seconds": seconds,
             "payload_mb_per_s": count * size / seconds / 1e6}
 
 
 async def catch_up(cluster: LocalCluster) -> dict[str, Any]:
-    async with AsyncClient(cluster.urls["n1"], cluster.credentials) as client:
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as client:
         await client.create_queue("catchup", max_depth=10_000_000)
         await fill(client, "catchup", b"c" * 100, 1_000_000)
-        await converged(client, cluster.urls["n2"], cluster.credentials, "catchup", 300)
+        await converged(client, cluster.urls["n2"], cluster.credentials_path, "catchup", 300)
         cluster.kill("n2")
         await fill(client, "catchup", b"m" * 100, 10_000)
         cluster.start("n2")
-        seconds = await converged(client, cluster.urls["n2"], cluster.credentials, "catchup", 120)
+        seconds = await converged(client, cluster.urls["n2"], cluster.credentials_path, "catchup", 120)
         await client.delete_queue("catchup")
     return {"workload": "catch_up_10k_of_1m", "seconds": seconds}
 
@@ -116,15 +123,7 @@ def main() -> None:
                     print(json.dumps(result), flush=True)
         finally:
             cluster.stop_all()
-    for workload, results in all_runs.items():
-        summary: dict[str, Any] = {"workload": workload, "summary": True, "runs": len(results)}
-        for key in ("msgs_per_s", "p50_ms", "p99_ms", "e2e_p50_ms", "e2e_p99_ms"):
-            values = [r[key] for r in results if key in r]
-            if values:
-                summary[key] = round(statistics.median(values), 3)
-                summary[key + "_spread"] = [round(min(values), 3), round(max(values), 3)]
-        print(json.dumps(summary), flush=True)
-
+    print_summaries(all_runs)
 
 if __name__ == "__main__":
     main()

@@ -7,9 +7,7 @@ again on the same data and port, which is how the restart tests crash it.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,14 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from qserver.devcluster import LocalCluster, free_port
+
 REPOSITORY = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 20.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class QNode:
@@ -118,79 +112,13 @@ def _no_user_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Non
     os.makedirs(tmp_path / "home", exist_ok=True)
 
 
-class QCluster:
-    """Real qserver processes forming a static cluster on loopback (DESIGN.md 4.1 pairs)."""
-
-    def __init__(self, root: Path, size: int, placement: dict[str, list[str]] | None = None,
-                 extra: dict[str, object] | None = None) -> None:
-        self.root = root
-        self.ids = [f"n{i}" for i in range(1, size + 1)]
-        self.ports = {node: free_port() for node in self.ids}
-        self.urls = {node: f"http://127.0.0.1:{port}" for node, port in self.ports.items()}
-        self.credentials_path = root / "admin-credentials.json"
-        self.processes: dict[str, subprocess.Popen[bytes]] = {}
-        first = root / self.ids[0]
-        subprocess.run([sys.executable, "-m", "qserver", "init", "--data-dir", str(first), "--node-id", self.ids[0],
-                        "--credentials", str(self.credentials_path), "--url", self.urls[self.ids[0]]],
-                       check=True, capture_output=True, cwd=REPOSITORY)
-        for node in self.ids[1:]:
-            subprocess.run([sys.executable, "-m", "qserver", "init", "--data-dir", str(root / node), "--node-id", node,
-                            "--join", str(first)], check=True, capture_output=True, cwd=REPOSITORY)
-        for node in self.ids:
-            lines = ["[node]", f'node_id = "{node}"', f'data_dir = "{root / node}"', f"port = {self.ports[node]}"]
-            lines += [f"{key} = {value}" for key, value in (extra or {}).items()]
-            lines += ["[cluster.nodes]"] + [f'{n} = "{url}"' for n, url in self.urls.items()]
-            lines += ["[cluster.placement]"] + [f'"{q}" = {list(pair)}'.replace("'", '"')
-                                                 for q, pair in (placement or {}).items()]
-            (root / f"{node}.toml").write_text("\n".join(lines) + "\n")
-
-    def start(self, node: str) -> None:
-        log = open(self.root / f"{node}.log", "ab")
-        self.processes[node] = subprocess.Popen(
-            [sys.executable, "-m", "qserver", "run", "--config", str(self.root / f"{node}.toml"), "--log-level", "WARNING"],
-            stdout=log, stderr=subprocess.STDOUT, cwd=REPOSITORY)
-        log.close()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.processes[node].poll() is not None:
-                raise RuntimeError(f"{node} exited: {(self.root / f'{node}.log').read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(self.urls[node] + "/healthz", timeout=1) as answer:
-                    if answer.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"{node} did not start within {START_TIMEOUT_S}s")
-
-    def start_all(self) -> None:
-        for node in self.ids:
-            self.start(node)
-
-    def kill(self, node: str) -> None:
-        process = self.processes.pop(node, None)
-        if process is not None and process.poll() is None:
-            process.send_signal(signal.SIGKILL)
-            process.wait(timeout=10)
-
-    def stop_all(self) -> None:
-        for node in list(self.processes):
-            self.kill(node)
-
-    def wipe(self, node: str) -> None:
-        """The node loses its disk: a fresh data directory that joins the same cluster."""
-        self.kill(node)
-        shutil.rmtree(self.root / node)
-        subprocess.run([sys.executable, "-m", "qserver", "init", "--data-dir", str(self.root / node), "--node-id", node,
-                        "--join", str(self.root / self.ids[0])], check=True, capture_output=True, cwd=REPOSITORY)
-
-
 @pytest.fixture
 def qcluster_factory(tmp_path: Path) -> Iterator[object]:
-    clusters: list[QCluster] = []
+    clusters: list[LocalCluster] = []
 
     def make(size: int = 2, placement: dict[str, list[str]] | None = None,
-             extra: dict[str, object] | None = None) -> QCluster:
-        cluster = QCluster(tmp_path / f"cluster{len(clusters)}", size, placement, extra)
+             extra: dict[str, object] | None = None) -> LocalCluster:
+        cluster = LocalCluster(tmp_path / f"cluster{len(clusters)}", size, placement, extra)
         clusters.append(cluster)
         cluster.start_all()
         return cluster
@@ -198,4 +126,5 @@ def qcluster_factory(tmp_path: Path) -> Iterator[object]:
         yield make
     finally:
         for cluster in clusters:
-            cluster.stop_all()
+            for node in list(cluster.processes):
+                cluster.kill(node)
