@@ -239,15 +239,12 @@ class PairDriver:
     def release_committed(self) -> None:
         if self.dead_letters_pending:
             self._gate_dead_letters()
-        for name, waiting in list(self.held.items()):
+        for name, waiting in self.held.items():
             commit = self.commit_order(name)
-            if commit is None:
-                continue
-            ready = [held for held in waiting if held.required_order <= commit]
-            if ready:
-                self.held[name] = collections.deque(h for h in waiting if h.required_order > commit)
-                for held in ready:
-                    held.release()
+            # Answers are held in (nearly) increasing order: release from the front. One that
+            # needs less than the one before it only waits for that one.
+            while waiting and commit is not None and waiting[0].required_order <= commit:
+                waiting.popleft().release()
 
     def replicated_order(self, core: QueueCore, ops: list[Operation]) -> int:
         """The ordering index a client answer about these operations must wait for."""

@@ -6,6 +6,7 @@ one each run; a failure names the seed and the line that replays it.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 
@@ -81,7 +82,7 @@ def test_the_virtual_loop_jumps_over_idle_time_and_the_inline_executor_commits_a
         async def main() -> float:
             value = await loop.run_in_executor(InlineExecutor(), lambda: 42)
             assert value == 42
-            await __import__("asyncio").sleep(3600)
+            await asyncio.sleep(3600)
             return loop.time()
         assert loop.run_until_complete(main()) == pytest.approx(3600.0)
     finally:

@@ -32,6 +32,7 @@ QUEUE = "q"
 MASTER, REPLICA = "n1", "n2"
 SAFETY_S = 3.0
 LIVENESS_S = 15.0
+FAULTS = 6
 
 
 @dataclass
@@ -58,24 +59,36 @@ class SimNode:
         self.node_id = node_id
         self.storage = MemoryStorage(node_id)
         self.config = NodeConfig(node_id=node_id, data_dir=f"/nonexistent/{node_id}", cluster_nodes=sim.nodes,
-                                 placement={QUEUE: [MASTER, REPLICA]}, replica_lag_max_ms=500).check()
+                                 placement={QUEUE: [MASTER, REPLICA]}).check()
         self.transport = sim.network.transport(node_id, self._on_message, self._on_link_change)
         self.engine: Engine | None = None
         self.disk: DelayedExecutor | None = None
         self.outstanding: set[asyncio.Future[Any]] = set()
         self.boots = 0
+        self._inbound_at = 0.0
 
     @property
     def up(self) -> bool:
         return self.engine is not None
 
     def _on_message(self, peer: str, data: bytes) -> None:
-        if self.engine is not None:
-            self.engine.submit(c.PeerMessage(peer, data))
+        self._arrive(c.PeerMessage(peer, data))
 
     def _on_link_change(self, peer: str, up: bool) -> None:
-        if self.engine is not None:
-            self.engine.submit(c.LinkChange(peer, up))
+        self._arrive(c.LinkChange(peer, up))
+
+    def _arrive(self, command: c.PeerMessage | c.LinkChange) -> None:
+        """Network latency: a seeded delay, in arrival order (a link is a stream), and a
+        link's breaking arrives after what it carried. A crash drops what is on its way."""
+        if self.engine is None:
+            return
+        loop = self.sim.loop
+        self._inbound_at = max(self._inbound_at, loop.time() + self.sim.rng.uniform(0, 0.005))
+        loop.call_at(self._inbound_at, self._deliver, self.boots, command)
+
+    def _deliver(self, boots: int, command: c.PeerMessage | c.LinkChange) -> None:
+        if self.engine is not None and self.boots == boots:
+            self.engine.submit(command)
 
     async def boot(self) -> None:
         if self.engine is not None:
@@ -95,6 +108,7 @@ class SimNode:
         engine, self.engine = self.engine, None
         if engine is None:
             return
+        self.boots += 1         # what was on its way to the dead engine is dropped
         engine.pairs.send = lambda peer, data: False
         assert self.disk is not None
         self.disk.crash()
@@ -197,7 +211,7 @@ class EngineSimulation:
             loop.call_later(rng.uniform(0, duration_s), self._enqueue, MASTER if rng.random() < 0.7 else REPLICA)
         for _ in range(200):
             loop.call_later(rng.uniform(0, duration_s), self._receive)
-        for _ in range(4):
+        for _ in range(FAULTS):
             loop.call_later(rng.uniform(0, duration_s), self._random_fault)
         await asyncio.sleep(duration_s)
 
