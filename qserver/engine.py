@@ -63,7 +63,7 @@ from replication.queue_core import QueueCore, QueueRecord
 
 log = logging.getLogger("qserver.engine")
 TERMINAL_STATES = frozenset({"acked", "replied", "dead_lettered"})
-REPLICATION_TICK_MS = 20    # how often replication roles check lag, resends and retries
+REPLICATION_TICK_MS = 50    # how often replication roles check lag, resends and retries
 
 
 _QUEUE_TRAFFIC = frozenset({c.Enqueue, c.EnqueueMany, c.Receive, c.Ack, c.AckMany, c.Subscribe})
@@ -227,6 +227,9 @@ class Engine:
         self.storage.end_read()
         self.clients = self.storage.load_clients()
         self._next_queue_id = self.storage.next_queue_id()
+
+    def random_bits(self, bits: int) -> int:
+        return self._rng.getrandbits(bits)
 
     def _new_core(self, record: QueueRecord, leases: list[Any]) -> QueueCore:
         return QueueCore(record, self.storage, self._rng, leases=leases,
@@ -790,6 +793,8 @@ class Engine:
 
     def _arm_timer(self, now_ms: int) -> None:
         deadlines = [self._next_housekeeping_ms]
+        if self.pairs.placement.clustered:
+            deadlines.append(self._next_replication_tick_ms)
         deadlines.extend(d for d in (core.next_deadline_ms() for core in self.cores.values()) if d is not None)
         deadlines.extend(w.deadline_ms for ws in self._waiters.values() for w in ws)
         deadlines.extend(w.deadline_ms for ws in self._status_waiters.values() for w in ws)

@@ -56,6 +56,7 @@ class Node:
             on_link_change=lambda peer, up: engine.submit(c.LinkChange(peer, up)),
             send_queue_bytes_max=self.config.peer_send_queue_bytes_max)
         engine.pairs.send = transport.send
+        engine.pairs.link_up = transport.is_up
         return transport
 
     async def start(self) -> None:

@@ -96,7 +96,10 @@ class PairDriver:
         self.replicas: dict[str, ReplicaRole] = {}
         self.held: dict[str, collections.deque[HeldAnswer]] = {}
         self.forwards: dict[int, Any] = {}      # forward request id -> callback(outcome)
-        self._next_forward = 1
+        # Unique per engine instance: an answer the master sends to a crashed predecessor of
+        # this engine must never match one of our requests.
+        self._next_forward = (engine.random_bits(40) << 20) + 1
+        self.link_up: Any = lambda peer: False       # set by the node: PeerTransport.is_up
         self.send: Any = lambda peer, data: False   # set by the node: PeerTransport.send
 
     # --- roles -----------------------------------------------------------------------------
@@ -119,7 +122,7 @@ class PairDriver:
             role = self.replicas[core.name] = ReplicaRole(
                 core, self.engine.storage, node_id=self.node_id, master_id=pair.master, epoch=pair.epoch,
                 incarnation=incarnation, applied_order=last_order, digest=digest, last_epoch=record.epoch,
-                limits=self.limits)
+                limits=self.limits, session_base=self.engine.random_bits(40) << 20)
             self.masters.pop(core.name, None)
         else:
             return
@@ -320,6 +323,8 @@ class PairDriver:
             role.tick(now_ms)
             self._drain_master(role)
         for replica in self.replicas.values():
+            if replica.phase.value == "opening" and replica.never_opened and self.link_up(replica.master_id):
+                replica.start(now_ms)       # the link came up before this role existed
             replica.tick(now_ms)
             self._drain_replica(replica)
         self.release_committed()

@@ -66,7 +66,8 @@ PROGRESS_TRANSITIONS: dict[ReplicaProgress, frozenset[ReplicaProgress]] = {
 class ReplicationLimits:
     replica_lag_max: int = 100_000        # operations behind before the replica is out of sync
     replica_lag_max_ms: int = 2_000       # silence (with operations outstanding) before the same
-    resend_after_ms: int = 2_000          # no progress this long: stream again from its durable point
+    resend_after_ms: int = 1_000          # no progress this long: stream again from its durable point
+                                          # (below replica_lag_max_ms: a resend comes before giving up)
     window_max: int = 20_000              # operations sent and not yet acknowledged
     window_bytes_max: int = 4 << 20       # their encoded bytes: below the peer link's send queue,
                                           # so streaming never overruns it (an overrun is a loss)
@@ -122,6 +123,7 @@ class MasterRole:
         self._recent_floor = last_order
         self._pending_proposal: InSyncProposal | None = None
         self._sent_commit = 0                 # the commit point the replica was last told
+        self._session = -1                    # the replica's current Open (see ReplicaRole.session)
         self._last_rewind_ms = -(10**12)      # when the stream last went back after a gap
         self._in_flight: collections.deque[tuple[int, int]] = collections.deque()   # (last order, bytes)
         self._in_flight_bytes = 0
@@ -189,6 +191,8 @@ class MasterRole:
             self.forwarded.append(message)
 
     def _on_ack(self, ack: AppendAck, now_ms: int) -> None:
+        if ack.session != self._session:
+            return                          # about an earlier session: the replica has moved on
         if ack.durable_order > self.replica_durable:
             self.replica_durable = min(ack.durable_order, self.last_order)
             self._last_progress_ms = now_ms
@@ -210,7 +214,8 @@ class MasterRole:
         reset = ours is None or ours != request.digest
         start = 0 if reset else request.last_order
         record = self.core.record.to_json() if reset else None
-        self._send(SyncBegin(self.core.name, self.incarnation, self.epoch, start + 1, reset, record))
+        self._session = request.session
+        self._send(SyncBegin(self.core.name, self.incarnation, self.epoch, start + 1, reset, record, request.session))
         self.replica_durable = start
         self.sent_order = start
         self._sent_commit = 0                 # a restarted replica knows no commit point yet
@@ -223,7 +228,8 @@ class MasterRole:
         self._pump(now_ms)
 
     def _on_open_ack(self, ack: OpenAck, now_ms: int) -> None:
-        if self.progress is not ReplicaProgress.CATCHING_UP or ack.order != self._sync_target:
+        if self.progress is not ReplicaProgress.CATCHING_UP or ack.order != self._sync_target \
+                or ack.session != self._session:
             return
         self._set_progress(ReplicaProgress.CAUGHT_UP)
         if not self.recorded_in_sync:
@@ -253,6 +259,10 @@ class MasterRole:
             self.sent_order = self.replica_durable   # an Append was lost with a broken link
             self._last_progress_ms = now_ms
             self.rewinds += 1
+        if self.progress is ReplicaProgress.CAUGHT_UP and not self.recorded_in_sync \
+                and self.replica_durable >= self.last_order:
+            # Recorded out of sync after a silence, it has since caught up in the same session.
+            self._propose(True)
         if self.progress is ReplicaProgress.CATCHING_UP and self.replica_durable >= self._sync_target \
                 and silent_ms > self.limits.resend_after_ms:
             # SyncEnd (or the replica's OpenAck) was lost: vouch for the transfer again.

@@ -78,6 +78,7 @@ class AppendAck:
     ordering: int              # always 0: an acknowledgement is not itself ordered (seed 004)
     durable_order: int         # the highest ordering index the replica holds durably
     gap: bool = False          # the replica saw a gap: resend everything after durable_order
+    session: int = 0           # the Open this answers to: older sessions' acks are ignored
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +90,7 @@ class Open:
     last_epoch: int
     last_order: int
     digest: bytes
+    session: int = 0           # new for every Open; echoed by SyncBegin, AppendAck and OpenAck
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +102,7 @@ class SyncBegin:
     from_order: int
     reset: bool                # histories diverged or the log was pruned: start from empty
     record: dict[str, Any] | None = None   # the queue record to start from when reset
+    session: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +122,7 @@ class OpenAck:
     incarnation: int
     epoch: int
     order: int
+    session: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,7 +63,7 @@ PHASE_TRANSITIONS: dict[ReplicaPhase, frozenset[ReplicaPhase]] = {
 class ReplicaRole:
     def __init__(self, core: QueueCore, oplog: OpLogReader, *, node_id: str, master_id: str, epoch: int,
                  incarnation: int, applied_order: int, digest: bytes, last_epoch: int,
-                 limits: ReplicationLimits | None = None) -> None:
+                 limits: ReplicationLimits | None = None, session_base: int = 0) -> None:
         self.core = core
         self.oplog = oplog
         self.node_id = node_id
@@ -80,6 +80,12 @@ class ReplicaRole:
         self._recent_digests: collections.deque[tuple[int, bytes]] = collections.deque()   # not yet durable
         self._last_open_ms: int | None = None
         self._gap_reported_at = -1
+        self._last_progress_ms = 0
+        self._now_ms = 0
+        # Every Open starts a new session: what the master sent, or we acknowledged, for an
+        # earlier one (before a restart or a reset) must not count in this one. The base
+        # differs per process so a restarted replica never reuses a session number.
+        self.session = session_base
         self.gates_visibility = True   # False for a dead-letter queue: see qserver/pairs.py
         core.visible_upto = self.visible_order
         self.resets: list[dict[str, Any]] = []
@@ -98,11 +104,25 @@ class ReplicaRole:
         """Send Open (again): at start, when the link comes back, or after a mismatch."""
         self._set_phase(ReplicaPhase.OPENING)
         self._last_open_ms = now_ms
-        self._send(Open(self.core.name, self.incarnation, self.epoch, self.last_epoch, self.applied_order, self.digest))
+        self._last_progress_ms = now_ms
+        self.session += 1
+        self._send(Open(self.core.name, self.incarnation, self.epoch, self.last_epoch, self.applied_order, self.digest,
+                        self.session))
+
+    @property
+    def never_opened(self) -> bool:
+        """No Open was sent since the last link change (the driver starts one when it can)."""
+        return self._last_open_ms is None
 
     def tick(self, now_ms: int) -> None:
-        if self.phase is ReplicaPhase.OPENING and self._last_open_ms is not None \
-                and now_ms - self._last_open_ms >= self.limits.open_retry_ms:
+        if self._last_open_ms is None:
+            return
+        if self.phase is ReplicaPhase.OPENING and now_ms - self._last_open_ms >= self.limits.open_retry_ms:
+            self.start(now_ms)
+        elif self.phase is ReplicaPhase.SYNCING and now_ms - self._last_progress_ms >= 2 * self.limits.open_retry_ms:
+            # A transfer that stopped moving (its Open or SyncEnd lost with a broken link, or
+            # the master answering an older session): open again from where we are; only
+            # what is missing comes again.
             self.start(now_ms)
 
     def link_down(self) -> None:
@@ -112,6 +132,7 @@ class ReplicaRole:
 
     # --- messages from the master ----------------------------------------------------------
     def receive(self, message: Message, now_ms: int) -> None:
+        self._now_ms = now_ms
         if message.epoch < self.epoch:
             self._send(Refused(self.core.name, self.incarnation, self.epoch, "E_FENCED",
                                f"epoch {message.epoch} is older than {self.epoch}"))
@@ -147,7 +168,8 @@ class ReplicaRole:
                 # once per position; everything in flight behind it shows the same gap.
                 if self._gap_reported_at != self.applied_order:
                     self._gap_reported_at = self.applied_order
-                    self._send(AppendAck(self.core.name, self.incarnation, self.epoch, 0, self.durable_order, True))
+                    self._send(AppendAck(self.core.name, self.incarnation, self.epoch, 0, self.durable_order, True,
+                                         self.session))
                 return
             self.core.apply(op)
             self.digest = fold_encoded(self.digest, encoded)
@@ -155,12 +177,16 @@ class ReplicaRole:
             self._recent_digests.append((op.order, self.digest))
             self.applied.append(Applied(op, self.digest, encoded))
             previous = op.order
+            self._last_progress_ms = self._now_ms
             repeated = False
         if repeated:
             # The master streams again when an acknowledgement was lost: say it once more.
-            self._send(AppendAck(self.core.name, self.incarnation, self.epoch, 0, self.durable_order))
+            self._send(AppendAck(self.core.name, self.incarnation, self.epoch, 0, self.durable_order,
+                                 session=self.session))
 
     def _on_sync_begin(self, begin: SyncBegin) -> None:
+        if begin.session != self.session:
+            return                      # the answer to an earlier Open
         if begin.reset:
             if begin.record is None:
                 return
@@ -175,6 +201,7 @@ class ReplicaRole:
         elif begin.from_order != self.applied_order + 1:
             return                      # an answer to an older Open; the newer one follows
         self._set_phase(ReplicaPhase.SYNCING)
+        self._last_progress_ms = self._now_ms
 
     def _on_sync_end(self, end: SyncEnd, now_ms: int) -> None:
         if self.phase is not ReplicaPhase.SYNCING:
@@ -193,7 +220,7 @@ class ReplicaRole:
             return
         self._set_phase(ReplicaPhase.FOLLOWING)
         self.last_epoch = self.epoch
-        self._send(OpenAck(self.core.name, self.incarnation, self.epoch, end.order))
+        self._send(OpenAck(self.core.name, self.incarnation, self.epoch, end.order, self.session))
 
     # --- durability and forwarding ---------------------------------------------------------
     def local_durable_to(self, order: int) -> None:
@@ -205,7 +232,7 @@ class ReplicaRole:
             self.core.visible_upto = self.visible_order
         while self._recent_digests and self._recent_digests[0][0] <= order:
             self._recent_digests.popleft()
-        self._send(AppendAck(self.core.name, self.incarnation, self.epoch, 0, order))
+        self._send(AppendAck(self.core.name, self.incarnation, self.epoch, 0, order, session=self.session))
 
     def forward(self, request_id: int, request: list[Any]) -> None:
         self._send(Forward(self.core.name, self.incarnation, self.epoch, request_id, request))

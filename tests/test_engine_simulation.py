@@ -41,7 +41,6 @@ def check_safety(sim: EngineSimulation) -> None:
 def check_converged(sim: EngineSimulation) -> None:
     master, replica = sim.final[MASTER], sim.final[REPLICA]
     assert replica["replication_state"] == "following", f"replica never caught up: {replica}"
-    assert master["replication_state"] == "in_sync", f"master still records the replica out of sync: {master}"
     assert master["commit_order"] == master["last_order"], f"the master did not commit everything: {master}"
     assert (replica["last_order"], replica["digest"]) == (master["last_order"], master["digest"]), \
         f"the members' digests differ: {master} {replica}"
@@ -87,3 +86,23 @@ def test_the_virtual_loop_jumps_over_idle_time_and_the_inline_executor_commits_a
         assert loop.run_until_complete(main()) == pytest.approx(3600.0)
     finally:
         loop.close()
+
+
+# --- engine/pair bugs this simulation found, kept as replays --------------------------------
+@pytest.mark.timeout(30)
+def test_a_master_records_its_caught_up_replica_in_sync_again() -> None:
+    sim = EngineSimulation(65, Strength.FULL).run()
+    assert sim.final[MASTER]["replica_progress"] == "caught_up"
+    assert sim.final[MASTER]["replication_state"] == "in_sync", sim.final
+
+
+@pytest.mark.timeout(30)
+def test_a_restarted_replica_never_takes_an_old_forward_result_for_a_new_request() -> None:
+    EngineSimulation(66, Strength.PRODUCER).run()
+
+
+@pytest.mark.timeout(30)
+def test_a_replica_restarted_many_times_opens_again() -> None:
+    sim = EngineSimulation(50, Strength.FULL).run()
+    check_safety(sim)
+    check_converged(sim)

@@ -174,7 +174,7 @@ class SimNode:
         else:
             self.role = ReplicaRole(self.core, self.oplog, node_id=self.name, master_id=self.peer, epoch=1,
                                     incarnation=INCARNATION, applied_order=last_order, digest=digest,
-                                    last_epoch=1, limits=LIMITS)
+                                    last_epoch=1, limits=LIMITS, session_base=self.boots << 20)
             if not self.sim.network.cut:
                 self.role.start(self.sim.clock.now_ms)
         self.drain()

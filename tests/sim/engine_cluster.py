@@ -99,6 +99,7 @@ class SimNode:
         engine = Engine(self.config, self.storage, rng=random.Random(rng.getrandbits(64)),  # type: ignore[arg-type]
                         clock_ms=self.sim.now_ms, writer=self.disk)
         engine.pairs.send = self.transport.send
+        engine.pairs.link_up = self.transport.is_up
         await engine.start()
         self.engine = engine
         await self.transport.start()
