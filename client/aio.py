@@ -177,7 +177,8 @@ class AsyncClient:
                             frame_bytes_max=frame_bytes_max, heartbeat_s=heartbeat_s)
         # The cluster map (DESIGN.md 4.4): each queue's master, learned when a node answers
         # E_NOT_MASTER; traffic for a queue goes to a client of its master's node.
-        self._masters: dict[str, str] = {}
+        self._masters: dict[str, str] = {}        # queue -> the node to send its traffic to
+        self._master_urls: dict[str, str] = {}    # queue -> its master's node
         self._others: dict[str, AsyncClient] = {}
         self.url = (url or creds.url).rstrip("/")
         self.client_id = creds.client_id
@@ -382,8 +383,13 @@ class AsyncClient:
                     continue
         for cluster_map in maps:
             for queue, pair in cluster_map.get("queues", {}).items():
-                if pair.get("master") in urls:
-                    self._masters[queue] = urls[pair["master"]]
+                if pair.get("master") not in urls:
+                    continue
+                # A client of either member stays with it (under `producer` each member serves
+                # its own consumers; a replica forwards what its master must order).
+                members = {urls[pair["master"]], urls.get(pair.get("replica") or "", "")}
+                self._masters[queue] = self.url if self.url in members else urls[pair["master"]]
+                self._master_urls[queue] = urls[pair["master"]]
 
     def _route_to(self, url: str) -> AsyncClient:
         if url == self.url:
@@ -402,7 +408,12 @@ class AsyncClient:
         except QueueError:
             return None
         target = self._route(queue)
-        return None if target is self else target
+        if target is self:
+            # This node is a member but did not hold the queue yet (it has just been created):
+            # this once, the master answers.
+            master = self._master_urls.get(queue)
+            return None if master is None or master == self.url else self._route_to(master)
+        return target
 
     # --- messages -----------------------------------------------------------------------------
     async def enqueue(self, queue: str, payload: bytes, priority: int = 4,

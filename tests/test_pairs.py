@@ -23,7 +23,8 @@ async def wait_converged(master: AsyncClient, replica: AsyncClient, queue: str, 
     while True:
         m, r = await stats(master, queue), await stats(replica, queue)
         if m["replication_state"] == "in_sync" and r["replication_state"] == "following" \
-                and m["last_order"] == r["last_order"] == m["commit_order"] and m["digest"] == r["digest"]:
+                and m["last_order"] == r["last_order"] == m["commit_order"] == r["commit_order"] \
+                and m["digest"] == r["digest"]:
             return m
         if time.monotonic() > deadline:
             raise AssertionError(f"{queue} did not converge: master {m} replica {r}")
@@ -48,7 +49,7 @@ async def test_both_members_take_producers_and_each_serves_its_own_consumers(qcl
                     break
                 seen.extend(m.id for m in messages)
                 await asyncio.gather(*(m.ack() for m in messages))
-            assert seen == sorted(at_master + at_replica)
+            assert seen == sorted(at_master + at_replica), client.url
 
 
 async def test_under_full_strength_a_message_acked_at_one_member_is_never_delivered_at_the_other(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
