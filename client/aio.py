@@ -400,14 +400,18 @@ class AsyncClient:
         return other
 
     async def _rerouted(self, queue: str, error: QueueError) -> AsyncClient | None:
-        """After E_NOT_MASTER: the master's client, if the refreshed map names another node."""
-        if error.code != E_NOT_MASTER.code:
+        """After E_NOT_MASTER (or the queue's node being unreachable): the master's client,
+        if the refreshed map names another node than the one that failed."""
+        if error.code not in (E_NOT_MASTER.code, E_UNAVAILABLE.code):
             return None
+        failed = self._route(queue)
         try:
             await self.refresh_placement()
         except QueueError:
             return None
         target = self._route(queue)
+        if error.code == E_UNAVAILABLE.code:
+            return None if target is failed else target
         if target is self:
             # This node is a member but did not hold the queue yet (it has just been created):
             # this once, the master answers.
