@@ -137,7 +137,7 @@ class Authenticator:
         nonces = self._nonces
         horizon = now_ms - 2 * self._skew_max_ms
         while nonces:
-            oldest, seen_ms = next(iter(nonces.items()))
+            _, seen_ms = next(iter(nonces.items()))
             if seen_ms >= horizon:
                 break
             nonces.popitem(last=False)

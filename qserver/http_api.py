@@ -28,7 +28,6 @@ from qserver.http_errors import error_response
 from replication.options import PRIORITY_DEFAULT, OptionError, is_valid_queue_name, parse_options, valid_dedupe_id
 
 log = logging.getLogger("qserver.http")
-PRINCIPAL = web.AppKey("principal", Principal)
 UNSIGNED_PATHS = frozenset({"/healthz", "/metrics", "/v1/peer"})   # peers authenticate with the cluster secret
 ENGINE_ANSWER_GRACE_S = 30.0
 STATUS_STATES = frozenset({"queued", "delivered", "acked", "replied", "dead_lettered"})

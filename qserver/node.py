@@ -131,7 +131,26 @@ class Node:
                                + [({"code": "E_BAD_FRAME"}, self.bad_frames)]
                                + [({"code": "E_OVERLOADED"}, engine.rejected["overloaded"])])
         lines += render_family("qserver_storage_map_bytes", "gauge", "LMDB map size", [({}, self.storage.map_size())])
+        lines += self._replication_metrics()
         return "\n".join(lines) + "\n"
+
+    def _replication_metrics(self) -> list[str]:
+        pairs = self.engine.pairs
+        lag = [({"queue": name}, role.last_order - role.replica_durable) for name, role in sorted(pairs.masters.items())]
+        in_sync = [({"queue": name}, 1.0 if role.recorded_in_sync else 0.0) for name, role in sorted(pairs.masters.items())]
+        lines = render_family("qserver_replica_lag_operations", "gauge",
+                              "replicated operations the replica does not hold durably yet", lag)
+        lines += render_family("qserver_replica_in_sync", "gauge", "1 while the replica is recorded in sync", in_sync)
+        if self.peers is not None:
+            peers = sorted(self.config.cluster_nodes.keys() - {self.config.node_id})
+            lines += render_family("qserver_peer_link_up", "gauge", "1 while the link to a peer is up",
+                                   [({"peer": p}, 1.0 if self.peers.is_up(p) else 0.0) for p in peers])
+            lines += render_family("qserver_peer_pending_bytes", "gauge", "bytes queued for a peer, not yet sent",
+                                   [({"peer": p}, self.peers.pending_bytes(p)) for p in peers])
+            lines += render_family("qserver_peer_frames_total", "counter", "peer frames by direction",
+                                   [({"direction": "sent"}, self.peers.frames_sent),
+                                    ({"direction": "received"}, self.peers.frames_received)])
+        return lines
 
     def application(self) -> web.Application:
         app = web.Application(middlewares=[errors_and_auth], client_max_size=self.config.body_bytes_max + 4096)

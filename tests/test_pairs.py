@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 from typing import Any
 
 import pytest
@@ -40,6 +41,11 @@ async def test_both_members_take_producers_and_each_serves_its_own_consumers(qcl
         at_replica = [await replica.enqueue("orders", f"r{i}".encode()) for i in range(20)]
         assert len(set(at_master) | set(at_replica)) == 70, "the master orders both members' enqueues"
         await wait_converged(master, replica, "orders")
+        with urllib.request.urlopen(cluster.urls["n1"] + "/metrics", timeout=5) as answer:
+            metrics = answer.read().decode()
+        for line in ('qserver_replica_lag_operations{queue="orders"} 0', 'qserver_replica_in_sync{queue="orders"} 1',
+                     'qserver_peer_link_up{peer="n2"} 1'):
+            assert line in metrics
         # producer strength: each member's consumers see every message once, in the same order
         for client in (master, replica):
             seen = []
