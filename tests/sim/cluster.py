@@ -346,9 +346,13 @@ class SimNode:
             index, _ = self.core.enqueue(payload, priority, dedupe, "forwarded", self.sim.clock.now_ms, ops)
             outcome: Any = index
         except QueueError as error:
-            ops, outcome = [], [error.code, error.message]
+            self.role.answer_forward(request, [[error.code, error.message]])
+            return
         self._stage(ops)
-        self.role.answer_forward(request, [outcome])
+        role = self.role
+        # As the engine does: the answer leaves once the operation is committed. Sent before,
+        # it could name an order that dies with this master if it crashes before its fsync.
+        self._after_this_batch(index, lambda: (role.answer_forward(request, [outcome]), self.drain()))
 
     def client_receive_and_ack(self) -> None:
         """Lease one message here; ack it once the lease is answered (committed)."""
