@@ -131,5 +131,5 @@ class MemoryStore:
 
 
 def drop_queue(store: MemoryStore, queue_id: int) -> None:
-    """Forget everything of one queue (a replica reset before a full transfer)."""
+    """Forget everything of one queue incarnation (a deleted queue's records)."""
     store.queues.pop(queue_id, None)

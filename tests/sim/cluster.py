@@ -25,7 +25,7 @@ from replication.oplog import MemoryOpLog
 from replication.options import QueueOptions, QueueState, Strength
 from replication.queue_core import QueueCore, QueueRecord
 from replication.replica import ReplicaRole
-from replication.store import MemoryStore, drop_queue
+from replication.store import MemoryStore
 
 QUEUE = "q"
 QUEUE_IDS = {"n1": 1, "n2": 7}    # node-local storage ids differ, as they do between real nodes
@@ -238,8 +238,10 @@ class SimNode:
         return answer
 
     def _reset(self, record_json: dict[str, Any]) -> None:
-        drop_queue(self.store, self.queue_id)
-        self.oplog.clear(self.queue_id)
+        # As the engine does: the wiped instance gets a new local id, so a batch of the old
+        # one still on its way to disk lands on the old data (left behind, as the engine's
+        # housekeeping erases it later), not on the new.
+        self.queue_id += 100
         fresh = QueueRecord(self.queue_id, QUEUE, self.sim.options, record_json["created_ms"], state=QueueState.OPEN)
         self.record_json = fresh.to_json()
         self.core = QueueCore(fresh, self.store, random.Random(self.sim.rng.random()))
@@ -266,8 +268,11 @@ class SimNode:
             return
         self.store.apply(ops)
         for row in log:
-            self.oplog.append(self.queue_id, row.op, row.digest, row.encoded)
-        self.record_json = record
+            self.oplog.append(row.op.queue_id, row.op, row.digest, row.encoded)
+        current = record["queue_id"] == self.queue_id      # not a batch of an instance since reset
+        if current:
+            self.record_json = record
+        log = [row for row in log if row.op.queue_id == self.queue_id]
         self.core.advance()
         self.durable_batch = batch
         self.fsync_in_flight = False
