@@ -386,6 +386,12 @@ class Engine:
                     replier.reply(request_id, [single, epoch])
             elif kind is c.Receive:
                 replier.reply(request_id, [DeliveredMessage(*row) for row in outcome])
+            elif kind is c.Ack and not command.release:
+                [single] = outcome          # forwarded as a one-item ack batch
+                if single is None:
+                    replier.reply(request_id, None)
+                else:
+                    replier.fail(request_id, QueueError(single[0], str(single[1])))
             else:
                 replier.reply(request_id, outcome)
         self.pairs.forward(queue, _forwarded(command), answer)

@@ -186,3 +186,18 @@ async def test_a_replica_that_lost_its_disk_takes_the_whole_queue_again(qcluster
             replica_view = await stats(newcomer, "ledger")
             assert final["depth"] == replica_view["depth"] == 310
             assert replica_view["in_flight"] == final["in_flight"] == 1    # the lease came across too
+
+
+async def test_a_stale_ack_at_the_replica_of_a_full_queue_is_refused_like_at_the_master(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
+    cluster = qcluster_factory(2, PLACEMENT)
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as master, \
+            AsyncClient(cluster.urls["n2"], cluster.credentials_path) as replica:
+        await master.create_queue("ledger", strength="full")
+        message_id = await master.enqueue("ledger", b"once")
+        await wait_converged(master, replica, "ledger")      # the replica holds the queue by now
+        [message] = await replica.receive("ledger", wait_s=2)
+        with pytest.raises(QueueError) as stale:
+            await replica.ack("ledger", message_id, "0" * 16)
+        assert stale.value.code == "E_LEASE_EXPIRED"
+        await message.ack()
+        assert (await wait_converged(master, replica, "ledger"))["depth"] == 0
