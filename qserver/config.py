@@ -27,7 +27,7 @@ class NodeConfig:
     signature_skew_max_s: float = 300.0
     housekeeping_interval_ms: int = 1000
     receive_wait_max_s: float = 60.0
-    websocket_pending_bytes_max: int = 16 << 20   # unsent replies per socket before it is cut
+    websocket_pending_items_max: int = 100_000    # unsent answers per socket before it is cut
     subscription_credit_max: int = 10_000
     # The cluster (static until the membership layer): every node's id -> the URL peers and
     # clients dial for it (a proxy's address in chaos tests), and configured queue pairs.

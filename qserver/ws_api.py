@@ -53,11 +53,12 @@ class ClientConnection:
         self.node = node
         self.engine = node.engine
         self._body_bytes_max = node.config.body_bytes_max
-        self._pending_bytes_max = node.config.websocket_pending_bytes_max
+        self._pending_items_max = node.config.websocket_pending_items_max
         self._out: list[Any] = []
         self._flush_scheduled = False
         self._sending = False
         self._closed = False
+        self._cut = False
         self.subscriptions: set[int] = set()
         self.queues_produced: set[str] = set()
         self.queues_consumed: set[str] = set()
@@ -82,6 +83,13 @@ class ClientConnection:
 
     def _emit(self, item: Any) -> None:
         if self._closed:
+            return
+        if len(self._out) >= self._pending_items_max:
+            # The client does not read its answers: cut it rather than hold them without bound.
+            self._out.clear()
+            if not self._cut:
+                self._cut = True
+                self._loop.create_task(self.close_with(QueueError(e.E_OVERLOADED, "answers are not being read")))
             return
         self._out.append(item)
         if not self._flush_scheduled:

@@ -22,8 +22,3 @@ def fold_encoded(digest: bytes, encoded: bytes) -> bytes:
     """The same, from the operation's encoding (which both members stream and log as is)."""
     return hashlib.blake2b(digest + encoded, digest_size=DIGEST_BYTES).digest()
 
-
-def fold_all(digest: bytes, ops: list[Operation]) -> bytes:
-    for op in ops:
-        digest = fold(digest, op)
-    return digest

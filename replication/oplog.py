@@ -43,13 +43,6 @@ class MemoryOpLog:
         orders.append(op.order)
         self._entries.setdefault(queue_id, {})[op.order] = (op, digest, encoded or encode_operation(op))
 
-    def truncate_after(self, queue_id: int, order: int) -> None:
-        orders = self._orders.get(queue_id, [])
-        keep = bisect.bisect_right(orders, order)
-        for dropped in orders[keep:]:
-            del self._entries[queue_id][dropped]
-        del orders[keep:]
-
     def clear(self, queue_id: int) -> None:
         self._orders.pop(queue_id, None)
         self._entries.pop(queue_id, None)
