@@ -43,6 +43,14 @@ from client.errors import (
 from client.protocol import DeliveredMessage
 from qserver import commands as c
 from qserver.config import NodeConfig
+from qserver.forwarding import (
+    QUEUE_TRAFFIC,
+    WRITES,
+    ForwardReplier,
+    answer_from_master,
+    command_from_forward,
+    forwarded_request,
+)
 from qserver.metrics import Histogram
 from qserver.pairs import PairDriver, Placement
 from qserver.storage import CommitResult, MapGrowthNeeded, SealedBatch, Storage, StorageFull
@@ -64,48 +72,6 @@ from replication.queue_core import QueueCore, QueueRecord
 log = logging.getLogger("qserver.engine")
 TERMINAL_STATES = frozenset({"acked", "replied", "dead_lettered"})
 REPLICATION_TICK_MS = 50    # how often replication roles check lag, resends and retries
-
-
-_QUEUE_TRAFFIC = frozenset({c.Enqueue, c.EnqueueMany, c.Receive, c.Ack, c.AckMany, c.Subscribe})
-_WRITES = frozenset({c.Enqueue, c.EnqueueMany})
-
-
-def _forwarded(command: Any) -> list[Any]:
-    """A replica's client operation as the request of a Forward message."""
-    kind = type(command)
-    if kind is c.Enqueue:
-        return ["enqueue", command.priority, [command.payload], [command.dedupe_id], command.client]
-    if kind is c.EnqueueMany:
-        return ["enqueue", command.priority, list(command.payloads),
-                None if command.dedupe_ids is None else list(command.dedupe_ids), command.client]
-    if kind is c.Receive:
-        return ["receive", command.max_messages, command.wait_ms, command.visibility_ms, command.client]
-    if kind is c.AckMany:
-        return ["ack", [list(item) for item in command.items], command.client]
-    if kind is c.Ack and command.release:
-        return ["release", command.message_id, command.receipt, command.client]
-    if kind is c.Ack and command.reply_payload is None:
-        return ["ack", [[command.message_id, command.receipt]], command.client]
-    raise QueueError(E_NOT_MASTER, f"send this to the master of {command.queue}")
-
-
-class _ForwardReplier:
-    """Answers a forwarded request back to the replica (after commit, like any answer)."""
-
-    def __init__(self, pairs: Any, role: Any, request: Any) -> None:
-        self.pairs, self.role, self.request = pairs, role, request
-
-    def reply(self, request_id: int, result: Any) -> None:
-        if isinstance(result, list) and result and isinstance(result[0], DeliveredMessage):
-            result = [[m.message_id, m.receipt, m.priority, m.deliveries, m.payload] for m in result]
-        self._answer(result)
-
-    def fail(self, request_id: int, error: QueueError) -> None:
-        self._answer([error.code, error.message])
-
-    def _answer(self, outcome: Any) -> None:
-        self.role.answer_forward(self.request, [self.role.commit_order, outcome])
-        self.pairs.flush(self.role)
 
 
 def _refuse(command: c.Command, error: QueueError) -> None:
@@ -316,7 +282,7 @@ class Engine:
     def _step(self, command: c.Command, now_ms: int) -> None:
         kind = type(command)
         queue = getattr(command, "queue", None)
-        if queue is not None and self.pairs.placement.clustered and kind in _QUEUE_TRAFFIC:
+        if queue is not None and self.pairs.placement.clustered and kind in QUEUE_TRAFFIC:
             if self._step_clustered(command, queue, now_ms):
                 return
         self._step_local(command, now_ms)
@@ -331,7 +297,7 @@ class Engine:
         master = pairs.masters.get(queue)
         if master is None:
             return False
-        if type(command) in _WRITES or master.core.options.strength.value == "full":
+        if type(command) in WRITES or master.core.options.strength.value == "full":
             master.check_writable()
         batch = self._open
         op_mark, reply_mark = len(batch.sealed.operations), len(batch.replies)
@@ -339,7 +305,7 @@ class Engine:
         decided = batch.sealed.operations[op_mark:]
         pairs.note_decided(master.core, decided)
         required = pairs.replicated_order(master.core, decided)
-        if type(command) in _WRITES:
+        if type(command) in WRITES:
             # A repeated dedupe id answers with an earlier id, which may not be committed yet.
             required = max(required, master.core.record.next_index - 1)
         if required:
@@ -365,60 +331,20 @@ class Engine:
     def _step_at_replica(self, command: Any, queue: str) -> bool:
         """At the replica: enqueues always go to the master (it orders them); under `full`
         consumption too. Under `producer` this member serves its own consumers (False)."""
-        core = self.cores[queue]
-        kind = type(command)
-        full = core.options.strength.value == "full"
-        if kind is c.Subscribe and full:
+        full = self.cores[queue].options.strength.value == "full"
+        if type(command) is c.Subscribe and full:
             raise QueueError(E_NOT_MASTER, f"subscribe to {queue} at its master {self.pairs.masters_hint(queue)}")
-        if kind not in _WRITES and not full:
+        if type(command) not in WRITES and not full:
             return False
-        replier, request_id = command.replier, command.request_id
-
-        def answer(outcome: Any) -> None:
-            if isinstance(outcome, list) and len(outcome) == 2 and isinstance(outcome[0], str) \
-                    and outcome[0].startswith("E_"):
-                replier.fail(request_id, QueueError(outcome[0], str(outcome[1])))
-            elif kind is c.Enqueue:
-                epoch, [single] = outcome
-                if isinstance(single, list):
-                    replier.fail(request_id, QueueError(single[0], str(single[1])))
-                else:
-                    replier.reply(request_id, [single, epoch])
-            elif kind is c.Receive:
-                replier.reply(request_id, [DeliveredMessage(*row) for row in outcome])
-            elif kind is c.Ack and not command.release:
-                [single] = outcome          # forwarded as a one-item ack batch
-                if single is None:
-                    replier.reply(request_id, None)
-                else:
-                    replier.fail(request_id, QueueError(single[0], str(single[1])))
-            else:
-                replier.reply(request_id, outcome)
-        self.pairs.forward(queue, _forwarded(command), answer)
+        self.pairs.forward(queue, forwarded_request(command), answer_from_master(command))
         return True
 
     def run_forwarded(self, role: Any, request: Any) -> None:
         """At the master: run a request a replica forwarded, as if its client were here; the
         answer (sent after commit) carries the commit point the replica must reach first."""
-        kind, *args = request.request
-        replier = _ForwardReplier(self.pairs, role, request)
-        name = request.queue
+        replier = ForwardReplier(self.pairs, role, request)
         try:
-            if kind == "enqueue":
-                priority, payloads, dedupe_ids, client = args
-                command: c.Command = c.EnqueueMany(name, priority, tuple(payloads),
-                                                   None if dedupe_ids is None else tuple(dedupe_ids), client, replier)
-            elif kind == "receive":
-                max_messages, wait_ms, visibility_ms, client = args
-                command = c.Receive(name, max_messages, wait_ms, visibility_ms, client, replier)
-            elif kind == "ack":
-                items, client = args
-                command = c.AckMany(name, tuple((int(i), str(r)) for i, r in items), client, replier)
-            elif kind == "release":
-                message_id, receipt, client = args
-                command = c.Ack(name, message_id, receipt, client, replier, release=True)
-            else:
-                raise QueueError(E_BAD_REQUEST, f"unknown forwarded request {kind!r}")
+            command = command_from_forward(request, replier)
             self._step(command, self.clock_ms())
         except (QueueError, ValueError, TypeError) as error:
             replier.fail(0, error if isinstance(error, QueueError) else QueueError(E_BAD_REQUEST, str(error)))
