@@ -24,12 +24,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from client import AsyncClient  # noqa: E402
+from qserver.devcluster import start_qserver  # noqa: E402
 
 STAMP = struct.Struct(">d")
 PREFETCH = 1000
@@ -191,17 +191,10 @@ def start_node(port: int, journal: bool) -> tuple[subprocess.Popen[bytes], str, 
     url = f"http://127.0.0.1:{port}"
     subprocess.run([sys.executable, "-m", "qserver", "init", "--data-dir", str(data), "--credentials", credentials,
                     "--url", url], check=True, capture_output=True)
-    args = [sys.executable, "-m", "qserver", "run", "--data-dir", str(data), "--port", str(port), "--log-level", "WARNING"]
+    args = ["--data-dir", str(data), "--port", str(port), "--log-level", "WARNING"]
     if not journal:
         args.append("--no-journal")
-    process = subprocess.Popen(args)
-    for _ in range(200):
-        try:
-            urllib.request.urlopen(url + "/healthz", timeout=1)
-            return process, credentials, workdir
-        except OSError:
-            time.sleep(0.05)
-    raise SystemExit("node did not start")
+    return start_qserver(args, url, Path(workdir.name) / "qserver.log"), credentials, workdir
 
 
 def main() -> None:

@@ -25,6 +25,27 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def start_qserver(run_args: list[str], url: str, log_path: Path,
+                  timeout_s: float = START_TIMEOUT_S) -> subprocess.Popen[bytes]:
+    """Start `qserver run ARGS...` (output to log_path) and wait for its /healthz; a node that
+    exits or stays silent raises RuntimeError with the end of its log."""
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen([sys.executable, "-m", "qserver", "run", *run_args],
+                                   stdout=log, stderr=subprocess.STDOUT, cwd=REPOSITORY)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"qserver exited with {process.returncode}: {log_path.read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(url + "/healthz", timeout=1) as answer:
+                if answer.status == 200:
+                    return process
+        except OSError:
+            time.sleep(0.05)
+    process.kill()
+    raise RuntimeError(f"qserver did not start within {timeout_s}s (log: {log_path})")
+
+
 class LocalCluster:
     def __init__(self, root: Path, size: int, placement: dict[str, list[str]] | None = None,
                  settings: dict[str, object] | None = None) -> None:
@@ -54,22 +75,9 @@ class LocalCluster:
 
     def start(self, node: str) -> None:
         """Start one node and wait for its /healthz (a node that exits raises with its log)."""
-        log = open(self.root / f"{node}.log", "ab")
-        self.processes[node] = subprocess.Popen(
-            [sys.executable, "-m", "qserver", "run", "--config", str(self.root / f"{node}.toml"), "--log-level", "WARNING"],
-            stdout=log, stderr=subprocess.STDOUT, cwd=REPOSITORY)
-        log.close()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.processes[node].poll() is not None:
-                raise RuntimeError(f"{node} exited: {(self.root / f'{node}.log').read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(self.urls[node] + "/healthz", timeout=1) as answer:
-                    if answer.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"{node} did not start within {START_TIMEOUT_S}s")
+        self.processes[node] = start_qserver(
+            ["--config", str(self.root / f"{node}.toml"), "--log-level", "WARNING"], self.urls[node],
+            self.root / f"{node}.log")
 
     def start_all(self) -> None:
         for node in self.ids:

@@ -20,10 +20,10 @@ import struct
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 from client import AsyncClient, QueueError
+from qserver.devcluster import start_qserver
 
 LOCAL_CREDENTIALS = Path(".qserver") / "credentials.json"
 STATUS_INTERVAL_S = 0.5
@@ -35,20 +35,12 @@ def start_node(data_dir: Path, port: int) -> subprocess.Popen[bytes]:
     if not (data_dir / "cluster.secret").exists():
         subprocess.run([sys.executable, "-m", "qserver", "init", "--data-dir", str(data_dir),
                         "--credentials", str(LOCAL_CREDENTIALS), "--url", url], check=True)
-    log = open(data_dir / "qserver.log", "ab")
-    process = subprocess.Popen([sys.executable, "-m", "qserver", "run", "--data-dir", str(data_dir),
-                                "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"qserver exited; see {data_dir / 'qserver.log'}")
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(url + "/healthz", timeout=1):
-                print(f"node n1 up at {url} (data in {data_dir}, log in {data_dir / 'qserver.log'})")
-                return process
-        time.sleep(0.1)
-    process.kill()
-    raise SystemExit("qserver did not start within 20 s")
+    try:
+        process = start_qserver(["--data-dir", str(data_dir), "--port", str(port)], url, data_dir / "qserver.log")
+    except RuntimeError as error:
+        raise SystemExit(str(error)) from None
+    print(f"node n1 up at {url} (data in {data_dir}, log in {data_dir / 'qserver.log'})")
+    return process
 
 
 class Demo:

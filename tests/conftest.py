@@ -10,17 +10,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from qserver.devcluster import LocalCluster, free_port
-
-REPOSITORY = Path(__file__).resolve().parent.parent
-START_TIMEOUT_S = 20.0
+from qserver.devcluster import REPOSITORY, LocalCluster, free_port, start_qserver
 
 
 class QNode:
@@ -39,23 +34,9 @@ class QNode:
                        check=True, capture_output=True, cwd=REPOSITORY)
 
     def start(self) -> None:
-        log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "qserver", "run", "--data-dir", str(self.data_dir), "--port", str(self.port),
-             "--log-level", "WARNING", *self.extra_args],
-            stdout=log, stderr=subprocess.STDOUT, cwd=REPOSITORY)
-        log.close()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"qserver exited with {self.process.returncode}: {self.log_path.read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/healthz", timeout=1) as answer:
-                    if answer.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"qserver did not start within {START_TIMEOUT_S}s")
+        self.process = start_qserver(
+            ["--data-dir", str(self.data_dir), "--port", str(self.port), "--log-level", "WARNING", *self.extra_args],
+            self.url, self.log_path)
 
     def kill(self) -> None:
         """SIGKILL: no chance to flush anything that was not already committed."""
