@@ -166,4 +166,13 @@ class LinkChange:
     request_id: int = 0
 
 
-Command = (Enqueue | EnqueueMany | AckMany | Receive | Ack | Subscribe | Credit | Unsubscribe | CreateQueue | DeleteQueue | MessageStatus | PutClient | PeerMessage | LinkChange)
+@dataclass(slots=True)
+class Invoke:
+    """Run `action(now_ms)` on the engine's task (map changes, proposal outcomes, operator
+    commands): everything that touches cores or roles happens there."""
+    action: Any
+    replier: None = None
+    request_id: int = 0
+
+
+Command = (Enqueue | EnqueueMany | AckMany | Receive | Ack | Subscribe | Credit | Unsubscribe | CreateQueue | DeleteQueue | MessageStatus | PutClient | PeerMessage | LinkChange | Invoke)

@@ -29,10 +29,24 @@ class NodeConfig:
     receive_wait_max_s: float = 60.0
     websocket_pending_items_max: int = 100_000    # unsent answers per socket before it is cut
     subscription_credit_max: int = 10_000
-    # The cluster (static until the membership layer): every node's id -> the URL peers and
-    # clients dial for it (a proxy's address in chaos tests), and configured queue pairs.
+    url: str = ""                          # how peers and clients reach this node (default http://host:port)
+    # The cluster: every node's id -> the URL peers and clients dial for it (a proxy's address
+    # in chaos tests), and preferred pairs for named queues at creation.
     cluster_nodes: dict[str, str] = field(default_factory=dict)
     placement: dict[str, list[str]] = field(default_factory=dict)
+    # The membership layer (pysyncobj): voter id -> "host:port" this node dials for its Raft
+    # link (a proxy's address in chaos tests), and where this node listens for it.
+    membership_nodes: dict[str, str] = field(default_factory=dict)
+    membership_bind: str = ""
+    lease_ms: int = 1_000                   # a node's lease from the membership leader
+    lease_margin_ms: int = 500              # extra wait before promoting (clock drift, leader change)
+    lease_renew_interval_ms: int = 200
+    election_timeout_ms: tuple[int, int] = (500, 1_000)
+    raft_heartbeat_ms: int = 100
+    raft_leader_fallback_ms: int = 500      # a leader that hears no majority this long steps down
+    replica_replace_after_s: float = 300.0  # a node down this long gets its replicas re-created elsewhere
+    accept_replica_handoffs: bool = True    # false: this node's masters refuse handoffs their replicas ask
+    shutdown_handoff_timeout_s: float = 10.0
     replica_lag_max: int = 100_000          # operations behind before the replica is out of sync
     replica_lag_max_ms: int = 2_000         # silence before the same
     peer_send_queue_bytes_max: int = 8 << 20
@@ -54,9 +68,26 @@ class NodeConfig:
         for queue, pair in self.placement.items():
             if len(pair) != 2 or pair[0] == pair[1] or not set(pair) <= set(self.cluster_nodes):
                 problems.append(f"placement of {queue} must name two different nodes of cluster_nodes")
+        if self.cluster_nodes:
+            if set(self.membership_nodes) != set(self.cluster_nodes):
+                problems.append("[cluster.membership] must give a Raft address for every node of [cluster.nodes]")
+            if not 3 <= len(self.membership_nodes) <= 5 and len(self.membership_nodes) != 2:
+                problems.append("the membership layer has 2 (tests only), 3 or 5 voters")
+            if self.lease_margin_ms < self.raft_leader_fallback_ms:
+                problems.append("lease_margin_ms must cover raft_leader_fallback_ms (a cut-off leader may grant "
+                                "until it steps down)")
+            if self.lease_renew_interval_ms * 3 > self.lease_ms:
+                problems.append("lease_renew_interval_ms must allow three renewals per lease_ms")
+            if self.election_timeout_ms[0] <= 3 * self.raft_heartbeat_ms or \
+                    self.election_timeout_ms[1] <= self.election_timeout_ms[0]:
+                problems.append("election_timeout_ms must be (min, max) with min > 3 x raft_heartbeat_ms")
         if problems:
             raise ValueError("invalid node configuration: " + "; ".join(problems))
         return self
+
+    @property
+    def own_url(self) -> str:
+        return self.url or self.cluster_nodes.get(self.node_id) or f"http://{self.host}:{self.port}"
 
     def with_overrides(self, **overrides: Any) -> NodeConfig:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None}).check()
@@ -71,6 +102,10 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> NodeConfig:
         cluster = raw.get("cluster", {})
         if "nodes" in cluster:
             values["cluster_nodes"] = dict(cluster["nodes"])
+        if "membership" in cluster:
+            values["membership_nodes"] = dict(cluster["membership"])
+        if "election_timeout_ms" in values:
+            values["election_timeout_ms"] = tuple(values["election_timeout_ms"])
         if "placement" in cluster:
             values["placement"] = {name: list(pair) for name, pair in cluster["placement"].items()}
         known = {f.name for f in fields(NodeConfig)}

@@ -53,8 +53,10 @@ class LocalCluster:
         self.root = root
         self.ids = [f"n{i}" for i in range(1, size + 1)]
         self.urls = {node: f"http://127.0.0.1:{free_port()}" for node in self.ids}
+        self.raft_addresses = {node: f"127.0.0.1:{free_port()}" for node in self.ids}
         self.credentials_path = root / "admin-credentials.json"
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.log_level = "WARNING"
         self._init(self.ids[0], ["--credentials", str(self.credentials_path), "--url", self.urls[self.ids[0]]])
         for node in self.ids[1:]:
             self._init(node, ["--join", str(root / self.ids[0])])
@@ -70,13 +72,14 @@ class LocalCluster:
         lines = ["[node]", f'node_id = "{node}"', f'data_dir = "{self.root / node}"', f"port = {port}"]
         lines += [f"{key} = {value}" for key, value in settings.items()]
         lines += ["[cluster.nodes]"] + [f'{n} = "{url}"' for n, url in self.urls.items()]
+        lines += ["[cluster.membership]"] + [f'{n} = "{address}"' for n, address in self.raft_addresses.items()]
         lines += ["[cluster.placement]"] + [f'"{q}" = ["{a}", "{b}"]' for q, (a, b) in placement.items()]
         (self.root / f"{node}.toml").write_text("\n".join(lines) + "\n")
 
     def start(self, node: str) -> None:
         """Start one node and wait for its /healthz (a node that exits raises with its log)."""
         self.processes[node] = start_qserver(
-            ["--config", str(self.root / f"{node}.toml"), "--log-level", "WARNING"], self.urls[node],
+            ["--config", str(self.root / f"{node}.toml"), "--log-level", self.log_level], self.urls[node],
             self.root / f"{node}.log")
 
     def start_all(self) -> None:

@@ -33,6 +33,7 @@ from client.errors import (
     E_OPTIONS_MISMATCH,
     E_OVERLOADED,
     E_PAYLOAD_TOO_LARGE,
+    E_QUEUE_UNAVAILABLE,
     E_RESERVED_NAME,
     E_SHUTTING_DOWN,
     E_STORAGE_FULL,
@@ -43,6 +44,7 @@ from client.errors import (
 from client.protocol import DeliveredMessage
 from qserver import commands as c
 from qserver.config import NodeConfig
+from qserver.coordinator import Coordinator
 from qserver.forwarding import (
     QUEUE_TRAFFIC,
     WRITES,
@@ -51,9 +53,11 @@ from qserver.forwarding import (
     command_from_forward,
     forwarded_request,
 )
+from qserver.membership import Membership
 from qserver.metrics import Histogram
-from qserver.pairs import PairDriver, Placement
+from qserver.pairs import ClusterView, PairDriver, Redirect
 from qserver.storage import CommitResult, MapGrowthNeeded, SealedBatch, Storage, StorageFull
+from replication.cluster_map import CreateQueue, DeleteQueue, QueueEntry, choose_pair
 from replication.invariants import InvariantViolation
 from replication.master import ReplicationLimits
 from replication.operations import Leased, Operation
@@ -65,6 +69,7 @@ from replication.options import (
     dead_letter_name,
     is_valid_queue_name,
     mismatched_options,
+    options_from_json,
     valid_dedupe_id,
 )
 from replication.queue_core import QueueCore, QueueRecord
@@ -77,6 +82,12 @@ REPLICATION_TICK_MS = 50    # how often replication roles check lag, resends and
 def _refuse(command: c.Command, error: QueueError) -> None:
     if command.replier is not None:   # an unsubscribe from a closed socket expects no answer
         command.replier.fail(command.request_id, error)
+
+
+def _engine_ended(task: asyncio.Task[None]) -> None:
+    """The engine task only ends on stop; anything else is a broken invariant: say so loudly."""
+    if not task.cancelled() and task.exception() is not None:
+        log.critical("the engine stopped on an error", exc_info=task.exception())
 
 
 def wall_ms() -> int:
@@ -138,15 +149,29 @@ class _Messages:
 
 class Engine:
     def __init__(self, config: NodeConfig, storage: Storage, *, rng: random.Random | None = None,
-                 clock_ms: Callable[[], int] = wall_ms, writer: Executor | None = None) -> None:
+                 clock_ms: Callable[[], int] = wall_ms, writer: Executor | None = None,
+                 membership: Membership | None = None, monotonic_ms: Callable[[], int] | None = None) -> None:
         self.config = config
         self.storage = storage
         self.clock_ms = clock_ms
         self._rng = rng or random.Random()
         self.cores: dict[str, QueueCore] = {}
-        self.pairs = PairDriver(self, Placement(config.cluster_nodes, config.placement),
+        self.pairs = PairDriver(self, ClusterView(config.node_id, config.cluster_nodes, membership),
                                 ReplicationLimits(replica_lag_max=config.replica_lag_max,
                                                   replica_lag_max_ms=config.replica_lag_max_ms))
+        self.membership = membership
+        self.coordinator: Coordinator | None = None
+        if membership is not None:
+            self.coordinator = self.pairs.coordinator = Coordinator(
+                self, membership, lease_ms=config.lease_ms, lease_margin_ms=config.lease_margin_ms,
+                renew_interval_ms=config.lease_renew_interval_ms,
+                replica_replace_after_ms=int(config.replica_replace_after_s * 1000),
+                accept_replica_handoffs=config.accept_replica_handoffs,
+                monotonic_ms=monotonic_ms or (lambda: int(time.monotonic() * 1000)))
+            membership.on_applied = lambda command, outcomes: self.invoke(
+                lambda now_ms: self.pairs.map_applied(command, outcomes))
+        self._pending_creates: dict[str, list[tuple[Any, int]]] = {}   # queue -> (replier, request id)
+        self._created_waiting: dict[str, list[tuple[Any, int]]] = {}
         self.clients: dict[str, dict[str, Any]] = {}
         self._inbox: collections.deque[c.Command] = collections.deque()
         self._wake = asyncio.Event()
@@ -177,6 +202,7 @@ class Engine:
     async def start(self) -> None:
         self._load()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="engine")
+        self._task.add_done_callback(_engine_ended)
 
     def _load(self) -> None:
         """Rebuild cores from storage: queue records and leases only, never the messages."""
@@ -237,7 +263,8 @@ class Engine:
             self.storage.begin_read()
             try:
                 self._step_inbox(now_ms)
-                if self.pairs.placement.clustered and now_ms >= self._next_replication_tick_ms:
+                if self.coordinator is not None and now_ms >= self._next_replication_tick_ms:
+                    self.coordinator.tick(now_ms)
                     self.pairs.tick(now_ms)
                     self._next_replication_tick_ms = now_ms + REPLICATION_TICK_MS
                 self._expire_leases(now_ms)
@@ -282,7 +309,7 @@ class Engine:
     def _step(self, command: c.Command, now_ms: int) -> None:
         kind = type(command)
         queue = getattr(command, "queue", None)
-        if queue is not None and self.pairs.placement.clustered and kind in QUEUE_TRAFFIC:
+        if queue is not None and self.pairs.clustered and kind in QUEUE_TRAFFIC:
             if self._step_clustered(command, queue, now_ms):
                 return
         self._step_local(command, now_ms)
@@ -291,6 +318,9 @@ class Engine:
         """Route a client's queue operation in a cluster: True when it was handled here (a
         replica forwards to its master); raises for a node that holds neither member."""
         pairs = self.pairs
+        if self.coordinator is not None and self.coordinator.parks(queue):
+            self.coordinator.park(queue, command)      # a handoff: no new index until it ends
+            return True
         if queue in pairs.replicas:
             return self._step_at_replica(command, queue)
         pairs.refuse_if_not_master(queue)
@@ -298,7 +328,7 @@ class Engine:
         if master is None:
             return False
         if type(command) in WRITES or master.core.options.strength.value == "full":
-            master.check_writable()
+            pairs.check_writable(master)
         batch = self._open
         op_mark, reply_mark = len(batch.sealed.operations), len(batch.replies)
         self._step_local(command, now_ms)
@@ -409,7 +439,8 @@ class Engine:
     def _core(self, name: str) -> QueueCore:
         core = self.cores.get(name)
         if core is None:
-            if self.pairs.placement.clustered and self.pairs.placement.pair(name).master != self.config.node_id:
+            entry = self.pairs.view.entry(name)
+            if entry is not None and entry.master != self.config.node_id:
                 raise QueueError(E_NOT_MASTER, f"queue {name} is held by {self.pairs.masters_hint(name)}")
             raise QueueError(E_UNKNOWN_QUEUE, f"no queue named {name!r}")
         return core
@@ -541,48 +572,118 @@ class Engine:
         if name.endswith(DEAD_LETTER_SUFFIX):
             raise QueueError(E_RESERVED_NAME, f"names ending {DEAD_LETTER_SUFFIX} belong to dead-letter queues")
         existing = self.cores.get(name)
-        if existing is not None:
+        entry = self.pairs.view.entry(name)
+        if existing is not None or entry is not None:
             if command.placement.get("master_required"):
                 raise QueueError(E_MASTER_EXISTS, f"queue {name} already has a master")
-            different = mismatched_options(existing.options, command.options)
+            options = existing.options if existing is not None else options_from_json(entry.options)  # type: ignore[union-attr]
+            different = mismatched_options(options, command.options)
             if different:
                 raise QueueError(E_OPTIONS_MISMATCH, f"queue {name} exists with other {', '.join(different)}")
+            if existing is None:
+                self.pairs.refuse_if_not_master(name)
+                raise QueueError(E_QUEUE_UNAVAILABLE, f"queue {name} is being created; retry")
             self._open.replies.append((command.replier, command.request_id, {"created": False, **self.describe(existing)}))
             return
-        self._check_placement(name, command.placement)
         options = QueueOptions(**command.options)
-        incarnation = self._rng.getrandbits(62) | 1 if self.pairs.placement.clustered else 0
-        core = self._create_core(name, options, now_ms, dead_letter_of=None, incarnation=incarnation)
+        if self.coordinator is not None:
+            self._propose_create(command, options)
+            return
+        core = self._create_core(name, options, now_ms, dead_letter_of=None)
+        if options.dead_letter:
+            core.dead_letter_core = self._create_core(dead_letter_name(name), _dead_letter_options(options), now_ms,
+                                                      dead_letter_of=name)
+        self._open.replies.append((command.replier, command.request_id, {"created": True, **self.describe(core)}))
+
+    def _propose_create(self, command: c.CreateQueue, options: QueueOptions) -> None:
+        """In a cluster a queue exists once the map says so: place it (seed 004 `master` and
+        `replica` options, else spread evenly), and the master proposes it. A node that is
+        not the chosen master passes the request on (E_NOT_MASTER with the node to ask)."""
+        cluster = self.pairs.view.cluster_map
+        preferred = self.config.placement.get(command.name, [None, None])
+        wanted = (command.placement.get("master", preferred[0]), command.placement.get("replica", preferred[1]))
+        pair = choose_pair(cluster, wanted)
+        if pair is None:
+            raise QueueError(E_QUEUE_UNAVAILABLE if not wanted[0] and not wanted[1] else E_INVALID_OPTION,
+                             f"no two live nodes for {command.name} (asked {wanted[0] or 'any'} / {wanted[1] or 'any'})")
+        master, replica = pair
+        if master != self.config.node_id:
+            raise Redirect(master, f"queue {command.name} is created by its master {master}")
+        assert self.coordinator is not None
+        self._pending_creates.setdefault(command.name, []).append((command.replier, command.request_id))
+        if len(self._pending_creates[command.name]) > 1:
+            return
+        create = CreateQueue(command.name, options.to_json(), master, replica, self._rng.getrandbits(62) | 1)
+
+        def decided(outcomes: Any) -> None:
+            waiting = self._pending_creates.pop(command.name, [])
+            if isinstance(outcomes, QueueError) or not outcomes[0].applied:
+                for replier, request_id in waiting:       # lost a race: it exists now, or try again
+                    self.submit(c.CreateQueue(command.name, command.options, {}, replier, request_id))
+                return
+            self._created_waiting.setdefault(command.name, []).extend(waiting)
+            self._answer_created(command.name)
+        self.coordinator.propose_checked(create, decided, lambda outcomes: outcomes)
+
+    def _answer_created(self, name: str) -> None:
+        """Creators wait for the local copy of the map to have made the instance."""
+        core = self.cores.get(name)
+        if core is None:
+            return
+        for replier, request_id in self._created_waiting.pop(name, []):
+            self._open.replies.append((replier, request_id, {"created": True, **self.describe(core)}))
+
+    def create_master_instance(self, entry: QueueEntry) -> None:
+        """The map names this node master of a queue it does not hold: create its instance
+        (and dead-letter queue) with the map's incarnation; the replica learns of it once it
+        is durable here."""
+        now_ms = self.clock_ms()
+        options = options_from_json(entry.options)
+        core = self._create_core(entry.name, options, now_ms, dead_letter_of=None, incarnation=entry.incarnation,
+                                 epoch=entry.epoch)
         created = [core]
         if options.dead_letter:
-            dead = self._create_core(dead_letter_name(name), QueueOptions(max_depth=2**40, dead_letter=False,
-                                     strength=options.strength), now_ms, dead_letter_of=name,
-                                     incarnation=incarnation + 1 if incarnation else 0)
+            dead = self._create_core(dead_letter_name(entry.name), _dead_letter_options(options), now_ms,
+                                     dead_letter_of=entry.name, incarnation=entry.incarnation + 1, epoch=entry.epoch)
             core.dead_letter_core = dead
             created.append(dead)
         for queue in created:
             self.pairs.attach(queue)
-            # The replica learns of the queue once it is durable here (and again on reconnect).
             self._open.after_commit.append(functools.partial(self.pairs.announce, queue))
-        self._open.replies.append((command.replier, command.request_id, {"created": True, **self.describe(core)}))
+        self._answer_created(entry.name)
 
-    def _check_placement(self, name: str, requested: dict[str, Any]) -> None:
-        """Until the membership layer lands, placement is static: only the configured master
-        creates a queue, and master/replica options must agree with it."""
-        placement = self.pairs.placement
-        if not placement.clustered:
+    def drop_instance(self, core: QueueCore) -> None:
+        """The map no longer lists this node for the queue (deleted, or moved away)."""
+        if self.cores.get(core.name) is not core:
             return
-        pair = placement.pair(name)
-        if pair.master != self.config.node_id:
-            raise QueueError(E_NOT_MASTER, f"queue {name} is created by its master {self.pairs.masters_hint(name)}")
-        for member in ("master", "replica"):
-            if member in requested and requested[member] != getattr(pair, member):
-                raise QueueError(E_INVALID_OPTION, f"{member} of {name} is {getattr(pair, member)} (static placement)")
+        core.transition(QueueState.CLOSING)
+        core.transition(QueueState.CLOSED)
+        self._remove_core(core)
+
+    def journal_mark(self, core: QueueCore, role: str, index: int, reason: str) -> None:
+        """A journal record of a member taking a role in an epoch (the audit's "epoch" op)."""
+        self._open.sealed.journal_marks.append(
+            [self.clock_ms(), core.name, core.queue_id, core.record.epoch, index, "epoch", 0, reason, 0, 0, 0, role,
+             self.config.node_id, ""])
+        self._touch(core)
+
+    def invoke(self, action: Callable[[int], None]) -> None:
+        """Run action(now_ms) on the engine's task (from callbacks of the membership layer)."""
+        self._inbox.append(c.Invoke(action))
+        if not self._wake.is_set():
+            self._wake.set()
+
+    def resubmit(self, command: c.Command) -> None:
+        self._inbox.appendleft(command)
+        self._wake.set()
+
+    def _step_invoke(self, command: c.Invoke, now_ms: int) -> None:
+        command.action(now_ms)
 
     def _create_core(self, name: str, options: QueueOptions, now_ms: int, dead_letter_of: str | None,
-                     incarnation: int = 0) -> QueueCore:
+                     incarnation: int = 0, epoch: int = 1) -> QueueCore:
         record = QueueRecord(self._next_queue_id, name, options, now_ms, dead_letter_of=dead_letter_of,
-                             incarnation=incarnation)
+                             incarnation=incarnation, epoch=epoch)
         self._next_queue_id += 1
         self._open.sealed.next_queue_id = self._next_queue_id
         core = self._new_core(record, [])
@@ -599,14 +700,23 @@ class Engine:
         core = self._core(command.name)
         if core.record.dead_letter_of is not None:
             raise QueueError(E_RESERVED_NAME, f"{command.name} goes with queue {core.record.dead_letter_of}")
-        if self.pairs.placement.clustered and command.name not in self.pairs.masters:
-            raise QueueError(E_NOT_MASTER, f"queue {command.name} is deleted by its master "
-                                           f"{self.pairs.masters_hint(command.name)}")
+        if self.coordinator is not None:
+            if command.name not in self.pairs.masters:
+                raise QueueError(E_NOT_MASTER, f"queue {command.name} is deleted by its master "
+                                               f"{self.pairs.masters_hint(command.name)}")
+            incarnation = core.record.incarnation or core.queue_id
+
+            def deleted(outcomes: Any) -> None:
+                if isinstance(outcomes, QueueError):
+                    command.replier.fail(command.request_id, outcomes)
+                elif not outcomes[0].applied:
+                    command.replier.fail(command.request_id, QueueError(E_UNKNOWN_QUEUE, outcomes[0].reason))
+                else:
+                    self._open.replies.append((command.replier, command.request_id, {"deleted": command.name}))
+            self.coordinator.propose_checked(DeleteQueue(command.name, incarnation), deleted, lambda o: o)
+            return
         for victim in filter(None, (core, self.cores.get(dead_letter_name(core.name)))):
-            victim.transition(QueueState.CLOSING)
-            victim.transition(QueueState.CLOSED)
-            self.pairs.retire(victim.name)
-            self._remove_core(victim)
+            self.drop_instance(victim)
         self._open.replies.append((command.replier, command.request_id, {"deleted": command.name}))
 
     def _drop_queue_listeners(self, name: str) -> None:
@@ -647,6 +757,7 @@ class Engine:
         c.Subscribe: _step_subscribe, c.Credit: _step_credit, c.Unsubscribe: _step_unsubscribe,
         c.CreateQueue: _step_create, c.DeleteQueue: _step_delete, c.MessageStatus: _step_status,
         c.PutClient: _step_put_client, c.PeerMessage: _step_peer_message, c.LinkChange: _step_link_change,
+        c.Invoke: _step_invoke,
     }
 
     # --- time-driven work ------------------------------------------------------------------
@@ -670,7 +781,7 @@ class Engine:
         """Hand ready messages to waiting receives, then to subscriptions with credit. In a
         pair, ready is not enough: only committed messages are visible, and the commit point
         moves with the replica's acknowledgements, so every queue with listeners is looked at."""
-        if self.pairs.placement.clustered:
+        if self.pairs.clustered:
             self._to_serve.update(self._waiters)
             self._to_serve.update(name for name, subscriptions in self._subscriptions.items() if subscriptions)
         for name in self._to_serve:
@@ -725,7 +836,7 @@ class Engine:
 
     def _arm_timer(self, now_ms: int) -> None:
         deadlines = [self._next_housekeeping_ms]
-        if self.pairs.placement.clustered:
+        if self.pairs.clustered:
             deadlines.append(self._next_replication_tick_ms)
         deadlines.extend(d for d in (core.next_deadline_ms() for core in self.cores.values()) if d is not None)
         deadlines.extend(w.deadline_ms for ws in self._waiters.values() for w in ws)
@@ -907,3 +1018,7 @@ class Engine:
 
     def pending_commands(self) -> int:
         return len(self._inbox)
+
+
+def _dead_letter_options(options: QueueOptions) -> QueueOptions:
+    return QueueOptions(max_depth=2**40, dead_letter=False, strength=options.strength)

@@ -25,6 +25,7 @@ from qserver import commands as c
 from qserver.auth import Principal, validate_grants
 from qserver.engine import TERMINAL_STATES, Engine
 from qserver.http_errors import error_response
+from replication.cluster_map import AddNode, ChangePair, NodeState, Reason, SetNodeState, astuple
 from replication.options import PRIORITY_DEFAULT, OptionError, is_valid_queue_name, parse_options, valid_dedupe_id
 
 log = logging.getLogger("qserver.http")
@@ -52,8 +53,8 @@ async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamR
                                                           request.headers, body)
         return await handler(request)
     except QueueError as error:
-        if error.code == e.E_NOT_MASTER.code and node.engine.pairs.placement.clustered:
-            proxied = await proxy_to_master(request, node)
+        if error.code == e.E_NOT_MASTER.code and node.engine.pairs.clustered:
+            proxied = await proxy_to_master(request, node, getattr(error, "node", None))
             if proxied is not None:
                 return proxied
         return error_response(error)
@@ -77,19 +78,26 @@ PROXY_TIMEOUT_S = 60.0
 HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection"})
 
 
-async def proxy_to_master(request: web.Request, node: Any) -> web.Response | None:
+async def proxy_to_master(request: web.Request, node: Any, target: str | None = None) -> web.Response | None:
     """Any node answers any request (DESIGN.md 4.4): one that is not the queue's master passes
     the signed request on unchanged, and the master checks signature and nonce itself."""
     name = request.match_info.get("q")
     if name is None or FORWARDED_BY in request.headers or not is_valid_queue_name(name):
         return None
-    pairs = node.engine.pairs
-    master = pairs.placement.pair(name).master
-    if master == node.config.node_id:
+    entry = node.engine.pairs.view.entry(name)
+    master = target or (entry.master if entry is not None else None)
+    if master is None or master == node.config.node_id:
         return None
+    return await proxy_to(request, node, master)
+
+
+async def proxy_to(request: web.Request, node: Any, target: str) -> web.Response:
+    """Pass the signed request on to node `target`, once (the X-Forwarded-By header)."""
+    master = target
+    name = request.match_info.get("q", "")
     headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
     headers[FORWARDED_BY] = node.config.node_id
-    url = pairs.placement.url(master) + request.raw_path
+    url = node.engine.pairs.view.url(master) + request.raw_path
     try:
         async with node.http_session().request(request.method, url, data=await request.read(), headers=headers,
                                                timeout=aiohttp.ClientTimeout(total=PROXY_TIMEOUT_S)) as answer:
@@ -336,17 +344,19 @@ async def set_grants(request: web.Request) -> web.Response:
 
 # --- cluster, node ----------------------------------------------------------------------
 async def cluster(request: web.Request) -> web.Response:
-    """The cluster map as this node knows it. With static placement each node lists the
-    queues it holds; the membership release makes this the replicated map."""
+    """The cluster map as this node knows it (the replicated map in a cluster), with the lag of
+    the queues mastered here."""
     node = request.app["node"]
     who = principal(request)
-    placement = node.engine.pairs.placement
-    if placement.clustered:
-        nodes = [{"id": node_id, "url": url, "state": "up" if node_id == node.config.node_id or
-                  (node.peers is not None and node.peers.is_up(node_id)) else "unreachable"}
-                 for node_id, url in sorted(placement.nodes.items())]
-        queues = {name: {"master": (pair := placement.pair(name)).master, "replica": pair.replica, "epoch": pair.epoch}
-                  for name in node.engine.cores if who.may_see(name)}
+    engine = node.engine
+    if engine.coordinator is not None:
+        status = engine.coordinator.status()
+        status["queues"] = {name: entry for name, entry in status["queues"].items() if who.may_see(name)}
+        for name, entry in status["queues"].items():
+            role = engine.pairs.masters.get(name)
+            if role is not None:
+                entry["lag"] = role.last_order - role.replica_durable
+        return web.json_response(status)
     else:
         nodes = [{"id": node.config.node_id, "url": node.url, "state": "up"}]
         queues = {name: {"master": node.config.node_id, "replica": None, "epoch": core.record.epoch}
@@ -356,7 +366,147 @@ async def cluster(request: web.Request) -> web.Response:
 
 async def not_yet(request: web.Request) -> web.Response:
     principal(request).require("admin", request.match_info.get("q", "*"))
-    raise QueueError(e.E_NOT_IMPLEMENTED, f"{request.method} {request.path} arrives with the replication and membership releases")
+    raise QueueError(e.E_NOT_IMPLEMENTED, f"{request.method} {request.path} arrives with the journal release")
+
+
+# --- cluster operations (DESIGN.md 5) ----------------------------------------------------------
+CLUSTER_ACTION_TIMEOUT_S = 30.0
+
+
+async def in_engine(engine: Engine, action: Callable[[Callable[[Any], None]], None]) -> Any:
+    """Run action(finish) on the engine's task; finish(result) or finish(QueueError)."""
+    future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+    def finish(result: Any) -> None:
+        if future.done():
+            return
+        if isinstance(result, QueueError):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
+    engine.invoke(lambda now_ms: action(finish))
+    try:
+        return await asyncio.wait_for(future, CLUSTER_ACTION_TIMEOUT_S)
+    except TimeoutError:
+        raise QueueError(e.E_TIMEOUT, "the cluster did not finish in time", outcome_unknown=True) from None
+
+
+def coordinator_of(request: web.Request) -> Any:
+    coordinator = request.app["node"].engine.coordinator
+    if coordinator is None:
+        raise QueueError(e.E_INVALID_OPTION, "this node is not part of a cluster")
+    return coordinator
+
+
+def cluster_entry(request: web.Request, name: str) -> Any:
+    entry = request.app["node"].engine.pairs.view.entry(name)
+    if entry is None:
+        raise QueueError(e.E_UNKNOWN_QUEUE, f"no queue named {name!r}")
+    return entry
+
+
+async def handoff(request: web.Request) -> web.Response:
+    """Swap master and replica (seed 004 FIG. 23-25), asked by either member."""
+    name = queue_name(request, "admin")
+    coordinator = coordinator_of(request)
+    body = await json_body(request)
+    initiator = body.get("initiator", "master") if isinstance(body, dict) else None
+    if initiator not in ("master", "replica"):
+        raise QueueError(e.E_INVALID_OPTION, "initiator is master or replica")
+    entry = cluster_entry(request, name)
+    node = request.app["node"]
+    target = entry.master if initiator == "master" else entry.replica
+    if target != node.config.node_id and FORWARDED_BY not in request.headers:
+        return await proxy_to(request, node, target)
+    result = await in_engine(node.engine, lambda finish: coordinator.handoff(name, initiator, finish))
+    return web.json_response(result)
+
+
+async def promote(request: web.Request) -> web.Response:
+    """Promote the replica of a queue whose master is lost; `unclean` when it is not known to be
+    in sync (recorded in the map and the journals: the audit flags it)."""
+    name = queue_name(request, "admin")
+    coordinator = coordinator_of(request)
+    body = await json_body(request)
+    unclean = bool(body.get("unclean")) if isinstance(body, dict) else False
+    entry = cluster_entry(request, name)
+    if entry.in_sync:
+        raise QueueError(e.E_INVALID_OPTION, "the replica is in sync: the membership layer fails over by itself, "
+                                             "or use handoff")
+    if not unclean:
+        raise QueueError(e.E_INVALID_OPTION, "the replica is out of sync: promoting it may lose acknowledged "
+                                             "messages; say unclean to do it anyway")
+    change = ChangePair(name, astuple(entry.pair), (entry.epoch + 1, entry.replica, entry.master, False),
+                        Reason.UNCLEAN.value)
+    outcomes = await in_engine(request.app["node"].engine, lambda finish: coordinator.propose_checked(
+        change, finish, lambda o: o))
+    if not outcomes[0].applied:
+        raise QueueError(e.E_HANDOFF_REFUSED, f"the map changed first: {outcomes[0].reason}")
+    return web.json_response({"queue": name, "master": entry.replica, "epoch": entry.epoch + 1, "unclean": True})
+
+
+async def move(request: web.Request) -> web.Response:
+    """Replace one member by an instance on another node (state transfer, then the old one is
+    dropped; a handoff first when the master moves)."""
+    name = queue_name(request, "admin")
+    coordinator = coordinator_of(request)
+    body = await json_body(request)
+    if not isinstance(body, dict) or body.get("member") not in ("master", "replica") or not isinstance(
+            body.get("to"), str):
+        raise QueueError(e.E_INVALID_OPTION, 'the body is {"member": "master"|"replica", "to": NODE}')
+    node = request.app["node"]
+    engine = node.engine
+    entry = cluster_entry(request, name)
+    target = body["to"]
+    if target in (entry.master, entry.replica):
+        raise QueueError(e.E_INVALID_OPTION, f"{target} already holds a member of {name}")
+    if body["member"] == "master":
+        if entry.master != node.config.node_id and FORWARDED_BY not in request.headers:
+            return await proxy_to(request, node, entry.master)
+        await in_engine(engine, lambda finish: coordinator.handoff(name, "master", finish))
+        entry = cluster_entry(request, name)
+    change = ChangePair(name, astuple(entry.pair), (entry.epoch + 1, entry.master, target, False), Reason.MOVE.value)
+    outcomes = await in_engine(engine, lambda finish: coordinator.propose_checked(change, finish, lambda o: o))
+    if not outcomes[0].applied:
+        raise QueueError(e.E_INVALID_OPTION, f"move refused: {outcomes[0].reason}")
+    return web.json_response({"queue": name, "master": entry.master, "replica": target, "epoch": entry.epoch + 1})
+
+
+async def rebalance(request: web.Request) -> web.Response:
+    principal(request).require("admin", "*")
+    coordinator = coordinator_of(request)
+    chosen = await in_engine(request.app["node"].engine, lambda finish: finish(coordinator.rebalance()))
+    return web.json_response({"handoffs": chosen})
+
+
+async def add_node(request: web.Request) -> web.Response:
+    principal(request).require("admin", "*")
+    coordinator = coordinator_of(request)
+    body = await json_body(request)
+    if not isinstance(body, dict) or not isinstance(body.get("id"), str) or not isinstance(body.get("url"), str):
+        raise QueueError(e.E_INVALID_OPTION, 'the body is {"id": NODE, "url": URL}')
+    command = AddNode(body["id"], body["url"])
+    return await node_command(request, coordinator, command)
+
+
+async def drain_node(request: web.Request) -> web.Response:
+    principal(request).require("admin", "*")
+    command = SetNodeState(request.match_info["id"], NodeState.DRAINING.value)
+    return await node_command(request, coordinator_of(request), command)
+
+
+async def remove_node(request: web.Request) -> web.Response:
+    principal(request).require("admin", "*")
+    command = SetNodeState(request.match_info["id"], NodeState.REMOVED.value)
+    return await node_command(request, coordinator_of(request), command)
+
+
+async def node_command(request: web.Request, coordinator: Any, command: Any) -> web.Response:
+    outcomes = await in_engine(request.app["node"].engine,
+                               lambda finish: coordinator.propose_checked(command, finish, lambda o: o))
+    if not outcomes[0].applied:
+        raise QueueError(e.E_INVALID_OPTION, f"refused: {outcomes[0].reason}")
+    return web.json_response({"node": outcomes[0].name, "done": True})
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -381,11 +531,14 @@ def add_routes(app: web.Application) -> None:
     r.add_post("/v1/queues/{q}/messages/{id}/release", release)
     r.add_post("/v1/queues/{q}/messages/{id}/reply", reply)
     r.add_get("/v1/queues/{q}/messages/{id}/status", message_status)
-    for path in ("/v1/queues/{q}/handoff", "/v1/queues/{q}/move", "/v1/queues/{q}/promote",
-                 "/v1/cluster/rebalance", "/v1/journal/export", "/v1/cluster/nodes",
-                 "/v1/cluster/nodes/{id}/drain"):
-        r.add_post(path, not_yet)
-    r.add_delete("/v1/cluster/nodes/{id}", not_yet)
+    r.add_post("/v1/queues/{q}/handoff", handoff)
+    r.add_post("/v1/queues/{q}/move", move)
+    r.add_post("/v1/queues/{q}/promote", promote)
+    r.add_post("/v1/cluster/rebalance", rebalance)
+    r.add_post("/v1/cluster/nodes", add_node)
+    r.add_post("/v1/cluster/nodes/{id}/drain", drain_node)
+    r.add_delete("/v1/cluster/nodes/{id}", remove_node)
+    r.add_post("/v1/journal/export", not_yet)
     r.add_get("/v1/cluster", cluster)
     r.add_post("/v1/clients", register_client)
     r.add_get("/v1/clients", list_clients)

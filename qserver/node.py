@@ -18,6 +18,7 @@ from qserver.auth import Authenticator
 from qserver.config import NodeConfig
 from qserver.engine import Engine
 from qserver.http_api import add_routes, errors_and_auth
+from qserver.membership import RaftMembership
 from qserver.metrics import render_family
 from qserver.peers import PEER_PATH, PeerTransport
 from qserver.storage import Storage
@@ -33,15 +34,34 @@ class Node:
         self.storage = Storage(Path(config.data_dir) / "lmdb", node_id=config.node_id, map_size_bytes=config.map_size_bytes,
                                map_size_max_bytes=config.map_size_max_bytes,
                                journal_enabled=config.journal_enabled)
-        self.engine = Engine(config, self.storage)
+        self.membership = self._membership()
+        self.engine = Engine(config, self.storage, membership=self.membership)
         self.peers = self._peer_transport()
         self.auth = Authenticator(self.engine.clients, skew_max_s=config.signature_skew_max_s,
                                   enabled=config.auth_enabled)
         self.connections: set[ClientConnection] = set()
         self.bad_frames = 0
         self._http_session: aiohttp.ClientSession | None = None
-        self.url = f"http://{config.host}:{config.port}"
+        self.url = config.own_url
         self.engine.on_clients_changed = self._clients_changed
+
+    def _membership(self) -> RaftMembership | None:
+        """The Raft membership layer (DESIGN.md 4.2), with the cluster secret as its password."""
+        if len(self.config.cluster_nodes) < 2:
+            return None
+        config = self.config
+        secret = (Path(config.data_dir) / "cluster.secret").read_text().strip()
+        voters = dict(config.membership_nodes)
+        if config.membership_bind:
+            # This node listens where configured, even when its peers dial a proxy.
+            voters_for_bind = {**voters, config.node_id: config.membership_bind}
+        else:
+            voters_for_bind = voters
+        return RaftMembership(
+            config.node_id, voters_for_bind, Path(config.data_dir) / "membership", secret,
+            loop=asyncio.get_running_loop(),
+            election_timeout_s=(config.election_timeout_ms[0] / 1000, config.election_timeout_ms[1] / 1000),
+            heartbeat_s=config.raft_heartbeat_ms / 1000, leader_fallback_s=config.raft_leader_fallback_ms / 1000)
 
     def _peer_transport(self) -> PeerTransport | None:
         """One WebSocket per peer node, authenticated with the cluster secret (DESIGN.md 4.1)."""
@@ -60,6 +80,8 @@ class Node:
         return transport
 
     async def start(self) -> None:
+        if self.membership is not None:
+            self.membership.start()
         await self.engine.start()
         self.auth._clients = self.engine.clients   # the engine rebuilt its registry on load
         if self.peers is not None:
@@ -73,7 +95,28 @@ class Node:
         if self._http_session is not None:
             await self._http_session.close()
         await self.engine.stop()
+        if self.membership is not None:
+            self.membership.stop()
         self.storage.close()
+
+    async def hand_off_masters(self) -> None:
+        """An orderly stop hands off every master on this node first (DESIGN.md 5), within
+        `shutdown_handoff_timeout_s`; queues whose replica is not in sync stay (they fail over)."""
+        coordinator = self.engine.coordinator
+        if coordinator is None:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.shutdown_handoff_timeout_s
+        for _ in range(3):
+            started: asyncio.Future[int] = loop.create_future()
+            self.engine.invoke(lambda now_ms, started=started: started.set_result(coordinator.hand_off_all()))
+            if await started == 0:
+                return
+            while coordinator.handoffs and loop.time() < deadline:
+                await asyncio.sleep(0.02)
+            if loop.time() >= deadline:
+                log.warning("stopping with %d master(s) not handed off", len(self.engine.pairs.masters))
+                return
 
     def http_session(self) -> aiohttp.ClientSession:
         """For requests this node passes on to a queue's master."""
@@ -180,6 +223,7 @@ async def serve(config: NodeConfig, *, ready: asyncio.Event | None = None) -> No
         ready.set()
     await stop.wait()
     log.info("node %s stopping", config.node_id)
+    await node.hand_off_masters()
     await site.stop()
     await node.stop()
     await runner.cleanup()

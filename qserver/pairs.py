@@ -1,77 +1,101 @@
-"""The node side of queue pairs: placement, the replication roles, and their glue to the engine.
+"""The node side of queue pairs: the cluster map's view, the replication roles, and their glue
+to the engine.
 
-Placement is static for now (DESIGN.md: until the membership layer lands, configuration says
-who is master): a queue listed under `[cluster.placement]` uses its pair, any other queue is
-placed by a hash of its name over the sorted node ids (master, then the next node as
-replica); a dead-letter queue follows its queue. The membership release replaces
-`Placement` with the cluster map and supplies (master, replica, epoch); nothing else here
-needs to change for that.
+Who holds each queue comes from the cluster map the membership layer replicates
+(`replication/cluster_map.py`, `qserver/membership.py`): its master, replica, epoch and
+in-sync flag. A dead-letter queue follows its queue's entry. When a map change names this
+node in a new role (creation, handoff, failover, move), `reconcile` rebuilds the queue's role
+from the old one's in-memory state, so nothing staged but not yet durable is forgotten, and
+the epoch it persists with the next batch never goes backwards.
 
 Everything runs on the engine's task: the engine calls in after stepping commands, before
-and after each group commit, for peer messages, link changes and ticks. The roles are pure
-(`replication/master.py`, `replication/replica.py`); this module performs their effects in
-the required order: persist (into the engine's open batch), then send, then answer.
+and after each group commit, for peer messages, link changes, map changes and ticks. The
+roles are pure (`replication/master.py`, `replication/replica.py`); this module performs
+their effects in the required order: persist (into the engine's open batch), then send,
+then answer.
 """
 from __future__ import annotations
 
 import collections
 import logging
-import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from client.errors import E_NOT_MASTER, E_UNKNOWN_QUEUE, QueueError
+from client.errors import E_NOT_MASTER, E_QUEUE_UNAVAILABLE, E_UNKNOWN_QUEUE, QueueError
+from replication.cluster_map import (
+    ChangePair,
+    ClusterMap,
+    Command,
+    CreateQueue,
+    DeleteQueue,
+    Outcome,
+    QueueEntry,
+    Reason,
+)
 from replication.master import InSyncProposal, MasterRole, ReplicationLimits, is_replicated
 from replication.messages import (
     Create,
     Delete,
     ForwardResult,
+    HandoffAnswer,
+    HandoffOrder,
+    HandoffRequest,
+    LeaseGrant,
+    LeaseRenew,
     Message,
     MessageError,
     decode_message,
     encode_message,
 )
 from replication.operations import DeadLettered, Operation
-from replication.options import DEAD_LETTER_SUFFIX
+from replication.options import DEAD_LETTER_SUFFIX, dead_letter_name
 from replication.queue_core import QueueCore
 from replication.replica import ReplicaRole
 
 if TYPE_CHECKING:
+    from qserver.coordinator import Coordinator
     from qserver.engine import Engine
+    from qserver.membership import Membership
 
 log = logging.getLogger("qserver.pairs")
-STATIC_EPOCH = 1     # no change of master without the membership layer
 
 
-@dataclass(frozen=True, slots=True)
-class Pair:
-    master: str
-    replica: str
-    epoch: int = STATIC_EPOCH
+def base_name(queue: str) -> str:
+    return queue[:-len(DEAD_LETTER_SUFFIX)] if queue.endswith(DEAD_LETTER_SUFFIX) else queue
 
 
-class Placement:
-    """Who holds each queue: configured pairs, else a hash of the name over the nodes."""
+class Redirect(QueueError):
+    """E_NOT_MASTER naming the node that must handle the request (e.g. a new queue's master)."""
 
-    def __init__(self, nodes: dict[str, str], configured: dict[str, list[str]]) -> None:
-        self.nodes = dict(nodes)
-        self.order = sorted(nodes)
-        self.configured = {name: Pair(pair[0], pair[1]) for name, pair in configured.items()}
+    def __init__(self, node: str, message: str) -> None:
+        super().__init__(E_NOT_MASTER, message)
+        self.node = node
+
+
+class ClusterView:
+    """The local copy of the cluster map, as the engine reads it (None outside a cluster)."""
+
+    def __init__(self, node_id: str, urls: dict[str, str], membership: Membership | None) -> None:
+        self.node_id = node_id
+        self.urls = dict(urls)
+        self.membership = membership
 
     @property
     def clustered(self) -> bool:
-        return len(self.order) >= 2
+        return self.membership is not None
 
-    def pair(self, queue: str) -> Pair:
-        base = queue[:-len(DEAD_LETTER_SUFFIX)] if queue.endswith(DEAD_LETTER_SUFFIX) else queue
-        configured = self.configured.get(base)
-        if configured is not None:
-            return configured
-        first = zlib.crc32(base.encode()) % len(self.order)
-        return Pair(self.order[first], self.order[(first + 1) % len(self.order)])
+    @property
+    def cluster_map(self) -> ClusterMap:
+        return self.membership.cluster_map if self.membership is not None else ClusterMap()
+
+    def entry(self, queue: str) -> QueueEntry | None:
+        if self.membership is None:
+            return None
+        return self.membership.cluster_map.queues.get(base_name(queue))
 
     def url(self, node: str) -> str:
-        return self.nodes[node]
+        entry = self.cluster_map.nodes.get(node)
+        return entry.url if entry is not None and entry.url else self.urls.get(node, "")
 
 
 @dataclass(slots=True)
@@ -83,9 +107,9 @@ class HeldAnswer:
 
 
 class PairDriver:
-    def __init__(self, engine: Engine, placement: Placement, limits: ReplicationLimits) -> None:
+    def __init__(self, engine: Engine, view: ClusterView, limits: ReplicationLimits) -> None:
         self.engine = engine
-        self.placement = placement
+        self.view = view
         self.limits = limits
         self.node_id = engine.config.node_id
         self.masters: dict[str, MasterRole] = {}
@@ -95,37 +119,68 @@ class PairDriver:
         self.dead_letters_pending: dict[str, collections.deque[tuple[int, int]]] = {}
         self.replicas: dict[str, ReplicaRole] = {}
         self.held: dict[str, collections.deque[HeldAnswer]] = {}
-        self.forwards: dict[int, Any] = {}      # forward request id -> callback(outcome)
+        self.forwards: dict[int, tuple[str, Any]] = {}   # forward request id -> (queue, callback(outcome))
         # Unique per engine instance: an answer the master sends to a crashed predecessor of
         # this engine must never match one of our requests.
         self._next_forward = (engine.random_bits(40) << 20) + 1
         self.link_up: Any = lambda peer: False       # set by the node: PeerTransport.is_up
         self.send: Any = lambda peer, data: False   # set by the node: PeerTransport.send
+        self.coordinator: Coordinator | None = None  # set by the engine in a cluster
+
+    @property
+    def clustered(self) -> bool:
+        return self.view.clustered
 
     # --- roles -----------------------------------------------------------------------------
     def attach(self, core: QueueCore) -> None:
-        """Give a loaded or new core its role, from placement (no role on a single node)."""
-        if not self.placement.clustered:
+        """Give a loaded or new core its role from the cluster map (none outside a cluster,
+        and none yet while the local copy of the map is older than the queue's epoch)."""
+        entry = self.view.entry(core.name)
+        if entry is None:
             return
-        pair = self.placement.pair(core.name)
+        self._assume(core, entry, None)
+
+    def _assume(self, core: QueueCore, entry: QueueEntry, previous: MasterRole | ReplicaRole | None) -> None:
         record = core.record
-        last_order, digest = self.engine.storage.last(core.queue_id)
+        if entry.epoch < record.epoch:
+            log.info("queue %s: map epoch %d is older than the stored %d; waiting for the map", core.name,
+                     entry.epoch, record.epoch)
+            return
         incarnation = record.incarnation or record.queue_id
+        if previous is None:
+            last_order, digest = self.engine.storage.last(core.queue_id)
+            durable, commit = last_order, 0
+        elif isinstance(previous, MasterRole):
+            last_order, digest, durable, commit = (previous.last_order, previous.digest, previous.local_durable,
+                                                   previous.commit_order)
+        else:
+            last_order, digest, durable, commit = (previous.applied_order, previous.digest, previous.durable_order,
+                                                   previous.visible_order)
         role: MasterRole | ReplicaRole
-        if pair.master == self.node_id:
+        if entry.master == self.node_id:
             role = self.masters[core.name] = MasterRole(
-                core, self.engine.storage, node_id=self.node_id, replica_id=pair.replica, epoch=pair.epoch,
-                incarnation=incarnation, recorded_in_sync=record.in_sync, last_order=last_order, digest=digest,
-                limits=self.limits)
+                core, self.engine.storage, node_id=self.node_id, replica_id=entry.replica, epoch=entry.epoch,
+                incarnation=incarnation, recorded_in_sync=entry.in_sync, last_order=last_order, digest=digest,
+                limits=self.limits, durable_order=durable,
+                replica_durable=commit if isinstance(previous, ReplicaRole) else 0)
             self.replicas.pop(core.name, None)
-        elif pair.replica == self.node_id:
+            role_name = "master"
+        elif entry.replica == self.node_id:
             role = self.replicas[core.name] = ReplicaRole(
-                core, self.engine.storage, node_id=self.node_id, master_id=pair.master, epoch=pair.epoch,
+                core, self.engine.storage, node_id=self.node_id, master_id=entry.master, epoch=entry.epoch,
                 incarnation=incarnation, applied_order=last_order, digest=digest, last_epoch=record.epoch,
-                limits=self.limits, session_base=self.engine.random_bits(40) << 20)
+                limits=self.limits, session_base=self.engine.random_bits(40) << 20, durable_order=durable,
+                commit_order=commit)
             self.masters.pop(core.name, None)
+            role_name = "replica"
         else:
             return
+        if record.epoch != entry.epoch or previous is None or role_name != _role_name(previous):
+            reason = entry.last_reason if previous is not None or record.epoch != entry.epoch else "restart"
+            if record.epoch != entry.epoch:
+                record.epoch = entry.epoch
+                self.engine.touch(core)
+            self.engine.journal_mark(core, role_name, last_order, reason)
         if record.dead_letter_of is not None:
             # Its messages arrive through the source queue's stream (see _gate_dead_letters).
             role.gates_visibility = False
@@ -137,18 +192,113 @@ class PairDriver:
         for held in self.held.pop(name, ()):
             if held.refuse is not None:   # never committed: the queue is gone
                 held.refuse(QueueError(E_UNKNOWN_QUEUE, f"queue {name} was deleted", outcome_unknown=True))
+        self._fail_forwards(name, "the queue left this node")
+
+    def reconcile(self, name: str, *, deleted: bool = False) -> None:
+        """The map changed for queue `name` (and its dead-letter queue): take the role it gives
+        this node, create the master's instance, or drop an instance that moved away."""
+        entry = self.view.cluster_map.queues.get(name)
+        cores = [core for core in (self.engine.cores.get(name), self.engine.cores.get(dead_letter_name(name)))
+                 if core is not None]
+        if entry is None:
+            if deleted:
+                for core in cores:
+                    self.engine.drop_instance(core)
+            return
+        if entry.master == self.node_id and self.engine.cores.get(name) is None:
+            self.engine.create_master_instance(entry)
+            return
+        member = self.node_id in (entry.master, entry.replica)
+        for core in cores:
+            if entry.incarnation != (core.record.incarnation or core.queue_id):
+                if member or core.record.epoch <= entry.epoch:
+                    self.engine.drop_instance(core)     # an older incarnation of the name
+                continue
+            if not member:
+                if core.record.epoch <= entry.epoch:
+                    self.engine.drop_instance(core)     # moved away from this node
+                continue
+            self._become(core, entry)
+        if self.coordinator is not None:
+            self.coordinator.map_changed(name)
+
+    def _become(self, core: QueueCore, entry: QueueEntry) -> None:
+        name = core.name
+        master, replica = self.masters.get(name), self.replicas.get(name)
+        if entry.master == self.node_id:
+            if master is not None and master.epoch == entry.epoch and master.replica_id == entry.replica:
+                if master.recorded_in_sync != entry.in_sync and not master.proposal_pending:
+                    master.membership_decided(entry.in_sync)
+                    self._flush(master)
+                return
+            previous: MasterRole | ReplicaRole | None = master or replica
+            self._fail_forwards(name, "this member became the master")
+            self._assume(core, entry, previous)
+            new = self.masters.get(name)
+            if new is not None:
+                self.announce(core)
+                new.tick(self.engine.clock_ms())
+                self._flush(new)
+            self.release_committed()
+            return
+        if replica is not None and replica.epoch == entry.epoch and replica.master_id == entry.master:
+            return
+        previous = master or replica
+        self.release_committed()
+        self._assume(core, entry, previous)
+        role = self.replicas.get(name)
+        if role is None:
+            return
+        if master is not None and entry.last_reason != Reason.HANDOFF:
+            # Deposed without a handoff: what was not committed may not survive.
+            self._refuse_held(name, QueueError(E_NOT_MASTER, f"queue {name} has a new master {entry.master}",
+                                               outcome_unknown=True))
+        if self.link_up(entry.master):
+            role.start(self.engine.clock_ms())
+            self._flush(role)
+
+    def _refuse_held(self, name: str, error: QueueError) -> None:
+        commit = self.commit_order(name)
+        waiting = self.held.get(name)
+        if not waiting:
+            return
+        kept: collections.deque[HeldAnswer] = collections.deque()
+        for held in waiting:
+            if commit is not None and held.required_order <= commit:
+                held.release()
+            elif held.refuse is not None:
+                held.refuse(error)
+            # a push without refusal is dropped: its lease runs out and it is delivered again
+        self.held[name] = kept
+
+    def _fail_forwards(self, name: str, why: str) -> None:
+        failed = [request_id for request_id, (queue, _) in self.forwards.items() if queue == name]
+        for request_id in failed:
+            _, answer = self.forwards.pop(request_id)
+            answer([E_NOT_MASTER.code, f"{why}; the outcome is unknown, retry (dedupe ids make it safe)"])
 
     def refuse_if_not_master(self, name: str) -> None:
         """Client commands for a queue this node neither masters nor holds go to its master."""
-        if not self.placement.clustered or name in self.masters or name in self.replicas:
+        if not self.clustered or name in self.masters or name in self.replicas:
             return
-        pair = self.placement.pair(name)
-        if pair.master == self.node_id:
-            return                      # ours to master: the queue simply does not exist
-        raise QueueError(E_NOT_MASTER, f"queue {name} is mastered by {pair.master} at {self.placement.url(pair.master)}")
+        entry = self.view.entry(name)
+        if entry is None:
+            if name in self.engine.cores:
+                raise QueueError(E_QUEUE_UNAVAILABLE, f"queue {name}: this node's map does not list it yet")
+            return
+        if entry.master == self.node_id:
+            if self.engine.cores.get(name) is None:
+                return                   # ours to master: the instance is being created
+            raise QueueError(E_QUEUE_UNAVAILABLE, f"queue {name} is taking its new role here; retry")
+        raise QueueError(E_NOT_MASTER, f"queue {name} is mastered by {entry.master} at {self.view.url(entry.master)}")
+
+    def check_writable(self, role: MasterRole) -> None:
+        role.check_writable()
+        if self.coordinator is not None and not self.coordinator.lease_valid():
+            raise QueueError(E_QUEUE_UNAVAILABLE, "this node's lease from the membership layer has lapsed")
 
     def announce(self, core: QueueCore) -> None:
-        """A new queue mastered here: tell its replica to hold an instance (and repeat it when
+        """A queue mastered here: tell its replica to hold an instance (and repeat it when
         the link comes back, until the replica opens)."""
         role = self.masters.get(core.name)
         if role is not None:
@@ -200,10 +350,14 @@ class PairDriver:
     def hold(self, name: str, required_order: int, release: Any, refuse: Any = None) -> bool:
         """Park an answer until the commit point passes required_order; False: answer now."""
         commit = self.commit_order(name)
-        if commit is None or required_order <= commit:
+        if commit is None or (required_order <= commit and self._may_answer(name)):
             return False
         self.held.setdefault(name, collections.deque()).append(HeldAnswer(required_order, release, refuse))
         return True
+
+    def _may_answer(self, name: str) -> bool:
+        """A master whose lease lapsed stops acknowledging (DESIGN.md 3.3)."""
+        return name not in self.masters or self.coordinator is None or self.coordinator.lease_valid()
 
     def commit_order(self, name: str) -> int | None:
         master = self.masters.get(name)
@@ -243,6 +397,8 @@ class PairDriver:
         if self.dead_letters_pending:
             self._gate_dead_letters()
         for name, waiting in self.held.items():
+            if not waiting or not self._may_answer(name):
+                continue
             commit = self.commit_order(name)
             # Answers are held in (nearly) increasing order: release from the front. One that
             # needs less than the one before it only waits for that one.
@@ -262,14 +418,15 @@ class PairDriver:
         role = self.replicas[name]
         request_id = self._next_forward
         self._next_forward += 1
-        self.forwards[request_id] = answer
+        self.forwards[request_id] = (name, answer)
         role.forward(request_id, request)
         self._flush(role)
 
     def _forward_answered(self, name: str, result: ForwardResult) -> None:
-        answer = self.forwards.pop(result.request_id, None)
-        if answer is None:
+        entry = self.forwards.pop(result.request_id, None)
+        if entry is None:
             return
+        answer = entry[1]
         commit, outcome = result.outcomes
         if not self.hold(name, commit, lambda: answer(outcome)):
             answer(outcome)
@@ -281,7 +438,14 @@ class PairDriver:
         except MessageError as error:
             log.warning("bad replication message from %s: %s", peer, error)
             return
+        if isinstance(message, (LeaseRenew, LeaseGrant, HandoffRequest, HandoffAnswer, HandoffOrder)):
+            if self.coordinator is not None:
+                self.coordinator.on_message(peer, message)
+            return
         if isinstance(message, Create):
+            entry = self.view.entry(message.queue)
+            if entry is not None and (entry.replica != self.node_id or entry.master != peer):
+                return      # a stale announcement: the map says otherwise
             self.engine.hold_replica_instance(message.queue, message.incarnation, message.record)
             role = self.replicas.get(message.queue)
             if role is not None and role.phase.value == "opening":
@@ -295,6 +459,8 @@ class PairDriver:
         if master is not None and master.incarnation == message.incarnation:
             master.receive(message, now_ms)
             self._drain_master(master)
+            if self.coordinator is not None:
+                self.coordinator.master_progress(master)
             return
         replica = self.replicas.get(message.queue)
         if replica is not None and replica.incarnation == message.incarnation:
@@ -334,21 +500,35 @@ class PairDriver:
         for request in forwarded:
             self.engine.run_forwarded(role, request)
         for proposal in role.proposals:
-            self._decide(role, proposal)
+            self._propose_in_sync(role, proposal)
         role.proposals.clear()
         self._flush(role)
         self.release_committed()
 
-    def _decide(self, role: MasterRole, proposal: InSyncProposal) -> None:
-        """The static stand-in for the membership layer: a compare-and-set on the queue record,
-        persisted with the next batch (the membership release makes this a Raft write)."""
-        record = role.core.record
-        if record.in_sync == proposal.expected_in_sync:
-            record.in_sync = proposal.in_sync
-            self.engine.touch(role.core)
-            log.info("queue %s: replica %s recorded %s", record.name, proposal.replica,
-                     "in sync" if proposal.in_sync else "out of sync")
-        role.membership_decided(record.in_sync)
+    def _propose_in_sync(self, role: MasterRole, proposal: InSyncProposal) -> None:
+        """Record the replica in (or out of) sync: a compare-and-set on the map; until the
+        outcome is known the role holds acknowledgements (see MasterRole.commit_order)."""
+        membership = self.view.membership
+        if membership is None:
+            return
+        name = role.core.name
+        change = ChangePair(name, (proposal.epoch, self.node_id, proposal.replica, proposal.expected_in_sync),
+                            (proposal.epoch, self.node_id, proposal.replica, proposal.in_sync), Reason.IN_SYNC.value)
+
+        def decided(outcomes: list[Outcome] | None) -> None:
+            def settle(now_ms: int) -> None:
+                if self.masters.get(name) is not role:
+                    return
+                entry = self.view.entry(name)
+                applied = bool(outcomes) and outcomes[0].applied    # type: ignore[index]
+                recorded = proposal.in_sync if applied else (entry.in_sync if entry is not None
+                                                              and entry.epoch == role.epoch else role.recorded_in_sync)
+                role.membership_decided(recorded)
+                log.info("queue %s: replica %s recorded %s%s", name, proposal.replica,
+                         "in sync" if recorded else "out of sync", "" if applied else " (proposal not applied)")
+                self._drain_master(role)
+            self.engine.invoke(settle)
+        membership.propose(change, decided)
 
     def _drain_replica(self, replica: ReplicaRole) -> None:
         for record in replica.resets:
@@ -363,9 +543,23 @@ class PairDriver:
         self._flush(replica)
         self.release_committed()
 
+    def map_applied(self, command: Command, outcomes: list[Outcome]) -> None:
+        """A command the membership layer applied to the local copy of the map."""
+        if isinstance(command, (CreateQueue, DeleteQueue)):
+            if outcomes and outcomes[0].applied:
+                self.reconcile(command.name, deleted=isinstance(command, DeleteQueue))
+            return
+        names = [o.name for o in outcomes if o.applied and o.name in self.view.cluster_map.queues]
+        if not outcomes:        # a snapshot replaced the whole map
+            names = sorted(set(self.view.cluster_map.queues) | {base_name(n) for n in self.engine.cores})
+        for name in names:
+            self.reconcile(name)
+
     def masters_hint(self, name: str) -> str:
-        pair = self.placement.pair(name)
-        return f"{pair.master} ({self.placement.url(pair.master)})"
+        entry = self.view.entry(name)
+        if entry is None:
+            return "(unknown: not in this node's map yet)"
+        return f"{entry.master} ({self.view.url(entry.master)})"
 
     def flush(self, role: MasterRole | ReplicaRole) -> None:
         self._flush(role)
@@ -379,15 +573,20 @@ class PairDriver:
         if not self.send(peer, encode_message(message)):
             log.debug("send queue to %s full: %s dropped (the protocol resends)", peer, type(message).__name__)
 
+    def send_message(self, peer: str, message: Message) -> None:
+        self._send(peer, message)
+
     def describe(self, name: str) -> dict[str, Any]:
         """Replication fields of the queue statistics (seed 004 QueueStats)."""
         master = self.masters.get(name)
         if master is not None:
             return {"replication_state": "in_sync" if master.recorded_in_sync else "out_of_sync",
-                    "master_status": "master", "replica": master.replica_id, "last_order": master.last_order,
-                    "commit_order": master.commit_order, "replica_durable_order": master.replica_durable,
-                    "replica_progress": master.progress.value, "digest": master.digest.hex(), "epoch": master.epoch,
-                    "appends_sent": master.appends_sent, "stream_rewinds": master.rewinds}
+                    "master_status": "master", "master": self.node_id, "replica": master.replica_id,
+                    "last_order": master.last_order, "commit_order": master.commit_order,
+                    "replica_durable_order": master.replica_durable, "replica_lag": master.last_order
+                    - master.replica_durable, "replica_progress": master.progress.value,
+                    "digest": master.digest.hex(), "epoch": master.epoch, "appends_sent": master.appends_sent,
+                    "stream_rewinds": master.rewinds}
         replica = self.replicas.get(name)
         if replica is not None:
             return {"replication_state": replica.phase.value, "master_status": "replica", "master": replica.master_id,
@@ -395,3 +594,6 @@ class PairDriver:
                     "commit_order": replica.visible_order, "digest": replica.digest.hex(), "epoch": replica.epoch}
         return {}
 
+
+def _role_name(role: MasterRole | ReplicaRole) -> str:
+    return "master" if isinstance(role, MasterRole) else "replica"

@@ -74,6 +74,8 @@ class SealedBatch:
     payload_reads: list[tuple[int, int]] = field(default_factory=list)       # (queue_id, index)
     epochs: dict[str, int] = field(default_factory=dict)                     # queue name -> epoch
     oplog_rows: list[tuple[int, int, bytes, bytes]] = field(default_factory=list)  # (queue_id, order, digest, op)
+    # Journal-only records: a member taking a role in an epoch (op "epoch"; see JOURNAL_FIELDS).
+    journal_marks: list[list[Any]] = field(default_factory=list)
     next_queue_id: int | None = None
     replica_queue_ids: set[int] = field(default_factory=set)                 # journal role "replica"
     housekeeping_ms: int | None = None                                       # prune older than this
@@ -304,7 +306,14 @@ class Storage:
             txn.delete(client_id.encode(), db=db["clients"])
         if batch.next_queue_id is not None:
             txn.put(b"next_queue_id", _Q.pack(batch.next_queue_id), db=db["meta"])
-        if journal is not None:
+        if self.journal_enabled and batch.journal_marks:
+            journal_db = db["journal"]
+            for mark in batch.journal_marks:
+                record = self._pack(mark)
+                self._journal_sequence += 1
+                txn.put(_Q.pack(self._journal_sequence), record + _U32.pack(zlib.crc32(record)), db=journal_db,
+                        append=True)
+        if journal is not None or batch.journal_marks:
             txn.put(b"journal_sequence", _Q.pack(self._journal_sequence), db=db["meta"])
         if batch.housekeeping_ms is not None:
             self._housekeeping(txn, batch)

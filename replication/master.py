@@ -102,7 +102,11 @@ def is_replicated(op: Operation, strength: Strength) -> bool:
 class MasterRole:
     def __init__(self, core: QueueCore, oplog: OpLogReader, *, node_id: str, replica_id: str, epoch: int,
                  incarnation: int, recorded_in_sync: bool, last_order: int, digest: bytes,
-                 limits: ReplicationLimits | None = None) -> None:
+                 limits: ReplicationLimits | None = None, durable_order: int | None = None,
+                 replica_durable: int = 0) -> None:
+        """`durable_order`: what is durable here when it is below `last_order` (a member taking
+        this role with operations staged but not yet committed); `replica_durable`: what the
+        replica is known to hold (a promoted replica knows its old commit point was on both)."""
         self.core = core
         self.oplog = oplog
         self.node_id = node_id
@@ -114,8 +118,8 @@ class MasterRole:
         self.progress = ReplicaProgress.PROBING
         self.last_order = last_order          # highest replicated order decided here
         self.digest = digest                  # rolling digest after last_order
-        self.local_durable = last_order       # the driver reports newer durable points
-        self.replica_durable = 0
+        self.local_durable = last_order if durable_order is None else durable_order
+        self.replica_durable = min(replica_durable, last_order)
         self.sent_order = 0                   # highest order streamed to the replica
         self._sync_target = 0                 # the order SyncEnd will vouch for
         # Every replicated op after `_recent_floor` is in memory; older ones come from the op log.
@@ -236,6 +240,16 @@ class MasterRole:
             self._propose(True)
 
     # --- membership ------------------------------------------------------------------------
+    @property
+    def proposal_pending(self) -> bool:
+        return self._pending_proposal is not None
+
+    @property
+    def caught_up(self) -> bool:
+        """The replica holds every operation decided here (a handoff may commit)."""
+        return self.progress is ReplicaProgress.CAUGHT_UP and self.replica_durable >= self.last_order \
+            and self.local_durable >= self.last_order
+
     def membership_decided(self, in_sync: bool) -> None:
         """The membership layer's record after a proposal (accepted or not)."""
         self._pending_proposal = None

@@ -174,10 +174,65 @@ class Delete:
     epoch: int
 
 
+@dataclass(frozen=True, slots=True)
+class HandoffRequest:
+    """replica -> master: please hand mastership to me (seed 004 FIG. 24)."""
+    TAG: ClassVar[int] = 12
+    queue: str
+    incarnation: int
+    epoch: int
+    request_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffAnswer:
+    """master -> replica: the swap committed (accepted) or the request was refused, and why."""
+    TAG: ClassVar[int] = 13
+    queue: str
+    incarnation: int
+    epoch: int
+    request_id: int
+    accepted: bool
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffOrder:
+    """any node -> master: an operator asked (rebalance): hand this queue to its replica."""
+    TAG: ClassVar[int] = 16
+    queue: str
+    incarnation: int
+    epoch: int
+
+
+# Node-level messages on the same links (queue "", incarnation 0): the lease of a node from
+# the membership leader (DESIGN.md 4.2 "Leases"); `epoch` carries the leader's term.
+@dataclass(frozen=True, slots=True)
+class LeaseRenew:
+    """node -> membership leader: renew my lease (counted from when I sent this)."""
+    TAG: ClassVar[int] = 14
+    queue: str
+    incarnation: int
+    epoch: int
+    sequence: int
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseGrant:
+    """membership leader -> node: the renewal `sequence` is granted."""
+    TAG: ClassVar[int] = 15
+    queue: str
+    incarnation: int
+    epoch: int
+    sequence: int
+
+
 Message = (Append | AppendAck | Open | SyncBegin | SyncEnd | OpenAck | Forward | ForwardResult | Refused | Create
-           | Delete)
+           | Delete | HandoffRequest | HandoffAnswer | HandoffOrder | LeaseRenew | LeaseGrant)
 MESSAGE_TYPES: dict[int, type] = {kind.TAG: kind for kind in (Append, AppendAck, Open, SyncBegin, SyncEnd, OpenAck,
-                                                              Forward, ForwardResult, Refused, Create, Delete)}
+                                                              Forward, ForwardResult, Refused, Create, Delete,
+                                                              HandoffRequest, HandoffAnswer, HandoffOrder, LeaseRenew,
+                                                              LeaseGrant)}
 _MESSAGE_FIELDS = {tag: tuple(f.name for f in fields(kind)) for tag, kind in MESSAGE_TYPES.items()}
 
 

@@ -63,7 +63,10 @@ PHASE_TRANSITIONS: dict[ReplicaPhase, frozenset[ReplicaPhase]] = {
 class ReplicaRole:
     def __init__(self, core: QueueCore, oplog: OpLogReader, *, node_id: str, master_id: str, epoch: int,
                  incarnation: int, applied_order: int, digest: bytes, last_epoch: int,
-                 limits: ReplicationLimits | None = None, session_base: int = 0) -> None:
+                 limits: ReplicationLimits | None = None, session_base: int = 0, durable_order: int | None = None,
+                 commit_order: int = 0) -> None:
+        """`durable_order` and `commit_order`: for a member that was master until now, what is
+        durable here and what it knew committed (so its clients keep seeing those)."""
         self.core = core
         self.oplog = oplog
         self.node_id = node_id
@@ -74,9 +77,9 @@ class ReplicaRole:
         self.limits = limits or ReplicationLimits()
         self.phase = ReplicaPhase.OPENING
         self.applied_order = applied_order
-        self.durable_order = applied_order
+        self.durable_order = applied_order if durable_order is None else durable_order
         self.digest = digest
-        self.master_commit_order = 0
+        self.master_commit_order = commit_order
         self._recent_digests: collections.deque[tuple[int, bytes]] = collections.deque()   # not yet durable
         self._last_open_ms: int | None = None
         self._gap_reported_at = -1

@@ -1,0 +1,376 @@
+"""A node's part in the cluster beyond its queues' streams: its lease, the membership leader's
+duties (failover, node states, replacing lost replicas), handoffs, and the operator's
+commands that change the map (create, delete, move, promote --unclean, drain, rebalance).
+
+Runs on the engine's task (the engine calls `tick`, peer messages and map changes in; the
+results of proposals come back through `Engine.invoke`). Decisions are the pure functions of
+`replication/cluster_map.py` and `replication/leases.py`; this module only times them,
+proposes them and keeps the bookkeeping of what is in flight.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from client.errors import (
+    E_HANDOFF_REFUSED,
+    E_INVALID_OPTION,
+    E_NOT_MASTER,
+    E_QUEUE_UNAVAILABLE,
+    E_TIMEOUT,
+    E_UNKNOWN_QUEUE,
+    QueueError,
+)
+from replication.cluster_map import (
+    AddNode,
+    ChangePair,
+    ChangePairs,
+    Command,
+    NodeState,
+    Outcome,
+    Reason,
+    SetNodeState,
+    astuple,
+    plan_failover,
+    plan_rebalance,
+    plan_replacements,
+)
+from replication.leases import LeaseTable, NodeLease
+from replication.master import MasterRole
+from replication.messages import HandoffAnswer, HandoffOrder, HandoffRequest, LeaseGrant, LeaseRenew, Message
+from replication.options import dead_letter_name
+
+if TYPE_CHECKING:
+    from qserver.engine import Engine
+    from qserver.membership import Membership
+
+log = logging.getLogger("qserver.coordinator")
+Finish = Callable[[Any], None]          # finish(result) or finish(QueueError)
+HANDOFF_TIMEOUT_MS = 5_000
+LEADER_PROPOSAL_INTERVAL_MS = 250
+DRAIN_HANDOFFS_AT_ONCE = 16
+
+
+@dataclass
+class Handoff:
+    """A master-side handoff in progress: commands for the queue are parked meanwhile."""
+    queue: str
+    initiator: str
+    started_ms: int
+    deadline_ms: int
+    finishes: list[Finish] = field(default_factory=list)
+    replica_request: tuple[str, int] | None = None      # (peer, request id) when the replica asked
+    proposed: bool = False
+    parked: list[Any] = field(default_factory=list)
+
+
+class Coordinator:
+    def __init__(self, engine: Engine, membership: Membership, *, lease_ms: int, lease_margin_ms: int,
+                 renew_interval_ms: int, replica_replace_after_ms: int, accept_replica_handoffs: bool,
+                 monotonic_ms: Callable[[], int]) -> None:
+        self.engine = engine
+        self.pairs = engine.pairs
+        self.membership = membership
+        self.node_id = engine.config.node_id
+        self.monotonic_ms = monotonic_ms
+        self.lease = NodeLease(lease_ms)
+        self.table = LeaseTable(lease_ms, lease_margin_ms)
+        self.renew_interval_ms = renew_interval_ms
+        self.replica_replace_after_ms = replica_replace_after_ms
+        self.accept_replica_handoffs = accept_replica_handoffs
+        self.handoffs: dict[str, Handoff] = {}
+        self.asked: dict[int, tuple[str, Finish, int]] = {}     # replica's handoff request id -> (queue, finish, deadline)
+        self._next_request = (engine.random_bits(40) << 20) + 1
+        self._next_renew_ms = 0
+        self._leader_term: int | None = None
+        self._leader_busy_until_ms = 0
+        self._registering = False
+        self.failovers = 0
+        self.lease_lapses = 0
+
+    # --- the lease ---------------------------------------------------------------------------
+    def lease_valid(self) -> bool:
+        return self.lease.valid(self.monotonic_ms())
+
+    def tick(self, now_ms: int) -> None:
+        mono = self.monotonic_ms()
+        if mono >= self._next_renew_ms:
+            self._next_renew_ms = mono + self.renew_interval_ms
+            self._renew(mono)
+        self._register_self()
+        if self.membership.is_leader():
+            self._lead(mono)
+        elif self._leader_term is not None:
+            self._leader_term = None
+            self.table.stepped_down()
+        self._handoff_timeouts(now_ms)
+        me = self.membership.cluster_map.nodes.get(self.node_id)
+        if me is not None and me.state is NodeState.DRAINING and self.pairs.masters:
+            self.hand_off_all(limit=DRAIN_HANDOFFS_AT_ONCE)
+
+    def _renew(self, mono: int) -> None:
+        leader = self.membership.leader_id()
+        if leader is None:
+            return
+        sequence = self.lease.renewal(mono)
+        if leader == self.node_id:
+            if self.membership.is_leader():
+                self.table.grant(self.node_id, mono)
+                self.lease.granted(sequence)
+            return
+        self.pairs.send_message(leader, LeaseRenew("", 0, self.membership.term(), sequence))
+
+    def on_message(self, peer: str, message: Message) -> None:
+        if isinstance(message, LeaseRenew):
+            if self.membership.is_leader():
+                self.table.grant(peer, self.monotonic_ms())
+                self.pairs.send_message(peer, LeaseGrant("", 0, self.membership.term(), message.sequence))
+        elif isinstance(message, LeaseGrant):
+            self.lease.granted(message.sequence)
+        elif isinstance(message, HandoffOrder):
+            entry = self.membership.cluster_map.queues.get(message.queue)
+            if entry is not None and entry.master == self.node_id and entry.epoch == message.epoch:
+                self.start_handoff(message.queue, "master", None)
+        elif isinstance(message, HandoffRequest):
+            self._replica_asks(peer, message)
+        elif isinstance(message, HandoffAnswer):
+            asked = self.asked.pop(message.request_id, None)
+            if asked is not None:
+                _, finish, _ = asked
+                if message.accepted:
+                    finish(self._handoff_result(message.queue))
+                else:
+                    finish(QueueError(E_HANDOFF_REFUSED, message.reason))
+
+    def _register_self(self) -> None:
+        """A node enters the map by proposing itself (once a membership leader exists)."""
+        cluster = self.membership.cluster_map
+        if self.node_id in cluster.nodes or self._registering or self.membership.leader_id() is None:
+            return
+        self._registering = True
+
+        def done(outcomes: list[Outcome] | None) -> None:
+            self._registering = False
+        self.membership.propose(AddNode(self.node_id, self.engine.config.own_url), done)
+
+    # --- the membership leader's duties ------------------------------------------------------
+    def _lead(self, mono: int) -> None:
+        term = self.membership.term()
+        if self._leader_term != term:
+            self._leader_term = term
+            self.table.became_leader(mono)       # it cannot know what its predecessor granted
+            self.table.grant(self.node_id, mono)
+        if mono < self._leader_busy_until_ms:
+            return
+        cluster = self.membership.cluster_map
+        watched = [n for n, e in cluster.nodes.items() if e.state is not NodeState.REMOVED and n != self.node_id]
+        lapsed = self.table.lapsed(watched, mono)
+        command: Command | None = None
+        changes, stuck = plan_failover(cluster, lapsed)
+        if changes:
+            command = ChangePairs(tuple(changes))
+            log.warning("failover of %d queue(s) mastered by %s%s", len(changes), sorted(lapsed),
+                        f"; {len(stuck)} stay unavailable (replica not in sync)" if stuck else "")
+            self.failovers += len(changes)
+        else:
+            for node in sorted(lapsed):
+                if cluster.nodes[node].state is NodeState.UP:
+                    command = SetNodeState(node, NodeState.DOWN.value, NodeState.UP.value)
+                    break
+            for node, entry in sorted(cluster.nodes.items()):
+                if command is None and entry.state is NodeState.DOWN and node not in lapsed \
+                        and node in self.table.last_grant_ms:
+                    command = SetNodeState(node, NodeState.UP.value, NodeState.DOWN.value)
+            if command is None:
+                gone = {n for n in lapsed if self.table.lapsed_for_ms(n, mono) > self.replica_replace_after_ms}
+                gone |= {n for n, e in cluster.nodes.items() if e.state is NodeState.DRAINING}
+                replacements = plan_replacements(cluster, gone)
+                if replacements:
+                    command = ChangePairs(tuple(replacements))
+                    log.warning("moving %d replica(s) off %s", len(replacements), sorted(gone))
+        if command is not None:
+            self._leader_busy_until_ms = mono + LEADER_PROPOSAL_INTERVAL_MS
+            self.membership.propose(command, lambda outcomes: None)
+
+    # --- handoff (seed 004 FIG. 23-25) ---------------------------------------------------------
+    def handoff(self, queue: str, initiator: str, finish: Finish) -> None:
+        """Operator's request at this node, as the given member of the pair."""
+        entry = self.membership.cluster_map.queues.get(queue)
+        if entry is None:
+            finish(QueueError(E_UNKNOWN_QUEUE, f"no queue named {queue!r}"))
+            return
+        if initiator == "master":
+            if queue not in self.pairs.masters:
+                finish(QueueError(E_NOT_MASTER, f"queue {queue} is mastered by {entry.master}"))
+                return
+            self.start_handoff(queue, "master", finish)
+            return
+        role = self.pairs.replicas.get(queue)
+        if role is None:
+            finish(QueueError(E_INVALID_OPTION, f"this node is not the replica of {queue} (that is {entry.replica})"))
+            return
+        request_id = self._next_request
+        self._next_request += 1
+        self.asked[request_id] = (queue, finish, self.engine.clock_ms() + HANDOFF_TIMEOUT_MS)
+        self.pairs.send_message(role.master_id, HandoffRequest(queue, role.incarnation, role.epoch, request_id))
+
+    def _replica_asks(self, peer: str, request: HandoffRequest) -> None:
+        role = self.pairs.masters.get(request.queue)
+
+        def refuse(reason: str) -> None:
+            self.pairs.send_message(peer, HandoffAnswer(request.queue, request.incarnation, request.epoch,
+                                                        request.request_id, False, reason))
+        if role is None or role.replica_id != peer or role.epoch != request.epoch:
+            refuse("the asker is not this queue's replica in the current epoch")
+        elif request.queue in self.handoffs:
+            refuse("the master's own handoff is in progress (the master's request wins)")
+        elif not self.accept_replica_handoffs:
+            refuse("the master's node does not accept handoffs asked by replicas (accept_replica_handoffs = false)")
+        else:
+            self.start_handoff(request.queue, "replica", None, replica_request=(peer, request.request_id))
+
+    def start_handoff(self, queue: str, initiator: str, finish: Finish | None,
+                      replica_request: tuple[str, int] | None = None) -> None:
+        role = self.pairs.masters.get(queue)
+        existing = self.handoffs.get(queue)
+        if existing is not None:
+            if finish is not None:
+                existing.finishes.append(finish)
+            return
+        now = self.engine.clock_ms()
+        handoff = Handoff(queue, initiator, now, now + HANDOFF_TIMEOUT_MS, replica_request=replica_request)
+        if finish is not None:
+            handoff.finishes.append(finish)
+        if role is None or not role.recorded_in_sync:
+            self.handoffs[queue] = handoff
+            self._end_handoff(queue, "the replica is not in sync")
+            return
+        self.handoffs[queue] = handoff      # from here the master assigns no new index
+        self.master_progress(role)
+
+    def parks(self, queue: str) -> bool:
+        return queue in self.handoffs or (queue.endswith(".dlq") and queue[:-4] in self.handoffs)
+
+    def park(self, queue: str, command: Any) -> None:
+        base = queue if queue in self.handoffs else queue[:-4]
+        self.handoffs[base].parked.append(command)
+
+    def master_progress(self, role: MasterRole) -> None:
+        """The replica acknowledged more: a handoff waiting for it may now commit."""
+        name = role.core.record.dead_letter_of or role.core.name
+        handoff = self.handoffs.get(name)
+        if handoff is None or handoff.proposed:
+            return
+        main = self.pairs.masters.get(name)
+        dead = self.pairs.masters.get(dead_letter_name(name))
+        if main is None or not main.caught_up or (dead is not None and not dead.caught_up):
+            return
+        entry = self.membership.cluster_map.queues.get(name)
+        if entry is None or entry.master != self.node_id or not entry.in_sync:
+            self._end_handoff(name, "the map changed first")
+            return
+        handoff.proposed = True
+        change = ChangePair(name, astuple(entry.pair), (entry.epoch + 1, entry.replica, entry.master, True),
+                            Reason.HANDOFF.value)
+
+        def decided(outcomes: list[Outcome] | None) -> None:
+            def settle(now_ms: int) -> None:
+                applied = bool(outcomes) and outcomes[0].applied     # type: ignore[index]
+                if applied:
+                    self.pairs.reconcile(name)     # the local copy may not have it yet: no harm
+                self._end_handoff(name, None if applied else
+                                  f"the membership layer did not commit the swap "
+                                  f"({outcomes[0].reason if outcomes else 'no answer'})")
+            self.engine.invoke(settle)
+        self.membership.propose(change, decided)
+
+    def map_changed(self, name: str) -> None:
+        handoff = self.handoffs.get(name)
+        entry = self.membership.cluster_map.queues.get(name)
+        if handoff is not None and handoff.proposed and entry is not None and entry.master != self.node_id:
+            self._end_handoff(name, None)
+
+    def _end_handoff(self, name: str, failure: str | None) -> None:
+        handoff = self.handoffs.pop(name, None)
+        if handoff is None:
+            return
+        pause_ms = self.engine.clock_ms() - handoff.started_ms
+        result: Any = QueueError(E_HANDOFF_REFUSED, failure) if failure else {**self._handoff_result(name),
+                                                                                "pause_ms": pause_ms}
+        if failure:
+            log.info("handoff of %s ended without a swap: %s", name, failure)
+        for finish in handoff.finishes:
+            finish(result)
+        if handoff.replica_request is not None:
+            peer, request_id = handoff.replica_request
+            role = self.pairs.masters.get(name) or self.pairs.replicas.get(name)
+            epoch = role.epoch if role is not None else 0
+            self.pairs.send_message(peer, HandoffAnswer(name, 0 if role is None else role.incarnation, epoch,
+                                                        request_id, failure is None, failure or ""))
+        for command in handoff.parked:           # they meet the new roles (a replica forwards)
+            self.engine.resubmit(command)
+
+    def _handoff_result(self, name: str) -> dict[str, Any]:
+        entry = self.membership.cluster_map.queues.get(name)
+        if entry is None:
+            return {"queue": name}
+        return {"queue": name, "master": entry.master, "replica": entry.replica, "epoch": entry.epoch}
+
+    def _handoff_timeouts(self, now_ms: int) -> None:
+        for name, handoff in list(self.handoffs.items()):
+            if now_ms >= handoff.deadline_ms and not handoff.proposed:
+                self._end_handoff(name, "the replica did not catch up in time")
+        for request_id, (_, finish, deadline) in list(self.asked.items()):
+            if now_ms >= deadline:
+                del self.asked[request_id]
+                finish(QueueError(E_TIMEOUT, "the master did not answer the handoff request"))
+
+    # --- operator commands ---------------------------------------------------------------------
+    def propose_checked(self, command: Command, finish: Finish, result: Callable[[list[Outcome]], Any]) -> None:
+        """Propose and finish with result(outcomes), or E_QUEUE_UNAVAILABLE / the refusal."""
+        def decided(outcomes: list[Outcome] | None) -> None:
+            def settle(now_ms: int) -> None:
+                if outcomes is None:
+                    finish(QueueError(E_QUEUE_UNAVAILABLE, "the membership layer did not answer (no majority?)"))
+                else:
+                    finish(result(outcomes))
+            self.engine.invoke(settle)
+        self.membership.propose(command, decided)
+
+    def rebalance(self) -> list[str]:
+        """Hand masters back to spread them evenly: each chosen queue's master node is told to
+        hand off (over the peer link; the masters run the handoffs concurrently)."""
+        chosen = plan_rebalance(self.membership.cluster_map)
+        for name in chosen:
+            self.order_handoff(name)
+        return chosen
+
+    def order_handoff(self, name: str) -> None:
+        entry = self.membership.cluster_map.queues.get(name)
+        if entry is None:
+            return
+        if entry.master == self.node_id:
+            self.start_handoff(name, "master", None)
+        else:
+            self.pairs.send_message(entry.master, HandoffOrder(name, entry.incarnation, entry.epoch))
+
+    def hand_off_all(self, limit: int | None = None) -> int:
+        """Start a handoff of every queue mastered here (draining, SIGTERM); returns how many
+        are in progress. `limit` bounds how many run at once."""
+        for name in sorted(self.pairs.masters):
+            if limit is not None and len(self.handoffs) >= limit:
+                break
+            core = self.engine.cores.get(name)
+            if core is None or core.record.dead_letter_of is not None or name in self.handoffs:
+                continue
+            self.start_handoff(name, "master", None)
+        return len(self.handoffs)
+
+    def status(self) -> dict[str, Any]:
+        cluster = self.membership.cluster_map.to_json()
+        return {**cluster, "node": self.node_id, "leader": self.membership.leader_id(),
+                "term": self.membership.term(), "lease_remaining_ms": self.lease.remaining_ms(self.monotonic_ms()),
+                "failovers_proposed": self.failovers}
+

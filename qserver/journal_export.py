@@ -1,0 +1,415 @@
+"""Journal segments out of a node's LMDB environment into Parquet files, and pruning of what was
+exported (DESIGN.md 4.6). qaudit reads the files; nothing here changes what the journal says.
+
+A *segment* is a run of consecutive journal sequence numbers of one journal. It is sealed when
+it holds `segment_records_max` records (size), when its oldest record is older than
+`segment_age_max_ms` (age), or on demand (`force=True`), and written as one Parquet file:
+
+    <destination>/<node>/journal-<node>-<journal id>-<first:020d>-<last:020d>.parquet
+
+`destination` is a local directory or any URI pyarrow.fs understands (file://, hdfs://,
+s3://, gs://, abfs://). A file is written under a `_tmp-` name (which Spark ignores) and then
+moved into place, so a crash leaves no half segment under a real name. What was exported is
+read back from the destination's file names, so an exporter needs no state of its own: a
+restarted node continues after the last segment it finds for its journal.
+
+The *journal id* names one journal of a node: a node that lost its disk starts a new journal
+(sequence 1 again) under the same node id. It is kept under `journal_id` in the LMDB `meta`
+database (written once, by the first export); it is derived from the journal's first record,
+so an offline export of an environment that never exported before names it the same way.
+
+Columns (replication.audit_checks.RECORD_COLUMNS): journal_id, sequence, the 14 journal fields
+(storage.JOURNAL_FIELDS), record_crc32 (as stored; the audit recomputes it from the fields),
+extra (msgpack of any fields past the 14, so new fields never break the checksum). A record
+whose body does not decode is exported with op "undecodable" and the raw body in `extra`:
+the audit names it instead of the exporter hiding it.
+
+API for the node (the HTTP route `POST /v1/journal/export` and `qctl journal export` call it):
+
+    from qserver.journal_export import ExportSettings, JournalExporter, JournalSource
+    exporter = JournalExporter(JournalSource.from_storage(storage),
+                               ExportSettings(destination="/srv/journal", retention_ms=3_600_000))
+    exporter.due(now_ms)                  -> bool: a segment is full or old enough
+    exporter.export(now_ms, force=False)  -> list[Segment]: seal and write what is due
+                                             (force: also the unsealed tail; on demand)
+    exporter.prune(safe_sequence, now_ms) -> int: records deleted from LMDB
+    exporter.status()                     -> dict (JSON): journal id, exported_through, pending, ...
+    safe_sequence_for(source, floors)     -> int: the highest journal sequence below which every
+                                             record of the queues in `floors` (local queue id ->
+                                             highest ordering index every member holds) is passed
+
+Threads: `export` reads in its own LMDB read transaction and writes files: run it off the
+event loop (an executor thread). `prune` deletes in short write transactions of at most
+`prune_keys_per_txn_max` keys: run it on the storage writer's thread, between commits, so it
+neither waits behind a group commit nor delays one. It deletes only records that are exported
+(found in the destination), at or below the caller's `safe_sequence` (the pair's members have
+all passed them: catch-up may read them) and older than `retention_ms`.
+
+Offline (a stopped node, or tests): `export_environment(lmdb_path, destination)` exports
+everything not yet in the destination, read-only.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+import struct
+import threading
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import msgpack
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from replication.audit_checks import JOURNAL_FIELDS, RECORD_COLUMNS, UNDECODABLE_OP
+
+_Q = struct.Struct(">Q")
+_U32 = struct.Struct(">I")
+JOURNAL_ID_KEY = b"journal_id"
+SEGMENT_NAME = re.compile(r"^journal-(?P<node>.+)-(?P<journal>[0-9a-z]+)-(?P<first>\d{20})-(?P<last>\d{20})\.parquet$")
+_INT_COLUMNS = frozenset({"sequence", "at_ms", "queue_id", "epoch", "index", "message_id", "priority",
+                          "payload_size", "payload_crc32", "record_crc32"})
+SCHEMA = pa.schema([(name, pa.int64() if name in _INT_COLUMNS else pa.binary() if name == "extra" else pa.string())
+                    for name in RECORD_COLUMNS])
+
+
+@dataclass(frozen=True)
+class ExportSettings:
+    destination: str
+    segment_records_max: int = 200_000      # a segment is sealed at this many records ...
+    segment_age_max_ms: int = 300_000       # ... or when its oldest record is this old
+    retention_ms: int = 3_600_000           # exported records stay in LMDB at least this long
+    prune_keys_per_txn_max: int = 5_000
+    compression: str = "zstd"
+
+    def __post_init__(self) -> None:
+        if self.segment_records_max < 1 or self.prune_keys_per_txn_max < 1:
+            raise ValueError("segment_records_max and prune_keys_per_txn_max must be positive")
+        if self.segment_age_max_ms < 0 or self.retention_ms < 0:
+            raise ValueError("segment_age_max_ms and retention_ms must not be negative")
+
+
+@dataclass(frozen=True)
+class Segment:
+    node: str
+    journal_id: str
+    first_sequence: int
+    last_sequence: int
+    path: str                 # inside the destination's filesystem
+
+    @property
+    def records(self) -> int:
+        return self.last_sequence - self.first_sequence + 1
+
+
+class JournalSource:
+    """The journal and meta databases of one LMDB environment (a node's, or opened offline)."""
+
+    def __init__(self, env: lmdb.Environment, journal_db: Any, meta_db: Any, node_id: str, *,
+                 writable: bool) -> None:
+        self.env, self.journal_db, self.meta_db = env, journal_db, meta_db
+        self.node_id = node_id
+        self.writable = writable
+        self._journal_id: str | None = None
+        self._owned = False
+
+    @classmethod
+    def from_storage(cls, storage: Any) -> JournalSource:
+        """The node's open `qserver.storage.Storage`."""
+        return cls(storage.env, storage.db["journal"], storage.db["meta"], storage.node_id, writable=True)
+
+    @classmethod
+    def open(cls, path: str | Path) -> JournalSource:
+        """An environment on disk, read-only (its node may be running)."""
+        env = lmdb.open(str(path), readonly=True, lock=True, max_dbs=32, readahead=False)
+        with env.begin() as txn:
+            names = {bytes(key) for key, _ in txn.cursor()}
+        if b"journal" not in names or b"meta" not in names:
+            env.close()
+            raise FileNotFoundError(f"{path} holds no qserver journal")
+        source = cls(env, env.open_db(b"journal", create=False), env.open_db(b"meta", create=False), "",
+                     writable=False)
+        with env.begin(db=source.meta_db) as txn:
+            node = txn.get(b"node_id")
+        source.node_id = bytes(node).decode() if node else Path(path).resolve().parent.name
+        source._owned = True
+        return source
+
+    def close(self) -> None:
+        if self._owned:
+            self.env.close()
+
+    def journal_id(self) -> str:
+        """The journal's id: stored in meta, or derived from its first record (and stored)."""
+        if self._journal_id is not None:
+            return self._journal_id
+        with self.env.begin(db=self.meta_db) as txn:
+            stored = txn.get(JOURNAL_ID_KEY)
+        if stored:
+            self._journal_id = bytes(stored).decode()
+            return self._journal_id
+        with self.env.begin(db=self.journal_db) as txn:
+            first = txn.get(_Q.pack(1))
+        derived = hashlib.sha256(bytes(first)).hexdigest()[:16] if first else uuid.uuid4().hex[:16]
+        if self.writable:
+            with self.env.begin(write=True, db=self.meta_db) as txn:
+                txn.put(JOURNAL_ID_KEY, derived.encode())
+        self._journal_id = derived
+        return derived
+
+    def bounds(self) -> tuple[int, int]:
+        """(first, last) sequence held; (0, 0) when the journal is empty."""
+        with self.env.begin(db=self.journal_db) as txn:
+            cursor = txn.cursor()
+            if not cursor.first():
+                return 0, 0
+            first = _Q.unpack(cursor.key())[0]
+            cursor.last()
+            return first, _Q.unpack(cursor.key())[0]
+
+    def first_at_ms(self, after_sequence: int) -> int | None:
+        """The time of the first record after `after_sequence` (None when there is none)."""
+        with self.env.begin(db=self.journal_db) as txn:
+            cursor = txn.cursor()
+            if not cursor.set_range(_Q.pack(after_sequence + 1)):
+                return None
+            try:
+                return int(msgpack.unpackb(cursor.value()[:-4])[0])
+            except Exception:      # an undecodable record: export it now, the audit names it
+                return 0
+
+    def read_columns(self, first: int, last: int) -> dict[str, list[Any]]:
+        """Records first..last (those present) as columns of the export schema."""
+        columns: dict[str, list[Any]] = {name: [] for name in RECORD_COLUMNS}
+        journal_id = self.journal_id()
+        fields = [columns[name] for name in JOURNAL_FIELDS]
+        sequences, checksums, extras = columns["sequence"], columns["record_crc32"], columns["extra"]
+        unpack = _U32.unpack
+        with self.env.begin(db=self.journal_db) as txn:
+            cursor = txn.cursor()
+            if not cursor.set_range(_Q.pack(first)):
+                return columns
+            for key, value in cursor:
+                sequence = _Q.unpack(key)[0]
+                if sequence > last:
+                    break
+                body, checksum = value[:-4], unpack(value[-4:])[0]
+                record = _decode(body)
+                if record is None:
+                    record, extra = self._undecodable(), bytes(body)
+                else:
+                    extra = msgpack.packb(record[14:], use_bin_type=True) if len(record) > 14 else None
+                for column, item in zip(fields, record, strict=False):
+                    column.append(item)
+                sequences.append(sequence)
+                checksums.append(checksum)
+                extras.append(extra)
+        columns["journal_id"] = [journal_id] * len(sequences)
+        return columns
+
+    def _undecodable(self) -> list[Any]:
+        return [0, "", 0, 0, 0, UNDECODABLE_OP, 0, None, 0, 0, 0, "", self.node_id, None]
+
+
+def _decode(body: bytes) -> list[Any] | None:
+    """A record body as the field list, or None when it is not a well-formed record."""
+    try:
+        record = msgpack.unpackb(body)
+    except Exception:
+        return None
+    if not isinstance(record, list) or len(record) < len(JOURNAL_FIELDS):
+        return None
+    for position, name in enumerate(JOURNAL_FIELDS):
+        item = record[position]
+        if name in _INT_COLUMNS:
+            if item is not None and (type(item) is not int or not -(1 << 63) <= item < (1 << 63)):
+                return None
+        elif item is not None and type(item) is not str:
+            return None
+    return record
+
+
+def columns_table(columns: Mapping[str, list[Any]]) -> pa.Table:
+    return pa.table({name: pa.array(columns[name], type=SCHEMA.field(name).type) for name in RECORD_COLUMNS},
+                    schema=SCHEMA)
+
+
+def filesystem_for(destination: str) -> tuple[pafs.FileSystem, str]:
+    """(filesystem, base path) of a directory or URI."""
+    if "://" not in destination:
+        destination = str(Path(destination).resolve())
+    filesystem, path = pafs.FileSystem.from_uri(destination)
+    return filesystem, path.rstrip("/")
+
+
+def _safe_name(node: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.]", "_", node) or "_"
+
+
+class JournalExporter:
+    """Seals, writes and prunes one journal's segments (see the module docstring)."""
+
+    def __init__(self, source: JournalSource, settings: ExportSettings,
+                 filesystem: pafs.FileSystem | None = None) -> None:
+        self.source = source
+        self.settings = settings
+        if filesystem is None:
+            self.filesystem, self.base = filesystem_for(settings.destination)
+        else:
+            self.filesystem, self.base = filesystem, settings.destination.rstrip("/")
+        self.directory = f"{self.base}/{_safe_name(source.node_id)}"
+        self._lock = threading.Lock()
+        self._exported_through: int | None = None
+
+    # --- what was exported ----------------------------------------------------------------
+    def segments(self) -> list[Segment]:
+        """This journal's segments found in the destination, in order."""
+        journal_id = self.source.journal_id()
+        selector = pafs.FileSelector(self.directory, allow_not_found=True)
+        found = []
+        for info in self.filesystem.get_file_info(selector):
+            match = SEGMENT_NAME.match(info.base_name)
+            if match and match["journal"] == journal_id:
+                found.append(Segment(self.source.node_id, journal_id, int(match["first"]), int(match["last"]),
+                                     info.path))
+        return sorted(found, key=lambda segment: segment.first_sequence)
+
+    @property
+    def exported_through(self) -> int:
+        if self._exported_through is None:
+            segments = self.segments()
+            self._exported_through = segments[-1].last_sequence if segments else 0
+        return self._exported_through
+
+    def pending(self) -> tuple[int, int]:
+        """(first, last) sequence not yet exported; first > last when nothing is pending."""
+        first, last = self.source.bounds()
+        return max(self.exported_through + 1, first), last
+
+    def due(self, now_ms: int) -> bool:
+        first, last = self.pending()
+        if first > last:
+            return False
+        if last - first + 1 >= self.settings.segment_records_max:
+            return True
+        oldest = self.source.first_at_ms(first - 1)
+        return oldest is not None and now_ms - oldest >= self.settings.segment_age_max_ms
+
+    # --- export ---------------------------------------------------------------------------
+    def export(self, now_ms: int, *, force: bool = False) -> list[Segment]:
+        """Write every full segment; then the partial tail when forced or old enough."""
+        with self._lock:
+            written = []
+            while True:
+                first, last = self.pending()
+                if first > last:
+                    break
+                end = min(last, first + self.settings.segment_records_max - 1)
+                if end - first + 1 < self.settings.segment_records_max and not force:
+                    oldest = self.source.first_at_ms(first - 1)
+                    if oldest is None or now_ms - oldest < self.settings.segment_age_max_ms:
+                        break
+                written.append(self._write_segment(first, end))
+            return written
+
+    def _write_segment(self, first: int, last: int) -> Segment:
+        columns = self.source.read_columns(first, last)
+        journal_id = self.source.journal_id()
+        node = _safe_name(self.source.node_id)
+        name = f"journal-{node}-{journal_id}-{first:020d}-{last:020d}.parquet"
+        final, temporary = f"{self.directory}/{name}", f"{self.directory}/_tmp-{uuid.uuid4().hex}-{name}"
+        self.filesystem.create_dir(self.directory, recursive=True)
+        pq.write_table(columns_table(columns), temporary, filesystem=self.filesystem,
+                       compression=self.settings.compression)
+        self.filesystem.move(temporary, final)
+        self._exported_through = last
+        return Segment(self.source.node_id, journal_id, first, last, final)
+
+    # --- prune ----------------------------------------------------------------------------
+    def prune(self, safe_sequence: int, now_ms: int) -> int:
+        """Delete exported records at or below `safe_sequence` older than the retention, from
+        the journal's start, in short write transactions. Returns how many were deleted."""
+        if not self.source.writable:
+            raise PermissionError("this journal source is read-only")
+        with self._lock:
+            bound = min(self.exported_through, safe_sequence)
+            cutoff_ms = now_ms - self.settings.retention_ms
+            deleted = 0
+            while True:
+                count, done = self._prune_batch(bound, cutoff_ms)
+                deleted += count
+                if done:
+                    return deleted
+
+    def _prune_batch(self, bound: int, cutoff_ms: int) -> tuple[int, bool]:
+        count = 0
+        with self.source.env.begin(write=True, db=self.source.journal_db) as txn:
+            cursor = txn.cursor()
+            if not cursor.first():
+                return 0, True
+            while count < self.settings.prune_keys_per_txn_max:
+                key = cursor.key()
+                if not key or _Q.unpack(key)[0] > bound or _record_at_ms(cursor.value()) > cutoff_ms:
+                    return count, True
+                cursor.delete()
+                count += 1
+        return count, False
+
+    def status(self) -> dict[str, Any]:
+        first, last = self.source.bounds()
+        pending_first, pending_last = self.pending()
+        return {"node": self.source.node_id, "journal_id": self.source.journal_id(),
+                "destination": self.settings.destination, "first_sequence": first, "last_sequence": last,
+                "exported_through": self.exported_through,
+                "pending_records": max(0, pending_last - pending_first + 1)}
+
+
+def _record_at_ms(value: bytes) -> int:
+    try:
+        return int(msgpack.unpackb(value[:-4])[0])
+    except Exception:
+        return 0        # undecodable: old enough to go once it is exported
+
+
+def iterate_records(source: JournalSource, after: int = 0) -> Iterator[tuple[int, list[Any] | None]]:
+    """(sequence, fields or None when undecodable) from `after` on; for tools and tests."""
+    with source.env.begin(db=source.journal_db) as txn:
+        cursor = txn.cursor()
+        if not cursor.set_range(_Q.pack(after + 1)):
+            return
+        for key, value in cursor:
+            yield _Q.unpack(key)[0], _decode(value[:-4])
+
+
+def safe_sequence_for(source: JournalSource, floors: Mapping[int, int], scan_max: int = 1_000_000) -> int:
+    """The highest sequence s such that every record up to s of a queue in `floors` (local
+    queue id -> the highest ordering index every member of its pair holds) is at or below
+    its floor. Records of other queues and local records (index 0) never hold it back. Scans
+    at most `scan_max` records from the journal's start."""
+    bound = 0
+    for scanned, (sequence, record) in enumerate(iterate_records(source)):
+        if scanned >= scan_max:
+            break
+        if record is not None:
+            floor = floors.get(record[2])
+            if floor is not None and record[4] > floor:
+                break
+        bound = sequence
+    return bound
+
+
+def export_environment(path: str | Path, destination: str, *, segment_records_max: int = 200_000,
+                       filesystem: pafs.FileSystem | None = None) -> list[Segment]:
+    """Export everything of the environment at `path` not yet in `destination` (read-only)."""
+    source = JournalSource.open(path)
+    try:
+        exporter = JournalExporter(source, ExportSettings(destination, segment_records_max=segment_records_max),
+                                   filesystem)
+        return exporter.export(0, force=True)
+    finally:
+        source.close()

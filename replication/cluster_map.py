@@ -1,0 +1,396 @@
+"""The cluster map: what the membership layer replicates (DESIGN.md 4.2), as a pure state machine.
+
+Every node holds a copy; the membership layer (pysyncobj in `qserver/membership.py`, an
+in-memory twin in the simulations) applies the same commands in the same order to each copy,
+so `apply` must be deterministic: no clock, no randomness, no I/O. Reads are local.
+
+Writes are rare commands: creating or deleting a queue, node state changes, client records,
+and changes of a queue's pair. A pair change is a compare-and-set: it names the
+(epoch, master, replica, in_sync) it expects and is refused when applied against anything
+else, so a late or repeated proposal never undoes a newer one (DESIGN.md 4.1). A change of
+master or replica raises the epoch by exactly one; an in-sync flip keeps it.
+
+The module also holds the pure decisions the membership leader and the nodes make from the
+map: placement of a new queue, the failover plan for nodes whose lease lapsed, the moves
+that replace a long-lost replica, and the handoffs that spread masters evenly.
+"""
+from __future__ import annotations
+
+import copy
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import msgpack
+
+
+class NodeState(enum.StrEnum):
+    UP = "up"
+    DRAINING = "draining"      # hands off its masters and moves its replicas away; takes none
+    DOWN = "down"              # its lease lapsed (set by the membership leader)
+    REMOVED = "removed"        # gone for good; may not rejoin under the same id
+
+
+class Reason(enum.StrEnum):
+    """Why a pair changed; the journals record it and the audit reads it."""
+    CREATE = "create"
+    HANDOFF = "handoff"
+    FAILOVER = "failover"
+    UNCLEAN = "unclean"        # `qctl promote --unclean`: a replica not known to be in sync
+    MOVE = "move"
+    IN_SYNC = "in_sync"        # an in-sync flip (no change of epoch)
+    REBALANCE = "rebalance"
+
+
+@dataclass(frozen=True, slots=True)
+class PairState:
+    epoch: int
+    master: str
+    replica: str
+    in_sync: bool
+
+
+@dataclass(slots=True)
+class NodeEntry:
+    node_id: str
+    url: str
+    state: NodeState = NodeState.UP
+    voter: bool = True
+
+
+@dataclass(slots=True)
+class QueueEntry:
+    name: str
+    options: dict[str, Any]
+    master: str
+    replica: str
+    epoch: int
+    in_sync: bool
+    incarnation: int
+    unclean_promotions: int = 0
+    last_reason: str = Reason.CREATE.value
+
+    @property
+    def pair(self) -> PairState:
+        return PairState(self.epoch, self.master, self.replica, self.in_sync)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --- commands --------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class AddNode:
+    TAG = 1
+    node_id: str
+    url: str
+    voter: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class SetNodeState:
+    TAG = 2
+    node_id: str
+    state: str
+    expected: str | None = None       # compare-and-set on the current state when given
+
+
+@dataclass(frozen=True, slots=True)
+class CreateQueue:
+    TAG = 3
+    name: str
+    options: dict[str, Any]
+    master: str
+    replica: str
+    incarnation: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteQueue:
+    TAG = 4
+    name: str
+    incarnation: int
+
+
+@dataclass(frozen=True, slots=True)
+class ChangePair:
+    """Compare-and-set of one queue's pair. Several in one command (a failover of every queue
+    of a dead node) are applied one by one, each on its own expectation."""
+    TAG = 5
+    name: str
+    expected: tuple[int, str, str, bool]      # PairState fields: epoch, master, replica, in_sync
+    new: tuple[int, str, str, bool]
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ChangePairs:
+    TAG = 6
+    changes: tuple[ChangePair, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PutClient:
+    TAG = 7
+    client_id: str
+    record: dict[str, Any] | None       # None removes it
+
+
+@dataclass(frozen=True, slots=True)
+class SetAlternatives:
+    """Alternative recipients of a push recipient (seed 001 fault surveillance)."""
+    TAG = 8
+    recipient: str
+    alternatives: tuple[str, ...]
+
+
+Command = AddNode | SetNodeState | CreateQueue | DeleteQueue | ChangePair | ChangePairs | PutClient | SetAlternatives
+COMMAND_TYPES: dict[int, type] = {kind.TAG: kind for kind in (AddNode, SetNodeState, CreateQueue, DeleteQueue,
+                                                              ChangePair, ChangePairs, PutClient, SetAlternatives)}
+
+
+class CommandError(ValueError):
+    """Bytes that are not a well-formed map command."""
+
+
+def encode_command(command: Command) -> bytes:
+    """Commands travel as msgpack (the membership library pickles only this byte string)."""
+    return msgpack.packb(_row(command), use_bin_type=True)
+
+
+def _row(command: Command) -> list[Any]:
+    if isinstance(command, ChangePairs):
+        return [command.TAG, [_row(change) for change in command.changes]]
+    if isinstance(command, ChangePair):
+        return [command.TAG, command.name, list(command.expected), list(command.new), command.reason]
+    if isinstance(command, SetAlternatives):
+        return [command.TAG, command.recipient, list(command.alternatives)]
+    return [command.TAG, *(getattr(command, name) for name in command.__dataclass_fields__)]
+
+
+def decode_command(data: bytes) -> Command:
+    try:
+        row = msgpack.unpackb(data, raw=False)
+    except Exception as exc:  # msgpack raises several unrelated types for garbage
+        raise CommandError(f"not msgpack: {type(exc).__name__}") from None
+    return _from_row(row)
+
+
+def _from_row(row: Any) -> Command:
+    if not isinstance(row, list) or not row or row[0] not in COMMAND_TYPES:
+        raise CommandError("a command is [tag, fields...]")
+    tag, values = row[0], row[1:]
+    try:
+        if tag == ChangePairs.TAG:
+            return ChangePairs(tuple(_from_row(change) for change in values[0]))  # type: ignore[misc]
+        if tag == ChangePair.TAG:
+            name, expected, new, reason = values
+            return ChangePair(name, tuple(expected), tuple(new), reason)  # type: ignore[arg-type]
+        if tag == SetAlternatives.TAG:
+            return SetAlternatives(values[0], tuple(values[1]))
+        return COMMAND_TYPES[tag](*values)  # type: ignore[no-any-return]
+    except (TypeError, ValueError) as exc:
+        raise CommandError(str(exc)) from None
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What applying one command (or one change of a batch) did."""
+    name: str
+    applied: bool
+    reason: str = ""
+
+
+# --- the map ---------------------------------------------------------------------------------
+@dataclass
+class ClusterMap:
+    nodes: dict[str, NodeEntry] = field(default_factory=dict)
+    queues: dict[str, QueueEntry] = field(default_factory=dict)
+    clients: dict[str, dict[str, Any]] = field(default_factory=dict)
+    alternatives: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    version: int = 0          # commands applied; every copy agrees at the same version
+
+    def copy(self) -> ClusterMap:
+        return copy.deepcopy(self)
+
+    # --- reads ----------------------------------------------------------------------------
+    def live_nodes(self) -> list[str]:
+        """Nodes that may take new members: up (not draining, down or removed)."""
+        return sorted(n for n, entry in self.nodes.items() if entry.state is NodeState.UP)
+
+    def masters_per_node(self) -> dict[str, int]:
+        counts = {node: 0 for node in self.live_nodes()}
+        for entry in self.queues.values():
+            if entry.master in counts:
+                counts[entry.master] += 1
+        return counts
+
+    def members_per_node(self) -> dict[str, int]:
+        counts = {node: 0 for node in self.live_nodes()}
+        for entry in self.queues.values():
+            for member in (entry.master, entry.replica):
+                if member in counts:
+                    counts[member] += 1
+        return counts
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": self.version,
+                "nodes": [{"id": n.node_id, "url": n.url, "state": n.state.value, "voter": n.voter}
+                          for n in sorted(self.nodes.values(), key=lambda n: n.node_id)],
+                "queues": {name: entry.to_json() for name, entry in sorted(self.queues.items())}}
+
+    # --- the state machine ----------------------------------------------------------------
+    def apply(self, command: Command) -> list[Outcome]:
+        self.version += 1
+        if isinstance(command, ChangePairs):
+            return [self._change_pair(change) for change in command.changes]
+        if isinstance(command, ChangePair):
+            return [self._change_pair(command)]
+        if isinstance(command, CreateQueue):
+            return [self._create(command)]
+        if isinstance(command, DeleteQueue):
+            entry = self.queues.get(command.name)
+            if entry is None or entry.incarnation != command.incarnation:
+                return [Outcome(command.name, False, "no such incarnation")]
+            del self.queues[command.name]
+            return [Outcome(command.name, True)]
+        if isinstance(command, AddNode):
+            existing = self.nodes.get(command.node_id)
+            if existing is not None and existing.state is NodeState.REMOVED:
+                return [Outcome(command.node_id, False, "a removed node id is never reused")]
+            if existing is not None:
+                existing.url = command.url
+                return [Outcome(command.node_id, True, "known")]
+            self.nodes[command.node_id] = NodeEntry(command.node_id, command.url, NodeState.UP, command.voter)
+            return [Outcome(command.node_id, True)]
+        if isinstance(command, SetNodeState):
+            return [self._set_node_state(command)]
+        if isinstance(command, PutClient):
+            if command.record is None:
+                self.clients.pop(command.client_id, None)
+            else:
+                self.clients[command.client_id] = dict(command.record)
+            return [Outcome(command.client_id, True)]
+        if isinstance(command, SetAlternatives):
+            self.alternatives[command.recipient] = tuple(command.alternatives)
+            return [Outcome(command.recipient, True)]
+        return [Outcome("", False, f"unknown command {type(command).__name__}")]
+
+    def _create(self, command: CreateQueue) -> Outcome:
+        if command.name in self.queues:
+            return Outcome(command.name, False, "exists")
+        for member in (command.master, command.replica):
+            entry = self.nodes.get(member)
+            if entry is None or entry.state is not NodeState.UP:
+                return Outcome(command.name, False, f"node {member} is not up")
+        if command.master == command.replica:
+            return Outcome(command.name, False, "master and replica must be different nodes")
+        self.queues[command.name] = QueueEntry(command.name, dict(command.options), command.master, command.replica,
+                                               1, True, command.incarnation)
+        return Outcome(command.name, True)
+
+    def _change_pair(self, change: ChangePair) -> Outcome:
+        entry = self.queues.get(change.name)
+        if entry is None:
+            return Outcome(change.name, False, "no such queue")
+        expected, new = PairState(*change.expected), PairState(*change.new)
+        if entry.pair != expected:
+            return Outcome(change.name, False, f"expected {expected}, found {entry.pair}")
+        members_changed = (new.master, new.replica) != (expected.master, expected.replica)
+        if new.master == new.replica:
+            return Outcome(change.name, False, "master and replica must be different nodes")
+        if new.epoch != expected.epoch + (1 if members_changed else 0):
+            return Outcome(change.name, False, "a change of members raises the epoch by one, an in-sync flip keeps it")
+        for member in {new.master, new.replica} - {expected.master, expected.replica}:
+            node = self.nodes.get(member)
+            if node is None or node.state is not NodeState.UP:
+                return Outcome(change.name, False, f"node {member} is not up")
+        entry.epoch, entry.master, entry.replica, entry.in_sync = new.epoch, new.master, new.replica, new.in_sync
+        entry.last_reason = change.reason
+        if change.reason == Reason.UNCLEAN:
+            entry.unclean_promotions += 1
+        return Outcome(change.name, True, change.reason)
+
+    def _set_node_state(self, command: SetNodeState) -> Outcome:
+        entry = self.nodes.get(command.node_id)
+        if entry is None:
+            return Outcome(command.node_id, False, "no such node")
+        if command.expected is not None and entry.state.value != command.expected:
+            return Outcome(command.node_id, False, f"expected {command.expected}, found {entry.state.value}")
+        state = NodeState(command.state)
+        if entry.state is NodeState.REMOVED:
+            return Outcome(command.node_id, False, "removed")
+        if state is NodeState.REMOVED and any(command.node_id in (q.master, q.replica) for q in self.queues.values()):
+            return Outcome(command.node_id, False, "it still holds queue members: drain it first")
+        entry.state = state
+        return Outcome(command.node_id, True)
+
+
+# --- decisions from the map (pure; proposed as commands) -----------------------------------------
+def choose_pair(cluster: ClusterMap, preferred: tuple[str | None, str | None] = (None, None)) -> tuple[str, str] | None:
+    """Master and replica for a new queue: two different live nodes; the master where fewest
+    masters are, the replica where fewest members are (ties by id). None: fewer than two."""
+    live = cluster.live_nodes()
+    want_master, want_replica = preferred
+    if len(live) < 2 or (want_master and want_master not in live) or (want_replica and want_replica not in live):
+        return None
+    masters, members = cluster.masters_per_node(), cluster.members_per_node()
+    master = want_master or min((n for n in live if n != want_replica), key=lambda n: (masters[n], members[n], n))
+    replica = want_replica or min((n for n in live if n != master), key=lambda n: (members[n], masters[n], n))
+    return (master, replica) if master != replica else None
+
+
+def plan_failover(cluster: ClusterMap, lapsed: set[str]) -> tuple[list[ChangePair], list[str]]:
+    """Promote the in-sync replica of every queue mastered by a node whose lease lapsed (epoch+1).
+    The old master stays in the pair as the replica and rejoins by state transfer; the
+    replica it gets is recorded out of sync until then. Returns the changes and the queues that
+    stay unavailable (replica out of sync or itself lapsed: DESIGN.md 3.4)."""
+    changes, stuck = [], []
+    for name, entry in sorted(cluster.queues.items()):
+        if entry.master not in lapsed:
+            continue
+        replica_node = cluster.nodes.get(entry.replica)
+        if not entry.in_sync or entry.replica in lapsed or replica_node is None \
+                or replica_node.state not in (NodeState.UP, NodeState.DRAINING):
+            stuck.append(name)
+            continue
+        changes.append(ChangePair(name, astuple(entry.pair),
+                                  (entry.epoch + 1, entry.replica, entry.master, False), Reason.FAILOVER.value))
+    return changes, stuck
+
+
+def plan_replacements(cluster: ClusterMap, gone: set[str]) -> list[ChangePair]:
+    """A node down longer than `replica_replace_after_s` (or draining) loses its replicas: each
+    is re-created on another live node (a move; the new one is out of sync until transferred)."""
+    changes = []
+    members = cluster.members_per_node()
+    for name, entry in sorted(cluster.queues.items()):
+        if entry.replica not in gone or entry.master in gone:
+            continue
+        candidates = [n for n in cluster.live_nodes() if n not in (entry.master, entry.replica)]
+        if not candidates:
+            continue
+        target = min(candidates, key=lambda n: (members[n], n))
+        members[target] += 1
+        changes.append(ChangePair(name, astuple(entry.pair), (entry.epoch + 1, entry.master, target, False),
+                                  Reason.MOVE.value))
+    return changes
+
+
+def plan_rebalance(cluster: ClusterMap) -> list[str]:
+    """Queues whose master should hand off to its replica so that masters spread evenly:
+    from the node with most masters to its replica while that lowers the spread."""
+    masters = cluster.masters_per_node()
+    chosen: list[str] = []
+    for name, entry in sorted(cluster.queues.items()):
+        if entry.master not in masters or entry.replica not in masters or not entry.in_sync:
+            continue
+        if masters[entry.master] - masters[entry.replica] >= 2:
+            masters[entry.master] -= 1
+            masters[entry.replica] += 1
+            chosen.append(name)
+    return chosen
+
+
+def astuple(pair: PairState) -> tuple[int, str, str, bool]:
+    return (pair.epoch, pair.master, pair.replica, pair.in_sync)
