@@ -116,15 +116,20 @@ class Coordinator:
             return
         sequence = self.lease.renewal(mono)
         if leader == self.node_id:
-            if self.membership.is_leader():
+            known = self.membership.cluster_map.nodes.get(self.node_id)
+            if self.membership.is_leader() and known is not None \
+                    and known.storage_id == self.engine.storage.storage_id:
                 self.table.grant(self.node_id, mono)
                 self.lease.granted(sequence)
             return
-        self.pairs.send_message(leader, LeaseRenew("", 0, self.membership.term(), sequence))
+        self.pairs.send_message(leader, LeaseRenew("", self.engine.storage.storage_id, self.membership.term(), sequence))
 
     def on_message(self, peer: str, message: Message) -> None:
         if isinstance(message, LeaseRenew):
-            if self.membership.is_leader():
+            known = self.membership.cluster_map.nodes.get(peer)
+            # A node on another disk than the map knows gets no lease until that is recorded
+            # (it holds none of its queues' data; `incarnation` carries its storage id).
+            if self.membership.is_leader() and known is not None and known.storage_id == message.incarnation:
                 self.table.grant(peer, self.monotonic_ms())
                 self.pairs.send_message(peer, LeaseGrant("", 0, self.membership.term(), message.sequence))
         elif isinstance(message, LeaseGrant):
@@ -147,13 +152,16 @@ class Coordinator:
     def _register_self(self) -> None:
         """A node enters the map by proposing itself (once a membership leader exists)."""
         cluster = self.membership.cluster_map
-        if self.node_id in cluster.nodes or self._registering or self.membership.leader_id() is None:
+        known = cluster.nodes.get(self.node_id)
+        storage_id = self.engine.storage.storage_id
+        if (known is not None and known.storage_id == storage_id) or self._registering \
+                or self.membership.leader_id() is None:
             return
         self._registering = True
 
         def done(outcomes: list[Outcome] | None) -> None:
             self._registering = False
-        self.membership.propose(AddNode(self.node_id, self.engine.config.own_url), done)
+        self.membership.propose(AddNode(self.node_id, self.engine.config.own_url, storage_id=storage_id), done)
 
     # --- the membership leader's duties ------------------------------------------------------
     def _lead(self, mono: int) -> None:

@@ -6,6 +6,7 @@ shared `[cluster]` tables, and a free port. Nothing here is used by a node itsel
 """
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import socket
@@ -14,6 +15,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 20.0
@@ -76,15 +78,42 @@ class LocalCluster:
         lines += ["[cluster.placement]"] + [f'"{q}" = ["{a}", "{b}"]' for q, (a, b) in placement.items()]
         (self.root / f"{node}.toml").write_text("\n".join(lines) + "\n")
 
-    def start(self, node: str) -> None:
-        """Start one node and wait for its /healthz (a node that exits raises with its log)."""
+    def start(self, node: str, *, wait: bool = True) -> None:
+        """Start one node and wait for its /healthz (a node that exits raises with its log) and,
+        unless `wait` is false, until it takes part in the cluster (see wait_ready)."""
         self.processes[node] = start_qserver(
             ["--config", str(self.root / f"{node}.toml"), "--log-level", self.log_level], self.urls[node],
             self.root / f"{node}.log")
+        if wait and len(self.processes) > len(self.ids) // 2:
+            self.wait_ready([node])
 
     def start_all(self) -> None:
         for node in self.ids:
-            self.start(node)
+            self.start(node, wait=False)
+        self.wait_ready()
+
+    def wait_ready(self, nodes: list[str] | None = None, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Until every running node sees a membership leader, every running node up in the map,
+        and holds a valid lease."""
+        deadline = time.monotonic() + timeout_s
+        for node in nodes or list(self.processes):
+            while True:
+                health = self.health(node)
+                membership: dict[str, Any] = health.get("membership", {})  # type: ignore[assignment]
+                states = membership.get("nodes", {})
+                if membership.get("leader") and membership.get("lease_valid") \
+                        and all(states.get(running) == "up" for running in self.processes):
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{node} did not join the cluster in {timeout_s}s: {health}")
+                time.sleep(0.05)
+
+    def health(self, node: str) -> dict[str, object]:
+        try:
+            with urllib.request.urlopen(self.urls[node] + "/healthz", timeout=2) as answer:
+                return dict(json.loads(answer.read()))
+        except OSError:
+            return {}
 
     def kill(self, node: str) -> None:
         """kill -9: nothing that was not committed survives."""

@@ -656,8 +656,9 @@ class Engine:
         """The map no longer lists this node for the queue (deleted, or moved away)."""
         if self.cores.get(core.name) is not core:
             return
-        core.transition(QueueState.CLOSING)
-        core.transition(QueueState.CLOSED)
+        if core.record.state is QueueState.OPEN:
+            core.transition(QueueState.CLOSING)
+            core.transition(QueueState.CLOSED)
         self._remove_core(core)
 
     def journal_mark(self, core: QueueCore, role: str, index: int, reason: str) -> None:

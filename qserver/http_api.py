@@ -103,9 +103,23 @@ async def proxy_to(request: web.Request, node: Any, target: str) -> web.Response
                                                timeout=aiohttp.ClientTimeout(total=PROXY_TIMEOUT_S)) as answer:
             body = await answer.read()
             kept = {k: v for k, v in answer.headers.items() if k.lower() not in HOP_HEADERS}
-            return web.Response(status=answer.status, body=body, headers=kept)
+        if request.method in ("PUT", "DELETE") and request.path == f"/v1/queues/{name}" and 200 <= answer.status < 300:
+            await until_local_map_has(node, name, present=request.method == "PUT")
+        return web.Response(status=answer.status, body=body, headers=kept)
     except (aiohttp.ClientError, TimeoutError):
         return error_response(QueueError(e.E_QUEUE_UNAVAILABLE, f"the master {master} of {name} cannot be reached"))
+
+
+MAP_CATCH_UP_S = 3.0
+
+
+async def until_local_map_has(node: Any, name: str, *, present: bool) -> None:
+    """Read your writes: a queue created (or deleted) through this node is known here before
+    the answer goes back, so the client's next request here finds it."""
+    deadline = asyncio.get_running_loop().time() + MAP_CATCH_UP_S
+    while (node.engine.pairs.view.entry(name) is not None) != present \
+            and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
 
 
 def principal(request: web.Request) -> Principal:
@@ -511,7 +525,14 @@ async def node_command(request: web.Request, coordinator: Any, command: Any) -> 
 
 async def healthz(request: web.Request) -> web.Response:
     node = request.app["node"]
-    return web.json_response({"status": "ok", "node": node.config.node_id, "queues": len(node.engine.cores)})
+    answer: dict[str, Any] = {"status": "ok", "node": node.config.node_id, "queues": len(node.engine.cores)}
+    coordinator = node.engine.coordinator
+    if coordinator is not None:      # enough for a supervisor to see the node take part
+        answer["membership"] = {"leader": coordinator.membership.leader_id(),
+                                "nodes": {n: entry.state.value for n, entry
+                                          in sorted(coordinator.membership.cluster_map.nodes.items())},
+                                "lease_valid": coordinator.lease_valid()}
+    return web.json_response(answer)
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -72,9 +72,9 @@ _Q = struct.Struct(">Q")
 _U32 = struct.Struct(">I")
 JOURNAL_ID_KEY = b"journal_id"
 SEGMENT_NAME = re.compile(r"^journal-(?P<node>.+)-(?P<journal>[0-9a-z]+)-(?P<first>\d{20})-(?P<last>\d{20})\.parquet$")
-_INT_COLUMNS = frozenset({"sequence", "at_ms", "queue_id", "epoch", "index", "message_id", "priority",
+INT_COLUMNS = frozenset({"sequence", "at_ms", "queue_id", "epoch", "index", "message_id", "priority",
                           "payload_size", "payload_crc32", "record_crc32"})
-SCHEMA = pa.schema([(name, pa.int64() if name in _INT_COLUMNS else pa.binary() if name == "extra" else pa.string())
+SCHEMA = pa.schema([(name, pa.int64() if name in INT_COLUMNS else pa.binary() if name == "extra" else pa.string())
                     for name in RECORD_COLUMNS])
 
 
@@ -200,6 +200,7 @@ class JournalSource:
                     break
                 body, checksum = value[:-4], unpack(value[-4:])[0]
                 record = _decode(body)
+                extra: bytes | None
                 if record is None:
                     record, extra = self._undecodable(), bytes(body)
                 else:
@@ -226,7 +227,7 @@ def _decode(body: bytes) -> list[Any] | None:
         return None
     for position, name in enumerate(JOURNAL_FIELDS):
         item = record[position]
-        if name in _INT_COLUMNS:
+        if name in INT_COLUMNS:
             if item is not None and (type(item) is not int or not -(1 << 63) <= item < (1 << 63)):
                 return None
         elif item is not None and type(item) is not str:

@@ -210,7 +210,8 @@ class PairDriver:
             return
         member = self.node_id in (entry.master, entry.replica)
         for core in cores:
-            if entry.incarnation != (core.record.incarnation or core.queue_id):
+            expected = entry.incarnation + (1 if core.record.dead_letter_of is not None else 0)
+            if expected != (core.record.incarnation or core.queue_id):
                 if member or core.record.epoch <= entry.epoch:
                     self.engine.drop_instance(core)     # an older incarnation of the name
                 continue

@@ -19,7 +19,7 @@ Key layout (big-endian integers so LMDB's byte order is numeric order):
     journal   sequence:8                          -> msgpack record + crc32:4
     oplog     queue_id:8 order:8                  -> digest:16 + encoded operation (replicated queues)
     clients   client_id                           -> JSON client record
-    meta      b"schema_version" | b"next_queue_id" | b"journal_sequence" | b"node_id"
+    meta      b"schema_version" | b"next_queue_id" | b"journal_sequence" | b"node_id" | b"storage_id"
 """
 from __future__ import annotations
 
@@ -125,8 +125,13 @@ class Storage:
             if stored is None:
                 txn.put(b"schema_version", _Q.pack(SCHEMA_VERSION))
                 txn.put(b"node_id", self.node_id.encode())
-            elif _Q.unpack(stored)[0] != SCHEMA_VERSION:
+            if txn.get(b"storage_id") is None:
+                # Who this disk is: a node that comes back with another one lost its data, and
+                # the membership layer must not count it as an in-sync replica (cluster_map.AddNode).
+                txn.put(b"storage_id", _Q.pack(int.from_bytes(os.urandom(8), "big") >> 1 or 1))
+            if stored is not None and _Q.unpack(stored)[0] != SCHEMA_VERSION:
                 raise RuntimeError(f"storage schema {_Q.unpack(stored)[0]} is not {SCHEMA_VERSION}")
+            self.storage_id = int(_Q.unpack(txn.get(b"storage_id"))[0])
             sequence = txn.get(b"journal_sequence")
             self._journal_sequence = _Q.unpack(sequence)[0] if sequence else 0
 

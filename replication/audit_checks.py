@@ -8,7 +8,7 @@ the records travelled (which is what tests/test_audit_spark.py compares).
 
 The units of work:
   * a *journal*: one node's append-only record stream (node id + journal id: a node that lost
-    its disk starts a new journal). `check_journal_sequences` checks its sequence numbers.
+    its disk starts a new journal). `check_journal_runs` checks its sequence numbers.
   * a *queue group*: a queue and its dead-letter queue (`q` and `q.dlq`), every incarnation,
     every member's records. `check_group` runs every per-queue check on it.
 Inside a group:
@@ -37,8 +37,9 @@ from __future__ import annotations
 
 import heapq
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any, NamedTuple
 
 import msgpack
@@ -90,6 +91,8 @@ UNCLEAN_PROMOTION = "unclean_promotion"
 DISCARDED_SUFFIX = "discarded_suffix"
 
 REDELIVERY_CAUSES = ("release", "expire", "change_of_master")
+LINK_HEAD_RECORDS = 16      # linking streams looks at each stream's first replicated records ...
+LINK_STRIDE = 16            # ... and at every index divisible by this
 BUCKET_WIDTHS_MS = (10, 20, 50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000, 30_000, 60_000, 300_000, 600_000,
                     1_800_000, 3_600_000, 21_600_000, 86_400_000)
 
@@ -158,16 +161,21 @@ def record_as_history(record: JournalRecord) -> HistoryEnqueue:
                           record.at_ms or None, record.client)
 
 
-def record_checksum_ok(record: JournalRecord) -> bool:
-    """Recompute the journal's crc32 from the fields (msgpack, as storage writes them)."""
+_FIELDS = slice(2, 2 + len(JOURNAL_FIELDS))     # a JournalRecord's journal fields, in storage order
+_CONTENT = slice(7, 13)       # op, message_id, dedupe_id, priority, payload_size, payload_crc32
+_SEQUENCE = itemgetter(1)
+
+
+def record_checksum_ok(record: JournalRecord, pack: Callable[[Any], bytes] | None = None) -> bool:
+    """Recompute the journal's crc32 from the fields (msgpack, as storage writes them).
+    `pack`: a reused `msgpack.Packer(use_bin_type=True).pack`, which is much cheaper per call."""
     if record.record_crc32 is None:
         return True
-    fields: list[Any] = [record.at_ms, record.queue, record.queue_id, record.epoch, record.index, record.op,
-                         record.message_id, record.dedupe_id, record.priority, record.payload_size,
-                         record.payload_crc32, record.role, record.node, record.client]
+    fields: Any = record[_FIELDS]
     if record.extra:
-        fields.extend(msgpack.unpackb(record.extra))
-    return zlib.crc32(msgpack.packb(fields, use_bin_type=True)) == record.record_crc32
+        fields = [*fields, *msgpack.unpackb(record.extra)]
+    body = pack(fields) if pack is not None else msgpack.packb(fields, use_bin_type=True)
+    return zlib.crc32(body) == record.record_crc32
 
 
 # --- violations ---------------------------------------------------------------------------
@@ -205,24 +213,49 @@ def cap_violations(found: list[dict[str, Any]], settings: AuditSettings) -> tupl
 
 
 # --- journals: sequence numbers -----------------------------------------------------------
-def check_journal_sequences(node: str, journal_id: str, sequences: Sequence[int],
-                            settings: AuditSettings = DEFAULT_SETTINGS) -> dict[str, Any]:
-    """A journal's sequence numbers (sorted) must run without a gap or a repeat from its first
-    exported record to its last: a missing number is a record lost from the journal."""
-    found: list[dict[str, Any]] = []
-    previous = None
+def sequence_runs(sequences: Iterable[int]) -> list[tuple[int, int]]:
+    """Sequence numbers, in the order given, as runs of consecutive numbers [(first, last)]."""
+    runs: list[tuple[int, int]] = []
+    first = last = None
     for sequence in sequences:
-        if previous is not None:
-            if sequence == previous:
-                found.append(_sequence_violation(SEQUENCE_REPEATED, node, journal_id, sequence, sequence, settings))
-            elif sequence > previous + 1:
-                found.append(_sequence_violation(SEQUENCE_GAP, node, journal_id, previous + 1, sequence - 1, settings))
-        previous = sequence
+        if last is not None and sequence == last + 1:
+            last = sequence
+            continue
+        if first is not None and last is not None:
+            runs.append((first, last))
+        first = last = sequence
+    if first is not None and last is not None:
+        runs.append((first, last))
+    return runs
+
+
+def check_journal_runs(node: str, journal_id: str, runs: Iterable[tuple[int, int]],
+                       settings: AuditSettings = DEFAULT_SETTINGS) -> dict[str, Any]:
+    """A journal's sequence numbers must run without a gap or a repeat from its first exported
+    record to its last: a missing number is a record lost from the journal, a repeated one a
+    record written (or exported) twice. `runs` are (first, last) runs of consecutive numbers
+    in any order and split any way (Spark gives one list per input split)."""
+    found: list[dict[str, Any]] = []
+    ordered = sorted(runs)
+    covered: int | None = None
+    records = 0
+    for first, last in ordered:
+        records += last - first + 1
+        if covered is not None and first > covered + 1:
+            found.append(_sequence_violation(SEQUENCE_GAP, node, journal_id, covered + 1, first - 1, settings))
+        elif covered is not None and first <= covered:
+            found.append(_sequence_violation(SEQUENCE_REPEATED, node, journal_id, first, min(last, covered), settings))
+        covered = last if covered is None else max(covered, last)
     listed, counts = cap_violations(found, settings)
-    return {"node": node, "journal_id": journal_id, "records": len(sequences),
-            "first_sequence": sequences[0] if sequences else None,
-            "last_sequence": sequences[-1] if sequences else None,
+    return {"node": node, "journal_id": journal_id, "records": records,
+            "first_sequence": ordered[0][0] if ordered else None, "last_sequence": covered,
             "violations": listed, "violation_counts": counts}
+
+
+def check_journal_sequences(node: str, journal_id: str, sequences: Iterable[int],
+                            settings: AuditSettings = DEFAULT_SETTINGS) -> dict[str, Any]:
+    """`check_journal_runs` over plain sequence numbers."""
+    return check_journal_runs(node, journal_id, sequence_runs(sequences), settings)
 
 
 def _sequence_violation(kind: str, node: str, journal_id: str, first: int, last: int,
@@ -253,6 +286,8 @@ class StreamReplay:
     redeliveries: list[tuple[int, str]] = field(default_factory=list)   # (at_ms, cause)
     consumed_times: list[int] = field(default_factory=list)             # acks and dead-letterings
     epoch_records: list[JournalRecord] = field(default_factory=list)
+    # epoch -> [first at_ms, records, first record written as master (or None), reason of an epoch record]
+    epochs: dict[int, list[Any]] = field(default_factory=dict)
     found: list[dict[str, Any]] = field(default_factory=list)
     flags: list[dict[str, Any]] = field(default_factory=list)
 
@@ -354,6 +389,9 @@ def replay_stream(key: StreamKey, records: Sequence[JournalRecord], *, complete:
     replay = StreamReplay(key, key[2], complete)
     continuity = _Continuity(replay, settings)
     consumer = _Consumption(replay, settings)
+    epochs = replay.epochs
+    current_epoch: int | None = None
+    entry: list[Any] = [0, 0, None, None]
     for record in records:
         op = record.op
         if op == EPOCH_OP:
@@ -361,17 +399,27 @@ def replay_stream(key: StreamKey, records: Sequence[JournalRecord], *, complete:
             continuity.base(record)
         elif record.index > 0:
             continuity.step(record)
-        if record.role == "master":
-            replay.master_epochs.add(record.epoch)
         if op == "enqueue" or op == ARRIVAL_OP:
             consumer.enqueue(record)
         elif op in CONSUMPTION_OPS:
             replay.consumption += 1
-            replay.consumption_replicated += record.index > 0 and op != ARRIVAL_OP
+            replay.consumption_replicated += record.index > 0
             consumer.consume(record)
-        if op != ARRIVAL_OP:
-            replay.records += 1
-            replay.last_sequence = record.sequence
+        if op == ARRIVAL_OP:
+            continue
+        replay.records += 1
+        replay.last_sequence = record.sequence
+        if record.epoch != current_epoch:
+            current_epoch = record.epoch
+            entry = epochs.setdefault(current_epoch, [record.at_ms, 0, None, None])
+        entry[1] += 1
+        if record.at_ms < entry[0]:
+            entry[0] = record.at_ms
+        if record.role == "master" and entry[2] is None:
+            entry[2] = record
+            replay.master_epochs.add(current_epoch)
+        if op == EPOCH_OP and record.role == "master" and record.dedupe_id:
+            entry[3] = record.dedupe_id
     continuity.finish()
     return replay
 
@@ -554,12 +602,20 @@ def link_incarnations(streams: Mapping[StreamKey, Sequence[JournalRecord]]) -> l
     first_holder: dict[tuple[Any, ...], StreamKey] = {}
     for key, records in streams.items():
         links.find(key)
+        position = 0
         for record in records:
-            if record.index > 0 and record.op != EPOCH_OP:
-                identity = (record.queue, record.index, record.op, record.message_id, record.at_ms, record.dedupe_id)
-                holder = first_holder.setdefault(identity, key)
-                if holder != key:
-                    links.union(holder, key)
+            index = record.index
+            if index <= 0 or record.op == EPOCH_OP:
+                continue
+            position += 1
+            # A sample is enough: members of one incarnation share long runs of indices, and
+            # a stream that starts later (a new replica) shares its first indices.
+            if position > LINK_HEAD_RECORDS and index % LINK_STRIDE:
+                continue
+            identity = (record.queue, index, record.op, record.message_id, record.at_ms, record.dedupe_id)
+            holder = first_holder.setdefault(identity, key)
+            if holder != key:
+                links.union(holder, key)
     for key, source in _dead_letter_sources(streams).items():
         links.union(key, source)
     components: dict[StreamKey, list[StreamKey]] = {}
@@ -622,18 +678,25 @@ def _split(records: Iterable[JournalRecord], settings: AuditSettings) -> tuple[
     history: list[HistoryEnqueue] = []
     found: list[dict[str, Any]] = []
     streams: dict[StreamKey, list[JournalRecord]] = {}
-    for record in sorted(records, key=lambda r: (r.node, r.journal_id, r.sequence)):
+    pack = msgpack.Packer(use_bin_type=True).pack
+    for record in records:
         if record.op == HISTORY_OP:
             history.append(record_as_history(record))
             continue
-        if record.op == UNDECODABLE_OP or not record_checksum_ok(record):
+        if record.op == UNDECODABLE_OP or not record_checksum_ok(record, pack):
             found.append(violation(RECORD_CHECKSUM, record.queue, "the record does not match its checksum",
                                    node=record.node, index=record.index, message_id=record.message_id,
                                    records=[record], settings=settings))
             if record.op == UNDECODABLE_OP:
                 continue
-        streams.setdefault((record.node, record.journal_id, record.queue, record.queue_id), []).append(record)
-    return history, streams, found
+        key = (record.node, record.journal_id, record.queue, record.queue_id)
+        stream = streams.get(key)
+        if stream is None:
+            stream = streams[key] = []
+        stream.append(record)
+    for stream in streams.values():
+        stream.sort(key=_SEQUENCE)      # usually sorted already: linear
+    return history, dict(sorted(streams.items())), found
 
 
 # --- one incarnation ----------------------------------------------------------------------
@@ -642,7 +705,7 @@ def _check_incarnation(members: list[StreamKey], streams: Mapping[StreamKey, Seq
                        settings: AuditSettings) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
     flags: list[dict[str, Any]] = [flag for key in members for flag in replays[key].flags]
     found = _check_agreement(members, streams, flags, settings)
-    found += _check_masters(members, streams, settings)
+    found += _check_masters(members, replays, settings)
     queues: dict[str, list[StreamKey]] = {}
     for key in members:
         queues.setdefault(key[2], []).append(key)
@@ -651,16 +714,15 @@ def _check_incarnation(members: list[StreamKey], streams: Mapping[StreamKey, Seq
         summary, queue_found = _check_queue(queue, queues[queue], replays, acknowledged.get(queue, set()), settings)
         summaries.append(summary)
         found += queue_found
-    epochs, epoch_flags = _timeline(members, streams)
+    epochs, epoch_flags = _timeline(members, replays)
     first = members[0]
     incarnation = {"id": f"{first[2]}@{first[0]}/{first[1]}/{first[3]}", "queue": group_of(first[2]),
                    "queues": summaries, "epochs": epochs}
     return incarnation, found, flags + epoch_flags
 
 
-def _content(record: JournalRecord) -> tuple[Any, ...]:
-    return (record.op, record.message_id, record.dedupe_id, record.priority, record.payload_size,
-            record.payload_crc32)
+def _content(record: JournalRecord) -> Any:
+    return record[_CONTENT]
 
 
 def _check_agreement(members: list[StreamKey], streams: Mapping[StreamKey, Sequence[JournalRecord]],
@@ -671,8 +733,9 @@ def _check_agreement(members: list[StreamKey], streams: Mapping[StreamKey, Seque
     if such a message had been acknowledged or seen, the survival checks say so)."""
     if len(members) < 2:
         return []
-    first_seen: dict[tuple[str, int], tuple[tuple[Any, ...], JournalRecord]] = {}
+    first_seen: dict[tuple[str, int], JournalRecord] = {}
     conflicts: dict[tuple[str, int], list[JournalRecord]] = {}
+    content = _CONTENT
     for key in members:
         for record in streams[key]:
             if record.index <= 0 or record.op == EPOCH_OP:
@@ -680,9 +743,9 @@ def _check_agreement(members: list[StreamKey], streams: Mapping[StreamKey, Seque
             slot = (record.queue, record.index)
             seen = first_seen.get(slot)
             if seen is None:
-                first_seen[slot] = (_content(record), record)
-            elif seen[0] != _content(record):
-                conflicts.setdefault(slot, [seen[1]]).append(record)
+                first_seen[slot] = record
+            elif seen[content] != record[content]:
+                conflicts.setdefault(slot, [seen]).append(record)
     found = []
     for (queue, index), records in sorted(conflicts.items()):
         found += _judge_conflict(queue, index, records, flags, settings)
@@ -720,15 +783,15 @@ def _judge_conflict(queue: str, index: int, records: list[JournalRecord], flags:
     return found
 
 
-def _check_masters(members: list[StreamKey], streams: Mapping[StreamKey, Sequence[JournalRecord]],
+def _check_masters(members: list[StreamKey], replays: Mapping[StreamKey, StreamReplay],
                    settings: AuditSettings) -> list[dict[str, Any]]:
     observations = []
     witnesses: dict[tuple[int, str], JournalRecord] = {}
     for key in members:
-        for record in streams[key]:
-            if record.role == "master":
-                observations.append((record.epoch, record.node))
-                witnesses.setdefault((record.epoch, record.node), record)
+        for epoch, entry in replays[key].epochs.items():
+            if entry[2] is not None:
+                observations.append((epoch, key[0]))
+                witnesses.setdefault((epoch, key[0]), entry[2])
     found = []
     queue = group_of(members[0][2])
     for epoch, nodes in sorted(epochs_with_two_masters(observations).items()):
@@ -862,32 +925,31 @@ def _series(member: StreamReplay, settings: AuditSettings) -> dict[str, Any]:
     return {"bucket_ms": width, "start_ms": start, **series, "depth": depth}
 
 
-def _timeline(members: list[StreamKey], streams: Mapping[StreamKey, Sequence[JournalRecord]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _timeline(members: list[StreamKey], replays: Mapping[StreamKey, StreamReplay]) -> tuple[
+        list[dict[str, Any]], list[dict[str, Any]]]:
     """Each epoch of the incarnation: its master(s), when it was first seen and why it began
     (from "epoch" records when the journals have them, otherwise inferred)."""
     epochs: dict[int, dict[str, Any]] = {}
     for key in members:
-        for record in streams[key]:
-            entry = epochs.setdefault(record.epoch, {"epoch": record.epoch, "masters": set(), "first_ms": record.at_ms,
-                                                     "reason": None, "records": 0})
-            entry["first_ms"] = min(entry["first_ms"], record.at_ms)
-            entry["records"] += 1
-            if record.role == "master":
-                entry["masters"].add(record.node)
-            if record.op == EPOCH_OP and record.role == "master" and record.dedupe_id:
-                entry["reason"] = record.dedupe_id
+        for epoch, (first_ms, records, master_record, reason) in replays[key].epochs.items():
+            entry = epochs.setdefault(epoch, {"epoch": epoch, "masters": set(), "first_ms": first_ms,
+                                              "reason": None, "records": 0})
+            entry["first_ms"] = min(entry["first_ms"], first_ms)
+            entry["records"] += records
+            if master_record is not None:
+                entry["masters"].add(key[0])
+            if reason is not None and entry["reason"] is None:
+                entry["reason"] = reason
     flags = []
     timeline: list[dict[str, Any]] = []
     previous: set[str] = set()
     for epoch in sorted(epochs):
         entry = epochs[epoch]
         masters = entry["masters"]
-        if entry["reason"] is None:
+        entry["inferred"] = entry["reason"] is None
+        if entry["inferred"]:
             entry["reason"] = "create" if not timeline else ("change_of_master" if masters and masters != previous
                                                              else "same_master")
-            entry["inferred"] = True
-        else:
-            entry["inferred"] = False
         if entry["reason"] == "unclean":
             flags.append({"kind": UNCLEAN_PROMOTION, "queue": group_of(members[0][2]), "node": ",".join(sorted(masters)),
                           "epoch": epoch, "first": 0, "last": 0,

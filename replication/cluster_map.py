@@ -56,6 +56,7 @@ class NodeEntry:
     url: str
     state: NodeState = NodeState.UP
     voter: bool = True
+    storage_id: int = 0      # which disk it runs on: another one means it lost its data
 
 
 @dataclass(slots=True)
@@ -81,10 +82,14 @@ class QueueEntry:
 # --- commands --------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class AddNode:
+    """A node enters the map, or comes back with another disk (`storage_id`): then it holds
+    none of its queues' data, so it is recorded out of sync wherever it is the replica, and
+    its in-sync replicas take over wherever it was the master."""
     TAG = 1
     node_id: str
     url: str
     voter: bool = True
+    storage_id: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,8 +265,13 @@ class ClusterMap:
                 return [Outcome(command.node_id, False, "a removed node id is never reused")]
             if existing is not None:
                 existing.url = command.url
+                if command.storage_id and existing.storage_id and command.storage_id != existing.storage_id:
+                    existing.storage_id = command.storage_id
+                    return [Outcome(command.node_id, True, "lost its data"), *self._forget_data_of(command.node_id)]
+                existing.storage_id = command.storage_id or existing.storage_id
                 return [Outcome(command.node_id, True, "known")]
-            self.nodes[command.node_id] = NodeEntry(command.node_id, command.url, NodeState.UP, command.voter)
+            self.nodes[command.node_id] = NodeEntry(command.node_id, command.url, NodeState.UP, command.voter,
+                                                    command.storage_id)
             return [Outcome(command.node_id, True)]
         if isinstance(command, SetNodeState):
             return [self._set_node_state(command)]
@@ -275,6 +285,19 @@ class ClusterMap:
             self.alternatives[command.recipient] = tuple(command.alternatives)
             return [Outcome(command.recipient, True)]
         return [Outcome("", False, f"unknown command {type(command).__name__}")]
+
+    def _forget_data_of(self, node: str) -> list[Outcome]:
+        outcomes = []
+        for name, entry in sorted(self.queues.items()):
+            if entry.replica == node and entry.in_sync:
+                entry.in_sync = False
+                entry.last_reason = Reason.IN_SYNC.value
+                outcomes.append(Outcome(name, True, "replica lost its data"))
+            elif entry.master == node and entry.in_sync:
+                entry.epoch, entry.master, entry.replica, entry.in_sync = entry.epoch + 1, entry.replica, node, False
+                entry.last_reason = Reason.FAILOVER.value
+                outcomes.append(Outcome(name, True, "master lost its data: its in-sync replica took over"))
+        return outcomes
 
     def _create(self, command: CreateQueue) -> Outcome:
         if command.name in self.queues:

@@ -205,7 +205,7 @@ class HandoffOrder:
     epoch: int
 
 
-# Node-level messages on the same links (queue "", incarnation 0): the lease of a node from
+# Node-level messages on the same links (queue "", incarnation: the sender's storage id): the lease of a node from
 # the membership leader (DESIGN.md 4.2 "Leases"); `epoch` carries the leader's term.
 @dataclass(frozen=True, slots=True)
 class LeaseRenew:

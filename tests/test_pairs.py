@@ -33,7 +33,7 @@ async def wait_converged(master: AsyncClient, replica: AsyncClient, queue: str, 
 
 
 async def test_both_members_take_producers_and_each_serves_its_own_consumers(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
-    cluster = qcluster_factory(2, PLACEMENT)
+    cluster = qcluster_factory(3, PLACEMENT)
     async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as master, \
             AsyncClient(cluster.urls["n2"], cluster.credentials_path) as replica:
         await master.create_queue("orders", strength="producer")
@@ -59,7 +59,7 @@ async def test_both_members_take_producers_and_each_serves_its_own_consumers(qcl
 
 
 async def test_under_full_strength_a_message_acked_at_one_member_is_never_delivered_at_the_other(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
-    cluster = qcluster_factory(2, PLACEMENT)
+    cluster = qcluster_factory(3, PLACEMENT)
     async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as master, \
             AsyncClient(cluster.urls["n2"], cluster.credentials_path) as replica:
         await master.create_queue("ledger", strength="full")
@@ -76,7 +76,7 @@ async def test_under_full_strength_a_message_acked_at_one_member_is_never_delive
 
 
 async def test_a_replica_killed_under_load_returns_through_state_transfer_identical_to_the_master(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
-    cluster = qcluster_factory(2, PLACEMENT, {"replica_lag_max_ms": 500})
+    cluster = qcluster_factory(3, PLACEMENT, {"replica_lag_max_ms": 500})
     acknowledged: list[int] = []
     async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as master:
         await master.create_queue("orders", strength="producer")
@@ -118,7 +118,7 @@ async def test_a_client_of_a_node_that_holds_neither_member_is_sent_to_the_maste
 
 
 async def test_a_subscriber_at_the_master_gets_only_committed_messages_as_they_commit(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
-    cluster = qcluster_factory(2, PLACEMENT)
+    cluster = qcluster_factory(3, PLACEMENT)
     async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as master:
         await master.create_queue("orders")
         received: list[bytes] = []
@@ -137,7 +137,7 @@ async def test_a_subscriber_at_the_master_gets_only_committed_messages_as_they_c
 
 
 async def test_a_dedupe_id_is_kept_by_the_pair_whichever_member_the_retry_reaches(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
-    cluster = qcluster_factory(2, PLACEMENT)
+    cluster = qcluster_factory(3, PLACEMENT)
     async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as master, \
             AsyncClient(cluster.urls["n2"], cluster.credentials_path) as replica:
         await master.create_queue("orders")
@@ -149,7 +149,7 @@ async def test_a_dedupe_id_is_kept_by_the_pair_whichever_member_the_retry_reache
 
 
 async def test_under_full_strength_dead_lettering_happens_once_for_the_pair(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
-    cluster = qcluster_factory(2, PLACEMENT)
+    cluster = qcluster_factory(3, PLACEMENT)
     async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as master, \
             AsyncClient(cluster.urls["n2"], cluster.credentials_path) as replica:
         await master.create_queue("ledger", strength="full", max_deliveries=2)
@@ -166,7 +166,7 @@ async def test_under_full_strength_dead_lettering_happens_once_for_the_pair(qclu
 
 
 async def test_a_replica_that_lost_its_disk_takes_the_whole_queue_again(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
-    cluster = qcluster_factory(2, {**PLACEMENT, "other": ["n2", "n1"]})
+    cluster = qcluster_factory(3, {**PLACEMENT, "other": ["n2", "n3"]})
     async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as master:
         await master.create_queue("ledger", strength="full")
         await master.enqueue_many("ledger", [f"l{i}".encode() for i in range(300)])
@@ -189,7 +189,7 @@ async def test_a_replica_that_lost_its_disk_takes_the_whole_queue_again(qcluster
 
 
 async def test_a_stale_ack_at_the_replica_of_a_full_queue_is_refused_like_at_the_master(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
-    cluster = qcluster_factory(2, PLACEMENT)
+    cluster = qcluster_factory(3, PLACEMENT)
     async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as master, \
             AsyncClient(cluster.urls["n2"], cluster.credentials_path) as replica:
         await master.create_queue("ledger", strength="full")

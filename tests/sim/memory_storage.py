@@ -25,6 +25,7 @@ from replication.store import MemoryStore, StoredLease, drop_queue
 class MemoryStorage:
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
+        self.storage_id = 1      # one disk per simulated node (a wipe would take a new one)
         self.store = MemoryStore()
         self.oplog = MemoryOpLog(EMPTY_DIGEST)
         self.records: dict[str, dict[str, Any]] = {}
