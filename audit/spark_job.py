@@ -96,6 +96,8 @@ def spark_session(master: str = "local[*]", *, partitions: int | None = None, dr
     session.sparkContext.setLogLevel("WARN")
     if not local:
         session.sparkContext.addPyFile(str(_code_zip()))
+        if partitions is None:       # Spark's default of 200 costs more in task overhead than it spreads
+            session.conf.set("spark.sql.shuffle.partitions", str(4 * max(2, session.sparkContext.defaultParallelism)))
     return session
 
 

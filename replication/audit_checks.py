@@ -317,25 +317,35 @@ class StreamReplay:
 
 
 class _Continuity:
-    """Ordering indices of one stream: each one once, in increasing order, without a gap."""
+    """Ordering indices of one stream: each one once, in increasing order, without a gap.
+
+    An epoch record names the last index the member held when it took its role. Storage
+    writes such records after the operations of the same transaction, so records of the new
+    epoch may already lie above that base: only records of an *older* epoch above it were
+    discarded (a suffix that was never committed, replaced in the new epoch)."""
 
     def __init__(self, replay: StreamReplay, settings: AuditSettings) -> None:
         self.replay, self.settings = replay, settings
         self.high: int | None = None
         self.missing: list[list[Any]] = []      # [first, last, record after the gap]
+        self.high_by_epoch: dict[int, int] = {}   # highest index of each epoch's records (not derived ones)
 
     def base(self, record: JournalRecord) -> None:
-        """An epoch record: the member holds indices up to `record.index`."""
-        base = record.index
+        base, epoch = record.index, record.epoch
         if self.high is None:
             self.high = base
             self.replay.first_index = base + 1
-        elif base < self.high:
+            return
+        stale = max((high for older, high in self.high_by_epoch.items() if older < epoch), default=base)
+        if stale > base:
             self.replay.flags.append({"kind": DISCARDED_SUFFIX, "queue": self.replay.queue, "node": self.replay.node,
-                                      "epoch": record.epoch, "first": base + 1, "last": self.high,
-                                      "detail": f"indices {base + 1}..{self.high} discarded (never committed)"})
+                                      "epoch": epoch, "first": base + 1, "last": stale,
+                                      "detail": f"indices {base + 1}..{stale} of an older epoch discarded when the "
+                                                f"member took its role in epoch {epoch} (never committed)"})
             self.missing = [gap for gap in self.missing if gap[0] <= base]
-            self.high = base
+            for older in [older for older in self.high_by_epoch if older < epoch]:
+                self.high_by_epoch[older] = min(self.high_by_epoch[older], base)
+            self.high = max([base, *(high for newer, high in self.high_by_epoch.items() if newer >= epoch)])
         elif base > self.high:
             self.missing.append([self.high + 1, base, record])
             self.high = base
@@ -343,6 +353,8 @@ class _Continuity:
     def step(self, record: JournalRecord) -> None:
         index = record.index
         high = self.high
+        if record.op != ARRIVAL_OP:
+            self.high_by_epoch[record.epoch] = index
         if high is None:
             self.replay.first_index = 1 if self.replay.complete else index
             high = 0 if self.replay.complete else index - 1
@@ -418,8 +430,8 @@ def replay_stream(key: StreamKey, records: Sequence[JournalRecord], *, complete:
         if record.role == "master" and entry[2] is None:
             entry[2] = record
             replay.master_epochs.add(current_epoch)
-        if op == EPOCH_OP and record.role == "master" and record.dedupe_id:
-            entry[3] = record.dedupe_id
+        if op == EPOCH_OP and record.role == "master" and record.dedupe_id not in (None, "restart"):
+            entry[3] = record.dedupe_id      # a restart in the same role starts no epoch
     continuity.finish()
     return replay
 
