@@ -14,9 +14,8 @@ read back from the destination's file names, so an exporter needs no state of it
 restarted node continues after the last segment it finds for its journal.
 
 The *journal id* names one journal of a node: a node that lost its disk starts a new journal
-(sequence 1 again) under the same node id. It is kept under `journal_id` in the LMDB `meta`
-database (written once, by the first export); it is derived from the journal's first record,
-so an offline export of an environment that never exported before names it the same way.
+(sequence 1 again) under the same node id. It is the environment's `storage_id` (LMDB `meta`,
+written by storage.py once per disk), in hex. Nothing here writes to `meta`.
 
 Columns (replication.audit_checks.RECORD_COLUMNS): journal_id, sequence, the 14 journal fields
 (storage.JOURNAL_FIELDS), record_crc32 (as stored; the audit recomputes it from the fields),
@@ -70,7 +69,6 @@ from replication.audit_checks import JOURNAL_FIELDS, RECORD_COLUMNS, UNDECODABLE
 
 _Q = struct.Struct(">Q")
 _U32 = struct.Struct(">I")
-JOURNAL_ID_KEY = b"journal_id"
 SEGMENT_NAME = re.compile(r"^journal-(?P<node>.+)-(?P<journal>[0-9a-z]+)-(?P<first>\d{20})-(?P<last>\d{20})\.parquet$")
 INT_COLUMNS = frozenset({"sequence", "at_ms", "queue_id", "epoch", "index", "message_id", "priority",
                           "payload_size", "payload_crc32", "record_crc32"})
@@ -145,22 +143,19 @@ class JournalSource:
             self.env.close()
 
     def journal_id(self) -> str:
-        """The journal's id: stored in meta, or derived from its first record (and stored)."""
+        """The journal's id: the environment's storage id (storage.py writes one per disk), or
+        for an environment from before storage ids, one derived from its first record."""
         if self._journal_id is not None:
             return self._journal_id
         with self.env.begin(db=self.meta_db) as txn:
-            stored = txn.get(JOURNAL_ID_KEY)
-        if stored:
-            self._journal_id = bytes(stored).decode()
+            storage_id = txn.get(b"storage_id")
+        if storage_id:
+            self._journal_id = f"{_Q.unpack(storage_id)[0]:016x}"
             return self._journal_id
         with self.env.begin(db=self.journal_db) as txn:
             first = txn.get(_Q.pack(1))
-        derived = hashlib.sha256(bytes(first)).hexdigest()[:16] if first else uuid.uuid4().hex[:16]
-        if self.writable:
-            with self.env.begin(write=True, db=self.meta_db) as txn:
-                txn.put(JOURNAL_ID_KEY, derived.encode())
-        self._journal_id = derived
-        return derived
+        self._journal_id = hashlib.sha256(bytes(first)).hexdigest()[:16] if first else "0" * 16
+        return self._journal_id
 
     def bounds(self) -> tuple[int, int]:
         """(first, last) sequence held; (0, 0) when the journal is empty."""

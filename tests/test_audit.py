@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import msgpack
 import pyarrow.parquet as pq
 import pytest
@@ -29,6 +30,7 @@ from audit.cli import main as qaudit_main
 from audit.inputs import read_history, read_records
 from audit.local import audit_paths, audit_records
 from client import AsyncClient, QueueError
+from client.credentials import load_credentials
 from qserver.devcluster import REPOSITORY, LocalCluster, free_port
 from qserver.journal_export import columns_table, export_environment
 from replication import audit_checks as checks
@@ -94,8 +96,6 @@ async def _until(step: Callable[[], Any], timeout_s: float = 30.0) -> Any:
 
 
 async def _scenario(cluster: LocalCluster, history: History) -> None:
-    from client.credentials import load_credentials
-    import aiohttp
     signer = load_credentials(cluster.credentials_path).signer()
     async with aiohttp.ClientSession() as session, AsyncClient(cluster.urls["n3"], cluster.credentials_path) as client:
         api = {node: RawApi(session, url, signer) for node, url in cluster.urls.items()}

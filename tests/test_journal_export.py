@@ -1,0 +1,157 @@
+"""Journal export (qserver/journal_export.py): segments sealed by size, age and on demand,
+written where pyarrow.fs can write, continued after a restart, pruned only when exported, safe
+and past the retention; what the files say is what LMDB said, and the audit reads it."""
+from __future__ import annotations
+
+import struct
+import zlib
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from audit.inputs import read_records
+from audit.local import audit_records
+from qserver.journal_export import (
+    ExportSettings,
+    JournalExporter,
+    JournalSource,
+    export_environment,
+    safe_sequence_for,
+)
+from qserver.storage import JOURNAL_FIELDS as STORAGE_FIELDS
+from qserver.storage import SealedBatch, Storage
+from replication import audit_checks as checks
+from replication.operations import Acked, Enqueued, Leased
+
+NOW_MS = 1_790_000_000_000
+
+
+def commit_enqueues(storage: Storage, queue_id: int, first: int, count: int, at_ms: int = NOW_MS) -> None:
+    operations = [Enqueued(queue_id, index, 4, at_ms, f"d{queue_id}-{index}", "producer", f"m{index}".encode())
+                  for index in range(first, first + count)]
+    storage.commit(SealedBatch(operations=list(operations), queue_records={f"q{queue_id}": {"queue_id": queue_id,
+                                                                                              "epoch": 1}}))
+
+
+def consume(storage: Storage, queue_id: int, index: int, at_ms: int = NOW_MS) -> None:
+    storage.commit(SealedBatch(operations=[Leased(queue_id, index, 4, "r", at_ms + 30_000, 1, "consumer", at_ms),
+                                           Acked(queue_id, index, 4, "consumer", at_ms + 1, False)],
+                               queue_records={f"q{queue_id}": {"queue_id": queue_id, "epoch": 1}}))
+
+
+@pytest.fixture
+def storage(tmp_path: Path) -> Storage:
+    store = Storage(tmp_path / "lmdb", node_id="n1")
+    yield store
+    store.close()
+
+
+def test_the_audit_reads_the_same_fields_storage_writes() -> None:
+    assert checks.JOURNAL_FIELDS == STORAGE_FIELDS
+    assert checks.RECORD_COLUMNS == ("journal_id", "sequence", *STORAGE_FIELDS, "record_crc32", "extra")
+
+
+def test_full_segments_are_sealed_by_size_and_the_tail_on_demand(storage: Storage, tmp_path: Path) -> None:
+    commit_enqueues(storage, 1, 1, 25)
+    exporter = JournalExporter(JournalSource.from_storage(storage),
+                               ExportSettings(str(tmp_path / "out"), segment_records_max=10))
+    assert exporter.due(NOW_MS)
+    written = exporter.export(NOW_MS)
+    assert [(s.first_sequence, s.last_sequence) for s in written] == [(1, 10), (11, 20)]
+    assert not exporter.due(NOW_MS) and exporter.pending() == (21, 25)
+    [tail] = exporter.export(NOW_MS, force=True)
+    assert (tail.first_sequence, tail.last_sequence, tail.records) == (21, 25, 5)
+    assert exporter.export(NOW_MS, force=True) == []
+    names = sorted(path.name for path in (tmp_path / "out" / "n1").iterdir())
+    journal_id = f"{storage.storage_id:016x}"
+    assert names[0] == f"journal-n1-{journal_id}-{1:020d}-{10:020d}.parquet" and len(names) == 3
+
+
+def test_an_old_enough_tail_is_sealed_by_age(storage: Storage, tmp_path: Path) -> None:
+    commit_enqueues(storage, 1, 1, 3, at_ms=NOW_MS)
+    exporter = JournalExporter(JournalSource.from_storage(storage),
+                               ExportSettings(str(tmp_path / "out"), segment_records_max=100, segment_age_max_ms=60_000))
+    assert not exporter.due(NOW_MS + 59_999) and exporter.export(NOW_MS + 59_999) == []
+    assert exporter.due(NOW_MS + 60_000)
+    assert [s.records for s in exporter.export(NOW_MS + 60_000)] == [3]
+
+
+def test_the_files_hold_what_the_journal_holds_and_audit_clean(storage: Storage, tmp_path: Path) -> None:
+    commit_enqueues(storage, 1, 1, 5)
+    consume(storage, 1, 1)
+    JournalExporter(JournalSource.from_storage(storage), ExportSettings(str(tmp_path / "out"))).export(NOW_MS, force=True)
+    records = read_records([str(tmp_path / "out")])
+    assert [list(record[2:16]) for record in records] == storage.journal_records()
+    assert all(checks.record_checksum_ok(record) for record in records)
+    report = audit_records(records)
+    assert report["verdict"] == "clean", report["violations"]
+    assert report["total_queue"] == {"lost": 0, "unexpected": 0, "duplicated": 0, "recovered": 0, "enqueued": 5,
+                                     "acked": 1, "dead_lettered": 0, "queued": 4}
+
+
+def test_a_restarted_exporter_continues_after_the_last_segment_it_finds(storage: Storage, tmp_path: Path) -> None:
+    settings = ExportSettings(f"file://{tmp_path / 'out'}", segment_records_max=4)
+    commit_enqueues(storage, 1, 1, 6)
+    JournalExporter(JournalSource.from_storage(storage), settings).export(NOW_MS, force=True)
+    (tmp_path / "out" / "n1" / "_tmp-crashed-half.parquet").write_bytes(b"partial")   # an interrupted write
+    commit_enqueues(storage, 1, 7, 3)
+    again = JournalExporter(JournalSource.from_storage(storage), settings)
+    assert again.exported_through == 6
+    assert [(s.first_sequence, s.last_sequence) for s in again.export(NOW_MS, force=True)] == [(7, 9)]
+    report = audit_records(read_records([str(tmp_path / "out")]))
+    assert report["verdict"] == "clean" and report["totals"]["records"] == 9
+
+
+def test_prune_deletes_only_exported_safe_and_old_records(storage: Storage, tmp_path: Path) -> None:
+    commit_enqueues(storage, 1, 1, 10, at_ms=NOW_MS)
+    commit_enqueues(storage, 1, 11, 10, at_ms=NOW_MS + 50_000)
+    source = JournalSource.from_storage(storage)
+    exporter = JournalExporter(source, ExportSettings(str(tmp_path / "out"), segment_records_max=15,
+                                                      retention_ms=60_000, prune_keys_per_txn_max=3))
+    exporter.export(NOW_MS)                               # 1..15 exported, 16..20 not yet
+    assert exporter.prune(safe_sequence=100, now_ms=NOW_MS + 30_000) == 0            # nothing past retention
+    assert exporter.prune(safe_sequence=4, now_ms=NOW_MS + 61_000) == 4              # the pair holds it back
+    assert exporter.prune(safe_sequence=100, now_ms=NOW_MS + 61_000) == 6            # the young ones stay
+    assert source.bounds() == (11, 20)
+    assert exporter.prune(safe_sequence=100, now_ms=NOW_MS + 200_000) == 5           # never past what is exported
+    assert source.bounds() == (16, 20)
+    exporter.export(NOW_MS + 200_000, force=True)
+    report = audit_records(read_records([str(tmp_path / "out")]))
+    assert report["verdict"] == "clean" and report["journals"][0]["records"] == 20
+
+
+def test_the_safe_bound_follows_the_index_every_member_holds(storage: Storage) -> None:
+    commit_enqueues(storage, 1, 1, 5)       # sequences 1..5
+    commit_enqueues(storage, 2, 1, 5)       # 6..10: another queue
+    commit_enqueues(storage, 1, 6, 5)       # 11..15
+    source = JournalSource.from_storage(storage)
+    assert safe_sequence_for(source, {1: 3}) == 3
+    assert safe_sequence_for(source, {1: 5}) == 10
+    assert safe_sequence_for(source, {1: 10, 2: 2}) == 7
+    assert safe_sequence_for(source, {}) == 15
+
+
+def test_an_undecodable_record_is_exported_and_named_by_the_audit(storage: Storage, tmp_path: Path) -> None:
+    commit_enqueues(storage, 1, 1, 3)
+    body = b"\xc1 not msgpack"        # a damaged record that still carries a matching checksum
+    with storage.env.begin(write=True, db=storage.db["journal"]) as txn:
+        txn.put(struct.pack(">Q", 4), body + struct.pack(">I", zlib.crc32(body)))
+    JournalExporter(JournalSource.from_storage(storage), ExportSettings(str(tmp_path / "out"))).export(NOW_MS, force=True)
+    table = pq.read_table(next((tmp_path / "out" / "n1").glob("*.parquet")))
+    assert table.column("op").to_pylist()[-1] == checks.UNDECODABLE_OP and table.column("extra")[-1].as_py() == body
+    report = audit_records(read_records([str(tmp_path / "out")]))
+    assert report["violation_counts"] == {checks.RECORD_CHECKSUM: 1} and report["journals"][0]["records"] == 4
+
+
+def test_a_node_that_lost_its_disk_exports_a_new_journal_beside_the_old(tmp_path: Path) -> None:
+    ids = []
+    for attempt in range(2):
+        store = Storage(tmp_path / f"disk{attempt}", node_id="n1")
+        commit_enqueues(store, 1, 1, 2)
+        store.close()
+        [segment] = export_environment(tmp_path / f"disk{attempt}", str(tmp_path / "out"))
+        ids.append(segment.journal_id)
+    assert ids[0] != ids[1] and len(list((tmp_path / "out" / "n1").glob("*.parquet"))) == 2
+    report = audit_records(read_records([str(tmp_path / "out")]))
+    assert report["totals"]["journals"] == 2 and report["verdict"] == "clean"
