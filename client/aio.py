@@ -381,15 +381,19 @@ class AsyncClient:
                     maps.append(await self._route_to(url).http.cluster())
                 except QueueError:
                     continue
-        for cluster_map in maps:
+        newest: dict[str, dict[str, Any]] = {}
+        for cluster_map in maps:        # nodes may lag behind the membership layer: newest epoch wins
             for queue, pair in cluster_map.get("queues", {}).items():
-                if pair.get("master") not in urls:
-                    continue
-                # A client of either member stays with it (under `producer` each member serves
-                # its own consumers; a replica forwards what its master must order).
-                members = {urls[pair["master"]], urls.get(pair.get("replica") or "", "")}
-                self._masters[queue] = self.url if self.url in members else urls[pair["master"]]
-                self._master_urls[queue] = urls[pair["master"]]
+                if pair.get("epoch", 0) >= newest.get(queue, {}).get("epoch", 0):
+                    newest[queue] = pair
+        for queue, pair in newest.items():
+            if pair.get("master") not in urls:
+                continue
+            # A client of either member stays with it (under `producer` each member serves
+            # its own consumers; a replica forwards what its master must order).
+            members = {urls[pair["master"]], urls.get(pair.get("replica") or "", "")}
+            self._masters[queue] = self.url if self.url in members else urls[pair["master"]]
+            self._master_urls[queue] = urls[pair["master"]]
 
     def _route_to(self, url: str) -> AsyncClient:
         if url == self.url:
@@ -575,6 +579,27 @@ class AsyncClient:
 
     async def cluster(self) -> dict[str, Any]:
         return await self.http.cluster()
+
+    async def handoff(self, queue: str, initiator: str = "master") -> dict[str, Any]:
+        return await self.http.handoff(queue, initiator)
+
+    async def promote(self, queue: str, *, unclean: bool = False) -> dict[str, Any]:
+        return await self.http.promote(queue, unclean=unclean)
+
+    async def move_queue(self, queue: str, member: str, to: str) -> dict[str, Any]:
+        return await self.http.move_queue(queue, member, to)
+
+    async def rebalance(self) -> dict[str, Any]:
+        return await self.http.rebalance()
+
+    async def add_node(self, node_id: str, url: str) -> dict[str, Any]:
+        return await self.http.add_node(node_id, url)
+
+    async def drain_node(self, node_id: str) -> dict[str, Any]:
+        return await self.http.drain_node(node_id)
+
+    async def remove_node(self, node_id: str) -> dict[str, Any]:
+        return await self.http.remove_node(node_id)
 
     # --- connection supervision ---------------------------------------------------------------
     async def _supervise(self) -> None:

@@ -250,3 +250,29 @@ class HttpClient:
 
     async def cluster(self) -> dict[str, Any]:
         return dict(await self._json("GET", "/v1/cluster"))
+
+    # --- cluster operations (DESIGN.md 5) -------------------------------------------------------
+    async def handoff(self, queue: str, initiator: str = "master") -> dict[str, Any]:
+        """Swap the queue's master and replica, asked by the given member (seed 004 FIG. 23-25)."""
+        return dict(await self._json("POST", queue_path(queue) + "/handoff", document={"initiator": initiator},
+                                     idempotent=False))
+
+    async def promote(self, queue: str, *, unclean: bool = False) -> dict[str, Any]:
+        return dict(await self._json("POST", queue_path(queue) + "/promote", document={"unclean": unclean},
+                                     idempotent=False))
+
+    async def move_queue(self, queue: str, member: str, to: str) -> dict[str, Any]:
+        return dict(await self._json("POST", queue_path(queue) + "/move", document={"member": member, "to": to},
+                                     idempotent=False))
+
+    async def rebalance(self) -> dict[str, Any]:
+        return dict(await self._json("POST", "/v1/cluster/rebalance", idempotent=False))
+
+    async def add_node(self, node_id: str, url: str) -> dict[str, Any]:
+        return dict(await self._json("POST", "/v1/cluster/nodes", document={"id": node_id, "url": url}))
+
+    async def drain_node(self, node_id: str) -> dict[str, Any]:
+        return dict(await self._json("POST", "/v1/cluster/nodes/" + _segment(node_id) + "/drain"))
+
+    async def remove_node(self, node_id: str) -> dict[str, Any]:
+        return dict(await self._json("DELETE", "/v1/cluster/nodes/" + _segment(node_id), idempotent=False))

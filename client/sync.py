@@ -197,6 +197,27 @@ class Client:
     def cluster(self) -> dict[str, Any]:
         return self._run(self._async.cluster())
 
+    def handoff(self, queue: str, initiator: str = "master") -> dict[str, Any]:
+        return self._run(self._async.handoff(queue, initiator))
+
+    def promote(self, queue: str, *, unclean: bool = False) -> dict[str, Any]:
+        return self._run(self._async.promote(queue, unclean=unclean))
+
+    def move_queue(self, queue: str, member: str, to: str) -> dict[str, Any]:
+        return self._run(self._async.move_queue(queue, member, to))
+
+    def rebalance(self) -> dict[str, Any]:
+        return self._run(self._async.rebalance())
+
+    def add_node(self, node_id: str, url: str) -> dict[str, Any]:
+        return self._run(self._async.add_node(node_id, url))
+
+    def drain_node(self, node_id: str) -> dict[str, Any]:
+        return self._run(self._async.drain_node(node_id))
+
+    def remove_node(self, node_id: str) -> dict[str, Any]:
+        return self._run(self._async.remove_node(node_id))
+
 
 async def _on_loop(function: Any, *args: Any) -> Any:
     """Run an AsyncClient method that acts when called (not when awaited) on the loop."""

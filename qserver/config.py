@@ -38,12 +38,12 @@ class NodeConfig:
     # link (a proxy's address in chaos tests), and where this node listens for it.
     membership_nodes: dict[str, str] = field(default_factory=dict)
     membership_bind: str = ""
-    lease_ms: int = 1_000                   # a node's lease from the membership leader
-    lease_margin_ms: int = 500              # extra wait before promoting (clock drift, leader change)
+    lease_ms: int = 800                     # a node's lease from the membership leader
+    lease_margin_ms: int = 400              # extra wait before promoting (clock drift, leader change)
     lease_renew_interval_ms: int = 200
-    election_timeout_ms: tuple[int, int] = (500, 1_000)
-    raft_heartbeat_ms: int = 100
-    raft_leader_fallback_ms: int = 500      # a leader that hears no majority this long steps down
+    election_timeout_ms: tuple[int, int] = (300, 600)
+    raft_heartbeat_ms: int = 50
+    raft_leader_fallback_ms: int = 400      # a leader that hears no majority this long steps down
     replica_replace_after_s: float = 300.0  # a node down this long gets its replicas re-created elsewhere
     accept_replica_handoffs: bool = True    # false: this node's masters refuse handoffs their replicas ask
     shutdown_handoff_timeout_s: float = 10.0

@@ -764,10 +764,13 @@ class Engine:
     # --- time-driven work ------------------------------------------------------------------
     def _expire_leases(self, now_ms: int) -> None:
         operations = self._open.sealed.operations
-        replicas = self.pairs.replicas
+        masters, clustered = self.pairs.masters, self.pairs.clustered
         for core in self.cores.values():
-            if core.name in replicas and core.options.strength.value == "full":
-                continue    # under `full` the master decides expiry and replicates it
+            if clustered and core.name not in masters and core.options.strength.value == "full":
+                # Under `full` the master decides expiry and replicates it. A core with no role
+                # yet (the map not replayed after a restart) must not decide one either: it
+                # would take ordering indices outside the stream.
+                continue
             deadline = core.next_deadline_ms()
             mark = len(operations)
             if deadline is not None and deadline <= now_ms and core.expire_leases(now_ms, operations):

@@ -293,6 +293,8 @@ class MemoryMembershipGroup:
 
     def heal(self, node_id: str) -> None:
         self.isolated.discard(node_id)
+        if self._leader is None and self.has_majority():
+            self.elect(None)      # every member was cut off: with a majority back, Raft elects one
         self.members[node_id].catch_up()
 
     def elect(self, node_id: str | None) -> None:

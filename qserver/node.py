@@ -109,7 +109,10 @@ class Node:
         deadline = loop.time() + self.config.shutdown_handoff_timeout_s
         for _ in range(3):
             started: asyncio.Future[int] = loop.create_future()
-            self.engine.invoke(lambda now_ms, started=started: started.set_result(coordinator.hand_off_all()))
+
+            def start_all(now_ms: int, started: asyncio.Future[int] = started) -> None:
+                started.set_result(coordinator.hand_off_all())
+            self.engine.invoke(start_all)
             if await started == 0:
                 return
             while coordinator.handoffs and loop.time() < deadline:

@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from qserver.membership import Membership
 
 log = logging.getLogger("qserver.pairs")
+EARLY_MESSAGES_MAX = 10_000     # per queue; beyond it the protocol's resends recover
 
 
 def base_name(queue: str) -> str:
@@ -120,6 +121,8 @@ class PairDriver:
         self.replicas: dict[str, ReplicaRole] = {}
         self.held: dict[str, collections.deque[HeldAnswer]] = {}
         self.forwards: dict[int, tuple[str, Any]] = {}   # forward request id -> (queue, callback(outcome))
+        # Peer messages of an epoch this node's map does not know yet (see _ahead_of_map).
+        self.early: dict[str, collections.deque[tuple[str, bytes]]] = {}
         # Unique per engine instance: an answer the master sends to a crashed predecessor of
         # this engine must never match one of our requests.
         self._next_forward = (engine.random_bits(40) << 20) + 1
@@ -181,6 +184,8 @@ class PairDriver:
                 record.epoch = entry.epoch
                 self.engine.touch(core)
             self.engine.journal_mark(core, role_name, last_order, reason)
+            log.info("queue %s: %s at epoch %d (%s), last order %d", core.name, role_name, entry.epoch, reason,
+                     last_order)
         if record.dead_letter_of is not None:
             # Its messages arrive through the source queue's stream (see _gate_dead_letters).
             role.gates_visibility = False
@@ -222,6 +227,7 @@ class PairDriver:
             self._become(core, entry)
         if self.coordinator is not None:
             self.coordinator.map_changed(name)
+        self._replay_early(name)
 
     def _become(self, core: QueueCore, entry: QueueEntry) -> None:
         name = core.name
@@ -456,6 +462,8 @@ class PairDriver:
         if isinstance(message, Delete):
             self.engine.drop_replica_instance(message.queue, message.incarnation)
             return
+        if self._ahead_of_map(peer, message):
+            return
         master = self.masters.get(message.queue)
         if master is not None and master.incarnation == message.incarnation:
             master.receive(message, now_ms)
@@ -467,6 +475,26 @@ class PairDriver:
         if replica is not None and replica.incarnation == message.incarnation:
             replica.receive(message, now_ms)
             self._drain_replica(replica)
+
+    def _ahead_of_map(self, peer: str, message: Message) -> bool:
+        """A message from a newer epoch than this node's copy of the map knows (the peer
+        applied a handoff or failover first) waits until the map catches up: delivered now,
+        it would fence the role this node is about to leave and be lost."""
+        entry = self.view.entry(message.queue)
+        if entry is None or message.epoch <= entry.epoch:
+            return False
+        waiting = self.early.setdefault(message.queue, collections.deque())
+        if len(waiting) < EARLY_MESSAGES_MAX:
+            waiting.append((peer, encode_message(message)))
+        return True
+
+    def _replay_early(self, name: str) -> None:
+        for queue in (name, dead_letter_name(name)):
+            waiting = self.early.pop(queue, None)
+            entry = self.view.entry(queue)
+            while waiting and entry is not None:
+                peer, data = waiting.popleft()
+                self.on_peer_message(peer, data, self.engine.clock_ms())
 
     def on_link_change(self, peer: str, up: bool, now_ms: int) -> None:
         for role in self.masters.values():
@@ -513,6 +541,11 @@ class PairDriver:
         if membership is None:
             return
         name = role.core.name
+        if role.core.record.dead_letter_of is not None:
+            # A dead-letter queue shares its queue's map entry: that queue's role proposes.
+            entry = self.view.entry(name)
+            role.membership_decided(entry.in_sync if entry is not None else role.recorded_in_sync)
+            return
         change = ChangePair(name, (proposal.epoch, self.node_id, proposal.replica, proposal.expected_in_sync),
                             (proposal.epoch, self.node_id, proposal.replica, proposal.in_sync), Reason.IN_SYNC.value)
 

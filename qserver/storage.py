@@ -131,7 +131,7 @@ class Storage:
                 txn.put(b"storage_id", _Q.pack(int.from_bytes(os.urandom(8), "big") >> 1 or 1))
             if stored is not None and _Q.unpack(stored)[0] != SCHEMA_VERSION:
                 raise RuntimeError(f"storage schema {_Q.unpack(stored)[0]} is not {SCHEMA_VERSION}")
-            self.storage_id = int(_Q.unpack(txn.get(b"storage_id"))[0])
+            self.storage_id = int(_Q.unpack(txn.get(b"storage_id") or b"")[0])
             sequence = txn.get(b"journal_sequence")
             self._journal_sequence = _Q.unpack(sequence)[0] if sequence else 0
 

@@ -401,38 +401,60 @@ def replay_stream(key: StreamKey, records: Sequence[JournalRecord], *, complete:
     replay = StreamReplay(key, key[2], complete)
     continuity = _Continuity(replay, settings)
     consumer = _Consumption(replay, settings)
-    epochs = replay.epochs
+    epochs, states = replay.epochs, replay.states
+    high_by_epoch, consumed_times = continuity.high_by_epoch, replay.consumed_times
     current_epoch: int | None = None
     entry: list[Any] = [0, 0, None, None]
+    high = None
+    consumption = replicated = 0
+    # The common steps (the next index, a new message, a lease of a ready message, an ack of a
+    # leased one) are inlined: this loop runs once per record of the audit.
     for record in records:
         op = record.op
+        index = record.index
         if op == EPOCH_OP:
-            replay.epoch_records.append(record)
+            continuity.high = high
             continuity.base(record)
-        elif record.index > 0:
-            continuity.step(record)
+            high = continuity.high
+            replay.epoch_records.append(record)
+        elif index > 0:
+            if high is not None and index == high + 1 and op != ARRIVAL_OP:
+                high = index
+                high_by_epoch[record.epoch] = index
+            else:
+                continuity.high = high
+                continuity.step(record)
+                high = continuity.high
         if op == "enqueue" or op == ARRIVAL_OP:
             consumer.enqueue(record)
         elif op in CONSUMPTION_OPS:
-            replay.consumption += 1
-            replay.consumption_replicated += record.index > 0
-            consumer.consume(record)
+            consumption += 1
+            if index > 0:
+                replicated += 1
+            message_id = record.message_id
+            if op == "ack" and states.get(message_id) == _LEASED:      # type: ignore[arg-type]
+                states[message_id] = _ACKED                            # type: ignore[index]
+                consumed_times.append(record.at_ms)
+            else:
+                consumer.consume(record)
         if op == ARRIVAL_OP:
             continue
-        replay.records += 1
-        replay.last_sequence = record.sequence
         if record.epoch != current_epoch:
             current_epoch = record.epoch
             entry = epochs.setdefault(current_epoch, [record.at_ms, 0, None, None])
         entry[1] += 1
         if record.at_ms < entry[0]:
             entry[0] = record.at_ms
-        if record.role == "master" and entry[2] is None:
+        if entry[2] is None and record.role == "master":
             entry[2] = record
             replay.master_epochs.add(current_epoch)
         if op == EPOCH_OP and record.role == "master" and record.dedupe_id not in (None, "restart"):
             entry[3] = record.dedupe_id      # a restart in the same role starts no epoch
+    continuity.high = high
     continuity.finish()
+    replay.records = sum(entry[1] for entry in epochs.values())
+    replay.last_sequence = max((r.sequence for r in records if r.op != ARRIVAL_OP), default=0)
+    replay.consumption, replay.consumption_replicated = consumption, replicated
     return replay
 
 

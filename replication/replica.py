@@ -140,8 +140,13 @@ class ReplicaRole:
             self._send(Refused(self.core.name, self.incarnation, self.epoch, "E_FENCED",
                                f"epoch {message.epoch} is older than {self.epoch}"))
             return
-        if message.epoch > self.epoch or isinstance(message, Refused):
+        if message.epoch > self.epoch:
             self._set_phase(ReplicaPhase.FENCED)   # placement changed: the driver re-reads it
+            return
+        if isinstance(message, Refused):
+            # Of our own epoch: it refuses what this node sent in an older epoch (as the master
+            # it was before a handoff, say), so it is stale. Fencing on it would stop this
+            # replica for good: the map, which is already current, would never re-read it.
             return
         if isinstance(message, Append):
             self._on_append(message)

@@ -1,0 +1,180 @@
+"""Failover, handoff and node operations on real processes: three `qserver` nodes with the
+pysyncobj membership layer, the real client library, kill -9 and SIGTERM."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from client import AsyncClient, QueueError
+from qserver.devcluster import LocalCluster
+from tests.test_pairs import wait_converged
+
+pytestmark = pytest.mark.asyncio
+
+
+async def map_of(cluster: LocalCluster, node: str) -> dict[str, Any]:
+    async with AsyncClient(cluster.urls[node], cluster.credentials_path) as client:
+        return await client.cluster()
+
+
+async def wait_for(predicate: Any, timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def drain(client: AsyncClient, queue: str) -> list[int]:
+    seen: list[int] = []
+    while True:
+        messages = await client.receive(queue, max_messages=500, wait_s=0.5)
+        if not messages:
+            return seen
+        seen.extend(m.id for m in messages)
+        await asyncio.gather(*(m.ack() for m in messages))
+
+
+async def test_killing_the_master_under_load_loses_no_acknowledged_message_and_each_epoch_has_one_master(
+        qcluster_factory) -> None:  # type: ignore[no-untyped-def]
+    cluster = qcluster_factory(3, {"orders": ["n1", "n2"]})
+    acknowledged: set[int] = set()
+    observed: dict[int, set[str]] = {}
+    async with AsyncClient(cluster.urls["n3"], cluster.credentials_path) as client:
+        await client.create_queue("orders", strength="full")
+        stop = asyncio.Event()
+
+        async def produce(worker: int) -> None:
+            sequence = 0
+            while not stop.is_set():
+                sequence += 1
+                try:
+                    acknowledged.add(await client.enqueue("orders", b"x" * 64, dedupe_id=f"w{worker}-{sequence}"))
+                except QueueError:
+                    sequence -= 1          # retried with the same dedupe id: stored once
+                    await asyncio.sleep(0.02)
+
+        async def watch_masters() -> None:
+            while not stop.is_set():
+                for node in cluster.processes:
+                    try:
+                        for entry in (await map_of(cluster, node))["queues"].values():
+                            observed.setdefault(entry["epoch"], set()).add(entry["master"])
+                    except QueueError:
+                        pass
+                await asyncio.sleep(0.1)
+        tasks = [asyncio.create_task(produce(w)) for w in range(8)] + [asyncio.create_task(watch_masters())]
+        await asyncio.sleep(1.5)
+        killed_at = time.monotonic()
+        cluster.kill("n1")
+        before = len(acknowledged)
+
+        async def resumed() -> bool:
+            return len(acknowledged) > before + 50
+        await wait_for(resumed, 10.0, "writes on the new master")
+        failover_s = time.monotonic() - killed_at
+        await asyncio.sleep(1.0)
+        cluster.start("n1")                        # it rejoins as the replica
+        await asyncio.sleep(1.0)
+        stop.set()
+        await asyncio.gather(*tasks)
+        entry = (await map_of(cluster, "n3"))["queues"]["orders"]
+        assert entry["master"] == "n2" and entry["replica"] == "n1" and entry["epoch"] == 2, entry
+        async with AsyncClient(cluster.urls["n2"], cluster.credentials_path) as new_master, \
+                AsyncClient(cluster.urls["n1"], cluster.credentials_path) as old_master:
+            await wait_converged(new_master, old_master, "orders")
+            delivered = await drain(new_master, "orders")
+        assert acknowledged <= set(delivered), f"lost: {sorted(acknowledged - set(delivered))[:10]}"
+        assert len(delivered) == len(set(delivered))
+        assert all(len(masters) == 1 for masters in observed.values()), observed
+        assert failover_s < 10.0
+
+
+async def test_a_handoff_asked_by_the_master_swaps_the_pair_without_losing_a_write(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
+    cluster = qcluster_factory(3, {"orders": ["n1", "n2"]})
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as client:
+        await client.create_queue("orders", strength="full")
+        acknowledged = set(await client.enqueue_many("orders", [b"before"] * 100))
+        stop = asyncio.Event()
+
+        async def produce() -> None:
+            while not stop.is_set():
+                try:
+                    acknowledged.update(await client.enqueue_many("orders", [b"during"] * 10))
+                except QueueError:
+                    await asyncio.sleep(0.01)
+        producer = asyncio.create_task(produce())
+        await asyncio.sleep(0.3)
+        answer = await client.handoff("orders")
+        assert answer["master"] == "n2" and answer["replica"] == "n1" and answer["epoch"] == 2, answer
+        await asyncio.sleep(0.3)
+        stop.set()
+        await producer
+        async with AsyncClient(cluster.urls["n2"], cluster.credentials_path) as new_master:
+            await wait_converged(new_master, client, "orders")
+            assert set(await drain(new_master, "orders")) == acknowledged
+
+
+async def test_a_replica_asked_handoff_is_refused_when_the_master_does_not_accept_them_and_accepted_otherwise(
+        qcluster_factory) -> None:  # type: ignore[no-untyped-def]
+    cluster = qcluster_factory(3, {"strict": ["n1", "n2"], "open": ["n2", "n3"]})
+    # n1 refuses handoffs its replicas ask for; n2 accepts them.
+    config = cluster.root / "n1.toml"
+    config.write_text(config.read_text().replace("[node]\n", "[node]\naccept_replica_handoffs = false\n"))
+    cluster.kill("n1")
+    cluster.start("n1")
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as client:
+        await client.create_queue("strict")
+        await client.create_queue("open")
+        await client.enqueue("strict", b"a")
+        await client.enqueue("open", b"b")
+        with pytest.raises(QueueError) as refused:
+            await client.handoff("strict", initiator="replica")
+        assert refused.value.code == "E_HANDOFF_REFUSED" and "accept_replica_handoffs" in refused.value.message
+        accepted = await client.handoff("open", initiator="replica")
+        assert accepted["master"] == "n3" and accepted["replica"] == "n2"
+        entries = (await map_of(cluster, "n1"))["queues"]
+        assert entries["strict"]["master"] == "n1" and entries["strict"]["epoch"] == 1
+
+
+async def test_draining_a_node_moves_everything_off_it_and_then_it_can_be_removed(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
+    cluster = qcluster_factory(3, {"a": ["n1", "n2"], "b": ["n2", "n1"], "c": ["n3", "n1"]})
+    async with AsyncClient(cluster.urls["n2"], cluster.credentials_path) as client:
+        acknowledged: dict[str, set[int]] = {}
+        for name in ("a", "b", "c"):
+            await client.create_queue(name, strength="full")
+            acknowledged[name] = set(await client.enqueue_many(name, [name.encode()] * 200))
+        with pytest.raises(QueueError) as busy:
+            await client.remove_node("n1")
+        assert "drain it first" in busy.value.message
+        await client.drain_node("n1")
+
+        async def off_n1() -> bool:
+            queues = (await map_of(cluster, "n2"))["queues"]
+            return all("n1" not in (e["master"], e["replica"]) and e["in_sync"] for e in queues.values())
+        await wait_for(off_n1, 30.0, "every member off n1 and in sync again")
+        await client.remove_node("n1")
+        nodes = {n["id"]: n["state"] for n in (await map_of(cluster, "n2"))["nodes"]}
+        assert nodes["n1"] == "removed"
+        cluster.kill("n1")
+        for name in ("a", "b", "c"):
+            assert set(await drain(client, name)) == acknowledged[name], name
+
+
+async def test_sigterm_hands_off_every_master_on_the_node_first(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
+    cluster = qcluster_factory(3, {"orders": ["n1", "n2"]})
+    async with AsyncClient(cluster.urls["n3"], cluster.credentials_path) as client:
+        await client.create_queue("orders", strength="full")
+        acknowledged = set(await client.enqueue_many("orders", [b"x"] * 50))
+        process = cluster.processes.pop("n1")
+        process.terminate()
+        process.wait(timeout=30)
+        entry = (await map_of(cluster, "n3"))["queues"]["orders"]
+        assert entry["master"] == "n2" and entry["epoch"] == 2 and entry["last_reason"] == "handoff", entry
+        assert set(await drain(client, "orders")) == acknowledged
