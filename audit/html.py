@@ -211,7 +211,10 @@ def _timeline(epochs: Sequence[dict[str, Any]], series: dict[str, Any]) -> str:
         parts.append(f"<rect x={left:.1f} y={row} width={max(right - left, 2):.1f} height=22 fill='{color}' "
                      f"fill-opacity=0.25 stroke='{color}' />")
         parts.append(f"<line x1={left:.1f} y1=24 x2={left:.1f} y2={HEIGHT - 20} stroke='{color}' stroke-width=2 />")
-        parts.append(f"<text x={left + 4:.1f} y={row + 15} font-size=11>{_e(label)}</text>")
+        if left + 4 + 6.5 * len(label) > WIDTH - 4:      # keep the label inside the chart
+            parts.append(f"<text x={WIDTH - 6} y={row + 15} font-size=11 text-anchor=end>{_e(label)}</text>")
+        else:
+            parts.append(f"<text x={left + 4:.1f} y={row + 15} font-size=11>{_e(label)}</text>")
     parts.append(f"<text x={MARGIN} y={HEIGHT - 6} font-size=10 class=muted>? = reason inferred (no epoch record)</text>")
     return f"<svg width={WIDTH} height={HEIGHT} role=img aria-label='epochs'>{''.join(parts)}</svg>"
 

@@ -1,19 +1,19 @@
 """The PySpark job: the pure checkers, distributed by queue.
 
-Every check is per journal or per queue group, so the job is two passes:
+Every check is per journal or per queue group:
 
-  1. per input split (map only, no shuffle): the runs of consecutive sequence numbers of
-     each journal (three narrow columns travel); the driver hands each journal's runs to
-     `check_journal_runs`;
-  2. per queue group: every record of the group (all members, all incarnations, the
-     dead-letter queue, and the group's history entries read from the history file and shaped
-     as records), sorted by journal and sequence, to `check_group`.
+  1. a native aggregate finds where each journal starts (its lowest sequence number);
+  2. one shuffle brings every record of a queue group together (all members, all
+     incarnations, the dead-letter queue, and the group's history entries, read from the
+     history file and shaped as records), sorted by journal and sequence, into a Python
+     worker (`mapInArrow`: Arrow batches, no pandas) that calls `check_group` per group and
+     reports the runs of consecutive sequence numbers it saw per journal;
+  3. the driver merges each journal's runs with `check_journal_runs` (exact: every record
+     passed through one partition) and assembles the report with `assemble_report`, exactly
+     as the pure-Python path does.
 
-Both run in Python workers through `mapInArrow` (Arrow batches, no pandas) and return one
-JSON result per journal or group; the driver assembles the report with `assemble_report`,
-exactly as the pure-Python path does. Groups are spread over partitions; one group is
-checked by one worker, so the largest queue's records must fit one worker's memory
-(about 1 GB per 2 million records).
+Groups are spread over partitions; one group is checked by one worker, so the largest queue's
+records must fit one worker's memory (about 1 GB per 2 million records).
 
 `local[*]` by default; `--master spark://host:7077`, `yarn` or `k8s://...` run it on a
 cluster unchanged (the audit and replication packages are shipped to the executors as a zip;
@@ -43,7 +43,6 @@ from replication.audit_checks import (
     assemble_report,
     check_group,
     check_journal_runs,
-    sequence_runs,
 )
 
 Progress = Callable[[str], None]
@@ -51,8 +50,8 @@ REPOSITORY = Path(__file__).resolve().parent.parent
 HISTORY_SCHEMA = ("queue string, status string, id long, dedupe_id string, payload_crc32 long, at_ms long, "
                   "client string, op string")
 LOG4J_PROPERTIES = Path(__file__).resolve().parent / "log4j2.properties"
-RUNS_DDL = "node string, journal_id string, runs array<long>"
-RUNS_SCHEMA = pa.schema([("node", pa.string()), ("journal_id", pa.string()), ("runs", pa.list_(pa.int64()))])
+RESULT_DDL = "kind string, result string"
+RESULT_SCHEMA = pa.schema([("kind", pa.string()), ("result", pa.string())])
 SPARK_SCHEMA_DDL = ", ".join(f"{name} {'binary' if name == 'extra' else 'bigint' if name in INT_COLUMNS else 'string'}"
                              for name in RECORD_COLUMNS)
 
@@ -112,45 +111,44 @@ def _code_zip() -> Path:
 
 
 # --- partition functions (run in the Python workers) ----------------------------------------
-def runs_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    """(node, journal_id, sequence) of one input split, in file order -> runs of consecutive
-    sequence numbers per journal (a handful per file, as exported files are in order)."""
-    runs: dict[tuple[str, str], list[int]] = {}
-    current: tuple[str, str] | None = None
-    sequences: list[int] = []
-    for batch in batches:
-        nodes, journals, numbers = (batch.column(name).to_pylist() for name in ("node", "journal_id", "sequence"))
-        for node, journal_id, sequence in zip(nodes, journals, numbers, strict=True):
-            if (node, journal_id) != current:
-                if current is not None:
-                    runs.setdefault(current, []).extend(value for run in sequence_runs(sequences) for value in run)
-                current, sequences = (node, journal_id), []
-            sequences.append(sequence)
-    if current is not None:
-        runs.setdefault(current, []).extend(value for run in sequence_runs(sequences) for value in run)
-    yield pa.RecordBatch.from_pydict({"node": [key[0] for key in runs], "journal_id": [key[1] for key in runs],
-                                      "runs": list(runs.values())}, schema=RUNS_SCHEMA)
-
-
 def group_partition(settings: AuditSettings, starts: dict[tuple[str, str], int | None],
                     batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    """Batches of records (and history rows) sorted by group -> one JSON result per group."""
-    schema = pa.schema([("result", pa.string())])
+    """Batches of records (and history rows) sorted by (group, node, journal, sequence) -> one
+    JSON result per group, then the runs of consecutive sequence numbers per journal that this
+    partition saw (every record passes through exactly one partition, so the driver's merge
+    of all runs is exact)."""
     current: str | None = None
     records: list[JournalRecord] = []
+    runs: dict[tuple[str, str], list[int]] = {}
+    journal: tuple[str, str] | None = None
+    first = last = -2
     for batch in batches:
         groups = batch.column("group").to_pylist()
         columns = [batch.column(name).to_pylist() for name in RECORD_COLUMNS]
         for group, record in zip(groups, map(JournalRecord._make, zip(*columns, strict=True)), strict=True):
             if group != current:
                 if current is not None:
-                    yield pa.RecordBatch.from_pydict(
-                        {"result": [json.dumps(check_group(current, records, settings, starts))]}, schema=schema)
+                    yield _result_batch("group", check_group(current, records, settings, starts))
                 current, records = group, []
             records.append(record)
+            if record.op == HISTORY_OP:
+                continue
+            sequence = record.sequence
+            if sequence == last + 1 and (record.node, record.journal_id) == journal:
+                last = sequence
+                continue
+            if journal is not None:
+                runs.setdefault(journal, []).extend((first, last))
+            journal, first, last = (record.node, record.journal_id), sequence, sequence
     if current is not None:
-        yield pa.RecordBatch.from_pydict({"result": [json.dumps(check_group(current, records, settings, starts))]},
-                                         schema=schema)
+        yield _result_batch("group", check_group(current, records, settings, starts))
+    if journal is not None:
+        runs.setdefault(journal, []).extend((first, last))
+        yield _result_batch("runs", [[node, journal_id, flat] for (node, journal_id), flat in runs.items()])
+
+
+def _result_batch(kind: str, result: Any) -> pa.RecordBatch:
+    return pa.RecordBatch.from_pydict({"kind": [kind], "result": [json.dumps(result)]}, schema=RESULT_SCHEMA)
 
 
 # --- the job ----------------------------------------------------------------------------------
@@ -162,33 +160,29 @@ def audit_spark(spark: Any, journals: list[str], history_path: str | None = None
     progress(f"reading journals from {len(journals)} path(s)")
     records = (spark.read.schema(SPARK_SCHEMA_DDL).option("recursiveFileLookup", "true")
                .option("pathGlobFilter", "*.parquet").parquet(*journals))
-    progress("checking journal sequence numbers")
-    journal_results = _journal_results(records, settings)
-    starts = {(j["node"], j["journal_id"]): j["first_sequence"] for j in journal_results}
-    progress(f"{sum(j['records'] for j in journal_results)} records in {len(journal_results)} journals; "
-             f"checking queues in {partitions} partitions")
+    # Where each journal starts (a journal that starts at sequence 1 is complete): native, cheap.
+    starts = {(row.node, row.journal_id): row.first for row in
+              records.groupBy("node", "journal_id").agg(F.min("sequence").alias("first")).collect()}
+    progress(f"{len(starts)} journals; checking queues in {partitions} partitions")
     rows = records
     if history_path:
         rows = rows.unionByName(_history_rows(spark, history_path))
     grouped = (rows.withColumn("group", F.regexp_replace(F.col("queue"), r"\.dlq$", ""))
                .repartition(partitions, "group")
                .sortWithinPartitions("group", "node", "journal_id", "sequence")
-               .mapInArrow(functools.partial(group_partition, settings, starts), "result string"))
-    group_results = [json.loads(row.result) for row in grouped.collect()]
+               .mapInArrow(functools.partial(group_partition, settings, starts), RESULT_DDL))
+    group_results: list[dict[str, Any]] = []
+    runs: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    for row in grouped.collect():
+        if row.kind == "group":
+            group_results.append(json.loads(row.result))
+            continue
+        for node, journal_id, flat in json.loads(row.result):
+            runs.setdefault((node, journal_id), []).extend(zip(flat[0::2], flat[1::2], strict=True))
+    journal_results = [check_journal_runs(node, journal_id, journal_runs, settings)
+                       for (node, journal_id), journal_runs in sorted(runs.items())]
     progress(f"{len(group_results)} queues checked; assembling the report")
     return assemble_report(journal_results, group_results, settings)
-
-
-def _journal_results(records: Any, settings: AuditSettings) -> list[dict[str, Any]]:
-    """Per journal, `check_journal_runs` over the runs every input split found: a map-only
-    pass over three narrow columns, no shuffle."""
-    runs: dict[tuple[str, str], list[tuple[int, int]]] = {}
-    rows = records.select("node", "journal_id", "sequence").mapInArrow(runs_partition, RUNS_DDL).collect()
-    for row in rows:
-        flat = row.runs
-        runs.setdefault((row.node, row.journal_id), []).extend(zip(flat[0::2], flat[1::2], strict=True))
-    return [check_journal_runs(node, journal_id, journal_runs, settings)
-            for (node, journal_id), journal_runs in sorted(runs.items())]
 
 
 def _history_rows(spark: Any, history_path: str) -> Any:

@@ -19,3 +19,17 @@ install_project() {   # $1: extras, e.g. "server" or "server,dev"; skipped while
         echo "$wanted" > "$stamp"
     fi
 }
+
+ensure_java() {   # Spark 4 (qaudit) needs Java 17+; installs Debian's headless JRE when it is missing
+    local version
+    version=$(java -version 2>&1 | sed -n 's/.*version "\([0-9]*\).*/\1/p' | head -1)
+    if [ -n "$version" ] && [ "$version" -ge 17 ]; then
+        return 0
+    fi
+    echo "installing Java 17 (openjdk-17-jre-headless) for Spark ..."
+    local sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq > .venv/apt.log 2>&1 \
+        && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jre-headless >> .venv/apt.log 2>&1 \
+        || { cat .venv/apt.log; exit 1; }
+}
