@@ -36,7 +36,7 @@ import aiohttp
 from yarl import URL
 
 from client.credentials import Credentials, load_credentials
-from client.errors import E_BAD_FRAME, E_INTERNAL, E_NOT_MASTER, E_UNAVAILABLE, QueueError
+from client.errors import E_BAD_FRAME, E_INTERNAL, E_NOT_MASTER, E_QUEUE_UNAVAILABLE, E_UNAVAILABLE, QueueError
 from client.http import Grant, HttpClient, error_from_status
 from client.protocol import (
     BATCH_ITEMS_MAX,
@@ -156,6 +156,11 @@ def _as_bytes(payload: Any) -> bytes:
 
 def _op_bytes(op: ClientOp) -> int:
     return sum(map(len, op.payloads)) if type(op) is EnqueueBatchOp else 0
+
+
+ROUTED_ENQUEUE_RETRY_S = 0.5   # see AsyncClient._node_client
+FAILOVER_WAIT_S = 4.0          # how long a call waits for the map to name a reachable master
+FAILOVER_POLL_S = 0.1
 
 
 class AsyncClient:
@@ -366,7 +371,7 @@ class AsyncClient:
             return self
         other = self._others.get(url)
         if other is None:
-            other = self._others[url] = AsyncClient(url, self._credentials, **self._limits)  # type: ignore[arg-type]
+            other = self._others[url] = self._node_client(url)
         return other
 
     async def refresh_placement(self) -> None:
@@ -395,27 +400,57 @@ class AsyncClient:
             self._masters[queue] = self.url if self.url in members else urls[pair["master"]]
             self._master_urls[queue] = urls[pair["master"]]
 
+    def _node_client(self, url: str) -> AsyncClient:
+        """A client of another node of the cluster. It gives up on an unreachable node soon
+        (this client then asks the map where the queue went) instead of retrying for long."""
+        limits: dict[str, Any] = {**self._limits, "enqueue_retry_time_s": min(
+            float(self._limits["enqueue_retry_time_s"]), ROUTED_ENQUEUE_RETRY_S)}  # type: ignore[arg-type]
+        return AsyncClient(url, self._credentials, **limits)
+
+    async def _via(self, queue: str, target: AsyncClient, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call `method` on the client of the queue's node; when that node fails (unreachable,
+        or no longer the master), refresh the map and try the node it names now, once."""
+        try:
+            return await getattr(target, method)(*args, **kwargs)
+        except QueueError as error:
+            other = await self._rerouted(queue, error, failed=target)
+            if other is None:
+                raise
+            # Once more, where the map says now (the same node too: it has just become the
+            # master, so what it forwarded before failed).
+            return await getattr(other, method)(*args, **kwargs)
+
     def _route_to(self, url: str) -> AsyncClient:
         if url == self.url:
             return self
         other = self._others.get(url)
         if other is None:
-            other = self._others[url] = AsyncClient(url, self._credentials, **self._limits)  # type: ignore[arg-type]
+            other = self._others[url] = self._node_client(url)
         return other
 
-    async def _rerouted(self, queue: str, error: QueueError) -> AsyncClient | None:
+    async def _rerouted(self, queue: str, error: QueueError, failed: AsyncClient | None = None) -> AsyncClient | None:
         """After E_NOT_MASTER (or the queue's node being unreachable): the master's client,
         if the refreshed map names another node than the one that failed."""
-        if error.code not in (E_NOT_MASTER.code, E_UNAVAILABLE.code):
+        if error.code not in (E_NOT_MASTER.code, E_UNAVAILABLE.code, E_QUEUE_UNAVAILABLE.code):
             return None
-        failed = self._route(queue)
-        try:
-            await self.refresh_placement()
-        except QueueError:
-            return None
-        target = self._route(queue)
-        if error.code == E_UNAVAILABLE.code:
-            return None if target is failed else target
+        failed = failed or self._route(queue)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (FAILOVER_WAIT_S if error.code != E_NOT_MASTER.code else 0.0)
+        while True:
+            try:
+                await self.refresh_placement()
+            except QueueError:
+                return None
+            target = self._route(queue)
+            if error.code == E_NOT_MASTER.code:
+                break
+            if target is not failed:
+                return target
+            if loop.time() >= deadline:
+                return None
+            # The queue's node is unreachable and the map still names it: the membership
+            # layer fails over within its lease (DESIGN.md 3); ask again shortly.
+            await asyncio.sleep(FAILOVER_POLL_S)
         if target is self:
             # This node is a member but did not hold the queue yet (it has just been created):
             # this once, the master answers.
@@ -428,7 +463,7 @@ class AsyncClient:
                       dedupe_id: str | None = None) -> int:
         """Enqueue one message and return its id once the server has made it durable."""
         if self._masters and (target := self._route(queue)) is not self:
-            return await target.enqueue(queue, payload, priority, dedupe_id)
+            return await self._via(queue, target, "enqueue", queue, payload, priority, dedupe_id)
         if self._calls_in_flight >= self._in_flight_max:
             await self._wait_for_room()
         if type(payload) is not bytes:
@@ -452,7 +487,7 @@ class AsyncClient:
         if dedupe_ids is not None and len(dedupe_ids) != len(items):
             raise ValueError("dedupe_ids must have one id per payload")
         if self._masters and (target := self._route(queue)) is not self:
-            return await target.enqueue_many(queue, items, priority, dedupe_ids=dedupe_ids)
+            return await self._via(queue, target, "enqueue_many", queue, items, priority, dedupe_ids=dedupe_ids)
         if self._calls_in_flight >= self._in_flight_max:
             await self._wait_for_room()
         ids = list(dedupe_ids) if dedupe_ids is not None else [self._new_dedupe_id() for _ in items]
@@ -477,7 +512,7 @@ class AsyncClient:
                       visibility_timeout_s: float | None = None) -> list[Message]:
         """Lease up to `max_messages`, waiting up to `wait_s` for the first; [] if none came."""
         if self._masters and (target := self._route(queue)) is not self:
-            return await target.receive(queue, max_messages, wait_s, visibility_timeout_s)
+            return await self._via(queue, target, "receive", queue, max_messages, wait_s, visibility_timeout_s)
         if self._calls_in_flight >= self._in_flight_max:
             await self._wait_for_room()
         op = ReceiveOp(next(self._ids), queue, max_messages, int(wait_s * 1000),
@@ -520,7 +555,7 @@ class AsyncClient:
 
     async def release(self, queue: str, message_id: int, receipt: str) -> None:
         if self._masters and (target := self._route(queue)) is not self:
-            return await target.release(queue, message_id, receipt)
+            return await self._via(queue, target, "release", queue, message_id, receipt)
         if self._calls_in_flight >= self._in_flight_max:
             await self._wait_for_room()
         await self._submit(ReleaseOp(next(self._ids), queue, message_id, receipt))

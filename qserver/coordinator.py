@@ -82,6 +82,7 @@ class Coordinator:
         self.accept_replica_handoffs = accept_replica_handoffs
         self.handoffs: dict[str, Handoff] = {}
         self.asked: dict[int, tuple[str, Finish, int]] = {}     # replica's handoff request id -> (queue, finish, deadline)
+        self.promised: dict[str, tuple[Finish, int]] = {}      # accepted: waiting for the local map to show it
         self._next_request = (engine.random_bits(40) << 20) + 1
         self._next_renew_ms = 0
         self._leader_term: int | None = None
@@ -143,9 +144,10 @@ class Coordinator:
         elif isinstance(message, HandoffAnswer):
             asked = self.asked.pop(message.request_id, None)
             if asked is not None:
-                _, finish, _ = asked
+                _, finish, deadline = asked
                 if message.accepted:
-                    finish(self._handoff_result(message.queue))
+                    self.promised[message.queue] = (finish, deadline)   # answered once the map says so
+                    self.map_changed(message.queue)
                 else:
                     finish(QueueError(E_HANDOFF_REFUSED, message.reason))
 
@@ -285,18 +287,20 @@ class Coordinator:
 
         def decided(outcomes: list[Outcome] | None) -> None:
             def settle(now_ms: int) -> None:
-                applied = bool(outcomes) and outcomes[0].applied     # type: ignore[index]
-                if applied:
-                    self.pairs.reconcile(name)     # the local copy may not have it yet: no harm
-                self._end_handoff(name, None if applied else
-                                  f"the membership layer did not commit the swap "
-                                  f"({outcomes[0].reason if outcomes else 'no answer'})")
+                if outcomes and outcomes[0].applied:
+                    return     # it ends when the local copy of the map shows it (map_changed)
+                self._end_handoff(name, f"the membership layer did not commit the swap "
+                                        f"({outcomes[0].reason if outcomes else 'no answer'})")
             self.engine.invoke(settle)
         self.membership.propose(change, decided)
 
     def map_changed(self, name: str) -> None:
         handoff = self.handoffs.get(name)
         entry = self.membership.cluster_map.queues.get(name)
+        promised = self.promised.get(name)
+        if promised is not None and entry is not None and entry.master == self.node_id:
+            del self.promised[name]
+            promised[0](self._handoff_result(name))
         if handoff is not None and handoff.proposed and entry is not None and entry.master != self.node_id:
             self._end_handoff(name, None)
 
@@ -328,12 +332,17 @@ class Coordinator:
 
     def _handoff_timeouts(self, now_ms: int) -> None:
         for name, handoff in list(self.handoffs.items()):
-            if now_ms >= handoff.deadline_ms and not handoff.proposed:
+            if now_ms >= handoff.deadline_ms + (HANDOFF_TIMEOUT_MS if handoff.proposed else 0):
                 self._end_handoff(name, "the replica did not catch up in time")
         for request_id, (_, finish, deadline) in list(self.asked.items()):
             if now_ms >= deadline:
                 del self.asked[request_id]
                 finish(QueueError(E_TIMEOUT, "the master did not answer the handoff request"))
+        for name, (finish, deadline) in list(self.promised.items()):
+            if now_ms >= deadline:
+                del self.promised[name]
+                finish(QueueError(E_TIMEOUT, "the swap was accepted but this node's map has not shown it yet",
+                                  outcome_unknown=True))
 
     # --- operator commands ---------------------------------------------------------------------
     def propose_checked(self, command: Command, finish: Finish, result: Callable[[list[Outcome]], Any]) -> None:

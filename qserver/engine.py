@@ -604,7 +604,9 @@ class Engine:
         wanted = (command.placement.get("master", preferred[0]), command.placement.get("replica", preferred[1]))
         pair = choose_pair(cluster, wanted)
         if pair is None:
-            raise QueueError(E_QUEUE_UNAVAILABLE if not wanted[0] and not wanted[1] else E_INVALID_OPTION,
+            unknown = [node for node in wanted if node and node not in cluster.nodes]
+            raise QueueError(E_INVALID_OPTION if unknown else E_QUEUE_UNAVAILABLE,
+                             f"no node {unknown[0]} in the cluster" if unknown else
                              f"no two live nodes for {command.name} (asked {wanted[0] or 'any'} / {wanted[1] or 'any'})")
         master, replica = pair
         if master != self.config.node_id:

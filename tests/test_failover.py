@@ -175,6 +175,10 @@ async def test_sigterm_hands_off_every_master_on_the_node_first(qcluster_factory
         process = cluster.processes.pop("n1")
         process.terminate()
         process.wait(timeout=30)
-        entry = (await map_of(cluster, "n3"))["queues"]["orders"]
-        assert entry["master"] == "n2" and entry["epoch"] == 2 and entry["last_reason"] == "handoff", entry
+
+        async def handed_off() -> dict[str, Any] | None:      # n3's copy of the map follows soon
+            entry: dict[str, Any] = (await map_of(cluster, "n3"))["queues"]["orders"]
+            return entry if entry["epoch"] == 2 else None
+        entry = await wait_for(handed_off, 2.0, "n3's map to show the handoff")
+        assert entry["master"] == "n2" and entry["last_reason"] == "handoff", entry
         assert set(await drain(client, "orders")) == acknowledged
