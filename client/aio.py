@@ -444,7 +444,9 @@ class AsyncClient:
             target = self._route(queue)
             if error.code == E_NOT_MASTER.code:
                 break
-            if target is not failed:
+            if target is not failed or error.code == E_QUEUE_UNAVAILABLE.code:
+                if target is failed:      # the node is there but cannot serve for a moment
+                    await asyncio.sleep(FAILOVER_POLL_S)
                 return target
             if loop.time() >= deadline:
                 return None

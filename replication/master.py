@@ -134,6 +134,7 @@ class MasterRole:
         self.rewinds = 0                      # counters for the queue statistics
         self.appends_sent = 0
         self._last_progress_ms = 0
+        self._last_attempt_ms = 0             # the last resend or repeated SyncEnd
         self.outbox: list[tuple[str, Message]] = []
         self.proposals: list[InSyncProposal] = []
         self.forwarded: list[Forward] = []    # requests from the replica's clients, for the driver
@@ -269,18 +270,21 @@ class MasterRole:
         lagging = self.last_order - self.replica_durable > self.limits.replica_lag_max
         if self.recorded_in_sync and outstanding and (lagging or silent_ms > self.limits.replica_lag_max_ms):
             self._propose(False)
-        if outstanding and silent_ms > self.limits.resend_after_ms and self.sent_order > self.replica_durable:
+        # Resends and repeated SyncEnds are paced from the last attempt; the silence that
+        # records the replica out of sync counts from its last real progress only.
+        since_attempt_ms = min(silent_ms, now_ms - self._last_attempt_ms)
+        if outstanding and since_attempt_ms > self.limits.resend_after_ms and self.sent_order > self.replica_durable:
             self.sent_order = self.replica_durable   # an Append was lost with a broken link
-            self._last_progress_ms = now_ms
+            self._last_attempt_ms = now_ms
             self.rewinds += 1
         if self.progress is ReplicaProgress.CAUGHT_UP and not self.recorded_in_sync \
                 and self.replica_durable >= self.last_order:
             # Recorded out of sync after a silence, it has since caught up in the same session.
             self._propose(True)
         if self.progress is ReplicaProgress.CATCHING_UP and self.replica_durable >= self._sync_target \
-                and silent_ms > self.limits.resend_after_ms:
+                and since_attempt_ms > self.limits.resend_after_ms:
             # SyncEnd (or the replica's OpenAck) was lost: vouch for the transfer again.
-            self._last_progress_ms = now_ms
+            self._last_attempt_ms = now_ms
             self._send(SyncEnd(self.core.name, self.incarnation, self.epoch, self._sync_target,
                                self._digest_at(self._sync_target)))
         self._pump(now_ms)
