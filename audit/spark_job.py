@@ -5,9 +5,9 @@ Every check is per journal or per queue group:
   1. a native aggregate finds where each journal starts (its lowest sequence number);
   2. one shuffle brings every record of a queue group together (all members, all
      incarnations, the dead-letter queue, and the group's history entries, read from the
-     history file and shaped as records), sorted by journal and sequence, into a Python
-     worker (`mapInArrow`: Arrow batches, no pandas) that calls `check_group` per group and
-     reports the runs of consecutive sequence numbers it saw per journal;
+     history file and shaped as records) into a Python worker (`mapInArrow`: Arrow batches,
+     no pandas) that groups them and calls `check_group` per group, and reports the runs of
+     consecutive sequence numbers it saw per journal;
   3. the driver merges each journal's runs with `check_journal_runs` (exact: every record
      passed through one partition) and assembles the report with `assemble_report`, exactly
      as the pure-Python path does.
@@ -43,6 +43,7 @@ from replication.audit_checks import (
     assemble_report,
     check_group,
     check_journal_runs,
+    sequence_runs,
 )
 
 Progress = Callable[[str], None]
@@ -115,38 +116,32 @@ def _code_zip() -> Path:
 # --- partition functions (run in the Python workers) ----------------------------------------
 def group_partition(settings: AuditSettings, starts: dict[tuple[str, str], int | None],
                     batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    """Batches of records (and history rows) sorted by (group, node, journal, sequence) -> one
-    JSON result per group, then the runs of consecutive sequence numbers per journal that this
-    partition saw (every record passes through exactly one partition, so the driver's merge
-    of all runs is exact)."""
-    current: str | None = None
-    records: list[JournalRecord] = []
-    runs: dict[tuple[str, str], list[int]] = {}
-    journal: tuple[str, str] | None = None
-    first = last = -2
+    """A partition's records (and history rows), in any order -> one JSON result per queue
+    group, then the runs of consecutive sequence numbers per journal that this partition saw
+    (every record passes through exactly one partition, so the driver's merge of all runs is
+    exact). Grouping here rather than sorting in Spark saves the JVM a sort of every row."""
+    groups: dict[str, list[JournalRecord]] = {}
+    sequences: dict[tuple[str, str], list[int]] = {}
     for batch in batches:
-        groups = batch.column("group").to_pylist()
+        keys = batch.column("group").to_pylist()
         columns = [batch.column(name).to_pylist() for name in RECORD_COLUMNS]
-        for group, record in zip(groups, map(JournalRecord._make, zip(*columns, strict=True)), strict=True):
-            if group != current:
-                if current is not None:
-                    yield _result_batch("group", check_group(current, records, settings, starts))
-                current, records = group, []
-            records.append(record)
-            if record.op == HISTORY_OP:
-                continue
-            sequence = record.sequence
-            if sequence == last + 1 and (record.node, record.journal_id) == journal:
-                last = sequence
-                continue
-            if journal is not None:
-                runs.setdefault(journal, []).extend((first, last))
-            journal, first, last = (record.node, record.journal_id), sequence, sequence
-    if current is not None:
-        yield _result_batch("group", check_group(current, records, settings, starts))
-    if journal is not None:
-        runs.setdefault(journal, []).extend((first, last))
-        yield _result_batch("runs", [[node, journal_id, flat] for (node, journal_id), flat in runs.items()])
+        for group, record in zip(keys, map(JournalRecord._make, zip(*columns, strict=True)), strict=True):
+            found = groups.get(group)
+            if found is None:
+                found = groups[group] = []
+            found.append(record)
+            if record.op != HISTORY_OP:
+                journal = (record.node, record.journal_id)
+                numbers = sequences.get(journal)
+                if numbers is None:
+                    numbers = sequences[journal] = []
+                numbers.append(record.sequence)
+    for group in sorted(groups):
+        yield _result_batch("group", check_group(group, groups.pop(group), settings, starts))
+    runs = [[node, journal_id, [value for run in sequence_runs(sorted(numbers)) for value in run]]
+            for (node, journal_id), numbers in sorted(sequences.items())]
+    if runs:
+        yield _result_batch("runs", runs)
 
 
 def _result_batch(kind: str, result: Any) -> pa.RecordBatch:
@@ -171,7 +166,6 @@ def audit_spark(spark: Any, journals: list[str], history_path: str | None = None
         rows = rows.unionByName(_history_rows(spark, history_path))
     grouped = (rows.withColumn("group", F.regexp_replace(F.col("queue"), r"\.dlq$", ""))
                .repartition(partitions, "group")
-               .sortWithinPartitions("group", "node", "journal_id", "sequence")
                .mapInArrow(functools.partial(group_partition, settings, starts), RESULT_DDL))
     group_results: list[dict[str, Any]] = []
     runs: dict[tuple[str, str], list[tuple[int, int]]] = {}
