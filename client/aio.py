@@ -572,8 +572,11 @@ class AsyncClient:
         and not yet taken at any time. Use `async with client.consume(q) as messages:`."""
         if not 1 <= prefetch <= 100_000:
             raise ValueError("prefetch must be in [1, 100000]")
-        if self._masters and (target := self._route(queue)) is not self:
-            return target.consume(queue, prefetch, visibility_timeout_s)
+        master = self._master_urls.get(queue)
+        if master is not None and master != self.url:
+            # Subscriptions follow the master (under `full` only it pushes; after a handoff a
+            # consumer that ended asks again here, and the refreshed map names the new one).
+            return self._route_to(master).consume(queue, prefetch, visibility_timeout_s)
         self._start()
         consumer = Consumer(self, queue, prefetch, _milliseconds(visibility_timeout_s))
         self._consumers.add(consumer)

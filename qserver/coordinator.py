@@ -107,6 +107,7 @@ class Coordinator:
             self._leader_term = None
             self.table.stepped_down()
         self._handoff_timeouts(now_ms)
+        self.check_handoffs()
         me = self.membership.cluster_map.nodes.get(self.node_id)
         if me is not None and me.state is NodeState.DRAINING and self.pairs.masters:
             self.hand_off_all(limit=DRAIN_HANDOFFS_AT_ONCE)
@@ -267,6 +268,14 @@ class Coordinator:
         base = queue if queue in self.handoffs else queue[:-4]
         self.handoffs[base].parked.append(command)
 
+    def check_handoffs(self) -> None:
+        """After a commit or a tick: a handoff whose replica had caught up before this node's
+        own copy was durable may commit now."""
+        for name in [name for name, handoff in self.handoffs.items() if not handoff.proposed]:
+            role = self.pairs.masters.get(name)
+            if role is not None:
+                self.master_progress(role)
+
     def master_progress(self, role: MasterRole) -> None:
         """The replica acknowledged more: a handoff waiting for it may now commit."""
         name = role.core.record.dead_letter_of or role.core.name
@@ -333,7 +342,10 @@ class Coordinator:
     def _handoff_timeouts(self, now_ms: int) -> None:
         for name, handoff in list(self.handoffs.items()):
             if now_ms >= handoff.deadline_ms + (HANDOFF_TIMEOUT_MS if handoff.proposed else 0):
-                self._end_handoff(name, "the replica did not catch up in time")
+                self._end_handoff(name, "the replica did not catch up in time (" + "; ".join(
+                    f"{role.core.name}: {role.progress.value}, it holds {role.replica_durable} of {role.last_order}, "
+                    f"durable here {role.local_durable}" for role in filter(None, (
+                        self.pairs.masters.get(name), self.pairs.masters.get(dead_letter_name(name))))) + ")")
         for request_id, (_, finish, deadline) in list(self.asked.items()):
             if now_ms >= deadline:
                 del self.asked[request_id]

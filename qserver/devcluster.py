@@ -33,7 +33,8 @@ def start_qserver(run_args: list[str], url: str, log_path: Path,
     exits or stays silent raises RuntimeError with the end of its log."""
     with open(log_path, "ab") as log:
         process = subprocess.Popen([sys.executable, "-m", "qserver", "run", *run_args],
-                                   stdout=log, stderr=subprocess.STDOUT, cwd=REPOSITORY)
+                                   stdout=log, stderr=subprocess.STDOUT, cwd=REPOSITORY,
+                                   start_new_session=True)   # a Ctrl-C at the terminal is for the caller
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -50,13 +51,18 @@ def start_qserver(run_args: list[str], url: str, log_path: Path,
 
 class LocalCluster:
     def __init__(self, root: Path, size: int, placement: dict[str, list[str]] | None = None,
-                 settings: dict[str, object] | None = None) -> None:
-        """`settings`: extra [node] keys for every node (TOML literals, e.g. {"journal_enabled": "false"})."""
+                 settings: dict[str, object] | None = None, *, base_port: int | None = None,
+                 credentials_path: Path | None = None) -> None:
+        """`settings`: extra [node] keys for every node (TOML literals, e.g. {"journal_enabled": "false"}).
+        `base_port`: node i serves HTTP on base_port+i and Raft on base_port+100+i (else free
+        ports). Data already under `root` is reused (the nodes were initialised before)."""
         self.root = root
         self.ids = [f"n{i}" for i in range(1, size + 1)]
-        self.urls = {node: f"http://127.0.0.1:{free_port()}" for node in self.ids}
-        self.raft_addresses = {node: f"127.0.0.1:{free_port()}" for node in self.ids}
-        self.credentials_path = root / "admin-credentials.json"
+        def port(i: int, offset: int) -> int:
+            return base_port + offset + i if base_port else free_port()
+        self.urls = {node: f"http://127.0.0.1:{port(i, 0)}" for i, node in enumerate(self.ids, 1)}
+        self.raft_addresses = {node: f"127.0.0.1:{port(i, 100)}" for i, node in enumerate(self.ids, 1)}
+        self.credentials_path = credentials_path or root / "admin-credentials.json"
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.log_level = "WARNING"
         self._init(self.ids[0], ["--credentials", str(self.credentials_path), "--url", self.urls[self.ids[0]]])
@@ -66,6 +72,8 @@ class LocalCluster:
             self._write_config(node, placement or {}, settings or {})
 
     def _init(self, node: str, extra: list[str]) -> None:
+        if (self.root / node / "cluster.secret").exists():
+            return
         subprocess.run([sys.executable, "-m", "qserver", "init", "--data-dir", str(self.root / node), "--node-id", node,
                         *extra], check=True, capture_output=True, cwd=REPOSITORY)
 

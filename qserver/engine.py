@@ -610,7 +610,7 @@ class Engine:
                              f"no two live nodes for {command.name} (asked {wanted[0] or 'any'} / {wanted[1] or 'any'})")
         master, replica = pair
         if master != self.config.node_id:
-            raise Redirect(master, f"queue {command.name} is created by its master {master}")
+            raise Redirect(master, f"queue {command.name} is created by its master {master}", (master, replica))
         assert self.coordinator is not None
         self._pending_creates.setdefault(command.name, []).append((command.replier, command.request_id))
         if len(self._pending_creates[command.name]) > 1:
@@ -722,13 +722,21 @@ class Engine:
             self.drop_instance(victim)
         self._open.replies.append((command.replier, command.request_id, {"deleted": command.name}))
 
-    def _drop_queue_listeners(self, name: str) -> None:
+    def _drop_queue_listeners(self, name: str, error: QueueError | None = None) -> None:
+        """Waiting receivers and subscribers of a queue this node no longer serves."""
+        error = error or QueueError(E_UNKNOWN_QUEUE, f"queue {name} was deleted")
         for waiter in self._waiters.pop(name, ()):
-            waiter.command.replier.fail(waiter.command.request_id, QueueError(E_UNKNOWN_QUEUE, f"queue {name} was deleted"))
+            waiter.command.replier.fail(waiter.command.request_id, error)
         for subscription in self._subscriptions.pop(name, []):
             self._subscriptions_by_id.pop(subscription.subscription_id, None)
-            subscription.connection.subscription_ended(subscription.subscription_id,
-                                                       QueueError(E_UNKNOWN_QUEUE, f"queue {name} was deleted"))
+            subscription.connection.subscription_ended(subscription.subscription_id, error)
+
+    def master_left(self, core: QueueCore, new_master: str) -> None:
+        """This node stopped mastering a `full` queue: its waiters and subscribers go to the
+        new master (the client follows E_NOT_MASTER)."""
+        if core.options.strength.value == "full":
+            self._drop_queue_listeners(core.name, QueueError(E_NOT_MASTER, f"queue {core.name} is now mastered by "
+                                                                           f"{new_master}"))
 
     def _step_status(self, command: c.MessageStatus, now_ms: int) -> None:
         core = self._core(command.queue)

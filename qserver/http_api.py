@@ -54,7 +54,8 @@ async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamR
         return await handler(request)
     except QueueError as error:
         if error.code == e.E_NOT_MASTER.code and node.engine.pairs.clustered:
-            proxied = await proxy_to_master(request, node, getattr(error, "node", None))
+            proxied = await proxy_to_master(request, node, getattr(error, "node", None),
+                                            getattr(error, "placement", None))
             if proxied is not None:
                 return proxied
         return error_response(error)
@@ -74,11 +75,13 @@ async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamR
 
 
 FORWARDED_BY = "X-Forwarded-By"
+PLACEMENT = "X-Placement"
 PROXY_TIMEOUT_S = 60.0
 HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection"})
 
 
-async def proxy_to_master(request: web.Request, node: Any, target: str | None = None) -> web.Response | None:
+async def proxy_to_master(request: web.Request, node: Any, target: str | None = None,
+                          placement: tuple[str, str] | None = None) -> web.Response | None:
     """Any node answers any request (DESIGN.md 4.4): one that is not the queue's master passes
     the signed request on unchanged, and the master checks signature and nonce itself."""
     name = request.match_info.get("q")
@@ -88,15 +91,17 @@ async def proxy_to_master(request: web.Request, node: Any, target: str | None = 
     master = target or (entry.master if entry is not None else None)
     if master is None or master == node.config.node_id:
         return None
-    return await proxy_to(request, node, master)
+    return await proxy_to(request, node, master, placement)
 
 
-async def proxy_to(request: web.Request, node: Any, target: str) -> web.Response:
+async def proxy_to(request: web.Request, node: Any, target: str, placement: tuple[str, str] | None = None) -> web.Response:
     """Pass the signed request on to node `target`, once (the X-Forwarded-By header)."""
     master = target
     name = request.match_info.get("q", "")
     headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
     headers[FORWARDED_BY] = node.config.node_id
+    if placement is not None:     # the passing node placed a new queue: its choice stands
+        headers[PLACEMENT] = ",".join(placement)
     url = node.engine.pairs.view.url(master) + request.raw_path
     try:
         async with node.http_session().request(request.method, url, data=await request.read(), headers=headers,
@@ -187,6 +192,10 @@ async def put_queue(request: web.Request) -> web.Response:
     except OptionError as error:
         raise QueueError(e.E_INVALID_OPTION, str(error)) from None
     engine = request.app["node"].engine
+    chosen = request.headers.get(PLACEMENT, "").split(",")
+    if FORWARDED_BY in request.headers and len(chosen) == 2:
+        placement.setdefault("master", chosen[0])
+        placement.setdefault("replica", chosen[1])
     result = await call(engine, lambda r: c.CreateQueue(name, options, placement, r))
     return web.json_response(result, status=201 if result["created"] else 200)
 

@@ -194,7 +194,8 @@ class RaftMembership:
             raftMinTimeout=election_timeout_s[0], raftMaxTimeout=election_timeout_s[1],
             appendEntriesPeriod=heartbeat_s, leaderFallbackTimeout=leader_fallback_s,
             connectionTimeout=connection_timeout_s, connectionRetryTime=connection_retry_s,
-            autoTickPeriod=0.01, commandsWaitLeader=True, dynamicMembershipChange=False)
+            autoTickPeriod=0.01, commandsWaitLeader=True, dynamicMembershipChange=False,
+            appendEntriesUseBatch=False)   # send a command at once: map changes are rare, latency matters
         self._voters = voters
         self._syncobj: SyncObj | None = None
         self._machine = _MapMachine(self._from_raft_thread, self._snapshot_from_raft_thread)

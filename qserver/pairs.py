@@ -68,9 +68,10 @@ def base_name(queue: str) -> str:
 class Redirect(QueueError):
     """E_NOT_MASTER naming the node that must handle the request (e.g. a new queue's master)."""
 
-    def __init__(self, node: str, message: str) -> None:
+    def __init__(self, node: str, message: str, placement: tuple[str, str] | None = None) -> None:
         super().__init__(E_NOT_MASTER, message)
         self.node = node
+        self.placement = placement      # a new queue's chosen (master, replica), passed along
 
 
 class ClusterView:
@@ -253,6 +254,8 @@ class PairDriver:
         previous = master or replica
         self.release_committed()
         self._assume(core, entry, previous)
+        if master is not None:
+            self.engine.master_left(core, entry.master)
         role = self.replicas.get(name)
         if role is None:
             return
@@ -353,6 +356,8 @@ class PairDriver:
                 replica.local_durable_to(order)
                 self._flush(replica)
         self.release_committed()
+        if self.coordinator is not None and self.coordinator.handoffs:
+            self.coordinator.check_handoffs()
 
     def hold(self, name: str, required_order: int, release: Any, refuse: Any = None) -> bool:
         """Park an answer until the commit point passes required_order; False: answer now."""
