@@ -162,7 +162,25 @@ def build_parser() -> argparse.ArgumentParser:
         sub.set_defaults(handler=handler)
         return sub
 
-    command(commands, "status", cmd_status, "cluster nodes and every queue's statistics")
+    command(commands, "status", cmd_status, "the cluster map: nodes, membership leader, every queue's pair and lag")
+    handoff = command(commands, "handoff", cmd_handoff, "swap a queue's master and replica")
+    handoff.add_argument("queue")
+    handoff.add_argument("--initiator", choices=("master", "replica"), default="master",
+                         help="which member asks (a replica's request may be refused)")
+    promote = command(commands, "promote", cmd_promote, "promote the replica of a queue whose master is lost")
+    promote.add_argument("queue")
+    promote.add_argument("--unclean", action="store_true", required=True,
+                         help="the replica is not known to be in sync: acknowledged messages may be lost "
+                              "(recorded; the audit flags it)")
+    command(commands, "rebalance", cmd_rebalance, "hand masters over so that they spread evenly")
+    nodes = commands.add_parser("nodes", help="add, drain and remove cluster nodes")
+    node_commands = nodes.add_subparsers(dest="nodes_command", required=True, metavar="ACTION")
+    node_add = command(node_commands, "add", cmd_nodes_add, "enter a node in the cluster map")
+    node_add.add_argument("node_id")
+    node_add.add_argument("url")
+    command(node_commands, "drain", cmd_nodes_drain,
+            "hand off the node's masters and move its replicas away").add_argument("node_id")
+    command(node_commands, "remove", cmd_nodes_remove, "remove a drained node for good").add_argument("node_id")
     queue = commands.add_parser("queue", help="create, list, inspect and delete queues")
     queue_commands = queue.add_subparsers(dest="queue_command", required=True, metavar="ACTION")
     create = command(queue_commands, "create", cmd_queue_create, "create or open a queue")
@@ -177,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
     command(queue_commands, "list", cmd_queue_list, "every queue with its statistics")
     command(queue_commands, "stats", cmd_queue_stats, "one queue's statistics").add_argument("name")
     command(queue_commands, "delete", cmd_queue_delete, "delete a queue and its messages").add_argument("name")
+    move = command(queue_commands, "move", cmd_queue_move, "put one member of a queue's pair on another node")
+    move.add_argument("name")
+    move.add_argument("--member", choices=("master", "replica"), required=True)
+    move.add_argument("--to", required=True, metavar="NODE")
 
     put = command(commands, "put", cmd_put, "enqueue one message")
     put.add_argument("queue")
@@ -211,13 +233,75 @@ Handler = Callable[[HttpClient, argparse.Namespace], Awaitable[Outcome]]
 
 async def cmd_status(http: HttpClient, args: argparse.Namespace) -> Outcome:
     cluster = await http.cluster()
-    queues = await http.list_queues()
     nodes = cluster.get("nodes", [])
-    node_table = format_table(["NODE", "URL", "STATE"],
-                              [[n.get("id"), n.get("url"), n.get("state")] for n in nodes])
-    placement = cluster.get("queues", {})
-    human = node_table + "\n\n" + (queue_table(queues, placement) if queues else "no queues")
-    return Outcome({"cluster": cluster, "queues": queues}, human)
+    if not nodes or "version" not in cluster:          # a single node outside a cluster
+        queues = await http.list_queues()
+        node_table = format_table(["NODE", "URL", "STATE"], [[n.get("id"), n.get("url"), n.get("state")] for n in nodes])
+        human = node_table + "\n\n" + (queue_table(queues, cluster.get("queues", {})) if queues else "no queues")
+        return Outcome({"cluster": cluster, "queues": queues}, human)
+    # Each master's node knows its replica's lag: ask every node that is up.
+    lag: dict[str, Any] = {}
+    for node in nodes:
+        if node.get("state") != "up":
+            continue
+        try:
+            async with HttpClient(node["url"], http._signer) as other:
+                for name, entry in (await other.cluster()).get("queues", {}).items():
+                    if "lag" in entry and entry.get("master") == node["id"]:
+                        lag[name] = entry["lag"]
+        except QueueError:
+            continue
+    leader = cluster.get("leader")
+    node_table = format_table(["NODE", "URL", "STATE", "MEMBERSHIP"],
+                              [[n.get("id"), n.get("url"), n.get("state"), "leader" if n.get("id") == leader else ""]
+                               for n in nodes])
+    queues = cluster.get("queues", {})
+    for name, entry in queues.items():
+        entry["lag"] = lag.get(name)
+    queue_rows = [[name, e.get("options", {}).get("strength"), e.get("master"), e.get("replica"), e.get("epoch"),
+                   "yes" if e.get("in_sync") else "NO", e.get("lag"), e.get("last_reason"),
+                   e.get("unclean_promotions") or ""] for name, e in sorted(queues.items())]
+    queue_text = format_table(["QUEUE", "STRENGTH", "MASTER", "REPLICA", "EPOCH", "IN_SYNC", "LAG", "LAST_CHANGE",
+                               "UNCLEAN"], queue_rows) if queue_rows else "no queues"
+    human = f"membership leader: {leader or 'none'} (term {cluster.get('term')})\n\n{node_table}\n\n{queue_text}"
+    return Outcome(cluster, human)
+
+
+async def cmd_handoff(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    answer = await http.handoff(args.queue, args.initiator)
+    return Outcome(answer, f"{args.queue}: master {answer.get('master')}, replica {answer.get('replica')}, "
+                           f"epoch {answer.get('epoch')}" + (f", writes paused {answer['pause_ms']} ms"
+                                                             if "pause_ms" in answer else ""))
+
+
+async def cmd_promote(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    answer = await http.promote(args.queue, unclean=args.unclean)
+    return Outcome(answer, f"{args.queue}: {answer.get('master')} promoted (epoch {answer.get('epoch')}, unclean)")
+
+
+async def cmd_queue_move(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    answer = await http.move_queue(args.name, args.member, args.to)
+    return Outcome(answer, f"{args.name}: master {answer.get('master')}, replica {answer.get('replica')} "
+                           f"(epoch {answer.get('epoch')}); the new member catches up by state transfer")
+
+
+async def cmd_rebalance(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    answer = await http.rebalance()
+    chosen = answer.get("handoffs", [])
+    return Outcome(answer, f"handing off {len(chosen)} queue(s): {', '.join(chosen)}" if chosen else "already balanced")
+
+
+async def cmd_nodes_add(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    return Outcome(await http.add_node(args.node_id, args.url), f"node {args.node_id} added")
+
+
+async def cmd_nodes_drain(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    return Outcome(await http.drain_node(args.node_id),
+                   f"node {args.node_id} draining: its masters hand off, its replicas move (see qctl status)")
+
+
+async def cmd_nodes_remove(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    return Outcome(await http.remove_node(args.node_id), f"node {args.node_id} removed")
 
 
 async def cmd_queue_create(http: HttpClient, args: argparse.Namespace) -> Outcome:

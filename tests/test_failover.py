@@ -182,3 +182,24 @@ async def test_sigterm_hands_off_every_master_on_the_node_first(qcluster_factory
         entry = await wait_for(handed_off, 2.0, "n3's map to show the handoff")
         assert entry["master"] == "n2" and entry["last_reason"] == "handoff", entry
         assert set(await drain(client, "orders")) == acknowledged
+
+
+async def test_qctl_shows_the_cluster_map_and_hands_a_queue_off(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
+    import io
+
+    from client import qctl
+    cluster = qcluster_factory(3, {"orders": ["n1", "n2"]})
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as client:
+        await client.create_queue("orders", strength="full")
+
+    def run(*argv: str) -> tuple[int, str]:
+        out = io.StringIO()
+        code = qctl.main(["--credentials", str(cluster.credentials_path), *argv], stdout=out, stderr=out)
+        return code, out.getvalue()
+    code, text = await asyncio.to_thread(run, "status")
+    assert code == 0 and "membership leader: n" in text and "orders" in text and "IN_SYNC" in text, text
+    code, text = await asyncio.to_thread(run, "--json", "handoff", "orders")
+    assert code == 0 and '"master": "n2"' in text, text
+    code, text = await asyncio.to_thread(run, "promote", "orders", "--unclean")
+    assert code == 1 and "E_INVALID_OPTION" in text and "in sync" in text, text
+
