@@ -1,0 +1,27 @@
+"""The deploy/ material stays valid: every node configuration loads and passes the checks
+between limits, and the Dockerfile copies paths that exist (no Docker engine runs here)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from qserver.config import load_config
+from tests.conftest import REPOSITORY
+
+DEPLOY = REPOSITORY / "deploy"
+
+
+@pytest.mark.parametrize("path", sorted(DEPLOY.rglob("*.toml")), ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_every_example_configuration_loads_and_passes_its_checks(path: Path) -> None:
+    config = load_config(path)
+    assert config.node_id in config.cluster_nodes and set(config.membership_nodes) == set(config.cluster_nodes)
+
+
+def test_the_compose_file_names_one_configuration_per_node_and_the_dockerfile_copies_what_exists() -> None:
+    compose = (DEPLOY / "compose.yaml").read_text()
+    for node in ("n1", "n2", "n3"):
+        assert f"./compose/{node}.toml:/etc/qserver/node.toml" in compose
+    for source in re.findall(r"^COPY (\S+)", (DEPLOY / "Dockerfile").read_text(), flags=re.MULTILINE):
+        assert (REPOSITORY / source).exists(), source
