@@ -37,6 +37,7 @@ from client.errors import (
     E_RESERVED_NAME,
     E_SHUTTING_DOWN,
     E_STORAGE_FULL,
+    E_UNKNOWN_CLIENT,
     E_UNKNOWN_MESSAGE,
     E_UNKNOWN_QUEUE,
     QueueError,
@@ -58,6 +59,7 @@ from qserver.metrics import Histogram
 from qserver.pairs import ClusterView, PairDriver, Redirect
 from qserver.storage import CommitResult, MapGrowthNeeded, SealedBatch, Storage, StorageFull
 from replication.cluster_map import CreateQueue, DeleteQueue, QueueEntry, choose_pair
+from replication.cluster_map import PutClient as MapPutClient
 from replication.invariants import InvariantViolation
 from replication.master import ReplicationLimits
 from replication.operations import Leased, Operation
@@ -747,15 +749,32 @@ class Engine:
         self._open.after_commit.append(lambda: self._check_status(waiter, final=command.wait_ms == 0))
 
     def _step_put_client(self, command: c.PutClient, now_ms: int) -> None:
-        if command.record is None:
-            if self.clients.pop(command.client_id, None) is None:
-                from client.errors import E_UNKNOWN_CLIENT
-                raise QueueError(E_UNKNOWN_CLIENT, f"no client {command.client_id}")
-            self._open.sealed.client_deletes.append(command.client_id)
-        else:
-            self.clients[command.client_id] = command.record
-            self._open.sealed.client_puts[command.client_id] = command.record
+        if command.record is None and command.client_id not in self.clients:
+            raise QueueError(E_UNKNOWN_CLIENT, f"no client {command.client_id}")
+        if self.coordinator is not None:
+            # The registry is part of the cluster map: every node stores what the map applies.
+            def decided(outcomes: Any) -> None:
+                if isinstance(outcomes, QueueError):
+                    command.replier.fail(command.request_id, outcomes)
+                    return
+                self.store_client(command.client_id, command.record)
+                self._open.replies.append((command.replier, command.request_id, command.record))
+            self.coordinator.propose_checked(MapPutClient(command.client_id, command.record), decided, lambda o: o)
+            return
+        self.store_client(command.client_id, command.record)
         self._open.replies.append((command.replier, command.request_id, command.record))
+
+    def store_client(self, client_id: str, record: dict[str, Any] | None) -> None:
+        """Put (or, with None, remove) a client record here; idempotent."""
+        if record is None:
+            if self.clients.pop(client_id, None) is None:
+                return
+            self._open.sealed.client_deletes.append(client_id)
+        else:
+            if self.clients.get(client_id) == record:
+                return
+            self.clients[client_id] = record
+            self._open.sealed.client_puts[client_id] = record
         self._open.after_commit.append(self.on_clients_changed)
 
     def _step_peer_message(self, command: c.PeerMessage, now_ms: int) -> None:

@@ -29,6 +29,7 @@ from replication.cluster_map import (
     CreateQueue,
     DeleteQueue,
     Outcome,
+    PutClient,
     QueueEntry,
     Reason,
 )
@@ -584,6 +585,12 @@ class PairDriver:
 
     def map_applied(self, command: Command, outcomes: list[Outcome]) -> None:
         """A command the membership layer applied to the local copy of the map."""
+        if isinstance(command, PutClient):
+            self.engine.store_client(command.client_id, command.record)
+            return
+        if not outcomes:        # a snapshot replaced the whole map: the registry too
+            for client_id, record in self.view.cluster_map.clients.items():
+                self.engine.store_client(client_id, record)
         if isinstance(command, (CreateQueue, DeleteQueue)):
             if outcomes and outcomes[0].applied:
                 self.reconcile(command.name, deleted=isinstance(command, DeleteQueue))

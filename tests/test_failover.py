@@ -203,3 +203,33 @@ async def test_qctl_shows_the_cluster_map_and_hands_a_queue_off(qcluster_factory
     code, text = await asyncio.to_thread(run, "promote", "orders", "--unclean")
     assert code == 1 and "E_INVALID_OPTION" in text and "in sync" in text, text
 
+
+
+async def test_a_client_registered_at_one_node_is_known_to_every_node_and_its_removal_too(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
+    from client.credentials import Credentials
+    cluster = qcluster_factory(3, {"billing": ["n2", "n3"]})
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as admin:
+        await admin.create_queue("billing")
+        record = await admin.register_client("biller", [{"pattern": "billing", "privileges": ["post", "get"]}])
+        credentials = Credentials(record["id"], record["private_key"], cluster.urls["n3"])
+
+        async def accepted_at_n3() -> bool:
+            try:
+                async with AsyncClient(cluster.urls["n3"], credentials) as biller:
+                    return await biller.enqueue("billing", b"invoice") > 0
+            except QueueError as error:
+                if error.code != "E_UNAUTHENTICATED":
+                    raise
+                return False
+        await wait_for(accepted_at_n3, 5.0, "n3 to know the new client")
+        await admin.remove_client(record["id"])
+
+        async def refused_at_n2() -> bool:
+            try:
+                async with AsyncClient(cluster.urls["n2"], Credentials(record["id"], record["private_key"],
+                                                                        cluster.urls["n2"])) as biller:
+                    await biller.enqueue("billing", b"late")
+                return False
+            except QueueError as error:
+                return error.code == "E_UNAUTHENTICATED"
+        await wait_for(refused_at_n2, 5.0, "n2 to forget the removed client")

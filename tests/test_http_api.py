@@ -188,10 +188,12 @@ async def test_queue_statistics_follow_seed_004_queue_stats(api: RawApi) -> None
     assert "stats" in [q["name"] for q in listing["queues"]]
 
 
-async def test_cluster_routes_of_later_releases_answer_not_implemented(api: RawApi) -> None:
+async def test_cluster_operations_on_a_node_outside_a_cluster_are_refused_clearly(api: RawApi) -> None:
     await api.request("PUT", "/v1/queues/later", {})
     status, body, _ = await api.request("POST", "/v1/queues/later/handoff", {"initiator": "master"})
-    assert status == 501 and error_code(body) == "E_NOT_IMPLEMENTED"
+    assert status == 400 and error_code(body) == "E_INVALID_OPTION"
+    status, body, _ = await api.request("POST", "/v1/cluster/rebalance", {})
+    assert status == 400 and error_code(body) == "E_INVALID_OPTION"
     status, cluster, _ = await api.request("GET", "/v1/cluster")
     assert status == 200 and cluster["nodes"][0]["id"] == "n1" and cluster["queues"]["later"]["master"] == "n1"
 
