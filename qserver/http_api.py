@@ -459,13 +459,13 @@ async def promote(request: web.Request) -> web.Response:
     if not unclean:
         raise QueueError(e.E_INVALID_OPTION, "the replica is out of sync: promoting it may lose acknowledged "
                                              "messages; say unclean to do it anyway")
-    change = ChangePair(name, astuple(entry.pair), (entry.epoch + 1, entry.replica, entry.master, False),
-                        Reason.UNCLEAN.value)
+    pair = entry.pair          # the entry itself changes once the local map applies the change
+    change = ChangePair(name, astuple(pair), (pair.epoch + 1, pair.replica, pair.master, False), Reason.UNCLEAN.value)
     outcomes = await in_engine(request.app["node"].engine, lambda finish: coordinator.propose_checked(
         change, finish, lambda o: o))
     if not outcomes[0].applied:
         raise QueueError(e.E_HANDOFF_REFUSED, f"the map changed first: {outcomes[0].reason}")
-    return web.json_response({"queue": name, "master": entry.replica, "epoch": entry.epoch + 1, "unclean": True})
+    return web.json_response({"queue": name, "master": pair.replica, "epoch": pair.epoch + 1, "unclean": True})
 
 
 async def move(request: web.Request) -> web.Response:
@@ -488,11 +488,12 @@ async def move(request: web.Request) -> web.Response:
             return await proxy_to(request, node, entry.master)
         await in_engine(engine, lambda finish: coordinator.handoff(name, "master", finish))
         entry = cluster_entry(request, name)
-    change = ChangePair(name, astuple(entry.pair), (entry.epoch + 1, entry.master, target, False), Reason.MOVE.value)
+    pair = entry.pair          # the entry itself changes once the local map applies the change
+    change = ChangePair(name, astuple(pair), (pair.epoch + 1, pair.master, target, False), Reason.MOVE.value)
     outcomes = await in_engine(engine, lambda finish: coordinator.propose_checked(change, finish, lambda o: o))
     if not outcomes[0].applied:
         raise QueueError(e.E_INVALID_OPTION, f"move refused: {outcomes[0].reason}")
-    return web.json_response({"queue": name, "master": entry.master, "replica": target, "epoch": entry.epoch + 1})
+    return web.json_response({"queue": name, "master": pair.master, "replica": target, "epoch": pair.epoch + 1})
 
 
 async def rebalance(request: web.Request) -> web.Response:

@@ -233,3 +233,53 @@ async def test_a_client_registered_at_one_node_is_known_to_every_node_and_its_re
             except QueueError as error:
                 return error.code == "E_UNAUTHENTICATED"
         await wait_for(refused_at_n2, 5.0, "n2 to forget the removed client")
+
+
+async def test_a_replica_node_down_longer_than_replica_replace_after_s_is_replaced_on_another_node(
+        qcluster_factory) -> None:  # type: ignore[no-untyped-def]
+    cluster = qcluster_factory(3, {"orders": ["n1", "n2"]}, {"replica_replace_after_s": 1.0})
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as client:
+        await client.create_queue("orders", strength="full")
+        acknowledged = set(await client.enqueue_many("orders", [b"x"] * 100))
+        cluster.kill("n2")
+        acknowledged |= set(await client.enqueue_many("orders", [b"y"] * 100))
+
+        async def replaced() -> bool:
+            entry = (await map_of(cluster, "n1"))["queues"]["orders"]
+            return entry["replica"] == "n3" and entry["in_sync"] and entry["master"] == "n1"
+        await wait_for(replaced, 20.0, "the replica re-created on n3 and in sync")
+        async with AsyncClient(cluster.urls["n3"], cluster.credentials_path) as newcomer:
+            await wait_converged(client, newcomer, "orders")
+        assert set(await drain(client, "orders")) == acknowledged
+
+
+async def test_with_its_replica_out_of_sync_a_lost_master_leaves_the_queue_unavailable_until_an_unclean_promotion(
+        qcluster_factory) -> None:  # type: ignore[no-untyped-def]
+    cluster = qcluster_factory(3, {"orders": ["n1", "n2"]}, {"replica_lag_max_ms": 300})
+    async with AsyncClient(cluster.urls["n3"], cluster.credentials_path) as client:
+        await client.create_queue("orders", strength="full")
+        await client.enqueue_many("orders", [b"both"] * 10)
+        cluster.kill("n2")
+        await client.enqueue_many("orders", [b"master only"] * 10)   # recorded out of sync first
+
+        async def out_of_sync() -> bool:
+            return not (await map_of(cluster, "n3"))["queues"]["orders"]["in_sync"]
+        await wait_for(out_of_sync, 10.0, "the replica recorded out of sync")
+        cluster.kill("n1")
+        cluster.start("n2")
+        await asyncio.sleep(2.5)              # well past lease + margin: no failover happens
+        entry = (await map_of(cluster, "n3"))["queues"]["orders"]
+        assert entry["master"] == "n1" and entry["epoch"] == 1, entry
+        with pytest.raises(QueueError) as unavailable:
+            await client.http.enqueue_http("orders", b"refused")
+        assert unavailable.value.retriable, unavailable.value
+        promoted = await client.promote("orders", unclean=True)
+        assert promoted["master"] == "n2" and promoted["unclean"], (promoted, await map_of(cluster, "n3"))
+
+        async def recorded() -> dict[str, Any] | None:
+            entry = (await map_of(cluster, "n3"))["queues"]["orders"]
+            return entry if entry["unclean_promotions"] == 1 else None
+        entry = await wait_for(recorded, 5.0, "the unclean promotion in the map")
+        assert entry["master"] == "n2" and entry["last_reason"] == "unclean"
+        await client.refresh_placement()
+        assert await client.enqueue("orders", b"after") > 0
