@@ -276,3 +276,7 @@ class HttpClient:
 
     async def remove_node(self, node_id: str) -> dict[str, Any]:
         return dict(await self._json("DELETE", "/v1/cluster/nodes/" + _segment(node_id), idempotent=False))
+
+    async def export_journal(self) -> dict[str, Any]:
+        """Write this node's journal to Parquet now (sealed segments and the tail)."""
+        return dict(await self._json("POST", "/v1/journal/export"))

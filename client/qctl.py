@@ -173,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the replica is not known to be in sync: acknowledged messages may be lost "
                               "(recorded; the audit flags it)")
     command(commands, "rebalance", cmd_rebalance, "hand masters over so that they spread evenly")
+    journal = commands.add_parser("journal", help="the node's audit journal")
+    journal_commands = journal.add_subparsers(dest="journal_command", required=True, metavar="ACTION")
+    command(journal_commands, "export", cmd_journal_export,
+            "write the node's journal to Parquet now (for qaudit; --url picks the node)")
     nodes = commands.add_parser("nodes", help="add, drain and remove cluster nodes")
     node_commands = nodes.add_subparsers(dest="nodes_command", required=True, metavar="ACTION")
     node_add = command(node_commands, "add", cmd_nodes_add, "enter a node in the cluster map")
@@ -289,6 +293,14 @@ async def cmd_rebalance(http: HttpClient, args: argparse.Namespace) -> Outcome:
     answer = await http.rebalance()
     chosen = answer.get("handoffs", [])
     return Outcome(answer, f"handing off {len(chosen)} queue(s): {', '.join(chosen)}" if chosen else "already balanced")
+
+
+async def cmd_journal_export(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    answer = await http.export_journal()
+    written = answer.get("segments_written", [])
+    return Outcome(answer, f"{answer.get('node')}: {len(written)} segment(s) written to {answer.get('destination')}, "
+                           f"exported through sequence {answer.get('exported_through')}, "
+                           f"{answer.get('pruned', 0)} record(s) pruned")
 
 
 async def cmd_nodes_add(http: HttpClient, args: argparse.Namespace) -> Outcome:

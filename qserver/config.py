@@ -15,6 +15,14 @@ class NodeConfig:
     port: int = 7100
     auth_enabled: bool = True
     journal_enabled: bool = True           # benchmark-only switch; keep on in production
+    # Sealed journal segments go to Parquet files here (a directory or any URI pyarrow.fs
+    # understands: hdfs://, s3://, ...; empty: <data_dir>/journal-export), by size or age, and
+    # on demand (POST /v1/journal/export); exported records are pruned from LMDB after retention.
+    journal_export_destination: str = ""
+    journal_segment_records_max: int = 200_000
+    journal_segment_age_s: float = 300.0
+    journal_retention_s: float = 3600.0
+    journal_export_check_interval_s: float = 5.0
     body_bytes_max: int = 1 << 20          # largest message or JSON body accepted
     map_size_bytes: int = 1 << 30          # initial LMDB map; grows by doubling
     map_size_max_bytes: int = 1 << 40

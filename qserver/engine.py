@@ -222,6 +222,11 @@ class Engine:
         self.clients = self.storage.load_clients()
         self._next_queue_id = self.storage.next_queue_id()
 
+    @property
+    def writer(self) -> Executor:
+        """The storage writer's thread (also for pruning the journal between commits)."""
+        return self._writer
+
     def random_bits(self, bits: int) -> int:
         return self._rng.getrandbits(bits)
 

@@ -5,6 +5,7 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from qserver.auth import Authenticator
 from qserver.config import NodeConfig
 from qserver.engine import Engine
 from qserver.http_api import add_routes, errors_and_auth
+from qserver.journal_export import ExportSettings, JournalExporter, JournalSource, safe_sequence_for
 from qserver.membership import RaftMembership
 from qserver.metrics import render_family
 from qserver.peers import PEER_PATH, PeerTransport
@@ -44,6 +46,43 @@ class Node:
         self._http_session: aiohttp.ClientSession | None = None
         self.url = config.own_url
         self.engine.on_clients_changed = self._clients_changed
+        self.journal = self._journal_exporter()
+        self._journal_task: asyncio.Task[None] | None = None
+
+    def _journal_exporter(self) -> JournalExporter | None:
+        config = self.config
+        if not config.journal_enabled:
+            return None
+        destination = config.journal_export_destination or str(Path(config.data_dir) / "journal-export")
+        return JournalExporter(JournalSource.from_storage(self.storage), ExportSettings(
+            destination, segment_records_max=config.journal_segment_records_max,
+            segment_age_max_ms=int(config.journal_segment_age_s * 1000),
+            retention_ms=int(config.journal_retention_s * 1000)))
+
+    async def export_journal(self, *, force: bool) -> dict[str, Any]:
+        """Write the sealed segments (all of the journal when forced) as Parquet files, then
+        prune exported records every member of their pair has passed (catch-up reads them)."""
+        exporter = self.journal
+        if exporter is None:
+            raise QueueError(e.E_INVALID_OPTION, "this node keeps no journal (journal_enabled = false)")
+        loop = asyncio.get_running_loop()
+        now_ms = int(time.time() * 1000)
+        segments = await loop.run_in_executor(None, lambda: exporter.export(now_ms, force=force))
+        floors: asyncio.Future[dict[int, int]] = loop.create_future()
+        self.engine.invoke(lambda now: floors.set_result(self.engine.pairs.passed_by_every_member()))
+        safe = safe_sequence_for(exporter.source, await floors)
+        pruned = await loop.run_in_executor(self.engine.writer, exporter.prune, safe, now_ms)
+        return {**exporter.status(), "segments_written": [segment.path for segment in segments], "pruned": pruned}
+
+    async def _export_journal_when_due(self) -> None:
+        assert self.journal is not None
+        while True:
+            await asyncio.sleep(self.config.journal_export_check_interval_s)
+            try:
+                if self.journal.due(int(time.time() * 1000)):
+                    await self.export_journal(force=False)
+            except Exception:    # a full or unreachable destination: try again later, keep serving
+                log.exception("journal export failed")
 
     def _membership(self) -> RaftMembership | None:
         """The Raft membership layer (DESIGN.md 4.2), with the cluster secret as its password."""
@@ -83,11 +122,15 @@ class Node:
         if self.membership is not None:
             self.membership.start()
         await self.engine.start()
+        if self.journal is not None:
+            self._journal_task = asyncio.get_running_loop().create_task(self._export_journal_when_due())
         self.auth._clients = self.engine.clients   # the engine rebuilt its registry on load
         if self.peers is not None:
             await self.peers.start()
 
     async def stop(self) -> None:
+        if self._journal_task is not None:
+            self._journal_task.cancel()
         for connection in list(self.connections):
             await connection.close_with(QueueError(e.E_SHUTTING_DOWN, "the node is stopping"))
         if self.peers is not None:

@@ -622,6 +622,13 @@ class PairDriver:
     def send_message(self, peer: str, message: Message) -> None:
         self._send(peer, message)
 
+    def passed_by_every_member(self) -> dict[int, int]:
+        """Local queue id -> the highest ordering index both members hold durably (a journal
+        record at or below it is no longer needed for catch-up)."""
+        floors = {role.core.queue_id: min(role.local_durable, role.replica_durable) for role in self.masters.values()}
+        floors.update({role.core.queue_id: role.visible_order for role in self.replicas.values()})
+        return floors
+
     def describe(self, name: str) -> dict[str, Any]:
         """Replication fields of the queue statistics (seed 004 QueueStats)."""
         master = self.masters.get(name)

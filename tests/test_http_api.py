@@ -209,3 +209,12 @@ async def test_health_and_metrics_need_no_signature(api: RawApi) -> None:
                    "qserver_queue_enqueued_total", "qserver_queue_acked_total", "qserver_commit_seconds_bucket",
                    "qserver_commit_batch_operations_bucket"):
         assert family in text
+
+
+async def test_journal_export_on_demand_writes_parquet_segments_under_the_data_directory(api: RawApi) -> None:
+    await api.request("PUT", "/v1/queues/audited", {})
+    await put(api, "audited", b"a")
+    status, answer, _ = await api.request("POST", "/v1/journal/export", {})
+    assert status == 200 and answer["segments_written"] and answer["exported_through"] >= 1, answer
+    assert answer["destination"].endswith("journal-export") and answer["pending_records"] == 0
+
