@@ -1,7 +1,7 @@
 """Replicated throughput, latency, state transfer and catch-up on a local 3-node cluster
 (run by hand, not in CI; loopback only; every workload bounded in time).
 
-    .venv/bin/python bench/bench_cluster.py [--runs 3] [--seconds 5] [--skip-transfer]
+    .venv/bin/python bench/bench_cluster.py [--runs 3] [--seconds 5] [--skip-transfer] [--no-journal]
 
 The queue's pair is n1 (master) and n2 (replica); the client talks to n1. Both members fsync
 every group commit. Workloads as in bench.py, then:
@@ -101,6 +101,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--skip-transfer", action="store_true")
+    parser.add_argument("--no-journal", action="store_true", help="benchmark-only: nodes keep no audit journal")
     args = parser.parse_args()
     try:
         import uvloop
@@ -109,7 +110,7 @@ def main() -> None:
         pass
     all_runs: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="qbench-cluster-") as root:
-        cluster = LocalCluster(Path(root), 3, PLACEMENT)
+        cluster = LocalCluster(Path(root), 3, PLACEMENT, {"journal_enabled": "false"} if args.no_journal else None)
         cluster.start_all()
         try:
             for run in range(args.runs):

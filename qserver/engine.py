@@ -402,7 +402,7 @@ class Engine:
             created.dead_letter_core = self.cores[dead_letter_name(name)]
         if dead_letter and record_json.get("dead_letter_of") in self.cores:
             self.cores[record_json["dead_letter_of"]].dead_letter_core = created
-        self.pairs.attach(created)
+        self.pairs.attach(created, created=True)
 
     def drop_replica_instance(self, name: str, incarnation: int) -> None:
         core = self.cores.get(name)
@@ -657,7 +657,7 @@ class Engine:
             core.dead_letter_core = dead
             created.append(dead)
         for queue in created:
-            self.pairs.attach(queue)
+            self.pairs.attach(queue, created=True)
             self._open.after_commit.append(functools.partial(self.pairs.announce, queue))
         self._answer_created(entry.name)
 

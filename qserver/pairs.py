@@ -137,15 +137,16 @@ class PairDriver:
         return self.view.clustered
 
     # --- roles -----------------------------------------------------------------------------
-    def attach(self, core: QueueCore) -> None:
+    def attach(self, core: QueueCore, *, created: bool = False) -> None:
         """Give a loaded or new core its role from the cluster map (none outside a cluster,
         and none yet while the local copy of the map is older than the queue's epoch)."""
         entry = self.view.entry(core.name)
         if entry is None:
             return
-        self._assume(core, entry, None)
+        self._assume(core, entry, None, "create" if created else "restart")
 
-    def _assume(self, core: QueueCore, entry: QueueEntry, previous: MasterRole | ReplicaRole | None) -> None:
+    def _assume(self, core: QueueCore, entry: QueueEntry, previous: MasterRole | ReplicaRole | None,
+                first_reason: str = "restart") -> None:
         record = core.record
         if entry.epoch < record.epoch:
             log.info("queue %s: map epoch %d is older than the stored %d; waiting for the map", core.name,
@@ -181,7 +182,7 @@ class PairDriver:
         else:
             return
         if record.epoch != entry.epoch or previous is None or role_name != _role_name(previous):
-            reason = entry.last_reason if previous is not None or record.epoch != entry.epoch else "restart"
+            reason = entry.last_reason if previous is not None or record.epoch != entry.epoch else first_reason
             if record.epoch != entry.epoch:
                 record.epoch = entry.epoch
                 self.engine.touch(core)
