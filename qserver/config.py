@@ -43,7 +43,8 @@ class NodeConfig:
     cluster_nodes: dict[str, str] = field(default_factory=dict)
     placement: dict[str, list[str]] = field(default_factory=dict)
     # The membership layer (pysyncobj): voter id -> "host:port" this node dials for its Raft
-    # link (a proxy's address in chaos tests), and where this node listens for it.
+    # link (a proxy's address in chaos tests), and where this node listens for it (voters
+    # only: a node not listed follows the cluster map without voting).
     membership_nodes: dict[str, str] = field(default_factory=dict)
     membership_bind: str = ""
     lease_ms: int = 800                     # a node's lease from the membership leader
@@ -77,10 +78,11 @@ class NodeConfig:
             if len(pair) != 2 or pair[0] == pair[1] or not set(pair) <= set(self.cluster_nodes):
                 problems.append(f"placement of {queue} must name two different nodes of cluster_nodes")
         if self.cluster_nodes:
-            if set(self.membership_nodes) != set(self.cluster_nodes):
-                problems.append("[cluster.membership] must give a Raft address for every node of [cluster.nodes]")
-            if not 3 <= len(self.membership_nodes) <= 5 and len(self.membership_nodes) != 2:
-                problems.append("the membership layer has 2 (tests only), 3 or 5 voters")
+            if not set(self.membership_nodes) <= set(self.cluster_nodes):
+                problems.append("every voter of [cluster.membership] must be a node of [cluster.nodes]")
+            if len(self.membership_nodes) not in (2, 3, 4, 5):
+                problems.append("the membership layer has 3 or 5 voters (2 or 4 work but tolerate no more failures); "
+                                "further nodes follow the map without voting")
             if self.lease_margin_ms < self.raft_leader_fallback_ms:
                 problems.append("lease_margin_ms must cover raft_leader_fallback_ms (a cut-off leader may grant "
                                 "until it steps down)")

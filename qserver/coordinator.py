@@ -164,7 +164,8 @@ class Coordinator:
 
         def done(outcomes: list[Outcome] | None) -> None:
             self._registering = False
-        self.membership.propose(AddNode(self.node_id, self.engine.config.own_url, storage_id=storage_id), done)
+        voter = self.node_id in self.engine.config.membership_nodes
+        self.membership.propose(AddNode(self.node_id, self.engine.config.own_url, voter, storage_id), done)
 
     # --- the membership leader's duties ------------------------------------------------------
     def _lead(self, mono: int) -> None:

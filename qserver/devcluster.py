@@ -52,16 +52,18 @@ def start_qserver(run_args: list[str], url: str, log_path: Path,
 class LocalCluster:
     def __init__(self, root: Path, size: int, placement: dict[str, list[str]] | None = None,
                  settings: dict[str, object] | None = None, *, base_port: int | None = None,
-                 credentials_path: Path | None = None) -> None:
+                 credentials_path: Path | None = None, voters: int | None = None) -> None:
         """`settings`: extra [node] keys for every node (TOML literals, e.g. {"journal_enabled": "false"}).
         `base_port`: node i serves HTTP on base_port+i and Raft on base_port+100+i (else free
-        ports). Data already under `root` is reused (the nodes were initialised before)."""
+        ports). Data already under `root` is reused (the nodes were initialised before).
+        `voters`: how many of the nodes (the first ones) vote in the membership layer (default all)."""
         self.root = root
         self.ids = [f"n{i}" for i in range(1, size + 1)]
         def port(i: int, offset: int) -> int:
             return base_port + offset + i if base_port else free_port()
         self.urls = {node: f"http://127.0.0.1:{port(i, 0)}" for i, node in enumerate(self.ids, 1)}
-        self.raft_addresses = {node: f"127.0.0.1:{port(i, 100)}" for i, node in enumerate(self.ids, 1)}
+        self.raft_addresses = {node: f"127.0.0.1:{port(i, 100)}" for i, node in enumerate(self.ids, 1)
+                               if voters is None or i <= voters}
         self.credentials_path = credentials_path or root / "admin-credentials.json"
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.log_level = "WARNING"

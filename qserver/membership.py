@@ -177,8 +177,9 @@ class RaftMembership:
                  connection_retry_s: float = 0.5) -> None:
         if not password:
             raise ValueError("the membership layer needs the cluster password (its messages are pickled)")
-        if node_id not in voters:
-            raise ValueError(f"node {node_id} is not one of the voters {sorted(voters)}")
+        # A node that is not one of the (3 or 5) voters follows the map without voting: a
+        # pysyncobj read-only node, which dials every voter and passes its proposals on.
+        self.voter = node_id in voters
         for voter, address in voters.items():
             host, port = address.rsplit(":", 1)
             DIAL_ADDRESSES[voter] = (host, int(port))
@@ -187,9 +188,8 @@ class RaftMembership:
         self.on_applied: OnApplied = _ignore_applied
         self._loop = loop
         directory.mkdir(parents=True, exist_ok=True)
-        own_host, own_port = DIAL_ADDRESSES[node_id]
         self._conf = SyncObjConf(
-            password=password, bindAddress=f"{own_host}:{own_port}",
+            password=password, bindAddress=voters[node_id] if self.voter else None,
             journalFile=str(directory / "raft.journal"), fullDumpFile=str(directory / "raft.dump"),
             raftMinTimeout=election_timeout_s[0], raftMaxTimeout=election_timeout_s[1],
             appendEntriesPeriod=heartbeat_s, leaderFallbackTimeout=leader_fallback_s,
@@ -202,8 +202,8 @@ class RaftMembership:
 
     def start(self) -> None:
         others = [MembershipNode(voter) for voter in sorted(self._voters) if voter != self.node_id]
-        self._syncobj = SyncObj(MembershipNode(self.node_id), others, conf=self._conf, consumers=[self._machine],
-                                nodeClass=MembershipNode)
+        self._syncobj = SyncObj(MembershipNode(self.node_id) if self.voter else None, others, conf=self._conf,
+                                consumers=[self._machine], nodeClass=MembershipNode)
 
     def stop(self) -> None:
         if self._syncobj is not None:

@@ -91,7 +91,7 @@ class Node:
         config = self.config
         secret = (Path(config.data_dir) / "cluster.secret").read_text().strip()
         voters = dict(config.membership_nodes)
-        if config.membership_bind:
+        if config.membership_bind and config.node_id in voters:
             # This node listens where configured, even when its peers dial a proxy.
             voters_for_bind = {**voters, config.node_id: config.membership_bind}
         else:

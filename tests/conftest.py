@@ -97,9 +97,9 @@ def _no_user_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Non
 def qcluster_factory(tmp_path: Path) -> Iterator[object]:
     clusters: list[LocalCluster] = []
 
-    def make(size: int = 2, placement: dict[str, list[str]] | None = None,
-             extra: dict[str, object] | None = None) -> LocalCluster:
-        cluster = LocalCluster(tmp_path / f"cluster{len(clusters)}", size, placement, extra)
+    def make(size: int = 3, placement: dict[str, list[str]] | None = None,
+             extra: dict[str, object] | None = None, voters: int | None = None) -> LocalCluster:
+        cluster = LocalCluster(tmp_path / f"cluster{len(clusters)}", size, placement, extra, voters=voters)
         clusters.append(cluster)
         cluster.start_all()
         return cluster

@@ -283,3 +283,21 @@ async def test_with_its_replica_out_of_sync_a_lost_master_leaves_the_queue_unava
         assert entry["master"] == "n2" and entry["last_reason"] == "unclean"
         await client.refresh_placement()
         assert await client.enqueue("orders", b"after") > 0
+
+
+async def test_a_node_beyond_the_voters_follows_the_map_holds_members_and_takes_over_as_master(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
+    cluster = qcluster_factory(4, {"north": ["n4", "n1"], "south": ["n1", "n4"]}, voters=3)
+    async with AsyncClient(cluster.urls["n2"], cluster.credentials_path) as client:
+        for name in ("north", "south"):
+            await client.create_queue(name, strength="full")
+        acknowledged = {name: set(await client.enqueue_many(name, [name.encode()] * 50)) for name in ("north", "south")}
+        nodes = {n["id"]: n for n in (await map_of(cluster, "n4"))["nodes"]}
+        assert nodes["n4"]["voter"] is False and nodes["n1"]["voter"] is True
+        cluster.kill("n1")           # a voter and south's master: two voters remain, south fails over to n4
+
+        async def failed_over() -> bool:
+            return (await map_of(cluster, "n4"))["queues"]["south"]["master"] == "n4"
+        await wait_for(failed_over, 10.0, "south to fail over to the non-voter n4")
+        acknowledged["south"] |= set(await client.enqueue_many("south", [b"after"] * 10))
+        for name in ("north", "south"):
+            assert set(await drain(client, name)) == acknowledged[name], name
