@@ -418,7 +418,7 @@ class AsyncClient:
                 raise
             # Once more, where the map says now (the same node too: it has just become the
             # master, so what it forwarded before failed).
-            return await getattr(other, method)(*args, **kwargs)
+            return await _retried_once(error, getattr(other, method)(*args, **kwargs))
 
     def _route_to(self, url: str) -> AsyncClient:
         if url == self.url:
@@ -478,7 +478,7 @@ class AsyncClient:
             master = await self._rerouted(queue, error)
             if master is None:
                 raise
-            return await master.enqueue(queue, payload, priority, dedupe_id)
+            return await _retried_once(error, master.enqueue(queue, payload, priority, dedupe_id))
 
     async def enqueue_many(self, queue: str, payloads: Iterable[bytes], priority: int = 4, *,
                            dedupe_ids: Sequence[str] | None = None) -> list[int]:
@@ -504,7 +504,7 @@ class AsyncClient:
             master = await self._rerouted(queue, error)
             if master is None:
                 raise
-            return await master.enqueue_many(queue, items, priority, dedupe_ids=ids)
+            return await _retried_once(error, master.enqueue_many(queue, items, priority, dedupe_ids=ids))
         for outcome in outcomes:
             if type(outcome) is not int:
                 raise _item_error(outcome)
@@ -948,6 +948,18 @@ class AsyncClient:
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(error)
+
+
+async def _retried_once(first: QueueError, retry: Awaitable[Any]) -> Any:
+    """The one retry of a call whose first attempt failed with `first`: when that attempt's
+    outcome was unknown, a definite error of the retry does not make the call's outcome
+    definite (the first attempt may have been applied)."""
+    try:
+        return await retry
+    except QueueError as error:
+        if first.outcome_unknown and not error.outcome_unknown:
+            raise QueueError(error.kind, error.message, outcome_unknown=True) from error
+        raise
 
 
 def _item_error(outcome: Any) -> QueueError:

@@ -137,7 +137,8 @@ class OpenBatch:
     def empty(self) -> bool:
         s = self.sealed
         return not (s.operations or self.replies or self.pushes or s.queue_records or s.deleted_queues
-                    or s.client_puts or s.client_deletes or s.housekeeping_ms is not None or self.after_commit)
+                    or s.truncations or s.client_puts or s.client_deletes or s.housekeeping_ms is not None
+                    or self.after_commit)
 
 
 class _Messages:
@@ -415,11 +416,29 @@ class Engine:
         old = role.core
         dead_letter = old.dead_letter_core
         self._remove_core(old, keep_role=True)
+        # The same epoch as the instance it replaces: its journal records and its durable
+        # epoch must not go back to the default (a node never accepts an older epoch).
         fresh = self._create_core(old.name, old.options, old.record.created_ms,
-                                  dead_letter_of=old.record.dead_letter_of, incarnation=role.incarnation)
+                                  dead_letter_of=old.record.dead_letter_of, incarnation=role.incarnation,
+                                  epoch=old.record.epoch)
         fresh.dead_letter_core = dead_letter
         role.core = fresh
         fresh.visible_upto = role.visible_order
+
+    def discard_uncommitted(self, core: QueueCore, order: int) -> bool:
+        """A deposed `producer` master becomes replica: drop its suffix past the commit point
+        `order` (QueueCore.discard_after) from memory, from the open batch and, first thing in
+        the next transaction, from storage (a batch already being written lands before it).
+        False when the core cannot (the member then takes the master's whole history)."""
+        if core.discard_after(order) is None:
+            return False
+        sealed = self._open.sealed
+        queue_id = core.queue_id
+        sealed.operations[:] = [op for op in sealed.operations if op.queue_id != queue_id or op.order <= order]
+        sealed.oplog_rows[:] = [row for row in sealed.oplog_rows if row[0] != queue_id or row[1] <= order]
+        sealed.truncations.append((queue_id, order))
+        self._touch(core)
+        return True
 
     def stage_applied(self, core: QueueCore, applied: list[Any]) -> None:
         """Operations the replica applied: persist them with their op-log rows."""
@@ -796,11 +815,20 @@ class Engine:
     }
 
     # --- time-driven work ------------------------------------------------------------------
+    def _full_master_may_decide(self) -> bool:
+        """Under `full`, a master takes ordering indices on its own (expiry, serving waiting
+        receives) only while it holds its lease: one cut off, or just restarted on a map that
+        has moved on, would write a suffix in its old epoch at indices the pair's history uses
+        for other operations (its replica never accepts them; the audit sees two operations at
+        one index of one epoch)."""
+        return self.coordinator is None or self.coordinator.lease_valid()
+
     def _expire_leases(self, now_ms: int) -> None:
         operations = self._open.sealed.operations
         masters, clustered = self.pairs.masters, self.pairs.clustered
+        may_decide = self._full_master_may_decide()
         for core in self.cores.values():
-            if clustered and core.name not in masters and core.options.strength.value == "full":
+            if clustered and core.options.strength.value == "full" and (core.name not in masters or not may_decide):
                 # Under `full` the master decides expiry and replicates it. A core with no role
                 # yet (the map not replayed after a restart) must not decide one either: it
                 # would take ordering indices outside the stream.
@@ -819,13 +847,17 @@ class Engine:
         """Hand ready messages to waiting receives, then to subscriptions with credit. In a
         pair, ready is not enough: only committed messages are visible, and the commit point
         moves with the replica's acknowledgements, so every queue with listeners is looked at."""
+        may_decide = True
         if self.pairs.clustered:
             self._to_serve.update(self._waiters)
             self._to_serve.update(name for name, subscriptions in self._subscriptions.items() if subscriptions)
+            may_decide = self._full_master_may_decide()
         for name in self._to_serve:
             core = self.cores.get(name)
             if core is None or not core.has_ready():
                 continue
+            if not may_decide and core.options.strength.value == "full" and name in self.pairs.masters:
+                continue          # see _full_master_may_decide; the waiters wait on
             waiters = self._waiters.get(name)
             while waiters:
                 command = waiters[0].command

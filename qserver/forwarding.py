@@ -77,6 +77,15 @@ def command_from_forward(request: Any, replier: Any) -> c.Command:
     raise QueueError(E_BAD_REQUEST, f"unknown forwarded request {kind!r}")
 
 
+def forwarded_error(code: str, message: Any) -> QueueError:
+    """The error a forwarded request was answered with. Its [code, message] form cannot say
+    whether the operation was applied, and E_NOT_MASTER comes from a master deposed while the
+    request was held, or from this node failing the forwards still in flight when it became
+    the master (qserver/pairs.py `_fail_forwards`): either may have applied it, so its outcome
+    is unknown (the client retries with the same dedupe id, or reports it unknown)."""
+    return QueueError(code, str(message), outcome_unknown=code == E_NOT_MASTER.code)
+
+
 def answer_from_master(command: Any) -> Callable[[Any], None]:
     """How to answer the replica's client from the master's result for its command."""
     kind, replier, request_id = type(command), command.replier, command.request_id
@@ -84,11 +93,11 @@ def answer_from_master(command: Any) -> Callable[[Any], None]:
     def answer(outcome: Any) -> None:
         if isinstance(outcome, list) and len(outcome) == 2 and isinstance(outcome[0], str) \
                 and outcome[0].startswith("E_"):
-            replier.fail(request_id, QueueError(outcome[0], str(outcome[1])))
+            replier.fail(request_id, forwarded_error(outcome[0], outcome[1]))
         elif kind is c.Enqueue:
             epoch, [single] = outcome
             if isinstance(single, list):
-                replier.fail(request_id, QueueError(single[0], str(single[1])))
+                replier.fail(request_id, forwarded_error(single[0], single[1]))
             else:
                 replier.reply(request_id, [single, epoch])
         elif kind is c.Receive:

@@ -97,8 +97,13 @@ class ClusterView:
         return self.membership.cluster_map.queues.get(base_name(queue))
 
     def url(self, node: str) -> str:
+        """Where this node dials `node` (HTTP passing-on): its own [cluster.nodes] entry first,
+        as for the peer link, so a proxy on that link carries both (DESIGN.md 4.7); the URL
+        the map publishes (how clients reach the node) only for nodes the table lacks."""
+        if self.urls.get(node):
+            return self.urls[node]
         entry = self.cluster_map.nodes.get(node)
-        return entry.url if entry is not None and entry.url else self.urls.get(node, "")
+        return entry.url if entry is not None and entry.url else ""
 
 
 @dataclass(slots=True)
@@ -172,6 +177,10 @@ class PairDriver:
             self.replicas.pop(core.name, None)
             role_name = "master"
         elif entry.replica == self.node_id:
+            if isinstance(previous, MasterRole) and last_order > commit:
+                kept = self._discard_uncommitted(core, commit)
+                if kept is not None:
+                    last_order, digest, durable = commit, kept, min(durable, commit)
             role = self.replicas[core.name] = ReplicaRole(
                 core, self.engine.storage, node_id=self.node_id, master_id=entry.master, epoch=entry.epoch,
                 incarnation=incarnation, applied_order=last_order, digest=digest, last_epoch=record.epoch,
@@ -268,6 +277,17 @@ class PairDriver:
         if self.link_up(entry.master):
             role.start(self.engine.clock_ms())
             self._flush(role)
+
+    def _discard_uncommitted(self, core: QueueCore, commit: int) -> bytes | None:
+        """A deposed master about to follow: under `producer`, drop what it holds past its
+        commit point and open from there (the new master holds everything committed), so its
+        consumers keep their own acks and leases; the digest at `commit`, or None when the
+        suffix stays (then the master finds the histories differ and sends everything)."""
+        digest = self.engine.storage.digest_at(core.queue_id, commit)
+        if digest is None or not self.engine.discard_uncommitted(core, commit):
+            return None
+        log.info("queue %s: uncommitted suffix after %d discarded", core.name, commit)
+        return digest
 
     def _refuse_held(self, name: str, error: QueueError) -> None:
         commit = self.commit_order(name)

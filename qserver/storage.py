@@ -74,6 +74,8 @@ class SealedBatch:
     payload_reads: list[tuple[int, int]] = field(default_factory=list)       # (queue_id, index)
     epochs: dict[str, int] = field(default_factory=dict)                     # queue name -> epoch
     oplog_rows: list[tuple[int, int, bytes, bytes]] = field(default_factory=list)  # (queue_id, order, digest, op)
+    # A deposed master's uncommitted suffix to erase first: (queue_id, last order kept).
+    truncations: list[tuple[int, int]] = field(default_factory=list)
     # Journal-only records: a member taking a role in an epoch (op "epoch"; see JOURNAL_FIELDS).
     journal_marks: list[list[Any]] = field(default_factory=list)
     next_queue_id: int | None = None
@@ -283,6 +285,8 @@ class Storage:
         self._batch_names = names
         self._batch_replicas = batch.replica_queue_ids
         journal = self._journal_writer(txn, names) if self.journal_enabled else None
+        for queue_id, order in batch.truncations:    # first: this batch's operations come after
+            self._truncate(txn, queue_id, order)
         operations = batch.operations
         position, count = 0, len(operations)
         while position < count:
@@ -398,6 +402,28 @@ class Storage:
         txn.put(_QPI.pack(op.dead_letter_queue_id, priority, op.dead_letter_index), b"", db=self.db["ready"])
         if op.track_status:
             self._put_status(txn, op.queue_id, op.index, "dead_lettered", op.at_ms, None)
+
+    def _truncate(self, txn: lmdb.Transaction, queue_id: int, order: int) -> None:
+        """Erase a queue's messages (with their ready and dedupe rows) and op-log rows past
+        `order`: an uncommitted suffix (see Engine.discard_uncommitted). Unjournaled: the
+        member's epoch record, whose base is `order`, says where its stream goes on."""
+        db = self.db
+        cursor = txn.cursor(db=db["messages"])
+        cursor.set_range(_QI.pack(queue_id, order + 1))
+        while (key := cursor.key()) and _QI.unpack(key)[0] == queue_id:     # b"": past the end
+            index = _QI.unpack(key)[1]
+            priority, _, dedupe_id, _, _ = msgpack.unpackb(cursor.value())
+            txn.delete(_QPI.pack(queue_id, priority, index), db=db["ready"])
+            if dedupe_id is not None:
+                dedupe_key = _Q.pack(queue_id) + dedupe_id.encode()
+                kept = txn.get(dedupe_key, db=db["dedupe"])
+                if kept is not None and _QI.unpack(kept)[0] == index:
+                    txn.delete(dedupe_key, db=db["dedupe"])
+            cursor.delete()          # moves to the next record
+        cursor = txn.cursor(db=db["oplog"])
+        cursor.set_range(_QI.pack(queue_id, order + 1))
+        while (key := cursor.key()) and _QI.unpack(key)[0] == queue_id:
+            cursor.delete()
 
     _APPLY = {Leased: _apply_leased, Acked: _apply_acked,
               Released: _apply_released, DeadLettered: _apply_dead_lettered}

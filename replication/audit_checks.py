@@ -1029,16 +1029,24 @@ def _check_history(history: list[HistoryEnqueue], components: list[list[StreamKe
 
 def _enqueue_index(components: list[list[StreamKey]], replays: Mapping[StreamKey, StreamReplay]) -> tuple[
         dict[tuple[str, str], tuple[int, JournalRecord]], dict[tuple[str, int], tuple[int, JournalRecord]]]:
+    """Where each dedupe id and message id was enqueued. One found twice is matched with the
+    record of the newest epoch: an older one was a deposed master's discarded suffix, and the
+    client's retry (same dedupe id) was stored again under a new id by the next master."""
     by_dedupe: dict[tuple[str, str], tuple[int, JournalRecord]] = {}
     by_id: dict[tuple[str, int], tuple[int, JournalRecord]] = {}
+
+    def keep(index: dict[Any, tuple[int, JournalRecord]], slot: Any, found: tuple[int, JournalRecord]) -> None:
+        known = index.get(slot)
+        if known is None or found[1].epoch > known[1].epoch:
+            index[slot] = found
     for position, members in enumerate(components):
         for key in members:
             for message_id, record in replays[key].enqueued.items():
                 if record.op != "enqueue":
                     continue
                 if record.dedupe_id is not None:
-                    by_dedupe.setdefault((record.queue, record.dedupe_id), (position, record))
-                by_id.setdefault((record.queue, message_id), (position, record))
+                    keep(by_dedupe, (record.queue, record.dedupe_id), (position, record))
+                keep(by_id, (record.queue, message_id), (position, record))
     return by_dedupe, by_id
 
 

@@ -250,6 +250,36 @@ class QueueCore:
     def has_ready(self) -> bool:
         return self.record.ready_count > 0
 
+    def discard_after(self, order: int) -> list[tuple[int, int]] | None:
+        """Drop a deposed `producer` master's uncommitted suffix: the enqueues past `order`
+        (no consumer saw them: only committed messages are visible), so that the member can
+        follow the new master from `order` and keep its own consumption state of everything
+        before (DESIGN.md 4.1). Returns the (priority, index) dropped, or None when it cannot
+        be done here (under `full` the suffix holds consumption steps too; a message past
+        `order` is leased, or may lie on a page not loaded since a restart): the member then
+        takes the master's whole history instead."""
+        if self.options.strength is not Strength.PRODUCER or order + 1 < self._boundary \
+                or any(index > order for index in self._leases):
+            return None
+        dropped: list[tuple[int, int]] = []
+        for priority, heap in enumerate(self._ready):
+            if any(index > order for index in heap):
+                dropped += [(priority, index) for index in heap if index > order and index not in self._removed]
+                kept = [index for index in heap if index <= order]
+                heapq.heapify(kept)
+                self._ready[priority] = kept
+        for _, index in dropped:
+            self._ready_deliveries.pop(index, None)
+        self._removed = {index for index in self._removed if index <= order}
+        for overlay in (self._dedupe.staged, self._dedupe.sealed):
+            for dedupe_id in [d for d, (index, _) in overlay.items() if index > order]:
+                del overlay[dedupe_id]
+        record = self.record
+        record.ready_count -= len(dropped)
+        record.total_enqueued -= len(dropped)
+        record.next_index = min(record.next_index, order + 1)
+        return dropped
+
     # --- the replica's side: applying what the master decided ------------------------------
     def apply(self, op: Operation) -> None:
         """Apply an operation the master decided, in ordering-index order (DESIGN.md 4.1).

@@ -62,7 +62,7 @@ async def test_killing_the_master_under_load_loses_no_acknowledged_message_and_e
 
         async def watch_masters() -> None:
             while not stop.is_set():
-                for node in cluster.processes:
+                for node in list(cluster.processes):   # a kill may change it while we await
                     try:
                         for entry in (await map_of(cluster, node))["queues"].values():
                             observed.setdefault(entry["epoch"], set()).add(entry["master"])

@@ -1,0 +1,219 @@
+"""Bugs the chaos suite found, each pinned where it lives (the chaos scenarios replay them on
+real processes; these tests hold the layer itself).
+
+* A deposed `producer` master that rejoined as replica took the new master's whole history
+  (its histories differed only by an uncommitted suffix), losing its consumers' acks: acked
+  messages came back at that member (DESIGN.md 4.1: a returning member keeps its consumption
+  state; an uncommitted suffix is discarded).
+* A replica instance re-created for a full transfer started at epoch 1: its journal records
+  named the wrong epoch and its durable epoch went backwards.
+* E_NOT_MASTER answering a forwarded enqueue said the outcome was known, and a retry's
+  definite error hid an earlier attempt's unknown outcome: the client reported a failure for
+  an enqueue that was stored.
+* HTTP passing-on dialled the URL the map publishes (the client proxy), not the node's own
+  table: a partition between two nodes did not cut it.
+* The audit matched a client's acknowledged enqueue with a deposed master's discarded copy of
+  it (same dedupe id, older epoch) and reported a history mismatch.
+* A `full` master without a lease (just restarted on a map that had moved on) expired leases,
+  taking ordering indices its pair's history uses for other operations.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from client.errors import E_NOT_MASTER, E_QUEUE_UNAVAILABLE, E_UNAVAILABLE, QueueError
+from qserver import commands as c
+from qserver.forwarding import answer_from_master, forwarded_error
+from qserver.pairs import ClusterView
+from qserver.storage import SealedBatch, Storage
+from replication.audit_checks import HistoryEnqueue, JournalRecord, check_group
+from replication.cluster_map import ClusterMap
+from replication.operations import Enqueued, Operation
+from replication.options import QueueOptions, Strength
+from replication.queue_core import QueueCore, QueueRecord
+from replication.store import MemoryStore
+
+AT_MS = 1_700_000_000_000
+
+
+def producer_core(store: MemoryStore, strength: Strength = Strength.PRODUCER) -> QueueCore:
+    record = QueueRecord(1, "events", QueueOptions(strength=strength), AT_MS)
+    return QueueCore(record, store, random.Random(3))
+
+
+def enqueue(core: QueueCore, store: MemoryStore, count: int, tag: str) -> list[int]:
+    ops: list[Operation] = []
+    ids = [core.enqueue(f"{tag}{i}".encode(), 4, f"{tag}-{i}", "c", AT_MS, ops)[0] for i in range(count)]
+    core.seal()
+    store.apply(ops)
+    core.advance()
+    return ids
+
+
+# --- the uncommitted suffix of a deposed `producer` master ---------------------------------------
+def test_a_deposed_producer_master_drops_its_uncommitted_suffix_and_keeps_what_its_consumers_acked() -> None:
+    store = MemoryStore()
+    core = producer_core(store)
+    enqueue(core, store, 10, "a")                   # 1..10, committed up to 6
+    core.visible_upto = 6
+    ops: list[Operation] = []
+    leased = core.lease(3, None, "c", AT_MS, ops)
+    assert [op.index for op in leased] == [1, 2, 3]
+    for op in leased[:2]:
+        core.ack(op.index, op.receipt, "c", AT_MS, ops)
+    dropped = core.discard_after(6)
+    assert dropped is not None and sorted(index for _, index in dropped) == [7, 8, 9, 10]
+    assert core.record.next_index == 7 and core.depth == 4          # 3 leased, 4..6 ready
+    core.visible_upto = None
+    more: list[Operation] = []
+    assert [op.index for op in core.lease(10, None, "c", AT_MS, more)] == [4, 5, 6]
+    assert core.enqueue(b"new", 4, "fresh", "c", AT_MS, more) == (7, False)   # the stream goes on from 7
+
+
+def test_a_suffix_is_not_dropped_under_full_strength_nor_past_a_lease() -> None:
+    store = MemoryStore()
+    full = producer_core(store, Strength.FULL)
+    enqueue(full, store, 3, "f")
+    assert full.discard_after(1) is None            # consumption steps are in its suffix too
+    producer = producer_core(MemoryStore())
+    enqueue(producer, MemoryStore(), 3, "p")
+    producer.lease(3, None, "c", AT_MS, [])
+    assert producer.discard_after(1) is None        # a consumer holds a message past the point
+
+
+def test_storage_erases_a_truncated_suffix_before_the_batch_that_follows(tmp_path: Path) -> None:
+    storage = Storage(tmp_path / "lmdb", node_id="n1")
+    record = QueueRecord(1, "events", QueueOptions(strength=Strength.PRODUCER), AT_MS, next_index=6)
+    first = SealedBatch(operations=[Enqueued(1, i, 4, AT_MS, f"d{i}", "c", b"x") for i in range(1, 6)],
+                        queue_records={"events": record.to_json()},
+                        oplog_rows=[(1, i, bytes(16), b"op") for i in range(1, 6)])
+    storage.commit(first)
+    # the suffix 4..5 goes, and the new master's 4 lands in the same transaction after it
+    second = SealedBatch(operations=[Enqueued(1, 4, 4, AT_MS, "new", "c", b"y")],
+                         queue_records={"events": record.to_json()}, oplog_rows=[(1, 4, bytes(16), b"op")],
+                         truncations=[(1, 3)])
+    storage.commit(second)
+    storage.begin_read()
+    assert storage.ready_page(1, 4, 0, 100, 100) == [(1, 0), (2, 0), (3, 0), (4, 0)]
+    assert storage.dedupe_lookup(1, "d5") is None and storage.dedupe_lookup(1, "d4") is None
+    assert storage.dedupe_lookup(1, "new") is not None and storage.dedupe_lookup(1, "d3") is not None
+    assert storage.read_client_payload(1, 4) == b"y" and storage.read_client_payload(1, 5) is None
+    assert storage.last(1)[0] == 4
+    storage.close()
+
+
+# --- outcomes of forwarded and retried enqueues ---------------------------------------------------
+class _Replier:
+    def __init__(self) -> None:
+        self.failed: list[QueueError] = []
+
+    def fail(self, request_id: int, error: QueueError) -> None:
+        self.failed.append(error)
+
+    def reply(self, request_id: int, result: Any) -> None:
+        raise AssertionError("no reply expected")
+
+
+def test_a_forwarded_enqueue_answered_not_master_has_an_unknown_outcome() -> None:
+    replier = _Replier()
+    command = c.EnqueueMany("events", 4, (b"x",), ("d1",), "client", replier)
+    answer_from_master(command)([E_NOT_MASTER.code, "this member became the master"])
+    assert replier.failed[0].code == E_NOT_MASTER.code and replier.failed[0].outcome_unknown
+    assert not forwarded_error(E_QUEUE_UNAVAILABLE.code, "no member may serve").outcome_unknown
+
+
+@pytest.mark.asyncio
+async def test_a_retry_that_fails_definitely_keeps_the_first_attempts_unknown_outcome() -> None:
+    from client.aio import _retried_once
+
+    async def refused() -> int:
+        raise QueueError(E_QUEUE_UNAVAILABLE, "cannot serve")
+    first = QueueError(E_UNAVAILABLE, "connection lost", outcome_unknown=True)
+    with pytest.raises(QueueError) as raised:
+        await _retried_once(first, refused())
+    assert raised.value.code == E_QUEUE_UNAVAILABLE.code and raised.value.outcome_unknown
+    with pytest.raises(QueueError) as definite:
+        await _retried_once(QueueError(E_NOT_MASTER, "moved"), refused())
+    assert not definite.value.outcome_unknown
+    assert await _retried_once(first, asyncio.sleep(0, result=7)) == 7
+
+
+# --- where a node dials its peers -------------------------------------------------------------------
+class _Membership:
+    def __init__(self, cluster_map: ClusterMap) -> None:
+        self.cluster_map = cluster_map
+
+
+def test_http_passing_on_dials_the_nodes_own_table_before_the_published_url() -> None:
+    from replication.cluster_map import AddNode
+    cluster_map = ClusterMap()
+    cluster_map.apply(AddNode("n2", "http://127.0.0.1:9002"))          # what clients are told
+    cluster_map.apply(AddNode("n3", "http://127.0.0.1:9003"))
+    view = ClusterView("n1", {"n1": "http://127.0.0.1:9001", "n2": "http://127.0.0.1:7012"},
+                       _Membership(cluster_map))   # type: ignore[arg-type]
+    assert view.url("n2") == "http://127.0.0.1:7012"                   # n1's proxy to n2
+    assert view.url("n3") == "http://127.0.0.1:9003"                   # not in the table: the map's
+
+
+# --- the audit and a deposed master's discarded copy --------------------------------------------
+def _record(node: str, sequence: int, epoch: int, index: int, op: str, dedupe: str | None, role: str,
+            queue_id: int = 1) -> JournalRecord:
+    return JournalRecord(f"j-{node}", sequence, AT_MS + sequence, "orders", queue_id, epoch, index, op,
+                         index if op == "enqueue" else 0, dedupe, 4, 1, 7, role, node, "c")
+
+
+def test_the_audit_matches_an_acknowledged_enqueue_with_the_copy_that_survived() -> None:
+    records = [
+        _record("n1", 1, 1, 0, "epoch", "create", "master"), _record("n2", 1, 1, 0, "epoch", "create", "replica"),
+        _record("n1", 2, 1, 1, "enqueue", "a", "master"), _record("n2", 2, 1, 1, "enqueue", "a", "replica"),
+        _record("n1", 3, 1, 2, "enqueue", "b", "master"),            # never reached n2: discarded
+        _record("n2", 3, 2, 1, "epoch", "failover", "master"),
+        _record("n2", 4, 2, 2, "enqueue", "c", "master"),
+        _record("n2", 5, 2, 3, "enqueue", "b", "master"),            # the client's retry of "b"
+    ]
+    history = [HistoryEnqueue("orders", "ok", 1, "a", 7), HistoryEnqueue("orders", "ok", 3, "b", 7),
+               HistoryEnqueue("orders", "ok", 2, "c", 7)]
+    from replication.audit_checks import history_as_record
+    result = check_group("orders", records + [history_as_record(h) for h in history])
+    kinds = {v["kind"] for v in result["violations"]}
+    assert "history_mismatch" not in kinds, result["violations"]
+
+
+# --- a full master without its lease takes no index --------------------------------------------
+def test_a_full_master_without_a_lease_does_not_expire_leases_on_its_own() -> None:
+    from qserver.engine import Engine
+
+    class _Coordinator:
+        valid = False
+
+        def lease_valid(self) -> bool:
+            return self.valid
+    engine = Engine.__new__(Engine)
+    coordinator = _Coordinator()
+    engine.coordinator = coordinator      # type: ignore[assignment]
+    assert not engine._full_master_may_decide()
+    coordinator.valid = True
+    assert engine._full_master_may_decide()
+    engine.coordinator = None
+    assert engine._full_master_may_decide()
+
+
+# --- a replica instance re-created for a full transfer ----------------------------------------------
+def test_a_replica_instance_recreated_for_a_full_transfer_keeps_the_epoch_it_replaces(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from qserver.config import NodeConfig
+    from qserver.engine import Engine
+    storage = Storage(tmp_path / "lmdb", node_id="n1")
+    engine = Engine(NodeConfig(data_dir=str(tmp_path)), storage)
+    old = engine._create_core("events", QueueOptions(), AT_MS, None, incarnation=5, epoch=3)
+    role = SimpleNamespace(core=old, incarnation=5, visible_order=0)
+    engine.reset_replica_instance(role, old.record.to_json())
+    assert role.core is not old and role.core.record.epoch == 3
+    assert engine._open.sealed.epochs["events"] == 3
+    storage.close()
