@@ -1,0 +1,321 @@
+"""Judging a chaos history: Jepsen's total-queue checks plus order and one master per epoch.
+
+Pure: no I/O, no clock. Input is the history as written (chaos.history: one dict per
+operation), each queue's strength, and the (queue, epoch, master) triples the observer read
+from every node's cluster map during the run. The rules:
+
+* **lost** (violation): an enqueue acknowledged ok whose message no consumer was ever given
+  (`replication.invariants.lost_acknowledged`; the drain at the end takes what is left, so
+  nothing may still be held). A message that was dead-lettered counts as delivered when the
+  drain takes it from the dead-letter queue.
+* **unexpected** (violation): a delivered message whose tag no enqueue was invoked with, or
+  whose enqueue definitely failed; a delivered message under another id than its enqueue was
+  answered with (`id_mismatch`).
+* **duplicated**: a message delivered more than once. Every repeat must be explained, by the
+  delivery count growing (a lease expired, was released, or its ack was not confirmed), or
+  under `producer` by the other member (each member serves its own consumers). A repeat after
+  the message's ack was confirmed, a repeat with a delivery count that did not grow on the same
+  member, one enqueue stored as two messages, or two confirmed acks of one message on one
+  member are violations.
+* **recovered**: an enqueue whose outcome was unknown, delivered after all (not a violation).
+* **order** (violation): an enqueue that completed before another was invoked got the lower
+  id; and under `full`, a consumer was not given a message of a lower id and the same or a
+  higher priority that was committed and ready (see `_first_delivery_order`).
+* **two masters** (violation): two nodes named master of one queue in one epoch, in any
+  node's cluster map at any sample (`replication.invariants.epochs_with_two_masters`).
+"""
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from replication.invariants import epochs_with_two_masters, lost_acknowledged
+
+DEAD_LETTER_SUFFIX = ".dlq"
+LISTED_MAX = 20          # violations listed per kind (all are counted)
+MEMBER_ANY = "*"         # under `full` the members' consumption is one state
+
+
+@dataclass
+class Delivery:
+    queue: str           # the source queue (a dead-letter delivery is folded into its source)
+    message_id: int
+    tag: str | None
+    deliveries: int
+    priority: int
+    node: str
+    t_invoke: float
+    t_complete: float
+    polled: bool         # a receive call (its invoke time bounds the lease); False: pushed
+    dead_letter: bool
+
+
+@dataclass
+class QueueFacts:
+    enqueues: dict[str, dict[str, Any]] = field(default_factory=dict)   # tag -> enqueue entry
+    deliveries: list[Delivery] = field(default_factory=list)
+    acks: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Findings:
+    violations: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: defaultdict(list))
+    counts: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, kind: str, **detail: Any) -> None:
+        self.violations[kind].append(detail)
+
+
+def source_queue(queue: str) -> tuple[str, bool]:
+    if queue.endswith(DEAD_LETTER_SUFFIX):
+        return queue[:-len(DEAD_LETTER_SUFFIX)], True
+    return queue, False
+
+
+def gather(history: Iterable[Mapping[str, Any]]) -> dict[str, QueueFacts]:
+    facts: dict[str, QueueFacts] = defaultdict(QueueFacts)
+    for entry in history:
+        queue = entry.get("queue")
+        if not queue:
+            continue
+        source, dead = source_queue(queue)
+        if entry["op"] == "enqueue":
+            facts[source].enqueues[entry["dedupe_id"]] = dict(entry)
+        elif entry["op"] == "receive" and entry["status"] == "ok":
+            for message in entry.get("messages", []):
+                facts[source].deliveries.append(Delivery(
+                    source, message["id"], message.get("tag"), message["deliveries"], message["priority"],
+                    message.get("node") or "?", entry["t_invoke"], entry["t_complete"], message.get("via") != "push",
+                    dead))
+        elif entry["op"] == "ack" and not dead:
+            facts[source].acks.append(dict(entry))
+    return facts
+
+
+def check(history: Iterable[Mapping[str, Any]], strengths: Mapping[str, str],
+          observations: Iterable[tuple[str, int, str]] = ()) -> dict[str, Any]:
+    """The verdict over a history: counts per queue, violations by kind (listed up to
+    LISTED_MAX each, all counted), explained duplicates by explanation."""
+    facts = gather(history)
+    findings = Findings()
+    per_queue = {}
+    for queue in sorted(set(facts) | set(strengths)):
+        per_queue[queue] = _check_queue(queue, facts[queue], strengths.get(queue, "full"), findings)
+    masters = _check_masters(observations, findings)
+    counts = {name: sum(q[name] for q in per_queue.values()) for name in
+              ("enqueue_ok", "enqueue_fail", "enqueue_unknown", "delivered", "delivered_messages", "lost",
+               "unexpected", "duplicated", "recovered")}
+    explained: dict[str, int] = defaultdict(int)
+    for queue_counts in per_queue.values():
+        for reason, count in queue_counts["duplicates_explained"].items():
+            explained[reason] += count
+    violation_counts = {kind: len(items) for kind, items in sorted(findings.violations.items())}
+    return {"valid": not violation_counts, "counts": counts, "duplicates_explained": dict(sorted(explained.items())),
+            "violation_counts": violation_counts,
+            "violations": {kind: items[:LISTED_MAX] for kind, items in sorted(findings.violations.items())},
+            "queues": per_queue, "epochs_observed": masters}
+
+
+def _check_queue(queue: str, facts: QueueFacts, strength: str, findings: Findings) -> dict[str, Any]:
+    statuses: dict[str, int] = defaultdict(int)
+    for entry in facts.enqueues.values():
+        statuses[entry["status"]] += 1
+    acknowledged = {tag: entry["id"] for tag, entry in facts.enqueues.items() if entry["status"] == "ok"}
+    delivered_tags = {d.tag for d in facts.deliveries}
+    ids_of_tag = _ids_of_tags(queue, facts, acknowledged, findings)
+    _check_unexpected(queue, facts, findings)
+    delivered_ids = {ids_of_tag[d.tag] for d in facts.deliveries if d.tag in ids_of_tag}
+    lost = lost_acknowledged(acknowledged.values(), (), delivered_ids)
+    tag_of_id = {message_id: tag for tag, message_id in acknowledged.items()}
+    for message_id in sorted(lost):
+        findings.add("lost", queue=queue, id=message_id, tag=tag_of_id.get(message_id))
+    recovered = sorted(tag for tag, entry in facts.enqueues.items()
+                       if entry["status"] == "unknown" and tag in delivered_tags)
+    explained = _check_repeats(queue, facts, strength, findings)
+    _check_acks(queue, facts, strength, findings)
+    _check_enqueue_order(queue, facts, findings)
+    if strength == "full":
+        _first_delivery_order(queue, facts, acknowledged, findings)
+    repeated = sum(1 for count in _delivery_counts(facts).values() if count > 1)
+    return {"strength": strength, "enqueue_ok": statuses["ok"], "enqueue_fail": statuses["fail"],
+            "enqueue_unknown": statuses["unknown"], "delivered": len(facts.deliveries),
+            "delivered_messages": len(delivered_tags), "lost": len(lost),
+            "unexpected": sum(1 for t in delivered_tags if t not in facts.enqueues
+                              or facts.enqueues[t]["status"] == "fail"),
+            "duplicated": repeated, "duplicates_explained": explained, "recovered": len(recovered),
+            "acks_ok": sum(1 for a in facts.acks if a["status"] == "ok")}
+
+
+def _ids_of_tags(queue: str, facts: QueueFacts, acknowledged: Mapping[str, int],
+                 findings: Findings) -> dict[str, int]:
+    """tag -> message id in the queue (from the enqueue's answer, else from deliveries); one
+    tag under two ids of the queue is one enqueue stored twice."""
+    ids: dict[str, int] = dict(acknowledged)
+    seen: dict[str, set[int]] = defaultdict(set)
+    for delivery in facts.deliveries:
+        if delivery.tag is not None and not delivery.dead_letter:
+            seen[delivery.tag].add(delivery.message_id)
+    for tag, message_ids in sorted(seen.items()):
+        if len(message_ids) > 1:
+            findings.add("duplicate_enqueue", queue=queue, tag=tag, ids=sorted(message_ids))
+        expected = acknowledged.get(tag)
+        if expected is not None and message_ids - {expected}:
+            findings.add("id_mismatch", queue=queue, tag=tag, answered=expected, delivered=sorted(message_ids))
+        ids.setdefault(tag, min(message_ids))
+    return ids
+
+
+def _check_unexpected(queue: str, facts: QueueFacts, findings: Findings) -> None:
+    reported: set[str | None] = set()
+    for delivery in facts.deliveries:
+        if delivery.tag in reported:
+            continue
+        entry = facts.enqueues.get(delivery.tag or "")
+        if entry is None:
+            findings.add("unexpected", queue=queue, id=delivery.message_id, tag=delivery.tag,
+                         why="no enqueue was invoked with this tag")
+        elif entry["status"] == "fail":
+            findings.add("unexpected", queue=queue, id=delivery.message_id, tag=delivery.tag,
+                         why=f"its enqueue failed definitely ({entry.get('error')})")
+        else:
+            continue
+        reported.add(delivery.tag)
+
+
+def _delivery_counts(facts: QueueFacts) -> dict[tuple[int, bool], int]:
+    counts: dict[tuple[int, bool], int] = defaultdict(int)
+    for delivery in facts.deliveries:
+        counts[(delivery.message_id, delivery.dead_letter)] += 1
+    return counts
+
+
+def _check_repeats(queue: str, facts: QueueFacts, strength: str, findings: Findings) -> dict[str, int]:
+    """Each later delivery of a message, against the delivery before it on the same member."""
+    explained: dict[str, int] = defaultdict(int)
+    confirmed = _confirmed_acks(facts, strength)
+    by_message: dict[tuple[int, bool], list[Delivery]] = defaultdict(list)
+    for delivery in facts.deliveries:
+        by_message[(delivery.message_id, delivery.dead_letter)].append(delivery)
+    for deliveries in by_message.values():
+        if len(deliveries) < 2:
+            continue
+        deliveries.sort(key=lambda d: (d.t_complete, d.deliveries))
+        last_on: dict[str, Delivery] = {}
+        for delivery in deliveries:
+            member = delivery.node if strength == "producer" else MEMBER_ANY
+            acked_at = confirmed.get((delivery.message_id, member, delivery.dead_letter))
+            if acked_at is not None and acked_at < delivery.t_invoke:
+                findings.add("delivered_after_ack", queue=queue, id=delivery.message_id, tag=delivery.tag,
+                             node=delivery.node, deliveries=delivery.deliveries, acked_at=round(acked_at, 3),
+                             delivered_at=round(delivery.t_complete, 3))
+            previous = last_on.get(member)
+            if previous is None:
+                if last_on:        # delivered before, by the other member (`producer` only)
+                    explained["another_member"] += 1
+            elif delivery.deliveries > previous.deliveries:
+                explained["redelivered_with_higher_count"] += 1
+            else:
+                findings.add("unexplained_redelivery", queue=queue, id=delivery.message_id, tag=delivery.tag,
+                             node=delivery.node, deliveries=delivery.deliveries,
+                             previous_deliveries=previous.deliveries, previous_node=previous.node,
+                             at=round(delivery.t_complete, 3))
+            last_on[member] = delivery
+    return dict(sorted(explained.items()))
+
+
+def _confirmed_acks(facts: QueueFacts, strength: str) -> dict[tuple[int, str, bool], float]:
+    """(message id, member, dead letter?) -> completion time of its first ack confirmed ok."""
+    confirmed: dict[tuple[int, str, bool], float] = {}
+    for ack in facts.acks:
+        if ack["status"] != "ok":
+            continue
+        member = (ack.get("node") or "?") if strength == "producer" else MEMBER_ANY
+        key = (ack["id"], member, False)
+        confirmed[key] = min(confirmed.get(key, ack["t_complete"]), ack["t_complete"])
+    return confirmed
+
+
+def _check_acks(queue: str, facts: QueueFacts, strength: str, findings: Findings) -> None:
+    """Exactly-once acknowledgement: one message is acked ok at most once per member."""
+    seen: dict[tuple[int, str], dict[str, Any]] = {}
+    for ack in sorted(facts.acks, key=lambda a: a["t_complete"]):
+        if ack["status"] != "ok":
+            continue
+        member = (ack.get("node") or "?") if strength == "producer" else MEMBER_ANY
+        key = (ack["id"], member)
+        if key in seen:
+            findings.add("acked_twice", queue=queue, id=ack["id"], node=ack.get("node"),
+                         first_at=round(seen[key]["t_complete"], 3), second_at=round(ack["t_complete"], 3))
+        else:
+            seen[key] = ack
+
+
+def _check_enqueue_order(queue: str, facts: QueueFacts, findings: Findings) -> None:
+    """Indices grow in real time: an enqueue that completed before another was invoked has
+    the lower id (ids are ordering indices, strictly increasing across epochs)."""
+    done = sorted((e for e in facts.enqueues.values() if e["status"] == "ok"), key=lambda e: e["t_complete"])
+    started = sorted(done, key=lambda e: e["t_invoke"])
+    highest: dict[str, Any] | None = None
+    position = 0
+    for entry in started:
+        while position < len(done) and done[position]["t_complete"] < entry["t_invoke"]:
+            if highest is None or done[position]["id"] > highest["id"]:
+                highest = done[position]
+            position += 1
+        if highest is not None and highest["id"] >= entry["id"]:
+            findings.add("enqueue_order", queue=queue, earlier_id=highest["id"], earlier_tag=highest["dedupe_id"],
+                         later_id=entry["id"], later_tag=entry["dedupe_id"])
+
+
+def _first_delivery_order(queue: str, facts: QueueFacts, acknowledged: Mapping[str, int], findings: Findings) -> None:
+    """Under `full`: when a receive was given message a, no message b of a higher priority,
+    or of the same priority and a lower id, may have been committed (its enqueue acknowledged before the receive was
+    invoked) and still never leased (b's first lease started after the receive completed).
+
+    Only what the history pins down is judged: b's first lease must be a polled delivery with
+    a delivery count of 1 (a lease hidden in a receive whose answer was lost, or pushed at an
+    unknown time, makes b's first lease time unknown, so b is not judged), and `a` a polled
+    first delivery. Candidates are kept per priority in heaps ordered by id."""
+    first: dict[str, Delivery] = {}
+    unknown_first: set[str] = set()
+    for delivery in sorted(facts.deliveries, key=lambda d: d.t_complete):
+        if delivery.dead_letter or delivery.tag is None or delivery.tag in first or delivery.tag in unknown_first:
+            continue
+        if delivery.deliveries == 1 and delivery.polled:
+            first[delivery.tag] = delivery
+        else:
+            unknown_first.add(delivery.tag)
+    committed = sorted((facts.enqueues[tag]["t_complete"], tag) for tag in acknowledged if tag in first)
+    heaps: dict[int, list[tuple[int, str]]] = defaultdict(list)
+    position = 0
+    for delivery in sorted(first.values(), key=lambda d: d.t_invoke):
+        while position < len(committed) and committed[position][0] < delivery.t_invoke:
+            tag = committed[position][1]
+            heapq.heappush(heaps[first[tag].priority], (acknowledged[tag], tag))
+            position += 1
+        for priority, heap in heaps.items():
+            if priority < delivery.priority:
+                continue
+            while heap and first[heap[0][1]].t_invoke <= delivery.t_complete:
+                heapq.heappop(heap)        # leased by then: no longer a candidate (never again)
+            # A higher priority goes first whatever its id; the same priority by id.
+            if heap and (priority > delivery.priority or heap[0][0] < delivery.message_id):
+                skipped_id, skipped_tag = heap[0]
+                findings.add("delivery_order", queue=queue, delivered_id=delivery.message_id,
+                             delivered_priority=delivery.priority, skipped_id=skipped_id, skipped_priority=priority,
+                             skipped_tag=skipped_tag, at=round(delivery.t_complete, 3))
+
+
+def _check_masters(observations: Iterable[tuple[str, int, str]], findings: Findings) -> dict[str, int]:
+    by_queue: dict[str, list[tuple[int, str]]] = defaultdict(list)
+    for queue, epoch, master in observations:
+        by_queue[queue].append((epoch, master))
+    epochs = {}
+    for queue, pairs in sorted(by_queue.items()):
+        for epoch, masters in sorted(epochs_with_two_masters(pairs).items()):
+            findings.add("two_masters_in_epoch", queue=queue, epoch=epoch, masters=sorted(masters))
+        epochs[queue] = len({epoch for epoch, _ in pairs})
+    return epochs

@@ -1,0 +1,208 @@
+"""Scenarios: small declarative TOML files (chaos/scenarios/*.toml) that say what a run does.
+
+    description = "one line"
+    nodes = 3                    # 3 to 5
+    time_s = 300                 # the workload's time with faults (the run adds start, recovery, settle, drain, audit)
+    seed = 1
+    recovery_s = 10              # workload after the last heal: the cluster must serve again
+    settle_timeout_s = 60        # then every pair must agree, be in sync and caught up within this
+    drain_timeout_s = 60         # per queue and member
+    op_timeout_s = 8             # a client call that takes longer is recorded unknown
+
+    [settings]                   # [node] keys for every node (deploy/node.toml lists them)
+    replica_lag_max_ms = 1000
+
+    [[queues]]                   # chaos.workload.QueueSpec
+    name = "orders"
+    strength = "full"
+    placement = ["n1", "n2"]
+    producers = 2
+    consumers = 2
+    push_consumers = 1
+    rate = 20
+    priorities = [4, 7]
+
+    [nemesis]                    # chaos.nemesis.FaultSpec: faults drawn from the seed ...
+    kinds = ["partition-master-replica", "kill"]
+    duration_s = [3, 10]
+    quiet_s = [2, 6]
+    tracks = 1                   # 2+: overlapping faults (combinations)
+
+    [[nemesis.steps]]            # ... or an explicit schedule
+    at_s = 5
+    kind = "pause"
+    duration_s = 4
+    target = "master"
+    queue = "orders"
+
+A scenario is named by its file or by its name under chaos/scenarios/.
+"""
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from chaos.nemesis import FAULT_KINDS, MODES, RING_NODES_MIN, TARGETS, Fault, FaultSpec, ScheduledFault
+from chaos.workload import QueueSpec
+
+SCENARIO_DIRECTORY = Path(__file__).resolve().parent / "scenarios"
+TIME_MAX_S = 3_600.0          # a run is bounded
+QUEUES_MAX = 16
+WORKERS_PER_QUEUE_MAX = 16
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    description: str = ""
+    nodes: int = 3
+    time_s: float = 60.0
+    seed: int = 1
+    recovery_s: float = 8.0
+    settle_timeout_s: float = 60.0
+    drain_timeout_s: float = 60.0
+    op_timeout_s: float = 8.0
+    settings: dict[str, str] = field(default_factory=dict)
+    queues: tuple[QueueSpec, ...] = ()
+    nemesis: FaultSpec = FaultSpec()
+
+    def strengths(self) -> dict[str, str]:
+        return {queue.name: queue.strength for queue in self.queues}
+
+    def placement(self) -> dict[str, list[str]]:
+        return {queue.name: list(queue.placement) for queue in self.queues if queue.placement}
+
+
+def scenario_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    for candidate in (SCENARIO_DIRECTORY / f"{name_or_path}.toml", SCENARIO_DIRECTORY / name_or_path):
+        if candidate.is_file():
+            return candidate
+    known = ", ".join(sorted(p.stem for p in SCENARIO_DIRECTORY.glob("*.toml")))
+    raise FileNotFoundError(f"no scenario {name_or_path!r} (a file, or one of: {known})")
+
+
+def available() -> list[str]:
+    return sorted(p.stem for p in SCENARIO_DIRECTORY.glob("*.toml"))
+
+
+def load_scenario(name_or_path: str) -> Scenario:
+    path = scenario_path(name_or_path)
+    return parse_scenario(path.stem, tomllib.loads(path.read_text()))
+
+
+def parse_scenario(name: str, raw: dict[str, Any]) -> Scenario:
+    known = {f.name for f in fields(Scenario)} - {"name"}
+    unknown = set(raw) - known
+    if unknown:
+        raise ValueError(f"scenario {name}: unknown keys {sorted(unknown)}")
+    queues = tuple(_queue(entry) for entry in raw.get("queues", []))
+    scenario = Scenario(
+        name=name, description=str(raw.get("description", "")), nodes=int(raw.get("nodes", 3)),
+        time_s=float(raw.get("time_s", 60.0)), seed=int(raw.get("seed", 1)),
+        recovery_s=float(raw.get("recovery_s", 8.0)), settle_timeout_s=float(raw.get("settle_timeout_s", 60.0)),
+        drain_timeout_s=float(raw.get("drain_timeout_s", 60.0)), op_timeout_s=float(raw.get("op_timeout_s", 8.0)),
+        settings={key: _toml_literal(value) for key, value in raw.get("settings", {}).items()},
+        queues=queues, nemesis=_nemesis(raw.get("nemesis", {})))
+    check_scenario(scenario)
+    return scenario
+
+
+def check_scenario(scenario: Scenario) -> None:
+    problems = []
+    if not 3 <= scenario.nodes <= 5:
+        problems.append("nodes must be 3 to 5")
+    if not 0 < scenario.time_s <= TIME_MAX_S:
+        problems.append(f"time_s must be in (0, {TIME_MAX_S}]")
+    if not scenario.queues or len(scenario.queues) > QUEUES_MAX:
+        problems.append(f"1 to {QUEUES_MAX} queues")
+    ids = {f"n{i}" for i in range(1, scenario.nodes + 1)}
+    for queue in scenario.queues:
+        if queue.strength not in ("full", "producer"):
+            problems.append(f"{queue.name}: strength is full or producer")
+        if queue.placement and (len(set(queue.placement)) != 2 or not set(queue.placement) <= ids):
+            problems.append(f"{queue.name}: placement names two different nodes of {sorted(ids)}")
+        if max(queue.producers, queue.consumers, queue.push_consumers) > WORKERS_PER_QUEUE_MAX or queue.rate <= 0:
+            problems.append(f"{queue.name}: at most {WORKERS_PER_QUEUE_MAX} workers of a kind, a positive rate")
+    kinds = set(scenario.nemesis.kinds) | {step.fault.kind for step in scenario.nemesis.steps}
+    if "majority-ring" in kinds and scenario.nodes < RING_NODES_MIN:
+        problems.append(f"majority-ring needs {RING_NODES_MIN} nodes")
+    if problems:
+        raise ValueError(f"scenario {scenario.name}: " + "; ".join(problems))
+
+
+def _queue(entry: dict[str, Any]) -> QueueSpec:
+    known = {f.name for f in fields(QueueSpec)}
+    unknown = set(entry) - known
+    if unknown:
+        raise ValueError(f"queue {entry.get('name')}: unknown keys {sorted(unknown)}")
+    values = dict(entry)
+    if "placement" in values:
+        values["placement"] = tuple(values["placement"])
+    if "priorities" in values:
+        values["priorities"] = tuple(int(p) for p in values["priorities"])
+    return QueueSpec(**values)
+
+
+def _pair(value: Any, cast: type) -> Any:
+    low, high = value if isinstance(value, list | tuple) else (value, value)
+    if cast(low) > cast(high):
+        raise ValueError(f"range {value} runs backwards")
+    return (cast(low), cast(high))
+
+
+def _nemesis(raw: dict[str, Any]) -> FaultSpec:
+    known = {f.name for f in fields(FaultSpec)}
+    unknown = set(raw) - known
+    if unknown:
+        raise ValueError(f"[nemesis]: unknown keys {sorted(unknown)}")
+    values: dict[str, Any] = {}
+    for key in ("duration_s", "quiet_s", "handoff_interval_s"):
+        if key in raw:
+            values[key] = _pair(raw[key], float)
+    for key in ("latency_ms", "jitter_ms", "rate_kbs"):
+        if key in raw:
+            values[key] = _pair(raw[key], int)
+    for key in ("kinds", "targets", "scopes"):
+        if key in raw:
+            values[key] = tuple(raw[key])
+    for key in ("tracks",):
+        if key in raw:
+            values[key] = int(raw[key])
+    for key in ("start_s", "end_margin_s"):
+        if key in raw:
+            values[key] = float(raw[key])
+    if "mode" in raw:
+        values["mode"] = str(raw["mode"])
+    values["steps"] = tuple(_step(step) for step in raw.get("steps", []))
+    spec = FaultSpec(**values)
+    bad = [k for k in spec.kinds if k not in FAULT_KINDS] + [t for t in spec.targets if t not in TARGETS]
+    if bad or spec.mode not in MODES or not 1 <= spec.tracks <= 4:
+        raise ValueError(f"[nemesis]: unknown kinds/targets {bad}, mode {spec.mode!r} or tracks {spec.tracks} (1-4)")
+    return spec
+
+
+def _step(raw: dict[str, Any]) -> ScheduledFault:
+    values = dict(raw)
+    at_s = float(values.pop("at_s"))
+    if "handoff_interval_s" in values:
+        values["handoff_interval_s"] = _pair(values["handoff_interval_s"], float)
+    values["duration_s"] = float(values["duration_s"])
+    return ScheduledFault(at_s, Fault(**values))
+
+
+def _toml_literal(value: Any) -> str:
+    """A [settings] value as the TOML literal the node's config file gets."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_literal(v) for v in value) + "]"
+    raise ValueError(f"setting value {value!r} is not a TOML scalar or list")

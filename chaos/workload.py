@@ -1,0 +1,395 @@
+"""The client side of a chaos run: producers, consumers, the observer, settling and draining.
+
+Every worker has its own `AsyncClient` bound to one node's client proxy (workers are spread
+over the nodes) and records each operation in the history (chaos.history) with the outcome
+the client library gave it:
+
+* producers enqueue one message per call at a steady rate, each with a unique dedupe id that
+  the payload also carries (the *tag*);
+* polling consumers receive up to a few messages, then ack most of them, release a few and
+  abandon a few (their leases expire and they come back with a higher delivery count);
+* push consumers (`consume`) take what the server pushes and ack it, subscribing again at the
+  queue's current master when nothing comes for a while.
+
+The observer reads every node's cluster map directly (not through the proxies) a few times a
+second: what each node believes about each queue's (epoch, master) feeds the one-master-per-
+epoch check, and the newest map tells the nemesis whom to target.
+
+After the faults are healed: `settle` waits until every node agrees on every queue's pair,
+the replica is in sync and caught up; `drain` then takes every message left, from the master
+(and under `producer` from both members, which consume on their own), dead-letter queues too.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from chaos.cluster import ChaosCluster
+from chaos.history import History, Operation, crc32, payload_for, tag_of
+from client import AsyncClient, Message, QueueError
+from client.credentials import load_credentials
+from client.http import HttpClient
+
+log = logging.getLogger("chaos.workload")
+
+OBSERVE_INTERVAL_S = 0.25
+OBSERVE_TIMEOUT_S = 1.0
+RECEIVE_WAIT_S = 0.5
+PUSH_IDLE_S = 3.0
+PUSH_PREFETCH = 10
+ERROR_PAUSE_S = 0.2
+DRAIN_BATCH = 200
+SETTLE_POLL_S = 0.5
+WORKER_STOP_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class QueueSpec:
+    name: str
+    strength: str = "full"
+    placement: tuple[str, str] | None = None
+    producers: int = 2
+    consumers: int = 2               # polling consumers
+    push_consumers: int = 0
+    rate: float = 20.0               # enqueues per second per producer
+    priorities: tuple[int, ...] = (4,)
+    payload_bytes: int = 64
+    receive_max: int = 5
+    visibility_timeout_s: float = 5.0
+    max_deliveries: int = 20
+    release_fraction: float = 0.02
+    abandon_fraction: float = 0.01
+
+    def options(self) -> dict[str, Any]:
+        return {"strength": self.strength, "visibility_timeout_s": self.visibility_timeout_s,
+                "max_deliveries": self.max_deliveries}
+
+
+def _error_text(error: BaseException) -> str:
+    if isinstance(error, QueueError):
+        return f"{error.code}: {error.message}"[:300]
+    return repr(error)[:300]
+
+
+class Observer:
+    """Samples every node's /v1/cluster; keeps (queue, epoch, master) as each node saw it."""
+
+    def __init__(self, cluster: ChaosCluster, history: History) -> None:
+        self.cluster = cluster
+        self.history = history
+        signer = load_credentials(cluster.credentials_path).signer()
+        self.http = {node: HttpClient(cluster.urls[node], signer, request_timeout_s=OBSERVE_TIMEOUT_S)
+                     for node in cluster.ids}
+        self.observations: set[tuple[str, int, str]] = set()
+        self.seen_by: dict[tuple[str, int, str], set[str]] = {}
+        self.samples = 0
+        self.latest: dict[str, Any] = {}
+
+    def newest_map(self) -> dict[str, Any]:
+        return self.latest
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await asyncio.gather(*(self._watch(node, stop) for node in self.cluster.ids))
+
+    async def _watch(self, node: str, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            if node in self.cluster.processes and node not in self.cluster.paused:
+                await self.sample(node)
+            await asyncio.sleep(OBSERVE_INTERVAL_S)
+
+    async def sample(self, node: str) -> dict[str, Any] | None:
+        try:
+            current = await self.http[node].cluster()
+        except (QueueError, ValueError):
+            return None
+        self.samples += 1
+        for queue, entry in current.get("queues", {}).items():
+            if entry.get("master"):
+                key = (queue, int(entry["epoch"]), str(entry["master"]))
+                self.observations.add(key)
+                self.seen_by.setdefault(key, set()).add(node)
+        if current.get("version", 0) >= self.latest.get("version", -1):
+            self.latest = current
+        return current
+
+    async def close(self) -> None:
+        for http in self.http.values():
+            await http.close()
+
+
+@dataclass
+class Workload:
+    cluster: ChaosCluster
+    history: History
+    queues: list[QueueSpec]
+    seed: int
+    op_timeout_s: float = 8.0
+    clients: list[AsyncClient] = field(default_factory=list)
+    node_of_url: dict[str, str] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.node_of_url = {url.rstrip("/"): node for node, url in self.cluster.client_urls.items()}
+
+    def client(self, node: str) -> AsyncClient:
+        client = AsyncClient(self.cluster.client_urls[node], self.cluster.credentials_path,
+                             request_timeout_s=self.op_timeout_s, connect_timeout_s=2.0)
+        self.clients.append(client)
+        return client
+
+    def served_by(self, message: Message) -> str:
+        """The node whose client proxy answered: the client library routes each queue to its
+        master (or keeps a member's own consumers there, under `producer`)."""
+        client = getattr(message, "_client", None)
+        return self.node_of_url.get(str(getattr(client, "url", "")).rstrip("/"), "?")
+
+    async def create_queues(self) -> None:
+        async with AsyncClient(self.cluster.client_urls[self.cluster.ids[0]], self.cluster.credentials_path) as admin:
+            for spec in self.queues:
+                await admin.create_queue(spec.name, **spec.options())
+
+    # --- workers -------------------------------------------------------------------------------
+    def start(self, stop: asyncio.Event) -> list[asyncio.Task[None]]:
+        tasks = []
+        ids = self.cluster.ids
+        slot = 0
+        for spec in self.queues:
+            for worker in range(spec.producers):
+                tasks.append(asyncio.create_task(self._produce(spec, worker, ids[slot % len(ids)], stop)))
+                slot += 1
+            for worker in range(spec.consumers):
+                tasks.append(asyncio.create_task(self._consume_polling(spec, worker, ids[slot % len(ids)], stop)))
+                slot += 1
+            for worker in range(spec.push_consumers):
+                tasks.append(asyncio.create_task(self._consume_pushed(spec, worker, ids[slot % len(ids)], stop)))
+                slot += 1
+        return tasks
+
+    def _rng(self, *parts: object) -> random.Random:
+        return random.Random(f"{self.seed}-" + "-".join(map(str, parts)))
+
+    async def _produce(self, spec: QueueSpec, worker: int, node: str, stop: asyncio.Event) -> None:
+        rng = self._rng("produce", spec.name, worker)
+        client = self.client(node)
+        process = f"p-{spec.name}-{worker}@{node}"
+        sequence = 0
+        while not stop.is_set():
+            sequence += 1
+            tag = f"{spec.name}.{worker}.{sequence}"
+            payload = payload_for(tag, spec.payload_bytes)
+            priority = rng.choice(spec.priorities)
+            operation = self.history.invoke(process, "enqueue", spec.name, dedupe_id=tag, payload_crc32=crc32(payload),
+                                            priority=priority, node=node)
+            ok, _ = await self._outcome(operation, client.enqueue(spec.name, payload, priority, dedupe_id=tag),
+                                        lambda message_id: {"id": message_id})
+            await asyncio.sleep(rng.expovariate(spec.rate) if ok else ERROR_PAUSE_S * (1 + rng.random()))
+
+    async def _outcome(self, operation: Operation, call: Awaitable[Any], fields: Any,
+                       timeout_s: float | None = None) -> tuple[bool, Any]:
+        """Await `call` and complete the operation: ok, fail (a definite error) or unknown
+        (a timeout, or an error whose outcome is unknown). (ok?, the call's result)."""
+        try:
+            result = await asyncio.wait_for(call, timeout_s or self.op_timeout_s)
+        except QueueError as error:
+            self.history.complete(operation, "unknown" if error.outcome_unknown else "fail", error=_error_text(error))
+            return False, None
+        except TimeoutError:
+            self.history.complete(operation, "unknown", error="timed out")
+            return False, None
+        except Exception as error:       # a client bug must not end the run; it is reported
+            self.errors.append(_error_text(error))
+            log.exception("unexpected client error")
+            self.history.complete(operation, "unknown", error=_error_text(error))
+            return False, None
+        self.history.complete(operation, "ok", **fields(result))
+        return True, result
+
+    def _received(self, messages: list[Message]) -> dict[str, Any]:
+        return {"messages": [self._message_view(m, "poll") for m in messages]}
+
+    def _message_view(self, message: Message, via: str) -> dict[str, Any]:
+        return {"id": message.id, "tag": tag_of(message.payload), "deliveries": message.deliveries,
+                "priority": message.priority, "node": self.served_by(message), "via": via,
+                "payload_crc32": crc32(message.payload)}
+
+    async def _consume_polling(self, spec: QueueSpec, worker: int, node: str, stop: asyncio.Event) -> None:
+        rng = self._rng("consume", spec.name, worker)
+        client = self.client(node)
+        process = f"c-{spec.name}-{worker}@{node}"
+        while not stop.is_set():
+            operation = self.history.invoke(process, "receive", spec.name, node=node)
+            ok, received = await self._outcome(
+                operation, client.receive(spec.name, rng.randint(1, spec.receive_max), wait_s=RECEIVE_WAIT_S),
+                self._received, self.op_timeout_s + RECEIVE_WAIT_S)
+            if not ok:
+                await asyncio.sleep(ERROR_PAUSE_S)
+                continue
+            await self._settle_messages(spec, process, received, rng)
+
+    async def _settle_messages(self, spec: QueueSpec, process: str, messages: list[Message],
+                               rng: random.Random) -> None:
+        """Ack most, release a few, abandon a few (their leases expire)."""
+        calls = []
+        for message in messages:
+            draw = rng.random()
+            if draw < spec.abandon_fraction:
+                continue
+            action = "release" if draw < spec.abandon_fraction + spec.release_fraction else "ack"
+            calls.append(self.finish(process, message, action))
+        if calls:
+            await asyncio.gather(*calls)
+
+    async def finish(self, process: str, message: Message, action: str) -> bool:
+        operation = self.history.invoke(process, action, message.queue, id=message.id, deliveries=message.deliveries,
+                                        node=self.served_by(message))
+        call = message.ack() if action == "ack" else message.release()
+        ok, _ = await self._outcome(operation, call, lambda _: {})
+        return ok
+
+    async def _consume_pushed(self, spec: QueueSpec, worker: int, node: str, stop: asyncio.Event) -> None:
+        client = self.client(node)
+        process = f"s-{spec.name}-{worker}@{node}"
+        while not stop.is_set():
+            consumer = client.consume(spec.name, prefetch=PUSH_PREFETCH)
+            idle_s = 0.0
+            try:
+                while not stop.is_set() and idle_s < PUSH_IDLE_S:
+                    try:
+                        message = await asyncio.wait_for(consumer.__anext__(), 1.0)
+                    except TimeoutError:
+                        idle_s += 1.0
+                        continue
+                    idle_s = 0.0
+                    operation = self.history.invoke(process, "receive", spec.name, node=node)
+                    self.history.complete(operation, "ok", messages=[self._message_view(message, "push")])
+                    await self.finish(process, message, "ack")
+            except (QueueError, StopAsyncIteration) as error:
+                self.history.info(process, "subscription", queue=spec.name, error=_error_text(error))
+                await asyncio.sleep(ERROR_PAUSE_S)
+            finally:
+                with contextlib.suppress(QueueError, TimeoutError):
+                    await asyncio.wait_for(consumer.close(), 3.0)
+            with contextlib.suppress(QueueError, TimeoutError):     # follow the queue's master
+                await asyncio.wait_for(client.refresh_placement(), 3.0)
+
+    async def stop_workers(self, tasks: list[asyncio.Task[None]]) -> None:
+        """Workers finish the operation they are in (bounded), then stop."""
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=self.op_timeout_s + WORKER_STOP_GRACE_S)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def close(self) -> None:
+        for client in self.clients:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(client.close(), 5.0)
+        self.clients.clear()
+
+    # --- the end of a run --------------------------------------------------------------------
+    async def settle(self, observer: Observer, timeout_s: float) -> dict[str, Any]:
+        """Until every running node agrees on every queue's (epoch, master, replica), the pair
+        is in sync and the master's replica has caught up; returns how it went."""
+        started = self.history.now()
+        problems: list[str] = ["not checked yet"]
+        while self.history.now() - started < timeout_s:
+            problems = await self._unsettled(observer)
+            if not problems:
+                return {"settled": True, "settle_s": round(self.history.now() - started, 2)}
+            await asyncio.sleep(SETTLE_POLL_S)
+        return {"settled": False, "settle_s": round(self.history.now() - started, 2), "problems": problems[:10]}
+
+    async def _unsettled(self, observer: Observer) -> list[str]:
+        maps = {}
+        for node in self.cluster.ids:
+            current = await observer.sample(node)
+            if current is None:
+                return [f"{node} does not answer"]
+            maps[node] = current
+        problems = []
+        for spec in self.queues:
+            views = {node: _pair_view(current.get("queues", {}).get(spec.name)) for node, current in maps.items()}
+            if len(set(views.values())) != 1:
+                problems.append(f"{spec.name}: nodes disagree {views}")
+                continue
+            epoch, master, replica, in_sync = next(iter(views.values()))
+            if not in_sync or master is None or replica is None:
+                problems.append(f"{spec.name}: not in sync (master {master}, replica {replica})")
+                continue
+            lag = await self._lag(master, spec.name)
+            if lag != 0:
+                problems.append(f"{spec.name}: replica lag {lag}")
+        return problems
+
+    async def _lag(self, master: str, queue: str) -> int | None:
+        try:
+            stats = await observer_stats(self.cluster, master, queue)
+        except (QueueError, ValueError):
+            return None
+        if stats.get("master_status") != "master":
+            return None
+        return int(stats.get("replica_lag", 0) or 0)
+
+    async def drain(self, final_map: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Take every message left: from the master (under `producer` from each member), dead-
+        letter queues too, acking each; done when the member reports the queue empty."""
+        self.history.phase = "drain"
+        outcome: dict[str, Any] = {}
+        for spec in self.queues:
+            entry = final_map.get("queues", {}).get(spec.name, {})
+            members = [entry.get("master")] + ([entry.get("replica")] if spec.strength == "producer" else [])
+            for member in [m for m in members if m]:
+                for queue in (spec.name, spec.name + ".dlq"):
+                    outcome[f"{queue}@{member}"] = await self._drain_one(queue, member, timeout_s)
+        return outcome
+
+    async def _drain_one(self, queue: str, member: str, timeout_s: float) -> dict[str, Any]:
+        client = self.client(member)
+        process = f"drain-{queue}@{member}"
+        rng = self._rng("drain", queue, member)
+        started = self.history.now()
+        taken = 0
+        while self.history.now() - started < timeout_s:
+            operation = self.history.invoke(process, "receive", queue, node=member)
+            ok, received = await self._outcome(operation, client.receive(queue, DRAIN_BATCH, wait_s=RECEIVE_WAIT_S),
+                                               self._received, self.op_timeout_s + RECEIVE_WAIT_S)
+            if not ok:
+                await asyncio.sleep(ERROR_PAUSE_S)
+                continue
+            if received:
+                taken += len(received)
+                await asyncio.gather(*(self.finish(process, m, "ack") for m in received))
+                continue
+            try:
+                depth = int((await observer_stats(self.cluster, member, queue)).get("depth", 0))
+            except QueueError as error:
+                if error.code == "E_UNKNOWN_QUEUE":
+                    return {"drained": True, "taken": taken}
+                depth = -1
+            if depth == 0:
+                return {"drained": True, "taken": taken}
+            await asyncio.sleep(ERROR_PAUSE_S + rng.random() * ERROR_PAUSE_S)   # leased: wait for expiry
+        return {"drained": False, "taken": taken}
+
+
+def _pair_view(entry: dict[str, Any] | None) -> tuple[int, str | None, str | None, bool]:
+    if not entry:
+        return (0, None, None, False)
+    return (int(entry.get("epoch", 0)), entry.get("master"), entry.get("replica"), bool(entry.get("in_sync")))
+
+
+async def observer_stats(cluster: ChaosCluster, node: str, queue: str) -> dict[str, Any]:
+    """A queue's statistics as `node` holds them (asked directly, not through a proxy)."""
+    signer = load_credentials(cluster.credentials_path).signer()
+    async with HttpClient(cluster.urls[node], signer, request_timeout_s=OBSERVE_TIMEOUT_S * 3) as http:
+        return await http.queue_stats(queue)
+
+
+def history_path(run_dir: Path) -> Path:
+    return run_dir / "history.jsonl"

@@ -1,0 +1,198 @@
+"""The chaos runner's pure parts: the history checker on hand-made histories, the scenario
+files and the seeded fault schedule."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from chaos import checker
+from chaos.history import History, payload_for, tag_of
+from chaos.nemesis import FAULT_KINDS, Fault, FaultSpec, plan
+from chaos.scenario import available, load_scenario, parse_scenario
+
+
+class Recorder:
+    """Builds a history with explicit times (seconds)."""
+
+    def __init__(self) -> None:
+        self.entries: list[dict[str, Any]] = []
+
+    def enqueue(self, tag: str, status: str, t: tuple[float, float], message_id: int | None = None,
+                queue: str = "q", priority: int = 4) -> None:
+        self.entries.append({"op": "enqueue", "queue": queue, "status": status, "dedupe_id": tag, "id": message_id,
+                             "priority": priority, "t_invoke": t[0], "t_complete": t[1], "process": "p"})
+
+    def receive(self, messages: list[tuple[int, str, int]], t: tuple[float, float], node: str = "n1",
+                queue: str = "q", priority: int = 4, via: str = "poll") -> None:
+        self.entries.append({"op": "receive", "queue": queue, "status": "ok", "t_invoke": t[0], "t_complete": t[1],
+                             "messages": [{"id": i, "tag": tag, "deliveries": d, "priority": priority, "node": node,
+                                           "via": via} for i, tag, d in messages]})
+
+    def ack(self, message_id: int, status: str, t: tuple[float, float], node: str = "n1", queue: str = "q") -> None:
+        self.entries.append({"op": "ack", "queue": queue, "status": status, "id": message_id, "node": node,
+                             "t_invoke": t[0], "t_complete": t[1]})
+
+
+def verdict(recorder: Recorder, strength: str = "full", observations: Any = ()) -> dict[str, Any]:
+    return checker.check(recorder.entries, {"q": strength}, observations)
+
+
+def test_a_clean_history_is_valid_and_counts_every_outcome() -> None:
+    history = Recorder()
+    history.enqueue("a", "ok", (0, 1), 1)
+    history.enqueue("b", "unknown", (1, 2))
+    history.enqueue("c", "fail", (2, 3))
+    history.receive([(1, "a", 1), (2, "b", 1)], (3, 4))
+    history.ack(1, "ok", (4, 5))
+    result = verdict(history)
+    assert result["valid"], result["violations"]
+    assert result["counts"]["recovered"] == 1 and result["counts"]["enqueue_fail"] == 1
+
+
+def test_an_acknowledged_enqueue_never_delivered_is_lost() -> None:
+    history = Recorder()
+    history.enqueue("a", "ok", (0, 1), 1)
+    history.enqueue("b", "ok", (0, 1), 2)
+    history.receive([(1, "a", 1)], (2, 3))
+    result = verdict(history)
+    assert result["violation_counts"] == {"lost": 1} and result["violations"]["lost"][0]["id"] == 2
+
+
+def test_a_delivered_message_whose_enqueue_failed_or_was_never_made_is_unexpected() -> None:
+    history = Recorder()
+    history.enqueue("a", "fail", (0, 1))
+    history.receive([(1, "a", 1), (2, "ghost", 1)], (2, 3))
+    assert verdict(history)["violation_counts"] == {"unexpected": 2}
+
+
+def test_a_repeat_with_a_higher_delivery_count_is_explained_and_one_without_is_not() -> None:
+    history = Recorder()
+    history.enqueue("a", "ok", (0, 1), 1)
+    history.receive([(1, "a", 1)], (1, 2))
+    history.receive([(1, "a", 2)], (8, 9))          # the lease expired: the count grew
+    result = verdict(history)
+    assert result["valid"] and result["duplicates_explained"] == {"redelivered_with_higher_count": 1}
+    history.receive([(1, "a", 2)], (10, 11))        # again, and the count did not grow
+    assert verdict(history)["violation_counts"] == {"unexplained_redelivery": 1}
+
+
+def test_under_producer_each_member_delivers_once_but_a_member_never_redelivers_what_it_acked() -> None:
+    history = Recorder()
+    history.enqueue("a", "ok", (0, 1), 1)
+    history.receive([(1, "a", 1)], (1, 2), node="n1")
+    history.ack(1, "ok", (2, 3), node="n1")
+    history.receive([(1, "a", 1)], (3, 4), node="n2")
+    history.ack(1, "ok", (4, 5), node="n2")
+    result = verdict(history, "producer")
+    assert result["valid"] and result["duplicates_explained"] == {"another_member": 1}
+    history.receive([(1, "a", 1)], (6, 7), node="n1")
+    history.ack(1, "ok", (7, 8), node="n1")
+    assert verdict(history, "producer")["violation_counts"] == {
+        "acked_twice": 1, "delivered_after_ack": 1, "unexplained_redelivery": 1}
+
+
+def test_one_enqueue_stored_under_two_ids_is_a_duplicate_enqueue() -> None:
+    history = Recorder()
+    history.enqueue("a", "unknown", (0, 1))
+    history.receive([(1, "a", 1), (2, "a", 1)], (2, 3))
+    assert verdict(history)["violation_counts"] == {"duplicate_enqueue": 1}
+
+
+def test_ids_grow_in_real_time() -> None:
+    history = Recorder()
+    history.enqueue("a", "ok", (0, 1), 5)
+    history.enqueue("b", "ok", (2, 3), 4)            # invoked after a completed: must be higher
+    history.enqueue("c", "ok", (0.5, 4), 3)          # concurrent with a: either order
+    history.receive([(3, "c", 1), (4, "b", 1), (5, "a", 1)], (5, 6))
+    assert verdict(history)["violation_counts"] == {"enqueue_order": 1}
+
+
+def test_a_committed_ready_message_may_not_be_skipped_under_full() -> None:
+    history = Recorder()
+    history.enqueue("a", "ok", (0, 1), 1)
+    history.enqueue("b", "ok", (0, 1), 2)
+    history.receive([(2, "b", 1)], (2, 3))           # 1 was committed and ready
+    history.receive([(1, "a", 1)], (4, 5))
+    assert verdict(history)["violation_counts"] == {"delivery_order": 1}
+    assert verdict(history, "producer")["valid"]      # each member's own order: not judged here
+
+
+def test_a_message_whose_first_lease_time_is_unknown_is_not_judged_for_order() -> None:
+    history = Recorder()
+    history.enqueue("a", "ok", (0, 1), 1)
+    history.enqueue("b", "ok", (0, 1), 2)
+    history.receive([(2, "b", 1)], (2, 3))
+    history.receive([(1, "a", 2)], (9, 10))          # 1 was leased by a receive whose answer was lost
+    assert verdict(history)["valid"]
+
+
+def test_a_higher_priority_goes_first_whatever_its_id() -> None:
+    history = Recorder()
+    history.enqueue("a", "ok", (0, 1), 1, priority=4)
+    history.enqueue("b", "ok", (0, 1), 2, priority=7)
+    history.entries.append({"op": "receive", "queue": "q", "status": "ok", "t_invoke": 2, "t_complete": 3,
+                            "messages": [{"id": 1, "tag": "a", "deliveries": 1, "priority": 4, "node": "n1"}]})
+    history.entries.append({"op": "receive", "queue": "q", "status": "ok", "t_invoke": 4, "t_complete": 5,
+                            "messages": [{"id": 2, "tag": "b", "deliveries": 1, "priority": 7, "node": "n1"}]})
+    assert verdict(history)["violation_counts"] == {"delivery_order": 1}
+
+
+def test_two_masters_named_for_one_epoch_by_any_node_is_a_violation() -> None:
+    history = Recorder()
+    result = verdict(history, observations=[("q", 1, "n1"), ("q", 2, "n2"), ("q", 2, "n3")])
+    assert result["violation_counts"] == {"two_masters_in_epoch": 1}
+    assert result["epochs_observed"] == {"q": 2}
+
+
+def test_a_dead_lettered_message_delivered_from_the_dead_letter_queue_is_not_lost() -> None:
+    history = Recorder()
+    history.enqueue("a", "ok", (0, 1), 1)
+    history.receive([(7, "a", 1)], (2, 3), queue="q.dlq")
+    assert verdict(history)["valid"]
+
+
+def test_history_lines_are_qaudit_history_entries(tmp_path: Path) -> None:
+    from audit.inputs import read_history
+    history = History(tmp_path / "history.jsonl")
+    operation = history.invoke("p-1", "enqueue", "q", dedupe_id="q.0.1", payload_crc32=5)
+    history.complete(operation, "ok", id=1)
+    history.info("nemesis", "nemesis", event="start", kind="kill")
+    history.invoke("p-1", "enqueue", "q", dedupe_id="q.0.2")
+    history.close()
+    lines = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+    assert [line["status"] for line in lines] == ["ok", "info", "unknown"]
+    entries = read_history(tmp_path / "history.jsonl")
+    assert [(e.status, e.message_id, e.dedupe_id) for e in entries] == [("ok", 1, "q.0.1"), ("unknown", None, "q.0.2")]
+    assert tag_of(payload_for("q.0.1", 64)) == "q.0.1" and len(payload_for("q.0.1", 64)) == 64
+
+
+# --- scenarios and schedules -------------------------------------------------------------------------
+@pytest.mark.parametrize("name", available())
+def test_every_shipped_scenario_loads_and_plans_within_its_time(name: str) -> None:
+    scenario = load_scenario(name)
+    schedule = plan(scenario.nemesis, scenario.time_s, random.Random(scenario.seed))
+    assert schedule, f"{name} injects no fault"
+    assert all(item.at_s >= 0 and item.at_s + item.fault.duration_s <= scenario.time_s for item in schedule)
+
+
+def test_a_schedule_is_the_same_for_the_same_seed_and_bounded() -> None:
+    spec = FaultSpec(kinds=FAULT_KINDS[:6], duration_s=(1, 3), quiet_s=(0.5, 1), tracks=2)
+    first, again = plan(spec, 60, random.Random(4)), plan(spec, 60, random.Random(4))
+    assert first == again and plan(spec, 60, random.Random(5)) != first
+    for track in (0, 1):
+        faults = [item for item in first if item.track == track]
+        for earlier, later in zip(faults, faults[1:], strict=False):
+            assert earlier.at_s + earlier.fault.duration_s <= later.at_s      # one at a time per track
+
+
+def test_a_bad_scenario_is_refused_with_a_reason() -> None:
+    with pytest.raises(ValueError, match="majority-ring needs 5"):
+        parse_scenario("ring", {"nodes": 3, "queues": [{"name": "q"}], "nemesis": {"kinds": ["majority-ring"]}})
+    with pytest.raises(ValueError, match="unknown keys"):
+        parse_scenario("typo", {"queues": [{"name": "q", "produsers": 2}]})
+    with pytest.raises(ValueError, match="unknown fault kind"):
+        Fault("meteor", 1.0)
