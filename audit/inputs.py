@@ -47,6 +47,7 @@ def resolve_journals(paths: Iterable[str], export_root: Path) -> list[str]:
             if environment is not None:
                 target = export_root / f"env-{len(resolved)}"
                 export_environment(environment, str(target))
+                target.mkdir(parents=True, exist_ok=True)   # a node that journaled nothing: no files
                 raw = str(target)
             else:
                 raw = str(local.resolve())

@@ -217,3 +217,11 @@ def test_a_replica_instance_recreated_for_a_full_transfer_keeps_the_epoch_it_rep
     assert role.core is not old and role.core.record.epoch == 3
     assert engine._open.sealed.epochs["events"] == 3
     storage.close()
+
+
+# --- qaudit over a node that journaled nothing ------------------------------------------------------
+def test_qaudit_reads_the_journal_of_a_node_that_holds_no_queue(tmp_path: Path) -> None:
+    from audit.inputs import read_records, resolve_journals
+    Storage(tmp_path / "n5" / "lmdb", node_id="n5").close()        # a fifth node with no queue
+    paths = resolve_journals([str(tmp_path / "n5")], tmp_path / "exported")
+    assert read_records(paths) == []
