@@ -353,7 +353,10 @@ class PairDriver:
         for op in operations:
             by_queue.setdefault(op.queue_id, []).append(op)
         for role in self.masters.values():
-            ops = by_queue.get(role.core.queue_id)
+            # Only what this master decided: operations it applied as replica earlier in the
+            # same batch (it was promoted or handed the queue before the batch sealed) are in
+            # its history already, and folding them in again would break its digest chain.
+            ops = [op for op in by_queue.get(role.core.queue_id, ()) if op.order > role.last_order]
             if ops:
                 role.replicate(ops, now_ms)
                 for row in role.to_log:

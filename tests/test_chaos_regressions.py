@@ -225,3 +225,37 @@ def test_qaudit_reads_the_journal_of_a_node_that_holds_no_queue(tmp_path: Path) 
     Storage(tmp_path / "n5" / "lmdb", node_id="n5").close()        # a fifth node with no queue
     paths = resolve_journals([str(tmp_path / "n5")], tmp_path / "exported")
     assert read_records(paths) == []
+
+
+# --- a batch that spans a change of role --------------------------------------------------------------
+def test_operations_applied_as_replica_in_the_batch_where_the_node_became_master_are_not_streamed_again(
+        tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from qserver.pairs import PairDriver
+    from replication.digest import EMPTY_DIGEST, fold
+    from replication.master import MasterRole, ReplicationLimits
+    store = MemoryStore()
+    core = producer_core(store, Strength.FULL)
+    applied = Enqueued(1, 1, 4, AT_MS, "a", "c", b"x")        # received from the old master
+    digest = fold(EMPTY_DIGEST, applied)
+    engine = SimpleNamespace(config=SimpleNamespace(node_id="n2"), random_bits=lambda bits: 1)
+    driver = PairDriver(engine, ClusterView("n2", {}, None), ReplicationLimits())   # type: ignore[arg-type]
+    role = MasterRole(core, storage_stub(), node_id="n2", replica_id="n1", epoch=2, incarnation=1,
+                      recorded_in_sync=True, last_order=1, digest=digest)
+    driver.masters["events"] = role
+    decided = Enqueued(1, 2, 4, AT_MS, "b", "c", b"y")          # its first own operation
+    rows: list[tuple[int, int, bytes, bytes]] = []
+    driver.before_commit([applied, decided], rows, AT_MS)
+    assert [order for _, order, _, _ in rows] == [2]
+    assert role.digest == fold(digest, decided) and role.last_order == 2
+
+
+def storage_stub() -> Any:
+    class _OpLog:
+        def read(self, queue_id: int, after_order: int, limit: int) -> list[tuple[int, bytes]]:
+            return []
+
+        def digest_at(self, queue_id: int, order: int) -> bytes | None:
+            return None
+    return _OpLog()
