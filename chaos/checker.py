@@ -11,10 +11,10 @@ from every node's cluster map during the run. The rules:
 * **unexpected** (violation): a delivered message whose tag no enqueue was invoked with, or
   whose enqueue definitely failed; a delivered message under another id than its enqueue was
   answered with (`id_mismatch`).
-* **duplicated**: a message delivered more than once. Every repeat must be explained, by the
-  delivery count growing (a lease expired, was released, or its ack was not confirmed), or
-  under `producer` by the other member (each member serves its own consumers). A repeat after
-  the message's ack was confirmed, a repeat with a delivery count that did not grow on the same
+* **duplicated**: a message delivered more than once. Every repeat must be explained, by a
+  new lease (another delivery count: a lease expired, was released, or its ack was not
+  confirmed), or under `producer` by the other member (each member serves its own consumers).
+  A repeat after the message's ack was confirmed, one delivery count handed out twice on one
   member, one enqueue stored as two messages, or two confirmed acks of one message on one
   member are violations.
 * **recovered**: an enqueue whose outcome was unknown, delivered after all (not a violation).
@@ -193,7 +193,10 @@ def _delivery_counts(facts: QueueFacts) -> dict[tuple[int, bool], int]:
 
 
 def _check_repeats(queue: str, facts: QueueFacts, strength: str, findings: Findings) -> dict[str, int]:
-    """Each later delivery of a message, against the delivery before it on the same member."""
+    """Each later delivery of a message, against the earlier ones on the same member: every
+    lease carries the member's delivery count (replicated under `full`), so two deliveries
+    with one count are one lease given twice. Counts are compared as a set, not in order: the
+    answer of a receive held back by a partition may arrive after a later lease's."""
     explained: dict[str, int] = defaultdict(int)
     confirmed = _confirmed_acks(facts, strength)
     by_message: dict[tuple[int, bool], list[Delivery]] = defaultdict(list)
@@ -203,7 +206,7 @@ def _check_repeats(queue: str, facts: QueueFacts, strength: str, findings: Findi
         if len(deliveries) < 2:
             continue
         deliveries.sort(key=lambda d: (d.t_complete, d.deliveries))
-        last_on: dict[str, Delivery] = {}
+        counts_on: dict[str, dict[int, Delivery]] = {}     # member -> delivery count -> delivery
         for delivery in deliveries:
             member = delivery.node if strength == "producer" else MEMBER_ANY
             acked_at = confirmed.get((delivery.message_id, member, delivery.dead_letter))
@@ -211,18 +214,18 @@ def _check_repeats(queue: str, facts: QueueFacts, strength: str, findings: Findi
                 findings.add("delivered_after_ack", queue=queue, id=delivery.message_id, tag=delivery.tag,
                              node=delivery.node, deliveries=delivery.deliveries, acked_at=round(acked_at, 3),
                              delivered_at=round(delivery.t_complete, 3))
-            previous = last_on.get(member)
-            if previous is None:
-                if last_on:        # delivered before, by the other member (`producer` only)
-                    explained["another_member"] += 1
-            elif delivery.deliveries > previous.deliveries:
-                explained["redelivered_with_higher_count"] += 1
-            else:
+            counts = counts_on.setdefault(member, {})
+            previous = counts.get(delivery.deliveries)
+            if previous is not None:
+                # One lease (its delivery count) handed out twice on one member.
                 findings.add("unexplained_redelivery", queue=queue, id=delivery.message_id, tag=delivery.tag,
-                             node=delivery.node, deliveries=delivery.deliveries,
-                             previous_deliveries=previous.deliveries, previous_node=previous.node,
-                             at=round(delivery.t_complete, 3))
-            last_on[member] = delivery
+                             node=delivery.node, deliveries=delivery.deliveries, previous_node=previous.node,
+                             previous_at=round(previous.t_complete, 3), at=round(delivery.t_complete, 3))
+            elif counts:
+                explained["redelivered_under_a_new_lease"] += 1
+            elif len(counts_on) > 1:        # delivered before, by the other member (`producer` only)
+                explained["another_member"] += 1
+            counts[delivery.deliveries] = delivery
     return dict(sorted(explained.items()))
 
 

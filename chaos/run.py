@@ -115,6 +115,7 @@ async def _run_on(scenario: Scenario, cluster: ChaosCluster, schedule: list[Any]
         await observer.close()
         history.close()
     crashes = list(nemesis.crashes)
+    (run_dir / "observations.json").write_text(json.dumps(sorted(observer.observations)) + "\n")
     await asyncio.to_thread(_kill_all, cluster)
     judged = checker.check(history.completed, scenario.strengths(), observer.observations)
     progress(f"history judged: {'valid' if judged['valid'] else judged['violation_counts']}; auditing the journals")
@@ -220,6 +221,7 @@ def parser() -> argparse.ArgumentParser:
     parse.add_argument("--out", type=Path, help="run directory (default: a new one under the temp directory)")
     parse.add_argument("--spark", action="store_true", help="audit with Spark (local[2]) instead of the pure path")
     parse.add_argument("--keep-data", action="store_true", help="keep the nodes' data directories after a valid run")
+    parse.add_argument("--results", type=Path, help="append the verdict (the last line) to this JSON-lines file")
     parse.add_argument("--log-level", default="WARNING", help="the nodes' log level (their logs stay in the run "
                        "directory)")
     parse.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -255,7 +257,11 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(run_dir / "audit" / "exported", ignore_errors=True)
     print(summary(result))
     compact = {k: v for k, v in result.items() if k not in ("history_violations", "queues")}
-    print(json.dumps(compact, separators=(",", ":")), flush=True)
+    line = json.dumps(compact, separators=(",", ":"))
+    if arguments.results is not None:
+        with arguments.results.open("a") as results:
+            results.write(line + "\n")
+    print(line, flush=True)
     return EXIT_VALID if result["valid"] else EXIT_VIOLATIONS
 
 
