@@ -237,7 +237,11 @@ class MasterRole:
                 or ack.session != self._session:
             return
         self._set_progress(ReplicaProgress.CAUGHT_UP)
-        if not self.recorded_in_sync:
+        # In sync means the replica holds every index acknowledged so far. Acknowledging alone
+        # meanwhile, this master may have answered for live operations past the transfer's
+        # end that the replica has not yet made durable; a failover right after the record
+        # would lose them. Until it has them, `tick` proposes once it does.
+        if not self.recorded_in_sync and self.replica_durable >= self.commit_order:
             self._propose(True)
 
     # --- membership ------------------------------------------------------------------------
