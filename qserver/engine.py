@@ -56,7 +56,7 @@ from qserver.forwarding import (
 )
 from qserver.membership import Membership
 from qserver.metrics import Histogram
-from qserver.pairs import ClusterView, PairDriver, Redirect
+from qserver.pairs import OUTCOME_UNKNOWN, ClusterView, PairDriver, Redirect
 from qserver.storage import CommitResult, MapGrowthNeeded, SealedBatch, Storage, StorageFull
 from replication.cluster_map import CreateQueue, DeleteQueue, QueueEntry, choose_pair
 from replication.cluster_map import PutClient as MapPutClient
@@ -453,6 +453,22 @@ class Engine:
 
     def touch(self, core: QueueCore) -> None:
         self._touch(core)
+
+    def staged(self) -> SealedBatch:
+        """The batch being filled: operations decided here and not yet streamed or committed."""
+        return self._open.sealed
+
+    def outcomes_unknown(self, queue: str, after_order: int) -> None:
+        """This node stopped mastering `queue`: the answers the batches in flight owe about
+        its orders past `after_order` (the commit point it reached as master) will say their
+        outcome is unknown instead of waiting for a commit point of another history."""
+        for batch in (self._committing, self._open):
+            if batch is None:
+                continue
+            for holds in (batch.holds, batch.push_holds):
+                for position, (name, required) in holds.items():
+                    if name == queue and required > after_order:
+                        holds[position] = (name, OUTCOME_UNKNOWN)
 
     def _remove_core(self, core: QueueCore, *, keep_role: bool = False) -> None:
         del self.cores[core.name]

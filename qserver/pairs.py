@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from qserver.membership import Membership
 
 log = logging.getLogger("qserver.pairs")
+OUTCOME_UNKNOWN = -1      # in place of a held answer's required order: see Engine.outcomes_unknown
 EARLY_MESSAGES_MAX = 10_000     # per queue; beyond it the protocol's resends recover
 
 
@@ -264,8 +265,14 @@ class PairDriver:
             return
         previous = master or replica
         self.release_committed()
+        if master is not None:
+            self._stream_staged(master)
+            deposed_commit = master.commit_order
         self._assume(core, entry, previous)
         if master is not None:
+            # Answers the batches in flight still owe about what it decided past its commit
+            # point are released after this: their fate is the new master's to decide.
+            self.engine.outcomes_unknown(name, deposed_commit)
             self.engine.master_left(core, entry.master)
         role = self.replicas.get(name)
         if role is None:
@@ -277,6 +284,23 @@ class PairDriver:
         if self.link_up(entry.master):
             role.start(self.engine.clock_ms())
             self._flush(role)
+
+    def _stream_staged(self, role: MasterRole) -> None:
+        """A master deposed while its core has decided operations still in the engine's open
+        batch (not yet streamed): take them into its history, with their op-log rows, so the
+        replica role it becomes starts after them and they count as its uncommitted suffix
+        (discarded, or the new master resets it). Left out, they would be committed beside
+        the stream, and the new master's operations at the same indices would collide with
+        them. Nobody in the old epoch takes them any more: nothing is sent."""
+        staged = self.engine.staged()
+        ops = [op for op in staged.operations if op.queue_id == role.core.queue_id]
+        if not ops:
+            return
+        role.replicate(ops, self.engine.clock_ms())
+        for row in role.to_log:
+            staged.oplog_rows.append((role.core.queue_id, row.op.order, row.digest, row.encoded))
+        role.to_log.clear()
+        role.outbox.clear()
 
     def _discard_uncommitted(self, core: QueueCore, commit: int) -> bytes | None:
         """A deposed master about to follow: under `producer`, drop what it holds past its
@@ -387,6 +411,13 @@ class PairDriver:
     def hold(self, name: str, required_order: int, release: Any, refuse: Any = None) -> bool:
         """Park an answer until the commit point passes required_order; False: answer now."""
         commit = self.commit_order(name)
+        if required_order == OUTCOME_UNKNOWN or (commit is None and self.clustered):
+            # Decided here as the master, which this node stopped being (or it no longer holds
+            # the queue) before it committed: it may or may not survive.
+            if refuse is not None:
+                refuse(QueueError(E_NOT_MASTER, f"queue {name}: this node stopped being its master before the "
+                                                "operation committed", outcome_unknown=True))
+            return True          # a push is dropped: its lease runs out and it is delivered again
         if commit is None or (required_order <= commit and self._may_answer(name)):
             return False
         self.held.setdefault(name, collections.deque()).append(HeldAnswer(required_order, release, refuse))
