@@ -1,19 +1,32 @@
-"""Deterministic simulation of a queue pair built from real engines (STYLE.md, after
-TigerBeetle's VOPR): the node driver of qserver/engine.py with its group commit, pair driver
-and held answers, on a virtual-time event loop, an in-memory peer network and in-memory
-storage whose commits are durable when they run, after a seeded fsync delay.
+"""Deterministic simulation of a three-node cluster built from real engines (STYLE.md, after
+TigerBeetle's VOPR): the node driver of qserver/engine.py with its group commit, pair driver,
+held answers and coordinator (leases, failover, handoff), the in-memory twin of the
+membership layer (`MemoryMembershipGroup`), on a virtual-time event loop, an in-memory peer
+network and in-memory storage whose commits are durable when they run, after a seeded fsync
+delay.
 
-One `random.Random(seed)` decides everything: the client workload (enqueues at both
-members, receives and acks at the master), fsync latencies, partitions of the pair's link
-and crashes of either node. A crash drops the engine with whatever it had not committed,
-and every answer it still owed; a restart builds a new engine on the same storage. A run is
-a safety phase with faults, then a liveness phase that heals, restarts and lets time run.
-`EngineSimulation(seed, strength).run()` replays a run exactly.
+One `random.Random(seed)` decides everything: the client workload, fsync latencies, network
+latency and the faults. Clients follow the map: each request goes to a node picked at random,
+which looks the queue up in its own copy of the map and is sent to the master or the replica
+named there (a stale copy sends it to the wrong node; errors are recorded, not retried).
+Faults come on a seeded schedule, each bounded in duration: crash and restart of the master,
+of the replica or of any node; process pauses of the master or of any node (its engine and
+disk stop, what arrives waits, it resumes with a backlog on a clock that moved on); partitions of the master from its replica and between any
+pair of nodes (peer links only); a node isolated from the membership majority (cut off from
+the membership log and from every peer); a new membership leader; and handoffs asked by the
+master, by the replica, or by both at the same moment. A crash drops the engine with what it
+had not committed and every answer it still owed, and the node drops out of the membership
+group; a restart builds a new engine on the same storage and replays the map to it.
+
+A run is a safety phase with faults, then a liveness phase that heals everything, restarts
+what is down and lets the cluster converge. `EngineSimulation(seed, strength).run()` replays
+a run exactly; `pair_changes()` counts the failovers, handoffs and moves it went through.
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import collections
+import functools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,53 +36,91 @@ from client.errors import QueueError
 from qserver import commands as c
 from qserver.config import NodeConfig
 from qserver.engine import Engine
+from qserver.membership import MemoryMembershipGroup
 from qserver.peers import MemoryPeerNetwork
+from replication.cluster_map import ChangePair, ChangePairs, ClusterMap, QueueEntry, decode_command
+from replication.operations import Enqueued
 from replication.options import Strength
 from tests.sim.memory_storage import MemoryStorage
 from tests.sim.virtual_loop import DelayedExecutor, VirtualTimeLoop
 
 QUEUE = "q"
-MASTER, REPLICA = "n1", "n2"
-SAFETY_S = 3.0
-LIVENESS_S = 15.0
-FAULTS = 6
+NODES = ("n1", "n2", "n3")
+FIRST_MASTER, FIRST_REPLICA = "n1", "n2"
+SAFETY_S = 4.0
+LIVENESS_S = 10.0
+FAULTS = 7
+HANDOFFS = 3
+SAMPLE_INTERVAL_S = 0.005
+# Short leases so that failovers happen within a run: a master's lease lapses 300 ms after
+# its last renewal, and the membership leader promotes its replica 150 ms after that.
+LEASE_MS = 300
+LEASE_MARGIN_MS = 150
+LEASE_RENEW_INTERVAL_MS = 100
+REPLICA_REPLACE_AFTER_S = 1.0
+FAULT_S = (0.05, 2.0)          # how long a crash, partition or isolation lasts
+
+
+def sim_config(node_id: str) -> NodeConfig:
+    return NodeConfig(
+        node_id=node_id, data_dir=f"/nonexistent/{node_id}",
+        cluster_nodes={node: f"http://{node}.sim" for node in NODES},
+        membership_nodes={node: f"{node}.sim:7200" for node in NODES},   # the twin ignores them
+        lease_ms=LEASE_MS, lease_margin_ms=LEASE_MARGIN_MS, lease_renew_interval_ms=LEASE_RENEW_INTERVAL_MS,
+        raft_leader_fallback_ms=LEASE_MARGIN_MS, raft_heartbeat_ms=30, election_timeout_ms=(100, 200),
+        replica_replace_after_s=REPLICA_REPLACE_AFTER_S).check()
 
 
 @dataclass
 class History:
     """What clients saw (Jepsen-style); the checkers judge it against the final state."""
-    acked_enqueues: set[int] = field(default_factory=set)
-    delivered: list[int] = field(default_factory=list)
+    acked_enqueues: dict[int, bytes] = field(default_factory=dict)     # message id -> payload
+    acked_twice: list[tuple[int, bytes, bytes]] = field(default_factory=list)   # one id, two payloads
+    delivered: list[tuple[int, bytes]] = field(default_factory=list)
     consumed: set[int] = field(default_factory=set)
     ack_invoked: set[int] = field(default_factory=set)     # acks sent, answered or not
     invoked: int = 0
     failures: dict[str, int] = field(default_factory=dict)
     unanswered: int = 0                                    # answers dropped by a crash
+    handoffs: dict[str, int] = field(default_factory=dict)  # "initiator outcome" -> count
+    simultaneous_handoffs: list[dict[str, str]] = field(default_factory=list)   # initiator -> outcome
+    masters_seen: set[tuple[int, str]] = field(default_factory=set)   # (epoch, node acting as master)
 
-    def failed(self, error: BaseException) -> None:
-        code = error.code if isinstance(error, QueueError) else type(error).__name__
+    def failed(self, error: BaseException | str) -> None:
+        code = error if isinstance(error, str) else error.code if isinstance(error, QueueError) \
+            else type(error).__name__
         self.failures[code] = self.failures.get(code, 0) + 1
+
+    def acknowledged(self, index: int, payload: bytes) -> None:
+        earlier = self.acked_enqueues.setdefault(index, payload)
+        if earlier != payload:
+            self.acked_twice.append((index, earlier, payload))
 
 
 class SimNode:
-    """One node: its storage survives crashes; its engine and disk queue do not."""
+    """One node: its storage survives crashes; its engine, disk queue and copy of the map do not."""
 
     def __init__(self, sim: EngineSimulation, node_id: str) -> None:
         self.sim = sim
         self.node_id = node_id
         self.storage = MemoryStorage(node_id)
-        self.config = NodeConfig(node_id=node_id, data_dir=f"/nonexistent/{node_id}", cluster_nodes=sim.nodes,
-                                 placement={QUEUE: [MASTER, REPLICA]}).check()
+        self.config = sim_config(node_id)
+        self.membership = sim.group.member(node_id)
         self.transport = sim.network.transport(node_id, self._on_message, self._on_link_change)
         self.engine: Engine | None = None
         self.disk: DelayedExecutor | None = None
         self.outstanding: set[asyncio.Future[Any]] = set()
         self.boots = 0
         self._inbound_at = 0.0
+        self._paused_wake: asyncio.Event | None = None     # the engine's own, while it is paused
 
     @property
     def up(self) -> bool:
         return self.engine is not None
+
+    @property
+    def paused(self) -> bool:
+        return self._paused_wake is not None
 
     def _on_message(self, peer: str, data: bytes) -> None:
         self._arrive(c.PeerMessage(peer, data))
@@ -91,51 +142,96 @@ class SimNode:
             self.engine.submit(command)
 
     async def boot(self) -> None:
+        """Start a new engine on the same storage; the membership layer replays the map to it
+        (as Raft replays its journal) once it has loaded its queues."""
         if self.engine is not None:
             return
         self.boots += 1
         rng = self.sim.rng
         self.disk = DelayedExecutor(self.sim.loop, lambda: rng.randint(0, 3))
         engine = Engine(self.config, self.storage, rng=random.Random(rng.getrandbits(64)),  # type: ignore[arg-type]
-                        clock_ms=self.sim.now_ms, writer=self.disk)
+                        clock_ms=self.sim.now_ms, writer=self.disk, membership=self.membership,
+                        monotonic_ms=self.sim.now_ms)
         engine.pairs.send = self.transport.send
         engine.pairs.link_up = self.transport.is_up
+        self.membership.restart()
         await engine.start()
+        assert engine._task is not None
+        engine._task.add_done_callback(lambda task: self.sim.engine_ended(self.node_id, task))
         self.engine = engine
+        self.sim.rejoin_group(self.node_id, "crashed")
+        self.membership.start()
         await self.transport.start()
 
     async def crash(self) -> None:
-        """kill -9: uncommitted batches and owed answers are gone; the peer sees the link drop."""
+        """kill -9: uncommitted batches and owed answers are gone; the peers see the links
+        drop and the membership group goes on without this node."""
         engine, self.engine = self.engine, None
         if engine is None:
             return
         self.boots += 1         # what was on its way to the dead engine is dropped
+        self._paused_wake = None
         engine.pairs.send = lambda peer, data: False
         assert self.disk is not None
         self.disk.crash()
+        self.sim.leave_group(self.node_id, "crashed")
+        self.sim.rejoin_group(self.node_id, "paused")      # a paused process can be killed too
+        self.membership.stop()
         if engine._timer is not None:
             engine._timer.cancel()
         task = engine._task
         if task is not None:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await asyncio.gather(task, return_exceptions=True)
         for future in self.outstanding:
             future.cancel()
         self.sim.history.unanswered += len(self.outstanding)
         self.outstanding.clear()
         await self.transport.stop()
 
+    def pause(self) -> bool:
+        """A process pause (a long GC, SIGSTOP, a stalled VM): the engine's task and its disk
+        stop; commands, peer messages and map changes that arrive meanwhile wait in its inbox,
+        and its Raft member drops out of the group like a cut-off one. False: not running."""
+        engine = self.engine
+        if engine is None or self._paused_wake is not None:
+            return False
+        if engine._timer is not None:
+            engine._timer.cancel()
+        # The task waits on this event; whatever arrives now sets the stand-in instead.
+        self._paused_wake, engine._wake = engine._wake, asyncio.Event()
+        assert self.disk is not None
+        self.disk.pause()
+        self.sim.leave_group(self.node_id, "paused")
+        return True
+
+    def resume(self) -> None:
+        """The process runs on, with the clock moved on under it and a backlog to work off."""
+        wake, self._paused_wake = self._paused_wake, None
+        engine = self.engine
+        if wake is None or engine is None:
+            return
+        engine._wake = wake
+        self.sim.rejoin_group(self.node_id, "paused")
+        assert self.disk is not None
+        self.disk.resume()
+        wake.set()
+
     async def shutdown(self) -> None:
         """End of the run: stop the engine's task without answering anything further."""
         await self.crash()
 
+    def entry(self) -> QueueEntry | None:
+        """The queue as this node's copy of the map has it."""
+        return self.membership.cluster_map.queues.get(QUEUE)
+
     def call(self, command: Callable[[c.FutureReplier], c.Command],
              on_ok: Callable[[Any], None]) -> None:
         """Submit a client command; record its outcome when (if ever) it is answered."""
-        if self.engine is None:
-            return
         history = self.sim.history
+        if self.engine is None:
+            history.failed("node down")
+            return
         replier = c.FutureReplier()
         future = replier.future
         self.outstanding.add(future)
@@ -160,17 +256,26 @@ class EngineSimulation:
         self.strength = strength
         self.rng = random.Random(seed)
         self.loop = VirtualTimeLoop()
-        self.nodes = {MASTER: f"http://{MASTER}.sim", REPLICA: f"http://{REPLICA}.sim"}
         self.network = MemoryPeerNetwork()
+        self.group = MemoryMembershipGroup(self.loop, list(NODES))
         self.history = History()
-        self.members = {node_id: SimNode(self, node_id) for node_id in self.nodes}
+        self.members = {node_id: SimNode(self, node_id) for node_id in NODES}
         self.log: list[str] = []
         self._tasks: list[asyncio.Task[Any]] = []
+        self._fault_timers: list[asyncio.TimerHandle] = []
         self._next_payload = 0
-        self.final: dict[str, dict[str, Any]] = {}     # pairs.describe(QUEUE) at the end
+        self._cuts: collections.Counter[frozenset[str]] = collections.Counter()    # partitions in force
+        self._out_of_group: dict[str, set[str]] = {node: set() for node in NODES}  # why (crashed, isolated, paused)
+        self._isolations: collections.Counter[str] = collections.Counter()          # isolation faults in force
+        self.final_entry: QueueEntry | None = None     # the map's entry after the liveness phase
+        self.final: dict[str, dict[str, Any]] = {}     # pairs.describe(QUEUE) at each final member
+        self.broken: list[str] = []                    # engines that stopped on an error
 
     def now_ms(self) -> int:
         return int(self.loop.time() * 1000)
+
+    def note(self, event: str) -> None:
+        self.log.append(f"{self.now_ms()}: {event}")
 
     # --- running ---------------------------------------------------------------------------
     def run(self, safety_s: float = SAFETY_S, liveness_s: float = LIVENESS_S) -> EngineSimulation:
@@ -186,89 +291,263 @@ class EngineSimulation:
             for node in self.members.values():
                 await node.boot()
             await self._create_queue()
+            self._spawn(self._sample_masters())
             await self.safety_phase(safety_s)
             await self.liveness_phase(liveness_s)
         finally:
-            for node in self.members.values():
-                await node.shutdown()
             for task in self._tasks:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+            for node in self.members.values():
+                await node.shutdown()
+
+    def engine_ended(self, node_id: str, task: asyncio.Task[None]) -> None:
+        """An engine task ends only when the simulation crashes it; one that stopped on an
+        error (a broken invariant) fails the run."""
+        if not task.cancelled() and task.exception() is not None:
+            self.broken.append(f"{self.now_ms()} ms, {node_id}: {task.exception()!r}")
 
     def _spawn(self, coroutine: Any) -> None:
         self._tasks.append(self.loop.create_task(coroutine))
 
+    def _later(self, delay_s: float, callback: Callable[..., Any], *args: Any) -> None:
+        """A fault's next step; the liveness phase cancels those not yet run."""
+        self._fault_timers.append(self.loop.call_later(delay_s, callback, *args))
+
     async def _create_queue(self) -> None:
+        """At n1 once every node has entered the map (the queue needs two live nodes)."""
         options = {"strength": self.strength, "dead_letter": False, "visibility_timeout_s": 60.0}
-        master = self.members[MASTER]
+        placement = {"master": FIRST_MASTER, "replica": FIRST_REPLICA}
+        master = self.members[FIRST_MASTER]
         assert master.engine is not None
-        answer = await master.engine.call(lambda replier: c.CreateQueue(QUEUE, options, {}, replier))
-        assert answer["created"], answer
+        for _ in range(200):
+            try:
+                answer = await master.engine.call(lambda replier: c.CreateQueue(QUEUE, options, placement, replier))
+            except QueueError:
+                await asyncio.sleep(0.02)
+                continue
+            assert answer["created"], answer
+            return
+        raise AssertionError("the queue was never created")
+
+    async def _sample_masters(self) -> None:
+        """Who acts as master of which epoch, as every live node sees itself."""
+        seen = self.history.masters_seen
+        while True:
+            for node_id, node in self.members.items():
+                if node.engine is not None:
+                    seen.update((role.epoch, node_id) for role in node.engine.pairs.masters.values())
+            await asyncio.sleep(SAMPLE_INTERVAL_S)
 
     async def safety_phase(self, duration_s: float) -> None:
-        """Client load with faults: partitions of the pair's link, crashes of either node."""
+        """Client load with faults and handoffs, each at a seeded moment."""
         loop, rng = self.loop, self.rng
         for _ in range(300):
-            loop.call_later(rng.uniform(0, duration_s), self._enqueue, MASTER if rng.random() < 0.7 else REPLICA)
+            loop.call_later(rng.uniform(0, duration_s), self._enqueue)
         for _ in range(200):
             loop.call_later(rng.uniform(0, duration_s), self._receive)
         for _ in range(FAULTS):
-            loop.call_later(rng.uniform(0, duration_s), self._random_fault)
+            self._later(rng.uniform(0, duration_s), self._random_fault)
+        for _ in range(rng.randint(0, HANDOFFS)):
+            self._later(rng.uniform(0, duration_s), self._handoff, rng.choice(["master", "replica", "both"]))
         await asyncio.sleep(duration_s)
 
     async def liveness_phase(self, duration_s: float) -> None:
-        """No more faults or load: heal, restart what is down, and let the pair converge."""
-        self.log.append(f"{self.now_ms()}: liveness")
+        """No more faults or load: heal, restart what is down, and let the cluster converge."""
+        self.note("liveness")
+        for timer in self._fault_timers:
+            timer.cancel()
+        self._fault_timers.clear()
+        self._cuts.clear()
         self.network.heal_all()
+        for node in self.members.values():
+            node.resume()
+        self._isolations.clear()
+        for node_id in NODES:
+            self.rejoin_group(node_id, "isolated")
         for node in self.members.values():
             await node.boot()
         await asyncio.sleep(duration_s)
-        for node_id, node in self.members.items():
-            assert node.engine is not None
-            self.final[node_id] = node.engine.pairs.describe(QUEUE)
+        entry = self.group.member(self.group.leader() or FIRST_MASTER).cluster_map.queues.get(QUEUE)
+        assert entry is not None, "the queue is not in the final map"
+        self.final_entry = entry
+        for node_id in (entry.master, entry.replica):
+            engine = self.members[node_id].engine
+            assert engine is not None
+            self.final[node_id] = engine.pairs.describe(QUEUE)
+
+    # --- faults ----------------------------------------------------------------------------
+    def latest_entry(self) -> QueueEntry | None:
+        """The queue in the most recent copy of the map (what an operator would read)."""
+        newest = max(self.group.members.values(), key=lambda member: member.cluster_map.version)
+        return newest.cluster_map.queues.get(QUEUE)
 
     def _random_fault(self) -> None:
-        choice = self.rng.choice(["partition", "crash_master", "crash_replica"])
-        self.log.append(f"{self.now_ms()}: {choice}")
-        if choice == "partition":
-            self.network.partition(MASTER, REPLICA)
-            self.loop.call_later(self.rng.uniform(0.05, 0.6), self.network.heal, MASTER, REPLICA)
+        rng = self.rng
+        entry = self.latest_entry()
+        assert entry is not None
+        choice = rng.choice(["crash_master", "crash_replica", "crash_any", "partition_pair", "partition_any",
+                             "isolate", "isolate_master", "elect", "pause_master", "pause_any"])
+        duration = rng.uniform(*FAULT_S)
+        if choice.startswith("pause"):
+            node_id = entry.master if choice == "pause_master" else rng.choice(NODES)
+            if self.members[node_id].pause():
+                self.note(f"{choice} {node_id} for {duration:.3f}s")
+                self._later(duration, self._resume, node_id)
+        elif choice.startswith("crash"):
+            node_id = {"crash_master": entry.master, "crash_replica": entry.replica}.get(choice) or rng.choice(NODES)
+            self.note(f"{choice} {node_id} for {duration:.3f}s")
+            self._spawn(self.members[node_id].crash())
+            self._later(duration, self._spawn_boot, node_id)
+        elif choice.startswith("partition"):
+            a, b = (entry.master, entry.replica) if choice == "partition_pair" else rng.sample(NODES, 2)
+            self.note(f"{choice} {a}-{b} for {duration:.3f}s")
+            self._cut(a, b)
+            self._later(duration, self._uncut, a, b)
+        elif choice.startswith("isolate"):
+            node_id = entry.master if choice == "isolate_master" else rng.choice(NODES)
+            self.note(f"{choice} {node_id} for {duration:.3f}s")
+            self._isolations[node_id] += 1
+            self.leave_group(node_id, "isolated")
+            for other in NODES:
+                if other != node_id:
+                    self._cut(node_id, other)
+            self._later(duration, self._end_isolation, node_id)
+        else:
+            candidates = [node for node in NODES if node not in self.group.isolated]
+            if candidates:
+                leader = rng.choice(candidates)
+                self.note(f"elect {leader}")
+                self.group.elect(leader)
+
+    def _resume(self, node_id: str) -> None:
+        self.note(f"resume {node_id}")
+        self.members[node_id].resume()
+
+    def _spawn_boot(self, node_id: str) -> None:
+        self.note(f"restart {node_id}")
+        self._spawn(self.members[node_id].boot())
+
+    def _end_isolation(self, node_id: str) -> None:
+        self.note(f"heal {node_id}")
+        for other in NODES:
+            if other != node_id:
+                self._uncut(node_id, other)
+        self._isolations[node_id] -= 1
+        if self._isolations[node_id] == 0:
+            self.rejoin_group(node_id, "isolated")
+
+    def _cut(self, a: str, b: str) -> None:
+        pair = frozenset((a, b))
+        self._cuts[pair] += 1
+        if self._cuts[pair] == 1:
+            self.network.partition(a, b)
+
+    def _uncut(self, a: str, b: str) -> None:
+        pair = frozenset((a, b))
+        if self._cuts[pair] > 0:
+            self._cuts[pair] -= 1
+            if self._cuts[pair] == 0:
+                self.network.heal(a, b)
+
+    def leave_group(self, node_id: str, why: str) -> None:
+        """A crashed or cut-off node takes no part in the membership group (nor leads it)."""
+        reasons = self._out_of_group[node_id]
+        if not reasons:
+            self.group.isolate(node_id)
+        reasons.add(why)
+
+    def rejoin_group(self, node_id: str, why: str) -> None:
+        reasons = self._out_of_group[node_id]
+        if why not in reasons:
             return
-        node = self.members[MASTER if choice == "crash_master" else REPLICA]
-        self._spawn(node.crash())
-        self.loop.call_later(self.rng.uniform(0.02, 0.4), self._spawn, node.boot())
+        reasons.discard(why)
+        if not reasons:
+            self.group.heal(node_id)
+            if self.rng.random() < 0.3:      # a rejoining Raft node forces an election (no pre-vote)
+                candidates = [node for node in NODES if node not in self.group.isolated]
+                self.group.elect(self.rng.choice(candidates))
+
+    # --- handoffs --------------------------------------------------------------------------
+    def _handoff(self, who: str) -> None:
+        """Ask for a handoff at the master, at the replica, or at both at the same moment
+        (then the master's request must win: History.simultaneous_handoffs)."""
+        entry = self.latest_entry()
+        assert entry is not None
+        self.note(f"handoff asked by {who} ({entry.master} -> {entry.replica}, epoch {entry.epoch})")
+        outcomes: dict[str, str] = {}
+        if who == "both" and not any(self.members[node].paused for node in (entry.master, entry.replica)):
+            self.history.simultaneous_handoffs.append(outcomes)
+        for initiator, node_id in (("master", entry.master), ("replica", entry.replica)):
+            if who not in (initiator, "both"):
+                continue
+            engine = self.members[node_id].engine
+            if engine is None:
+                self._record_handoff(outcomes, initiator, "node down")
+                continue
+
+            def ask(now_ms: int, engine: Engine = engine, initiator: str = initiator) -> None:
+                assert engine.coordinator is not None
+                engine.coordinator.handoff(QUEUE, initiator, functools.partial(self._handoff_done, outcomes, initiator))
+            engine.invoke(ask)
+
+    def _handoff_done(self, outcomes: dict[str, str], initiator: str, result: Any) -> None:
+        self._record_handoff(outcomes, initiator, result.code if isinstance(result, QueueError) else "ok")
+
+    def _record_handoff(self, outcomes: dict[str, str], initiator: str, outcome: str) -> None:
+        outcomes[initiator] = outcome
+        key = f"{initiator} {outcome}"
+        self.history.handoffs[key] = self.history.handoffs.get(key, 0) + 1
 
     # --- the client workload ---------------------------------------------------------------
     def _payloads(self, count: int) -> tuple[bytes, ...]:
         first, self._next_payload = self._next_payload, self._next_payload + count
         return tuple(f"m{i}".encode() for i in range(first, first + count))
 
-    def _enqueue(self, node_id: str) -> None:
-        node, history = self.members[node_id], self.history
+    def _target(self, master_share: float) -> SimNode | None:
+        """A client reaches the cluster through a random node and follows that node's map to
+        the queue's master (or, with the other share, its replica)."""
+        contact = self.members[self.rng.choice(NODES)]
+        entry = contact.entry() if contact.up else None
+        if entry is None:
+            self.history.failed("no map")
+            return None
+        return self.members[entry.master if self.rng.random() < master_share else entry.replica]
+
+    def _enqueue(self) -> None:
+        node, history = self._target(0.7), self.history
+        if node is None:
+            return
         if self.rng.random() < 0.5:
             [payload] = self._payloads(1)
             node.call(lambda r: c.Enqueue(QUEUE, payload, 4, None, "producer", r),
-                      lambda result: history.acked_enqueues.add(result[0]))
+                      lambda result: history.acknowledged(result[0], payload))
             return
         payloads = self._payloads(self.rng.randint(1, 4))
 
         def placed(result: Any) -> None:
-            history.acked_enqueues.update(index for index in result[1] if isinstance(index, int))
+            for index, payload in zip(result[1], payloads, strict=True):
+                if isinstance(index, int):
+                    history.acknowledged(index, payload)
         node.call(lambda r: c.EnqueueMany(QUEUE, self.rng.randint(0, 9), payloads, None, "producer", r), placed)
 
     def _receive(self) -> None:
-        node, history = self.members[MASTER], self.history
+        node, history = self._target(0.8), self.history
+        if node is None:
+            return
         visibility_ms = self.rng.choice([300, 60_000])
 
         def got(messages: Any) -> None:
             for message in messages:
-                history.delivered.append(message.message_id)
+                history.delivered.append((message.message_id, message.payload))
             if messages:
-                self.loop.call_later(self.rng.uniform(0.001, 0.02), self._ack, messages)
-        node.call(lambda r: c.Receive(QUEUE, self.rng.randint(1, 3), 0, visibility_ms, "consumer", r), got)
+                self.loop.call_later(self.rng.uniform(0.001, 0.02), self._ack, node, messages)
+        wait_ms = self.rng.choice([0, 0, 100])
+        node.call(lambda r: c.Receive(QUEUE, self.rng.randint(1, 3), wait_ms, visibility_ms, "consumer", r), got)
 
-    def _ack(self, messages: list[Any]) -> None:
-        node, history = self.members[MASTER], self.history
+    def _ack(self, node: SimNode, messages: list[Any]) -> None:
+        """Acks go where the messages were received (under `producer` leases are local)."""
+        history = self.history
         if not node.up:
             return
         items = tuple((m.message_id, m.receipt) for m in messages)
@@ -279,6 +558,16 @@ class EngineSimulation:
         node.call(lambda r: c.AckMany(QUEUE, items, "consumer", r), acked)
 
     # --- what the checkers read ------------------------------------------------------------
+    @property
+    def final_master(self) -> str:
+        assert self.final_entry is not None
+        return self.final_entry.master
+
+    @property
+    def final_replica(self) -> str:
+        assert self.final_entry is not None
+        return self.final_entry.replica
+
     def queue_id(self, node_id: str) -> int:
         queue_id = self.members[node_id].storage.queue_id(QUEUE)
         assert queue_id is not None, f"{node_id} holds no queue {QUEUE}"
@@ -290,5 +579,19 @@ class EngineSimulation:
     def oplog_rows(self, node_id: str) -> list[tuple[int, bytes]]:
         return self.members[node_id].storage.oplog_rows(self.queue_id(node_id))
 
-    def surviving_enqueues(self) -> set[int]:
-        return self.members[MASTER].storage.surviving_enqueues(self.queue_id(MASTER))
+    def surviving_payloads(self, node_id: str) -> dict[int, bytes]:
+        """Message id -> payload of every enqueue in the node's op log (its committed history,
+        once the run has converged)."""
+        storage = self.members[node_id].storage
+        return {op.index: op.payload for op in storage.oplog.operations(self.queue_id(node_id)) if type(op) is Enqueued}
+
+    def pair_changes(self) -> collections.Counter[str]:
+        """Applied changes of the queue's pair, by reason (failover, handoff, move, in_sync)."""
+        cluster = ClusterMap()
+        counts: collections.Counter[str] = collections.Counter()
+        for data in self.group.log:
+            command = decode_command(data)
+            outcomes = cluster.apply(command)
+            if isinstance(command, (ChangePair, ChangePairs)):
+                counts.update(outcome.reason for outcome in outcomes if outcome.applied and outcome.name == QUEUE)
+        return counts

@@ -101,7 +101,12 @@ class MemoryStorage:
     # --- the one writer --------------------------------------------------------------------
     def commit(self, batch: SealedBatch) -> CommitResult:
         """Apply the whole batch (same order as `Storage._write`); durable on return."""
+        # A deposed master's uncommitted suffix goes first (older batches may lack the field).
+        for queue_id, order in getattr(batch, "truncations", ()):
+            self._truncate(queue_id, order)
         self.store.apply(batch.operations)
+        # Read before a deleted queue goes: LMDB only marks it doomed in this transaction.
+        payloads = [self.store.payload(queue_id, index) for queue_id, index in batch.payload_reads]
         for name, queue_id in batch.deleted_queues:
             self.records.pop(name, None)
             self.epochs.pop(name, None)
@@ -118,9 +123,27 @@ class MemoryStorage:
             self.clients.pop(client_id, None)
         if batch.next_queue_id is not None:
             self._next_queue_id = batch.next_queue_id
-        payloads = [self.store.payload(queue_id, index) for queue_id, index in batch.payload_reads]
         self.commits += 1
         return CommitResult(payloads, 0.0, len(batch.operations))
+
+    def _truncate(self, queue_id: int, order: int) -> None:
+        """Erase the queue's messages (ready and dedupe entries too) and op-log rows past
+        `order`, as `Storage._truncate` does."""
+        queue = self.store.queues.get(queue_id)
+        if queue is not None:
+            for index in [index for index in queue.messages if index > order]:
+                message = queue.messages.pop(index)
+                queue.ready[message.priority] = [row for row in queue.ready.get(message.priority, [])
+                                                 if row[0] != index]
+                if message.dedupe_id is not None and queue.dedupe.get(message.dedupe_id, (0, 0))[0] == index:
+                    del queue.dedupe[message.dedupe_id]
+        kept = [(op, self.oplog.digest_at(queue_id, op.order), encoded)
+                for op, (_, encoded) in zip(self.oplog.operations(queue_id), self.oplog.read(queue_id, 0, 10**9),
+                                            strict=True) if op.order <= order]
+        self.oplog.clear(queue_id)
+        for op, digest, encoded in kept:
+            assert digest is not None
+            self.oplog.append(queue_id, op, digest, encoded)
 
     # --- inspection (the checkers) ---------------------------------------------------------
     def queue_id(self, name: str) -> int | None:
