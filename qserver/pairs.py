@@ -293,7 +293,8 @@ class PairDriver:
         the stream, and the new master's operations at the same indices would collide with
         them. Nobody in the old epoch takes them any more: nothing is sent."""
         staged = self.engine.staged()
-        ops = [op for op in staged.operations if op.queue_id == role.core.queue_id]
+        # Not what it applied as replica earlier in this batch: that is in its history already.
+        ops = [op for op in staged.operations if op.queue_id == role.core.queue_id and op.order > role.last_order]
         if not ops:
             return
         role.replicate(ops, self.engine.clock_ms())
