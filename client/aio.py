@@ -183,6 +183,8 @@ class AsyncClient:
         # The cluster map (DESIGN.md 4.4): each queue's master, learned when a node answers
         # E_NOT_MASTER; traffic for a queue goes to a client of its master's node.
         self._masters: dict[str, str] = {}        # queue -> the node to send its traffic to
+        self._cluster_size = 0                     # nodes in the map when last read
+        self._node_urls: list[str] = []            # the other nodes' URLs in it
         self._master_urls: dict[str, str] = {}    # queue -> its master's node
         self._others: dict[str, AsyncClient] = {}
         self.url = (url or creds.url).rstrip("/")
@@ -376,8 +378,14 @@ class AsyncClient:
 
     async def refresh_placement(self) -> None:
         """Read the cluster map from every node (each lists the queues it holds)."""
-        first = await self.http.cluster()
+        try:
+            first = await self.http.cluster()
+        except QueueError:
+            # This client's own node is down: any other node of the last map knows the map.
+            first = await self._cluster_from_another_node()
         urls = {node["id"]: node["url"].rstrip("/") for node in first.get("nodes", [])}
+        self._cluster_size = len(urls)
+        self._node_urls = [url for url in urls.values() if url != self.url]
         maps = [first]
         for node in first.get("nodes", []):
             url = node["url"].rstrip("/")
@@ -420,6 +428,15 @@ class AsyncClient:
             # master, so what it forwarded before failed).
             return await _retried_once(error, getattr(other, method)(*args, **kwargs))
 
+    async def _cluster_from_another_node(self) -> dict[str, Any]:
+        last_error = QueueError(E_UNAVAILABLE, f"{self.url} is unreachable and no other node is known")
+        for url in self._node_urls:
+            try:
+                return await self._route_to(url).http.cluster()
+            except QueueError as error:
+                last_error = error
+        raise last_error
+
     def _route_to(self, url: str) -> AsyncClient:
         if url == self.url:
             return self
@@ -435,12 +452,15 @@ class AsyncClient:
             return None
         failed = failed or self._route(queue)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + (FAILOVER_WAIT_S if error.code != E_NOT_MASTER.code else 0.0)
+        started = loop.time()
         while True:
             try:
                 await self.refresh_placement()
             except QueueError:
                 return None
+            # Only a cluster fails over: a lone node that is down stays down until it returns.
+            waits = error.code != E_NOT_MASTER.code and self._cluster_size > 1
+            deadline = started + (FAILOVER_WAIT_S if waits else 0.0)
             target = self._route(queue)
             if error.code == E_NOT_MASTER.code:
                 break
