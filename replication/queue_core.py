@@ -308,6 +308,8 @@ class QueueCore:
             record.ready_count += 1
             record.total_redelivered += 1
             heapq.heappush(self._ready[op.priority], op.index)
+            if self._loaded_upto[op.priority] < op.index < self._boundary:
+                self._pushed_beyond[op.priority].add(op.index)     # as in _end_lease
             self._ready_deliveries[op.index] = op.deliveries
         elif type(op) is DeadLettered:
             record.total_dead_lettered += 1

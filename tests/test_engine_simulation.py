@@ -124,11 +124,11 @@ REGRESSIONS = [
     pytest.param(217, Strength.PRODUCER, id="answers-in-flight-past-a-deposed-masters-commit-are-unknown-217-producer"),
     pytest.param(250, Strength.FULL, id="a-deposed-master-counts-its-unstreamed-operations-250-full"),
     pytest.param(276, Strength.FULL, id="a-deposed-master-counts-its-unstreamed-operations-276-full"),
-    # Not fixed here (replication/queue_core.py): QueueCore.apply(Released) of a message whose
-    # ready page is not loaded since a restart leaves it twice in the ready heap; the copy
-    # left after the next Leased/Acked is leased again once the member masters the queue.
-    pytest.param(145, Strength.FULL, id="a-released-message-on-an-unloaded-page-is-not-ready-twice-145-full",
-                 marks=pytest.mark.xfail(strict=True, reason="QueueCore.apply(Released) misses _pushed_beyond")),
+    # QueueCore.apply(Released) of a message whose ready page was not loaded since a restart
+    # left it twice in the ready heap; the copy left after the next Leased/Acked was leased
+    # again once the member mastered the queue.
+    pytest.param(145, Strength.FULL, id="a-released-message-on-an-unloaded-page-is-not-ready-twice-145-full"),
+    pytest.param(43, Strength.FULL, id="a-released-message-on-an-unloaded-page-is-not-ready-twice-43-full"),
 ]
 
 
