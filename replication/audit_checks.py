@@ -417,6 +417,7 @@ def replay_stream(key: StreamKey, records: Sequence[JournalRecord], *, complete:
             continuity.base(record)
             high = continuity.high
             replay.epoch_records.append(record)
+            consumer.discard_after(record.index, record.epoch)
         elif index > 0:
             if high is not None and index == high + 1 and op != ARRIVAL_OP:
                 high = index
@@ -472,8 +473,13 @@ class _Consumption:
 
     def enqueue(self, record: JournalRecord) -> None:
         message_id = record.message_id
-        if message_id is None or message_id in self.replay.enqueued:
-            return            # a repeated index is reported by the continuity check
+        if message_id is None:
+            return
+        if message_id in self.replay.enqueued:
+            known = self.replay.enqueued[message_id]
+            if known.op != "enqueue" or known.epoch >= record.epoch:
+                return        # a repeated index is reported by the continuity check
+            self._forget(message_id)   # a discarded suffix's message (its epoch record may follow)
         self.replay.enqueued[message_id] = record
         self.replay.states[message_id] = _READY
         priority = min(max(record.priority, 0), PRIORITIES - 1)
@@ -482,6 +488,29 @@ class _Consumption:
         self.ready_count[priority] += 1
         if self.lowest_enqueued is None or message_id < self.lowest_enqueued:
             self.lowest_enqueued = message_id
+
+    def discard_after(self, base: int, epoch: int) -> None:
+        """A member took a role in `epoch` holding indices up to `base`: messages it had
+        enqueued past `base` in an older epoch were a discarded, never committed suffix (a
+        deposed `producer` master drops it and follows on from its commit point); the new
+        epoch's messages at the same ids replace them."""
+        replay = self.replay
+        discarded = []
+        for message_id in reversed(replay.enqueued):    # enqueues come in increasing id order
+            if message_id <= base:
+                break
+            record = replay.enqueued[message_id]
+            if record.op == "enqueue" and record.epoch < epoch:
+                discarded.append(message_id)
+        for message_id in discarded:
+            self._forget(message_id)
+
+    def _forget(self, message_id: int) -> None:
+        replay = self.replay
+        del replay.enqueued[message_id]
+        if replay.states.pop(message_id, None) == _READY:
+            self.ready_count[self.priority[message_id]] -= 1
+        replay.leased_ids.discard(message_id)
 
     def consume(self, record: JournalRecord) -> None:
         message_id = record.message_id
@@ -541,7 +570,7 @@ class _Consumption:
             if not self.ready_count[priority]:
                 continue
             heap = self.ready[priority]
-            while heap and (states[heap[0]] != _READY or priorities[heap[0]] != priority):
+            while heap and (states.get(heap[0]) != _READY or priorities[heap[0]] != priority):
                 heapq.heappop(heap)
             if heap and heap[0] < message_id:
                 waiting = self.replay.enqueued[heap[0]]

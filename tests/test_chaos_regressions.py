@@ -259,3 +259,22 @@ def storage_stub() -> Any:
         def digest_at(self, queue_id: int, order: int) -> bytes | None:
             return None
     return _OpLog()
+
+
+def test_the_audit_replaces_a_discarded_suffix_with_what_the_new_epoch_put_at_the_same_ids() -> None:
+    from replication.audit_checks import history_as_record
+    records = [
+        _record("n1", 1, 1, 0, "epoch", "create", "master"), _record("n2", 1, 1, 0, "epoch", "create", "replica"),
+        _record("n1", 2, 1, 1, "enqueue", "a", "master"), _record("n2", 2, 1, 1, "enqueue", "a", "replica"),
+        _record("n1", 3, 1, 2, "enqueue", "b", "master"),              # uncommitted when n1 was cut off
+        _record("n2", 3, 2, 1, "epoch", "failover", "master"),
+        _record("n2", 4, 2, 2, "enqueue", "c", "master"), _record("n2", 5, 2, 3, "enqueue", "b", "master"),
+        _record("n1", 4, 2, 1, "epoch", "failover", "replica"),        # n1 drops its suffix, follows from 1
+        _record("n1", 5, 2, 2, "enqueue", "c", "replica"), _record("n1", 6, 2, 3, "enqueue", "b", "replica"),
+        _record("n1", 7, 3, 3, "epoch", "handoff", "master"), _record("n2", 6, 3, 3, "epoch", "handoff", "replica"),
+    ]
+    history = [HistoryEnqueue("orders", "ok", 1, "a", 7), HistoryEnqueue("orders", "ok", 3, "b", 7),
+               HistoryEnqueue("orders", "ok", 2, "c", 7)]
+    result = check_group("orders", records + [history_as_record(h) for h in history])
+    assert not result["violations"], result["violations"]
+    assert any(flag["kind"] == "discarded_suffix" for flag in result["flags"])
