@@ -61,6 +61,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("qserver.pairs")
 OUTCOME_UNKNOWN = -1      # in place of a held answer's required order: see Engine.outcomes_unknown
 EARLY_MESSAGES_MAX = 10_000     # per queue; beyond it the protocol's resends recover
+ANNOUNCE_INTERVAL_MS = 1_000    # how often a master repeats Create to a replica that has not opened
 
 
 def base_name(queue: str) -> str:
@@ -131,6 +132,7 @@ class PairDriver:
         self.forwards: dict[int, tuple[str, Any]] = {}   # forward request id -> (queue, callback(outcome))
         # Peer messages of an epoch this node's map does not know yet (see _ahead_of_map).
         self.early: dict[str, collections.deque[tuple[str, bytes]]] = {}
+        self._next_announce_ms = 0
         # Unique per engine instance: an answer the master sends to a crashed predecessor of
         # this engine must never match one of our requests.
         self._next_forward = (engine.random_bits(40) << 20) + 1
@@ -511,6 +513,8 @@ class PairDriver:
             if self.coordinator is not None:
                 self.coordinator.on_message(peer, message)
             return
+        if isinstance(message, Create) and self._ahead_of_map(peer, message):
+            return      # e.g. a move to this node that this node's map has not applied yet
         if isinstance(message, Create):
             entry = self.view.entry(message.queue)
             if entry is not None and (entry.replica != self.node_id or entry.master != peer):
@@ -576,7 +580,12 @@ class PairDriver:
                 replica.link_down()
 
     def tick(self, now_ms: int) -> None:
+        announce = now_ms >= self._next_announce_ms
+        if announce:
+            self._next_announce_ms = now_ms + ANNOUNCE_INTERVAL_MS
         for role in self.masters.values():
+            if announce and role.progress.value == "probing" and self.link_up(role.replica_id):
+                self.announce(role.core)    # a replica that never opened may have missed it
             role.tick(now_ms)
             self._drain_master(role)
         for replica in self.replicas.values():

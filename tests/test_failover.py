@@ -158,7 +158,10 @@ async def test_draining_a_node_moves_everything_off_it_and_then_it_can_be_remove
         async def off_n1() -> bool:
             queues = (await map_of(cluster, "n2"))["queues"]
             return all("n1" not in (e["master"], e["replica"]) and e["in_sync"] for e in queues.values())
-        await wait_for(off_n1, 30.0, "every member off n1 and in sync again")
+        try:
+            await wait_for(off_n1, 30.0, "every member off n1 and in sync again")
+        except AssertionError:
+            raise AssertionError((await map_of(cluster, "n2"))["queues"]) from None
         await client.remove_node("n1")
         nodes = {n["id"]: n["state"] for n in (await map_of(cluster, "n2"))["nodes"]}
         assert nodes["n1"] == "removed"
