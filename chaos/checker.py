@@ -13,7 +13,9 @@ from every node's cluster map during the run. The rules:
   answered with (`id_mismatch`).
 * **duplicated**: a message delivered more than once. Every repeat must be explained, by a
   new lease (another delivery count: a lease expired, was released, or its ack was not
-  confirmed), or under `producer` by the other member (each member serves its own consumers).
+  confirmed), or under `producer` by the other member (each member serves its own consumers)
+  or by a member re-created on the same node (its replica moved away and back: the observer's
+  maps show it out of the pair in between; the new instance starts from the master's queue).
   A repeat after the message's ack was confirmed, one delivery count handed out twice on one
   member, one enqueue stored as two messages, or two confirmed acks of one message on one
   member are violations.
@@ -96,14 +98,20 @@ def gather(history: Iterable[Mapping[str, Any]]) -> dict[str, QueueFacts]:
 
 
 def check(history: Iterable[Mapping[str, Any]], strengths: Mapping[str, str],
-          observations: Iterable[tuple[str, int, str]] = ()) -> dict[str, Any]:
+          observations: Iterable[tuple[str, int, str]] = (),
+          pairs: Iterable[tuple[str, int, float, str, str | None]] = ()) -> dict[str, Any]:
     """The verdict over a history: counts per queue, violations by kind (listed up to
-    LISTED_MAX each, all counted), explained duplicates by explanation."""
+    LISTED_MAX each, all counted), explained duplicates by explanation. `pairs`: (queue, epoch,
+    when first seen, master, replica) as the observer saw the maps (see Departures)."""
     facts = gather(history)
     findings = Findings()
+    members: dict[str, list[tuple[float, frozenset[str]]]] = defaultdict(list)
+    for queue, _, seen, master, replica in pairs:
+        members[queue].append((seen, frozenset(n for n in (master, replica) if n)))
     per_queue = {}
     for queue in sorted(set(facts) | set(strengths)):
-        per_queue[queue] = _check_queue(queue, facts[queue], strengths.get(queue, "full"), findings)
+        per_queue[queue] = _check_queue(queue, facts[queue], strengths.get(queue, "full"), findings,
+                                        Departures(members.get(queue, ())))
     masters = _check_masters(observations, findings)
     counts = {name: sum(q[name] for q in per_queue.values()) for name in
               ("enqueue_ok", "enqueue_fail", "enqueue_unknown", "delivered", "delivered_messages", "lost",
@@ -119,7 +127,8 @@ def check(history: Iterable[Mapping[str, Any]], strengths: Mapping[str, str],
             "queues": per_queue, "epochs_observed": masters}
 
 
-def _check_queue(queue: str, facts: QueueFacts, strength: str, findings: Findings) -> dict[str, Any]:
+def _check_queue(queue: str, facts: QueueFacts, strength: str, findings: Findings,
+                 departures: Departures) -> dict[str, Any]:
     statuses: dict[str, int] = defaultdict(int)
     for entry in facts.enqueues.values():
         statuses[entry["status"]] += 1
@@ -134,8 +143,8 @@ def _check_queue(queue: str, facts: QueueFacts, strength: str, findings: Finding
         findings.add("lost", queue=queue, id=message_id, tag=tag_of_id.get(message_id))
     recovered = sorted(tag for tag, entry in facts.enqueues.items()
                        if entry["status"] == "unknown" and tag in delivered_tags)
-    explained = _check_repeats(queue, facts, strength, findings)
-    _check_acks(queue, facts, strength, findings)
+    explained = _check_repeats(queue, facts, strength, findings, departures)
+    _check_acks(queue, facts, strength, findings, departures)
     _check_enqueue_order(queue, facts, findings)
     if strength == "full":
         _first_delivery_order(queue, facts, acknowledged, findings)
@@ -192,11 +201,26 @@ def _delivery_counts(facts: QueueFacts) -> dict[tuple[int, bool], int]:
     return counts
 
 
-def _check_repeats(queue: str, facts: QueueFacts, strength: str, findings: Findings) -> dict[str, int]:
+class Departures:
+    """When a node was out of a queue's pair, as the observer saw the map: a node that left the
+    pair (its replica moved away) and came back holds a new instance, made by state transfer
+    from the master's queue; under `producer` its consumption state starts afresh there."""
+
+    def __init__(self, pairs: Iterable[tuple[float, frozenset[str]]] = ()) -> None:
+        self.pairs = sorted(pairs, key=lambda pair: pair[0])     # (first seen, members of the epoch)
+
+    def left_between(self, node: str, start: float, end: float) -> bool:
+        return any(start < seen <= end and node not in members for seen, members in self.pairs)
+
+
+def _check_repeats(queue: str, facts: QueueFacts, strength: str, findings: Findings,
+                   departures: Departures) -> dict[str, int]:
     """Each later delivery of a message, against the earlier ones on the same member: every
     lease carries the member's delivery count (replicated under `full`), so two deliveries
     with one count are one lease given twice. Counts are compared as a set, not in order: the
-    answer of a receive held back by a partition may arrive after a later lease's."""
+    answer of a receive held back by a partition may arrive after a later lease's. Under
+    `producer` a member re-created on the same node (it left the pair and came back) starts
+    afresh."""
     explained: dict[str, int] = defaultdict(int)
     confirmed = _confirmed_acks(facts, strength)
     by_message: dict[tuple[int, bool], list[Delivery]] = defaultdict(list)
@@ -207,13 +231,20 @@ def _check_repeats(queue: str, facts: QueueFacts, strength: str, findings: Findi
             continue
         deliveries.sort(key=lambda d: (d.t_complete, d.deliveries))
         counts_on: dict[str, dict[int, Delivery]] = {}     # member -> delivery count -> delivery
+        last_on: dict[str, Delivery] = {}
         for delivery in deliveries:
             member = delivery.node if strength == "producer" else MEMBER_ANY
-            acked_at = confirmed.get((delivery.message_id, member, delivery.dead_letter))
-            if acked_at is not None and acked_at < delivery.t_invoke:
+            acked_at = [t for t in confirmed.get((delivery.message_id, member, delivery.dead_letter), ())
+                        if t < delivery.t_invoke]
+            if acked_at and not departures.left_between(delivery.node, acked_at[-1], delivery.t_invoke):
                 findings.add("delivered_after_ack", queue=queue, id=delivery.message_id, tag=delivery.tag,
-                             node=delivery.node, deliveries=delivery.deliveries, acked_at=round(acked_at, 3),
+                             node=delivery.node, deliveries=delivery.deliveries, acked_at=round(acked_at[-1], 3),
                              delivered_at=round(delivery.t_complete, 3))
+            before = last_on.get(member)
+            if before is not None and strength == "producer" \
+                    and departures.left_between(member, before.t_complete, delivery.t_invoke):
+                counts_on[member] = {}
+                explained["member_recreated"] += 1
             counts = counts_on.setdefault(member, {})
             previous = counts.get(delivery.deliveries)
             if previous is not None:
@@ -223,37 +254,31 @@ def _check_repeats(queue: str, facts: QueueFacts, strength: str, findings: Findi
                              previous_at=round(previous.t_complete, 3), at=round(delivery.t_complete, 3))
             elif counts:
                 explained["redelivered_under_a_new_lease"] += 1
-            elif len(counts_on) > 1:        # delivered before, by the other member (`producer` only)
+            elif len(counts_on) > 1 and before is None:    # delivered before by the other member (`producer`)
                 explained["another_member"] += 1
             counts[delivery.deliveries] = delivery
+            last_on[member] = delivery
     return dict(sorted(explained.items()))
 
 
-def _confirmed_acks(facts: QueueFacts, strength: str) -> dict[tuple[int, str, bool], float]:
-    """(message id, member, dead letter?) -> completion time of its first ack confirmed ok."""
-    confirmed: dict[tuple[int, str, bool], float] = {}
-    for ack in facts.acks:
-        if ack["status"] != "ok":
-            continue
-        member = (ack.get("node") or "?") if strength == "producer" else MEMBER_ANY
-        key = (ack["id"], member, False)
-        confirmed[key] = min(confirmed.get(key, ack["t_complete"]), ack["t_complete"])
+def _confirmed_acks(facts: QueueFacts, strength: str) -> dict[tuple[int, str, bool], list[float]]:
+    """(message id, member, dead letter?) -> completion times of its acks confirmed ok, in order."""
+    confirmed: dict[tuple[int, str, bool], list[float]] = defaultdict(list)
+    for ack in sorted(facts.acks, key=lambda a: a["t_complete"]):
+        if ack["status"] == "ok":
+            member = (ack.get("node") or "?") if strength == "producer" else MEMBER_ANY
+            confirmed[(ack["id"], member, False)].append(ack["t_complete"])
     return confirmed
 
 
-def _check_acks(queue: str, facts: QueueFacts, strength: str, findings: Findings) -> None:
-    """Exactly-once acknowledgement: one message is acked ok at most once per member."""
-    seen: dict[tuple[int, str], dict[str, Any]] = {}
-    for ack in sorted(facts.acks, key=lambda a: a["t_complete"]):
-        if ack["status"] != "ok":
-            continue
-        member = (ack.get("node") or "?") if strength == "producer" else MEMBER_ANY
-        key = (ack["id"], member)
-        if key in seen:
-            findings.add("acked_twice", queue=queue, id=ack["id"], node=ack.get("node"),
-                         first_at=round(seen[key]["t_complete"], 3), second_at=round(ack["t_complete"], 3))
-        else:
-            seen[key] = ack
+def _check_acks(queue: str, facts: QueueFacts, strength: str, findings: Findings, departures: Departures) -> None:
+    """Exactly-once acknowledgement: one message is acked ok at most once per member (a member
+    re-created on the same node is another member)."""
+    for (message_id, member, _), times in _confirmed_acks(facts, strength).items():
+        for first, second in zip(times, times[1:], strict=False):
+            if strength != "producer" or not departures.left_between(member, first, second):
+                findings.add("acked_twice", queue=queue, id=message_id, node=None if member == MEMBER_ANY else member,
+                             first_at=round(first, 3), second_at=round(second, 3))
 
 
 def _check_enqueue_order(queue: str, facts: QueueFacts, findings: Findings) -> None:

@@ -115,11 +115,17 @@ async def _run_on(scenario: Scenario, cluster: ChaosCluster, schedule: list[Any]
         await observer.close()
         history.close()
     crashes = list(nemesis.crashes)
-    (run_dir / "observations.json").write_text(json.dumps(sorted(observer.observations)) + "\n")
+    (run_dir / "observations.json").write_text(json.dumps({"masters": sorted(observer.observations),
+                                                            "pairs": observer.pair_history()}) + "\n")
     await asyncio.to_thread(_kill_all, cluster)
-    judged = checker.check(history.completed, scenario.strengths(), observer.observations)
+    judged = checker.check(history.completed, scenario.strengths(), observer.observations, observer.pair_history())
     progress(f"history judged: {'valid' if judged['valid'] else judged['violation_counts']}; auditing the journals")
-    audit = await asyncio.to_thread(run_audit, cluster, run_dir, engine)
+    try:
+        audit = await asyncio.to_thread(run_audit, cluster, run_dir, engine)
+    except Exception as error:     # the run's facts stand; an audit that cannot run is a finding
+        progress(f"the audit could not run: {error!r}")
+        audit = {"verdict": "error", "violation_counts": {"audit_failed": 1}, "totals": {"records": 0},
+                 "error": repr(error)[:2000]}
     return verdict(scenario, run_dir, judged, audit, nemesis=dict(nemesis.applied), settled=settled, drained=drained,
                    crashes=crashes, restart_failures=nemesis.restart_failures, final_map=final_map,
                    recovery=_recovery(history.completed, scenario), observer_samples=observer.samples,
@@ -244,8 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = asyncio.run(run_scenario(scenario, run_dir, engine="spark" if arguments.spark else "python",
                                           progress=progress, log_level=arguments.log_level))
-    except (RuntimeError, OSError) as error:
-        print(f"chaos.run: the run could not complete: {error}", file=sys.stderr)
+    except Exception as error:     # reported as a run that could not complete, with its reason
+        print(f"chaos.run: the run could not complete: {error!r}", file=sys.stderr)
         print(json.dumps({"scenario": scenario.name, "seed": scenario.seed, "valid": False, "error": str(error)[:2000],
                           "run_dir": str(run_dir)}))
         return EXIT_ERROR

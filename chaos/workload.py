@@ -88,11 +88,17 @@ class Observer:
                      for node in cluster.ids}
         self.observations: set[tuple[str, int, str]] = set()
         self.seen_by: dict[tuple[str, int, str], set[str]] = {}
+        # (queue, epoch) -> (first seen, master, replica): who the pair was, and since when
+        self.pairs: dict[tuple[str, int], tuple[float, str, str | None]] = {}
         self.samples = 0
         self.latest: dict[str, Any] = {}
 
     def newest_map(self) -> dict[str, Any]:
         return self.latest
+
+    def pair_history(self) -> list[tuple[str, int, float, str, str | None]]:
+        return sorted((queue, epoch, seen, master, replica)
+                      for (queue, epoch), (seen, master, replica) in self.pairs.items())
 
     async def run(self, stop: asyncio.Event) -> None:
         await asyncio.gather(*(self._watch(node, stop) for node in self.cluster.ids))
@@ -114,6 +120,7 @@ class Observer:
                 key = (queue, int(entry["epoch"]), str(entry["master"]))
                 self.observations.add(key)
                 self.seen_by.setdefault(key, set()).add(node)
+                self.pairs.setdefault((queue, key[1]), (self.history.now(), key[2], entry.get("replica")))
         if current.get("version", 0) >= self.latest.get("version", -1):
             self.latest = current
         return current

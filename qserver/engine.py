@@ -843,11 +843,16 @@ class Engine:
         operations = self._open.sealed.operations
         masters, clustered = self.pairs.masters, self.pairs.clustered
         may_decide = self._full_master_may_decide()
+        replicas = self.pairs.replicas
         for core in self.cores.values():
             if clustered and core.options.strength.value == "full" and (core.name not in masters or not may_decide):
                 # Under `full` the master decides expiry and replicates it. A core with no role
                 # yet (the map not replayed after a restart) must not decide one either: it
                 # would take ordering indices outside the stream.
+                continue
+            if clustered and core.name not in masters and core.name not in replicas:
+                # Under `producer` too, a core with no role yet waits for it: its expiries would
+                # be journaled under no member's role (a restarted replica's, as its master's).
                 continue
             deadline = core.next_deadline_ms()
             mark = len(operations)

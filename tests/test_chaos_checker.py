@@ -103,6 +103,19 @@ def test_under_producer_each_member_delivers_once_but_a_member_never_redelivers_
         "acked_twice": 1, "delivered_after_ack": 1, "unexplained_redelivery": 1}
 
 
+def test_under_producer_a_node_that_left_the_pair_and_came_back_is_a_new_member() -> None:
+    history = Recorder()
+    history.enqueue("a", "ok", (0, 1), 1)
+    history.receive([(1, "a", 1)], (1, 2), node="n1")
+    history.ack(1, "ok", (2, 3), node="n1")
+    history.receive([(1, "a", 1)], (20, 21), node="n1")     # n1's replica moved away at 10, back at 15
+    history.ack(1, "ok", (21, 22), node="n1")
+    pairs = [("q", 1, 0.0, "n2", "n1"), ("q", 2, 10.0, "n2", "n3"), ("q", 3, 15.0, "n2", "n1")]
+    result = checker.check(history.entries, {"q": "producer"}, (), pairs)
+    assert result["valid"] and result["duplicates_explained"] == {"member_recreated": 1}, result["violations"]
+    assert not checker.check(history.entries, {"q": "producer"})["valid"]     # without the moves: violations
+
+
 def test_one_enqueue_stored_under_two_ids_is_a_duplicate_enqueue() -> None:
     history = Recorder()
     history.enqueue("a", "unknown", (0, 1))

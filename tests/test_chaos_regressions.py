@@ -278,3 +278,26 @@ def test_the_audit_replaces_a_discarded_suffix_with_what_the_new_epoch_put_at_th
     result = check_group("orders", records + [history_as_record(h) for h in history])
     assert not result["violations"], result["violations"]
     assert any(flag["kind"] == "discarded_suffix" for flag in result["flags"])
+
+
+# --- a restarted member decides nothing before it has its role ----------------------------------------
+def test_a_core_without_a_role_yet_expires_no_lease_until_the_map_gives_it_one() -> None:
+    from types import SimpleNamespace
+
+    from qserver.engine import Engine, OpenBatch
+    store = MemoryStore()
+    core = producer_core(store)
+    enqueue(core, store, 1, "e")
+    core.lease(1, 1, "c", AT_MS, [])                          # a lease that ran out long ago
+    engine = Engine.__new__(Engine)
+    engine._open = OpenBatch()
+    engine.coordinator = None
+    engine.cores = {"events": core}
+    engine._to_serve = set()
+    engine.pairs = SimpleNamespace(masters={}, replicas={}, clustered=True,   # type: ignore[assignment]
+                                   note_decided=lambda core, ops: None)
+    engine._expire_leases(AT_MS + 60_000)
+    assert engine._open.sealed.operations == []               # restarted, no role yet: wait
+    engine.pairs.replicas["events"] = object()
+    engine._expire_leases(AT_MS + 60_000)
+    assert [type(op).__name__ for op in engine._open.sealed.operations] == ["Released"]
