@@ -389,6 +389,15 @@ class PeerTransport:
                 link.finished.set()
 
     async def _read(self, link: _Link) -> None:
+        try:
+            await self._read_frames(link)
+        except (aiohttp.ClientError, OSError) as error:
+            # The socket broke under the reader: aiohttp answers a ping with a pong from inside
+            # receive(), which raises on a transport already closing (a peer paused or cut off
+            # and back). The link ends like any other; the dialer dials again.
+            log.info("link to peer %s broke: %r", link.peer.peer_id, error)
+
+    async def _read_frames(self, link: _Link) -> None:
         async for frame in link.ws:
             if frame.type is WSMsgType.BINARY and self._deliver(link, frame.data):
                 continue

@@ -301,3 +301,22 @@ def test_a_core_without_a_role_yet_expires_no_lease_until_the_map_gives_it_one()
     engine.pairs.replicas["events"] = object()
     engine._expire_leases(AT_MS + 60_000)
     assert [type(op).__name__ for op in engine._open.sealed.operations] == ["Released"]
+
+
+# --- a peer link whose socket breaks under its reader -------------------------------------------------
+@pytest.mark.asyncio
+async def test_a_link_whose_socket_breaks_under_the_reader_ends_and_leaves_the_dialer_alive() -> None:
+    import aiohttp
+
+    from qserver.peers import PeerTransport, _Link, _Peer
+
+    class _Breaking:
+        """aiohttp's receive() answers a ping with a pong; on a closing transport that raises."""
+
+        def __aiter__(self) -> _Breaking:
+            return self
+
+        async def __anext__(self) -> Any:
+            raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+    transport = PeerTransport("n1", b"s" * 32, {"n2": "http://127.0.0.1:1"}, on_message=lambda peer, data: None)
+    await transport._read(_Link(_Peer("n2", "http://127.0.0.1:1"), _Breaking()))   # type: ignore[arg-type]
