@@ -369,6 +369,11 @@ class _Continuity:
                 node=self.replay.node, index=index, message_id=record.message_id, records=[record],
                 settings=self.settings))
             self.high = high
+        elif any(older < record.epoch and older_high >= index for older, older_high in self.high_by_epoch.items()):
+            # A newer epoch's record at an index an older epoch's suffix used, journaled before
+            # its transaction's epoch record (storage writes that one last): the member took its
+            # role with its suffix discarded, from index - 1 at most.
+            self.base(record._replace(index=index - 1))
         else:
             self.replay.found.append(violation(
                 INDEX_REPEATED, self.replay.queue, f"index {index} journaled again", node=self.replay.node,

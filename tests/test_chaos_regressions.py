@@ -320,3 +320,21 @@ async def test_a_link_whose_socket_breaks_under_the_reader_ends_and_leaves_the_d
             raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
     transport = PeerTransport("n1", b"s" * 32, {"n2": "http://127.0.0.1:1"}, on_message=lambda peer, data: None)
     await transport._read(_Link(_Peer("n2", "http://127.0.0.1:1"), _Breaking()))   # type: ignore[arg-type]
+
+
+def test_the_audit_takes_a_replacement_journaled_before_its_epoch_record_as_the_suffixs_end() -> None:
+    from replication.audit_checks import history_as_record
+    records = [
+        _record("n1", 1, 1, 0, "epoch", "create", "master"), _record("n2", 1, 1, 0, "epoch", "create", "replica"),
+        _record("n1", 2, 1, 1, "enqueue", "a", "master"), _record("n2", 2, 1, 1, "enqueue", "a", "replica"),
+        _record("n1", 3, 1, 2, "enqueue", "b", "master"),
+        _record("n2", 3, 2, 1, "epoch", "failover", "master"),
+        _record("n2", 4, 2, 2, "enqueue", "c", "master"), _record("n2", 5, 2, 3, "enqueue", "b", "master"),
+        # the new master's operations reached n1 in the transaction that also holds its epoch record
+        _record("n1", 4, 2, 2, "enqueue", "c", "replica"), _record("n1", 5, 2, 3, "enqueue", "b", "replica"),
+        _record("n1", 6, 2, 1, "epoch", "failover", "replica"),
+    ]
+    history = [HistoryEnqueue("orders", "ok", 1, "a", 7), HistoryEnqueue("orders", "ok", 3, "b", 7),
+               HistoryEnqueue("orders", "ok", 2, "c", 7)]
+    result = check_group("orders", records + [history_as_record(h) for h in history])
+    assert not result["violations"], result["violations"]
