@@ -949,6 +949,9 @@ class Engine:
         self.pairs.before_commit(sealed.operations, sealed.oplog_rows, self.clock_ms())
         sealed.replica_queue_ids = {role.core.queue_id for role in self.pairs.replicas.values()}
         for name, core in batch.touched.items():
+            known = self.pairs.commit_order(name)
+            if known is not None:
+                core.record.commit_order = known
             sealed.queue_records[name] = core.record.to_json()
             core.seal()
         self._committing = batch

@@ -180,10 +180,14 @@ class PairDriver:
             self.replicas.pop(core.name, None)
             role_name = "master"
         elif entry.replica == self.node_id:
-            if isinstance(previous, MasterRole) and last_order > commit:
-                kept = self._discard_uncommitted(core, commit)
+            # A deposed master, or a member restarted after a crash (it may have been one): what
+            # it holds past the commit point may be an uncommitted suffix. After a restart only
+            # the commit point its record kept is known.
+            known_commit = max(commit, record.commit_order) if not isinstance(previous, ReplicaRole) else 0
+            if known_commit and last_order > known_commit:
+                kept = self._discard_uncommitted(core, known_commit)
                 if kept is not None:
-                    last_order, digest, durable = commit, kept, min(durable, commit)
+                    last_order, digest, durable = known_commit, kept, min(durable, known_commit)
             role = self.replicas[core.name] = ReplicaRole(
                 core, self.engine.storage, node_id=self.node_id, master_id=entry.master, epoch=entry.epoch,
                 incarnation=incarnation, applied_order=last_order, digest=digest, last_epoch=record.epoch,

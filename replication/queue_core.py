@@ -59,6 +59,10 @@ class QueueRecord:
     service_count: int = 0
     incarnation: int = 0     # the queue's identity across the cluster (0: a single node's queue)
     in_sync: bool = True     # the master's record of its replica (the membership layer's, later)
+    # The pair's commit point as this member knew it when the batch was sealed (written with
+    # every batch that touches the queue, so it covers every message consumed here): a member
+    # restarted after a crash drops what it holds past it (discard_after). 0: not known.
+    commit_order: int = 0
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -254,13 +258,25 @@ class QueueCore:
         """Drop a deposed `producer` master's uncommitted suffix: the enqueues past `order`
         (no consumer saw them: only committed messages are visible), so that the member can
         follow the new master from `order` and keep its own consumption state of everything
-        before (DESIGN.md 4.1). Returns the (priority, index) dropped, or None when it cannot
-        be done here (under `full` the suffix holds consumption steps too; a message past
-        `order` is leased, or may lie on a page not loaded since a restart): the member then
-        takes the master's whole history instead."""
-        if self.options.strength is not Strength.PRODUCER or order + 1 < self._boundary \
-                or any(index > order for index in self._leases):
+        before (DESIGN.md 4.1). Messages past `order` stored before this core was built (a
+        restart) are counted on their pages, which are never loaded again. Returns the
+        (priority, index) dropped from memory, or None when it cannot be done here (under
+        `full` the suffix holds consumption steps too; a message past `order` is leased): the
+        member then takes the master's whole history instead."""
+        if self.options.strength is not Strength.PRODUCER or any(index > order for index in self._leases):
             return None
+        boundary, on_disk = self._boundary, 0
+        if order + 1 < boundary:
+            for priority in range(PRIORITY_MAX + 1):
+                after = order
+                while rows := self._reader.ready_page(self.queue_id, priority, after, boundary, READY_PAGE_SIZE):
+                    on_disk += len(rows)
+                    after = rows[-1][0]
+                    if len(rows) < READY_PAGE_SIZE:
+                        break
+            self._boundary = order + 1           # pages past it are never loaded again
+            self._loaded_upto = [min(upto, order) for upto in self._loaded_upto]
+            self._pushed_beyond = [{index for index in pushed if index <= order} for pushed in self._pushed_beyond]
         dropped: list[tuple[int, int]] = []
         for priority, heap in enumerate(self._ready):
             if any(index > order for index in heap):
@@ -274,9 +290,10 @@ class QueueCore:
         for overlay in (self._dedupe.staged, self._dedupe.sealed):
             for dedupe_id in [d for d, (index, _) in overlay.items() if index > order]:
                 del overlay[dedupe_id]
+        count = on_disk + sum(1 for _, index in dropped if index >= boundary)   # below it: counted on disk
         record = self.record
-        record.ready_count -= len(dropped)
-        record.total_enqueued -= len(dropped)
+        record.ready_count -= count
+        record.total_enqueued -= count
         record.next_index = min(record.next_index, order + 1)
         return dropped
 

@@ -72,8 +72,9 @@ async def wait_for(what: str, timeout_s: float, check: Any) -> None:
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("crash", [False, True], ids=["cut-off", "cut-off-then-killed"])
 async def test_a_deposed_producer_master_rejoins_without_giving_its_consumers_what_they_acked(
-        chaos_cluster: ChaosCluster) -> None:
+        chaos_cluster: ChaosCluster, crash: bool) -> None:
     cluster = chaos_cluster
     async with AsyncClient(cluster.client_urls["n1"], cluster.credentials_path) as at_n1:
         await at_n1.create_queue("events", strength="producer")
@@ -101,7 +102,11 @@ async def test_a_deposed_producer_master_rejoins_without_giving_its_consumers_wh
         await wait_for("n2 to be promoted", 15.0, promoted)
         stop.set()
         await producer
+        if crash:           # it comes back from its disk: the suffix and its commit point as recorded
+            await asyncio.to_thread(cluster.kill, "n1")
         await asyncio.to_thread(cluster.heal_links)
+        if crash:
+            await asyncio.to_thread(cluster.start, "n1")
 
         async def rejoined() -> bool:
             entry = await entry_at(cluster, "n1", "events")

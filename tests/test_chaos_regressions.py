@@ -338,3 +338,15 @@ def test_the_audit_takes_a_replacement_journaled_before_its_epoch_record_as_the_
                HistoryEnqueue("orders", "ok", 2, "c", 7)]
     result = check_group("orders", records + [history_as_record(h) for h in history])
     assert not result["violations"], result["violations"]
+
+
+def test_a_restarted_core_drops_its_suffix_past_the_recorded_commit_point_even_on_pages_not_loaded() -> None:
+    store = MemoryStore()
+    first = producer_core(store)
+    enqueue(first, store, 10, "r")                            # 1..10 stored; the crash comes
+    record = QueueRecord.from_json(first.record.to_json())
+    core = QueueCore(record, store, random.Random(3))         # rebuilt: nothing loaded yet
+    assert core.discard_after(6) == []                        # 7..10 are on pages it never read
+    assert core.record.next_index == 7 and core.depth == 6
+    leased = core.lease(20, None, "c", AT_MS, [])
+    assert [op.index for op in leased] == [1, 2, 3, 4, 5, 6]   # storage still has 7..10: never read
