@@ -1091,7 +1091,7 @@ class Consumer:
 
     def _on_subscribe_failed(self, error: QueueError) -> None:
         self._subscribing = False
-        if not error.retriable:
+        if not error.retriable or error.code == E_NOT_MASTER.code:    # see _on_subscription_ended
             self._error = error
             self._wake()
 
@@ -1108,7 +1108,9 @@ class Consumer:
     def _on_subscription_ended(self, error: QueueError) -> None:
         """The server ended the subscription: surface a lasting reason, else subscribe again."""
         self._subscription_id = None
-        if error.retriable:
+        # E_NOT_MASTER: this node stopped mastering the queue (a handoff or failover); asking
+        # it again cannot help: the caller consumes again, where the map now says.
+        if error.retriable and error.code != E_NOT_MASTER.code:
             self._subscribe()
         else:
             self._error = error
