@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import pysyncobj.syncobj as _syncobj_module
 from pysyncobj import SyncObj, SyncObjConf, SyncObjConsumer, replicated
 from pysyncobj.journal import FileJournal, MemoryJournal
+from pysyncobj.monotonic import monotonic as _raft_monotonic
 from pysyncobj.node import Node, TCPNode
 
 from replication.cluster_map import ClusterMap, Command, Outcome, decode_command, encode_command
@@ -197,6 +198,7 @@ class RaftMembership:
             autoTickPeriod=0.01, commandsWaitLeader=True, dynamicMembershipChange=False,
             appendEntriesUseBatch=False)   # send a command at once: map changes are rare, latency matters
         self._voters = voters
+        self._leader_fallback_s = leader_fallback_s
         self._syncobj: SyncObj | None = None
         self._machine = _MapMachine(self._from_raft_thread, self._snapshot_from_raft_thread)
 
@@ -251,7 +253,19 @@ class RaftMembership:
             finish(None)
 
     def is_leader(self) -> bool:
-        return self._syncobj is not None and bool(self._syncobj._isLeader())
+        """Leads, and heard from a majority of the voters within leader_fallback_s. pysyncobj's
+        own flag stays up after the process was paused (SIGSTOP) or cut off until its thread
+        notices; a leader on a stale flag would grant leases (its own too) and promote, after
+        the majority has elected another and promoted a replica (DESIGN.md 4.2: never derive
+        anything from that flag alone)."""
+        syncobj = self._syncobj
+        if syncobj is None or not syncobj._isLeader():
+            return False
+        others = list(syncobj._SyncObj__otherNodes)                 # pysyncobj 0.3.17 internals
+        responses = syncobj._SyncObj__lastResponseTime
+        deadline = _raft_monotonic() - self._leader_fallback_s
+        heard = 1 + sum(1 for node in others if responses.get(node, 0.0) > deadline)
+        return heard > (len(others) + 1) / 2
 
     def leader_id(self) -> str | None:
         leader = self._syncobj._getLeader() if self._syncobj is not None else None

@@ -350,3 +350,20 @@ def test_a_restarted_core_drops_its_suffix_past_the_recorded_commit_point_even_o
     assert core.record.next_index == 7 and core.depth == 6
     leased = core.lease(20, None, "c", AT_MS, [])
     assert [op.index for op in leased] == [1, 2, 3, 4, 5, 6]   # storage still has 7..10: never read
+
+
+# --- a membership leader on a stale flag ----------------------------------------------------------------
+def test_a_raft_leader_that_has_not_heard_from_a_majority_lately_is_not_the_leader() -> None:
+    import time
+    from types import SimpleNamespace
+
+    from qserver.membership import RaftMembership
+    membership = RaftMembership.__new__(RaftMembership)
+    membership._leader_fallback_s = 0.4
+    now = time.monotonic()
+    heard = {"n2": now - 10.0, "n3": now - 10.0}          # resumed after a 10 s SIGSTOP
+    membership._syncobj = SimpleNamespace(_isLeader=lambda: True, _SyncObj__otherNodes={"n2", "n3"},  # type: ignore[assignment]
+                                          _SyncObj__lastResponseTime=heard)
+    assert not membership.is_leader()
+    heard["n3"] = time.monotonic()
+    assert membership.is_leader()                          # itself and n3: a majority of three
