@@ -434,7 +434,13 @@ class Engine:
             return False
         sealed = self._open.sealed
         queue_id = core.queue_id
-        sealed.operations[:] = [op for op in sealed.operations if op.queue_id != queue_id or op.order <= order]
+        kept = [op.queue_id != queue_id or op.order <= order for op in sealed.operations]
+        # Journal marks stay before the operation they preceded (their positions shrink).
+        before = [0]
+        for keep in kept:
+            before.append(before[-1] + keep)
+        sealed.journal_marks[:] = [(before[position], mark) for position, mark in sealed.journal_marks]
+        sealed.operations[:] = [op for op, keep in zip(sealed.operations, kept, strict=True) if keep]
         sealed.oplog_rows[:] = [row for row in sealed.oplog_rows if row[0] != queue_id or row[1] <= order]
         sealed.truncations.append((queue_id, order))
         self._touch(core)
@@ -707,9 +713,10 @@ class Engine:
 
     def journal_mark(self, core: QueueCore, role: str, index: int, reason: str) -> None:
         """A journal record of a member taking a role in an epoch (the audit's "epoch" op)."""
-        self._open.sealed.journal_marks.append(
-            [self.clock_ms(), core.name, core.queue_id, core.record.epoch, index, "epoch", 0, reason, 0, 0, 0, role,
-             self.config.node_id, ""])
+        sealed = self._open.sealed
+        sealed.journal_marks.append((len(sealed.operations), [
+            self.clock_ms(), core.name, core.queue_id, core.record.epoch, index, "epoch", 0, reason, 0, 0, 0, role,
+            self.config.node_id, ""]))
         self._touch(core)
 
     def invoke(self, action: Callable[[int], None]) -> None:

@@ -76,8 +76,10 @@ class SealedBatch:
     oplog_rows: list[tuple[int, int, bytes, bytes]] = field(default_factory=list)  # (queue_id, order, digest, op)
     # A deposed master's uncommitted suffix to erase first: (queue_id, last order kept).
     truncations: list[tuple[int, int]] = field(default_factory=list)
-    # Journal-only records: a member taking a role in an epoch (op "epoch"; see JOURNAL_FIELDS).
-    journal_marks: list[list[Any]] = field(default_factory=list)
+    # Journal-only records: a member taking a role in an epoch (op "epoch"; see JOURNAL_FIELDS),
+    # each as (position, record): it is journaled before operations[position], where it
+    # happened, so the audit reads every stream in the order its member lived it.
+    journal_marks: list[tuple[int, list[Any]]] = field(default_factory=list)
     next_queue_id: int | None = None
     replica_queue_ids: set[int] = field(default_factory=set)                 # journal role "replica"
     housekeeping_ms: int | None = None                                       # prune older than this
@@ -289,15 +291,23 @@ class Storage:
             self._truncate(txn, queue_id, order)
         operations = batch.operations
         position, count = 0, len(operations)
+        marks = batch.journal_marks if self.journal_enabled else []
+        next_mark = 0
         while position < count:
+            while next_mark < len(marks) and marks[next_mark][0] <= position:
+                self._journal_mark(txn, marks[next_mark][1])
+                next_mark += 1
             if type(operations[position]) is Enqueued:
-                position = self._apply_enqueue_run(txn, operations, position, journal)
+                stop = marks[next_mark][0] if next_mark < len(marks) else count
+                position = self._apply_enqueue_run(txn, operations, position, stop, journal)
                 continue
             op = operations[position]
             self._APPLY[type(op)](self, txn, op)  # type: ignore[operator]
             if journal is not None:
                 journal(op)
             position += 1
+        for _, mark in marks[next_mark:]:
+            self._journal_mark(txn, mark)
         for name, queue_id in batch.deleted_queues:     # before the puts: a reset replaces a name
             txn.delete(name.encode(), db=db["queues"])
             txn.delete(name.encode(), db=db["epochs"])
@@ -315,14 +325,7 @@ class Storage:
             txn.delete(client_id.encode(), db=db["clients"])
         if batch.next_queue_id is not None:
             txn.put(b"next_queue_id", _Q.pack(batch.next_queue_id), db=db["meta"])
-        if self.journal_enabled and batch.journal_marks:
-            journal_db = db["journal"]
-            for mark in batch.journal_marks:
-                record = self._pack(mark)
-                self._journal_sequence += 1
-                txn.put(_Q.pack(self._journal_sequence), record + _U32.pack(zlib.crc32(record)), db=journal_db,
-                        append=True)
-        if journal is not None or batch.journal_marks:
+        if journal is not None or marks:
             txn.put(b"journal_sequence", _Q.pack(self._journal_sequence), db=db["meta"])
         if batch.housekeeping_ms is not None:
             self._housekeeping(txn, batch)
@@ -333,7 +336,13 @@ class Storage:
             payloads.append(None if raw is None else msgpack.unpackb(raw)[4])
         return payloads
 
-    def _apply_enqueue_run(self, txn: lmdb.Transaction, operations: list[Operation], start: int,
+    def _journal_mark(self, txn: lmdb.Transaction, mark: list[Any]) -> None:
+        record = self._pack(mark)
+        self._journal_sequence += 1
+        txn.put(_Q.pack(self._journal_sequence), record + _U32.pack(zlib.crc32(record)), db=self.db["journal"],
+                append=True)
+
+    def _apply_enqueue_run(self, txn: lmdb.Transaction, operations: list[Operation], start: int, stop: int,
                            journal: Any) -> int:
         """Store a run of consecutive enqueues with one putmulti per database: most of a
         producer's batch is such a run, and this keeps the per-message Python work small."""
@@ -345,7 +354,7 @@ class Storage:
         names, node, sequence = self._batch_names, self.node_id, self._journal_sequence
         replicas = self._batch_replicas
         end = start
-        for op in operations[start:]:
+        for op in operations[start:stop]:
             if type(op) is not Enqueued:
                 break
             payload = op.payload

@@ -26,7 +26,7 @@ queue's own records uses as an ordering index.
 
 Records whose op is "epoch" (written by the membership layer when a member starts a role in
 an epoch: `index` = the last ordering index it holds, `dedupe_id` = the reason: create,
-handoff, failover, unclean, move, rejoin) are used when present: they give a stream its base
+restart, handoff, failover, unclean, move, rejoin) are used when present: they give a stream its base
 index, explain a truncated suffix, name the handoffs and failovers of the timeline and flag
 forced (`unclean`) promotions. Every check also works without them.
 
@@ -59,6 +59,7 @@ CONSUMPTION_OPS = frozenset({"lease", "ack", "reply", "release", "expire", "dead
 HISTORY_OP = "history"            # a client-side history entry travelling with the records
 ARRIVAL_OP = "dead_letter_arrival"   # derived, never stored
 EPOCH_OP = "epoch"
+RESTART_REASON = "restart"          # an epoch record's reason when a member restarted in its role
 UNDECODABLE_OP = "undecodable"    # the exporter could not decode the record body
 HISTORY_STATUSES = ("ok", "unknown", "fail")
 
@@ -319,10 +320,11 @@ class StreamReplay:
 class _Continuity:
     """Ordering indices of one stream: each one once, in increasing order, without a gap.
 
-    An epoch record names the last index the member held when it took its role. Storage
-    writes such records after the operations of the same transaction, so records of the new
-    epoch may already lie above that base: only records of an *older* epoch above it were
-    discarded (a suffix that was never committed, replaced in the new epoch)."""
+    An epoch record names the last index the member held when it took its role: records of
+    an *older* epoch above it were discarded (a suffix that was never committed, replaced in
+    the new epoch), and after a restart those of its own epoch too. Storage journals such a
+    record where it happened among its transaction's operations; journals written before
+    that have it after them, so records of the new epoch may lie above its base (see step)."""
 
     def __init__(self, replay: StreamReplay, settings: AuditSettings) -> None:
         self.replay, self.settings = replay, settings
@@ -336,14 +338,20 @@ class _Continuity:
             self.high = base
             self.replay.first_index = base + 1
             return
-        stale = max((high for older, high in self.high_by_epoch.items() if older < epoch), default=base)
+        # A member restarted after a crash drops what it held past the commit point it had
+        # recorded, of its own epoch too (a `producer` member's never visible, never committed
+        # suffix); its mark is journaled before anything it did after the restart.
+        restart = record.dedupe_id == RESTART_REASON
+        discarded = [older for older in self.high_by_epoch if older < epoch or restart and older == epoch]
+        stale = max((self.high_by_epoch[older] for older in discarded), default=base)
         if stale > base:
+            what = "held past the commit point discarded when the member restarted in" if restart else \
+                "of an older epoch discarded when the member took its role in"
             self.replay.flags.append({"kind": DISCARDED_SUFFIX, "queue": self.replay.queue, "node": self.replay.node,
                                       "epoch": epoch, "first": base + 1, "last": stale,
-                                      "detail": f"indices {base + 1}..{stale} of an older epoch discarded when the "
-                                                f"member took its role in epoch {epoch} (never committed)"})
+                                      "detail": f"indices {base + 1}..{stale} {what} epoch {epoch} (never committed)"})
             self.missing = [gap for gap in self.missing if gap[0] <= base]
-            for older in [older for older in self.high_by_epoch if older < epoch]:
+            for older in discarded:
                 self.high_by_epoch[older] = min(self.high_by_epoch[older], base)
             self.high = max([base, *(high for newer, high in self.high_by_epoch.items() if newer >= epoch)])
         elif base > self.high:
@@ -422,7 +430,7 @@ def replay_stream(key: StreamKey, records: Sequence[JournalRecord], *, complete:
             continuity.base(record)
             high = continuity.high
             replay.epoch_records.append(record)
-            consumer.discard_after(record.index, record.epoch)
+            consumer.discard_after(record.index, record.epoch + (record.dedupe_id == RESTART_REASON))
         elif index > 0:
             if high is not None and index == high + 1 and op != ARRIVAL_OP:
                 high = index
@@ -454,7 +462,7 @@ def replay_stream(key: StreamKey, records: Sequence[JournalRecord], *, complete:
         if entry[2] is None and record.role == "master":
             entry[2] = record
             replay.master_epochs.add(current_epoch)
-        if op == EPOCH_OP and record.role == "master" and record.dedupe_id not in (None, "restart"):
+        if op == EPOCH_OP and record.role == "master" and record.dedupe_id not in (None, RESTART_REASON):
             entry[3] = record.dedupe_id      # a restart in the same role starts no epoch
     continuity.high = high
     continuity.finish()
@@ -498,7 +506,8 @@ class _Consumption:
         """A member took a role in `epoch` holding indices up to `base`: messages it had
         enqueued past `base` in an older epoch were a discarded, never committed suffix (a
         deposed `producer` master drops it and follows on from its commit point); the new
-        epoch's messages at the same ids replace them."""
+        epoch's messages at the same ids replace them. (A restart passes epoch + 1: its own
+        epoch's suffix past the commit point was discarded too.)"""
         replay = self.replay
         discarded = []
         for message_id in reversed(replay.enqueued):    # enqueues come in increasing id order

@@ -367,3 +367,36 @@ def test_a_raft_leader_that_has_not_heard_from_a_majority_lately_is_not_the_lead
     assert not membership.is_leader()
     heard["n3"] = time.monotonic()
     assert membership.is_leader()                          # itself and n3: a majority of three
+
+
+# --- a restarted `producer` member's journal ------------------------------------------------------------
+def test_the_audit_takes_a_restart_record_below_what_the_member_held_as_the_end_of_its_discarded_suffix() -> None:
+    from replication.audit_checks import history_as_record
+    records = [
+        _record("n1", 1, 1, 0, "epoch", "create", "master"), _record("n2", 1, 1, 0, "epoch", "create", "replica"),
+        _record("n1", 2, 1, 1, "enqueue", "a", "master"), _record("n2", 2, 1, 1, "enqueue", "a", "replica"),
+        _record("n1", 3, 1, 2, "enqueue", "b", "master"), _record("n2", 3, 1, 2, "enqueue", "b", "replica"),
+        # n2 is killed knowing only index 1 committed; restarted, it drops 2 and takes it again
+        _record("n2", 4, 1, 1, "epoch", "restart", "replica"), _record("n2", 5, 1, 2, "enqueue", "b", "replica"),
+        _record("n1", 4, 1, 3, "enqueue", "c", "master"), _record("n2", 6, 1, 3, "enqueue", "c", "replica"),
+    ]
+    history = [HistoryEnqueue("orders", "ok", 1, "a", 7), HistoryEnqueue("orders", "ok", 2, "b", 7),
+               HistoryEnqueue("orders", "ok", 3, "c", 7)]
+    result = check_group("orders", records + [history_as_record(h) for h in history])
+    assert not result["violations"], result["violations"]
+    assert [(flag["kind"], flag["node"], flag["first"], flag["last"]) for flag in result["flags"]] == [
+        ("discarded_suffix", "n2", 2, 2)]
+
+
+def test_storage_journals_a_role_record_where_it_happened_among_its_batchs_operations(tmp_path: Path) -> None:
+    storage = Storage(tmp_path / "lmdb", node_id="n1")
+    record = QueueRecord(1, "events", QueueOptions(strength=Strength.PRODUCER), AT_MS, next_index=4)
+    mark = [AT_MS, "events", 1, 1, 1, "epoch", 0, "restart", 0, 0, 0, "replica", "n1", ""]
+    batch = SealedBatch(operations=[Enqueued(1, i, 4, AT_MS, f"d{i}", "c", b"x") for i in range(1, 4)],
+                        queue_records={"events": record.to_json()},
+                        oplog_rows=[(1, i, bytes(16), b"op") for i in range(1, 4)],
+                        journal_marks=[(1, mark)])
+    storage.commit(batch)
+    assert [(row[5], row[4]) for row in storage.journal_records()] == [
+        ("enqueue", 1), ("epoch", 1), ("enqueue", 2), ("enqueue", 3)]
+    storage.close()
