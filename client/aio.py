@@ -24,6 +24,7 @@ Admin calls go over signed REST (`client/http.py`) and share the client's aiohtt
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import os
 import random
@@ -161,6 +162,9 @@ def _op_bytes(op: ClientOp) -> int:
 ROUTED_ENQUEUE_RETRY_S = 0.5   # see AsyncClient._node_client
 FAILOVER_WAIT_S = 4.0          # how long a call waits for the map to name a reachable master
 FAILOVER_POLL_S = 0.1
+# Set while a call is retried after a failure (_retried_once): a retry at this very node
+# (it has just become the queue's master) is taken once per call, not again from the retry.
+_RETRYING: contextvars.ContextVar[bool] = contextvars.ContextVar("qcluster_retrying", default=False)
 
 
 class AsyncClient:
@@ -474,10 +478,14 @@ class AsyncClient:
             # layer fails over within its lease (DESIGN.md 3); ask again shortly.
             await asyncio.sleep(FAILOVER_POLL_S)
         if target is self:
+            master = self._master_urls.get(queue)
+            if master == self.url:
+                # This node has just become the master: what it took as replica and forwarded
+                # failed ("this member became the master"); once more, here.
+                return None if _RETRYING.get() else self
             # This node is a member but did not hold the queue yet (it has just been created):
             # this once, the master answers.
-            master = self._master_urls.get(queue)
-            return None if master is None or master == self.url else self._route_to(master)
+            return None if master is None else self._route_to(master)
         return target
 
     # --- messages -----------------------------------------------------------------------------
@@ -545,7 +553,7 @@ class AsyncClient:
             master = await self._rerouted(queue, error)
             if master is None:
                 raise
-            return await master.receive(queue, max_messages, wait_s, visibility_timeout_s)
+            return await _retried_once(error, master.receive(queue, max_messages, wait_s, visibility_timeout_s))
         try:
             return [Message(self, queue, m) for m in messages_from_result(result)]
         except FrameError as exc:
@@ -974,12 +982,15 @@ async def _retried_once(first: QueueError, retry: Awaitable[Any]) -> Any:
     """The one retry of a call whose first attempt failed with `first`: when that attempt's
     outcome was unknown, a definite error of the retry does not make the call's outcome
     definite (the first attempt may have been applied)."""
+    retrying = _RETRYING.set(True)
     try:
         return await retry
     except QueueError as error:
         if first.outcome_unknown and not error.outcome_unknown:
             raise QueueError(error.kind, error.message, outcome_unknown=True) from error
         raise
+    finally:
+        _RETRYING.reset(retrying)
 
 
 def _item_error(outcome: Any) -> QueueError:

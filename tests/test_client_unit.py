@@ -76,6 +76,7 @@ class FakeNode:
         self.drop_next_frame_unanswered = False
         self.hold_receives = False
         self.closing_on_next_frame: Closing | None = None
+        self.not_master_answers = 0      # the next enqueue batches answer E_NOT_MASTER, outcome unknown
         self._sockets: set[web.WebSocketResponse] = set()
         self._subscriptions: dict[int, int] = {}  # subscription id -> credit left
         self._runner: web.AppRunner | None = None
@@ -159,6 +160,9 @@ class FakeNode:
         if isinstance(op, EnqueueBatchOp):
             if op.queue == "forbidden":
                 return [ErrorReply(op.request_id, "E_FORBIDDEN", "no post on forbidden", False)]
+            if self.not_master_answers:
+                self.not_master_answers -= 1
+                return [ErrorReply(op.request_id, "E_NOT_MASTER", "this member became the master", True)]
             outcomes: list[Any] = []
             for payload, dedupe_id in zip(op.payloads, op.dedupe_ids or [None] * len(op.payloads), strict=True):
                 if payload == b"refuse":
@@ -497,6 +501,28 @@ async def test_enqueues_wait_for_a_node_that_is_down_and_fail_after_their_retry_
     with pytest.raises(QueueError):
         await lonely.receive("orders")  # not retried: fails at the next failed connect
     await lonely.close()
+
+
+def _map_naming(fake_node: FakeNode, other_port: int) -> tuple[int, dict[str, Any]]:
+    """This node the master of `ledger` (it has just become it), the other node unreachable."""
+    return 200, {"nodes": [{"id": "n1", "url": fake_node.url}, {"id": "n2", "url": f"http://127.0.0.1:{other_port}"}],
+                 "queues": {"ledger": {"master": "n1", "replica": "n2", "epoch": 3}}}
+
+
+@pytest.mark.asyncio
+async def test_an_enqueue_forwarded_by_a_replica_that_just_became_the_master_is_retried_there_once(
+        fake_node: FakeNode, unused_tcp_port: int) -> None:
+    fake_node.rest_answers[("GET", "/v1/cluster")] = _map_naming(fake_node, unused_tcp_port)
+    async with AsyncClient(credentials=fake_node.credentials, **FAST) as client:  # type: ignore[arg-type]
+        await client.refresh_placement()
+        fake_node.not_master_answers = 1
+        assert await client.enqueue_many("ledger", [b"a", b"b"], dedupe_ids=["d-a", "d-b"]) == [1, 2]
+        fake_node.not_master_answers = 5                 # it keeps saying so: one retry, then the error
+        with pytest.raises(QueueError) as caught:
+            await client.enqueue("ledger", b"c", dedupe_id="d-c")
+    assert caught.value.code == "E_NOT_MASTER" and caught.value.outcome_unknown
+    assert [op.dedupe_ids for op in fake_node.ops_of(EnqueueBatchOp)] == [
+        ("d-a", "d-b"), ("d-a", "d-b"), ("d-c",), ("d-c",)]
 
 
 @pytest.mark.asyncio
