@@ -10,6 +10,7 @@ proposes them and keeps the bookkeeping of what is in flight.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -85,6 +86,9 @@ class Coordinator:
         self.promised: dict[str, tuple[Finish, int]] = {}      # accepted: waiting for the local map to show it
         self._next_request = (engine.random_bits(40) << 20) + 1
         self._next_renew_ms = 0
+        # (map version, renewal sequence) of grants this node's map has not caught up with;
+        # bounded like the renewals they answer (older ones no longer count).
+        self._grants_waiting: deque[tuple[int, int]] = deque(maxlen=self.lease.outstanding_max)
         self._leader_term: int | None = None
         self._leader_busy_until_ms = 0
         self._registering = False
@@ -95,7 +99,16 @@ class Coordinator:
     def lease_valid(self) -> bool:
         return self.lease.valid(self.monotonic_ms())
 
+    def _accept_grants(self) -> None:
+        """Grants count once this node's map has applied what the leader's had when it granted
+        (LeaseGrant): a node restarted on its own stale copy of the map, which still named it
+        master of queues that failed over meanwhile, decided operations in the old epoch."""
+        version, waiting = self.membership.cluster_map.version, self._grants_waiting
+        while waiting and waiting[0][0] <= version:
+            self.lease.granted(waiting.popleft()[1])
+
     def tick(self, now_ms: int) -> None:
+        self._accept_grants()
         mono = self.monotonic_ms()
         if mono >= self._next_renew_ms:
             self._next_renew_ms = mono + self.renew_interval_ms
@@ -133,9 +146,11 @@ class Coordinator:
             # (it holds none of its queues' data; `incarnation` carries its storage id).
             if self.membership.is_leader() and known is not None and known.storage_id == message.incarnation:
                 self.table.grant(peer, self.monotonic_ms())
-                self.pairs.send_message(peer, LeaseGrant("", 0, self.membership.term(), message.sequence))
+                self.pairs.send_message(peer, LeaseGrant("", 0, self.membership.term(), message.sequence,
+                                                         self.membership.cluster_map.version))
         elif isinstance(message, LeaseGrant):
-            self.lease.granted(message.sequence)
+            self._grants_waiting.append((message.map_version, message.sequence))
+            self._accept_grants()
         elif isinstance(message, HandoffOrder):
             entry = self.membership.cluster_map.queues.get(message.queue)
             if entry is not None and entry.master == self.node_id and entry.epoch == message.epoch:

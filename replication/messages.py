@@ -219,12 +219,15 @@ class LeaseRenew:
 
 @dataclass(frozen=True, slots=True)
 class LeaseGrant:
-    """membership leader -> node: the renewal `sequence` is granted."""
+    """membership leader -> node: the renewal `sequence` is granted. It counts once the node's
+    copy of the cluster map has applied `map_version` commands, as the leader's had: a node
+    restarted or cut off on a stale map must not act on roles that changed meanwhile."""
     TAG: ClassVar[int] = 15
     queue: str
     incarnation: int
     epoch: int
     sequence: int
+    map_version: int
 
 
 Message = (Append | AppendAck | Open | SyncBegin | SyncEnd | OpenAck | Forward | ForwardResult | Refused | Create

@@ -400,3 +400,26 @@ def test_storage_journals_a_role_record_where_it_happened_among_its_batchs_opera
     assert [(row[5], row[4]) for row in storage.journal_records()] == [
         ("enqueue", 1), ("epoch", 1), ("enqueue", 2), ("enqueue", 3)]
     storage.close()
+
+
+# --- a lease counts only on a map as new as the leader's ------------------------------------------------
+def test_a_lease_grant_counts_only_once_the_nodes_map_has_applied_what_the_leaders_had() -> None:
+    from types import SimpleNamespace
+
+    from qserver.coordinator import Coordinator
+    from replication.messages import LeaseGrant
+    clock = [10_000]
+    cluster_map = SimpleNamespace(version=5)       # restarted on its own copy: 2 commands behind
+    engine = SimpleNamespace(pairs=None, config=SimpleNamespace(node_id="n1"), random_bits=lambda bits: 1)
+    coordinator = Coordinator(engine, SimpleNamespace(cluster_map=cluster_map),  # type: ignore[arg-type]
+                              lease_ms=800, lease_margin_ms=400, renew_interval_ms=200,
+                              replica_replace_after_ms=60_000, accept_replica_handoffs=True,
+                              monotonic_ms=lambda: clock[0])
+    sequence = coordinator.lease.renewal(clock[0])
+    coordinator.on_message("n2", LeaseGrant("", 0, 3, sequence, 7))
+    assert not coordinator.lease_valid()            # its map may still name it master of a queue that failed over
+    cluster_map.version = 7
+    coordinator._accept_grants()
+    assert coordinator.lease_valid()                # counted from when the renewal was sent
+    clock[0] += 800
+    assert not coordinator.lease_valid()
