@@ -123,6 +123,12 @@ class PairDriver:
         self.limits = limits
         self.node_id = engine.config.node_id
         self.masters: dict[str, MasterRole] = {}
+        # Masters taken up at a restart from this node's own copy of the map, which may be
+        # stale (the queue failed over while the node was down): until the node holds a lease,
+        # granted against a map as new as the leader's (Coordinator._accept_grants), such a
+        # master claims no commit point past the one its queue record kept. Its copy may say
+        # the replica is out of sync, which would make everything it holds look committed.
+        self.unconfirmed: dict[str, int] = {}     # queue name -> commit point kept at the restart
         # Dead letters enter a dead-letter queue through its source queue's stream, so under
         # `full` one becomes visible when the source's DeadLettered is committed:
         # dead-letter queue name -> (source order, dead-letter index) not yet committed.
@@ -166,7 +172,7 @@ class PairDriver:
             durable, commit = last_order, 0
         elif isinstance(previous, MasterRole):
             last_order, digest, durable, commit = (previous.last_order, previous.digest, previous.local_durable,
-                                                   previous.commit_order)
+                                                   self.commit_order(core.name) or 0)
         else:
             last_order, digest, durable, commit = (previous.applied_order, previous.digest, previous.durable_order,
                                                    previous.visible_order)
@@ -178,6 +184,8 @@ class PairDriver:
                 limits=self.limits, durable_order=durable,
                 replica_durable=commit if isinstance(previous, ReplicaRole) else 0)
             self.replicas.pop(core.name, None)
+            if previous is None and first_reason == "restart":
+                self.unconfirmed[core.name] = record.commit_order
             role_name = "master"
         elif entry.replica == self.node_id:
             # A deposed master, or a member restarted after a crash (it may have been one): what
@@ -194,6 +202,7 @@ class PairDriver:
                 limits=self.limits, session_base=self.engine.random_bits(40) << 20, durable_order=durable,
                 commit_order=commit)
             self.masters.pop(core.name, None)
+            self.unconfirmed.pop(core.name, None)
             role_name = "replica"
         else:
             return
@@ -212,6 +221,7 @@ class PairDriver:
 
     def detach(self, name: str) -> None:
         self.masters.pop(name, None)
+        self.unconfirmed.pop(name, None)
         self.replicas.pop(name, None)
         for held in self.held.pop(name, ()):
             if held.refuse is not None:   # never committed: the queue is gone
@@ -437,7 +447,8 @@ class PairDriver:
     def commit_order(self, name: str) -> int | None:
         master = self.masters.get(name)
         if master is not None:
-            return master.commit_order
+            kept = self.unconfirmed.get(name)
+            return master.commit_order if kept is None else min(master.commit_order, kept)
         replica = self.replicas.get(name)
         return None if replica is None else replica.visible_order
 
@@ -583,7 +594,14 @@ class PairDriver:
             else:
                 replica.link_down()
 
+    def confirm_restarted_masters(self) -> None:
+        """With a lease, this node's map is as new as the leader's was when it granted: the
+        masters that map still gives this node are confirmed (see `unconfirmed`)."""
+        if self.unconfirmed and (self.coordinator is None or self.coordinator.lease_valid()):
+            self.unconfirmed.clear()
+
     def tick(self, now_ms: int) -> None:
+        self.confirm_restarted_masters()
         announce = now_ms >= self._next_announce_ms
         if announce:
             self._next_announce_ms = now_ms + ANNOUNCE_INTERVAL_MS

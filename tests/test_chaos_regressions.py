@@ -423,3 +423,23 @@ def test_a_lease_grant_counts_only_once_the_nodes_map_has_applied_what_the_leade
     assert coordinator.lease_valid()                # counted from when the renewal was sent
     clock[0] += 800
     assert not coordinator.lease_valid()
+
+
+# --- a master taken up at a restart, on the node's own (possibly stale) copy of the map ----------------
+def test_a_master_restarted_on_its_own_map_claims_no_commit_past_its_record_until_it_holds_a_lease() -> None:
+    from types import SimpleNamespace
+
+    from qserver.pairs import PairDriver
+    pairs = PairDriver.__new__(PairDriver)
+    lease = [False]
+    # Its copy of the map says the replica is out of sync: everything it holds looks committed.
+    pairs.masters = {"events": SimpleNamespace(commit_order=3678)}  # type: ignore[dict-item]
+    pairs.replicas = {}
+    pairs.unconfirmed = {"events": 3677}                  # the commit point its queue record kept
+    pairs.coordinator = SimpleNamespace(lease_valid=lambda: lease[0])  # type: ignore[assignment]
+    assert pairs.commit_order("events") == 3677          # what it persists and drops a suffix past
+    pairs.confirm_restarted_masters()
+    assert pairs.commit_order("events") == 3677          # no lease yet: the map may still move on
+    lease[0] = True                                      # granted against a map as new as the leader's
+    pairs.confirm_restarted_masters()
+    assert pairs.commit_order("events") == 3678 and pairs.unconfirmed == {}
