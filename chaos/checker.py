@@ -143,8 +143,9 @@ def _check_queue(queue: str, facts: QueueFacts, strength: str, findings: Finding
         findings.add("lost", queue=queue, id=message_id, tag=tag_of_id.get(message_id))
     recovered = sorted(tag for tag, entry in facts.enqueues.items()
                        if entry["status"] == "unknown" and tag in delivered_tags)
-    explained = _check_repeats(queue, facts, strength, findings, departures)
-    _check_acks(queue, facts, strength, findings, departures)
+    confirmed = _confirmed_acks(facts, strength)
+    explained = _check_repeats(queue, facts, strength, confirmed, findings, departures)
+    _check_acks(queue, strength, confirmed, findings, departures)
     _check_enqueue_order(queue, facts, findings)
     if strength == "full":
         _first_delivery_order(queue, facts, acknowledged, findings)
@@ -201,6 +202,10 @@ def _delivery_counts(facts: QueueFacts) -> dict[tuple[int, bool], int]:
     return counts
 
 
+# (message id, member, dead letter?) -> completion times of its acks confirmed ok, in order
+ConfirmedAcks = dict[tuple[int, str, bool], list[float]]
+
+
 class Departures:
     """When a node was out of a queue's pair, as the observer saw the map: a node that left the
     pair (its replica moved away) and came back holds a new instance, made by state transfer
@@ -213,7 +218,7 @@ class Departures:
         return any(start < seen <= end and node not in members for seen, members in self.pairs)
 
 
-def _check_repeats(queue: str, facts: QueueFacts, strength: str, findings: Findings,
+def _check_repeats(queue: str, facts: QueueFacts, strength: str, confirmed: ConfirmedAcks, findings: Findings,
                    departures: Departures) -> dict[str, int]:
     """Each later delivery of a message, against the earlier ones on the same member: every
     lease carries the member's delivery count (replicated under `full`), so two deliveries
@@ -222,7 +227,6 @@ def _check_repeats(queue: str, facts: QueueFacts, strength: str, findings: Findi
     `producer` a member re-created on the same node (it left the pair and came back) starts
     afresh."""
     explained: dict[str, int] = defaultdict(int)
-    confirmed = _confirmed_acks(facts, strength)
     by_message: dict[tuple[int, bool], list[Delivery]] = defaultdict(list)
     for delivery in facts.deliveries:
         by_message[(delivery.message_id, delivery.dead_letter)].append(delivery)
@@ -261,7 +265,7 @@ def _check_repeats(queue: str, facts: QueueFacts, strength: str, findings: Findi
     return dict(sorted(explained.items()))
 
 
-def _confirmed_acks(facts: QueueFacts, strength: str) -> dict[tuple[int, str, bool], list[float]]:
+def _confirmed_acks(facts: QueueFacts, strength: str) -> ConfirmedAcks:
     """(message id, member, dead letter?) -> completion times of its acks confirmed ok, in order."""
     confirmed: dict[tuple[int, str, bool], list[float]] = defaultdict(list)
     for ack in sorted(facts.acks, key=lambda a: a["t_complete"]):
@@ -271,10 +275,11 @@ def _confirmed_acks(facts: QueueFacts, strength: str) -> dict[tuple[int, str, bo
     return confirmed
 
 
-def _check_acks(queue: str, facts: QueueFacts, strength: str, findings: Findings, departures: Departures) -> None:
+def _check_acks(queue: str, strength: str, confirmed: ConfirmedAcks, findings: Findings,
+                departures: Departures) -> None:
     """Exactly-once acknowledgement: one message is acked ok at most once per member (a member
     re-created on the same node is another member)."""
-    for (message_id, member, _), times in _confirmed_acks(facts, strength).items():
+    for (message_id, member, _), times in confirmed.items():
         for first, second in zip(times, times[1:], strict=False):
             if strength != "producer" or not departures.left_between(member, first, second):
                 findings.add("acked_twice", queue=queue, id=message_id, node=None if member == MEMBER_ANY else member,

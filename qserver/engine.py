@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import itertools
 import logging
 import random
 import time
@@ -436,9 +437,7 @@ class Engine:
         queue_id = core.queue_id
         kept = [op.queue_id != queue_id or op.order <= order for op in sealed.operations]
         # Journal marks stay before the operation they preceded (their positions shrink).
-        before = [0]
-        for keep in kept:
-            before.append(before[-1] + keep)
+        before = [0, *itertools.accumulate(kept)]
         sealed.journal_marks[:] = [(before[position], mark) for position, mark in sealed.journal_marks]
         sealed.operations[:] = [op for op, keep in zip(sealed.operations, kept, strict=True) if keep]
         sealed.oplog_rows[:] = [row for row in sealed.oplog_rows if row[0] != queue_id or row[1] <= order]
