@@ -1,11 +1,14 @@
 """Replicated throughput, latency, state transfer and catch-up on a local 3-node cluster
 (run by hand, not in CI; loopback only; every workload bounded in time).
 
-    .venv/bin/python bench/bench_cluster.py [--runs 3] [--seconds 5] [--skip-transfer] [--no-journal]
+    .venv/bin/python bench/bench_cluster.py [--runs 3] [--seconds 5] [--skip-transfer | --transfer-only]
+        [--transfer-messages N] [--no-journal]
 
 The queue's pair is n1 (master) and n2 (replica); the client talks to n1. Both members fsync
 every group commit. Workloads as in bench.py, then:
-  state_transfer     a wiped replica takes a queue of 100,000 x 1 KiB: payload MB/s
+  state_transfer     a wiped replica takes a queue of 1,000,000 x 1 KiB (--transfer-messages) by
+                     snapshot: payload MB/s, and whether any lease lapsed meanwhile (the queue's
+                     epoch and the membership leader must not change)
   catch_up           a queue holding 1,000,000 messages; the replica misses 10,000 while down:
                      seconds from its restart until it is in sync again
 """
@@ -70,17 +73,24 @@ async def workloads(cluster: LocalCluster, seconds: float) -> list[dict[str, Any
     return results
 
 
-async def state_transfer(cluster: LocalCluster) -> dict[str, Any]:
-    count, size = 100_000, 1024
+async def state_transfer(cluster: LocalCluster, count: int) -> dict[str, Any]:
+    size = 1024
     async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as client:
-        await client.create_queue("transfer", max_depth=10_000_000)
+        await client.create_queue("transfer", max_depth=10_000_000, dead_letter=False)
         await fill(client, "transfer", b"t" * size, count)
+        await converged(client, cluster.urls["n2"], cluster.credentials_path, "transfer", 300)
+        before = await client.cluster()
         cluster.wipe("n2")
         cluster.start("n2")
-        seconds = await converged(client, cluster.urls["n2"], cluster.credentials_path, "transfer", 300)
+        # From the wiped replica's start: its Open, the snapshot, its installation, in sync.
+        seconds = await converged(client, cluster.urls["n2"], cluster.credentials_path, "transfer", 600)
+        after = await client.cluster()
+        stats = await client.queue_stats("transfer")
         await client.delete_queue("transfer")
     return {"workload": "state_transfer", "messages": count, "seconds": seconds,
-            "payload_mb_per_s": count * size / seconds / 1e6}
+            "payload_mb_per_s": count * size / seconds / 1e6, "snapshots_sent": stats.get("snapshots_sent"),
+            "epoch_unchanged": before["queues"]["transfer"]["epoch"] == after["queues"]["transfer"]["epoch"],
+            "leader_unchanged": before.get("leader") == after.get("leader")}
 
 
 async def catch_up(cluster: LocalCluster) -> dict[str, Any]:
@@ -101,6 +111,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--skip-transfer", action="store_true")
+    parser.add_argument("--transfer-only", action="store_true")
+    parser.add_argument("--transfer-messages", type=int, default=1_000_000)
     parser.add_argument("--no-journal", action="store_true", help="benchmark-only: nodes keep no audit journal")
     args = parser.parse_args()
     try:
@@ -113,14 +125,14 @@ def main() -> None:
         cluster = LocalCluster(Path(root), 3, PLACEMENT, {"journal_enabled": "false"} if args.no_journal else None)
         cluster.start_all()
         try:
-            for run in range(args.runs):
+            for run in range(0 if args.transfer_only else args.runs):
                 for result in asyncio.run(workloads(cluster, args.seconds)):
                     result["run"] = run + 1
                     print(json.dumps(result), flush=True)
                     all_runs.setdefault(result["workload"], []).append(result)
             if not args.skip_transfer:
-                for measure in (state_transfer, catch_up):
-                    result = asyncio.run(measure(cluster))
+                for result in (asyncio.run(state_transfer(cluster, args.transfer_messages)),
+                               asyncio.run(catch_up(cluster))):
                     print(json.dumps(result), flush=True)
         finally:
             cluster.stop_all()

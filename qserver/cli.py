@@ -91,7 +91,12 @@ def main(argv: list[str] | None = None) -> int:
                          data_dir=None if args.data_dir is None else str(args.data_dir),
                          journal_enabled=False if args.no_journal else None)
     from qserver.node import run
-    run(config)
+    from qserver.storage import StorageLayoutError
+    try:
+        run(config)
+    except StorageLayoutError as error:
+        print(f"qserver: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -59,6 +59,13 @@ class NodeConfig:
     replica_lag_max: int = 100_000          # operations behind before the replica is out of sync
     replica_lag_max_ms: int = 2_000         # silence before the same
     peer_send_queue_bytes_max: int = 8 << 20
+    # The bounded op log and snapshots (DESIGN.md 4.1): the log kept for a replica recorded out
+    # of sync (past it, the replica gets a snapshot), snapshot chunks, and how long one read view
+    # may be held (it keeps LMDB from reusing freed pages).
+    log_retain_max_bytes: int = 64 << 20
+    snapshot_chunk_bytes_max: int = 256 << 10
+    snapshot_chunks_in_flight_max: int = 8
+    sync_view_max_s: float = 60.0
 
     def check(self) -> NodeConfig:
         problems = []
@@ -77,6 +84,11 @@ class NodeConfig:
         for queue, pair in self.placement.items():
             if len(pair) != 2 or pair[0] == pair[1] or not set(pair) <= set(self.cluster_nodes):
                 problems.append(f"placement of {queue} must name two different nodes of cluster_nodes")
+        if self.snapshot_chunk_bytes_max * self.snapshot_chunks_in_flight_max * 2 > self.peer_send_queue_bytes_max:
+            problems.append("snapshot chunks in flight must fit twice in peer_send_queue_bytes_max (a chunk the "
+                            "link drops costs a resend)")
+        if self.log_retain_max_bytes <= 0 or self.sync_view_max_s <= 0:
+            problems.append("log_retain_max_bytes and sync_view_max_s must be positive")
         if self.cluster_nodes:
             if not set(self.membership_nodes) <= set(self.cluster_nodes):
                 problems.append("every voter of [cluster.membership] must be a node of [cluster.nodes]")

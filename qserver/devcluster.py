@@ -7,6 +7,7 @@ shared `[cluster]` tables, and a free port. Nothing here is used by a node itsel
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import socket
@@ -66,7 +67,7 @@ class LocalCluster:
                                if voters is None or i <= voters}
         self.credentials_path = credentials_path or root / "admin-credentials.json"
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
-        self.log_level = "WARNING"
+        self.log_level = os.environ.get("QSERVER_TEST_LOG_LEVEL", "WARNING")
         self._init(self.ids[0], ["--credentials", str(self.credentials_path), "--url", self.urls[self.ids[0]]])
         for node in self.ids[1:]:
             self._init(node, ["--join", str(root / self.ids[0])])

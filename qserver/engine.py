@@ -69,6 +69,7 @@ from replication.options import (
     QueueOptions,
     QueueState,
     QueueType,
+    Strength,
     dead_letter_name,
     is_valid_queue_name,
     mismatched_options,
@@ -139,7 +140,7 @@ class OpenBatch:
         s = self.sealed
         return not (s.operations or self.replies or self.pushes or s.queue_records or s.deleted_queues
                     or s.truncations or s.client_puts or s.client_deletes or s.housekeeping_ms is not None
-                    or self.after_commit)
+                    or self.after_commit or s.snapshot_rows or s.snapshot_installs)
 
 
 class _Messages:
@@ -162,7 +163,11 @@ class Engine:
         self.cores: dict[str, QueueCore] = {}
         self.pairs = PairDriver(self, ClusterView(config.node_id, config.cluster_nodes, membership),
                                 ReplicationLimits(replica_lag_max=config.replica_lag_max,
-                                                  replica_lag_max_ms=config.replica_lag_max_ms))
+                                                  replica_lag_max_ms=config.replica_lag_max_ms,
+                                                  log_retain_max_bytes=config.log_retain_max_bytes,
+                                                  snapshot_chunk_bytes_max=config.snapshot_chunk_bytes_max,
+                                                  snapshot_chunks_in_flight_max=config.snapshot_chunks_in_flight_max,
+                                                  sync_view_max_ms=int(config.sync_view_max_s * 1000)))
         self.membership = membership
         self.coordinator: Coordinator | None = None
         if membership is not None:
@@ -284,6 +289,8 @@ class Engine:
             if now_ms >= self._next_housekeeping_ms:
                 self._open.sealed.housekeeping_ms = now_ms
                 self._next_housekeeping_ms = now_ms + self.config.housekeeping_interval_ms
+                for core in self.pairs.commit_points_to_record():
+                    self._touch(core)
             if self._committing is None and not self._open.empty():
                 self._start_commit(inline_allowed=True)
             if self._stopping and not self._inbox and self._committing is None:
@@ -458,6 +465,47 @@ class Engine:
 
     def touch(self, core: QueueCore) -> None:
         self._touch(core)
+
+    # --- snapshots (called by the pair driver) ---------------------------------------------
+    def stage_snapshot_rows(self, core: QueueCore, rows: list[Any]) -> None:
+        """Rows of a snapshot this replica is receiving: stored now, served once installed."""
+        dead = core.dead_letter_core
+        self._open.sealed.snapshot_rows.append((core.queue_id, dead.queue_id if dead is not None else None, rows))
+        self._touch(core)
+        if dead is not None:
+            self._touch(dead)
+
+    def stage_snapshot_install(self, core: QueueCore, install: Any, received: Any, on_installed: Any) -> None:
+        """A complete snapshot: its counters go into the queue record(s) and its mark into the
+        log in this batch; once committed, `on_installed` makes the core(s) serve it."""
+        record, full = core.record, core.options.strength is Strength.FULL
+        messages = len(received.ready) + len(received.leases)
+        if install.keep_upto:
+            record.ready_count += len(received.ready)
+            record.total_enqueued += messages
+        elif full:
+            for counter in ("total_enqueued", "total_acked", "total_dead_lettered", "total_redelivered",
+                            "highest_depth", "service_ms_total", "service_count"):
+                setattr(record, counter, int(install.record.get(counter, 0)))
+            record.ready_count = len(received.ready)
+        else:
+            record.ready_count = len(received.ready)
+            record.total_enqueued = messages
+        record.next_index = install.order + 1
+        sealed = self._open.sealed
+        sealed.snapshot_installs.append((core.queue_id, install.order, install.digest))
+        dead = core.dead_letter_core
+        if install.dead_letter is not None and dead is not None:
+            dead_order, dead_digest, dead_record = install.dead_letter
+            dead.record.next_index = max(int(dead_record.get("next_index", 1)), dead_order + 1)
+            dead.record.ready_count = len(received.dead_letter_ready)
+            dead.record.total_enqueued = int(dead_record.get("total_enqueued", 0))
+            sealed.snapshot_installs.append((dead.queue_id, dead_order, dead_digest))
+            # Its base is its counter at the view: its later orders and arrivals come after it.
+            self.journal_mark(dead, "replica", dead.record.next_index - 1, "snapshot")
+        self.journal_mark(core, "replica", install.order, "snapshot")
+        sealed.on_commit.append(on_installed)
+        self._to_serve.add(core.name)
 
     def staged(self) -> SealedBatch:
         """The batch being filled: operations decided here and not yet streamed or committed."""
@@ -953,10 +1001,13 @@ class Engine:
         sealed.dedupe_window_ms = int(self.config.dedupe_window_s * 1000)
         sealed.status_retention_ms = int(self.config.status_retention_s * 1000)
         self.pairs.before_commit(sealed.operations, sealed.oplog_rows, self.clock_ms())
+        sealed.log_floors = self.pairs.log_floors()
         sealed.replica_queue_ids = {role.core.queue_id for role in self.pairs.replicas.values()}
         for name, core in batch.touched.items():
             known = self.pairs.commit_order(name)
-            if known is not None:
+            # A master without a lease acknowledges nothing (DESIGN.md 3.3): what it commits
+            # alone meanwhile is not known committed (a snapshot lets a member keep what is).
+            if known is not None and self.pairs.may_answer(name):
                 core.record.commit_order = known
             sealed.queue_records[name] = core.record.to_json()
             core.seal()
@@ -994,8 +1045,11 @@ class Engine:
         self.batch_operations.observe(result.operations)
         for core in batch.touched.values():
             core.advance()
+        for installed in batch.sealed.on_commit:
+            installed()
         try:
-            self.pairs.after_commit(batch.sealed.operations, self.clock_ms())
+            self.pairs.after_commit(batch.sealed.operations, self.clock_ms(),
+                                    [(queue_id, order) for queue_id, order, _ in batch.sealed.snapshot_installs])
         finally:
             self.storage.end_read()
         self._release(batch, result.payloads)

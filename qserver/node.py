@@ -230,6 +230,15 @@ class Node:
         lines = render_family("qserver_replica_lag_operations", "gauge",
                               "replicated operations the replica does not hold durably yet", lag)
         lines += render_family("qserver_replica_in_sync", "gauge", "1 while the replica is recorded in sync", in_sync)
+        lines += render_family("qserver_oplog_start_order", "gauge",
+                               "the op log's first order: records below it were truncated",
+                               [({"queue": name}, role.log_start) for name, role in sorted(pairs.masters.items())])
+        lines += render_family("qserver_oplog_truncated_records_total", "counter",
+                               "op-log records deleted below what every member holds",
+                               [({}, self.storage.truncated_records)])
+        lines += render_family("qserver_snapshots_total", "counter", "state transfers by snapshot, by side",
+                               [({"side": "sent"}, sum(r.snapshots_sent for r in pairs.masters.values())),
+                                ({"side": "installed"}, pairs.snapshots_installed)])
         if self.peers is not None:
             peers = sorted(self.config.cluster_nodes.keys() - {self.config.node_id})
             lines += render_family("qserver_peer_link_up", "gauge", "1 while the link to a peer is up",

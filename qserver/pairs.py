@@ -17,6 +17,7 @@ then answer.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,8 @@ from replication.cluster_map import (
     QueueEntry,
     Reason,
 )
+from replication.digest import EMPTY_DIGEST
+from replication.invariants import InvariantViolation
 from replication.master import InSyncProposal, MasterRole, ReplicationLimits, is_replicated
 from replication.messages import (
     Create,
@@ -49,9 +52,10 @@ from replication.messages import (
     encode_message,
 )
 from replication.operations import DeadLettered, Operation
-from replication.options import DEAD_LETTER_SUFFIX, dead_letter_name
+from replication.options import DEAD_LETTER_SUFFIX, Strength, dead_letter_name
 from replication.queue_core import QueueCore
-from replication.replica import ReplicaRole
+from replication.replica import ReplicaPhase, ReplicaRole, SnapshotInstall
+from replication.snapshot import InstalledState
 
 if TYPE_CHECKING:
     from qserver.coordinator import Coordinator
@@ -138,6 +142,9 @@ class PairDriver:
         self.forwards: dict[int, tuple[str, Any]] = {}   # forward request id -> (queue, callback(outcome))
         # Peer messages of an epoch this node's map does not know yet (see _ahead_of_map).
         self.early: dict[str, collections.deque[tuple[str, bytes]]] = {}
+        self.received: dict[str, InstalledState] = {}     # queue name -> rows of the snapshot under way
+        self._log_floors: dict[int, int] = {}             # queue id -> the floor last sent to storage
+        self.snapshots_installed = 0
         self._next_announce_ms = 0
         # Unique per engine instance: an answer the master sends to a crashed predecessor of
         # this engine must never match one of our requests.
@@ -178,11 +185,15 @@ class PairDriver:
                                                    previous.visible_order)
         role: MasterRole | ReplicaRole
         if entry.master == self.node_id:
+            log_start = max(self.engine.storage.first(core.queue_id), self._log_floors.get(core.queue_id, 0))
             role = self.masters[core.name] = MasterRole(
                 core, self.engine.storage, node_id=self.node_id, replica_id=entry.replica, epoch=entry.epoch,
                 incarnation=incarnation, recorded_in_sync=entry.in_sync, last_order=last_order, digest=digest,
                 limits=self.limits, durable_order=durable,
-                replica_durable=commit if isinstance(previous, ReplicaRole) else 0)
+                replica_durable=commit if isinstance(previous, ReplicaRole) else 0,
+                snapshots=self.engine.storage, log_start=log_start,
+                replica_returns_from=previous.master_recorded_commit if isinstance(previous, ReplicaRole) else None)
+            self.received.pop(core.name, None)
             self.replicas.pop(core.name, None)
             if previous is None and first_reason == "restart":
                 self.unconfirmed[core.name] = record.commit_order
@@ -192,6 +203,13 @@ class PairDriver:
             # it holds past the commit point may be an uncommitted suffix. After a restart only
             # the commit point its record kept is known.
             known_commit = max(commit, record.commit_order) if not isinstance(previous, ReplicaRole) else 0
+            # A member restarted as the replica of the epoch its record is at (every change of
+            # master raises the epoch, so it was this epoch's replica all along) keeps everything:
+            # its master may have committed on its acknowledgements, and the map still counts it
+            # in sync. Should the master have lost some of it, their digests differ when it
+            # opens, and it takes a snapshot.
+            if previous is None and record.epoch == entry.epoch:
+                known_commit = 0
             if known_commit and last_order > known_commit:
                 kept = self._discard_uncommitted(core, known_commit)
                 if kept is not None:
@@ -200,7 +218,8 @@ class PairDriver:
                 core, self.engine.storage, node_id=self.node_id, master_id=entry.master, epoch=entry.epoch,
                 incarnation=incarnation, applied_order=last_order, digest=digest, last_epoch=record.epoch,
                 limits=self.limits, session_base=self.engine.random_bits(40) << 20, durable_order=durable,
-                commit_order=commit)
+                commit_order=commit, known_committed=record.commit_order)
+            self.received.pop(core.name, None)
             self.masters.pop(core.name, None)
             self.unconfirmed.pop(core.name, None)
             role_name = "replica"
@@ -297,7 +316,7 @@ class PairDriver:
             # Deposed without a handoff: what was not committed may not survive.
             self._refuse_held(name, QueueError(E_NOT_MASTER, f"queue {name} has a new master {entry.master}",
                                                outcome_unknown=True))
-        if self.link_up(entry.master):
+        if self._may_open(role):
             role.start(self.engine.clock_ms())
             self._flush(role)
 
@@ -405,13 +424,16 @@ class PairDriver:
                 role.to_log.clear()
                 self._flush(role)
 
-    def after_commit(self, operations: list[Operation], now_ms: int) -> None:
+    def after_commit(self, operations: list[Operation], now_ms: int,
+                     installed: list[tuple[int, int]] | None = None) -> None:
         """The batch is durable: advance each role's durable point and answer what committed."""
-        durable: dict[int, int] = {}
+        durable: dict[int, int] = dict(installed or ())
         for op in operations:
             if op.order > durable.get(op.queue_id, 0):
                 durable[op.queue_id] = op.order
         for role in self.masters.values():
+            # No batch was sealed since this one: the record's commit point is what storage holds.
+            role.recorded_commit = role.core.record.commit_order
             order = durable.get(role.core.queue_id)
             if order:
                 role.local_durable_to(order, now_ms)
@@ -439,6 +461,9 @@ class PairDriver:
             return False
         self.held.setdefault(name, collections.deque()).append(HeldAnswer(required_order, release, refuse))
         return True
+
+    def may_answer(self, name: str) -> bool:
+        return self._may_answer(name)
 
     def _may_answer(self, name: str) -> bool:
         """A master whose lease lapsed stops acknowledging (DESIGN.md 3.3)."""
@@ -536,7 +561,7 @@ class PairDriver:
                 return      # a stale announcement: the map says otherwise
             self.engine.hold_replica_instance(message.queue, message.incarnation, message.record)
             role = self.replicas.get(message.queue)
-            if role is not None and role.phase.value == "opening":
+            if role is not None and role.phase.value == "opening" and self._may_open(role):
                 role.start(now_ms)
                 self._flush(role)
             return
@@ -588,10 +613,10 @@ class PairDriver:
         for replica in self.replicas.values():
             if replica.master_id != peer:
                 continue
-            if up:
+            if up and self._may_open(replica):
                 replica.start(now_ms)
                 self._flush(replica)
-            else:
+            elif not up:
                 replica.link_down()
 
     def confirm_restarted_masters(self) -> None:
@@ -611,8 +636,8 @@ class PairDriver:
             role.tick(now_ms)
             self._drain_master(role)
         for replica in self.replicas.values():
-            if replica.phase.value == "opening" and replica.never_opened and self.link_up(replica.master_id):
-                replica.start(now_ms)       # the link came up before this role existed
+            if replica.phase.value == "opening" and replica.never_opened and self._may_open(replica):
+                replica.start(now_ms)       # the link came up before this role existed (or it waited)
             replica.tick(now_ms)
             self._drain_replica(replica)
         self.release_committed()
@@ -660,7 +685,32 @@ class PairDriver:
     def _drain_replica(self, replica: ReplicaRole) -> None:
         for record in replica.resets:
             self.engine.reset_replica_instance(replica, record)
+            self.received.pop(replica.core.name, None)
+            self._reset_dead_letters_with(replica)
         replica.resets.clear()
+        for order in replica.discards:
+            self.received.pop(replica.core.name, None)
+            if not self.engine.discard_uncommitted(replica.core, order):
+                raise InvariantViolation(f"queue {replica.core.name}: a producer member cannot keep its state "
+                                         f"up to {order}")
+        replica.discards.clear()
+        if replica.snapshot_rows:
+            self.received.setdefault(replica.core.name, InstalledState()).take(replica.snapshot_rows)
+            self.engine.stage_snapshot_rows(replica.core, replica.snapshot_rows)
+            replica.snapshot_rows = []
+        for install in replica.installs:
+            received = self.received.pop(replica.core.name, InstalledState())
+            self.engine.stage_snapshot_install(replica.core, install, received,
+                                               functools.partial(self._installed, replica, install, received))
+        replica.installs.clear()
+        if replica.resync_source:
+            replica.resync_source = False
+            source = self.replicas.get(replica.core.record.dead_letter_of or "")
+            if source is not None:
+                log.info("queue %s: its dead-letter queue is behind the log: taking a snapshot of both",
+                         source.core.name)
+                source.wipe(source.core.record.to_json())
+                self._drain_replica(source)
         if replica.applied:
             self.engine.stage_applied(replica.core, replica.applied)
             replica.applied.clear()
@@ -669,6 +719,80 @@ class PairDriver:
             self._forward_answered(replica.core.name, result)
         self._flush(replica)
         self.release_committed()
+
+    # --- snapshots on the replica ----------------------------------------------------------
+    def _reset_dead_letters_with(self, replica: ReplicaRole) -> None:
+        """Under `full` a queue's snapshot carries its dead-letter queue's state from the same
+        view: wipe that member too; it opens again once the snapshot is installed."""
+        core = replica.core
+        dead = core.dead_letter_core
+        dead_role = self.replicas.get(dead.name) if dead is not None else None
+        if dead_role is None or core.options.strength is not Strength.FULL:
+            return
+        self.engine.reset_replica_instance(dead_role, dead_role.core.record.to_json())
+        core.dead_letter_core = dead_role.core
+        dead_role.rebase(0, EMPTY_DIGEST)
+
+    def _installed(self, replica: ReplicaRole, install: SnapshotInstall, received: InstalledState) -> None:
+        """The batch installing a snapshot committed: the core serves its messages (and the
+        dead-letter queue's member follows on from the same view)."""
+        core = replica.core
+        if self.replicas.get(core.name) is not replica:
+            return              # the role changed meanwhile: its storage holds the state all the same
+        core.install_snapshot(received.ready if install.keep_upto else None, received.leases)
+        self.snapshots_installed += 1
+        log.info("queue %s: snapshot at order %d installed (%d messages)", core.name, install.order,
+                 len(received.ready) + len(received.leases))
+        dead = core.dead_letter_core
+        dead_role = self.replicas.get(dead.name) if dead is not None else None
+        if install.dead_letter is None or dead is None or dead_role is None:
+            return
+        dead.install_snapshot(None, received.dead_letter_leases)
+        dead_role.rebase(int(install.dead_letter[0]), bytes(install.dead_letter[1]))
+
+    def _may_open(self, replica: ReplicaRole) -> bool:
+        """A dead-letter queue's member under `full` opens once its queue's member follows
+        (its state may come with that queue's snapshot)."""
+        if not self.link_up(replica.master_id):
+            return False
+        source_name = replica.core.record.dead_letter_of
+        if source_name is None or replica.core.options.strength is not Strength.FULL:
+            return True
+        source = self.replicas.get(source_name)
+        return source is None or (source.phase is ReplicaPhase.FOLLOWING and not source.receiving_snapshot)
+
+    def commit_points_to_record(self) -> list[QueueCore]:
+        """Masters whose commit point moved past the one their record holds (the last batch
+        that touched the queue was sealed before its acknowledgements came): housekeeping writes
+        their records, so a restart keeps more and the replica may truncate to the end."""
+        return [role.core for name, role in self.masters.items()
+                if role.commit_order > role.core.record.commit_order and self._may_answer(name)]
+
+    def log_floors(self) -> dict[int, int]:
+        """For the batch being sealed: queue id -> delete op-log records below this order, for
+        each queue whose floor moved (DESIGN.md 4.1 "Bounded log")."""
+        floors: dict[int, int] = {}
+        current: dict[int, int] = {}
+        for role in self.masters.values():
+            floor = role.log_floor
+            source = self.masters.get(role.core.record.dead_letter_of or "")
+            if source is not None and source.snapshot_dead_letter_order is not None:
+                floor = min(floor, source.snapshot_dead_letter_order)
+            current[role.core.queue_id] = floor
+        for replica in self.replicas.values():
+            if not replica.receiving_snapshot and replica.core.name not in self.received:
+                # What the master committed and this member holds: if it becomes master, the
+                # other member returns at or above it, or takes a snapshot.
+                current[replica.core.queue_id] = replica.log_floor
+        for queue_id, floor in current.items():
+            done = self._log_floors.get(queue_id, 0)
+            if floor > done:
+                floors[queue_id] = floor
+            current[queue_id] = max(floor, done)
+        self._log_floors = current
+        for role in self.masters.values():
+            role.truncated_to(current[role.core.queue_id])
+        return floors
 
     def map_applied(self, command: Command, outcomes: list[Outcome]) -> None:
         """A command the membership layer applied to the local copy of the map."""
@@ -726,12 +850,14 @@ class PairDriver:
                     "replica_durable_order": master.replica_durable, "replica_lag": master.last_order
                     - master.replica_durable, "replica_progress": master.progress.value,
                     "digest": master.digest.hex(), "epoch": master.epoch, "appends_sent": master.appends_sent,
-                    "stream_rewinds": master.rewinds}
+                    "stream_rewinds": master.rewinds, "log_start": master.log_start,
+                    "snapshots_sent": master.snapshots_sent, "snapshot_order": master.snapshot_order}
         replica = self.replicas.get(name)
         if replica is not None:
             return {"replication_state": replica.phase.value, "master_status": "replica", "master": replica.master_id,
                     "replica": self.node_id, "last_order": replica.applied_order,
-                    "commit_order": replica.visible_order, "digest": replica.digest.hex(), "epoch": replica.epoch}
+                    "commit_order": replica.visible_order, "digest": replica.digest.hex(), "epoch": replica.epoch,
+                    "receiving_snapshot": replica.receiving_snapshot}
         return {}
 
 

@@ -17,9 +17,18 @@ Key layout (big-endian integers so LMDB's byte order is numeric order):
     doomed    queue_id:8                          -> ""   (deleted incarnations still being erased)
     epochs    name                                -> epoch:8
     journal   sequence:8                          -> msgpack record + crc32:4
-    oplog     queue_id:8 order:8                  -> digest:16 + encoded operation (replicated queues)
+    oplog     queue_id:8 order:8                  -> digest:16 + encoded operation (replicated queues);
+                                                     a snapshot's mark has no operation
+              queue_id:8 0:8                      -> 0:16 + log start:8 (once truncated: records
+                                                     below the start are gone)
     clients   client_id                           -> JSON client record
     meta      b"schema_version" | b"next_queue_id" | b"journal_sequence" | b"node_id" | b"storage_id"
+
+The op log is bounded: each batch carries the floor below which every member's needs are
+met (`SealedBatch.log_floors`, see MasterRole.log_floor) and the writer deletes records below
+it a bounded number at a time. A snapshot's state is cut from one read transaction
+(`open_snapshot`) and installed on the replica as rows (`snapshot_rows`) and, once complete,
+a mark at its order (`snapshot_installs`).
 """
 from __future__ import annotations
 
@@ -40,9 +49,11 @@ from replication.digest import DIGEST_BYTES, EMPTY_DIGEST
 from replication.invariants import InvariantViolation
 from replication.operations import Acked, DeadLettered, Enqueued, Leased, Operation, Released
 from replication.queue_core import QueueRecord
+from replication.snapshot import ROW_DEAD_LETTER, ROW_DEDUPE, ROW_MESSAGE, message_row
 from replication.store import StoredLease
 
-SCHEMA_VERSION = 1
+# 2: bounded op log (its start record at order 0, snapshot marks); no reader of layout 1.
+SCHEMA_VERSION = 2
 _QI = struct.Struct(">QQ")
 _QPI = struct.Struct(">QBQ")
 _Q = struct.Struct(">Q")
@@ -53,6 +64,12 @@ DB_NAMES = ("queues", "messages", "ready", "leases", "status", "dedupe", "expiry
             "epochs", "journal", "clients", "meta", "oplog")
 ERASE_KEYS_PER_BATCH_MAX = 5_000
 PRUNE_KEYS_PER_BATCH_MAX = 5_000
+TRUNCATE_RECORDS_PER_BATCH_MAX = 20_000     # op-log records deleted per batch (the rest follow)
+_LOG_START = 0                               # the order of a queue's log-start record
+
+
+class StorageLayoutError(Exception):
+    """The data directory was written with another storage layout: never read it as ours."""
 
 
 class StorageFull(Exception):
@@ -76,6 +93,13 @@ class SealedBatch:
     oplog_rows: list[tuple[int, int, bytes, bytes]] = field(default_factory=list)  # (queue_id, order, digest, op)
     # A deposed master's uncommitted suffix to erase first: (queue_id, last order kept).
     truncations: list[tuple[int, int]] = field(default_factory=list)
+    # Snapshot transfer on a replica: rows to store ((queue_id, dead-letter queue id, rows)),
+    # then the marks of complete snapshots ((queue_id, order, digest)).
+    snapshot_rows: list[tuple[int, int | None, list[Any]]] = field(default_factory=list)
+    snapshot_installs: list[tuple[int, int, bytes]] = field(default_factory=list)
+    log_floors: dict[int, int] = field(default_factory=dict)   # queue_id -> delete op-log records below
+    # Run on the loop once the batch is committed, before anything is answered (not stored).
+    on_commit: list[Any] = field(default_factory=list)
     # Journal-only records: a member taking a role in an epoch (op "epoch"; see JOURNAL_FIELDS),
     # each as (position, record): it is journaled before operations[position], where it
     # happened, so the audit reads every stream in the order its member lived it.
@@ -119,6 +143,8 @@ class Storage:
         self._batch_names: dict[int, tuple[str, int]] = {}   # queue id -> (name, epoch) of the batch
         self._batch_replicas: set[int] = set()                # queue ids this node holds as replica
         self._dedupe_sweep_from = b""     # where the next dedupe sweep resumes (writer thread)
+        self._floors: dict[int, int] = {}  # op-log truncations still under way (writer thread)
+        self.truncated_records = 0
         self._read_txn: lmdb.Transaction | None = None
         self._check_schema()
 
@@ -134,7 +160,12 @@ class Storage:
                 # the membership layer must not count it as an in-sync replica (cluster_map.AddNode).
                 txn.put(b"storage_id", _Q.pack(int.from_bytes(os.urandom(8), "big") >> 1 or 1))
             if stored is not None and _Q.unpack(stored)[0] != SCHEMA_VERSION:
-                raise RuntimeError(f"storage schema {_Q.unpack(stored)[0]} is not {SCHEMA_VERSION}")
+                raise StorageLayoutError(
+                    f"the data directory {self.path} holds storage layout {_Q.unpack(stored)[0]}, and this "
+                    f"qserver reads layout {SCHEMA_VERSION} only. Nothing was changed. Either run the qserver "
+                    f"release that wrote it, or move the directory aside and start this node on an empty one: "
+                    f"it rejoins the cluster and its pairs give it their queues by state transfer (export the "
+                    f"journal first with the old release if the audit needs it).")
             self.storage_id = int(_Q.unpack(txn.get(b"storage_id") or b"")[0])
             sequence = txn.get(b"journal_sequence")
             self._journal_sequence = _Q.unpack(sequence)[0] if sequence else 0
@@ -242,14 +273,19 @@ class Storage:
     def read(self, queue_id: int, after_order: int, limit: int) -> list[tuple[int, bytes]]:
         out: list[tuple[int, bytes]] = []
         cursor = self._reader().cursor(db=self.db["oplog"])
-        if not cursor.set_range(_QI.pack(queue_id, after_order + 1)):
+        if not cursor.set_range(_QI.pack(queue_id, max(after_order, _LOG_START) + 1)):
             return out
         for key, value in cursor:
             owner, order = _QI.unpack(key)
             if owner != queue_id or len(out) >= limit:
                 break
-            out.append((order, bytes(value[DIGEST_BYTES:])))
+            if len(value) > DIGEST_BYTES:        # a snapshot's mark carries no operation
+                out.append((order, bytes(value[DIGEST_BYTES:])))
         return out
+
+    def first(self, queue_id: int) -> int:
+        raw = self._reader().get(_QI.pack(queue_id, _LOG_START), db=self.db["oplog"])
+        return 0 if raw is None else _Q.unpack(raw[DIGEST_BYTES:])[0]
 
     def digest_at(self, queue_id: int, order: int) -> bytes | None:
         if order == 0:
@@ -263,7 +299,7 @@ class Storage:
         found = cursor.prev() if following else cursor.last()
         if found:
             owner, order = _QI.unpack(cursor.key())
-            if owner == queue_id:
+            if owner == queue_id and order != _LOG_START:
                 return order, bytes(cursor.value()[:DIGEST_BYTES])
         return 0, EMPTY_DIGEST
 
@@ -289,6 +325,10 @@ class Storage:
         journal = self._journal_writer(txn, names) if self.journal_enabled else None
         for queue_id, order in batch.truncations:    # first: this batch's operations come after
             self._truncate(txn, queue_id, order)
+        for queue_id, dead_letter_queue_id, rows in batch.snapshot_rows:
+            self._put_snapshot_rows(txn, queue_id, dead_letter_queue_id, rows, journal is not None)
+        for queue_id, order, digest in batch.snapshot_installs:
+            self._install_mark(txn, queue_id, order, digest)
         operations = batch.operations
         position, count = 0, len(operations)
         marks = batch.journal_marks if self.journal_enabled else []
@@ -327,6 +367,8 @@ class Storage:
             txn.put(b"next_queue_id", _Q.pack(batch.next_queue_id), db=db["meta"])
         if journal is not None or marks:
             txn.put(b"journal_sequence", _Q.pack(self._journal_sequence), db=db["meta"])
+        if batch.log_floors or self._floors:
+            self._truncate_logs(txn, batch.log_floors)
         if batch.housekeeping_ms is not None:
             self._housekeeping(txn, batch)
         messages = db["messages"]
@@ -433,6 +475,91 @@ class Storage:
         cursor.set_range(_QI.pack(queue_id, order + 1))
         while (key := cursor.key()) and _QI.unpack(key)[0] == queue_id:
             cursor.delete()
+
+    # --- snapshots and the bounded log (writer thread) ---------------------------------------
+    def _put_snapshot_rows(self, txn: lmdb.Transaction, queue_id: int, dead_letter_queue_id: int | None,
+                           rows: list[Any], journaled: bool) -> None:
+        """A replica stores a snapshot's rows as they arrive (replication/snapshot.py); they
+        count as its state only once the snapshot is installed. Each message is journaled as
+        `snapshot` (or `snapshot_lease`), so the audit knows what the member took over."""
+        db, pack, qi, qpi = self.db, self._pack, _QI.pack, _QPI.pack
+        messages, ready, leases, dedupe, journal_rows = [], [], [], [], []
+        sequence = self._journal_sequence
+        for row in rows:
+            if row[0] == ROW_DEDUPE:
+                dedupe.append((_Q.pack(queue_id) + row[1].encode(), qi(row[2], row[3])))
+                continue
+            owner = queue_id if row[0] == ROW_MESSAGE else dead_letter_queue_id
+            if owner is None:
+                raise InvariantViolation(f"snapshot of queue {queue_id} has dead letters but no dead-letter queue")
+            _, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease = row
+            messages.append((qi(owner, index), pack([priority, enqueued_ms, dedupe_id, client, payload])))
+            if lease is None:
+                ready.append((qpi(owner, priority, index), _U32.pack(deliveries) if deliveries else b""))
+            else:
+                leases.append((qi(owner, index), pack([priority, lease[0], lease[1], deliveries, lease[2]])))
+            if journaled:
+                name, epoch = self._batch_names.get(owner, ("", 0))
+                record = pack([enqueued_ms, name, owner, epoch, 0, "snapshot" if lease is None else "snapshot_lease",
+                               index, dedupe_id, priority, len(payload), zlib.crc32(payload), "replica",
+                               self.node_id, client])
+                sequence += 1
+                journal_rows.append((_Q.pack(sequence), record + _U32.pack(zlib.crc32(record))))
+        for name, puts in (("messages", messages), ("ready", ready), ("leases", leases), ("dedupe", dedupe)):
+            if puts:
+                txn.cursor(db=db[name]).putmulti(puts)
+        if journal_rows:
+            txn.cursor(db=db["journal"]).putmulti(journal_rows, append=True)
+            self._journal_sequence = sequence
+
+    def _install_mark(self, txn: lmdb.Transaction, queue_id: int, order: int, digest: bytes) -> None:
+        """A complete snapshot at `order`: the log starts there, with its digest."""
+        self._floors.pop(queue_id, None)
+        txn.put(_QI.pack(queue_id, order), digest, db=self.db["oplog"])
+        txn.put(_QI.pack(queue_id, _LOG_START), EMPTY_DIGEST + _Q.pack(order), db=self.db["oplog"])
+
+    def _truncate_logs(self, txn: lmdb.Transaction, floors: dict[int, int]) -> None:
+        """Delete op-log records below each queue's floor, at most
+        TRUNCATE_RECORDS_PER_BATCH_MAX per batch; what is left continues in the next batches.
+        The log-start record moves to the floor first: from then on nothing below it is served."""
+        oplog = self.db["oplog"]
+        for queue_id, floor in floors.items():
+            start_key = _QI.pack(queue_id, _LOG_START)
+            raw = txn.get(start_key, db=oplog)
+            if floor > (0 if raw is None else _Q.unpack(raw[DIGEST_BYTES:])[0]):
+                txn.put(start_key, EMPTY_DIGEST + _Q.pack(floor), db=oplog)
+                self._floors[queue_id] = max(floor, self._floors.get(queue_id, 0))
+        budget = TRUNCATE_RECORDS_PER_BATCH_MAX
+        cursor = txn.cursor(db=oplog)
+        for queue_id in list(self._floors):
+            floor = self._floors[queue_id]
+            if not cursor.set_range(_QI.pack(queue_id, _LOG_START + 1)):
+                del self._floors[queue_id]
+                continue
+            while budget > 0:
+                key = cursor.key()
+                if not key:
+                    break
+                owner, order = _QI.unpack(key)
+                if owner != queue_id or order >= floor:
+                    break
+                cursor.delete()          # moves to the next record
+                budget -= 1
+                self.truncated_records += 1
+            else:
+                return                   # out of budget: this queue goes on in the next batch
+            del self._floors[queue_id]
+
+    def open_snapshot(self, name: str, queue_id: int, *, consumption: bool, after_index: int,
+                      dead_letter: tuple[str, int] | None) -> LmdbSnapshotView | None:
+        """A view of the queue's committed state in its own read transaction (loop thread);
+        None when the queue has no record here."""
+        txn = self.env.begin()
+        try:
+            return LmdbSnapshotView(self, txn, name, queue_id, consumption, after_index, dead_letter)
+        except KeyError:
+            txn.abort()
+            return None
 
     _APPLY = {Leased: _apply_leased, Acked: _apply_acked,
               Released: _apply_released, DeadLettered: _apply_dead_lettered}
@@ -556,3 +683,107 @@ def _journal_fields(op: Operation, name: str, epoch: int, node: str, role: str) 
 
 JOURNAL_FIELDS = ("at_ms", "queue", "queue_id", "epoch", "index", "op", "message_id", "dedupe_id",
                   "priority", "payload_size", "payload_crc32", "role", "node", "client")
+
+
+class LmdbSnapshotView:
+    """One queue's committed state at one order, read from one LMDB read transaction (a
+    consistent view while writes go on). Its rows come in bounded chunks (SnapshotView in
+    replication/snapshot.py). Holding the transaction keeps LMDB from reusing pages freed
+    since, which is why MasterRole drops a view after sync_view_max_ms."""
+
+    def __init__(self, storage: Storage, txn: lmdb.Transaction, name: str, queue_id: int, consumption: bool,
+                 after_index: int, dead_letter: tuple[str, int] | None) -> None:
+        self._storage, self._txn, self._db = storage, txn, storage.db
+        self._consumption = consumption
+        self.record = self._record(name)
+        self.order, self.digest = self._last(queue_id)
+        self.dead_letter: list[Any] | None = None
+        # (kind, queue id, next key to read): messages, dedupe entries, dead letters
+        self._parts: list[tuple[int, int, bytes]] = [(ROW_MESSAGE, queue_id, _QI.pack(queue_id, after_index + 1)),
+                                                     (ROW_DEDUPE, queue_id, _Q.pack(queue_id))]
+        self._after_index = after_index
+        if dead_letter is not None:
+            dead_name, dead_id = dead_letter
+            order, digest = self._last(dead_id)
+            self.dead_letter = [order, digest, self._record(dead_name)]
+            self._parts.append((ROW_DEAD_LETTER, dead_id, _QI.pack(dead_id, 1)))
+
+    def _record(self, name: str) -> dict[str, Any]:
+        raw = self._txn.get(name.encode(), db=self._db["queues"])
+        if raw is None:
+            raise KeyError(name)
+        return dict(msgpack.unpackb(raw))
+
+    def _last(self, queue_id: int) -> tuple[int, bytes]:
+        cursor = self._txn.cursor(db=self._db["oplog"])
+        found = cursor.prev() if cursor.set_range(_QI.pack(queue_id + 1, 0)) else cursor.last()
+        if found:
+            owner, order = _QI.unpack(cursor.key())
+            if owner == queue_id and order != _LOG_START:
+                return order, bytes(cursor.value()[:DIGEST_BYTES])
+        return 0, EMPTY_DIGEST
+
+    def next_rows(self, bytes_max: int) -> list[list[Any]]:
+        out: list[list[Any]] = []
+        size = 0
+        while self._parts and size < bytes_max:
+            kind, queue_id, start = self._parts[0]
+            if kind == ROW_DEDUPE:
+                rows, resume = self._dedupe_rows(queue_id, start, bytes_max - size)
+            else:
+                rows, resume = self._message_rows(kind, queue_id, start, bytes_max - size)
+            out += rows
+            size += sum(len(row[6]) + 64 if row[0] != ROW_DEDUPE else 64 for row in rows)
+            if resume is None:
+                self._parts.pop(0)
+            else:
+                self._parts[0] = (kind, queue_id, resume)
+        return out
+
+    def _message_rows(self, kind: int, queue_id: int, start: bytes, bytes_max: int) -> tuple[list[list[Any]], bytes | None]:
+        rows: list[list[Any]] = []
+        size = 0
+        txn, db = self._txn, self._db
+        cursor = txn.cursor(db=db["messages"])
+        if not cursor.set_range(start):
+            return rows, None
+        for key, value in cursor:
+            owner, index = _QI.unpack(key)
+            if owner != queue_id:
+                return rows, None
+            if size >= bytes_max:
+                return rows, bytes(key)
+            priority, enqueued_ms, dedupe_id, client, payload = msgpack.unpackb(value)
+            deliveries, lease = 0, None
+            if self._consumption:
+                raw_lease = txn.get(key, db=db["leases"])
+                if raw_lease is not None:
+                    _, receipt, deadline_ms, deliveries, leased_ms = msgpack.unpackb(raw_lease)
+                    lease = [receipt, deadline_ms, leased_ms]
+                else:
+                    raw_ready = txn.get(_QPI.pack(queue_id, priority, index), db=db["ready"])
+                    deliveries = _U32.unpack(raw_ready)[0] if raw_ready else 0
+            rows.append(message_row(kind, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease))
+            size += len(payload) + 64
+        return rows, None
+
+    def _dedupe_rows(self, queue_id: int, start: bytes, bytes_max: int) -> tuple[list[list[Any]], bytes | None]:
+        rows: list[list[Any]] = []
+        prefix = _Q.pack(queue_id)
+        cursor = self._txn.cursor(db=self._db["dedupe"])
+        if not cursor.set_range(start):
+            return rows, None
+        for key, value in cursor:
+            if not bytes(key).startswith(prefix):
+                return rows, None
+            if len(rows) * 64 >= bytes_max:
+                return rows, bytes(key)
+            index, enqueued_ms = _QI.unpack(value)
+            if index > self._after_index:
+                rows.append([ROW_DEDUPE, bytes(key[len(prefix):]).decode(), index, enqueued_ms])
+        return rows, None
+
+    def close(self) -> None:
+        if self._txn is not None:
+            self._txn.abort()
+            self._txn = None  # type: ignore[assignment]

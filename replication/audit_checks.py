@@ -26,9 +26,14 @@ queue's own records uses as an ordering index.
 
 Records whose op is "epoch" (written by the membership layer when a member starts a role in
 an epoch: `index` = the last ordering index it holds, `dedupe_id` = the reason: create,
-restart, handoff, failover, unclean, move, rejoin) are used when present: they give a stream its base
-index, explain a truncated suffix, name the handoffs and failovers of the timeline and flag
-forced (`unclean`) promotions. Every check also works without them.
+restart, handoff, failover, unclean, move, rejoin, snapshot) are used when present: they give a stream
+its base index, explain a truncated suffix, name the handoffs and failovers of the timeline and
+flag forced (`unclean`) promotions. Every check also works without them.
+
+A member that took a queue's state by snapshot (DESIGN.md 4.1) journals each message it took
+over as `snapshot` (ready) or `snapshot_lease` (leased), index 0, then an epoch record with
+reason `snapshot` whose index is the snapshot's order: its stream goes on from there, without
+a gap, holding those messages.
 
 Pure: no I/O, no clock. Records are `JournalRecord` tuples; results are JSON-ready dicts whose
 lists are sorted, so equal inputs give equal results whichever path produced them.
@@ -60,6 +65,9 @@ HISTORY_OP = "history"            # a client-side history entry travelling with 
 ARRIVAL_OP = "dead_letter_arrival"   # derived, never stored
 EPOCH_OP = "epoch"
 RESTART_REASON = "restart"          # an epoch record's reason when a member restarted in its role
+SNAPSHOT_REASON = "snapshot"        # an epoch record's reason when a member installed a snapshot
+SNAPSHOT_OPS = frozenset({"snapshot", "snapshot_lease"})   # a message taken over by snapshot
+ENQUEUE_OPS = frozenset({"enqueue", *SNAPSHOT_OPS})        # records that hold a message's payload
 UNDECODABLE_OP = "undecodable"    # the exporter could not decode the record body
 HISTORY_STATUSES = ("ok", "unknown", "fail")
 
@@ -338,6 +346,11 @@ class _Continuity:
             self.high = base
             self.replay.first_index = base + 1
             return
+        if record.dedupe_id == SNAPSHOT_REASON:
+            # The member took the queue's state at `base`: what lies between is in that state.
+            self.missing = [gap for gap in self.missing if gap[0] <= base]
+            self.high = max(self.high, base)
+            return
         # A member restarted after a crash drops what it held past the commit point it had
         # recorded, of its own epoch too (a `producer` member's never visible, never committed
         # suffix); its mark is journaled before anything it did after the restart.
@@ -441,6 +454,8 @@ def replay_stream(key: StreamKey, records: Sequence[JournalRecord], *, complete:
                 high = continuity.high
         if op == "enqueue" or op == ARRIVAL_OP:
             consumer.enqueue(record)
+        elif op in SNAPSHOT_OPS:
+            consumer.take_over(record)
         elif op in CONSUMPTION_OPS:
             consumption += 1
             if index > 0:
@@ -501,6 +516,21 @@ class _Consumption:
         self.ready_count[priority] += 1
         if self.lowest_enqueued is None or message_id < self.lowest_enqueued:
             self.lowest_enqueued = message_id
+
+    def take_over(self, record: JournalRecord) -> None:
+        """A message this member took over by snapshot, ready or leased as the master held it."""
+        message_id = record.message_id
+        if message_id is None:
+            return
+        if message_id in self.replay.enqueued:
+            self._forget(message_id)   # a transfer cut short, taken again
+        self.enqueue(record._replace(op="enqueue"))
+        self.replay.enqueued[message_id] = record
+        if record.op == "snapshot_lease":
+            self.ready_count[self.priority[message_id]] -= 1
+            self.replay.states[message_id] = _LEASED
+            self.replay.leased_ids.add(message_id)
+            self.lease_epoch[message_id] = record.epoch
 
     def discard_after(self, base: int, epoch: int) -> None:
         """A member took a role in `epoch` holding indices up to `base`: messages it had
@@ -631,10 +661,12 @@ def dead_letter_arrivals(source: Sequence[JournalRecord], dead: Sequence[Journal
     """The derived arrivals of a dead-letter queue's stream, one per `dead_letter` of its source
     stream on the same node, in order (see the module docstring for the numbering)."""
     used = {record.index for record in dead if record.index > 0 and record.op != EPOCH_OP}
-    payloads = {record.message_id: record for record in source if record.op == "enqueue"}
+    payloads = {record.message_id: record for record in source if record.op in ENQUEUE_OPS}
     template = dead[0] if dead else None
     arrivals: list[JournalRecord] = []
-    candidate = 0
+    # A dead-letter queue taken over by snapshot numbers its later arrivals after its state.
+    candidate = max((record.index for record in dead if record.op == EPOCH_OP and record.dedupe_id == SNAPSHOT_REASON),
+                    default=0)
     for record in source:
         if record.op != "dead_letter":
             continue
@@ -695,10 +727,27 @@ def link_incarnations(streams: Mapping[StreamKey, Sequence[JournalRecord]]) -> l
                 links.union(holder, key)
     for key, source in _dead_letter_sources(streams).items():
         links.union(key, source)
+    for key, successor in _replaced_empty_instances(streams).items():
+        links.union(key, successor)
     components: dict[StreamKey, list[StreamKey]] = {}
     for key in streams:
         components.setdefault(links.find(key), []).append(key)
     return sorted(sorted(members) for members in components.values())
+
+
+def _replaced_empty_instances(streams: Mapping[StreamKey, Sequence[JournalRecord]]) -> dict[StreamKey, StreamKey]:
+    """An instance that journaled nothing but its epoch records was replaced before it held
+    anything (a new replica wiped to take a snapshot): it belongs with the next instance of
+    the same queue on the same journal."""
+    keys = sorted(streams)
+    successors: dict[StreamKey, StreamKey] = {}
+    for key in keys:
+        if any(record.op != EPOCH_OP for record in streams[key]):
+            continue
+        later = [other for other in keys if other[:3] == key[:3] and other[3] > key[3]]
+        if later:
+            successors[key] = later[0]
+    return successors
 
 
 def _dead_letter_sources(streams: Iterable[StreamKey]) -> dict[StreamKey, StreamKey]:

@@ -4,8 +4,10 @@ The queue core decides (which message, which lease) and gives each replicated op
 next ordering index; this role streams those operations to the replica in order, learns from
 the replica's acknowledgements which index it holds durably, and computes the commit point:
 only operations at or below `commit_order` may be answered to clients or be visible to them
-(DESIGN.md 3.1, 4.1). It also runs state transfer for a (re)joining replica from the op log,
-and asks the membership layer to record the replica in or out of sync.
+(DESIGN.md 3.1, 4.1). It runs state transfer for a (re)joining replica: from the op log when
+the log still reaches back to the replica's position and their histories agree, otherwise by
+snapshot (`replication/snapshot.py`); it says how far the op log may be truncated
+(`log_floor`), and asks the membership layer to record the replica in or out of sync.
 
     commit_order = min(local_durable, replica_durable)   while the membership layer records
                                                           the replica in sync (or a change of
@@ -34,6 +36,8 @@ from replication.messages import (
     Open,
     OpenAck,
     Refused,
+    SnapshotAck,
+    SnapshotChunk,
     SyncBegin,
     SyncEnd,
     encode_operation,
@@ -42,6 +46,7 @@ from replication.operations import Enqueued, Operation
 from replication.oplog import OpLogReader
 from replication.options import Strength
 from replication.queue_core import QueueCore
+from replication.snapshot import EMPTY_STATE_HASH, SnapshotSource, SnapshotView, fold_rows
 
 
 class ReplicaProgress(enum.StrEnum):
@@ -73,6 +78,16 @@ class ReplicationLimits:
                                           # so streaming never overruns it (an overrun is a loss)
     append_batch_max: int = 1_000         # operations per Append message
     open_retry_ms: int = 1_000            # a replica repeats Open this often until answered
+    snapshot_chunk_bytes_max: int = 256 << 10   # payload bytes per SnapshotChunk
+    snapshot_chunks_in_flight_max: int = 8      # chunks sent and not yet acknowledged (below the
+                                                # peer link's send queue, like window_bytes_max)
+    sync_view_max_ms: int = 60_000        # a snapshot's read view is held this long at most (it
+                                          # keeps LMDB from reusing pages); then a new one is cut
+    log_retain_max_bytes: int = 64 << 20  # op log kept for a replica recorded out of sync; past
+                                          # it the log is truncated and the replica gets a snapshot
+
+
+RESYNC = "E_RESYNC"     # Refused code: the replica's position is gone from the log: Open again
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,12 +118,14 @@ class MasterRole:
     def __init__(self, core: QueueCore, oplog: OpLogReader, *, node_id: str, replica_id: str, epoch: int,
                  incarnation: int, recorded_in_sync: bool, last_order: int, digest: bytes,
                  limits: ReplicationLimits | None = None, durable_order: int | None = None,
-                 replica_durable: int = 0) -> None:
+                 replica_durable: int = 0, snapshots: SnapshotSource | None = None,
+                 log_start: int = 0, replica_returns_from: int | None = None) -> None:
         """`durable_order`: what is durable here when it is below `last_order` (a member taking
         this role with operations staged but not yet committed); `replica_durable`: what the
         replica is known to hold (a promoted replica knows its old commit point was on both)."""
         self.core = core
         self.oplog = oplog
+        self.snapshots = snapshots
         self.node_id = node_id
         self.replica_id = replica_id
         self.epoch = epoch
@@ -127,6 +144,12 @@ class MasterRole:
         self._recent_floor = last_order
         self._pending_proposal: InSyncProposal | None = None
         self._sent_commit = 0                 # the commit point the replica was last told
+        self.recorded_commit = 0              # the commit point this member's storage holds (see Append)
+        self._sent_recorded_commit = 0
+        # Where the replica is expected to open from, until it does: a deposed master returns
+        # from the commit point its own storage recorded, which may lie below the one it reached.
+        self._replica_returns_from = self.replica_durable if replica_returns_from is None \
+            else min(replica_returns_from, self.replica_durable)
         self._session = -1                    # the replica's current Open (see ReplicaRole.session)
         self._last_rewind_ms = -(10**12)      # when the stream last went back after a gap
         self._in_flight: collections.deque[tuple[int, int]] = collections.deque()   # (last order, bytes)
@@ -139,6 +162,18 @@ class MasterRole:
         self.proposals: list[InSyncProposal] = []
         self.forwarded: list[Forward] = []    # requests from the replica's clients, for the driver
         self.to_log: list[Applied] = []       # replicated ops with their digests: the op log's rows
+        # The op log holds every order from `log_start` on (its row at log_start may be a
+        # snapshot's marker); below it, records were truncated (see log_floor).
+        self.log_start = log_start
+        self._log_bytes: collections.deque[tuple[int, int]] = collections.deque()   # (order, bytes through it)
+        self._log_bytes_total = 0
+        self._snapshot: SnapshotView | None = None    # a transfer in progress, and its state
+        self._snapshot_opened_ms = 0
+        self._snapshot_sequence = 0
+        self._snapshot_hash = EMPTY_STATE_HASH
+        self._snapshot_done = False                   # every row sent (the last chunk too)
+        self._snapshot_unacked: collections.deque[SnapshotChunk] = collections.deque()
+        self.snapshots_sent = 0
         self.gates_visibility = True   # False for a dead-letter queue: see qserver/pairs.py
         core.visible_upto = self.commit_order
 
@@ -169,6 +204,9 @@ class MasterRole:
             self.last_order = op.order
             self._recent.append((op.order, encoded))
             self.to_log.append(Applied(op, self.digest, encoded))
+            self._log_bytes_total += len(encoded)
+        if self.to_log:
+            self._log_bytes.append((self.last_order, self._log_bytes_total))
         while len(self._recent) > self.limits.replica_lag_max:
             self._recent_floor = self._recent.popleft()[0]    # the op log serves a lagging replica
         self._pump(now_ms)
@@ -192,6 +230,8 @@ class MasterRole:
             self._on_open(message, now_ms)
         elif isinstance(message, OpenAck):
             self._on_open_ack(message, now_ms)
+        elif isinstance(message, SnapshotAck):
+            self._on_snapshot_ack(message, now_ms)
         elif isinstance(message, Forward):
             self.forwarded.append(message)
 
@@ -204,32 +244,156 @@ class MasterRole:
             while self._recent and self._recent[0][0] <= self.replica_durable:
                 self._recent_floor = self._recent.popleft()[0]
         if (ack.gap or ack.durable_order < self.replica_durable) and self.sent_order > self.replica_durable \
-                and now_ms - self._last_rewind_ms >= self.limits.resend_after_ms // 4:
+                and self._snapshot is None and now_ms - self._last_rewind_ms >= self.limits.resend_after_ms // 4:
             self.sent_order = self.replica_durable   # stream again from what it holds
             self._last_rewind_ms = now_ms
             self.rewinds += 1
-        if self.progress is ReplicaProgress.CATCHING_UP and self.replica_durable >= self._sync_target:
+        if self.progress is ReplicaProgress.CATCHING_UP and self.replica_durable >= self._sync_target \
+                and self._snapshot is None:
             self._send(SyncEnd(self.core.name, self.incarnation, self.epoch, self._sync_target,
                                self._digest_at(self._sync_target)))
         self._pump(now_ms)
 
     def _on_open(self, request: Open, now_ms: int) -> None:
-        """A replica (re)joins: stream only what it lacks, or everything if histories differ."""
-        ours = self._digest_at(request.last_order) if request.last_order <= self.last_order else None
-        reset = ours is None or ours != request.digest
-        start = 0 if reset else request.last_order
-        record = self.core.record.to_json() if reset else None
+        """A replica (re)joins: stream only what it lacks from the log, or its state by snapshot
+        when the log no longer reaches back to it or the histories differ."""
+        self._end_snapshot()
+        ours = self._digest_at(request.last_order) \
+            if self.log_start <= request.last_order <= self.last_order else None
         self._session = request.session
-        self._send(SyncBegin(self.core.name, self.incarnation, self.epoch, start + 1, reset, record, request.session))
+        self._sent_commit = self._sent_recorded_commit = 0   # a restarted replica knows no commit point yet
+        # A member starting from nothing takes a queue with a dead-letter queue by snapshot
+        # under `full`: the dead-letter queue's state (whose arrivals are in this stream, and
+        # its own consumption in its own) must come from the same view.
+        fresh_with_dead_letters = request.last_order == 0 and self.snapshots is not None \
+            and self.core.dead_letter_core is not None and self.core.options.strength is Strength.FULL
+        if ours is not None and ours == request.digest and not fresh_with_dead_letters:
+            self._last_progress_ms = now_ms
+            self._send(SyncBegin(self.core.name, self.incarnation, self.epoch, request.last_order + 1, False, None,
+                                 request.session))
+            self._start_transfer(request.last_order, now_ms)
+            return
+        if self.snapshots is None or self.core.record.dead_letter_of is not None:
+            # A dead-letter queue's state travels with its queue's snapshot (same read view):
+            # the replica opens that queue again, wiped.
+            self._send(Refused(self.core.name, self.incarnation, self.epoch, RESYNC,
+                               f"order {request.last_order} is not in the log (it starts at {self.log_start})"))
+            return
+        self._open_snapshot(request, now_ms)
+
+    def _start_transfer(self, start: int, now_ms: int) -> None:
         self.replica_durable = start
         self.sent_order = start
-        self._sent_commit = 0                 # a restarted replica knows no commit point yet
-        self._sync_target = self.last_order
-        self._last_progress_ms = now_ms
+        self._sync_target = max(self.last_order, start)
         self._set_progress(ReplicaProgress.CATCHING_UP)
         if self.replica_durable >= self._sync_target:
             self._send(SyncEnd(self.core.name, self.incarnation, self.epoch, self._sync_target,
                                self._digest_at(self._sync_target)))
+        self._pump(now_ms)
+
+    def _open_snapshot(self, request: Open, now_ms: int) -> None:
+        """Cut a snapshot from one read view and start streaming it. A `producer` member
+        whose whole history is committed keeps its own state (and consumers' acks) and takes
+        only the messages above it; any other member starts from empty."""
+        if self.snapshots is None:
+            return
+        full = self.core.options.strength is Strength.FULL
+        # Only a member behind the log's start is taken at its word: within the log, a digest
+        # that differs at its order means its history does (a deposed master's suffix).
+        keep_upto = request.last_order if not full and 0 < request.last_order <= request.committed_order \
+            and request.last_order < self.log_start else 0
+        # What the replica holds now, whether or not a view can be cut at once: its commit point
+        # must not count on what it no longer has (it goes out of sync if this lasts).
+        self.replica_durable = min(self.replica_durable, keep_upto)
+        dead = self.core.dead_letter_core
+        view = self.snapshots.open_snapshot(
+            self.core.name, self.core.queue_id, consumption=full, after_index=keep_upto,
+            dead_letter=(dead.name, dead.queue_id) if full and dead is not None else None)
+        if view is None:
+            return
+        if view.order > self.commit_order or view.order < keep_upto:
+            # The view holds operations not yet committed (the replica is recorded in sync and
+            # behind): never transfer those. The replica repeats its Open.
+            view.close()
+            return
+        self._snapshot, self._snapshot_opened_ms = view, now_ms
+        self._last_progress_ms = now_ms
+        self._snapshot_sequence, self._snapshot_hash, self._snapshot_done = 0, EMPTY_STATE_HASH, False
+        self.snapshots_sent += 1
+        self._send(SyncBegin(self.core.name, self.incarnation, self.epoch, view.order + 1, keep_upto == 0,
+                             view.record if keep_upto == 0 else None, request.session, True, view.order, keep_upto))
+        self.replica_durable = keep_upto
+        self.sent_order = view.order          # live operations follow once the snapshot is installed
+        self._sync_target = max(self.last_order, view.order)
+        self._set_progress(ReplicaProgress.CATCHING_UP)
+        self._pump(now_ms)
+
+    @property
+    def snapshot_order(self) -> int | None:
+        """The order of the snapshot being transferred (the log must keep it), if any."""
+        return None if self._snapshot is None else self._snapshot.order
+
+    @property
+    def snapshot_dead_letter_order(self) -> int | None:
+        """The dead-letter queue's order in that snapshot (its log must keep it), if any."""
+        if self._snapshot is None or self._snapshot.dead_letter is None:
+            return None
+        return int(self._snapshot.dead_letter[0])
+
+    def _end_snapshot(self) -> None:
+        if self._snapshot is not None:
+            self._snapshot.close()
+            self._snapshot = None
+        self._snapshot_unacked.clear()
+
+    def _pump_snapshot(self, now_ms: int) -> bool:
+        """Send snapshot chunks within the window; True while the snapshot holds back the log
+        stream (until the replica acknowledges the installed state at its order)."""
+        view = self._snapshot
+        if view is None:
+            return False
+        if self.replica_durable >= view.order and self._snapshot_done:
+            self._end_snapshot()               # installed: follow the log from here
+            if self.replica_durable >= self._sync_target:
+                self._send(SyncEnd(self.core.name, self.incarnation, self.epoch, self._sync_target,
+                                   self._digest_at(self._sync_target)))
+            return False
+        if now_ms - self._snapshot_opened_ms > self.limits.sync_view_max_ms:
+            # A view held too long keeps LMDB from reusing pages: drop it; the replica, hearing
+            # nothing, opens again and gets a snapshot from a new view.
+            self._end_snapshot()
+            self._set_progress(ReplicaProgress.PROBING)
+            return True
+        limits = self.limits
+        while not self._snapshot_done and len(self._snapshot_unacked) < limits.snapshot_chunks_in_flight_max:
+            rows = view.next_rows(limits.snapshot_chunk_bytes_max)
+            self._snapshot_sequence += 1
+            self._snapshot_hash = fold_rows(self._snapshot_hash, rows)
+            last = not rows
+            chunk = SnapshotChunk(self.core.name, self.incarnation, self.epoch, self._session, self._snapshot_sequence,
+                                  rows, last, view.order if last else 0, view.digest if last else b"",
+                                  self._snapshot_hash if last else b"", view.dead_letter if last else None)
+            self._snapshot_done = last
+            self._snapshot_unacked.append(chunk)
+            self._send(chunk)
+        return True
+
+    def _on_snapshot_ack(self, ack: SnapshotAck, now_ms: int) -> None:
+        if ack.session != self._session:
+            return
+        unacked = self._snapshot_unacked
+        progressed = False
+        while unacked and unacked[0].sequence <= ack.sequence:
+            unacked.popleft()
+            progressed = True
+        if progressed:
+            self._last_progress_ms = now_ms
+        elif unacked and ack.sequence == unacked[0].sequence - 1 \
+                and now_ms - self._last_rewind_ms >= self.limits.resend_after_ms // 4:
+            # The replica is missing the first chunk in flight (lost, or overtaken): resend.
+            self._last_rewind_ms = now_ms
+            for chunk in unacked:
+                self._send(chunk)
         self._pump(now_ms)
 
     def _on_open_ack(self, ack: OpenAck, now_ms: int) -> None:
@@ -277,7 +441,12 @@ class MasterRole:
         # Resends and repeated SyncEnds are paced from the last attempt; the silence that
         # records the replica out of sync counts from its last real progress only.
         since_attempt_ms = min(silent_ms, now_ms - self._last_attempt_ms)
-        if outstanding and since_attempt_ms > self.limits.resend_after_ms and self.sent_order > self.replica_durable:
+        if self._snapshot_unacked and since_attempt_ms > self.limits.resend_after_ms:
+            self._last_attempt_ms = now_ms          # a chunk or its acknowledgement was lost
+            for chunk in self._snapshot_unacked:
+                self._send(chunk)
+        if outstanding and self._snapshot is None and since_attempt_ms > self.limits.resend_after_ms \
+                and self.sent_order > self.replica_durable:
             self.sent_order = self.replica_durable   # an Append was lost with a broken link
             self._last_attempt_ms = now_ms
             self.rewinds += 1
@@ -286,7 +455,7 @@ class MasterRole:
             # Recorded out of sync after a silence, it has since caught up in the same session.
             self._propose(True)
         if self.progress is ReplicaProgress.CATCHING_UP and self.replica_durable >= self._sync_target \
-                and since_attempt_ms > self.limits.resend_after_ms:
+                and self._snapshot is None and since_attempt_ms > self.limits.resend_after_ms:
             # SyncEnd (or the replica's OpenAck) was lost: vouch for the transfer again.
             self._last_attempt_ms = now_ms
             self._send(SyncEnd(self.core.name, self.incarnation, self.epoch, self._sync_target,
@@ -300,14 +469,53 @@ class MasterRole:
 
     def link_down(self) -> None:
         """The peer link broke: the replica must Open again before anything is streamed."""
+        self._end_snapshot()
         if self.progress is not ReplicaProgress.FENCED:
             self._set_progress(ReplicaProgress.PROBING)
+
+    # --- the bounded log -------------------------------------------------------------------
+    @property
+    def log_floor(self) -> int:
+        """Op-log records below this order may be deleted (DESIGN.md 4.1 "Bounded log"): it
+        is at most the commit point and the order of a snapshot being transferred, and at most
+        the replica's durable order while the replica is recorded in sync (it may need any
+        record after that to catch up). A replica recorded out of sync holds the log back only
+        within `log_retain_max_bytes`; past that, it gets a snapshot when it returns."""
+        floor = min(self.commit_order, self.local_durable)
+        if self._snapshot is not None:
+            floor = min(floor, self._snapshot.order)
+        holds = self.replica_durable if self._session >= 0 else self._replica_returns_from
+        if self.progress is ReplicaProgress.CATCHING_UP:
+            holds = min(holds, self._sync_target)     # SyncEnd vouches for the digest there
+        if self.recorded_in_sync or self._pending_proposal is not None:
+            floor = min(floor, holds)
+        else:
+            floor = min(floor, max(holds, self._retain_floor()))
+        return max(floor, self.log_start)
+
+    def _retain_floor(self) -> int:
+        """The lowest order from which the log stays within log_retain_max_bytes (0: all of
+        it does, as far as this role has seen it grow; it does not know older rows' sizes)."""
+        sizes, total, budget = self._log_bytes, self._log_bytes_total, self.limits.log_retain_max_bytes
+        while len(sizes) > 1 and total - sizes[1][1] > budget:
+            sizes.popleft()          # the entry after it is over the budget too: never needed again
+        if len(sizes) > 1 and total - sizes[0][1] > budget:
+            return sizes[1][0]
+        return 0
+
+    def truncated_to(self, floor: int) -> None:
+        """The driver deleted (or is deleting, in this batch) every record below `floor`."""
+        self.log_start = max(self.log_start, floor)
+        while len(self._log_bytes) > 1 and self._log_bytes[1][0] <= floor:
+            self._log_bytes.popleft()
 
     # --- streaming -------------------------------------------------------------------------
     def _pump(self, now_ms: int) -> None:
         if self.gates_visibility:
             self.core.visible_upto = self.commit_order
         if self.progress not in (ReplicaProgress.CATCHING_UP, ReplicaProgress.CAUGHT_UP):
+            return
+        if self._pump_snapshot(now_ms) or self._lost_from_log():
             return
         limits = self.limits
         in_flight = self._in_flight
@@ -325,14 +533,20 @@ class MasterRole:
             in_flight.append((ops[-1][0], size))
             self._in_flight_bytes += size
             self._sent_commit = self.commit_order
+            self._sent_recorded_commit = self.recorded_commit
             self.appends_sent += 1
             self._send(Append(self.core.name, self.incarnation, self.epoch, self.sent_order,
-                              tuple(encoded for _, encoded in ops), self._sent_commit))
+                              tuple(encoded for _, encoded in ops), self._sent_commit, self.recorded_commit))
             self.sent_order = ops[-1][0]
-        if self.commit_order > self._sent_commit:
-            # Nothing new to stream, but the replica's clients wait on the commit point.
+        if self._lost_from_log():
+            return
+        if self.commit_order > self._sent_commit or self.recorded_commit > self._sent_recorded_commit:
+            # Nothing new to stream, but the replica's clients wait on the commit point (and its
+            # log's floor on the recorded one).
             self._sent_commit = self.commit_order
-            self._send(Append(self.core.name, self.incarnation, self.epoch, self.sent_order, (), self._sent_commit))
+            self._sent_recorded_commit = self.recorded_commit
+            self._send(Append(self.core.name, self.incarnation, self.epoch, self.sent_order, (), self._sent_commit,
+                              self.recorded_commit))
 
     def _next_ops(self, limit: int) -> list[tuple[int, bytes]]:
         """The next (order, encoded operation) after sent_order: from memory, or older ones
@@ -346,7 +560,25 @@ class MasterRole:
                         break
             return ops
         older = self.oplog.read(self.core.queue_id, self.sent_order, limit)
+        if older and older[0][0] != self.sent_order + 1 and self.core.record.dead_letter_of is None:
+            # A queue's orders have no holes (a dead-letter queue's do: its arrivals take
+            # indices of their own), so this one was truncated away: see _lost_from_log.
+            self.log_start = max(self.log_start, older[0][0])
+            return []
         return [entry for entry in older if entry[0] <= self._recent_floor]
+
+    def _lost_from_log(self) -> bool:
+        """What the replica needs next, or the order its transfer vouches for, was truncated (it
+        was recorded out of sync and fell behind past log_retain_max_bytes): it opens again and
+        gets a snapshot."""
+        vouchable = self.progress is not ReplicaProgress.CATCHING_UP or self._sync_target >= self.log_start
+        if vouchable and (self.sent_order >= self.log_start or self.sent_order >= self.last_order
+                          or self.sent_order >= self._recent_floor):
+            return False
+        self._set_progress(ReplicaProgress.PROBING)
+        self._send(Refused(self.core.name, self.incarnation, self.epoch, RESYNC,
+                           f"order {self.sent_order} is no longer in the log (it starts at {self.log_start})"))
+        return True
 
     def _digest_at(self, order: int) -> bytes:
         if order == self.last_order:

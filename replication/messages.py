@@ -9,8 +9,11 @@ hashes, so both members digest byte-identical records.
 The flows (seed 004 FIG. 21-22, with ordering-index acknowledgements):
     master -> replica   Append(ops, commit_order)      every replicated operation, in order
     replica -> master   AppendAck(ordering=0, durable_order)   what the replica holds durably
-    replica -> master   Open(last_epoch, last_order, digest)   a (re)joining replica
-    master -> replica   SyncBegin(from_order, reset) · Append... · SyncEnd(order, digest)
+    replica -> master   Open(last_epoch, last_order, digest, committed_order)   a (re)joining replica
+    master -> replica   SyncBegin(from_order) · Append... · SyncEnd(order, digest)   what it lacks, from the log
+                  or    SyncBegin(snapshot at S) · SnapshotChunk... (last: digest at S, state hash)
+                        · Append after S... · SyncEnd(order, digest)      the queue's state at S
+    replica -> master   SnapshotAck(sequence)          a chunk was taken (flow control)
     replica -> master   OpenAck(order)                 it matched the master's digest
     replica -> master   Forward(request_id, request)   a client's operation received at the replica
     master -> replica   ForwardResult(request_id, outcomes)   the orders that place it
@@ -25,7 +28,7 @@ import msgpack
 
 from replication.operations import OPERATION_TYPES, Operation
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2       # 2: snapshots (SyncBegin.snapshot, SnapshotChunk, SnapshotAck), Open.committed_order
 _OPERATION_FIELDS = {tag: tuple(f.name for f in fields(kind)) for tag, kind in OPERATION_TYPES.items()}
 
 
@@ -67,6 +70,10 @@ class Append:
     prev_order: int            # the ordering index of the op sent just before these (gap check)
     ops: tuple[bytes, ...]     # encoded operations (encode_operation): logged and digested as is
     commit_order: int          # the master's commit point, so the replica may expose up to it
+    # The commit point the master's own storage has recorded (a master restarted after a crash
+    # follows on from it): the replica keeps its op log from there, so that if it is promoted,
+    # the returning member catches up from the log instead of by snapshot.
+    recorded_commit: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +98,10 @@ class Open:
     last_order: int
     digest: bytes
     session: int = 0           # new for every Open; echoed by SyncBegin, AppendAck and OpenAck
+    # The highest order it holds that it knows was committed: when it is `last_order`, its
+    # history is a prefix of the master's (committed operations are never undone), so a
+    # `producer` member behind the log's start may keep its own consumption state.
+    committed_order: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,9 +111,14 @@ class SyncBegin:
     incarnation: int
     epoch: int
     from_order: int
-    reset: bool                # histories diverged or the log was pruned: start from empty
+    reset: bool                # start from an empty queue (new, wiped or diverged member)
     record: dict[str, Any] | None = None   # the queue record to start from when reset
     session: int = 0
+    # The queue's state at `snapshot_order` follows in SnapshotChunks instead of the log:
+    # the member's position is behind the log's start, or its history differs.
+    snapshot: bool = False
+    snapshot_order: int = 0
+    keep_upto: int = 0         # `producer`: the member keeps its own state up to here (reset is False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +129,35 @@ class SyncEnd:
     epoch: int
     order: int
     digest: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotChunk:
+    """master -> replica: part of a queue's state at one order, from one read view.
+    Rows (see replication.snapshot): messages of the queue, dedupe entries and, under `full`,
+    the dead-letter queue's messages. The last chunk vouches for the whole transfer."""
+    TAG: ClassVar[int] = 17
+    queue: str
+    incarnation: int
+    epoch: int
+    session: int
+    sequence: int              # 1, 2, ...: a chunk out of sequence is dropped (resent)
+    rows: list[Any]
+    last: bool = False
+    order: int = 0             # on the last chunk: the snapshot's order, digest and content hash
+    digest: bytes = b""
+    state_hash: bytes = b""
+    dead_letter: list[Any] | None = None   # on the last chunk, `full`: [order, digest, record] of the dead-letter queue
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotAck:
+    TAG: ClassVar[int] = 18
+    queue: str
+    incarnation: int
+    epoch: int
+    session: int
+    sequence: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,11 +276,12 @@ class LeaseGrant:
 
 
 Message = (Append | AppendAck | Open | SyncBegin | SyncEnd | OpenAck | Forward | ForwardResult | Refused | Create
-           | Delete | HandoffRequest | HandoffAnswer | HandoffOrder | LeaseRenew | LeaseGrant)
+           | Delete | HandoffRequest | HandoffAnswer | HandoffOrder | LeaseRenew | LeaseGrant | SnapshotChunk
+           | SnapshotAck)
 MESSAGE_TYPES: dict[int, type] = {kind.TAG: kind for kind in (Append, AppendAck, Open, SyncBegin, SyncEnd, OpenAck,
                                                               Forward, ForwardResult, Refused, Create, Delete,
                                                               HandoffRequest, HandoffAnswer, HandoffOrder, LeaseRenew,
-                                                              LeaseGrant)}
+                                                              LeaseGrant, SnapshotChunk, SnapshotAck)}
 _MESSAGE_FIELDS = {tag: tuple(f.name for f in fields(kind)) for tag, kind in MESSAGE_TYPES.items()}
 
 

@@ -297,6 +297,29 @@ class QueueCore:
         record.next_index = min(record.next_index, order + 1)
         return dropped
 
+    def install_snapshot(self, ready: list[tuple[int, int, int]] | None,
+                         leases: list[tuple[int, int, str, int, int, int]]) -> None:
+        """A snapshot's rows are committed to storage and its counters to the record: serve
+        them. `ready` (priority, index, deliveries) are pushed as they are; None means this
+        instance held nothing before, so every ready message below `next_index` is paged in
+        from storage as after a restart. `leases`: (index, priority, receipt, deadline_ms,
+        deliveries, leased_ms) under `full`."""
+        if ready is None:
+            self._boundary = self.record.next_index
+            self._ready = [[] for _ in range(PRIORITY_MAX + 1)]
+            self._ready_deliveries = {}
+            self._loaded_upto = [0] * (PRIORITY_MAX + 1)
+            self._exhausted = [False] * (PRIORITY_MAX + 1)
+            self._pushed_beyond = [set() for _ in range(PRIORITY_MAX + 1)]
+            self._removed = set()
+        else:
+            for priority, index, deliveries in ready:
+                heapq.heappush(self._ready[priority], index)
+                if deliveries:
+                    self._ready_deliveries[index] = deliveries
+        for index, priority, receipt, deadline_ms, deliveries, leased_ms in leases:
+            self._add_lease(index, _Lease(priority, receipt, deadline_ms, deliveries, leased_ms))
+
     # --- the replica's side: applying what the master decided ------------------------------
     def apply(self, op: Operation) -> None:
         """Apply an operation the master decided, in ordering-index order (DESIGN.md 4.1).

@@ -1,10 +1,13 @@
 """The replica role of one queue's pair: apply what the master ordered, in order.
 
 A (re)joining replica sends Open with its last (epoch, ordering index) and rolling digest;
-the master answers SyncBegin (incremental, or `reset` when the histories differ), streams
-what is missing, and SyncEnd with its digest at the end of the transfer; the replica
-acknowledges the open (OpenAck) once its own digest matches (seed 004 FIG. 22). Live
-operations keep flowing during and after the transfer. Every Append names the order of the
+the master answers SyncBegin and streams what is missing from its op log, or, when the log
+no longer reaches back that far or the histories differ, the queue's state at one order in
+SnapshotChunks (`replication/snapshot.py`), and then SyncEnd with its digest at the end of
+the transfer; the replica acknowledges the open (OpenAck) once its own digest matches (seed
+004 FIG. 22). Live operations keep flowing during and after the transfer. A snapshot counts
+as this member's position only once every chunk arrived, its content hash matched and its
+installation is durable: until then the member reports the position it had. Every Append names the order of the
 operation before it, so a gap (a lost or reordered message) is noticed and the master
 streams again from the replica's durable point; repeats are skipped.
 
@@ -13,28 +16,33 @@ held durably (seed 004), which is what lets the master commit. Clients of the re
 only what the master has committed (`visible_order`), and operations its clients send are
 forwarded to the master, which answers with the ordering index that places each one.
 
-Pure: effects accumulate in `resets` (wipe the queue and start from this record), `applied`
-(operations to persist with their digests), `outbox` and `forward_results`; the driver drains
-them in that order after every call.
+Pure: effects accumulate in `resets` (wipe the queue and start from this record), `discards`
+(drop what is held past this order), `snapshot_rows` (rows of a snapshot to store), `installs`
+(a complete snapshot to install), `applied` (operations to persist with their digests),
+`outbox` and `forward_results`; the driver drains them in that order after every call.
 """
 from __future__ import annotations
 
 import collections
 import enum
+from dataclasses import dataclass
 from typing import Any
 
 from replication.digest import EMPTY_DIGEST, fold_encoded
 from replication.invariants import InvariantViolation
-from replication.master import Applied, ReplicationLimits
+from replication.master import RESYNC, Applied, ReplicationLimits
 from replication.messages import (
     Append,
     AppendAck,
     Forward,
     ForwardResult,
     Message,
+    MessageError,
     Open,
     OpenAck,
     Refused,
+    SnapshotAck,
+    SnapshotChunk,
     SyncBegin,
     SyncEnd,
     decode_operation,
@@ -42,6 +50,28 @@ from replication.messages import (
 from replication.operations import DeadLettered, Operation
 from replication.oplog import OpLogReader
 from replication.queue_core import QueueCore
+from replication.snapshot import EMPTY_STATE_HASH, check_rows, fold_rows
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotInstall:
+    """A snapshot that arrived whole and matched its content hash: the driver makes it this
+    member's state at `order` (with the dead-letter queue's, under `full`) in one batch."""
+    order: int
+    digest: bytes
+    record: dict[str, Any]
+    keep_upto: int                         # `producer`: the member kept its own state up to here
+    dead_letter: list[Any] | None          # [order, digest, record] of the dead-letter queue
+
+
+@dataclass(slots=True)
+class _Transfer:
+    order: int
+    keep_upto: int
+    record: dict[str, Any]
+    next_sequence: int = 1
+    state_hash: bytes = EMPTY_STATE_HASH
+    gap_reported_at: int = 0
 
 
 class ReplicaPhase(enum.StrEnum):
@@ -64,9 +94,11 @@ class ReplicaRole:
     def __init__(self, core: QueueCore, oplog: OpLogReader, *, node_id: str, master_id: str, epoch: int,
                  incarnation: int, applied_order: int, digest: bytes, last_epoch: int,
                  limits: ReplicationLimits | None = None, session_base: int = 0, durable_order: int | None = None,
-                 commit_order: int = 0) -> None:
+                 commit_order: int = 0, known_committed: int = 0) -> None:
         """`durable_order` and `commit_order`: for a member that was master until now, what is
-        durable here and what it knew committed (so its clients keep seeing those)."""
+        durable here and what it knew committed (so its clients keep seeing those);
+        `known_committed`: an order known committed from before (the queue record's, after a
+        restart), told to the master in Open."""
         self.core = core
         self.oplog = oplog
         self.node_id = node_id
@@ -80,6 +112,11 @@ class ReplicaRole:
         self.durable_order = applied_order if durable_order is None else durable_order
         self.digest = digest
         self.master_commit_order = commit_order
+        self.known_committed = max(known_committed, commit_order)
+        self.master_recorded_commit = 0     # the commit point the master's storage holds (Append)
+        self._transfer: _Transfer | None = None     # a snapshot being received
+        self.snapshots_installed = 0
+        self.resync_source = False    # a dead-letter queue's member asks for its queue's snapshot
         self._recent_digests: collections.deque[tuple[int, bytes]] = collections.deque()   # not yet durable
         self._last_open_ms: int | None = None
         self._gap_reported_at = -1
@@ -92,6 +129,9 @@ class ReplicaRole:
         self.gates_visibility = True   # False for a dead-letter queue: see qserver/pairs.py
         core.visible_upto = self.visible_order
         self.resets: list[dict[str, Any]] = []
+        self.discards: list[int] = []
+        self.snapshot_rows: list[list[Any]] = []
+        self.installs: list[SnapshotInstall] = []
         self.applied: list[Applied] = []
         self.outbox: list[tuple[str, Message]] = []
         self.forward_results: list[ForwardResult] = []
@@ -109,8 +149,10 @@ class ReplicaRole:
         self._last_open_ms = now_ms
         self._last_progress_ms = now_ms
         self.session += 1
+        self._transfer = None                 # a snapshot of an earlier session is never resumed
+        committed = min(self.applied_order, max(self.known_committed, self.master_commit_order))
         self._send(Open(self.core.name, self.incarnation, self.epoch, self.last_epoch, self.applied_order, self.digest,
-                        self.session))
+                        self.session, committed))
 
     @property
     def never_opened(self) -> bool:
@@ -129,6 +171,7 @@ class ReplicaRole:
             self.start(now_ms)
 
     def link_down(self) -> None:
+        self._transfer = None
         if self.phase is not ReplicaPhase.FENCED:
             self._set_phase(ReplicaPhase.OPENING)
             self._last_open_ms = None   # the driver calls start() when the link is back
@@ -144,23 +187,30 @@ class ReplicaRole:
             self._set_phase(ReplicaPhase.FENCED)   # placement changed: the driver re-reads it
             return
         if isinstance(message, Refused):
-            # Of our own epoch: it refuses what this node sent in an older epoch (as the master
-            # it was before a handoff, say), so it is stale. Fencing on it would stop this
-            # replica for good: the map, which is already current, would never re-read it.
+            if message.code == RESYNC and self.core.record.dead_letter_of is not None:
+                self.resync_source = True  # a dead-letter queue's state comes with its queue's
+            elif message.code == RESYNC and self.phase is not ReplicaPhase.OPENING:
+                self.start(now_ms)        # our position left the master's log: open again
+            # Otherwise, of our own epoch, it refuses what this node sent in an older epoch (as
+            # the master it was before a handoff, say), so it is stale. Fencing on it would stop
+            # this replica for good: the map, which is already current, would never re-read it.
             return
         if isinstance(message, Append):
             self._on_append(message)
         elif isinstance(message, SyncBegin):
             self._on_sync_begin(message)
+        elif isinstance(message, SnapshotChunk):
+            self._on_snapshot_chunk(message, now_ms)
         elif isinstance(message, SyncEnd):
             self._on_sync_end(message, now_ms)
         elif isinstance(message, ForwardResult):
             self.forward_results.append(message)
 
     def _on_append(self, append: Append) -> None:
-        if self.phase not in (ReplicaPhase.SYNCING, ReplicaPhase.FOLLOWING):
-            return                      # not opened yet: the transfer will carry these
+        if self.phase not in (ReplicaPhase.SYNCING, ReplicaPhase.FOLLOWING) or self._transfer is not None:
+            return                      # not opened yet (or taking a snapshot): the transfer carries these
         self.master_commit_order = max(self.master_commit_order, append.commit_order)
+        self.master_recorded_commit = max(self.master_recorded_commit, append.recorded_commit)
         if self.gates_visibility:
             self.core.visible_upto = self.visible_order
         previous = append.prev_order
@@ -195,6 +245,9 @@ class ReplicaRole:
     def _on_sync_begin(self, begin: SyncBegin) -> None:
         if begin.session != self.session:
             return                      # the answer to an earlier Open
+        if begin.snapshot:
+            self._begin_snapshot(begin)
+            return
         if begin.reset:
             if begin.record is None:
                 return
@@ -211,8 +264,108 @@ class ReplicaRole:
         self._set_phase(ReplicaPhase.SYNCING)
         self._last_progress_ms = self._now_ms
 
+    def _begin_snapshot(self, begin: SyncBegin) -> None:
+        if self.phase is not ReplicaPhase.OPENING:
+            return                      # a repeated SyncBegin: the transfer is under way
+        if begin.reset:
+            if begin.record is None:
+                return
+            # Start from an empty instance (the old one's records are erased): until the
+            # snapshot is installed and durable this member holds, and reports, nothing.
+            self.resets.append(begin.record)
+            self.applied_order = self.durable_order = 0
+            self.digest = EMPTY_DIGEST
+            self._recent_digests.clear()
+            self.applied.clear()
+        else:
+            if begin.keep_upto != self.applied_order or begin.keep_upto > self.durable_order:
+                return                  # not what we opened with; our next Open sorts it out
+            # Rows past keep_upto may remain from a transfer a crash cut short: drop them.
+            self.discards.append(begin.keep_upto)
+        self._transfer = _Transfer(begin.snapshot_order, begin.keep_upto, begin.record or {})
+        self._set_phase(ReplicaPhase.SYNCING)
+        self._last_progress_ms = self._now_ms
+
+    def _on_snapshot_chunk(self, chunk: SnapshotChunk, now_ms: int) -> None:
+        transfer = self._transfer
+        if transfer is None or chunk.session != self.session or self.phase is not ReplicaPhase.SYNCING:
+            return
+        if chunk.sequence < transfer.next_sequence:
+            # Resent because our acknowledgement was lost: say it again.
+            self._send(SnapshotAck(self.core.name, self.incarnation, self.epoch, self.session,
+                                   transfer.next_sequence - 1))
+            return
+        if chunk.sequence > transfer.next_sequence:
+            # One before it was lost or overtaken: say where we are, once per position, and
+            # the master sends again from there.
+            if transfer.gap_reported_at != transfer.next_sequence:
+                transfer.gap_reported_at = transfer.next_sequence
+                self._send(SnapshotAck(self.core.name, self.incarnation, self.epoch, self.session,
+                                       transfer.next_sequence - 1))
+            return
+        try:
+            rows = check_rows(chunk.rows)
+        except MessageError:
+            return                      # never applied; resent, or the transfer starts over
+        transfer.state_hash = fold_rows(transfer.state_hash, rows)
+        transfer.next_sequence += 1
+        self._last_progress_ms = now_ms
+        if rows:
+            self.snapshot_rows.extend(rows)
+        self._send(SnapshotAck(self.core.name, self.incarnation, self.epoch, self.session, chunk.sequence))
+        if not chunk.last:
+            return
+        self._transfer = None
+        if chunk.state_hash != transfer.state_hash or chunk.order != transfer.order:
+            # What arrived is not what the master sent: take it all again, from empty.
+            self.snapshot_rows.clear()
+            self.resets.append(self.core.record.to_json() if not transfer.record else transfer.record)
+            self.applied_order = self.durable_order = 0
+            self.digest = EMPTY_DIGEST
+            self.start(now_ms)
+            return
+        self.installs.append(SnapshotInstall(chunk.order, chunk.digest, transfer.record, transfer.keep_upto,
+                                             chunk.dead_letter))
+        self.applied_order = chunk.order
+        self.digest = chunk.digest
+        self._recent_digests.clear()
+        self._recent_digests.append((chunk.order, chunk.digest))
+        self.snapshots_installed += 1
+
+    @property
+    def log_floor(self) -> int:
+        """This member's op log may lose records below this: what the master committed and
+        its own storage recorded (a deposed master returns at or above it, so if this member
+        is promoted it catches the other up from the log), and this member holds."""
+        if self.phase is not ReplicaPhase.FOLLOWING:
+            return 0           # a transfer compares digests at orders it has not named yet
+        return min(self.visible_order, self.master_recorded_commit)
+
+    @property
+    def receiving_snapshot(self) -> bool:
+        return self._transfer is not None
+
+    def wipe(self, record: dict[str, Any]) -> None:
+        """Start over from an empty instance and a new Open (a dead-letter queue's member asked
+        for this queue's snapshot, which carries both states from one view)."""
+        self.resets.append(record)
+        self.applied_order = self.durable_order = 0
+        self.digest = EMPTY_DIGEST
+        self._recent_digests.clear()
+        self.applied.clear()
+        self.link_down()          # the driver opens again
+
+    def rebase(self, order: int, digest: bytes) -> None:
+        """A dead-letter queue's state was installed at `order` with its queue's snapshot (or
+        wiped, awaiting it): follow on from there; the driver opens when the queue is synced."""
+        self.applied_order = self.durable_order = order
+        self.digest = digest
+        self._recent_digests.clear()
+        self.applied.clear()
+        self.link_down()
+
     def _on_sync_end(self, end: SyncEnd, now_ms: int) -> None:
-        if self.phase is not ReplicaPhase.SYNCING:
+        if self.phase is not ReplicaPhase.SYNCING or self._transfer is not None:
             return
         ours = self._digest_at(end.order)
         if ours is None:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from replication.invariants import InvariantViolation
 from replication.operations import Acked, DeadLettered, Enqueued, Leased, Operation, Released
+from replication.snapshot import ROW_DEDUPE, ROW_MESSAGE
 
 
 class StoreReader(Protocol):
@@ -77,6 +78,23 @@ class MemoryStore:
     def apply(self, operations: list[Operation]) -> None:
         for op in operations:
             getattr(self, "_apply_" + type(op).__name__)(op)
+
+    def put_snapshot_rows(self, queue_id: int, dead_letter_queue_id: int | None, rows: list[list[Any]]) -> None:
+        """Store a snapshot's rows (replication/snapshot.py) as Storage does."""
+        for row in rows:
+            if row[0] == ROW_DEDUPE:
+                self._queue(queue_id).dedupe[row[1]] = (row[2], row[3])
+                continue
+            target = queue_id if row[0] == ROW_MESSAGE else dead_letter_queue_id
+            if target is None:
+                raise InvariantViolation(f"snapshot of queue {queue_id} has dead letters but no dead-letter queue")
+            queue = self._queue(target)
+            _, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease = row
+            queue.messages[index] = Enqueued(target, index, priority, enqueued_ms, dedupe_id, client, payload)
+            if lease is None:
+                self._set_ready(queue, priority, index, deliveries)
+            else:
+                queue.leases[index] = StoredLease(index, priority, lease[0], lease[1], deliveries, lease[2])
 
     def _set_ready(self, queue: _MemoryQueue, priority: int, index: int, deliveries: int) -> None:
         bisect.insort(queue.ready.setdefault(priority, []), (index, deliveries))

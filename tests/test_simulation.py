@@ -24,8 +24,12 @@ def check_converged(sim: Simulation) -> None:
     assert replica.role.phase is ReplicaPhase.FOLLOWING, f"replica never caught up: {replica.role.phase}"
     assert master.role.commit_order == master.role.last_order, "the master did not commit everything"
     assert replica.oplog.last(replica.queue_id) == master.oplog.last(master.queue_id), "digests differ at the end"
-    assert not history_disagreements(sim.oplog_rows(master), sim.oplog_rows(replica))
-    assert [order for order, _ in sim.oplog_rows(master)] == [order for order, _ in sim.oplog_rows(replica)]
+    # Each log is truncated on its own schedule: where both still hold an order, it is the same operation.
+    start = max(master.oplog.first(master.queue_id), replica.oplog.first(replica.queue_id))
+    master_rows = [row for row in sim.oplog_rows(master) if row[0] > start]
+    replica_rows = [row for row in sim.oplog_rows(replica) if row[0] > start]
+    assert not history_disagreements(master_rows, replica_rows)
+    assert [order for order, _ in master_rows] == [order for order, _ in replica_rows]
 
 
 def check_safety(sim: Simulation) -> None:
@@ -46,8 +50,13 @@ def check_safety(sim: Simulation) -> None:
             {lease.index for lease in replica.store.leases(replica.queue_id)}
     else:
         assert sim.held(master) | history.consumed["n1"] >= surviving - set()
-        # each member keeps its own consumption state, but holds every enqueue it has not consumed
-        assert surviving - history.consumed["n2"] <= sim.held(replica)
+        # each member keeps its own consumption state, but holds every enqueue it has not consumed,
+        # except what the master had consumed when it sent the member a snapshot (which carries
+        # the master's live messages, never its consumption state)
+        missing = surviving - history.consumed["n2"] - sim.held(replica)
+        if replica.snapshots_installed:
+            missing -= history.consumed["n1"] | history.ack_invoked
+        assert not missing, f"the replica lacks messages nobody consumed: {sorted(missing)[:10]}"
 
 
 @pytest.mark.parametrize("strength", [Strength.FULL, Strength.PRODUCER])

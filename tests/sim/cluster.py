@@ -5,7 +5,10 @@ Everything runs from one `random.Random(seed)`: message delays, drops, duplicate
 reordering on the network, fsync latency, crashes that lose whatever was not yet fsync'd,
 partitions, and the client workload. `SimNode` is a small driver with the node's effect
 order: step the core, stage the operations, stream them, fsync, then answer clients once
-their operation is committed. A failing run prints its seed; `Simulation(seed).run()`
+their operation is committed. Each batch also truncates the op log below the role's floor
+(the master's `log_floor`, the replica's visible order), and a replica recorded out of sync
+that falls behind the log's start takes a snapshot: the checks below judge against each
+node's `history`, a shadow of every operation it made durable that is never truncated. A failing run prints its seed; `Simulation(seed).run()`
 replays it exactly.
 """
 from __future__ import annotations
@@ -24,14 +27,22 @@ from replication.operations import Enqueued, Leased, Operation
 from replication.oplog import MemoryOpLog
 from replication.options import QueueOptions, QueueState, Strength
 from replication.queue_core import QueueCore, QueueRecord
-from replication.replica import ReplicaRole
+from replication.replica import ReplicaRole, SnapshotInstall
+from replication.snapshot import InstalledState, MemorySnapshotView, SnapshotView, memory_rows
 from replication.store import MemoryStore
 
 QUEUE = "q"
 QUEUE_IDS = {"n1": 1, "n2": 7}    # node-local storage ids differ, as they do between real nodes
 INCARNATION = 1
+# A small retention and small chunks: replicas out of sync fall behind the log's start, and
+# snapshots take many chunks, some of them lost, repeated and reordered on the way.
 LIMITS = ReplicationLimits(replica_lag_max=400, replica_lag_max_ms=300, resend_after_ms=150, window_max=64,
-                           append_batch_max=16, open_retry_ms=200)
+                           append_batch_max=16, open_retry_ms=200, snapshot_chunk_bytes_max=200,
+                           snapshot_chunks_in_flight_max=3, log_retain_max_bytes=1_500)
+
+
+class InvariantBroken(AssertionError):
+    """A protocol invariant the simulation checks as it runs."""
 
 
 class Clock:
@@ -141,7 +152,15 @@ class SimNode:
         self.is_master = is_master
         self.peer = "n2" if name == "n1" else "n1"
         self.store = MemoryStore()                       # durable state
-        self.oplog = MemoryOpLog(EMPTY_DIGEST)           # durable op log
+        self.oplog = MemoryOpLog(EMPTY_DIGEST)           # durable op log (truncated)
+        self.history = MemoryOpLog(EMPTY_DIGEST)         # every op made durable here, never truncated
+        self.snapshots_installed = 0
+        self.truncated_rows = 0
+        self.staged_rows: list[list[Any]] = []           # snapshot rows of the batch being staged
+        self.staged_installs: list[tuple[SnapshotInstall, InstalledState]] = []
+        self.staged_discards: list[int] = []
+        self.received = InstalledState()                 # rows of the transfer under way
+        self.applied_upto = 0                            # the last order applied here (no skips)
         self.queue_id = QUEUE_IDS[name]
         self.record_json = QueueRecord(self.queue_id, QUEUE, sim.options, 0, state=QueueState.OPEN).to_json()
         self.up = True
@@ -162,19 +181,24 @@ class SimNode:
         self.boots += 1
         self.up = True
         self.staged_ops, self.staged_log, self.pending, self.waiting_forwards = [], [], [], {}
+        self.staged_rows, self.staged_installs, self.staged_discards = [], [], []
+        self.received = InstalledState()
         self.fsync_in_flight = False
         record = QueueRecord.from_json(self.record_json)
         self.core = QueueCore(record, self.store, random.Random(self.sim.rng.random()),
                               leases=self.store.leases(self.queue_id))
         last_order, digest = self.oplog.last(self.queue_id)
+        self.applied_upto = last_order
         if self.is_master:
             self.role = MasterRole(self.core, self.oplog, node_id=self.name, replica_id=self.peer, epoch=1,
                                    incarnation=INCARNATION, recorded_in_sync=self.sim.membership.in_sync,
-                                   last_order=last_order, digest=digest, limits=LIMITS)
+                                   last_order=last_order, digest=digest, limits=LIMITS, snapshots=self,
+                                   log_start=self.oplog.first(self.queue_id))
         else:
             self.role = ReplicaRole(self.core, self.oplog, node_id=self.name, master_id=self.peer, epoch=1,
                                     incarnation=INCARNATION, applied_order=last_order, digest=digest,
-                                    last_epoch=1, limits=LIMITS, session_base=self.boots << 20)
+                                    last_epoch=1, limits=LIMITS, session_base=self.boots << 20,
+                                    known_committed=int(self.record_json.get("commit_order", 0)))
             if not self.sim.network.cut:
                 self.role.start(self.sim.clock.now_ms)
         self.drain()
@@ -186,6 +210,7 @@ class SimNode:
         self.up = False
         self.boots += 1          # fsyncs in flight belong to a dead incarnation now
         self.staged_ops, self.staged_log, self.pending = [], [], []
+        self.staged_rows, self.staged_installs, self.staged_discards = [], [], []
         self.peer_node().link_down()      # the peer sees its link break
 
     def peer_node(self) -> SimNode:
@@ -207,6 +232,20 @@ class SimNode:
             for record in role.resets:
                 self._reset(record)
             role.resets.clear()
+            for order in role.discards:
+                self._discard_after(order)
+            role.discards.clear()
+            self.received.take(role.snapshot_rows)
+            self.staged_rows.extend(role.snapshot_rows)
+            role.snapshot_rows.clear()
+            for install in role.installs:
+                self._stage_install(install)
+            role.installs.clear()
+            for applied in role.applied:
+                if applied.op.order != self.applied_upto + 1:
+                    raise InvariantBroken(f"{self.name} applied order {applied.op.order} after {self.applied_upto}: "
+                                          "a catch-up skipped what the member lacked")
+                self.applied_upto = applied.op.order
             self.staged_ops.extend(applied.op for applied in role.applied)
             self.staged_log.extend(role.applied)
             role.applied.clear()
@@ -248,37 +287,114 @@ class SimNode:
         self.role.core = self.core
         self.core.visible_upto = 0
         self.staged_ops, self.staged_log = [], []
+        self.staged_rows, self.staged_installs, self.staged_discards = [], [], []
+        self.received = InstalledState()
+        self.applied_upto = 0
+
+    def _discard_after(self, order: int) -> None:
+        """A `producer` member keeping its state up to `order` (a snapshot follows)."""
+        if self.core.discard_after(order) is None:
+            raise InvariantBroken(f"{self.name} could not keep its state up to {order}")
+        self.staged_discards.append(order)
+        self.staged_rows, self.received = [], InstalledState()
+        self.applied_upto = min(self.applied_upto, order)
+
+    def _stage_install(self, install: SnapshotInstall) -> None:
+        record = self.core.record
+        count = len(self.received.ready) + len(self.received.leases)
+        if install.keep_upto:
+            record.ready_count += len(self.received.ready)
+            record.total_enqueued += count
+        else:
+            record.ready_count = len(self.received.ready)
+            record.total_enqueued = count
+        record.next_index = install.order + 1
+        self.staged_installs.append((install, self.received))
+        self.received = InstalledState()
+        self.applied_upto = install.order
+
+    # --- snapshots (SnapshotSource) ----------------------------------------------------------
+    def open_snapshot(self, name: str, queue_id: int, *, consumption: bool, after_index: int,
+                      dead_letter: tuple[str, int] | None) -> SnapshotView | None:
+        """One view of what is durable here (the store, the log and the record as fsync'd)."""
+        order, digest = self.oplog.last(queue_id)
+        rows = memory_rows(self.store, queue_id, consumption=consumption, after_index=after_index)
+        return MemorySnapshotView(rows, order, digest, dict(self.record_json))
 
     def _start_fsync(self) -> None:
-        if self.fsync_in_flight or not (self.staged_ops or self.staged_log):
+        if self.fsync_in_flight or not (self.staged_ops or self.staged_log or self.staged_rows or self.staged_installs
+                                        or self.staged_discards):
             return
         ops, log = self.staged_ops, self.staged_log
+        rows, installs, discards = self.staged_rows, self.staged_installs, self.staged_discards
         self.staged_ops, self.staged_log = [], []
+        self.staged_rows, self.staged_installs, self.staged_discards = [], [], []
+        floor = self._log_floor()
         record = self.core.record.to_json()
+        # As the engine does: the record keeps the commit point this member knew.
+        record["commit_order"] = self.role.commit_order if isinstance(self.role, MasterRole) \
+            else self.role.visible_order
         self.core.seal()
         self.fsync_in_flight = True
         self.batch += 1
         batch, boots = self.batch, self.boots
         self.sim.clock.after(self.sim.rng.randint(*self.sim.network.faults.fsync_ms),
-                             lambda: self._fsync_done(boots, batch, ops, log, record))
+                             lambda: self._fsync_done(boots, batch, ops, log, record, (rows, installs, discards, floor)))
+
+    def _log_floor(self) -> int:
+        """What this batch truncates the log below (checked: no member still needs it)."""
+        role = self.role
+        if isinstance(role, MasterRole):
+            floor = role.log_floor
+            peer = self.peer_node()
+            held, digest = peer.oplog.last(peer.queue_id)
+            # (A replica whose history differs from the master's takes a snapshot anyway.)
+            same_history = self.oplog.digest_at(self.queue_id, held) == digest
+            if self.sim.membership.in_sync and floor > held and same_history and not peer.staged_installs \
+                    and isinstance(peer.role, ReplicaRole) and not peer.role.receiving_snapshot:
+                raise InvariantBroken(f"the master truncates below {floor}, past what its in-sync replica holds "
+                                      f"({held})")
+            role.truncated_to(floor)
+            return floor
+        return role.log_floor
 
     def _fsync_done(self, boots: int, batch: int, ops: list[Operation], log: list[Applied],
-                    record: dict[str, Any]) -> None:
+                    record: dict[str, Any], snapshot: tuple[Any, Any, Any, int]) -> None:
         if boots != self.boots or not self.up:
             return
+        rows, installs, discards, floor = snapshot
+        current = record["queue_id"] == self.queue_id      # not a batch of an instance since reset
+        for order in discards:
+            if self.queue_id in self.store.queues:
+                _discard_stored(self.store, self.queue_id, order)
+            self.oplog.discard_after(self.queue_id, order)
+        if current:
+            self.store.put_snapshot_rows(self.queue_id, None, rows)
+        for install, _ in installs:
+            if current:
+                self.oplog.install(self.queue_id, install.order, install.digest)
         self.store.apply(ops)
         for row in log:
             self.oplog.append(row.op.queue_id, row.op, row.digest, row.encoded)
-        current = record["queue_id"] == self.queue_id      # not a batch of an instance since reset
+            self.history.append(row.op.queue_id, row.op, row.digest, row.encoded)
+        if current:
+            self.truncated_rows += self.oplog.truncate(self.queue_id, floor)
+            for install, received in installs:
+                self.core.install_snapshot(received.ready if install.keep_upto else None, received.leases)
+                self.snapshots_installed += 1
         if current:
             self.record_json = record
         log = [row for row in log if row.op.queue_id == self.queue_id]
         self.core.advance()
+        if isinstance(self.role, MasterRole) and current:
+            self.role.recorded_commit = int(record["commit_order"])
         self.durable_batch = batch
         self.fsync_in_flight = False
-        if log:
-            self.role.local_durable_to(log[-1].op.order) if isinstance(self.role, ReplicaRole) \
-                else self.role.local_durable_to(log[-1].op.order, self.sim.clock.now_ms)
+        durable = max([row.op.order for row in log] + [install.order for install, _ in installs if current],
+                      default=0)
+        if durable:
+            self.role.local_durable_to(durable) if isinstance(self.role, ReplicaRole) \
+                else self.role.local_durable_to(durable, self.sim.clock.now_ms)
         self.drain()
 
     def _answer_committed(self) -> None:
@@ -459,11 +575,23 @@ class Simulation:
         return self
 
     def oplog_rows(self, node: SimNode) -> list[tuple[int, bytes]]:
+        """What the node's (truncated) op log still holds."""
         return [(order, encoded) for order, encoded in node.oplog.read(node.queue_id, 0, 10**9)]
 
     def surviving_enqueues(self, node: SimNode) -> set[int]:
-        return {op.index for op in node.oplog.operations(node.queue_id) if type(op) is Enqueued}
+        """Enqueues in the node's whole durable history (of its current instance)."""
+        return {op.index for op in node.history.operations(node.queue_id) if type(op) is Enqueued}
 
     def held(self, node: SimNode) -> set[int]:
         queue = node.store.queues.get(node.queue_id)
         return set() if queue is None else set(queue.messages)
+
+
+def _discard_stored(store: MemoryStore, queue_id: int, order: int) -> None:
+    """Erase a queue's messages past `order` (ready and dedupe entries too), as Storage does."""
+    queue = store.queues[queue_id]
+    for index in [index for index in queue.messages if index > order]:
+        message = queue.messages.pop(index)
+        queue.ready[message.priority] = [row for row in queue.ready.get(message.priority, []) if row[0] != index]
+        if message.dedupe_id is not None and queue.dedupe.get(message.dedupe_id, (0, 0))[0] == index:
+            del queue.dedupe[message.dedupe_id]

@@ -39,7 +39,6 @@ from qserver.engine import Engine
 from qserver.membership import MemoryMembershipGroup
 from qserver.peers import MemoryPeerNetwork
 from replication.cluster_map import ChangePair, ChangePairs, ClusterMap, QueueEntry, decode_command
-from replication.operations import Enqueued
 from replication.options import Strength
 from tests.sim.memory_storage import MemoryStorage
 from tests.sim.virtual_loop import DelayedExecutor, VirtualTimeLoop
@@ -580,10 +579,28 @@ class EngineSimulation:
         return self.members[node_id].storage.oplog_rows(self.queue_id(node_id))
 
     def surviving_payloads(self, node_id: str) -> dict[int, bytes]:
-        """Message id -> payload of every enqueue in the node's op log (its committed history,
-        once the run has converged)."""
+        """Message id -> payload of every enqueue in the node's committed history, once the run
+        has converged. A node that took a snapshot holds the queue's state, not its history:
+        below the snapshot's order, ids it never held were consumed before it (and are taken
+        from the other nodes' histories, which agree on everything committed)."""
         storage = self.members[node_id].storage
-        return {op.index: op.payload for op in storage.oplog.operations(self.queue_id(node_id)) if type(op) is Enqueued}
+        queue_id = self.queue_id(node_id)
+        payloads = storage.surviving_payloads(queue_id)
+        installed_at = storage.installed_at.get(queue_id)
+        if installed_at:
+            below = min(installed_at)
+            for other in self.members.values():
+                other_id = other.storage.queue_id(QUEUE)
+                if other is self.members[node_id] or other_id is None:
+                    continue
+                for index, payload in other.storage.surviving_payloads(other_id).items():
+                    if index <= below:
+                        payloads.setdefault(index, payload)
+        return payloads
+
+    def installed_snapshots(self, node_id: str) -> int:
+        storage = self.members[node_id].storage
+        return len(storage.installed_at.get(self.queue_id(node_id), []))
 
     def pair_changes(self) -> collections.Counter[str]:
         """Applied changes of the queue's pair, by reason (failover, handoff, move, in_sync)."""

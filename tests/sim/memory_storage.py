@@ -7,7 +7,9 @@ in a `MemoryOpLog`, queue records, clients and epochs in dicts. `commit` applies
 batch all at once, and a commit is durable: a crashed engine leaves behind exactly the
 batches it committed, and a restarted engine on the same `MemoryStorage` loads them.
 Housekeeping (pruning statuses and dedupe ids past their windows) is left out: it never
-changes what a client may observe within one simulated run.
+changes what a client may observe within one simulated run. The op log is truncated below
+each batch's floors at once (Storage does it in bounded steps), and snapshots are cut from a
+copy of the committed state (`open_snapshot`) and installed from their rows.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from replication.messages import decode_operation
 from replication.operations import Enqueued
 from replication.oplog import MemoryOpLog
 from replication.queue_core import QueueRecord
+from replication.snapshot import ROW_DEAD_LETTER, MemorySnapshotView, memory_rows
 from replication.store import MemoryStore, StoredLease, drop_queue
 
 
@@ -28,6 +31,10 @@ class MemoryStorage:
         self.storage_id = 1      # one disk per simulated node (a wipe would take a new one)
         self.store = MemoryStore()
         self.oplog = MemoryOpLog(EMPTY_DIGEST)
+        self.history = MemoryOpLog(EMPTY_DIGEST)     # every operation committed here, never truncated
+        # Messages taken over by snapshot (queue id -> index -> payload), and the orders installed at.
+        self.installed: dict[int, dict[int, bytes]] = {}
+        self.installed_at: dict[int, list[int]] = {}
         self.records: dict[str, dict[str, Any]] = {}
         self.epochs: dict[str, int] = {}
         self.clients: dict[str, dict[str, Any]] = {}
@@ -98,12 +105,38 @@ class MemoryStorage:
     def last(self, queue_id: int) -> tuple[int, bytes]:
         return self.oplog.last(queue_id)
 
+    def first(self, queue_id: int) -> int:
+        return self.oplog.first(queue_id)
+
+    def open_snapshot(self, name: str, queue_id: int, *, consumption: bool, after_index: int,
+                      dead_letter: tuple[str, int] | None) -> MemorySnapshotView | None:
+        record = self.records.get(name)
+        if record is None:
+            return None
+        rows = memory_rows(self.store, queue_id, consumption=consumption, after_index=after_index)
+        dead = None
+        if dead_letter is not None and dead_letter[0] in self.records:
+            dead_name, dead_id = dead_letter
+            dead_order, dead_digest = self.oplog.last(dead_id)
+            dead = [dead_order, dead_digest, dict(self.records[dead_name])]
+            rows += memory_rows(self.store, dead_id, consumption=True, after_index=0, kind=ROW_DEAD_LETTER,
+                                with_dedupe=False)
+        order, digest = self.oplog.last(queue_id)
+        return MemorySnapshotView(rows, order, digest, dict(record), dead)
+
     # --- the one writer --------------------------------------------------------------------
     def commit(self, batch: SealedBatch) -> CommitResult:
         """Apply the whole batch (same order as `Storage._write`); durable on return."""
         # A deposed master's uncommitted suffix goes first (older batches may lack the field).
         for queue_id, order in getattr(batch, "truncations", ()):
             self._truncate(queue_id, order)
+        for queue_id, dead_letter_queue_id, rows in batch.snapshot_rows:
+            self.store.put_snapshot_rows(queue_id, dead_letter_queue_id, rows)
+            taken = self.installed.setdefault(queue_id, {})
+            taken.update((row[1], row[6]) for row in rows if row[0] == 0)
+        for queue_id, order, digest in batch.snapshot_installs:
+            self.oplog.install(queue_id, order, digest)
+            self.installed_at.setdefault(queue_id, []).append(order)
         self.store.apply(batch.operations)
         # Read before a deleted queue goes: LMDB only marks it doomed in this transaction.
         payloads = [self.store.payload(queue_id, index) for queue_id, index in batch.payload_reads]
@@ -116,6 +149,9 @@ class MemoryStorage:
             self.records[name] = dict(record)
         for queue_id, _order, digest, encoded in batch.oplog_rows:
             self.oplog.append(queue_id, decode_operation(encoded), digest, encoded)
+            self.history.append(queue_id, decode_operation(encoded), digest, encoded)
+        for queue_id, floor in batch.log_floors.items():
+            self.oplog.truncate(queue_id, floor)
         self.epochs.update(batch.epochs)
         for client_id, client in batch.client_puts.items():
             self.clients[client_id] = dict(client)
@@ -137,13 +173,11 @@ class MemoryStorage:
                                                  if row[0] != index]
                 if message.dedupe_id is not None and queue.dedupe.get(message.dedupe_id, (0, 0))[0] == index:
                     del queue.dedupe[message.dedupe_id]
-        kept = [(op, self.oplog.digest_at(queue_id, op.order), encoded)
-                for op, (_, encoded) in zip(self.oplog.operations(queue_id), self.oplog.read(queue_id, 0, 10**9),
-                                            strict=True) if op.order <= order]
-        self.oplog.clear(queue_id)
-        for op, digest, encoded in kept:
-            assert digest is not None
-            self.oplog.append(queue_id, op, digest, encoded)
+        self.oplog.discard_after(queue_id, order)
+        self.history.discard_after(queue_id, order)
+        taken = self.installed.get(queue_id, {})
+        for index in [index for index in taken if index > order]:
+            del taken[index]
 
     # --- inspection (the checkers) ---------------------------------------------------------
     def queue_id(self, name: str) -> int | None:
@@ -155,7 +189,16 @@ class MemoryStorage:
         return set() if queue is None else set(queue.messages)
 
     def oplog_rows(self, queue_id: int) -> list[tuple[int, bytes]]:
+        """What the (truncated) op log still holds."""
         return self.oplog.read(queue_id, 0, 10**9)
 
     def surviving_enqueues(self, queue_id: int) -> set[int]:
-        return {op.index for op in self.oplog.operations(queue_id) if type(op) is Enqueued}
+        """Enqueues of this instance's whole committed history (never truncated)."""
+        return {op.index for op in self.history.operations(queue_id) if type(op) is Enqueued}
+
+    def surviving_payloads(self, queue_id: int) -> dict[int, bytes]:
+        """Message id -> payload of what this instance holds or held: its history's enqueues and
+        the messages it took over by snapshot."""
+        payloads = dict(self.installed.get(queue_id, {}))
+        payloads.update((op.index, op.payload) for op in self.history.operations(queue_id) if type(op) is Enqueued)
+        return payloads

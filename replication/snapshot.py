@@ -1,0 +1,167 @@
+"""State transfer by snapshot (seed 004 FIG. 22; DESIGN.md 4.1 "State transfer").
+
+A member that is new, wiped, diverged or behind the start of the master's op log cannot
+catch up from the log: it gets the queue's *state* at one ordering index instead, the
+queued messages in order and not the history. The master cuts it from one read view of its
+storage (`SnapshotView`), at an order no higher than the pair's commit point, and streams it
+as rows in bounded chunks; the last chunk carries the digest at that order and a content
+hash of every row sent, which the replica checks before anything of it counts.
+
+Rows (msgpack lists, in this order within a view):
+    [ROW_MESSAGE, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease]
+    [ROW_DEDUPE, dedupe_id, index, enqueued_ms]            the dedupe window's entries
+    [ROW_DEAD_LETTER, index, priority, enqueued_ms, None, client, payload, deliveries, lease]
+`lease` is [receipt, deadline_ms, leased_ms] or None. Under `full` the snapshot is the whole
+state: deliveries, leases in flight and the dead-letter queue's messages (its stream follows
+on from the dead-letter order the last chunk names). Under `producer` it carries the live
+messages and the dedupe window only (never the master's consumption state), and only those
+above `after_index` for a returning member that keeps its own.
+
+Pure: `MemorySnapshotView` is the in-memory twin of the LMDB view in qserver/storage.py.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgpack
+
+from replication.messages import MessageError
+
+ROW_MESSAGE = 0
+ROW_DEDUPE = 1
+ROW_DEAD_LETTER = 2
+STATE_HASH_BYTES = 16
+EMPTY_STATE_HASH = bytes(STATE_HASH_BYTES)
+_MESSAGE_ROW_FIELDS = 9
+_DEDUPE_ROW_FIELDS = 4
+
+
+class SnapshotView(Protocol):
+    order: int                      # the snapshot's ordering index (its state includes every op up to it)
+    digest: bytes                   # the rolling digest at `order`
+    record: dict[str, Any]          # the master's queue record at `order`
+    dead_letter: list[Any] | None   # `full`: [order, digest, record] of the dead-letter queue, same view
+
+    def next_rows(self, bytes_max: int) -> list[list[Any]]:
+        """The next rows, about `bytes_max` of payload at most (at least one row); [] at the end."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class SnapshotSource(Protocol):
+    def open_snapshot(self, name: str, queue_id: int, *, consumption: bool, after_index: int,
+                      dead_letter: tuple[str, int] | None) -> SnapshotView | None:
+        """A view of the queue's committed state (None if the queue has no record here).
+        `consumption`: deliveries, leases and the dead-letter queue `dead_letter` (name, id)
+        are part of it (`full`)."""
+        ...
+
+
+def fold_rows(state_hash: bytes, rows: list[list[Any]]) -> bytes:
+    """The content hash after one chunk: both sides hash the rows' msgpack encoding."""
+    return hashlib.blake2b(state_hash + msgpack.packb(rows, use_bin_type=True),
+                           digest_size=STATE_HASH_BYTES).digest()
+
+
+def message_row(kind: int, index: int, priority: int, enqueued_ms: int, dedupe_id: str | None, client: str,
+                payload: bytes, deliveries: int, lease: list[Any] | None) -> list[Any]:
+    return [kind, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease]
+
+
+def check_rows(rows: Any) -> list[list[Any]]:
+    """Rows from a peer, checked for shape (a malformed chunk is dropped, never applied)."""
+    if not isinstance(rows, list):
+        raise MessageError("snapshot rows are a list")
+    for row in rows:
+        if not isinstance(row, list) or not row or type(row[0]) is not int:
+            raise MessageError("a snapshot row is [kind, fields...]")
+        if row[0] in (ROW_MESSAGE, ROW_DEAD_LETTER):
+            if len(row) != _MESSAGE_ROW_FIELDS or type(row[1]) is not int or type(row[2]) is not int \
+                    or not isinstance(row[6], bytes) or type(row[7]) is not int:
+                raise MessageError("a snapshot message row is malformed")
+            lease = row[8]
+            if lease is not None and (not isinstance(lease, list) or len(lease) != 3
+                                      or not isinstance(lease[0], str)):
+                raise MessageError("a snapshot lease is [receipt, deadline_ms, leased_ms]")
+        elif row[0] == ROW_DEDUPE:
+            if len(row) != _DEDUPE_ROW_FIELDS or not isinstance(row[1], str) or type(row[2]) is not int:
+                raise MessageError("a snapshot dedupe row is malformed")
+        else:
+            raise MessageError(f"unknown snapshot row kind {row[0]!r}")
+    return rows
+
+
+@dataclass
+class InstalledState:
+    """What a replica took from the rows of one transfer, for its queue core at install."""
+    ready: list[tuple[int, int, int]] = field(default_factory=list)       # (priority, index, deliveries)
+    leases: list[tuple[int, int, str, int, int, int]] = field(default_factory=list)
+    # ^ (index, priority, receipt, deadline_ms, deliveries, leased_ms)
+    dead_letter_ready: list[tuple[int, int, int]] = field(default_factory=list)
+    dead_letter_leases: list[tuple[int, int, str, int, int, int]] = field(default_factory=list)
+
+    def take(self, rows: list[list[Any]]) -> None:
+        for row in rows:
+            if row[0] == ROW_DEDUPE:
+                continue
+            ready, leases = (self.ready, self.leases) if row[0] == ROW_MESSAGE else \
+                (self.dead_letter_ready, self.dead_letter_leases)
+            _, index, priority, _, _, _, _, deliveries, lease = row
+            if lease is None:
+                ready.append((priority, index, deliveries))
+            else:
+                leases.append((index, priority, lease[0], lease[1], deliveries, lease[2]))
+
+
+class MemorySnapshotView:
+    """A snapshot of in-memory state, copied when it is opened (so it is one consistent view)."""
+
+    def __init__(self, rows: list[list[Any]], order: int, digest: bytes, record: dict[str, Any],
+                 dead_letter: list[Any] | None = None) -> None:
+        self._rows = rows
+        self._position = 0
+        self.order, self.digest, self.record, self.dead_letter = order, digest, record, dead_letter
+
+    def next_rows(self, bytes_max: int) -> list[list[Any]]:
+        out: list[list[Any]] = []
+        size = 0
+        while self._position < len(self._rows) and (not out or size < bytes_max):
+            row = self._rows[self._position]
+            size += len(row[6]) + 64 if row[0] != ROW_DEDUPE else 64
+            out.append(row)
+            self._position += 1
+        return out
+
+    def close(self) -> None:
+        self._rows = []
+
+
+def memory_rows(store: Any, queue_id: int, *, consumption: bool, after_index: int, kind: int = ROW_MESSAGE,
+                with_dedupe: bool = True) -> list[list[Any]]:
+    """The rows of one queue of a `replication.store.MemoryStore` (the twins' snapshots)."""
+    queue = store.queues.get(queue_id)
+    if queue is None:
+        return []
+    ready = {index: deliveries for rows in queue.ready.values() for index, deliveries in rows}
+    rows: list[list[Any]] = []
+    for index in sorted(queue.messages):
+        if index <= after_index:
+            continue
+        message = queue.messages[index]
+        lease = queue.leases.get(index)
+        if consumption:
+            deliveries = lease.deliveries if lease is not None else ready.get(index, 0)
+            lease_row = None if lease is None else [lease.receipt, lease.deadline_ms, lease.leased_ms]
+        else:
+            deliveries, lease_row = 0, None
+        rows.append(message_row(kind, index, message.priority, message.enqueued_ms, message.dedupe_id,
+                                message.client, message.payload, deliveries, lease_row))
+    if with_dedupe:
+        for dedupe_id, (index, enqueued_ms) in sorted(queue.dedupe.items()):
+            if index > after_index:
+                rows.append([ROW_DEDUPE, dedupe_id, index, enqueued_ms])
+    return rows

@@ -1,0 +1,155 @@
+"""The bounded op log and state transfer by snapshot, on real processes (DESIGN.md 4.1).
+
+Records below what both members hold are truncated as the pair goes, so an emptied queue
+leaves a small constant on disk; a member re-created elsewhere takes the queue's state, not
+its history; a replica killed while it takes a snapshot under traffic comes back identical."""
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import pytest
+
+from client import AsyncClient
+from qserver.devcluster import LocalCluster
+from tests.test_pairs import wait_converged
+
+pytestmark = pytest.mark.asyncio
+
+
+def database_stats(data_dir: Path) -> dict[str, dict[str, int]]:
+    """Entries and used pages per named database of a node's LMDB (opened read-only beside it)."""
+    env = lmdb.open(str(data_dir), readonly=True, lock=True, max_dbs=32)
+    try:
+        out = {}
+        with env.begin() as txn:
+            for name in ("oplog", "messages", "ready", "leases", "dedupe", "journal"):
+                stat = txn.stat(env.open_db(name.encode(), txn=txn, create=False))
+                out[name] = {"entries": stat["entries"],
+                             "pages": stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]}
+        return out
+    finally:
+        env.close()
+
+
+async def drain(client: AsyncClient, queue: str) -> list[int]:
+    taken: list[int] = []
+    while True:
+        messages = await client.receive(queue, max_messages=1000, wait_s=0.5)
+        if not messages:
+            return taken
+        taken.extend(m.id for m in messages)
+        await asyncio.gather(*(m.ack() for m in messages))
+
+
+async def wait_for(predicate: Any, what: str, timeout_s: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.2)
+
+
+@pytest.mark.timeout(240)
+async def test_a_queue_that_carried_200000_messages_holds_a_small_constant_of_log_once_emptied(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
+    cluster: LocalCluster = qcluster_factory(3, {"ledger": ["n1", "n2"]})
+    payload = bytes(100)
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as client:
+        await client.create_queue("ledger", strength="full", dead_letter=False)
+        for _ in range(20):
+            await asyncio.gather(*(client.enqueue_many("ledger", [payload] * 1000) for _ in range(10)))
+        assert len(await drain(client, "ledger")) == 200_000
+
+        async def truncated() -> bool:
+            stats = await client.queue_stats("ledger")
+            return stats["log_start"] >= stats["last_order"] - 1 and stats["depth"] == 0
+        await wait_for(truncated, "the master's log to be truncated to its end")
+        # Housekeeping batches go on deleting in bounded steps on both members.
+        await asyncio.sleep(3)
+    for node in ("n1", "n2"):
+        stats = database_stats(cluster.root / node / "lmdb")
+        print(node, stats)   # the used pages per database, for the record
+        assert stats["oplog"]["entries"] <= 4, stats       # the log-start record and the last one
+        assert stats["messages"]["entries"] == 0 and stats["ready"]["entries"] == 0, stats
+        assert stats["oplog"]["pages"] <= 8, stats
+
+
+@pytest.mark.timeout(180)
+async def test_a_member_recreated_by_a_move_takes_the_state_and_repeats_no_acknowledged_message(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
+    cluster: LocalCluster = qcluster_factory(3, {"orders": ["n1", "n2"]})
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as client:
+        await client.create_queue("orders", strength="full")
+        ids = await client.enqueue_many("orders", [f"o{i}".encode() for i in range(3000)])
+        acked: list[int] = []
+        while len(acked) < 2000:
+            messages = await client.receive("orders", max_messages=min(500, 2000 - len(acked)), wait_s=1)
+            acked.extend(m.id for m in messages)
+            await asyncio.gather(*(m.ack() for m in messages))
+
+        async def truncated() -> bool:
+            return bool((await client.queue_stats("orders"))["log_start"] > 1)
+        await wait_for(truncated, "the log to be truncated below what both members hold")
+        await client.move_queue("orders", "replica", "n3")
+
+        async def moved() -> dict[str, Any] | None:
+            stats = await client.queue_stats("orders")
+            return stats if stats["replica"] == "n3" and stats["replication_state"] == "in_sync" else None
+        stats = await wait_for(moved, "the replica to move to n3 and be in sync", 30)
+        assert stats["snapshots_sent"] >= 1, stats
+        await client.handoff("orders")
+        async with AsyncClient(cluster.urls["n3"], cluster.credentials_path) as at_n3:
+            assert (await at_n3.queue_stats("orders"))["master"] == "n3"
+            rest = await drain(at_n3, "orders")
+    assert not set(rest) & set(acked), "a member re-created by a move delivered acknowledged messages again"
+    assert sorted(rest) == sorted(set(ids) - set(acked))
+
+
+@pytest.mark.timeout(240)
+async def test_a_replica_killed_while_taking_a_snapshot_under_traffic_comes_back_identical(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
+    cluster: LocalCluster = qcluster_factory(3, {"ledger": ["n1", "n2"]},
+                                             {"snapshot_chunk_bytes_max": 16384, "snapshot_chunks_in_flight_max": 2})
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as client:
+        await client.create_queue("ledger", strength="full")
+        payload = bytes(2048)
+        for _ in range(10):
+            await client.enqueue_many("ledger", [payload] * 1000)
+        # Consumed and acknowledged while the replica is away: its return is past the log's start.
+        first = await client.receive("ledger", max_messages=1000, wait_s=1)
+        cluster.wipe("n2")
+        await asyncio.gather(*(m.ack() for m in first))
+        await client.enqueue_many("ledger", [payload] * 500)
+        stop = asyncio.Event()
+
+        async def traffic() -> None:
+            while not stop.is_set():
+                await client.enqueue_many("ledger", [b"live"] * 50)
+                for message in await client.receive("ledger", max_messages=20, wait_s=0.05):
+                    await message.ack()
+                await asyncio.sleep(0.01)
+        running = asyncio.create_task(traffic())
+        cluster.start("n2")
+
+        async def receiving() -> bool:
+            async with AsyncClient(cluster.urls["n2"], cluster.credentials_path) as replica:
+                try:
+                    return bool((await replica.queue_stats("ledger")).get("receiving_snapshot"))
+                except Exception:
+                    return False
+        await wait_for(receiving, "the returning replica to take a snapshot", 30)
+        cluster.kill("n2")                                   # kill -9 in the middle of the transfer
+        await asyncio.sleep(0.5)
+        cluster.start("n2")
+        await asyncio.sleep(2)
+        stop.set()
+        await running
+        async with AsyncClient(cluster.urls["n2"], cluster.credentials_path) as replica:
+            final = await wait_converged(client, replica, "ledger", timeout_s=60)
+            replica_stats = await replica.queue_stats("ledger")
+        assert final["snapshots_sent"] >= 1, final
+        assert replica_stats["depth"] == final["depth"] and replica_stats["in_flight"] == final["in_flight"]

@@ -1,0 +1,192 @@
+"""State transfer by snapshot and the bounded log, on the pure roles and the LMDB storage.
+
+The simulations (tests/test_simulation.py, tests/test_engine_simulation.py) run these under
+faults; here each rule is pinned on its own: a snapshot is never cut above the commit point,
+a partly received one is never reported as the member's position, a content hash that does
+not match starts over, the log keeps what an in-sync replica needs, a storage of another
+layout is refused with a message that says what to do."""
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from qserver.storage import SCHEMA_VERSION, SealedBatch, Storage, StorageLayoutError
+from replication.digest import EMPTY_DIGEST
+from replication.master import MasterRole, ReplicaProgress, ReplicationLimits
+from replication.messages import AppendAck, Open, SnapshotChunk, SyncBegin, decode_message, encode_message
+from replication.operations import Operation
+from replication.oplog import MemoryOpLog
+from replication.options import QueueOptions, QueueState, Strength
+from replication.queue_core import QueueCore, QueueRecord
+from replication.replica import ReplicaPhase, ReplicaRole
+from replication.snapshot import MemorySnapshotView, SnapshotView, memory_rows
+from replication.store import MemoryStore
+from tests.conftest import REPOSITORY
+
+QUEUE = "q"
+LIMITS = ReplicationLimits(snapshot_chunk_bytes_max=64, snapshot_chunks_in_flight_max=2)
+
+
+class Member:
+    """One member's durable state (a store, a log, a record) and its queue core."""
+
+    def __init__(self, queue_id: int, strength: Strength) -> None:
+        self.queue_id = queue_id
+        self.store, self.oplog = MemoryStore(), MemoryOpLog(EMPTY_DIGEST)
+        options = QueueOptions(strength=strength, dead_letter=False)
+        self.core = QueueCore(QueueRecord(queue_id, QUEUE, options, 0, state=QueueState.OPEN), self.store,
+                              random.Random(1))
+
+    def open_snapshot(self, name: str, queue_id: int, *, consumption: bool, after_index: int,
+                      dead_letter: tuple[str, int] | None) -> SnapshotView | None:
+        order, digest = self.oplog.last(queue_id)
+        return MemorySnapshotView(memory_rows(self.store, queue_id, consumption=consumption, after_index=after_index),
+                                  order, digest, self.core.record.to_json())
+
+
+def master_with(count: int, strength: Strength = Strength.FULL, in_sync: bool = False) -> tuple[Member, MasterRole]:
+    member = Member(1, strength)
+    role = MasterRole(member.core, member.oplog, node_id="n1", replica_id="n2", epoch=1, incarnation=1,
+                      recorded_in_sync=in_sync, last_order=0, digest=EMPTY_DIGEST, limits=LIMITS, snapshots=member)
+    enqueue(member, role, count)
+    return member, role
+
+
+def enqueue(member: Member, role: MasterRole, count: int, now_ms: int = 0) -> None:
+    ops: list[Operation] = []
+    for i in range(count):
+        member.core.enqueue(f"message {i}".encode(), 4, None, "c", now_ms, ops)
+    member.store.apply(ops)
+    role.replicate(ops, now_ms)
+    for row in role.to_log:
+        member.oplog.append(member.queue_id, row.op, row.digest, row.encoded)
+    role.to_log.clear()
+    role.local_durable_to(role.last_order, now_ms)
+
+
+def sent(role: MasterRole) -> list[object]:
+    """What the role sent, through the real codec."""
+    out = [decode_message(encode_message(message)) for _, message in role.outbox]
+    role.outbox.clear()
+    return out
+
+
+def test_a_member_behind_the_logs_start_gets_the_state_in_chunks_and_installs_it_once_all_arrived() -> None:
+    source, master = master_with(20)
+    master.truncated_to(15)                                  # the log starts at 15: order 3 is gone
+    replica_member = Member(7, Strength.FULL)
+    replica = ReplicaRole(replica_member.core, replica_member.oplog, node_id="n2", master_id="n1", epoch=1,
+                          incarnation=1, applied_order=3, digest=b"x" * 16, last_epoch=1, limits=LIMITS)
+    replica.start(0)
+    [opening] = [m for _, m in replica.outbox]
+    replica.outbox.clear()
+    master.receive(opening, 1)
+    begin, *chunks = sent(master)
+    assert isinstance(begin, SyncBegin) and begin.snapshot and begin.reset and begin.snapshot_order == 20
+    assert len(chunks) == 2, "no more chunks than the window allows before acknowledgements"
+    replica.receive(begin, 2)
+    assert replica.resets, "a member with another history starts from an empty instance"
+    rows = 0
+    while chunks:
+        for chunk in chunks:
+            assert isinstance(chunk, SnapshotChunk)
+            replica.receive(chunk, 3)
+            assert replica.durable_order == 0, "a partly received snapshot is never reported as the position"
+        rows += len(replica.snapshot_rows)
+        replica.snapshot_rows.clear()
+        for _, ack in replica.outbox:
+            master.receive(ack, 4)
+        replica.outbox.clear()
+        chunks = [m for m in sent(master) if isinstance(m, SnapshotChunk)]
+    [install] = replica.installs
+    assert (install.order, install.digest, rows) == (20, master.digest, 20)
+    assert master.progress is ReplicaProgress.CATCHING_UP and master.snapshot_order == 20
+    replica.local_durable_to(20)                             # the installation is durable
+    for _, ack in replica.outbox:
+        master.receive(ack, 5)
+    assert master.snapshot_order is None and master.replica_durable == 20
+
+
+def test_a_snapshot_is_never_cut_above_the_commit_point() -> None:
+    _, master = master_with(10, in_sync=True)               # the replica holds nothing: nothing committed
+    master.truncated_to(5)
+    master.receive(Open(QUEUE, 1, 1, 1, 0, EMPTY_DIGEST, session=9), 1)
+    assert not [m for m in sent(master) if isinstance(m, (SyncBegin, SnapshotChunk))]
+    assert master.commit_order == 0 and master.replica_durable == 0
+
+
+def test_a_chunk_whose_content_hash_does_not_match_makes_the_replica_start_over() -> None:
+    _, master = master_with(3)
+    master.truncated_to(3)
+    member = Member(7, Strength.FULL)
+    replica = ReplicaRole(member.core, member.oplog, node_id="n2", master_id="n1", epoch=1, incarnation=1,
+                          applied_order=0, digest=EMPTY_DIGEST, last_epoch=1, limits=LIMITS)
+    replica.start(0)
+    master.receive(replica.outbox.pop()[1], 1)
+    messages = sent(master)
+    replica.receive(messages[0], 2)
+    session = replica.session
+    forged = SnapshotChunk(QUEUE, 1, 1, session, 1, [], True, 3, master.digest, b"\x01" * 16)
+    replica.receive(forged, 3)
+    assert not replica.installs and replica.session == session + 1, "a mismatch opens again"
+    assert replica.phase is ReplicaPhase.OPENING
+
+
+def test_an_in_sync_replica_holds_the_log_back_and_an_out_of_sync_one_only_within_the_retention() -> None:
+    _, master = master_with(50, in_sync=True)
+    master.receive(Open(QUEUE, 1, 1, 1, 0, EMPTY_DIGEST, session=1), 1)
+    master.receive(AppendAck(QUEUE, 1, 1, 0, 30, session=1), 2)
+    assert master.log_floor == 30
+    limits = ReplicationLimits(log_retain_max_bytes=200)
+    member = Member(1, Strength.FULL)
+    lagging = MasterRole(member.core, member.oplog, node_id="n1", replica_id="n2", epoch=1, incarnation=1,
+                         recorded_in_sync=False, last_order=0, digest=EMPTY_DIGEST, limits=limits, snapshots=member)
+    lagging.receive(Open(QUEUE, 1, 1, 1, 0, EMPTY_DIGEST, session=1), 1)
+    for _ in range(20):
+        enqueue(member, lagging, 5)
+    assert 0 < lagging.log_floor < lagging.last_order, "past the retention the log goes on without the replica"
+
+
+def test_a_producer_member_behind_the_logs_start_keeps_its_own_state_and_takes_only_whats_above() -> None:
+    _, master = master_with(30, Strength.PRODUCER)
+    master.truncated_to(20)
+    master.receive(Open(QUEUE, 1, 1, 1, 12, b"d" * 16, session=4, committed_order=12), 1)
+    begin, *chunks = sent(master)
+    assert isinstance(begin, SyncBegin) and begin.snapshot and not begin.reset and begin.keep_upto == 12
+    indices = [row[1] for chunk in chunks if isinstance(chunk, SnapshotChunk) for row in chunk.rows if row[0] == 0]
+    assert indices and min(indices) == 13
+
+
+def test_a_data_directory_of_another_layout_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    Storage(tmp_path / "lmdb", node_id="n1").close()
+    env = lmdb.open(str(tmp_path / "lmdb"), max_dbs=32)
+    with env.begin(write=True, db=env.open_db(b"meta")) as txn:
+        txn.put(b"schema_version", (SCHEMA_VERSION - 1).to_bytes(8, "big"))
+    env.close()
+    with pytest.raises(StorageLayoutError, match="layout 1.*reads layout 2.*empty one"):
+        Storage(tmp_path / "lmdb", node_id="n1")
+    (tmp_path / "node.toml").write_text(f'[node]\nnode_id = "n1"\ndata_dir = "{tmp_path}"\nport = 1\n')
+    result = subprocess.run([sys.executable, "-m", "qserver", "run", "--config", str(tmp_path / "node.toml")],
+                            cwd=REPOSITORY, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "storage layout 1" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_storage_truncates_the_log_in_bounded_steps_and_serves_nothing_below_its_start(tmp_path: Path) -> None:
+    storage = Storage(tmp_path / "lmdb", node_id="n1")
+    try:
+        batch = SealedBatch()
+        batch.oplog_rows = [(5, order, bytes([order % 256]) * 16, b"op") for order in range(1, 101)]
+        storage.commit(batch)
+        storage.commit(SealedBatch(log_floors={5: 60}))
+        storage.end_read()
+        assert storage.first(5) == 60 and storage.last(5)[0] == 100
+        assert [order for order, _ in storage.read(5, 0, 1000)][:2] == [60, 61]
+        assert storage.digest_at(5, 60) == bytes([60]) * 16 and storage.digest_at(5, 59) is None
+        assert storage.count("oplog") == 41 + 1          # from the floor on, and the log-start record
+    finally:
+        storage.close()
