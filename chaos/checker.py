@@ -16,7 +16,9 @@ from every node's cluster map during the run. The rules:
   confirmed), or under `producer` by the other member (each member serves its own consumers)
   or by a member re-created on the same node (its replica moved away and back: the observer's
   maps show it out of the pair in between; the new instance starts from the master's queue).
-  A repeat after the message's ack was confirmed, one delivery count handed out twice on one
+  A repeat after the message's ack was confirmed (a lease granted after it: its delivery
+  count is not below the acked lease's; an older lease taken late by a slow link or from a
+  push consumer's buffer had ended before the ack), one delivery count handed out twice on one
   member, one enqueue stored as two messages, or two confirmed acks of one message on one
   member are violations.
 * **recovered**: an enqueue whose outcome was unknown, delivered after all (not a violation).
@@ -202,8 +204,9 @@ def _delivery_counts(facts: QueueFacts) -> dict[tuple[int, bool], int]:
     return counts
 
 
-# (message id, member, dead letter?) -> completion times of its acks confirmed ok, in order
-ConfirmedAcks = dict[tuple[int, str, bool], list[float]]
+# (message id, member, dead letter?) -> (completion time, delivery count of the acked lease) of
+# its acks confirmed ok, in order
+ConfirmedAcks = dict[tuple[int, str, bool], list[tuple[float, int]]]
 
 
 class Departures:
@@ -238,8 +241,11 @@ def _check_repeats(queue: str, facts: QueueFacts, strength: str, confirmed: Conf
         last_on: dict[str, Delivery] = {}
         for delivery in deliveries:
             member = delivery.node if strength == "producer" else MEMBER_ANY
-            acked_at = [t for t in confirmed.get((delivery.message_id, member, delivery.dead_letter), ())
-                        if t < delivery.t_invoke]
+            # A delivery whose count is below the acked lease's was granted before that lease
+            # (a push buffered by the client, or an answer held back by a slow link, taken late):
+            # its lease was over before the ack; only a lease granted after the ack repeats it.
+            acked_at = [t for t, count in confirmed.get((delivery.message_id, member, delivery.dead_letter), ())
+                        if t < delivery.t_invoke and count <= delivery.deliveries]
             if acked_at and not departures.left_between(delivery.node, acked_at[-1], delivery.t_invoke):
                 findings.add("delivered_after_ack", queue=queue, id=delivery.message_id, tag=delivery.tag,
                              node=delivery.node, deliveries=delivery.deliveries, acked_at=round(acked_at[-1], 3),
@@ -266,12 +272,13 @@ def _check_repeats(queue: str, facts: QueueFacts, strength: str, confirmed: Conf
 
 
 def _confirmed_acks(facts: QueueFacts, strength: str) -> ConfirmedAcks:
-    """(message id, member, dead letter?) -> completion times of its acks confirmed ok, in order."""
-    confirmed: dict[tuple[int, str, bool], list[float]] = defaultdict(list)
+    """(message id, member, dead letter?) -> (completion time, delivery count) of its acks
+    confirmed ok, in order."""
+    confirmed: dict[tuple[int, str, bool], list[tuple[float, int]]] = defaultdict(list)
     for ack in sorted(facts.acks, key=lambda a: a["t_complete"]):
         if ack["status"] == "ok":
             member = (ack.get("node") or "?") if strength == "producer" else MEMBER_ANY
-            confirmed[(ack["id"], member, False)].append(ack["t_complete"])
+            confirmed[(ack["id"], member, False)].append((ack["t_complete"], int(ack.get("deliveries") or 0)))
     return confirmed
 
 
@@ -279,7 +286,8 @@ def _check_acks(queue: str, strength: str, confirmed: ConfirmedAcks, findings: F
                 departures: Departures) -> None:
     """Exactly-once acknowledgement: one message is acked ok at most once per member (a member
     re-created on the same node is another member)."""
-    for (message_id, member, _), times in confirmed.items():
+    for (message_id, member, _), acks in confirmed.items():
+        times = [t for t, _ in acks]
         for first, second in zip(times, times[1:], strict=False):
             if strength != "producer" or not departures.left_between(member, first, second):
                 findings.add("acked_twice", queue=queue, id=message_id, node=None if member == MEMBER_ANY else member,

@@ -6,7 +6,6 @@ its history; a replica killed while it takes a snapshot under traffic comes back
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import pytest
 
 from client import AsyncClient
 from qserver.devcluster import LocalCluster
+from tests.test_failover import drain, wait_for
 from tests.test_pairs import wait_converged
 
 pytestmark = pytest.mark.asyncio
@@ -35,27 +35,6 @@ def database_stats(data_dir: Path) -> dict[str, dict[str, int]]:
         env.close()
 
 
-async def drain(client: AsyncClient, queue: str) -> list[int]:
-    taken: list[int] = []
-    while True:
-        messages = await client.receive(queue, max_messages=1000, wait_s=0.5)
-        if not messages:
-            return taken
-        taken.extend(m.id for m in messages)
-        await asyncio.gather(*(m.ack() for m in messages))
-
-
-async def wait_for(predicate: Any, what: str, timeout_s: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = await predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.2)
-
-
 @pytest.mark.timeout(240)
 async def test_a_queue_that_carried_200000_messages_holds_a_small_constant_of_log_once_emptied(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
     cluster: LocalCluster = qcluster_factory(3, {"ledger": ["n1", "n2"]})
@@ -69,7 +48,7 @@ async def test_a_queue_that_carried_200000_messages_holds_a_small_constant_of_lo
         async def truncated() -> bool:
             stats = await client.queue_stats("ledger")
             return stats["log_start"] >= stats["last_order"] - 1 and stats["depth"] == 0
-        await wait_for(truncated, "the master's log to be truncated to its end")
+        await wait_for(truncated, 20, "the master's log to be truncated to its end")
         # Housekeeping batches go on deleting in bounded steps on both members.
         await asyncio.sleep(3)
     for node in ("n1", "n2"):
@@ -94,13 +73,13 @@ async def test_a_member_recreated_by_a_move_takes_the_state_and_repeats_no_ackno
 
         async def truncated() -> bool:
             return bool((await client.queue_stats("orders"))["log_start"] > 1)
-        await wait_for(truncated, "the log to be truncated below what both members hold")
+        await wait_for(truncated, 20, "the log to be truncated below what both members hold")
         await client.move_queue("orders", "replica", "n3")
 
         async def moved() -> dict[str, Any] | None:
             stats = await client.queue_stats("orders")
             return stats if stats["replica"] == "n3" and stats["replication_state"] == "in_sync" else None
-        stats = await wait_for(moved, "the replica to move to n3 and be in sync", 30)
+        stats = await wait_for(moved, 30, "the replica to move to n3 and be in sync")
         assert stats["snapshots_sent"] >= 1, stats
         await client.handoff("orders")
         async with AsyncClient(cluster.urls["n3"], cluster.credentials_path) as at_n3:
@@ -141,7 +120,7 @@ async def test_a_replica_killed_while_taking_a_snapshot_under_traffic_comes_back
                     return bool((await replica.queue_stats("ledger")).get("receiving_snapshot"))
                 except Exception:
                     return False
-        await wait_for(receiving, "the returning replica to take a snapshot", 30)
+        await wait_for(receiving, 30, "the returning replica to take a snapshot")
         cluster.kill("n2")                                   # kill -9 in the middle of the transfer
         await asyncio.sleep(0.5)
         cluster.start("n2")

@@ -32,9 +32,10 @@ class Recorder:
                              "messages": [{"id": i, "tag": tag, "deliveries": d, "priority": priority, "node": node,
                                            "via": via} for i, tag, d in messages]})
 
-    def ack(self, message_id: int, status: str, t: tuple[float, float], node: str = "n1", queue: str = "q") -> None:
+    def ack(self, message_id: int, status: str, t: tuple[float, float], node: str = "n1", queue: str = "q",
+            deliveries: int | None = None) -> None:
         self.entries.append({"op": "ack", "queue": queue, "status": status, "id": message_id, "node": node,
-                             "t_invoke": t[0], "t_complete": t[1]})
+                             "t_invoke": t[0], "t_complete": t[1], "deliveries": deliveries})
 
 
 def verdict(recorder: Recorder, strength: str = "full", observations: Any = ()) -> dict[str, Any]:
@@ -86,6 +87,21 @@ def test_a_first_lease_whose_answer_arrives_after_a_later_lease_is_no_repeat_of_
     history.receive([(1, "a", 2)], (7, 8))          # the second lease
     history.receive([(1, "a", 1)], (1, 9))          # the first one, held back by a partition
     assert verdict(history)["valid"]
+
+
+def test_an_older_lease_taken_from_a_push_buffer_after_a_later_lease_was_acked_is_no_delivery_after_ack() -> None:
+    """Found by the 5-minute `combined` run: a push of the first lease (count 1) sat in the
+    consumer's prefetch buffer while that lease expired and the new master's second lease
+    (count 2) was acked; the worker took the stale push afterwards (its ack then failed)."""
+    history = Recorder()
+    history.enqueue("a", "ok", (0, 1), 1)
+    history.receive([(1, "a", 2)], (5, 6), node="n2")
+    history.ack(1, "ok", (6, 7), node="n2", deliveries=2)
+    history.receive([(1, "a", 1)], (9, 9), via="push")       # taken from the buffer
+    history.ack(1, "fail", (9, 10), deliveries=1)
+    assert verdict(history)["valid"]
+    history.receive([(1, "a", 3)], (11, 12))                 # a lease granted after the ack
+    assert verdict(history)["violation_counts"] == {"delivered_after_ack": 1}
 
 
 def test_under_producer_each_member_delivers_once_but_a_member_never_redelivers_what_it_acked() -> None:
