@@ -60,8 +60,8 @@ class NodeConfig:
     replica_lag_max_ms: int = 2_000         # silence before the same
     peer_send_queue_bytes_max: int = 8 << 20
     # The bounded op log and snapshots (DESIGN.md 4.1): the log kept for a replica recorded out
-    # of sync (past it, the replica gets a snapshot), snapshot chunks, and how long one read view
-    # may be held (it keeps LMDB from reusing freed pages).
+    # of sync (past it, the replica gets a snapshot), snapshot chunks, and how long a read view
+    # is held by a transfer that makes no progress (it keeps LMDB from reusing freed pages).
     log_retain_max_bytes: int = 64 << 20
     snapshot_chunk_bytes_max: int = 256 << 10
     snapshot_chunks_in_flight_max: int = 8

@@ -70,7 +70,9 @@ class Node:
         segments = await loop.run_in_executor(None, lambda: exporter.export(now_ms, force=force))
         floors: asyncio.Future[dict[int, int]] = loop.create_future()
         self.engine.invoke(lambda now: floors.set_result(self.engine.pairs.passed_by_every_member()))
-        safe = safe_sequence_for(exporter.source, await floors)
+        # A scan of up to a million records: off the loop (a snapshot journals one per message).
+        passed = await floors
+        safe = await loop.run_in_executor(None, lambda: safe_sequence_for(exporter.source, passed))
         pruned = await loop.run_in_executor(self.engine.writer, exporter.prune, safe, now_ms)
         return {**exporter.status(), "segments_written": [segment.path for segment in segments], "pruned": pruned}
 

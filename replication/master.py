@@ -81,8 +81,8 @@ class ReplicationLimits:
     snapshot_chunk_bytes_max: int = 256 << 10   # payload bytes per SnapshotChunk
     snapshot_chunks_in_flight_max: int = 8      # chunks sent and not yet acknowledged (below the
                                                 # peer link's send queue, like window_bytes_max)
-    sync_view_max_ms: int = 60_000        # a snapshot's read view is held this long at most (it
-                                          # keeps LMDB from reusing pages); then a new one is cut
+    sync_view_max_ms: int = 60_000        # a snapshot's read view is dropped after this long without
+                                          # progress (it keeps LMDB from reusing pages); a new one follows
     log_retain_max_bytes: int = 64 << 20  # op log kept for a replica recorded out of sync; past
                                           # it the log is truncated and the replica gets a snapshot
 
@@ -358,9 +358,9 @@ class MasterRole:
                 self._send(SyncEnd(self.core.name, self.incarnation, self.epoch, self._sync_target,
                                    self._digest_at(self._sync_target)))
             return False
-        if now_ms - self._snapshot_opened_ms > self.limits.sync_view_max_ms:
-            # A view held too long keeps LMDB from reusing pages: drop it; the replica, hearing
-            # nothing, opens again and gets a snapshot from a new view.
+        if now_ms - max(self._snapshot_opened_ms, self._last_progress_ms) > self.limits.sync_view_max_ms:
+            # A view held by a transfer that stopped moving keeps LMDB from reusing pages: drop
+            # it; the replica, hearing nothing, opens again and gets a snapshot from a new view.
             self._end_snapshot()
             self._set_progress(ReplicaProgress.PROBING)
             return True

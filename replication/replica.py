@@ -164,11 +164,16 @@ class ReplicaRole:
             return
         if self.phase is ReplicaPhase.OPENING and now_ms - self._last_open_ms >= self.limits.open_retry_ms:
             self.start(now_ms)
-        elif self.phase is ReplicaPhase.SYNCING and now_ms - self._last_progress_ms >= 2 * self.limits.open_retry_ms:
+        elif self.phase is ReplicaPhase.SYNCING and now_ms - self._last_progress_ms >= self._stall_ms():
             # A transfer that stopped moving (its Open or SyncEnd lost with a broken link, or
             # the master answering an older session): open again from where we are; only
             # what is missing comes again.
             self.start(now_ms)
+
+    def _stall_ms(self) -> int:
+        """How long a transfer may go without progress. A snapshot is given longer: starting
+        one over costs all of it again, and a lost chunk is resent by the master anyway."""
+        return 2 * self.limits.open_retry_ms if self._transfer is None else 10 * self.limits.open_retry_ms
 
     def link_down(self) -> None:
         self._transfer = None
