@@ -346,8 +346,11 @@ class JournalExporter:
         count = 0
         with self.source.env.begin(write=True, db=self.source.journal_db) as txn:
             cursor = txn.cursor()
-            if not cursor.first():
+            if not cursor.last():
                 return 0, True
+            # The sequence goes on after the journal's last record, which this may delete.
+            txn.put(b"journal_sequence", cursor.key(), db=self.source.meta_db)
+            cursor.first()
             while count < self.settings.prune_keys_per_txn_max:
                 key = cursor.key()
                 if not key or _Q.unpack(key)[0] > bound or _record_at_ms(cursor.value()) > cutoff_ms:

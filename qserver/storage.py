@@ -23,6 +23,7 @@ Key layout (big-endian integers so LMDB's byte order is numeric order):
                                                      below the start are gone)
     clients   client_id                           -> JSON client record
     meta      b"schema_version" | b"next_queue_id" | b"journal_sequence" | b"node_id" | b"storage_id"
+              (journal_sequence: written by the journal's prune, which may empty the journal)
 
 The op log is bounded: each batch carries the floor below which every member's needs are
 met (`SealedBatch.log_floors`, see MasterRole.log_floor) and the writer deletes records below
@@ -167,8 +168,12 @@ class Storage:
                     f"it rejoins the cluster and its pairs give it their queues by state transfer (export the "
                     f"journal first with the old release if the audit needs it).")
             self.storage_id = int(_Q.unpack(txn.get(b"storage_id") or b"")[0])
+            # The journal's last key is its sequence; meta keeps it only for a journal that the
+            # exporter's prune emptied (a commit does not write it: one page less per fsync).
             sequence = txn.get(b"journal_sequence")
-            self._journal_sequence = _Q.unpack(sequence)[0] if sequence else 0
+            last = txn.cursor(db=self.db["journal"])
+            self._journal_sequence = max(_Q.unpack(sequence)[0] if sequence else 0,
+                                         _Q.unpack(last.key())[0] if last.last() else 0)
 
     def close(self) -> None:
         self.end_read()
@@ -365,8 +370,6 @@ class Storage:
             txn.delete(client_id.encode(), db=db["clients"])
         if batch.next_queue_id is not None:
             txn.put(b"next_queue_id", _Q.pack(batch.next_queue_id), db=db["meta"])
-        if journal is not None or marks:
-            txn.put(b"journal_sequence", _Q.pack(self._journal_sequence), db=db["meta"])
         if batch.log_floors or self._floors:
             self._truncate_logs(txn, batch.log_floors)
         if batch.housekeeping_ms is not None:

@@ -55,7 +55,6 @@ class ClientConnection:
         self._body_bytes_max = node.config.body_bytes_max
         self._pending_items_max = node.config.websocket_pending_items_max
         self._out: list[Any] = []
-        self._flush_scheduled = False
         self._sending = False
         self._closed = False
         self._cut = False
@@ -92,16 +91,11 @@ class ClientConnection:
                 self._loop.create_task(self.close_with(QueueError(e.E_OVERLOADED, "answers are not being read")))
             return
         self._out.append(item)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            self._loop.call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        if self._sending or not self._out or self._closed:
-            return
-        self._sending = True
-        self._loop.create_task(self._send_all())
+        if not self._sending:
+            # The sender task first runs on the loop's next turn: every answer released in
+            # this turn (a whole group commit's) goes out in its one frame.
+            self._sending = True
+            self._loop.create_task(self._send_all())
 
     async def _send_all(self) -> None:
         try:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 DEAD_LETTER_SUFFIX = ".dlq"
@@ -76,7 +76,7 @@ class QueueOptions:
     min_in_sync: int = 1
 
     def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
+        out = {name: getattr(self, name) for name in self.__slots__}
         out["strength"] = self.strength.value
         out["type"] = self.type.value
         return out

@@ -121,6 +121,21 @@ def test_prune_deletes_only_exported_safe_and_old_records(storage: Storage, tmp_
     assert report["verdict"] == "clean" and report["journals"][0]["records"] == 20
 
 
+def test_a_journal_pruned_empty_goes_on_after_its_last_sequence_when_reopened(tmp_path: Path) -> None:
+    storage = Storage(tmp_path / "lmdb", node_id="n1")
+    commit_enqueues(storage, 1, 1, 10)
+    exporter = JournalExporter(JournalSource.from_storage(storage),
+                               ExportSettings(str(tmp_path / "out"), retention_ms=1_000))
+    exporter.export(NOW_MS, force=True)
+    assert exporter.prune(safe_sequence=100, now_ms=NOW_MS + 2_000) == 10
+    assert JournalSource.from_storage(storage).bounds()[1] == 0           # nothing left in the journal
+    storage.close()
+    storage = Storage(tmp_path / "lmdb", node_id="n1")                    # commits do not write the sequence
+    commit_enqueues(storage, 1, 11, 1)
+    assert JournalSource.from_storage(storage).bounds() == (11, 11)
+    storage.close()
+
+
 def test_the_safe_bound_follows_the_index_every_member_holds(storage: Storage) -> None:
     commit_enqueues(storage, 1, 1, 5)       # sequences 1..5
     commit_enqueues(storage, 2, 1, 5)       # 6..10: another queue
