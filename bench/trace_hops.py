@@ -72,10 +72,10 @@ def report(windows: list[tuple[int, int]], events: list[tuple[int, str]]) -> Non
     signature, offsets = max(by_signature.items(), key=lambda item: len(item[1]))
     print(f"{len(windows)} requests; {len(offsets)} with the most common order of hops "
           f"({len(by_signature)} orders seen)\n")
-    medians = [statistics.median(column) / 1000 for column in zip(*offsets)]
+    medians = [statistics.median(column) / 1000 for column in zip(*offsets, strict=True)]
     print(f"{'median µs from send':>20}  {'step µs':>8}  hop")
     previous = 0.0
-    for name, at in zip(signature, medians):
+    for name, at in zip(signature, medians, strict=True):
         print(f"{at:20.0f}  {at - previous:8.0f}  {name}")
         previous = at
     total = [answered - sent for sent, answered in windows]
