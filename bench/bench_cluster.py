@@ -5,7 +5,7 @@
         [--transfer-messages N] [--no-journal]
 
 The queue's pair is n1 (master) and n2 (replica); the client talks to n1. Both members fsync
-every group commit. Workloads as in bench.py, then:
+every group commit. Workloads as in bench.py (plus produce_1000_in_flight), then:
   state_transfer     a wiped replica takes a queue of 1,000,000 x 1 KiB (--transfer-messages) by
                      snapshot: payload MB/s, and whether any lease lapsed meanwhile (the queue's
                      epoch and the membership leader must not change)
@@ -63,6 +63,7 @@ async def workloads(cluster: LocalCluster, seconds: float) -> list[dict[str, Any
         await client.ping()
         await converged(client, cluster.urls["n2"], cluster.credentials_path, "bench", 10)
         results.append({"workload": "produce_100_in_flight", **await produce_in_flight(client, "bench", payload, seconds, 100)})
+        results.append({"workload": "produce_1000_in_flight", **await produce_in_flight(client, "bench", payload, seconds, 1000)})
         results.append({"workload": "produce_one_at_a_time", **await produce_one_at_a_time(client, "bench", payload, seconds)})
         results.append({"workload": "produce_batched", **await produce_batched(client, "bench", payload, seconds)})
         depth = (await client.queue_stats("bench"))["depth"]

@@ -32,6 +32,7 @@ API for the node (the HTTP route `POST /v1/journal/export` and `qctl journal exp
     exporter.export(now_ms, force=False)  -> list[Segment]: seal and write what is due
                                              (force: also the unsealed tail; on demand)
     exporter.prune(safe_sequence, now_ms) -> int: records deleted from LMDB
+    exporter.prunable(now_ms)             -> bool: exported records past the retention are held
     exporter.status()                     -> dict (JSON): journal id, exported_through, pending, ...
     safe_sequence_for(source, floors)     -> int: the highest journal sequence below which every
                                              record of the queues in `floors` (local queue id ->
@@ -296,6 +297,15 @@ class JournalExporter:
         oldest = self.source.first_at_ms(first - 1)
         return oldest is not None and now_ms - oldest >= self.settings.segment_age_max_ms
 
+    def prunable(self, now_ms: int) -> bool:
+        """The journal starts with an exported record past the retention: a prune would delete
+        something (given the pairs' floors), even if nothing new is due for export."""
+        first, _ = self.source.bounds()
+        if first == 0 or first > self.exported_through:
+            return False
+        oldest = self.source.first_at_ms(first - 1)
+        return oldest is not None and now_ms - oldest >= self.settings.retention_ms
+
     # --- export ---------------------------------------------------------------------------
     def export(self, now_ms: int, *, force: bool = False) -> list[Segment]:
         """Write every full segment; then the partial tail when forced or old enough."""
@@ -385,14 +395,15 @@ def iterate_records(source: JournalSource, after: int = 0) -> Iterator[tuple[int
             yield _Q.unpack(key)[0], _decode(value[:-4])
 
 
-def safe_sequence_for(source: JournalSource, floors: Mapping[int, int], scan_max: int = 1_000_000) -> int:
+def safe_sequence_for(source: JournalSource, floors: Mapping[int, int], scan_max: int = 1_000_000,
+                      upto: int | None = None) -> int:
     """The highest sequence s such that every record up to s of a queue in `floors` (local
     queue id -> the highest ordering index every member of its pair holds) is at or below
     its floor. Records of other queues and local records (index 0) never hold it back. Scans
-    at most `scan_max` records from the journal's start."""
+    at most `scan_max` records from the journal's start, and none past `upto`."""
     bound = 0
     for scanned, (sequence, record) in enumerate(iterate_records(source)):
-        if scanned >= scan_max:
+        if scanned >= scan_max or (upto is not None and sequence > upto):
             break
         if record is not None:
             floor = floors.get(record[2])

@@ -68,21 +68,31 @@ class Node:
         loop = asyncio.get_running_loop()
         now_ms = int(time.time() * 1000)
         segments = await loop.run_in_executor(None, lambda: exporter.export(now_ms, force=force))
+        pruned = await self._prune_journal(exporter, now_ms)
+        return {**exporter.status(), "segments_written": [segment.path for segment in segments], "pruned": pruned}
+
+    async def _prune_journal(self, exporter: JournalExporter, now_ms: int) -> int:
+        loop = asyncio.get_running_loop()
         floors: asyncio.Future[dict[int, int]] = loop.create_future()
         self.engine.invoke(lambda now: floors.set_result(self.engine.pairs.passed_by_every_member()))
-        # A scan of up to a million records: off the loop (a snapshot journals one per message).
         passed = await floors
-        safe = await loop.run_in_executor(None, lambda: safe_sequence_for(exporter.source, passed))
-        pruned = await loop.run_in_executor(self.engine.writer, exporter.prune, safe, now_ms)
-        return {**exporter.status(), "segments_written": [segment.path for segment in segments], "pruned": pruned}
+        # A scan of up to a million records: off the loop (a snapshot journals one per message).
+        safe = await loop.run_in_executor(
+            None, lambda: safe_sequence_for(exporter.source, passed, upto=exporter.exported_through))
+        return await loop.run_in_executor(self.engine.writer, exporter.prune, safe, now_ms)
 
     async def _export_journal_when_due(self) -> None:
         assert self.journal is not None
         while True:
             await asyncio.sleep(self.config.journal_export_check_interval_s)
             try:
-                if self.journal.due(int(time.time() * 1000)):
+                now_ms = int(time.time() * 1000)
+                if self.journal.due(now_ms):
                     await self.export_journal(force=False)
+                elif self.journal.prunable(now_ms):
+                    # Everything is exported, and records have passed the retention since: a
+                    # node whose traffic stopped still gives their pages back.
+                    await self._prune_journal(self.journal, now_ms)
             except Exception:    # a full or unreachable destination: try again later, keep serving
                 log.exception("journal export failed")
 

@@ -657,6 +657,22 @@ class Storage:
             return int(txn.stat(self.db[name])["entries"])
 
 
+def database_usage(path: str | Path) -> dict[str, dict[str, int]]:
+    """Entries and used pages of every database of a node's LMDB, opened read-only beside a
+    running node (`_main`: the catalog of named databases). Pages on LMDB's free list are
+    reused by later writes and are not counted; the file's size is a high-water mark."""
+    env = lmdb.open(str(path), readonly=True, lock=True, max_dbs=len(DB_NAMES) + 2)
+    try:
+        with env.begin() as txn:
+            stats = {"_main": txn.stat(env.open_db(None, txn=txn))}  # type: ignore[arg-type]
+            for name in DB_NAMES:
+                stats[name] = txn.stat(env.open_db(name.encode(), txn=txn, create=False))
+        return {name: {"entries": stat["entries"], "pages": stat["branch_pages"] + stat["leaf_pages"]
+                       + stat["overflow_pages"], "page_bytes": stat["psize"]} for name, stat in stats.items()}
+    finally:
+        env.close()
+
+
 def read_clients(path: str | Path) -> dict[str, dict[str, Any]]:
     """The client registry of another node's environment, read-only (it may be running)."""
     env = lmdb.open(str(path), readonly=True, lock=True, max_dbs=len(DB_NAMES) + 2)

@@ -6,33 +6,17 @@ its history; a replica killed while it takes a snapshot under traffic comes back
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import Any
 
-import lmdb
 import pytest
 
 from client import AsyncClient
 from qserver.devcluster import LocalCluster
+from qserver.storage import database_usage
 from tests.test_failover import drain, wait_for
 from tests.test_pairs import wait_converged
 
 pytestmark = pytest.mark.asyncio
-
-
-def database_stats(data_dir: Path) -> dict[str, dict[str, int]]:
-    """Entries and used pages per named database of a node's LMDB (opened read-only beside it)."""
-    env = lmdb.open(str(data_dir), readonly=True, lock=True, max_dbs=32)
-    try:
-        out = {}
-        with env.begin() as txn:
-            for name in ("oplog", "messages", "ready", "leases", "dedupe", "journal"):
-                stat = txn.stat(env.open_db(name.encode(), txn=txn, create=False))
-                out[name] = {"entries": stat["entries"],
-                             "pages": stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]}
-        return out
-    finally:
-        env.close()
 
 
 @pytest.mark.timeout(240)
@@ -52,7 +36,7 @@ async def test_a_queue_that_carried_200000_messages_holds_a_small_constant_of_lo
         # Housekeeping batches go on deleting in bounded steps on both members.
         await asyncio.sleep(3)
     for node in ("n1", "n2"):
-        stats = database_stats(cluster.root / node / "lmdb")
+        stats = database_usage(cluster.root / node / "lmdb")
         print(node, stats)   # the used pages per database, for the record
         assert stats["oplog"]["entries"] <= 4, stats       # the log-start record and the last one
         assert stats["messages"]["entries"] == 0 and stats["ready"]["entries"] == 0, stats

@@ -121,6 +121,21 @@ def test_prune_deletes_only_exported_safe_and_old_records(storage: Storage, tmp_
     assert report["verdict"] == "clean" and report["journals"][0]["records"] == 20
 
 
+def test_exported_records_past_the_retention_are_prunable_with_nothing_new_to_export(storage: Storage,
+                                                                                        tmp_path: Path) -> None:
+    commit_enqueues(storage, 1, 1, 5)
+    exporter = JournalExporter(JournalSource.from_storage(storage),
+                               ExportSettings(str(tmp_path / "out"), retention_ms=60_000))
+    assert not exporter.prunable(NOW_MS + 61_000)                 # not exported yet
+    exporter.export(NOW_MS, force=True)
+    assert not exporter.due(NOW_MS + 61_000)
+    assert not exporter.prunable(NOW_MS + 30_000)                 # within the retention
+    assert exporter.prunable(NOW_MS + 61_000)
+    assert exporter.prune(safe_sequence=safe_sequence_for(exporter.source, {}, upto=exporter.exported_through),
+                          now_ms=NOW_MS + 61_000) == 5
+    assert not exporter.prunable(NOW_MS + 61_000)
+
+
 def test_a_journal_pruned_empty_goes_on_after_its_last_sequence_when_reopened(tmp_path: Path) -> None:
     storage = Storage(tmp_path / "lmdb", node_id="n1")
     commit_enqueues(storage, 1, 1, 10)
