@@ -250,7 +250,8 @@ class Node:
                                [({}, self.storage.truncated_records)])
         lines += render_family("qserver_snapshots_total", "counter", "state transfers by snapshot, by side",
                                [({"side": "sent"}, sum(r.snapshots_sent for r in pairs.masters.values())),
-                                ({"side": "installed"}, pairs.snapshots_installed)])
+                                ({"side": "installed"}, pairs.snapshots_installed),
+                                ({"side": "resumed"}, pairs.snapshots_resumed)])
         if self.peers is not None:
             peers = sorted(self.config.cluster_nodes.keys() - {self.config.node_id})
             lines += render_family("qserver_peer_link_up", "gauge", "1 while the link to a peer is up",

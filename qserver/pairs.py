@@ -145,6 +145,7 @@ class PairDriver:
         self.received: dict[str, InstalledState] = {}     # queue name -> rows of the snapshot under way
         self._log_floors: dict[int, int] = {}             # queue id -> the floor last sent to storage
         self.snapshots_installed = 0
+        self.snapshots_resumed = 0
         self._next_announce_ms = 0
         # Unique per engine instance: an answer the master sends to a crashed predecessor of
         # this engine must never match one of our requests.
@@ -694,6 +695,11 @@ class PairDriver:
                 raise InvariantViolation(f"queue {replica.core.name}: a producer member cannot keep its state "
                                          f"up to {order}")
         replica.discards.clear()
+        if replica.snapshots_resumed:
+            log.info("queue %s: the snapshot at order %s goes on after a broken link", replica.core.name,
+                     replica.snapshot_order)
+            self.snapshots_resumed += replica.snapshots_resumed
+            replica.snapshots_resumed = 0
         if replica.snapshot_rows:
             self.received.setdefault(replica.core.name, InstalledState()).take(replica.snapshot_rows)
             self.engine.stage_snapshot_rows(replica.core, replica.snapshot_rows)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import collections
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from client.errors import E_NOT_ENOUGH_REPLICAS, E_NOT_MASTER, QueueError
 from replication.digest import fold_encoded
@@ -169,6 +169,7 @@ class MasterRole:
         self._log_bytes_total = 0
         self._snapshot: SnapshotView | None = None    # a transfer in progress, and its state
         self._snapshot_opened_ms = 0
+        self._snapshot_keep_upto = 0
         self._snapshot_sequence = 0
         self._snapshot_hash = EMPTY_STATE_HASH
         self._snapshot_done = False                   # every row sent (the last chunk too)
@@ -257,6 +258,8 @@ class MasterRole:
     def _on_open(self, request: Open, now_ms: int) -> None:
         """A replica (re)joins: stream only what it lacks from the log, or its state by snapshot
         when the log no longer reaches back to it or the histories differ."""
+        if self._resume_snapshot(request, now_ms):
+            return
         self._end_snapshot()
         ours = self._digest_at(request.last_order) \
             if self.log_start <= request.last_order <= self.last_order else None
@@ -316,7 +319,7 @@ class MasterRole:
             # behind): never transfer those. The replica repeats its Open.
             view.close()
             return
-        self._snapshot, self._snapshot_opened_ms = view, now_ms
+        self._snapshot, self._snapshot_opened_ms, self._snapshot_keep_upto = view, now_ms, keep_upto
         self._last_progress_ms = now_ms
         self._snapshot_sequence, self._snapshot_hash, self._snapshot_done = 0, EMPTY_STATE_HASH, False
         self.snapshots_sent += 1
@@ -327,6 +330,32 @@ class MasterRole:
         self._sync_target = max(self.last_order, view.order)
         self._set_progress(ReplicaProgress.CATCHING_UP)
         self._pump(now_ms)
+
+    def _resume_snapshot(self, request: Open, now_ms: int) -> bool:
+        """The replica was taking this master's snapshot when its link broke, and this master
+        still holds the read view: go on after the last chunk the replica holds, from the
+        same view (a transfer never mixes views). False: the Open is answered as any other."""
+        view = self._snapshot
+        if view is None or request.snapshot_order != view.order or request.snapshot_received < 1:
+            return False
+        unacked = self._snapshot_unacked
+        acknowledged = unacked[0].sequence - 1 if unacked else self._snapshot_sequence
+        if not acknowledged <= request.snapshot_received <= self._snapshot_sequence:
+            return False
+        self._session = request.session
+        self._sent_commit = self._sent_recorded_commit = 0
+        self._snapshot_unacked = collections.deque(replace(chunk, session=request.session) for chunk in unacked
+                                                   if chunk.sequence > request.snapshot_received)
+        self._last_progress_ms = self._last_attempt_ms = now_ms
+        self._send(SyncBegin(self.core.name, self.incarnation, self.epoch, view.order + 1, False, None,
+                             request.session, True, view.order, self._snapshot_keep_upto,
+                             request.snapshot_received))
+        for chunk in self._snapshot_unacked:
+            self._send(chunk)
+        self._sync_target = max(self.last_order, view.order)
+        self._set_progress(ReplicaProgress.CATCHING_UP)
+        self._pump(now_ms)
+        return True
 
     @property
     def snapshot_order(self) -> int | None:
@@ -441,7 +470,11 @@ class MasterRole:
         # Resends and repeated SyncEnds are paced from the last attempt; the silence that
         # records the replica out of sync counts from its last real progress only.
         since_attempt_ms = min(silent_ms, now_ms - self._last_attempt_ms)
-        if self._snapshot_unacked and since_attempt_ms > self.limits.resend_after_ms:
+        if self._snapshot is not None and self.progress is not ReplicaProgress.CATCHING_UP \
+                and now_ms - max(self._snapshot_opened_ms, self._last_progress_ms) > self.limits.sync_view_max_ms:
+            self._end_snapshot()                    # kept for a resume that never came
+        if self._snapshot_unacked and self.progress is ReplicaProgress.CATCHING_UP \
+                and since_attempt_ms > self.limits.resend_after_ms:
             self._last_attempt_ms = now_ms          # a chunk or its acknowledgement was lost
             for chunk in self._snapshot_unacked:
                 self._send(chunk)
@@ -468,8 +501,9 @@ class MasterRole:
         self._send(ForwardResult(self.core.name, self.incarnation, self.epoch, request.request_id, list(outcomes)))
 
     def link_down(self) -> None:
-        """The peer link broke: the replica must Open again before anything is streamed."""
-        self._end_snapshot()
+        """The peer link broke: the replica must Open again before anything is streamed. A
+        snapshot under way keeps its read view, so that the Open may resume it, until
+        `sync_view_max_ms` pass without progress (see tick)."""
         if self.progress is not ReplicaProgress.FENCED:
             self._set_progress(ReplicaProgress.PROBING)
 

@@ -28,7 +28,8 @@ import msgpack
 
 from replication.operations import OPERATION_TYPES, Operation
 
-PROTOCOL_VERSION = 2       # 2: snapshots (SyncBegin.snapshot, SnapshotChunk, SnapshotAck), Open.committed_order
+PROTOCOL_VERSION = 3       # 2: snapshots (SyncBegin.snapshot, SnapshotChunk, SnapshotAck), Open.committed_order
+                           # 3: a snapshot resumed after a broken link (Open.snapshot_*, SyncBegin.resume_after)
 _OPERATION_FIELDS = {tag: tuple(f.name for f in fields(kind)) for tag, kind in OPERATION_TYPES.items()}
 
 
@@ -102,6 +103,10 @@ class Open:
     # history is a prefix of the master's (committed operations are never undone), so a
     # `producer` member behind the log's start may keep its own consumption state.
     committed_order: int = 0
+    # A snapshot it was taking when its link broke: its order and the last chunk it holds
+    # (0, 0: none). The master continues it from the same read view if it still holds it.
+    snapshot_order: int = 0
+    snapshot_received: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +124,7 @@ class SyncBegin:
     snapshot: bool = False
     snapshot_order: int = 0
     keep_upto: int = 0         # `producer`: the member keeps its own state up to here (reset is False)
+    resume_after: int = 0      # the snapshot at snapshot_order goes on after this chunk (its Open's)
 
 
 @dataclass(frozen=True, slots=True)

@@ -116,6 +116,7 @@ class ReplicaRole:
         self.master_recorded_commit = 0     # the commit point the master's storage holds (Append)
         self._transfer: _Transfer | None = None     # a snapshot being received
         self.snapshots_installed = 0
+        self.snapshots_resumed = 0    # transfers continued after a broken link (the driver counts and zeroes it)
         self.resync_source = False    # a dead-letter queue's member asks for its queue's snapshot
         self._recent_digests: collections.deque[tuple[int, bytes]] = collections.deque()   # not yet durable
         self._last_open_ms: int | None = None
@@ -149,10 +150,14 @@ class ReplicaRole:
         self._last_open_ms = now_ms
         self._last_progress_ms = now_ms
         self.session += 1
-        self._transfer = None                 # a snapshot of an earlier session is never resumed
         committed = min(self.applied_order, max(self.known_committed, self.master_commit_order))
+        # A snapshot under way asks to be resumed after its last chunk: the master goes on
+        # from the same read view if it still holds it, or starts another (which first
+        # erases what this one stored).
+        transfer = self._transfer
+        resume_order, resume_after = (transfer.order, transfer.next_sequence - 1) if transfer is not None else (0, 0)
         self._send(Open(self.core.name, self.incarnation, self.epoch, self.last_epoch, self.applied_order, self.digest,
-                        self.session, committed))
+                        self.session, committed, resume_order, resume_after))
 
     @property
     def never_opened(self) -> bool:
@@ -176,7 +181,6 @@ class ReplicaRole:
         return 2 * self.limits.open_retry_ms if self._transfer is None else 10 * self.limits.open_retry_ms
 
     def link_down(self) -> None:
-        self._transfer = None
         if self.phase is not ReplicaPhase.FENCED:
             self._set_phase(ReplicaPhase.OPENING)
             self._last_open_ms = None   # the driver calls start() when the link is back
@@ -253,6 +257,7 @@ class ReplicaRole:
         if begin.snapshot:
             self._begin_snapshot(begin)
             return
+        self._transfer = None           # a snapshot cut short that the master does not continue
         if begin.reset:
             if begin.record is None:
                 return
@@ -272,6 +277,15 @@ class ReplicaRole:
     def _begin_snapshot(self, begin: SyncBegin) -> None:
         if self.phase is not ReplicaPhase.OPENING:
             return                      # a repeated SyncBegin: the transfer is under way
+        transfer = self._transfer
+        if begin.resume_after:
+            if transfer is not None and transfer.order == begin.snapshot_order \
+                    and transfer.next_sequence - 1 == begin.resume_after and transfer.keep_upto == begin.keep_upto:
+                transfer.gap_reported_at = 0
+                self.snapshots_resumed += 1
+                self._set_phase(ReplicaPhase.SYNCING)
+                self._last_progress_ms = self._now_ms
+            return                      # not the transfer we hold: our next Open sorts it out
         if begin.reset:
             if begin.record is None:
                 return
@@ -349,6 +363,11 @@ class ReplicaRole:
     @property
     def receiving_snapshot(self) -> bool:
         return self._transfer is not None
+
+    @property
+    def snapshot_order(self) -> int | None:
+        """The order of the snapshot being received (kept across a broken link), if any."""
+        return self._transfer.order if self._transfer is not None else None
 
     def wipe(self, record: dict[str, Any]) -> None:
         """Start over from an empty instance and a new Open (a dead-letter queue's member asked

@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -120,3 +121,62 @@ async def test_a_deposed_producer_master_rejoins_without_giving_its_consumers_wh
             await asyncio.gather(*(m.ack() for m in messages))
         assert not set(acked) & set(again), f"acked at n1, then delivered there again: {sorted(set(acked) & set(again))}"
         assert set(range(21, 41)) <= set(again)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(180)
+async def test_a_snapshot_cut_by_a_broken_link_resumes_from_the_same_view_under_traffic(
+        tmp_path: Path, toxiproxy: ToxiproxyHandle) -> None:
+    # Small chunks, one in flight: the transfer of ~3 MB takes seconds, so the cut lands in it.
+    cluster = ChaosCluster(tmp_path / "cluster", 3, toxiproxy, {"ledger": ["n1", "n2"]},
+                           {"snapshot_chunk_bytes_max": 8192, "snapshot_chunks_in_flight_max": 1})
+    try:
+        cluster.start_all()
+        async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as master, \
+                AsyncClient(cluster.urls["n2"], cluster.credentials_path) as replica:
+            await master.create_queue("ledger", strength="full")
+            for _ in range(30):
+                await master.enqueue_many("ledger", [b"m" * 1024] * 100)
+            sent_before = (await master.queue_stats("ledger"))["snapshots_sent"]
+            await asyncio.to_thread(cluster.wipe, "n2")     # a fresh member takes a `full` queue by snapshot
+            await asyncio.to_thread(cluster.start, "n2")
+            stop = asyncio.Event()
+
+            async def traffic() -> None:                       # enqueue, receive and ack meanwhile
+                while not stop.is_set():
+                    await master.enqueue_many("ledger", [b"t" * 100] * 10)
+                    for message in await master.receive("ledger", max_messages=5):
+                        await message.ack()
+                    await asyncio.sleep(0.02)
+            producer = asyncio.create_task(traffic())
+
+            async def receiving() -> bool:
+                try:
+                    return bool((await replica.queue_stats("ledger")).get("receiving_snapshot"))
+                except QueueError:
+                    return False
+            await wait_for("n2 to be taking the snapshot", 30.0, receiving)
+            peer_links = cluster.links_between("n1", "n2")[:2]
+            for proxy in peer_links:                           # the replication link only: Raft stays up
+                await asyncio.to_thread(cluster.set_enabled, proxy, False)
+            await asyncio.sleep(1.5)
+            for proxy in peer_links:
+                await asyncio.to_thread(cluster.set_enabled, proxy, True)
+
+            async def converged() -> bool:
+                m, r = await master.queue_stats("ledger"), await replica.queue_stats("ledger")
+                return m["replication_state"] == "in_sync" and r.get("replication_state") == "following" \
+                    and r["last_order"] == m["last_order"] and r["digest"] == m["digest"]
+            await wait_for("the replica to be in sync again", 60.0, converged)
+            stop.set()
+            await producer
+            await wait_for("the replica to be in sync at the end", 30.0, converged)
+            stats = await master.queue_stats("ledger")
+            assert stats["snapshots_sent"] == sent_before + 1, "the transfer went on from its view, no other"
+            metrics = (await asyncio.to_thread(
+                lambda: urllib.request.urlopen(cluster.urls["n2"] + "/metrics", timeout=5).read())).decode()
+            assert 'qserver_snapshots_total{side="resumed"} 1' in metrics, metrics
+            r = await replica.queue_stats("ledger")
+            assert (r["depth"], r["in_flight"]) == (stats["depth"], stats["in_flight"])
+    finally:
+        cluster.close()

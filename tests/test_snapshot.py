@@ -112,6 +112,64 @@ def test_a_member_behind_the_logs_start_gets_the_state_in_chunks_and_installs_it
     assert master.snapshot_order is None and master.replica_durable == 20
 
 
+def test_a_snapshot_cut_by_a_broken_link_goes_on_from_the_same_view_after_the_last_chunk_held() -> None:
+    source, master = master_with(20)
+    master.truncated_to(15)
+    replica_member = Member(7, Strength.FULL)
+    replica = ReplicaRole(replica_member.core, replica_member.oplog, node_id="n2", master_id="n1", epoch=1,
+                          incarnation=1, applied_order=0, digest=EMPTY_DIGEST, last_epoch=1, limits=LIMITS)
+    replica.start(0)
+    master.receive(replica.outbox.pop()[1], 1)
+    begin, first, _second = sent(master)                  # the second chunk is lost with the link
+    replica.receive(begin, 2)
+    assert replica.resets
+    replica.resets.clear()                                # the driver erased the old instance
+    replica.receive(first, 2)
+    rows = list(replica.snapshot_rows)
+    replica.outbox.clear()                                # ...and the first one's acknowledgement
+    enqueue(source, master, 5, now_ms=3)                  # live traffic goes on meanwhile
+    master.link_down()
+    replica.link_down()
+    replica.start(4)                                      # the link is back
+    opening = replica.outbox.pop()[1]
+    assert isinstance(opening, Open) and (opening.snapshot_order, opening.snapshot_received) == (20, 1)
+    master.receive(opening, 5)
+    resumed, *chunks = sent(master)
+    assert isinstance(resumed, SyncBegin) and resumed.snapshot and not resumed.reset
+    assert (resumed.snapshot_order, resumed.resume_after) == (20, 1), "the same view, after the chunk it holds"
+    assert [chunk.sequence for chunk in chunks] == [2, 3]
+    replica.receive(resumed, 6)
+    assert not replica.resets and not replica.discards, "what arrived before the break is kept"
+    while chunks:
+        replica.snapshot_rows.clear()
+        for chunk in chunks:
+            replica.receive(chunk, 7)
+        rows += replica.snapshot_rows
+        for _, ack in replica.outbox:
+            master.receive(ack, 8)
+        replica.outbox.clear()
+        chunks = [m for m in sent(master) if isinstance(m, SnapshotChunk)]
+    [install] = replica.installs
+    assert (install.order, install.digest) == (20, master._digest_at(20)), "the content hash matched"
+    assert sorted(row[1] for row in rows) == list(range(1, 21)), "every message of the view once, none later"
+    assert replica.snapshots_resumed == 1 and source.core.record.next_index == 26
+
+
+def test_a_snapshot_view_kept_for_a_resume_is_dropped_after_sync_view_max() -> None:
+    _, master = master_with(20)
+    master.truncated_to(15)
+    master.receive(Open(QUEUE, 1, 1, 1, 0, EMPTY_DIGEST, session=1), 0)
+    sent(master)
+    master.link_down()
+    master.tick(LIMITS.sync_view_max_ms - 1)
+    assert master.snapshot_order == 20, "kept while a resume may come"
+    master.tick(LIMITS.sync_view_max_ms + 1)
+    assert master.snapshot_order is None
+    master.receive(Open(QUEUE, 1, 1, 1, 0, EMPTY_DIGEST, session=2, snapshot_order=20, snapshot_received=1), 1)
+    begin = sent(master)[0]
+    assert isinstance(begin, SyncBegin) and begin.reset and not begin.resume_after, "a new view, from empty"
+
+
 def test_a_snapshot_is_never_cut_above_the_commit_point() -> None:
     _, master = master_with(10, in_sync=True)               # the replica holds nothing: nothing committed
     master.truncated_to(5)
