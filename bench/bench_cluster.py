@@ -8,7 +8,8 @@ The queue's pair is n1 (master) and n2 (replica); the client talks to n1. Both m
 every group commit. Workloads as in bench.py (plus produce_1000_in_flight), then:
   state_transfer     a wiped replica takes a queue of 1,000,000 x 1 KiB (--transfer-messages) by
                      snapshot: payload MB/s, and whether any lease lapsed meanwhile (the queue's
-                     epoch and the membership leader must not change)
+                     epoch must not change) or an election happened (the membership term, read
+                     once the wiped node has rejoined and at the end, must not change)
   catch_up           a queue holding 1,000,000 messages; the replica misses 10,000 while down:
                      seconds from its restart until it is in sync again
 """
@@ -83,15 +84,20 @@ async def state_transfer(cluster: LocalCluster, count: int) -> dict[str, Any]:
         before = await client.cluster()
         cluster.wipe("n2")
         cluster.start("n2")
+        # The kill may itself cause an election (n2 may have led): the transfer's own window
+        # starts once n2 has rejoined, and no election may happen from there to the end.
+        during = cluster.health("n1")["membership"]
         # From the wiped replica's start: its Open, the snapshot, its installation, in sync.
         seconds = await converged(client, cluster.urls["n2"], cluster.credentials_path, "transfer", 600)
         after = await client.cluster()
+        ended = cluster.health("n1")["membership"]
         stats = await client.queue_stats("transfer")
         await client.delete_queue("transfer")
     return {"workload": "state_transfer", "messages": count, "seconds": seconds,
             "payload_mb_per_s": count * size / seconds / 1e6, "snapshots_sent": stats.get("snapshots_sent"),
             "epoch_unchanged": before["queues"]["transfer"]["epoch"] == after["queues"]["transfer"]["epoch"],
-            "leader_unchanged": before.get("leader") == after.get("leader")}
+            "no_election_during_transfer": (during["leader"], during["term"]) == (ended["leader"], ended["term"]),
+            "leader_term_during": [during["leader"], during["term"]], "leader_term_after": [ended["leader"], ended["term"]]}
 
 
 async def catch_up(cluster: LocalCluster) -> dict[str, Any]:

@@ -539,7 +539,7 @@ async def healthz(request: web.Request) -> web.Response:
     answer: dict[str, Any] = {"status": "ok", "node": node.config.node_id, "queues": len(node.engine.cores)}
     coordinator = node.engine.coordinator
     if coordinator is not None:      # enough for a supervisor to see the node take part
-        answer["membership"] = {"leader": coordinator.membership.leader_id(),
+        answer["membership"] = {"leader": coordinator.membership.leader_id(), "term": coordinator.membership.term(),
                                 "nodes": {n: entry.state.value for n, entry
                                           in sorted(coordinator.membership.cluster_map.nodes.items())},
                                 "lease_valid": coordinator.lease_valid()}
