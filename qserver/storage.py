@@ -299,14 +299,7 @@ class Storage:
         return None if raw is None else bytes(raw[:DIGEST_BYTES])
 
     def last(self, queue_id: int) -> tuple[int, bytes]:
-        cursor = self._reader().cursor(db=self.db["oplog"])
-        following = cursor.set_range(_QI.pack(queue_id + 1, 0))
-        found = cursor.prev() if following else cursor.last()
-        if found:
-            owner, order = _QI.unpack(cursor.key())
-            if owner == queue_id and order != _LOG_START:
-                return order, bytes(cursor.value()[:DIGEST_BYTES])
-        return 0, EMPTY_DIGEST
+        return _last_logged(self._reader().cursor(db=self.db["oplog"]), queue_id)
 
     def read_client_payload(self, queue_id: int, index: int) -> bytes | None:
         raw = self._reader().get(_QI.pack(queue_id, index), db=self.db["messages"])
@@ -657,6 +650,17 @@ class Storage:
             return int(txn.stat(self.db[name])["entries"])
 
 
+def _last_logged(cursor: lmdb.Cursor, queue_id: int) -> tuple[int, bytes]:
+    """(order, digest) of the queue's last op-log record, by a cursor on `oplog`; (0, empty)
+    when it has none (the log-start record at order 0 is not one)."""
+    found = cursor.prev() if cursor.set_range(_QI.pack(queue_id + 1, 0)) else cursor.last()
+    if found:
+        owner, order = _QI.unpack(cursor.key())
+        if owner == queue_id and order != _LOG_START:
+            return order, bytes(cursor.value()[:DIGEST_BYTES])
+    return 0, EMPTY_DIGEST
+
+
 def database_usage(path: str | Path) -> dict[str, dict[str, int]]:
     """Entries and used pages of every database of a node's LMDB, opened read-only beside a
     running node (`_main`: the catalog of named databases). Pages on LMDB's free list are
@@ -734,13 +738,7 @@ class LmdbSnapshotView:
         return dict(msgpack.unpackb(raw))
 
     def _last(self, queue_id: int) -> tuple[int, bytes]:
-        cursor = self._txn.cursor(db=self._db["oplog"])
-        found = cursor.prev() if cursor.set_range(_QI.pack(queue_id + 1, 0)) else cursor.last()
-        if found:
-            owner, order = _QI.unpack(cursor.key())
-            if owner == queue_id and order != _LOG_START:
-                return order, bytes(cursor.value()[:DIGEST_BYTES])
-        return 0, EMPTY_DIGEST
+        return _last_logged(self._txn.cursor(db=self._db["oplog"]), queue_id)
 
     def next_rows(self, bytes_max: int) -> list[list[Any]]:
         out: list[list[Any]] = []

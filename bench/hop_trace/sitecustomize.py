@@ -33,7 +33,6 @@ def _install() -> None:
         setattr(owner, name, traced)
 
     from qserver import engine, pairs, peers, storage, ws_api
-    from replication import messages
 
     wrap(ws_api.ClientConnection, "_handle_frame", "client frame in")
     wrap(ws_api, "encode_frame", "client answer encoded")
@@ -57,7 +56,6 @@ def _install() -> None:
         note(f"peer message out: {type(message).__name__}")
         return original_encode(message)
     pairs.encode_message = encode_message
-    del messages
 
     def dump() -> None:
         with open(f"{TRACE_PREFIX}.{os.getpid()}", "w") as out:
