@@ -313,10 +313,12 @@ class PairDriver:
         role = self.replicas.get(name)
         if role is None:
             return
-        if master is not None and entry.last_reason != Reason.HANDOFF:
-            # Deposed without a handoff: what was not committed may not survive.
+        if master is not None:
+            # What it decided past its commit point may not survive, even after a handoff (the
+            # handoff covered what it had decided then; a `producer` suffix after it is
+            # discarded): the new master gives those indices to its own operations.
             self._refuse_held(name, QueueError(E_NOT_MASTER, f"queue {name} has a new master {entry.master}",
-                                               outcome_unknown=True))
+                                               outcome_unknown=True), deposed_commit)
         if self._may_open(role):
             role.start(self.engine.clock_ms())
             self._flush(role)
@@ -350,14 +352,14 @@ class PairDriver:
         log.info("queue %s: uncommitted suffix after %d discarded", core.name, commit)
         return digest
 
-    def _refuse_held(self, name: str, error: QueueError) -> None:
-        commit = self.commit_order(name)
+    def _refuse_held(self, name: str, error: QueueError, commit: int) -> None:
+        """Answer every held answer: released when committed (up to `commit`), else refused."""
         waiting = self.held.get(name)
         if not waiting:
             return
         kept: collections.deque[HeldAnswer] = collections.deque()
         for held in waiting:
-            if commit is not None and held.required_order <= commit:
+            if held.required_order <= commit:
                 held.release()
             elif held.refuse is not None:
                 held.refuse(error)

@@ -417,6 +417,11 @@ class ReplicaRole:
             self.core.visible_upto = self.visible_order
         while self._recent_digests and self._recent_digests[0][0] <= order:
             self._recent_digests.popleft()
+        if self.phase is ReplicaPhase.OPENING:
+            # The Open names our position and the master decides from it what we share: an
+            # ack of a commit that was under way (a deposed master's suffix, say) would tell
+            # it we hold, in this session, what it is about to replace.
+            return
         self._send(AppendAck(self.core.name, self.incarnation, self.epoch, 0, order, session=self.session))
 
     def forward(self, request_id: int, request: list[Any]) -> None:

@@ -136,6 +136,14 @@ REGRESSIONS = [
     # again once the member mastered the queue.
     pytest.param(145, Strength.FULL, id="a-released-message-on-an-unloaded-page-is-not-ready-twice-145-full"),
     pytest.param(43, Strength.FULL, id="a-released-message-on-an-unloaded-page-is-not-ready-twice-43-full"),
+    # Found once every commit ran on the writer thread. A deposed master's commit under way
+    # finished while its replica role was opening: its ack told the new master, in the new
+    # session, that it held its diverged suffix, and the snapshot counted as installed.
+    pytest.param(313170479, Strength.FULL, id="a-replica-acks-nothing-while-it-opens-313170479-full"),
+    # An answer held for an index past the commit point of a master deposed by a handoff was
+    # released against the new master's commit point, which gave that index to another message.
+    pytest.param(334968335, Strength.PRODUCER,
+                 id="held-answers-past-a-handed-off-masters-commit-are-unknown-334968335-producer"),
 ]
 
 
