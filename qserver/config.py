@@ -6,6 +6,12 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+# Keys that were settings once: a config naming one is refused with what to do instead.
+RETIRED_KEYS = {
+    "commit_inline_operations_max": "removed (commits always run on the writer thread, never on the event "
+                                    "loop); delete the line",
+}
+
 
 @dataclass(frozen=True)
 class NodeConfig:
@@ -29,7 +35,6 @@ class NodeConfig:
     inbox_commands_max: int = 200_000
     batch_operations_max: int = 20_000     # commands stepped per turn of the engine
     commit_early_operations: int = 256     # an idle writer takes a batch this big without waiting
-    commit_inline_operations_max: int = 4  # batches this small commit on the loop thread
     dedupe_window_s: float = 300.0
     status_retention_s: float = 3600.0
     signature_skew_max_s: float = 300.0
@@ -132,6 +137,9 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> NodeConfig:
             values["placement"] = {name: list(pair) for name, pair in cluster["placement"].items()}
         known = {f.name for f in fields(NodeConfig)}
         unknown = set(values) - known
+        retired = sorted(unknown & RETIRED_KEYS.keys())
+        if retired:
+            raise ValueError("; ".join(f"{key}: {RETIRED_KEYS[key]}" for key in retired))
         if unknown:
             raise ValueError(f"unknown configuration keys: {', '.join(sorted(unknown))}")
     return NodeConfig(**values).with_overrides(**overrides)

@@ -292,7 +292,7 @@ class Engine:
                 for core in self.pairs.commit_points_to_record():
                     self._touch(core)
             if self._committing is None and not self._open.empty():
-                self._start_commit(inline_allowed=True)
+                self._start_commit()
             if self._stopping and not self._inbox and self._committing is None:
                 self._fail_waiters_on_stop()
                 return
@@ -992,10 +992,10 @@ class Engine:
         self._timer = asyncio.get_running_loop().call_later(min(delay_s, 1.0), self._wake.set)
 
     # --- group commit ----------------------------------------------------------------------
-    def _start_commit(self, *, inline_allowed: bool = False) -> None:
-        """Seal the open batch and commit it. A small batch (a lone producer's message) is
-        committed right here when allowed (no read transaction open on this thread): the two
-        thread hand-offs would cost a third of its latency, and there is nothing to overlap."""
+    def _start_commit(self) -> None:
+        """Seal the open batch and commit it on the writer thread: never on the loop, whose
+        heartbeats and lease renewals must not wait for an fsync (committing a lone message
+        inline saved no measurable latency: bench/RESULTS.md, "The hot path")."""
         batch, self._open = self._open, OpenBatch()
         sealed = batch.sealed
         sealed.dedupe_window_ms = int(self.config.dedupe_window_s * 1000)
@@ -1012,19 +1012,9 @@ class Engine:
             sealed.queue_records[name] = core.record.to_json()
             core.seal()
         self._committing = batch
-        loop = asyncio.get_running_loop()
-        # A master's batch goes to its replica in this same step: commit it on the writer
-        # thread, so the loop can put the Append on the wire while the fsync runs.
-        streams = bool(sealed.oplog_rows) and bool(self.pairs.masters)
-        if inline_allowed and not streams and len(sealed.operations) <= self.config.commit_inline_operations_max:
-            done: asyncio.Future[CommitResult] = loop.create_future()
-            try:
-                done.set_result(self.storage.commit(sealed))
-            except Exception as error:
-                done.set_exception(error)
-            self._commit_done(done)
-            return
-        future = loop.run_in_executor(self._writer, self.storage.commit, sealed)
+        # A master's batch went to its replica in this same step (before_commit): the loop
+        # puts the Append on the wire while the fsync runs.
+        future = asyncio.get_running_loop().run_in_executor(self._writer, self.storage.commit, sealed)
         future.add_done_callback(self._commit_done)
 
     def _commit_done(self, future: asyncio.Future[CommitResult]) -> None:

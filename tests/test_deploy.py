@@ -25,3 +25,10 @@ def test_the_compose_file_names_one_configuration_per_node_and_the_dockerfile_co
         assert f"./compose/{node}.toml:/etc/qserver/node.toml" in compose
     for source in re.findall(r"^COPY (\S+)", (DEPLOY / "Dockerfile").read_text(), flags=re.MULTILINE):
         assert (REPOSITORY / source).exists(), source
+
+
+def test_a_retired_setting_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    path = tmp_path / "node.toml"
+    path.write_text('[node]\nnode_id = "n1"\ncommit_inline_operations_max = 4\n')
+    with pytest.raises(ValueError, match="commit_inline_operations_max: removed .* delete the line"):
+        load_config(path)
