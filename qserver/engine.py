@@ -447,17 +447,17 @@ class Engine:
         before = [0, *itertools.accumulate(kept)]
         sealed.journal_marks[:] = [(before[position], mark) for position, mark in sealed.journal_marks]
         sealed.operations[:] = [op for op, keep in zip(sealed.operations, kept, strict=True) if keep]
-        sealed.oplog_rows[:] = [row for row in sealed.oplog_rows if row[0] != queue_id or row[1] <= order]
+        sealed.oplog_rows[:] = [row for row in sealed.oplog_rows if row[0] != queue_id or row[2] <= order]
         sealed.truncations.append((queue_id, order))
         self._touch(core)
         return True
 
     def stage_applied(self, core: QueueCore, applied: list[Any]) -> None:
-        """Operations the replica applied: persist them with their op-log rows."""
+        """Log entries the replica applied: persist their operations and op-log rows."""
         sealed = self._open.sealed
-        for row in applied:
-            sealed.operations.append(row.op)
-            sealed.oplog_rows.append((core.queue_id, row.op.order, row.digest, row.encoded))
+        for entry in applied:
+            sealed.operations.extend(entry.ops)
+            sealed.oplog_rows.append(entry.row(core.queue_id))
         self._touch(core)
         if core.dead_letter_core is not None:
             self._touch(core.dead_letter_core)
@@ -559,21 +559,28 @@ class Engine:
     def _step_enqueue_many(self, command: c.EnqueueMany, now_ms: int) -> None:
         core = self._core(command.queue)
         batch = self._open
-        operations = batch.sealed.operations
-        enqueue, priority, client = core.enqueue, command.priority, command.client
-        dedupe_ids = command.dedupe_ids or (None,) * len(command.payloads)
+        payloads = list(command.payloads)
+        dedupe_ids: list[str | None] = list(command.dedupe_ids or (None,) * len(payloads))
+        # Refused items (too large, a malformed dedupe id) keep their place in the answer.
         body_bytes_max = self.config.body_bytes_max
-        outcomes: list[Any] = []
-        for payload, dedupe_id in zip(command.payloads, dedupe_ids, strict=False):
+        refused: dict[int, list[Any]] = {}
+        for position, (payload, dedupe_id) in enumerate(zip(payloads, dedupe_ids, strict=False)):
             if len(payload) > body_bytes_max:
-                outcomes.append([E_PAYLOAD_TOO_LARGE.code, f"message over {body_bytes_max} bytes"])
+                refused[position] = [E_PAYLOAD_TOO_LARGE.code, f"message over {body_bytes_max} bytes"]
             elif dedupe_id is not None and not valid_dedupe_id(dedupe_id):
-                outcomes.append([E_INVALID_OPTION.code, "dedupe ids are 1-128 printable characters"])
-            else:
-                try:
-                    outcomes.append(enqueue(payload, priority, dedupe_id, client, now_ms, operations)[0])
-                except QueueError as error:
-                    outcomes.append([error.code, error.message])
+                refused[position] = [E_INVALID_OPTION.code, "dedupe ids are 1-128 printable characters"]
+        if refused:
+            payloads = [p for position, p in enumerate(payloads) if position not in refused]
+            dedupe_ids = [d for position, d in enumerate(dedupe_ids) if position not in refused]
+        placed = iter(core.enqueue_many(payloads, command.priority, dedupe_ids, command.client, now_ms,
+                                        batch.sealed.operations))
+        outcomes: list[Any] = []
+        for position in range(len(command.payloads)):
+            if refused and position in refused:
+                outcomes.append(refused[position])
+                continue
+            outcome = next(placed)
+            outcomes.append([outcome.code, outcome.message] if type(outcome) is QueueError else outcome)
         batch.touched[core.name] = core
         result = [core.record.epoch, outcomes]
         if core.options.type is QueueType.ONE_WAY:

@@ -336,8 +336,8 @@ class PairDriver:
         if not ops:
             return
         role.replicate(ops, self.engine.clock_ms())
-        for row in role.to_log:
-            staged.oplog_rows.append((role.core.queue_id, row.op.order, row.digest, row.encoded))
+        for entry in role.to_log:
+            staged.oplog_rows.append(entry.row(role.core.queue_id))
         role.to_log.clear()
         role.outbox.clear()
 
@@ -406,7 +406,7 @@ class PairDriver:
         self.detach(name)
 
     # --- the engine's batches --------------------------------------------------------------
-    def before_commit(self, operations: list[Operation], oplog_rows: list[tuple[int, int, bytes, bytes]],
+    def before_commit(self, operations: list[Operation], oplog_rows: list[tuple[int, int, int, bytes, bytes]],
                       now_ms: int) -> None:
         """Stream the batch's replicated operations (persist and send in the same step) and
         add their op-log rows to the transaction."""
@@ -422,8 +422,8 @@ class PairDriver:
             ops = [op for op in by_queue.get(role.core.queue_id, ()) if op.order > role.last_order]
             if ops:
                 role.replicate(ops, now_ms)
-                for row in role.to_log:
-                    oplog_rows.append((role.core.queue_id, row.op.order, row.digest, row.encoded))
+                for entry in role.to_log:
+                    oplog_rows.append(entry.row(role.core.queue_id))
                 role.to_log.clear()
                 self._flush(role)
 

@@ -17,8 +17,9 @@ Key layout (big-endian integers so LMDB's byte order is numeric order):
     doomed    queue_id:8                          -> ""   (deleted incarnations still being erased)
     epochs    name                                -> epoch:8
     journal   sequence:8                          -> msgpack record + crc32:4
-    oplog     queue_id:8 order:8                  -> digest:16 + encoded operation (replicated queues);
-                                                     a snapshot's mark has no operation
+    oplog     queue_id:8 last order:8             -> digest:16 + first order:8 + encoded log entry (a run
+                                                     of replicated operations, replication/oplog.py);
+                                                     a snapshot's mark is the digest alone
               queue_id:8 0:8                      -> 0:16 + log start:8 (once truncated: records
                                                      below the start are gone)
     clients   client_id                           -> JSON client record
@@ -54,7 +55,8 @@ from replication.snapshot import ROW_DEAD_LETTER, ROW_DEDUPE, ROW_MESSAGE, messa
 from replication.store import StoredLease
 
 # 2: bounded op log (its start record at order 0, snapshot marks); no reader of layout 1.
-SCHEMA_VERSION = 2
+# 3: the op log holds entries (runs of operations) keyed by their last order; no reader of 2.
+SCHEMA_VERSION = 3
 _QI = struct.Struct(">QQ")
 _QPI = struct.Struct(">QBQ")
 _Q = struct.Struct(">Q")
@@ -67,6 +69,7 @@ ERASE_KEYS_PER_BATCH_MAX = 5_000
 PRUNE_KEYS_PER_BATCH_MAX = 5_000
 TRUNCATE_RECORDS_PER_BATCH_MAX = 20_000     # op-log records deleted per batch (the rest follow)
 _LOG_START = 0                               # the order of a queue's log-start record
+_ENTRY_AT = DIGEST_BYTES + 8                 # where an op-log value's encoded entry begins
 
 
 class StorageLayoutError(Exception):
@@ -91,7 +94,8 @@ class SealedBatch:
     client_deletes: list[str] = field(default_factory=list)
     payload_reads: list[tuple[int, int]] = field(default_factory=list)       # (queue_id, index)
     epochs: dict[str, int] = field(default_factory=dict)                     # queue name -> epoch
-    oplog_rows: list[tuple[int, int, bytes, bytes]] = field(default_factory=list)  # (queue_id, order, digest, op)
+    # Log entries: (queue_id, first order, last order, digest after it, encoded entry).
+    oplog_rows: list[tuple[int, int, int, bytes, bytes]] = field(default_factory=list)
     # A deposed master's uncommitted suffix to erase first: (queue_id, last order kept).
     truncations: list[tuple[int, int]] = field(default_factory=list)
     # Snapshot transfer on a replica: rows to store ((queue_id, dead-letter queue id, rows)),
@@ -259,6 +263,14 @@ class Storage:
         raw = self._reader().get(_Q.pack(queue_id) + dedupe_id.encode(), db=self.db["dedupe"])
         return None if raw is None else _QI.unpack(raw)  # type: ignore[return-value]
 
+    def dedupe_lookup_many(self, queue_id: int, dedupe_ids: list[str]) -> dict[str, tuple[int, int]]:
+        """One C call for a whole batch (a get per id costs a GIL round trip each while the
+        writer thread runs)."""
+        prefix = _Q.pack(queue_id)
+        found = self._reader().cursor(db=self.db["dedupe"]).getmulti([prefix + i.encode() for i in dedupe_ids])
+        skip = len(prefix)
+        return {bytes(key[skip:]).decode(): _QI.unpack(value) for key, value in found}  # type: ignore[misc]
+
     def message_status(self, queue_id: int, index: int) -> tuple[str, int, bytes | None] | None:
         """Completed status, or 'delivered'/'queued' from the lease and ready records."""
         txn = self._reader()
@@ -275,17 +287,21 @@ class Storage:
         return None
 
     # --- the op log, as the replication roles read it (OpLogReader) -----------------------
-    def read(self, queue_id: int, after_order: int, limit: int) -> list[tuple[int, bytes]]:
-        out: list[tuple[int, bytes]] = []
+    def read(self, queue_id: int, after_order: int, limit: int, bytes_max: int = 1 << 62) -> list[tuple[int, int, bytes]]:
+        out: list[tuple[int, int, bytes]] = []
         cursor = self._reader().cursor(db=self.db["oplog"])
         if not cursor.set_range(_QI.pack(queue_id, max(after_order, _LOG_START) + 1)):
             return out
+        size = 0
         for key, value in cursor:
             owner, order = _QI.unpack(key)
-            if owner != queue_id or len(out) >= limit:
+            if owner != queue_id:
                 break
             if len(value) > DIGEST_BYTES:        # a snapshot's mark carries no operation
-                out.append((order, bytes(value[DIGEST_BYTES:])))
+                out.append((_Q.unpack_from(value, DIGEST_BYTES)[0], order, bytes(value[_ENTRY_AT:])))
+                size += len(value) - _ENTRY_AT
+                if order - after_order >= limit or size >= bytes_max:
+                    break
         return out
 
     def first(self, queue_id: int) -> int:
@@ -353,8 +369,8 @@ class Storage:
         for name, record in batch.queue_records.items():
             txn.put(name.encode(), self._pack(record), db=db["queues"])
         if batch.oplog_rows:
-            txn.cursor(db=db["oplog"]).putmulti([(_QI.pack(queue_id, order), digest + encoded)
-                                                 for queue_id, order, digest, encoded in batch.oplog_rows])
+            txn.cursor(db=db["oplog"]).putmulti([(_QI.pack(queue_id, last), digest + _Q.pack(first) + encoded)
+                                                 for queue_id, first, last, digest, encoded in batch.oplog_rows])
         for name, epoch in batch.epochs.items():
             txn.put(name.encode(), _Q.pack(epoch), db=db["epochs"])
         for client_id, client in batch.client_puts.items():

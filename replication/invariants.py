@@ -27,12 +27,21 @@ def seen_but_uncommitted(delivered: Iterable[int], surviving_enqueues: Iterable[
     return set(delivered) - set(surviving_enqueues)
 
 
-def history_disagreements(master_rows: Iterable[tuple[int, bytes]],
-                          replica_rows: Iterable[tuple[int, bytes]]) -> list[int]:
-    """Ordering indices at which both members hold an operation and the encoded operations
-    differ: the members' journals must agree op for op within an epoch."""
-    replica = dict(replica_rows)
-    return sorted(order for order, encoded in master_rows if order in replica and replica[order] != encoded)
+def history_disagreements(master_rows: Iterable[tuple[int, int, bytes]],
+                          replica_rows: Iterable[tuple[int, int, bytes]]) -> list[int]:
+    """Ordering indices at which both members hold a log entry (first, last, encoded) and the
+    entries differ, in their bytes or their bounds: the members' logs must agree entry for
+    entry within an epoch (the replica logs what the master streamed)."""
+    replica = {last: (first, encoded) for first, last, encoded in replica_rows}
+    bounds = sorted((first, last) for last, (first, _) in replica.items())
+    out = []
+    for first, last, encoded in master_rows:
+        if last in replica:
+            if replica[last] != (first, encoded):
+                out.append(last)
+        elif any(other_first <= last and first <= other_last for other_first, other_last in bounds):
+            out.append(last)     # overlaps an entry of the replica's with other bounds
+    return sorted(out)
 
 
 def epochs_with_two_masters(observations: Iterable[tuple[int, str]]) -> dict[int, set[str]]:

@@ -40,10 +40,10 @@ from replication.messages import (
     SnapshotChunk,
     SyncBegin,
     SyncEnd,
-    encode_operation,
+    encode_entry,
 )
 from replication.operations import Enqueued, Operation
-from replication.oplog import OpLogReader
+from replication.oplog import LogEntry, OpLogReader, runs
 from replication.options import Strength
 from replication.queue_core import QueueCore
 from replication.snapshot import EMPTY_STATE_HASH, SnapshotSource, SnapshotView, fold_rows
@@ -87,15 +87,9 @@ class ReplicationLimits:
                                           # it the log is truncated and the replica gets a snapshot
 
 
+APPEND_BYTES_MAX = 1 << 20      # encoded entries per Append beyond its first: a peer link's send
+                                # queue must take it whole (an overrun is a loss, and a resend)
 RESYNC = "E_RESYNC"     # Refused code: the replica's position is gone from the log: Open again
-
-
-@dataclass(frozen=True, slots=True)
-class Applied:
-    """A replicated operation with the rolling digest after it: one row of the op log."""
-    op: Operation
-    digest: bytes
-    encoded: bytes          # encode_operation(op): what is streamed, digested and logged
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,8 +133,8 @@ class MasterRole:
         self.replica_durable = min(replica_durable, last_order)
         self.sent_order = 0                   # highest order streamed to the replica
         self._sync_target = 0                 # the order SyncEnd will vouch for
-        # Every replicated op after `_recent_floor` is in memory; older ones come from the op log.
-        self._recent: collections.deque[tuple[int, bytes]] = collections.deque()   # (order, encoded)
+        # Every log entry after `_recent_floor` is in memory; older ones come from the op log.
+        self._recent: collections.deque[tuple[int, int, bytes]] = collections.deque()   # (first, last, encoded)
         self._recent_floor = last_order
         self._pending_proposal: InSyncProposal | None = None
         self._sent_commit = 0                 # the commit point the replica was last told
@@ -161,7 +155,7 @@ class MasterRole:
         self.outbox: list[tuple[str, Message]] = []
         self.proposals: list[InSyncProposal] = []
         self.forwarded: list[Forward] = []    # requests from the replica's clients, for the driver
-        self.to_log: list[Applied] = []       # replicated ops with their digests: the op log's rows
+        self.to_log: list[LogEntry] = []      # new log entries with their digests: the op log's rows
         # The op log holds every order from `log_start` on (its row at log_start may be a
         # snapshot's marker); below it, records were truncated (see log_floor).
         self.log_start = log_start
@@ -194,22 +188,22 @@ class MasterRole:
 
     # --- operations decided by the core ----------------------------------------------------
     def replicate(self, ops: list[Operation], now_ms: int) -> None:
-        """Take the operations the core just decided (in order) into the replicated stream."""
-
+        """Take the operations the core just decided (in order) into the replicated stream:
+        as log entries of many operations each, encoded and digested once per entry."""
         strength = self.core.options.strength
-        for op in ops:
-            if not is_replicated(op, strength):
-                continue
-            encoded = encode_operation(op)
+        replicated = [op for op in ops if is_replicated(op, strength)]
+        for run in runs(replicated):
+            encoded = encode_entry(run)
             self.digest = fold_encoded(self.digest, encoded)
-            self.last_order = op.order
-            self._recent.append((op.order, encoded))
-            self.to_log.append(Applied(op, self.digest, encoded))
+            self.last_order = run[-1].order
+            self._recent.append((run[0].order, self.last_order, encoded))
+            self.to_log.append(LogEntry(run, self.digest, encoded))
             self._log_bytes_total += len(encoded)
-        if self.to_log:
+        if replicated:
             self._log_bytes.append((self.last_order, self._log_bytes_total))
-        while len(self._recent) > self.limits.replica_lag_max:
-            self._recent_floor = self._recent.popleft()[0]    # the op log serves a lagging replica
+        # Memory holds about replica_lag_max operations; the op log serves a lagging replica.
+        while self._recent and self._recent[0][1] < self.last_order - self.limits.replica_lag_max:
+            self._recent_floor = self._recent.popleft()[1]
         self._pump(now_ms)
 
     def local_durable_to(self, order: int, now_ms: int) -> None:
@@ -242,8 +236,8 @@ class MasterRole:
         if ack.durable_order > self.replica_durable:
             self.replica_durable = min(ack.durable_order, self.last_order)
             self._last_progress_ms = now_ms
-            while self._recent and self._recent[0][0] <= self.replica_durable:
-                self._recent_floor = self._recent.popleft()[0]
+            while self._recent and self._recent[0][1] <= self.replica_durable:
+                self._recent_floor = self._recent.popleft()[1]
         if (ack.gap or ack.durable_order < self.replica_durable) and self.sent_order > self.replica_durable \
                 and self._snapshot is None and now_ms - self._last_rewind_ms >= self.limits.resend_after_ms // 4:
             self.sent_order = self.replica_durable   # stream again from what it holds
@@ -560,18 +554,19 @@ class MasterRole:
             self._in_flight_bytes = 0
         while self.sent_order < self.last_order and self.sent_order - self.replica_durable < limits.window_max \
                 and self._in_flight_bytes < limits.window_bytes_max:
-            ops = self._next_ops(min(limits.append_batch_max, limits.window_max - (self.sent_order - self.replica_durable)))
-            if not ops:
+            entries = self._next_entries(min(limits.append_batch_max,
+                                             limits.window_max - (self.sent_order - self.replica_durable)))
+            if not entries:
                 break
-            size = sum(len(encoded) for _, encoded in ops)
-            in_flight.append((ops[-1][0], size))
+            size = sum(len(encoded) for _, _, encoded in entries)
+            in_flight.append((entries[-1][1], size))
             self._in_flight_bytes += size
             self._sent_commit = self.commit_order
             self._sent_recorded_commit = self.recorded_commit
             self.appends_sent += 1
             self._send(Append(self.core.name, self.incarnation, self.epoch, self.sent_order,
-                              tuple(encoded for _, encoded in ops), self._sent_commit, self.recorded_commit))
-            self.sent_order = ops[-1][0]
+                              tuple(encoded for _, _, encoded in entries), self._sent_commit, self.recorded_commit))
+            self.sent_order = entries[-1][1]
         if self._lost_from_log():
             return
         if self.commit_order > self._sent_commit or self.recorded_commit > self._sent_recorded_commit:
@@ -582,24 +577,29 @@ class MasterRole:
             self._send(Append(self.core.name, self.incarnation, self.epoch, self.sent_order, (), self._sent_commit,
                               self.recorded_commit))
 
-    def _next_ops(self, limit: int) -> list[tuple[int, bytes]]:
-        """The next (order, encoded operation) after sent_order: from memory, or older ones
-        from the op log (which holds what is durable here; the rest follows once it is)."""
-        if self.sent_order >= self._recent_floor:
-            ops = []
+    def _next_entries(self, limit: int) -> list[tuple[int, int, bytes]]:
+        """The next log entries (first, last, encoded) after sent_order for one Append: at
+        least one, then up to `limit` operations and APPEND_BYTES_MAX bytes. From memory, or
+        older ones from the op log (which holds what is durable here; the rest follows once
+        it is)."""
+        sent = self.sent_order
+        if sent >= self._recent_floor:
+            entries = []
+            size = 0
             for entry in self._recent:
-                if entry[0] > self.sent_order:
-                    ops.append(entry)
-                    if len(ops) == limit:
+                if entry[1] > sent:
+                    entries.append(entry)
+                    size += len(entry[2])
+                    if entry[1] - sent >= limit or size >= APPEND_BYTES_MAX:
                         break
-            return ops
-        older = self.oplog.read(self.core.queue_id, self.sent_order, limit)
-        if older and older[0][0] != self.sent_order + 1 and self.core.record.dead_letter_of is None:
+            return entries
+        older = self.oplog.read(self.core.queue_id, sent, limit, APPEND_BYTES_MAX)
+        if older and older[0][0] != sent + 1 and self.core.record.dead_letter_of is None:
             # A queue's orders have no holes (a dead-letter queue's do: its arrivals take
             # indices of their own), so this one was truncated away: see _lost_from_log.
             self.log_start = max(self.log_start, older[0][0])
             return []
-        return [entry for entry in older if entry[0] <= self._recent_floor]
+        return [entry for entry in older if entry[1] <= self._recent_floor]
 
     def _lost_from_log(self) -> bool:
         """What the replica needs next, or the order its transfer vouches for, was truncated (it

@@ -3,11 +3,12 @@
 Every message names the queue, its incarnation and the sender's epoch (fencing: a member
 refuses anything from an older epoch, DESIGN.md 4.1). Encoded as msgpack
 `[PROTOCOL_VERSION, tag, field, ...]`; tags are fixed, never reused, only added. Operations
-inside messages are encoded by `encode_operation`, which is also what the rolling digest
-hashes, so both members digest byte-identical records.
+travel in log entries: a run of consecutive replicated operations, encoded together by
+`encode_entry`, which is also what the rolling digest hashes and the op log stores, so both
+members digest and log byte-identical records, one per entry (not one per operation).
 
 The flows (seed 004 FIG. 21-22, with ordering-index acknowledgements):
-    master -> replica   Append(ops, commit_order)      every replicated operation, in order
+    master -> replica   Append(entries, commit_order)  every replicated operation, in order, in entries
     replica -> master   AppendAck(ordering=0, durable_order)   what the replica holds durably
     replica -> master   Open(last_epoch, last_order, digest, committed_order)   a (re)joining replica
     master -> replica   SyncBegin(from_order) · Append... · SyncEnd(order, digest)   what it lacks, from the log
@@ -21,6 +22,7 @@ The flows (seed 004 FIG. 21-22, with ordering-index acknowledgements):
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -28,29 +30,36 @@ import msgpack
 
 from replication.operations import OPERATION_TYPES, Operation
 
-PROTOCOL_VERSION = 3       # 2: snapshots (SyncBegin.snapshot, SnapshotChunk, SnapshotAck), Open.committed_order
+PROTOCOL_VERSION = 4       # 2: snapshots (SyncBegin.snapshot, SnapshotChunk, SnapshotAck), Open.committed_order
                            # 3: a snapshot resumed after a broken link (Open.snapshot_*, SyncBegin.resume_after)
+                           # 4: Append carries log entries (runs of operations), not single operations
 _OPERATION_FIELDS = {tag: tuple(f.name for f in fields(kind)) for tag, kind in OPERATION_TYPES.items()}
+# One C call reads an operation's fields in order (packed as [tag, fields...]).
+_OPERATION_GETTERS = {kind: (tag, operator.attrgetter(*_OPERATION_FIELDS[tag])) for tag, kind in OPERATION_TYPES.items()}
 
 
 class MessageError(ValueError):
     """Bytes from a peer that are not a well-formed message of this protocol version."""
 
 
-def encode_operation(op: Operation) -> bytes:
-    return msgpack.packb(_operation_row(op), use_bin_type=True)
+def encode_entry(ops: list[Operation]) -> bytes:
+    """One log entry: the operations of a run, in order (at least one)."""
+    getters = _OPERATION_GETTERS
+    rows = []
+    for op in ops:
+        tag, getter = getters[type(op)]
+        rows.append((tag, *getter(op)))
+    return msgpack.packb(rows, use_bin_type=True)
 
 
-def decode_operation(data: bytes) -> Operation:
+def decode_entry(data: bytes) -> list[Operation]:
     try:
-        row = msgpack.unpackb(data, raw=False)
+        rows = msgpack.unpackb(data, raw=False)
     except Exception as exc:  # msgpack raises several unrelated types for garbage
         raise MessageError(f"not msgpack: {type(exc).__name__}") from None
-    return _operation_from_row(row)
-
-
-def _operation_row(op: Operation) -> list[Any]:
-    return [op.TAG, *(getattr(op, name) for name in _OPERATION_FIELDS[op.TAG])]
+    if not isinstance(rows, list) or not rows:
+        raise MessageError("a log entry is a non-empty list of operations")
+    return [_operation_from_row(row) for row in rows]
 
 
 def _operation_from_row(row: Any) -> Operation:
@@ -69,7 +78,7 @@ class Append:
     incarnation: int
     epoch: int
     prev_order: int            # the ordering index of the op sent just before these (gap check)
-    ops: tuple[bytes, ...]     # encoded operations (encode_operation): logged and digested as is
+    entries: tuple[bytes, ...]  # encoded log entries (encode_entry): logged and digested as is
     commit_order: int          # the master's commit point, so the replica may expose up to it
     # The commit point the master's own storage has recorded (a master restarted after a crash
     # follows on from it): the replica keeps its op log from there, so that if it is promoted,
@@ -295,7 +304,7 @@ def encode_message(message: Message) -> bytes:
     row: list[Any] = [PROTOCOL_VERSION, message.TAG]
     for name in _MESSAGE_FIELDS[message.TAG]:
         value = getattr(message, name)
-        row.append(list(value) if name == "ops" else value)
+        row.append(list(value) if name == "entries" else value)
     return msgpack.packb(row, use_bin_type=True)
 
 
@@ -316,11 +325,11 @@ def decode_message(data: bytes) -> Message:
     if len(values) != len(names):
         raise MessageError(f"message {kind.__name__} has {len(names)} fields")
     arguments = dict(zip(names, values, strict=True))
-    if "ops" in arguments:
-        ops = arguments["ops"]
-        if not isinstance(ops, list) or not all(isinstance(op, bytes) for op in ops):
-            raise MessageError("ops are encoded operations")
-        arguments["ops"] = tuple(ops)
+    if "entries" in arguments:
+        entries = arguments["entries"]
+        if not isinstance(entries, list) or not all(isinstance(entry, bytes) for entry in entries):
+            raise MessageError("entries are encoded log entries")
+        arguments["entries"] = tuple(entries)
     try:
         return kind(**arguments)  # type: ignore[no-any-return]
     except TypeError as exc:

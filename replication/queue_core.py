@@ -153,6 +153,31 @@ class QueueCore:
             earlier = self._find_dedupe(dedupe_id, now_ms)
             if earlier is not None:
                 return earlier, True
+        return self._place(payload, priority, dedupe_id, client, now_ms, out), False
+
+    def enqueue_many(self, payloads: list[bytes], priority: int, dedupe_ids: list[str | None], client: str,
+                     now_ms: int, out: list[Operation]) -> list[int | QueueError]:
+        """A batch in one step: each message's id (a kept dedupe id's earlier one), or the
+        error that refused it. The committed dedupe ids are looked up in one read."""
+        staged, sealed = self._dedupe.staged, self._dedupe.sealed
+        unknown = [d for d in dedupe_ids if d is not None and d not in staged and d not in sealed]
+        stored = self._reader.dedupe_lookup_many(self.queue_id, unknown) if unknown else {}
+        window_ms, place = self._dedupe_window_ms, self._place
+        outcomes: list[int | QueueError] = []
+        for payload, dedupe_id in zip(payloads, dedupe_ids, strict=True):
+            if dedupe_id is not None:
+                hit = staged.get(dedupe_id) or sealed.get(dedupe_id) or stored.get(dedupe_id)
+                if hit is not None and now_ms - hit[1] <= window_ms:
+                    outcomes.append(hit[0])
+                    continue
+            try:
+                outcomes.append(place(payload, priority, dedupe_id, client, now_ms, out))
+            except QueueError as error:
+                outcomes.append(error)
+        return outcomes
+
+    def _place(self, payload: bytes, priority: int, dedupe_id: str | None, client: str, now_ms: int,
+               out: list[Operation]) -> int:
         record = self.record
         if record.ready_count + len(self._leases) >= record.options.max_depth:
             raise QueueError(E_QUEUE_FULL, f"queue {record.name} holds {record.options.max_depth} messages")
@@ -166,7 +191,7 @@ class QueueCore:
             record.highest_depth = record.ready_count + len(self._leases)
         if dedupe_id is not None:
             self._dedupe.staged[dedupe_id] = (index, now_ms)
-        return index, False
+        return index
 
     def lease(self, max_messages: int, visibility_ms: int | None, client: str, now_ms: int,
               out: list[Operation]) -> list[Leased]:

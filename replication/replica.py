@@ -30,7 +30,7 @@ from typing import Any
 
 from replication.digest import EMPTY_DIGEST, fold_encoded
 from replication.invariants import InvariantViolation
-from replication.master import RESYNC, Applied, ReplicationLimits
+from replication.master import RESYNC, ReplicationLimits
 from replication.messages import (
     Append,
     AppendAck,
@@ -45,10 +45,10 @@ from replication.messages import (
     SnapshotChunk,
     SyncBegin,
     SyncEnd,
-    decode_operation,
+    decode_entry,
 )
 from replication.operations import DeadLettered, Operation
-from replication.oplog import OpLogReader
+from replication.oplog import LogEntry, OpLogReader
 from replication.queue_core import QueueCore
 from replication.snapshot import EMPTY_STATE_HASH, check_rows, fold_rows
 
@@ -133,7 +133,7 @@ class ReplicaRole:
         self.discards: list[int] = []
         self.snapshot_rows: list[list[Any]] = []
         self.installs: list[SnapshotInstall] = []
-        self.applied: list[Applied] = []
+        self.applied: list[LogEntry] = []    # entries applied, for the driver to persist
         self.outbox: list[tuple[str, Message]] = []
         self.forward_results: list[ForwardResult] = []
 
@@ -224,10 +224,11 @@ class ReplicaRole:
             self.core.visible_upto = self.visible_order
         previous = append.prev_order
         repeated = False
-        for encoded in append.ops:
-            op = self._localized(decode_operation(encoded))
-            if op.order <= self.applied_order:
-                previous = op.order     # already applied (a resend)
+        for encoded in append.entries:
+            ops = decode_entry(encoded)
+            last = ops[-1].order
+            if last <= self.applied_order:
+                previous = last         # already applied (a resend)
                 repeated = True
                 continue
             if previous != self.applied_order:
@@ -238,12 +239,17 @@ class ReplicaRole:
                     self._send(AppendAck(self.core.name, self.incarnation, self.epoch, 0, self.durable_order, True,
                                          self.session))
                 return
-            self.core.apply(op)
+            if ops[0].order <= self.applied_order:
+                raise InvariantViolation(f"queue {self.core.name}: a log entry {ops[0].order}..{last} straddles "
+                                         f"the applied order {self.applied_order} (both members' entries are the same)")
+            apply = self.core.apply
+            for op in ops:
+                apply(self._localized(op))
             self.digest = fold_encoded(self.digest, encoded)
-            self.applied_order = op.order
-            self._recent_digests.append((op.order, self.digest))
-            self.applied.append(Applied(op, self.digest, encoded))
-            previous = op.order
+            self.applied_order = last
+            self._recent_digests.append((last, self.digest))
+            self.applied.append(LogEntry(ops, self.digest, encoded))
+            previous = last
             self._last_progress_ms = self._now_ms
             repeated = False
         if repeated:

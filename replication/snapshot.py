@@ -21,11 +21,11 @@ Pure: `MemorySnapshotView` is the in-memory twin of the LMDB view in qserver/sto
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgpack
+import xxhash
 
 from replication.messages import MessageError
 
@@ -63,8 +63,9 @@ class SnapshotSource(Protocol):
 
 def fold_rows(state_hash: bytes, rows: list[list[Any]]) -> bytes:
     """The content hash after one chunk: both sides hash the rows' msgpack encoding."""
-    return hashlib.blake2b(state_hash + msgpack.packb(rows, use_bin_type=True),
-                           digest_size=STATE_HASH_BYTES).digest()
+    hasher = xxhash.xxh3_128(state_hash)      # as the rolling digest (replication/digest.py)
+    hasher.update(msgpack.packb(rows, use_bin_type=True))
+    return hasher.digest()
 
 
 def message_row(kind: int, index: int, priority: int, enqueued_ms: int, dedupe_id: str | None, client: str,

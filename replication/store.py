@@ -28,6 +28,10 @@ class StoreReader(Protocol):
         """(message index, enqueued_ms) of a committed enqueue with this dedupe id, if kept."""
         ...
 
+    def dedupe_lookup_many(self, queue_id: int, dedupe_ids: list[str]) -> dict[str, tuple[int, int]]:
+        """The same for many ids at once (a batch's): only those kept are in the answer."""
+        ...
+
 
 @dataclass(slots=True)
 class StoredLease:
@@ -66,6 +70,10 @@ class MemoryStore:
 
     def dedupe_lookup(self, queue_id: int, dedupe_id: str) -> tuple[int, int] | None:
         return self._queue(queue_id).dedupe.get(dedupe_id)
+
+    def dedupe_lookup_many(self, queue_id: int, dedupe_ids: list[str]) -> dict[str, tuple[int, int]]:
+        kept = self._queue(queue_id).dedupe
+        return {dedupe_id: kept[dedupe_id] for dedupe_id in dedupe_ids if dedupe_id in kept}
 
     def leases(self, queue_id: int) -> list[StoredLease]:
         return list(self._queue(queue_id).leases.values())

@@ -91,11 +91,11 @@ def test_storage_erases_a_truncated_suffix_before_the_batch_that_follows(tmp_pat
     record = QueueRecord(1, "events", QueueOptions(strength=Strength.PRODUCER), AT_MS, next_index=6)
     first = SealedBatch(operations=[Enqueued(1, i, 4, AT_MS, f"d{i}", "c", b"x") for i in range(1, 6)],
                         queue_records={"events": record.to_json()},
-                        oplog_rows=[(1, i, bytes(16), b"op") for i in range(1, 6)])
+                        oplog_rows=[(1, i, i, bytes(16), b"op") for i in range(1, 6)])
     storage.commit(first)
     # the suffix 4..5 goes, and the new master's 4 lands in the same transaction after it
     second = SealedBatch(operations=[Enqueued(1, 4, 4, AT_MS, "new", "c", b"y")],
-                         queue_records={"events": record.to_json()}, oplog_rows=[(1, 4, bytes(16), b"op")],
+                         queue_records={"events": record.to_json()}, oplog_rows=[(1, 4, 4, bytes(16), b"op")],
                          truncations=[(1, 3)])
     storage.commit(second)
     storage.begin_read()
@@ -245,15 +245,15 @@ def test_operations_applied_as_replica_in_the_batch_where_the_node_became_master
                       recorded_in_sync=True, last_order=1, digest=digest)
     driver.masters["events"] = role
     decided = Enqueued(1, 2, 4, AT_MS, "b", "c", b"y")          # its first own operation
-    rows: list[tuple[int, int, bytes, bytes]] = []
+    rows: list[tuple[int, int, int, bytes, bytes]] = []
     driver.before_commit([applied, decided], rows, AT_MS)
-    assert [order for _, order, _, _ in rows] == [2]
+    assert [(first, last) for _, first, last, _, _ in rows] == [(2, 2)]
     assert role.digest == fold(digest, decided) and role.last_order == 2
 
 
 def storage_stub() -> Any:
     class _OpLog:
-        def read(self, queue_id: int, after_order: int, limit: int) -> list[tuple[int, bytes]]:
+        def read(self, queue_id: int, after_order: int, limit: int, bytes_max: int = 0) -> list[tuple[int, int, bytes]]:
             return []
 
         def digest_at(self, queue_id: int, order: int) -> bytes | None:
@@ -394,7 +394,7 @@ def test_storage_journals_a_role_record_where_it_happened_among_its_batchs_opera
     mark = [AT_MS, "events", 1, 1, 1, "epoch", 0, "restart", 0, 0, 0, "replica", "n1", ""]
     batch = SealedBatch(operations=[Enqueued(1, i, 4, AT_MS, f"d{i}", "c", b"x") for i in range(1, 4)],
                         queue_records={"events": record.to_json()},
-                        oplog_rows=[(1, i, bytes(16), b"op") for i in range(1, 4)],
+                        oplog_rows=[(1, i, i, bytes(16), b"op") for i in range(1, 4)],
                         journal_marks=[(1, mark)])
     storage.commit(batch)
     assert [(row[5], row[4]) for row in storage.journal_records()] == [

@@ -391,6 +391,19 @@ def test_a_repeated_dedupe_id_is_answered_even_when_the_queue_is_full() -> None:
     assert error_code(lambda: driver.enqueue(dedupe_id="order-2")) == E_QUEUE_FULL.code
 
 
+def test_a_batch_in_one_step_answers_each_message_as_single_enqueues_would() -> None:
+    driver = Driver(QueueOptions(max_depth=4))
+    first = driver.enqueue(b"x", dedupe_id="kept")                 # committed: found in storage
+    staged = driver.enqueue(b"y", dedupe_id="staged", commit=False)
+    outcomes = driver.core.enqueue_many([b"a", b"b", b"c", b"d", b"e", b"f"], 4,
+                                        ["kept", None, "staged", "new", "new", "over"], "c", driver.now_ms,
+                                        driver.staged)
+    assert outcomes[:5] == [first, staged + 1, staged, staged + 2, staged + 2]
+    assert isinstance(outcomes[5], QueueError) and outcomes[5].code == E_QUEUE_FULL.code
+    assert enqueues_of(driver.commit()) == [staged, staged + 1, staged + 2]
+    assert driver.core.record.ready_count == 4 and driver.core.record.total_enqueued == 4
+
+
 # --- dead letters and replies ---------------------------------------------------------------
 def test_after_max_deliveries_a_message_moves_to_the_dead_letter_queue_with_its_payload() -> None:
     driver = Driver(QueueOptions(max_deliveries=3))

@@ -64,7 +64,7 @@ def enqueue(member: Member, role: MasterRole, count: int, now_ms: int = 0) -> No
     member.store.apply(ops)
     role.replicate(ops, now_ms)
     for row in role.to_log:
-        member.oplog.append(member.queue_id, row.op, row.digest, row.encoded)
+        member.oplog.append(member.queue_id, row.ops, row.digest, row.encoded)
     role.to_log.clear()
     role.local_durable_to(role.last_order, now_ms)
 
@@ -226,24 +226,25 @@ def test_a_data_directory_of_another_layout_is_refused_with_what_to_do(tmp_path:
     with env.begin(write=True, db=env.open_db(b"meta")) as txn:
         txn.put(b"schema_version", (SCHEMA_VERSION - 1).to_bytes(8, "big"))
     env.close()
-    with pytest.raises(StorageLayoutError, match="layout 1.*reads layout 2.*empty one"):
+    with pytest.raises(StorageLayoutError, match=f"layout {SCHEMA_VERSION - 1}.*reads layout {SCHEMA_VERSION}.*empty one"):
         Storage(tmp_path / "lmdb", node_id="n1")
     (tmp_path / "node.toml").write_text(f'[node]\nnode_id = "n1"\ndata_dir = "{tmp_path}"\nport = 1\n')
     result = subprocess.run([sys.executable, "-m", "qserver", "run", "--config", str(tmp_path / "node.toml")],
                             cwd=REPOSITORY, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and "storage layout 1" in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 2 and f"storage layout {SCHEMA_VERSION - 1}" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_storage_truncates_the_log_in_bounded_steps_and_serves_nothing_below_its_start(tmp_path: Path) -> None:
     storage = Storage(tmp_path / "lmdb", node_id="n1")
     try:
         batch = SealedBatch()
-        batch.oplog_rows = [(5, order, bytes([order % 256]) * 16, b"op") for order in range(1, 101)]
+        batch.oplog_rows = [(5, order, order, bytes([order % 256]) * 16, b"op") for order in range(1, 101)]
         storage.commit(batch)
         storage.commit(SealedBatch(log_floors={5: 60}))
         storage.end_read()
         assert storage.first(5) == 60 and storage.last(5)[0] == 100
-        assert [order for order, _ in storage.read(5, 0, 1000)][:2] == [60, 61]
+        assert [last for _, last, _ in storage.read(5, 0, 1000)][:2] == [60, 61]
         assert storage.digest_at(5, 60) == bytes([60]) * 16 and storage.digest_at(5, 59) is None
         assert storage.count("oplog") == 41 + 1          # from the floor on, and the log-start record
     finally:

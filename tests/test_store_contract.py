@@ -34,6 +34,7 @@ class Backend(Protocol):
     def ready_page(self, queue_id: int, priority: int, after_index: int, before_index: int,
                    limit: int) -> list[tuple[int, int]]: ...
     def dedupe_lookup(self, queue_id: int, dedupe_id: str) -> tuple[int, int] | None: ...
+    def dedupe_lookup_many(self, queue_id: int, dedupe_ids: list[str]) -> dict[str, tuple[int, int]]: ...
     def leases(self, queue_id: int) -> list[StoredLease]: ...
     def payload(self, queue_id: int, index: int) -> bytes | None: ...
 
@@ -51,6 +52,9 @@ class MemoryBackend:
 
     def dedupe_lookup(self, queue_id: int, dedupe_id: str) -> tuple[int, int] | None:
         return self.store.dedupe_lookup(queue_id, dedupe_id)
+
+    def dedupe_lookup_many(self, queue_id: int, dedupe_ids: list[str]) -> dict[str, tuple[int, int]]:
+        return self.store.dedupe_lookup_many(queue_id, dedupe_ids)
 
     def leases(self, queue_id: int) -> list[StoredLease]:
         return sorted(self.store.leases(queue_id), key=lambda lease: lease.index)
@@ -77,6 +81,9 @@ class LmdbBackend:
     def dedupe_lookup(self, queue_id: int, dedupe_id: str) -> tuple[int, int] | None:
         found = self.storage.dedupe_lookup(queue_id, dedupe_id)
         return None if found is None else tuple(found)  # type: ignore[return-value]
+
+    def dedupe_lookup_many(self, queue_id: int, dedupe_ids: list[str]) -> dict[str, tuple[int, int]]:
+        return {key: tuple(found) for key, found in self.storage.dedupe_lookup_many(queue_id, dedupe_ids).items()}  # type: ignore[misc]
 
     def leases(self, queue_id: int) -> list[StoredLease]:
         return sorted(self.storage.load_leases(queue_id), key=lambda lease: lease.index)
@@ -196,12 +203,16 @@ def test_a_dedupe_id_names_the_latest_enqueue_that_used_it_within_its_queue(stor
     # An ack ends the message, not its dedupe id.
     store.commit([leased(3), acked(3)])
     assert store.dedupe_lookup(QUEUE, "order-1") == (3, AT_MS + 500_000)
+    # A batch's ids in one read: only those kept answer.
+    assert store.dedupe_lookup_many(QUEUE, ["order-1", "order-", "order-2", "missing"]) == {
+        "order-1": (3, AT_MS + 500_000), "order-2": (2, AT_MS + 1)}
 
 
 def test_dedupe_ids_are_matched_exactly_whatever_their_characters(store: Backend) -> None:
     ids = ["", "ö", "a/b", "x" * 300, "\x00", "日本"]
     store.commit([enqueued(n + 1, dedupe_id=dedupe_id) for n, dedupe_id in enumerate(ids)])
     assert [store.dedupe_lookup(QUEUE, dedupe_id) for dedupe_id in ids] == [(n + 1, AT_MS) for n in range(len(ids))]
+    assert store.dedupe_lookup_many(QUEUE, ids) == {dedupe_id: (n + 1, AT_MS) for n, dedupe_id in enumerate(ids)}
 
 
 def test_leases_are_listed_per_queue(store: Backend) -> None:

@@ -21,10 +21,10 @@ from typing import Any
 
 from client.errors import QueueError
 from replication.digest import EMPTY_DIGEST
-from replication.master import Applied, InSyncProposal, MasterRole, ReplicationLimits
+from replication.master import InSyncProposal, MasterRole, ReplicationLimits
 from replication.messages import Forward, Message, decode_message, encode_message
 from replication.operations import Enqueued, Leased, Operation
-from replication.oplog import MemoryOpLog
+from replication.oplog import LogEntry, MemoryOpLog
 from replication.options import QueueOptions, QueueState, Strength
 from replication.queue_core import QueueCore, QueueRecord
 from replication.replica import ReplicaRole, SnapshotInstall
@@ -169,7 +169,7 @@ class SimNode:
         self.durable_batch = 0
         self.fsync_in_flight = False
         self.staged_ops: list[Operation] = []
-        self.staged_log: list[Applied] = []
+        self.staged_log: list[LogEntry] = []
         self.pending: list[Pending] = []
         self.waiting_forwards: dict[int, Callable[[list[Any]], None]] = {}
         self.next_request = 1
@@ -241,12 +241,13 @@ class SimNode:
             for install in role.installs:
                 self._stage_install(install)
             role.installs.clear()
-            for applied in role.applied:
-                if applied.op.order != self.applied_upto + 1:
-                    raise InvariantBroken(f"{self.name} applied order {applied.op.order} after {self.applied_upto}: "
-                                          "a catch-up skipped what the member lacked")
-                self.applied_upto = applied.op.order
-            self.staged_ops.extend(applied.op for applied in role.applied)
+            for entry in role.applied:
+                for op in entry.ops:
+                    if op.order != self.applied_upto + 1:
+                        raise InvariantBroken(f"{self.name} applied order {op.order} after {self.applied_upto}: "
+                                              "a catch-up skipped what the member lacked")
+                    self.applied_upto = op.order
+                self.staged_ops.extend(entry.ops)
             self.staged_log.extend(role.applied)
             role.applied.clear()
             for result in role.forward_results:
@@ -358,7 +359,7 @@ class SimNode:
             return floor
         return role.log_floor
 
-    def _fsync_done(self, boots: int, batch: int, ops: list[Operation], log: list[Applied],
+    def _fsync_done(self, boots: int, batch: int, ops: list[Operation], log: list[LogEntry],
                     record: dict[str, Any], snapshot: tuple[Any, Any, Any, int]) -> None:
         if boots != self.boots or not self.up:
             return
@@ -375,8 +376,8 @@ class SimNode:
                 self.oplog.install(self.queue_id, install.order, install.digest)
         self.store.apply(ops)
         for row in log:
-            self.oplog.append(row.op.queue_id, row.op, row.digest, row.encoded)
-            self.history.append(row.op.queue_id, row.op, row.digest, row.encoded)
+            self.oplog.append(row.ops[0].queue_id, row.ops, row.digest, row.encoded)
+            self.history.append(row.ops[0].queue_id, row.ops, row.digest, row.encoded)
         if current:
             self.truncated_rows += self.oplog.truncate(self.queue_id, floor)
             for install, received in installs:
@@ -384,13 +385,13 @@ class SimNode:
                 self.snapshots_installed += 1
         if current:
             self.record_json = record
-        log = [row for row in log if row.op.queue_id == self.queue_id]
+        log = [row for row in log if row.ops[0].queue_id == self.queue_id]
         self.core.advance()
         if isinstance(self.role, MasterRole) and current:
             self.role.recorded_commit = int(record["commit_order"])
         self.durable_batch = batch
         self.fsync_in_flight = False
-        durable = max([row.op.order for row in log] + [install.order for install, _ in installs if current],
+        durable = max([row.last for row in log] + [install.order for install, _ in installs if current],
                       default=0)
         if durable:
             self.role.local_durable_to(durable) if isinstance(self.role, ReplicaRole) \
@@ -574,9 +575,9 @@ class Simulation:
         self.liveness_phase()
         return self
 
-    def oplog_rows(self, node: SimNode) -> list[tuple[int, bytes]]:
-        """What the node's (truncated) op log still holds."""
-        return [(order, encoded) for order, encoded in node.oplog.read(node.queue_id, 0, 10**9)]
+    def oplog_rows(self, node: SimNode) -> list[tuple[int, int, bytes]]:
+        """What the node's (truncated) op log still holds: (first, last, encoded entry)."""
+        return node.oplog.read(node.queue_id, 0, 10**9)
 
     def surviving_enqueues(self, node: SimNode) -> set[int]:
         """Enqueues in the node's whole durable history (of its current instance)."""

@@ -575,7 +575,7 @@ class EngineSimulation:
     def held(self, node_id: str) -> set[int]:
         return self.members[node_id].storage.held(self.queue_id(node_id))
 
-    def oplog_rows(self, node_id: str) -> list[tuple[int, bytes]]:
+    def oplog_rows(self, node_id: str) -> list[tuple[int, int, bytes]]:
         return self.members[node_id].storage.oplog_rows(self.queue_id(node_id))
 
     def surviving_payloads(self, node_id: str) -> dict[int, bytes]:

@@ -17,7 +17,7 @@ from typing import Any
 
 from qserver.storage import CommitResult, SealedBatch
 from replication.digest import EMPTY_DIGEST
-from replication.messages import decode_operation
+from replication.messages import decode_entry
 from replication.operations import Enqueued
 from replication.oplog import MemoryOpLog
 from replication.queue_core import QueueRecord
@@ -82,6 +82,9 @@ class MemoryStorage:
     def dedupe_lookup(self, queue_id: int, dedupe_id: str) -> tuple[int, int] | None:
         return self.store.dedupe_lookup(queue_id, dedupe_id)
 
+    def dedupe_lookup_many(self, queue_id: int, dedupe_ids: list[str]) -> dict[str, tuple[int, int]]:
+        return self.store.dedupe_lookup_many(queue_id, dedupe_ids)
+
     def message_status(self, queue_id: int, index: int) -> tuple[str, int, bytes | None] | None:
         queue = self.store.queues.get(queue_id)
         if queue is None:
@@ -96,8 +99,8 @@ class MemoryStorage:
         return None
 
     # --- the op log (OpLogReader) ----------------------------------------------------------
-    def read(self, queue_id: int, after_order: int, limit: int) -> list[tuple[int, bytes]]:
-        return self.oplog.read(queue_id, after_order, limit)
+    def read(self, queue_id: int, after_order: int, limit: int, bytes_max: int = 1 << 62) -> list[tuple[int, int, bytes]]:
+        return self.oplog.read(queue_id, after_order, limit, bytes_max)
 
     def digest_at(self, queue_id: int, order: int) -> bytes | None:
         return self.oplog.digest_at(queue_id, order)
@@ -147,9 +150,9 @@ class MemoryStorage:
             self.oplog.clear(queue_id)
         for name, record in batch.queue_records.items():
             self.records[name] = dict(record)
-        for queue_id, _order, digest, encoded in batch.oplog_rows:
-            self.oplog.append(queue_id, decode_operation(encoded), digest, encoded)
-            self.history.append(queue_id, decode_operation(encoded), digest, encoded)
+        for queue_id, _first, _last, digest, encoded in batch.oplog_rows:
+            self.oplog.append(queue_id, decode_entry(encoded), digest, encoded)
+            self.history.append(queue_id, decode_entry(encoded), digest, encoded)
         for queue_id, floor in batch.log_floors.items():
             self.oplog.truncate(queue_id, floor)
         self.epochs.update(batch.epochs)
@@ -188,7 +191,7 @@ class MemoryStorage:
         queue = self.store.queues.get(queue_id)
         return set() if queue is None else set(queue.messages)
 
-    def oplog_rows(self, queue_id: int) -> list[tuple[int, bytes]]:
+    def oplog_rows(self, queue_id: int) -> list[tuple[int, int, bytes]]:
         """What the (truncated) op log still holds."""
         return self.oplog.read(queue_id, 0, 10**9)
 
