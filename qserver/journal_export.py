@@ -39,7 +39,8 @@ API for the node (the HTTP route `POST /v1/journal/export` and `qctl journal exp
                                              highest ordering index every member holds) is passed
 
 Threads: `export` reads in its own LMDB read transaction and writes files: run it off the
-event loop (an executor thread). `prune` deletes in short write transactions of at most
+event loop. A node runs it, with the prune's scan, in a process of its own
+(`export_in_process`), where its msgpack work never competes for the engine's GIL. `prune` deletes in short write transactions of at most
 `prune_keys_per_txn_max` keys: run it on the storage writer's thread, between commits, so it
 neither waits behind a group commit nor delays one. It deletes only records that are exported
 (found in the destination), at or below the caller's `safe_sequence` (the pair's members have
@@ -276,6 +277,11 @@ class JournalExporter:
                                      info.path))
         return sorted(found, key=lambda segment: segment.first_sequence)
 
+    def forget_exported(self) -> None:
+        """Segments were written by another exporter of this journal (the node's export
+        process): find them again in the destination."""
+        self._exported_through = None
+
     @property
     def exported_through(self) -> int:
         if self._exported_through is None:
@@ -411,6 +417,28 @@ def safe_sequence_for(source: JournalSource, floors: Mapping[int, int], scan_max
                 break
         bound = sequence
     return bound
+
+
+def export_in_process(path: str, settings: ExportSettings, now_ms: int, force: bool,
+                      floors: Mapping[int, int]) -> tuple[list[Segment], int]:
+    """What a node runs in its export process (qserver/node.py): export what is due from the
+    environment at `path`, opened read-only here, and find the journal's safe sequence for the
+    prune (`safe_sequence_for`, up to what is exported). Both are scans of up to a million
+    records with msgpack: in a process of their own they never hold the engine's GIL. The
+    environment is opened for each call, since the node may grow its map in between (LMDB
+    answers a reader of an older size with MapResizedError; once more, at the new size)."""
+    for attempt in (1, 2):
+        source = JournalSource.open(path)
+        try:
+            exporter = JournalExporter(source, settings)
+            segments = exporter.export(now_ms, force=force)
+            return segments, safe_sequence_for(source, floors, upto=exporter.exported_through)
+        except lmdb.MapResizedError:
+            if attempt == 2:
+                raise
+        finally:
+            source.close()
+    raise AssertionError("unreachable")
 
 
 def export_environment(path: str | Path, destination: str, *, segment_records_max: int = 200_000,

@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import multiprocessing
 import signal
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +23,7 @@ from qserver.auth import Authenticator
 from qserver.config import NodeConfig
 from qserver.engine import Engine
 from qserver.http_api import add_routes, errors_and_auth
-from qserver.journal_export import ExportSettings, JournalExporter, JournalSource, safe_sequence_for
+from qserver.journal_export import ExportSettings, JournalExporter, JournalSource, export_in_process
 from qserver.membership import RaftMembership
 from qserver.metrics import render_family
 from qserver.peers import PEER_PATH, PeerTransport
@@ -48,6 +52,7 @@ class Node:
         self.engine.on_clients_changed = self._clients_changed
         self.journal = self._journal_exporter()
         self._journal_task: asyncio.Task[None] | None = None
+        self._export_pool: ProcessPoolExecutor | None = None
 
     def _journal_exporter(self) -> JournalExporter | None:
         config = self.config
@@ -65,21 +70,34 @@ class Node:
         exporter = self.journal
         if exporter is None:
             raise QueueError(e.E_INVALID_OPTION, "this node keeps no journal (journal_enabled = false)")
-        loop = asyncio.get_running_loop()
         now_ms = int(time.time() * 1000)
-        segments = await loop.run_in_executor(None, lambda: exporter.export(now_ms, force=force))
-        pruned = await self._prune_journal(exporter, now_ms)
+        segments, safe = await self._in_export_process(now_ms, force, await self._passed_by_every_member())
+        exporter.forget_exported()       # the export process wrote segments: read them again
+        pruned = await asyncio.get_running_loop().run_in_executor(self.engine.writer, exporter.prune, safe, now_ms)
         return {**exporter.status(), "segments_written": [segment.path for segment in segments], "pruned": pruned}
 
-    async def _prune_journal(self, exporter: JournalExporter, now_ms: int) -> int:
-        loop = asyncio.get_running_loop()
-        floors: asyncio.Future[dict[int, int]] = loop.create_future()
+    async def _passed_by_every_member(self) -> dict[int, int]:
+        floors: asyncio.Future[dict[int, int]] = asyncio.get_running_loop().create_future()
         self.engine.invoke(lambda now: floors.set_result(self.engine.pairs.passed_by_every_member()))
-        passed = await floors
-        # A scan of up to a million records: off the loop (a snapshot journals one per message).
-        safe = await loop.run_in_executor(
-            None, lambda: safe_sequence_for(exporter.source, passed, upto=exporter.exported_through))
-        return await loop.run_in_executor(self.engine.writer, exporter.prune, safe, now_ms)
+        return await floors
+
+    async def _in_export_process(self, now_ms: int, force: bool, floors: dict[int, int]) -> tuple[list[Any], int]:
+        """Export and the prune's scan (up to a million records with msgpack each) run in a
+        process of their own: in a thread they held the engine's GIL for a third of its time
+        and halved the node's throughput while they ran (bench/RESULTS.md)."""
+        assert self.journal is not None
+        if self._export_pool is None:
+            self._export_pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        call = functools.partial(export_in_process, str(self.storage.path), self.journal.settings, now_ms, force, floors)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._export_pool, call)
+        except BrokenProcessPool:
+            self._export_pool = None          # it died (killed?): a new one next time
+            raise
+
+    async def _prune_journal(self, exporter: JournalExporter, now_ms: int) -> int:
+        _, safe = await self._in_export_process(now_ms, False, await self._passed_by_every_member())
+        return await asyncio.get_running_loop().run_in_executor(self.engine.writer, exporter.prune, safe, now_ms)
 
     async def _export_journal_when_due(self) -> None:
         assert self.journal is not None
@@ -143,6 +161,8 @@ class Node:
     async def stop(self) -> None:
         if self._journal_task is not None:
             self._journal_task.cancel()
+        if self._export_pool is not None:
+            self._export_pool.shutdown(wait=False, cancel_futures=True)
         for connection in list(self.connections):
             await connection.close_with(QueueError(e.E_SHUTTING_DOWN, "the node is stopping"))
         if self.peers is not None:

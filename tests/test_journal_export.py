@@ -3,8 +3,10 @@ written where pyarrow.fs can write, continued after a restart, pruned only when 
 and past the retention; what the files say is what LMDB said, and the audit reads it."""
 from __future__ import annotations
 
+import multiprocessing
 import struct
 import zlib
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -17,6 +19,7 @@ from qserver.journal_export import (
     JournalExporter,
     JournalSource,
     export_environment,
+    export_in_process,
     safe_sequence_for,
 )
 from qserver.storage import JOURNAL_FIELDS as STORAGE_FIELDS
@@ -160,6 +163,24 @@ def test_the_safe_bound_follows_the_index_every_member_holds(storage: Storage) -
     assert safe_sequence_for(source, {1: 5}) == 10
     assert safe_sequence_for(source, {1: 10, 2: 2}) == 7
     assert safe_sequence_for(source, {}) == 15
+
+
+def test_the_node_exports_and_finds_the_safe_bound_in_a_process_of_its_own(storage: Storage, tmp_path: Path) -> None:
+    """What the node's export process runs, as the node runs it: in a spawned process that opens
+    the environment read-only while this process holds it open for writing and grows its map
+    in between, as a node's map grows under traffic."""
+    settings = ExportSettings(str(tmp_path / "out"), segment_records_max=4)
+    commit_enqueues(storage, 1, 1, 6)
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        segments, safe = pool.submit(export_in_process, str(storage.path), settings, NOW_MS, False, {1: 5}).result()
+        assert [(s.first_sequence, s.last_sequence) for s in segments] == [(1, 4)] and safe == 4
+        storage.end_read()
+        storage.grow_map()
+        commit_enqueues(storage, 1, 7, 3)
+        segments, safe = pool.submit(export_in_process, str(storage.path), settings, NOW_MS, True, {1: 9}).result()
+    assert [(s.first_sequence, s.last_sequence) for s in segments] == [(5, 8), (9, 9)] and safe == 9
+    node_side = JournalExporter(JournalSource.from_storage(storage), settings)
+    assert node_side.exported_through == 9
 
 
 def test_an_undecodable_record_is_exported_and_named_by_the_audit(storage: Storage, tmp_path: Path) -> None:
