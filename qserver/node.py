@@ -5,6 +5,7 @@ import asyncio
 import functools
 import logging
 import multiprocessing
+import os
 import signal
 import sys
 import time
@@ -23,7 +24,7 @@ from qserver.auth import Authenticator
 from qserver.config import NodeConfig
 from qserver.engine import Engine
 from qserver.http_api import add_routes, errors_and_auth
-from qserver.journal_export import ExportSettings, JournalExporter, JournalSource, export_in_process
+from qserver.journal_export import ExportSettings, JournalExporter, JournalSource, exit_with_parent, export_in_process
 from qserver.membership import RaftMembership
 from qserver.metrics import render_family
 from qserver.peers import PEER_PATH, PeerTransport
@@ -87,7 +88,8 @@ class Node:
         and halved the node's throughput while they ran (bench/RESULTS.md)."""
         assert self.journal is not None
         if self._export_pool is None:
-            self._export_pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+            self._export_pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                                                    initializer=exit_with_parent, initargs=(os.getpid(),))
         call = functools.partial(export_in_process, str(self.storage.path), self.journal.settings, now_ms, force, floors)
         try:
             return await asyncio.get_running_loop().run_in_executor(self._export_pool, call)

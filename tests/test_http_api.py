@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -217,4 +219,28 @@ async def test_journal_export_on_demand_writes_parquet_segments_under_the_data_d
     status, answer, _ = await api.request("POST", "/v1/journal/export", {})
     assert status == 200 and answer["segments_written"] and answer["exported_through"] >= 1, answer
     assert answer["destination"].endswith("journal-export") and answer["pending_records"] == 0
+
+
+async def test_the_export_process_goes_when_its_node_is_killed(qnode, api: RawApi) -> None:  # type: ignore[no-untyped-def]
+    """The export runs in a process of its own (spawned by the node); a SIGKILL of the node
+    leaves no orphan behind (tests and supervisors kill nodes all the time)."""
+    await api.request("PUT", "/v1/queues/audited", {})
+    await put(api, "audited", b"a")
+    status, _, _ = await api.request("POST", "/v1/journal/export", {})
+    assert status == 200
+    children = [int(pid) for pid in Path(f"/proc/{qnode.process.pid}/task/{qnode.process.pid}/children")
+                .read_text().split()]
+    assert children, "the export ran in a child process"
+    qnode.kill()
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() and _state(pid) != "Z" for pid in children):
+        assert time.monotonic() < deadline, f"export process {children} outlived its node"
+        await asyncio.sleep(0.2)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
 
