@@ -404,14 +404,18 @@ def iterate_records(source: JournalSource, after: int = 0) -> Iterator[tuple[int
 
 
 def safe_sequence_for(source: JournalSource, floors: Mapping[int, int], scan_max: int = 1_000_000,
-                      upto: int | None = None) -> int:
+                      upto: int | None = None, older_than_ms: int | None = None) -> int:
     """The highest sequence s such that every record up to s of a queue in `floors` (local
     queue id -> the highest ordering index every member of its pair holds) is at or below
     its floor. Records of other queues and local records (index 0) never hold it back. Scans
-    at most `scan_max` records from the journal's start, and none past `upto`."""
+    at most `scan_max` records from the journal's start, none past `upto` and, given
+    `older_than_ms`, none from the first record at or after it (the prune stops there anyway:
+    the scan need not read an hour of journal to learn that nothing is old enough)."""
     bound = 0
     for scanned, (sequence, record) in enumerate(iterate_records(source)):
         if scanned >= scan_max or (upto is not None and sequence > upto):
+            break
+        if record is not None and older_than_ms is not None and record[0] > older_than_ms:
             break
         if record is not None:
             floor = floors.get(record[2])
@@ -445,7 +449,8 @@ def export_in_process(path: str, settings: ExportSettings, now_ms: int, force: b
         try:
             exporter = JournalExporter(source, settings)
             segments = exporter.export(now_ms, force=force)
-            return segments, safe_sequence_for(source, floors, upto=exporter.exported_through)
+            return segments, safe_sequence_for(source, floors, upto=exporter.exported_through,
+                                               older_than_ms=now_ms - settings.retention_ms)
         except lmdb.MapResizedError:
             if attempt == 2:
                 raise

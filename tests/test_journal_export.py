@@ -163,13 +163,16 @@ def test_the_safe_bound_follows_the_index_every_member_holds(storage: Storage) -
     assert safe_sequence_for(source, {1: 5}) == 10
     assert safe_sequence_for(source, {1: 10, 2: 2}) == 7
     assert safe_sequence_for(source, {}) == 15
+    assert safe_sequence_for(source, {}, older_than_ms=NOW_MS - 1) == 0, "nothing old enough to prune"
+    commit_enqueues(storage, 1, 11, 5, at_ms=NOW_MS + 10)   # 16..20: younger
+    assert safe_sequence_for(source, {}, older_than_ms=NOW_MS) == 15
 
 
 def test_the_node_exports_and_finds_the_safe_bound_in_a_process_of_its_own(storage: Storage, tmp_path: Path) -> None:
     """What the node's export process runs, as the node runs it: in a spawned process that opens
     the environment read-only while this process holds it open for writing and grows its map
     in between, as a node's map grows under traffic."""
-    settings = ExportSettings(str(tmp_path / "out"), segment_records_max=4)
+    settings = ExportSettings(str(tmp_path / "out"), segment_records_max=4, retention_ms=0)
     commit_enqueues(storage, 1, 1, 6)
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
         segments, safe = pool.submit(export_in_process, str(storage.path), settings, NOW_MS, False, {1: 5}).result()
