@@ -58,6 +58,7 @@ import struct
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,7 +70,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from replication.audit_checks import JOURNAL_FIELDS, RECORD_COLUMNS, UNDECODABLE_OP
+from replication.audit_checks import JOURNAL_FIELDS, RECORD_COLUMNS, UNDECODABLE_OP, is_run, run_rows
 
 _Q = struct.Struct(">Q")
 _U32 = struct.Struct(">I")
@@ -162,14 +163,32 @@ class JournalSource:
         return self._journal_id
 
     def bounds(self) -> tuple[int, int]:
-        """(first, last) sequence held; (0, 0) when the journal is empty."""
+        """(first, last) sequence held; (0, 0) when the journal is empty. A run record holds
+        the sequences up to its key: the first is its first row's."""
         with self.env.begin(db=self.journal_db) as txn:
             cursor = txn.cursor()
             if not cursor.first():
                 return 0, 0
-            first = _Q.unpack(cursor.key())[0]
+            first = _Q.unpack(cursor.key())[0] - _rows_in(cursor.value()) + 1
             cursor.last()
             return first, _Q.unpack(cursor.key())[0]
+
+    def record_end(self, first: int, limit: int) -> int:
+        """Where a segment from `first` ends, aiming at `limit`: the key of the last record at
+        or below it, or of the first record when that alone goes further (a run record is
+        never split between two segments)."""
+        with self.env.begin(db=self.journal_db) as txn:
+            cursor = txn.cursor()
+            if not cursor.set_range(_Q.pack(first)):
+                return limit
+            end = int(_Q.unpack(cursor.key())[0])
+            if end >= limit:
+                return end
+            if cursor.set_range(_Q.pack(limit + 1)):
+                cursor.prev()
+            else:
+                cursor.last()
+            return int(_Q.unpack(cursor.key())[0])
 
     def first_at_ms(self, after_sequence: int) -> int | None:
         """The time of the first record after `after_sequence` (None when there is none)."""
@@ -183,12 +202,15 @@ class JournalSource:
                 return 0
 
     def read_columns(self, first: int, last: int) -> dict[str, list[Any]]:
-        """Records first..last (those present) as columns of the export schema."""
+        """Records first..last (those present) as columns of the export schema, a run record
+        as one row per message: its stored checksum is verified here, and each row carries
+        the checksum of its own fields, which the audit recomputes as for any record."""
         columns: dict[str, list[Any]] = {name: [] for name in RECORD_COLUMNS}
         journal_id = self.journal_id()
         fields = [columns[name] for name in JOURNAL_FIELDS]
         sequences, checksums, extras = columns["sequence"], columns["record_crc32"], columns["extra"]
         unpack = _U32.unpack
+        pack = msgpack.Packer(use_bin_type=True).pack
         with self.env.begin(db=self.journal_db) as txn:
             cursor = txn.cursor()
             if not cursor.set_range(_Q.pack(first)):
@@ -200,6 +222,17 @@ class JournalSource:
                 body, checksum = value[:-4], unpack(value[-4:])[0]
                 record = _decode(body)
                 extra: bytes | None
+                if record is not None and is_run(record):
+                    rows = run_rows(record) if zlib.crc32(body) == checksum else None
+                    if rows is not None and all(_valid_fields(row) for row in rows):
+                        for offset, row in enumerate(rows, sequence - len(rows) + 1):
+                            for column, item in zip(fields, row, strict=True):
+                                column.append(item)
+                            sequences.append(offset)
+                            checksums.append(zlib.crc32(pack(row)))
+                            extras.append(None)
+                        continue
+                    record = None       # exported as one undecodable record: the audit names it
                 if record is None:
                     record, extra = self._undecodable(), bytes(body)
                 else:
@@ -222,16 +255,20 @@ def _decode(body: bytes) -> list[Any] | None:
         record = msgpack.unpackb(body)
     except Exception:
         return None
-    if not isinstance(record, list) or len(record) < len(JOURNAL_FIELDS):
+    if not isinstance(record, list) or len(record) < len(JOURNAL_FIELDS) or not _valid_fields(record):
         return None
+    return record
+
+
+def _valid_fields(record: list[Any]) -> bool:
     for position, name in enumerate(JOURNAL_FIELDS):
         item = record[position]
         if name in INT_COLUMNS:
             if item is not None and (type(item) is not int or not -(1 << 63) <= item < (1 << 63)):
-                return None
+                return False
         elif item is not None and type(item) is not str:
-            return None
-    return record
+            return False
+    return True
 
 
 def columns_table(columns: Mapping[str, list[Any]]) -> pa.Table:
@@ -323,12 +360,12 @@ class JournalExporter:
                 first, last = self.pending()
                 if first > last:
                     break
-                end = min(last, first + self.settings.segment_records_max - 1)
-                if end - first + 1 < self.settings.segment_records_max and not force:
+                limit = min(last, first + self.settings.segment_records_max - 1)
+                if limit - first + 1 < self.settings.segment_records_max and not force:
                     oldest = self.source.first_at_ms(first - 1)
                     if oldest is None or now_ms - oldest < self.settings.segment_age_max_ms:
                         break
-                written.append(self._write_segment(first, end))
+                written.append(self._write_segment(first, self.source.record_end(first, limit)))
             return written
 
     def _write_segment(self, first: int, last: int) -> Segment:
@@ -386,6 +423,14 @@ class JournalExporter:
                 "pending_records": max(0, pending_last - pending_first + 1)}
 
 
+def _rows_in(value: bytes) -> int:
+    """How many journal sequences a stored record takes (a run record's count; else one)."""
+    record = _decode(value[:-4])
+    if record is not None and is_run(record) and type(record[15]) is int and record[15] >= 1:
+        return int(record[15])
+    return 1
+
+
 def _record_at_ms(value: bytes) -> int:
     try:
         return int(msgpack.unpackb(value[:-4])[0])
@@ -419,7 +464,8 @@ def safe_sequence_for(source: JournalSource, floors: Mapping[int, int], scan_max
             break
         if record is not None:
             floor = floors.get(record[2])
-            if floor is not None and record[4] > floor:
+            last_index = record[4] + record[15] - 1 if is_run(record) and type(record[15]) is int else record[4]
+            if floor is not None and last_index > floor:
                 break
         bound = sequence
     return bound

@@ -47,6 +47,7 @@ from typing import Any
 import lmdb
 import msgpack
 
+from replication.audit_checks import RUN_MARK, is_run, run_rows
 from replication.digest import DIGEST_BYTES, EMPTY_DIGEST
 from replication.invariants import InvariantViolation
 from replication.operations import Acked, DeadLettered, Enqueued, Leased, Operation, Released
@@ -399,14 +400,16 @@ class Storage:
     def _apply_enqueue_run(self, txn: lmdb.Transaction, operations: list[Operation], start: int, stop: int,
                            journal: Any) -> int:
         """Store a run of consecutive enqueues with one putmulti per database: most of a
-        producer's batch is such a run, and this keeps the per-message Python work small."""
+        producer's batch is such a run, and this keeps the per-message Python work small.
+        The journal takes one run record (replication/audit_checks.py) for each stretch of
+        the run that shares queue, time, priority and client with consecutive indices."""
         messages: list[tuple[bytes, bytes]] = []
         ready: list[tuple[bytes, bytes]] = []
         dedupe: list[tuple[bytes, bytes]] = []
-        journal_rows: list[tuple[bytes, bytes]] = []
-        pack, qi, qpi, q, u32, crc32 = self._pack, _QI.pack, _QPI.pack, _Q.pack, _U32.pack, zlib.crc32
-        names, node, sequence = self._batch_names, self.node_id, self._journal_sequence
-        replicas = self._batch_replicas
+        pack, qi, qpi, q, crc32 = self._pack, _QI.pack, _QPI.pack, _Q.pack, zlib.crc32
+        journaled = journal is not None
+        runs: list[list[Any]] = []      # [first op, count, dedupe ids, sizes, crcs]
+        current: list[Any] | None = None
         end = start
         for op in operations[start:stop]:
             if type(op) is not Enqueued:
@@ -417,22 +420,45 @@ class Storage:
             ready.append((qpi(op.queue_id, op.priority, op.index), b""))
             if op.dedupe_id is not None:
                 dedupe.append((q(op.queue_id) + op.dedupe_id.encode(), qi(op.index, op.enqueued_ms)))
-            if journal is not None:
-                name, epoch = names.get(op.queue_id, ("", 0))
-                record = pack([op.enqueued_ms, name, op.queue_id, epoch, op.index, "enqueue", op.index,
-                               op.dedupe_id, op.priority, len(payload), crc32(payload),
-                               "replica" if op.queue_id in replicas else "master", node, op.client])
-                sequence += 1
-                journal_rows.append((q(sequence), record + u32(crc32(record))))
+            if journaled:
+                if current is not None:
+                    first = current[0]
+                    if op.queue_id != first.queue_id or op.index != first.index + current[1] \
+                            or op.enqueued_ms != first.enqueued_ms or op.priority != first.priority \
+                            or op.client != first.client:
+                        current = None
+                if current is None:
+                    current = [op, 0, [], [], []]
+                    runs.append(current)
+                current[1] += 1
+                current[2].append(op.dedupe_id)
+                current[3].append(len(payload))
+                current[4].append(crc32(payload))
             end += 1
         txn.cursor(db=self.db["messages"]).putmulti(messages)
         txn.cursor(db=self.db["ready"]).putmulti(ready)
         if dedupe:
             txn.cursor(db=self.db["dedupe"]).putmulti(dedupe)
-        if journal_rows:
-            txn.cursor(db=self.db["journal"]).putmulti(journal_rows, append=True)
-            self._journal_sequence = sequence
+        if runs:
+            self._journal_runs(txn, runs)
         return end
+
+    def _journal_runs(self, txn: lmdb.Transaction, runs: list[list[Any]]) -> None:
+        names, node, replicas, pack = self._batch_names, self.node_id, self._batch_replicas, self._pack
+        sequence = self._journal_sequence
+        rows = []
+        for first, count, dedupe_ids, sizes, crcs in runs:
+            name, epoch = names.get(first.queue_id, ("", 0))
+            fields = [first.enqueued_ms, name, first.queue_id, epoch, first.index, "enqueue", first.index,
+                      dedupe_ids[0], first.priority, sizes[0], crcs[0],
+                      "replica" if first.queue_id in replicas else "master", node, first.client]
+            if count > 1:
+                fields += [RUN_MARK, count, dedupe_ids, sizes, crcs]
+            record = pack(fields)
+            sequence += count          # the record takes its rows' sequences; stored under the last
+            rows.append((_Q.pack(sequence), record + _U32.pack(zlib.crc32(record))))
+        txn.cursor(db=self.db["journal"]).putmulti(rows, append=True)
+        self._journal_sequence = sequence
 
     def _apply_leased(self, txn: lmdb.Transaction, op: Leased) -> None:
         if not txn.delete(_QPI.pack(op.queue_id, op.priority, op.index), db=self.db["ready"]):
@@ -651,14 +677,18 @@ class Storage:
 
     # --- inspection (tests, tools) ---------------------------------------------------------
     def journal_records(self) -> list[list[Any]]:
-        """Every journal record, checksums verified (the audit release reads these)."""
-        records = []
+        """Every journal row, checksums verified, run records as their rows (as exported)."""
+        records: list[list[Any]] = []
         with self.env.begin(db=self.db["journal"]) as txn:
             for _, value in txn.cursor():
                 body, checksum = value[:-4], _U32.unpack(value[-4:])[0]
                 if zlib.crc32(body) != checksum:
                     raise InvariantViolation("journal record checksum mismatch")
-                records.append(msgpack.unpackb(body))
+                record = msgpack.unpackb(body)
+                rows = run_rows(record) if is_run(record) else [record]
+                if rows is None:
+                    raise InvariantViolation(f"a malformed journal run record: {record[:16]}")
+                records.extend(rows)
         return records
 
     def count(self, name: str) -> int:

@@ -58,6 +58,33 @@ JOURNAL_FIELDS = ("at_ms", "queue", "queue_id", "epoch", "index", "op", "message
 # past the known ones (msgpack, so the checksum can be recomputed). Parquet column order.
 RECORD_COLUMNS = ("journal_id", "sequence", *JOURNAL_FIELDS, "record_crc32", "extra")
 
+# A run record: one stored journal record for consecutive enqueues of one queue that share
+# time, priority and client (a producer's batch). Its 14 fields are the first message's; past
+# them: RUN_MARK, count, then one list per varying field. Rows i = 0..count-1 are the first's
+# with message_id = index = first + i and the i-th dedupe id, payload size and crc32. It is
+# stored under the journal sequence of its last row (its rows take the sequences before).
+RUN_MARK = "run"
+_RUN_FIELDS = len(JOURNAL_FIELDS) + 5
+
+
+def run_rows(record: list[Any]) -> list[list[Any]] | None:
+    """A run record's rows (each a plain record of the 14 fields); None if `record` is no
+    well-formed run record (the exporter then names it undecodable)."""
+    if len(record) != _RUN_FIELDS or record[14] != RUN_MARK:
+        return None
+    count, dedupe_ids, sizes, crcs = record[15:]
+    if type(count) is not int or count < 1 or not all(
+            isinstance(column, list) and len(column) == count for column in (dedupe_ids, sizes, crcs)):
+        return None
+    at_ms, queue, queue_id, epoch, first, op, _, _, priority, _, _, role, node, client = record[:14]
+    return [[at_ms, queue, queue_id, epoch, first + i, op, first + i, dedupe_ids[i], priority, sizes[i], crcs[i],
+             role, node, client] for i in range(count)]
+
+
+def is_run(record: list[Any]) -> bool:
+    return len(record) > 14 and record[14] == RUN_MARK
+
+
 DEAD_LETTER_SUFFIX = ".dlq"
 PRIORITIES = 10
 CONSUMPTION_OPS = frozenset({"lease", "ack", "reply", "release", "expire", "dead_letter"})

@@ -30,8 +30,12 @@ from replication.operations import Acked, Enqueued, Leased
 NOW_MS = 1_790_000_000_000
 
 
-def commit_enqueues(storage: Storage, queue_id: int, first: int, count: int, at_ms: int = NOW_MS) -> None:
-    operations = [Enqueued(queue_id, index, 4, at_ms, f"d{queue_id}-{index}", "producer", f"m{index}".encode())
+def commit_enqueues(storage: Storage, queue_id: int, first: int, count: int, at_ms: int = NOW_MS, *,
+                    one_producer: bool = False) -> None:
+    """`count` enqueues in one commit: journaled as one run record when `one_producer`, else
+    (a producer each) as `count` records."""
+    operations = [Enqueued(queue_id, index, 4, at_ms, f"d{queue_id}-{index}",
+                           "producer" if one_producer else f"producer-{index}", f"m{index}".encode())
                   for index in range(first, first + count)]
     storage.commit(SealedBatch(operations=list(operations), queue_records={f"q{queue_id}": {"queue_id": queue_id,
                                                                                               "epoch": 1}}))
@@ -69,6 +73,53 @@ def test_full_segments_are_sealed_by_size_and_the_tail_on_demand(storage: Storag
     names = sorted(path.name for path in (tmp_path / "out" / "n1").iterdir())
     journal_id = f"{storage.storage_id:016x}"
     assert names[0] == f"journal-n1-{journal_id}-{1:020d}-{10:020d}.parquet" and len(names) == 3
+
+
+def test_a_producers_batch_is_one_run_record_exported_as_one_row_per_message(storage: Storage,
+                                                                              tmp_path: Path) -> None:
+    commit_enqueues(storage, 1, 1, 25, one_producer=True)
+    consume(storage, 1, 1)
+    assert storage.count("journal") == 3, "one run record, then the lease and the ack"
+    rows = storage.journal_records()
+    assert [(row[4], row[5], row[7]) for row in rows[:25]] == [(i, "enqueue", f"d1-{i}") for i in range(1, 26)]
+    exporter = JournalExporter(JournalSource.from_storage(storage), ExportSettings(str(tmp_path / "out")))
+    assert exporter.pending() == (1, 27)
+    exporter.export(NOW_MS, force=True)
+    records = read_records([str(tmp_path / "out")])
+    assert [record[1] for record in records] == list(range(1, 28)), "a sequence per message"
+    assert [list(record[2:16]) for record in records] == rows
+    assert all(checks.record_checksum_ok(record) for record in records)
+    report = audit_records(records)
+    assert report["verdict"] == "clean", report["violations"]
+    assert report["total_queue"]["enqueued"] == 25 and report["total_queue"]["acked"] == 1
+
+
+def test_segments_end_between_run_records(storage: Storage, tmp_path: Path) -> None:
+    for first in (1, 8, 15):
+        commit_enqueues(storage, 1, first, 7, one_producer=True)      # keys 7, 14, 21
+    exporter = JournalExporter(JournalSource.from_storage(storage),
+                               ExportSettings(str(tmp_path / "out"), segment_records_max=10))
+    written = exporter.export(NOW_MS)
+    assert [(s.first_sequence, s.last_sequence) for s in written] == [(1, 7), (8, 14)]
+    assert exporter.pending() == (15, 21)
+    [tail] = exporter.export(NOW_MS, force=True)
+    assert (tail.first_sequence, tail.last_sequence) == (15, 21)
+    big = JournalExporter(JournalSource.from_storage(storage), ExportSettings(str(tmp_path / "big"), segment_records_max=5))
+    assert [(s.first_sequence, s.last_sequence) for s in big.export(NOW_MS, force=True)] == [(1, 7), (8, 14), (15, 21)]
+    report = audit_records(read_records([str(tmp_path / "big")]))
+    assert report["verdict"] == "clean" and report["totals"]["records"] == 21
+
+
+def test_runs_are_pruned_whole_and_held_back_by_their_last_index(storage: Storage, tmp_path: Path) -> None:
+    commit_enqueues(storage, 1, 1, 5, one_producer=True)                       # 1..5
+    commit_enqueues(storage, 1, 6, 5, at_ms=NOW_MS + 100_000, one_producer=True)  # 6..10
+    source = JournalSource.from_storage(storage)
+    assert safe_sequence_for(source, {1: 4}) == 0, "the run holds index 5, which a member lacks"
+    assert safe_sequence_for(source, {1: 5}) == 5
+    exporter = JournalExporter(source, ExportSettings(str(tmp_path / "out"), retention_ms=60_000))
+    exporter.export(NOW_MS, force=True)
+    assert exporter.prune(safe_sequence=10, now_ms=NOW_MS + 61_000) == 1       # the first run, whole
+    assert source.bounds() == (6, 10) and exporter.pending() == (11, 10)
 
 
 def test_an_old_enough_tail_is_sealed_by_age(storage: Storage, tmp_path: Path) -> None:
