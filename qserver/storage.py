@@ -16,7 +16,9 @@ Key layout (big-endian integers so LMDB's byte order is numeric order):
     expiry    kind:1 at_ms:8 queue_id:8 index:8   -> ""   (completion statuses to prune, oldest first)
     doomed    queue_id:8                          -> ""   (deleted incarnations still being erased)
     epochs    name                                -> epoch:8
-    journal   sequence:8                          -> msgpack record + crc32:4
+    journal   sequence:8                          -> msgpack record + crc32:4 (a producer's batch: one run
+                                                     record under its last row's sequence,
+                                                     replication/audit_checks.py RUN_MARK)
     oplog     queue_id:8 last order:8             -> digest:16 + first order:8 + encoded log entry (a run
                                                      of replicated operations, replication/oplog.py);
                                                      a snapshot's mark is the digest alone
