@@ -559,28 +559,24 @@ class Engine:
     def _step_enqueue_many(self, command: c.EnqueueMany, now_ms: int) -> None:
         core = self._core(command.queue)
         batch = self._open
-        payloads = list(command.payloads)
-        dedupe_ids: list[str | None] = list(command.dedupe_ids or (None,) * len(payloads))
+        payloads, dedupe_ids = command.payloads, command.dedupe_ids or (None,) * len(command.payloads)
+        if len(dedupe_ids) != len(payloads):
+            raise QueueError(E_INVALID_OPTION, "dedupe ids must match the messages one for one")
         # Refused items (too large, a malformed dedupe id) keep their place in the answer.
         body_bytes_max = self.config.body_bytes_max
-        refused: dict[int, list[Any]] = {}
-        for position, (payload, dedupe_id) in enumerate(zip(payloads, dedupe_ids, strict=False)):
+        outcomes: list[Any] = [None] * len(payloads)
+        placed: list[int] = []
+        for position, (payload, dedupe_id) in enumerate(zip(payloads, dedupe_ids, strict=True)):
             if len(payload) > body_bytes_max:
-                refused[position] = [E_PAYLOAD_TOO_LARGE.code, f"message over {body_bytes_max} bytes"]
+                outcomes[position] = [E_PAYLOAD_TOO_LARGE.code, f"message over {body_bytes_max} bytes"]
             elif dedupe_id is not None and not valid_dedupe_id(dedupe_id):
-                refused[position] = [E_INVALID_OPTION.code, "dedupe ids are 1-128 printable characters"]
-        if refused:
-            payloads = [p for position, p in enumerate(payloads) if position not in refused]
-            dedupe_ids = [d for position, d in enumerate(dedupe_ids) if position not in refused]
-        placed = iter(core.enqueue_many(payloads, command.priority, dedupe_ids, command.client, now_ms,
-                                        batch.sealed.operations))
-        outcomes: list[Any] = []
-        for position in range(len(command.payloads)):
-            if refused and position in refused:
-                outcomes.append(refused[position])
-                continue
-            outcome = next(placed)
-            outcomes.append([outcome.code, outcome.message] if type(outcome) is QueueError else outcome)
+                outcomes[position] = [E_INVALID_OPTION.code, "dedupe ids are 1-128 printable characters"]
+            else:
+                placed.append(position)
+        results = core.enqueue_many([payloads[p] for p in placed], command.priority, [dedupe_ids[p] for p in placed],
+                                    command.client, now_ms, batch.sealed.operations)
+        for position, outcome in zip(placed, results, strict=True):
+            outcomes[position] = [outcome.code, outcome.message] if type(outcome) is QueueError else outcome
         batch.touched[core.name] = core
         result = [core.record.epoch, outcomes]
         if core.options.type is QueueType.ONE_WAY:

@@ -40,8 +40,8 @@ API for the node (the HTTP route `POST /v1/journal/export` and `qctl journal exp
 
 Threads: `export` reads in its own LMDB read transaction and writes files: run it off the
 event loop. A node runs it, with the prune's scan, in a process of its own
-(`export_in_process`), where its msgpack work never competes for the engine's GIL. `prune` deletes in short write transactions of at most
-`prune_keys_per_txn_max` keys: run it on the storage writer's thread, between commits, so it
+(`export_in_process`), where its msgpack work never competes for the engine's GIL. `prune`
+deletes in short write transactions of at most `prune_keys_per_txn_max` keys: run it on the storage writer's thread, between commits, so it
 neither waits behind a group commit nor delays one. It deletes only records that are exported
 (found in the destination), at or below the caller's `safe_sequence` (the pair's members have
 all passed them: catch-up may read them) and older than `retention_ms`.
@@ -70,7 +70,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from replication.audit_checks import JOURNAL_FIELDS, RECORD_COLUMNS, UNDECODABLE_OP, is_run, run_rows
+from replication.audit_checks import JOURNAL_FIELDS, RECORD_COLUMNS, UNDECODABLE_OP, is_run, run_count, run_rows
 
 _Q = struct.Struct(">Q")
 _U32 = struct.Struct(">I")
@@ -424,11 +424,9 @@ class JournalExporter:
 
 
 def _rows_in(value: bytes) -> int:
-    """How many journal sequences a stored record takes (a run record's count; else one)."""
+    """How many journal sequences a stored record takes."""
     record = _decode(value[:-4])
-    if record is not None and is_run(record) and type(record[15]) is int and record[15] >= 1:
-        return int(record[15])
-    return 1
+    return 1 if record is None else run_count(record)
 
 
 def _record_at_ms(value: bytes) -> int:
@@ -464,8 +462,7 @@ def safe_sequence_for(source: JournalSource, floors: Mapping[int, int], scan_max
             break
         if record is not None:
             floor = floors.get(record[2])
-            last_index = record[4] + record[15] - 1 if is_run(record) and type(record[15]) is int else record[4]
-            if floor is not None and last_index > floor:
+            if floor is not None and record[4] + run_count(record) - 1 > floor:
                 break
         bound = sequence
     return bound

@@ -72,7 +72,7 @@ class Node:
         if exporter is None:
             raise QueueError(e.E_INVALID_OPTION, "this node keeps no journal (journal_enabled = false)")
         now_ms = int(time.time() * 1000)
-        segments, safe = await self._in_export_process(now_ms, force, await self._passed_by_every_member())
+        segments, safe = await self._in_export_process(exporter, now_ms, force)
         exporter.forget_exported()       # the export process wrote segments: read them again
         pruned = await asyncio.get_running_loop().run_in_executor(self.engine.writer, exporter.prune, safe, now_ms)
         return {**exporter.status(), "segments_written": [segment.path for segment in segments], "pruned": pruned}
@@ -82,15 +82,15 @@ class Node:
         self.engine.invoke(lambda now: floors.set_result(self.engine.pairs.passed_by_every_member()))
         return await floors
 
-    async def _in_export_process(self, now_ms: int, force: bool, floors: dict[int, int]) -> tuple[list[Any], int]:
+    async def _in_export_process(self, exporter: JournalExporter, now_ms: int, force: bool) -> tuple[list[Any], int]:
         """Export and the prune's scan (up to a million records with msgpack each) run in a
         process of their own: in a thread they held the engine's GIL for a third of its time
         and halved the node's throughput while they ran (bench/RESULTS.md)."""
-        assert self.journal is not None
+        floors = await self._passed_by_every_member()
         if self._export_pool is None:
             self._export_pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
                                                     initializer=exit_with_parent, initargs=(os.getpid(),))
-        call = functools.partial(export_in_process, str(self.storage.path), self.journal.settings, now_ms, force, floors)
+        call = functools.partial(export_in_process, str(self.storage.path), exporter.settings, now_ms, force, floors)
         try:
             return await asyncio.get_running_loop().run_in_executor(self._export_pool, call)
         except BrokenProcessPool:
@@ -98,7 +98,7 @@ class Node:
             raise
 
     async def _prune_journal(self, exporter: JournalExporter, now_ms: int) -> int:
-        _, safe = await self._in_export_process(now_ms, False, await self._passed_by_every_member())
+        _, safe = await self._in_export_process(exporter, now_ms, False)
         return await asyncio.get_running_loop().run_in_executor(self.engine.writer, exporter.prune, safe, now_ms)
 
     async def _export_journal_when_due(self) -> None:

@@ -85,6 +85,14 @@ def is_run(record: list[Any]) -> bool:
     return len(record) > 14 and record[14] == RUN_MARK
 
 
+def run_count(record: list[Any]) -> int:
+    """How many rows (journal sequences, message ids) a stored record covers: a run record's
+    count, else one."""
+    if is_run(record) and len(record) > 15 and type(record[15]) is int and record[15] >= 1:
+        return int(record[15])
+    return 1
+
+
 DEAD_LETTER_SUFFIX = ".dlq"
 PRIORITIES = 10
 CONSUMPTION_OPS = frozenset({"lease", "ack", "reply", "release", "expire", "dead_letter"})

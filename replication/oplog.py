@@ -45,7 +45,7 @@ class LogEntry:
 
     def row(self, queue_id: int) -> tuple[int, int, int, bytes, bytes]:
         """The entry as the storage's op-log row (SealedBatch.oplog_rows)."""
-        return queue_id, self.ops[0].order, self.ops[-1].order, self.digest, self.encoded
+        return queue_id, self.first, self.last, self.digest, self.encoded
 
 
 def runs(ops: list[Operation]) -> list[list[Operation]]:

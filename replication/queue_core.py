@@ -162,14 +162,12 @@ class QueueCore:
         staged, sealed = self._dedupe.staged, self._dedupe.sealed
         unknown = [d for d in dedupe_ids if d is not None and d not in staged and d not in sealed]
         stored = self._reader.dedupe_lookup_many(self.queue_id, unknown) if unknown else {}
-        window_ms, place = self._dedupe_window_ms, self._place
+        find, place = self._find_dedupe, self._place
         outcomes: list[int | QueueError] = []
         for payload, dedupe_id in zip(payloads, dedupe_ids, strict=True):
-            if dedupe_id is not None:
-                hit = staged.get(dedupe_id) or sealed.get(dedupe_id) or stored.get(dedupe_id)
-                if hit is not None and now_ms - hit[1] <= window_ms:
-                    outcomes.append(hit[0])
-                    continue
+            if dedupe_id is not None and (earlier := find(dedupe_id, now_ms, stored)) is not None:
+                outcomes.append(earlier)
+                continue
             try:
                 outcomes.append(place(payload, priority, dedupe_id, client, now_ms, out))
             except QueueError as error:
@@ -420,10 +418,12 @@ class QueueCore:
         return order
 
     # --- internals -------------------------------------------------------------------------
-    def _find_dedupe(self, dedupe_id: str, now_ms: int) -> int | None:
+    def _find_dedupe(self, dedupe_id: str, now_ms: int, stored: dict[str, tuple[int, int]] | None = None) -> int | None:
+        """The kept message of this dedupe id; `stored`: the committed ids already read for
+        a batch (StoreReader.dedupe_lookup_many), else storage is asked."""
         hit = self._dedupe.staged.get(dedupe_id) or self._dedupe.sealed.get(dedupe_id)
         if hit is None:
-            hit = self._reader.dedupe_lookup(self.queue_id, dedupe_id)
+            hit = stored.get(dedupe_id) if stored is not None else self._reader.dedupe_lookup(self.queue_id, dedupe_id)
         if hit is not None and now_ms - hit[1] <= self._dedupe_window_ms:
             return hit[0]
         return None

@@ -225,19 +225,19 @@ class ReplicaRole:
         previous = append.prev_order
         repeated = False
         for encoded in append.entries:
-            ops = decode_entry(encoded)
+            try:
+                ops = decode_entry(encoded)
+            except MessageError:
+                self._report_gap()      # never applied: the master streams it again
+                return
             last = ops[-1].order
             if last <= self.applied_order:
                 previous = last         # already applied (a resend)
                 repeated = True
                 continue
             if previous != self.applied_order:
-                # A gap: an Append was lost, or this one was sent before our last Open. Ask
-                # once per position; everything in flight behind it shows the same gap.
-                if self._gap_reported_at != self.applied_order:
-                    self._gap_reported_at = self.applied_order
-                    self._send(AppendAck(self.core.name, self.incarnation, self.epoch, 0, self.durable_order, True,
-                                         self.session))
+                # A gap: an Append was lost, or this one was sent before our last Open.
+                self._report_gap()
                 return
             if ops[0].order <= self.applied_order:
                 raise InvariantViolation(f"queue {self.core.name}: a log entry {ops[0].order}..{last} straddles "
@@ -256,6 +256,14 @@ class ReplicaRole:
             # The master streams again when an acknowledgement was lost: say it once more.
             self._send(AppendAck(self.core.name, self.incarnation, self.epoch, 0, self.durable_order,
                                  session=self.session))
+
+    def _report_gap(self) -> None:
+        """Ask the master to stream again from what we hold durably: once per position, as
+        everything in flight behind a gap shows the same gap."""
+        if self._gap_reported_at != self.applied_order:
+            self._gap_reported_at = self.applied_order
+            self._send(AppendAck(self.core.name, self.incarnation, self.epoch, 0, self.durable_order, True,
+                                 self.session))
 
     def _on_sync_begin(self, begin: SyncBegin) -> None:
         if begin.session != self.session:

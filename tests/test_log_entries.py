@@ -15,7 +15,7 @@ from qserver.storage import SealedBatch, Storage
 from replication.digest import EMPTY_DIGEST, fold
 from replication.invariants import InvariantViolation, history_disagreements
 from replication.master import APPEND_BYTES_MAX, MasterRole
-from replication.messages import Append, Open, decode_message, encode_entry, encode_message
+from replication.messages import Append, AppendAck, Open, decode_message, encode_entry, encode_message
 from replication.operations import Operation
 from replication.oplog import ENTRY_BYTES_MAX, ENTRY_OPERATIONS_MAX, runs
 from replication.options import Strength
@@ -97,6 +97,24 @@ def test_a_replica_refuses_an_entry_that_straddles_what_it_applied() -> None:
     other = Append(source.core.name, 1, 1, 2, (encode_entry(ops[1:]),), 0)   # 2..4: other bounds
     with pytest.raises(InvariantViolation, match="straddles"):
         replica.receive(other, 5)
+
+
+def test_a_malformed_entry_is_never_applied_and_the_master_is_asked_to_stream_again() -> None:
+    source, master, target, replica = pair()
+    before = (replica.applied_order, replica.digest, target.core.record.next_index)
+    for garbage in (b"\xc1", b"\x90", b"\x91\x92\x01\x02"):
+        replica.receive(Append(source.core.name, 1, 1, 0, (garbage,), 0), 3)
+    assert (replica.applied_order, replica.digest, target.core.record.next_index) == before
+    assert not replica.applied
+    [(_, ack)] = replica.outbox                     # one gap report for the position, not three
+    assert isinstance(ack, AppendAck) and ack.gap and ack.durable_order == 0
+    replica.outbox.clear()
+    master.receive(ack, 4)
+    ops = decided(source, 2)
+    master.replicate(ops, 5)
+    for _, message in master.outbox:
+        replica.receive(decode_message(encode_message(message)), 6)
+    assert replica.applied_order == 2, "the stream goes on"
 
 
 def test_the_lmdb_log_serves_whole_entries_from_any_entry_boundary(tmp_path: Path) -> None:
