@@ -68,6 +68,10 @@ class NodeConfig:
     # of sync (past it, the replica gets a snapshot), snapshot chunks, and how long a read view
     # is held by a transfer that makes no progress (it keeps LMDB from reusing freed pages).
     log_retain_max_bytes: int = 64 << 20
+    # Op-log records below the floor kept per queue because they hold the only copy of live
+    # messages' payloads (a queue consumed as fast as it is filled writes each payload once);
+    # past it, the lowest one's payloads move into their message rows.
+    payload_hold_bytes: int = 64 << 20
     snapshot_chunk_bytes_max: int = 256 << 10
     snapshot_chunks_in_flight_max: int = 8
     sync_view_max_s: float = 60.0
@@ -92,8 +96,8 @@ class NodeConfig:
         if self.snapshot_chunk_bytes_max * self.snapshot_chunks_in_flight_max * 2 > self.peer_send_queue_bytes_max:
             problems.append("snapshot chunks in flight must fit twice in peer_send_queue_bytes_max (a chunk the "
                             "link drops costs a resend)")
-        if self.log_retain_max_bytes <= 0 or self.sync_view_max_s <= 0:
-            problems.append("log_retain_max_bytes and sync_view_max_s must be positive")
+        if self.log_retain_max_bytes <= 0 or self.sync_view_max_s <= 0 or self.payload_hold_bytes < 0:
+            problems.append("log_retain_max_bytes and sync_view_max_s must be positive, payload_hold_bytes not negative")
         if self.cluster_nodes:
             if not set(self.membership_nodes) <= set(self.cluster_nodes):
                 problems.append("every voter of [cluster.membership] must be a node of [cluster.nodes]")

@@ -40,7 +40,7 @@ class Node:
         self.config = config
         self.storage = Storage(Path(config.data_dir) / "lmdb", node_id=config.node_id, map_size_bytes=config.map_size_bytes,
                                map_size_max_bytes=config.map_size_max_bytes,
-                               journal_enabled=config.journal_enabled)
+                               journal_enabled=config.journal_enabled, payload_hold_bytes=config.payload_hold_bytes)
         self.membership = self._membership()
         self.engine = Engine(config, self.storage, membership=self.membership)
         self.peers = self._peer_transport()
@@ -270,6 +270,12 @@ class Node:
         lines += render_family("qserver_oplog_truncated_records_total", "counter",
                                "op-log records deleted below what every member holds",
                                [({}, self.storage.truncated_records)])
+        lines += render_family("qserver_oplog_kept_bytes", "gauge",
+                               "op-log records below the floors kept because they hold live messages' payloads",
+                               [({}, self.storage.kept_bytes)])
+        lines += render_family("qserver_payloads_moved_total", "counter",
+                               "payloads moved from a kept op-log record into their message rows (a backlog)",
+                               [({}, self.storage.moved_payloads)])
         lines += render_family("qserver_snapshots_total", "counter", "state transfers by snapshot, by side",
                                [({"side": "sent"}, sum(r.snapshots_sent for r in pairs.masters.values())),
                                 ({"side": "installed"}, pairs.snapshots_installed),

@@ -9,6 +9,8 @@ transaction, fsync'd once (group commit). Reads of committed state (`ready_page`
 Key layout (big-endian integers so LMDB's byte order is numeric order):
     queues    name                                -> msgpack QueueRecord
     messages  queue_id:8 index:8                  -> msgpack [priority, enqueued_ms, dedupe_id, client, payload]
+                                                     where payload is the bytes, or the last order of the
+                                                     op-log entry that holds them (an int: see below)
     ready     queue_id:8 priority:1 index:8       -> deliveries so far (4 bytes, empty when 0)
     leases    queue_id:8 index:8                  -> msgpack [priority, receipt, deadline_ms, deliveries, leased_ms]
     status    queue_id:8 index:8                  -> msgpack [state, at_ms, reply]   (completed messages)
@@ -30,7 +32,17 @@ Key layout (big-endian integers so LMDB's byte order is numeric order):
 
 The op log is bounded: each batch carries the floor below which every member's needs are
 met (`SealedBatch.log_floors`, see MasterRole.log_floor) and the writer deletes records below
-it a bounded number at a time. A snapshot's state is cut from one read transaction
+it a bounded number at a time.
+
+A payload is stored once. An enqueue's log entry carries its payload, so its message row
+names the entry instead of holding a second copy; reads decode the entry (`_EntryPayloads`).
+A record below the floor that still holds a live message's payload is kept (no longer part
+of the log: nothing below the log start is served or compared), so a queue consumed about
+as fast as it is filled writes each payload once. A backlog is bounded: once a queue's kept
+records fill half of `payload_hold_bytes`, its new rows hold their payloads again (written
+twice, as a backlog's would be anyway), and past the whole of it the lowest kept record's
+live payloads move into their rows before it goes: the moves of a backlog come to at most
+half the hold each time its kept records fill up. A snapshot's state is cut from one read transaction
 (`open_snapshot`) and installed on the replica as rows (`snapshot_rows`) and, once complete,
 a mark at its order (`snapshot_installs`).
 """
@@ -52,6 +64,7 @@ import msgpack
 from replication.audit_checks import RUN_MARK, is_run, run_rows
 from replication.digest import DIGEST_BYTES, EMPTY_DIGEST
 from replication.invariants import InvariantViolation
+from replication.messages import MessageError, decode_entry
 from replication.operations import Acked, DeadLettered, Enqueued, Leased, Operation, Released
 from replication.queue_core import QueueRecord
 from replication.snapshot import ROW_DEAD_LETTER, ROW_DEDUPE, ROW_MESSAGE, message_row
@@ -59,7 +72,8 @@ from replication.store import StoredLease
 
 # 2: bounded op log (its start record at order 0, snapshot marks); no reader of layout 1.
 # 3: the op log holds entries (runs of operations) keyed by their last order; no reader of 2.
-SCHEMA_VERSION = 3
+# 4: a message row may name the op-log entry holding its payload instead; no reader of 3.
+SCHEMA_VERSION = 4
 _QI = struct.Struct(">QQ")
 _QPI = struct.Struct(">QBQ")
 _Q = struct.Struct(">Q")
@@ -133,13 +147,14 @@ def _queue_prefix(queue_id: int) -> bytes:
 class Storage:
     def __init__(self, path: str | Path, *, node_id: str, map_size_bytes: int = 1 << 30,
                  map_size_max_bytes: int = 1 << 40, journal_enabled: bool = True,
-                 disk_reserve_bytes: int = 64 << 20) -> None:
+                 disk_reserve_bytes: int = 64 << 20, payload_hold_bytes: int = 64 << 20) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.node_id = node_id
         self.map_size_max_bytes = map_size_max_bytes
         self.journal_enabled = journal_enabled
         self.disk_reserve_bytes = disk_reserve_bytes
+        self.payload_hold_bytes = payload_hold_bytes
         self.env = lmdb.open(str(self.path), map_size=min(map_size_bytes, map_size_max_bytes),
                              max_dbs=len(DB_NAMES) + 2, sync=True, metasync=True, writemap=False,
                              max_readers=256, readahead=False)
@@ -152,7 +167,15 @@ class Storage:
         self._batch_replicas: set[int] = set()                # queue ids this node holds as replica
         self._dedupe_sweep_from = b""     # where the next dedupe sweep resumes (writer thread)
         self._floors: dict[int, int] = {}  # op-log truncations still under way (writer thread)
+        # Records below a queue's floor kept for their live payloads (writer thread): the
+        # order up to which their sizes are counted, and that size. Rebuilt after a restart.
+        self._held_counted: dict[int, int] = {}
+        self._held_bytes: dict[int, int] = {}
         self.truncated_records = 0
+        self.moved_payloads = 0
+        self.kept_bytes = 0                # op-log records below the floors kept for live payloads
+        self._entry_ends: dict[int, list[tuple[int, int]]] = {}   # this batch's entries per queue
+        self._payloads: _EntryPayloads | None = None
         self._read_txn: lmdb.Transaction | None = None
         self._check_schema()
 
@@ -293,7 +316,8 @@ class Storage:
     def read(self, queue_id: int, after_order: int, limit: int, bytes_max: int = 1 << 62) -> list[tuple[int, int, bytes]]:
         out: list[tuple[int, int, bytes]] = []
         cursor = self._reader().cursor(db=self.db["oplog"])
-        if not cursor.set_range(_QI.pack(queue_id, max(after_order, _LOG_START) + 1)):
+        # Records below the log start may still be stored (kept for live payloads): not served.
+        if not cursor.set_range(_QI.pack(queue_id, max(after_order, self.first(queue_id) - 1, _LOG_START) + 1)):
             return out
         size = 0
         for key, value in cursor:
@@ -314,6 +338,8 @@ class Storage:
     def digest_at(self, queue_id: int, order: int) -> bytes | None:
         if order == 0:
             return EMPTY_DIGEST
+        if order < self.first(queue_id):
+            return None          # a record kept below the log start for its payloads
         raw = self._reader().get(_QI.pack(queue_id, order), db=self.db["oplog"])
         return None if raw is None else bytes(raw[:DIGEST_BYTES])
 
@@ -321,17 +347,26 @@ class Storage:
         return _last_logged(self._reader().cursor(db=self.db["oplog"]), queue_id)
 
     def read_client_payload(self, queue_id: int, index: int) -> bytes | None:
-        raw = self._reader().get(_QI.pack(queue_id, index), db=self.db["messages"])
-        return None if raw is None else msgpack.unpackb(raw)[4]
+        txn = self._reader()
+        raw = txn.get(_QI.pack(queue_id, index), db=self.db["messages"])
+        if raw is None:
+            return None
+        return _EntryPayloads(txn, self.db["oplog"]).resolve(queue_id, index, msgpack.unpackb(raw)[4])
 
     # --- the one writer (writer thread) ----------------------------------------------------
     def commit(self, batch: SealedBatch) -> CommitResult:
         started = time.perf_counter()
+        # What the writer remembers of truncations under way, as of the last commit: an
+        # aborted transaction must not leave it counting records it did not delete.
+        remembered = dict(self._floors), dict(self._held_counted), dict(self._held_bytes), self.moved_payloads
         try:
             with self.env.begin(write=True) as txn:
                 payloads = self._write(txn, batch)
-        except lmdb.MapFullError:
-            raise MapGrowthNeeded() from None
+        except BaseException as error:
+            self._floors, self._held_counted, self._held_bytes, self.moved_payloads = remembered
+            if isinstance(error, lmdb.MapFullError):
+                raise MapGrowthNeeded() from None
+            raise
         return CommitResult(payloads, time.perf_counter() - started, len(batch.operations))
 
     def _write(self, txn: lmdb.Transaction, batch: SealedBatch) -> list[bytes | None]:
@@ -346,6 +381,15 @@ class Storage:
             self._put_snapshot_rows(txn, queue_id, dead_letter_queue_id, rows, journal is not None)
         for queue_id, order, digest in batch.snapshot_installs:
             self._install_mark(txn, queue_id, order, digest)
+        # The entries go in before the operations: an enqueue's row names its entry, and a
+        # dead letter or a lease in this same batch reads the payload from it.
+        self._entry_ends = {}
+        if batch.oplog_rows:
+            txn.cursor(db=db["oplog"]).putmulti([(_QI.pack(queue_id, last), digest + _Q.pack(first) + encoded)
+                                                 for queue_id, first, last, digest, encoded in batch.oplog_rows])
+            for queue_id, first, last, _, _ in batch.oplog_rows:
+                self._entry_ends.setdefault(queue_id, []).append((first, last))
+        self._payloads = _EntryPayloads(txn, db["oplog"])
         operations = batch.operations
         position, count = 0, len(operations)
         marks = batch.journal_marks if self.journal_enabled else []
@@ -371,9 +415,6 @@ class Storage:
             txn.put(_Q.pack(queue_id), b"", db=db["doomed"])
         for name, record in batch.queue_records.items():
             txn.put(name.encode(), self._pack(record), db=db["queues"])
-        if batch.oplog_rows:
-            txn.cursor(db=db["oplog"]).putmulti([(_QI.pack(queue_id, last), digest + _Q.pack(first) + encoded)
-                                                 for queue_id, first, last, digest, encoded in batch.oplog_rows])
         for name, epoch in batch.epochs.items():
             txn.put(name.encode(), _Q.pack(epoch), db=db["epochs"])
         for client_id, client in batch.client_puts.items():
@@ -384,13 +425,14 @@ class Storage:
             txn.put(b"next_queue_id", _Q.pack(batch.next_queue_id), db=db["meta"])
         if batch.log_floors or self._floors:
             self._truncate_logs(txn, batch.log_floors)
+            self.kept_bytes = sum(self._held_bytes.values())
         if batch.housekeeping_ms is not None:
             self._housekeeping(txn, batch)
-        messages = db["messages"]
+        messages, resolve = db["messages"], self._payloads.resolve
         payloads = []
         for queue_id, index in batch.payload_reads:
             raw = txn.get(_QI.pack(queue_id, index), db=messages)
-            payloads.append(None if raw is None else msgpack.unpackb(raw)[4])
+            payloads.append(None if raw is None else resolve(queue_id, index, msgpack.unpackb(raw)[4]))
         return payloads
 
     def _journal_mark(self, txn: lmdb.Transaction, mark: list[Any]) -> None:
@@ -413,12 +455,23 @@ class Storage:
         runs: list[list[Any]] = []      # [first op, count, dedupe ids, sizes, crcs]
         current: list[Any] | None = None
         end = start
+        entry_ends = self._entry_ends
+        for queue_id in entry_ends:
+            if self._held_bytes.get(queue_id, 0) > self.payload_hold_bytes // 2:
+                entry_ends[queue_id] = []
         for op in operations[start:stop]:
             if type(op) is not Enqueued:
                 break
             payload = op.payload
-            messages.append((qi(op.queue_id, op.index),
-                             pack([op.priority, op.enqueued_ms, op.dedupe_id, op.client, payload])))
+            # The payload's one copy is the entry of this batch that holds the enqueue (the
+            # entry ending at or after its index). A queue without an op log keeps it here, and
+            # so does a queue whose kept records fill half the hold (a backlog: its entries
+            # would only have their payloads moved out later).
+            ends = entry_ends.get(op.queue_id)
+            while ends and ends[0][1] < op.index:
+                del ends[0]
+            held = payload if not ends or ends[0][0] > op.index else ends[0][1]
+            messages.append((qi(op.queue_id, op.index), pack([op.priority, op.enqueued_ms, op.dedupe_id, op.client, held])))
             ready.append((qpi(op.queue_id, op.priority, op.index), b""))
             if op.dedupe_id is not None:
                 dedupe.append((q(op.queue_id) + op.dedupe_id.encode(), qi(op.index, op.enqueued_ms)))
@@ -487,7 +540,8 @@ class Storage:
         raw = txn.pop(key, db=self.db["messages"])
         if raw is None:
             raise InvariantViolation(f"dead-lettered message {op.queue_id}/{op.index} has no body")
-        priority, _, _, client, payload = msgpack.unpackb(raw)
+        priority, _, _, client, held = msgpack.unpackb(raw)
+        payload = self._payloads.resolve(op.queue_id, op.index, held)  # type: ignore[union-attr]
         txn.put(_QI.pack(op.dead_letter_queue_id, op.dead_letter_index),
                 self._pack([priority, op.at_ms, None, client, payload]), db=self.db["messages"])
         txn.put(_QPI.pack(op.dead_letter_queue_id, priority, op.dead_letter_index), b"", db=self.db["ready"])
@@ -554,14 +608,17 @@ class Storage:
 
     def _install_mark(self, txn: lmdb.Transaction, queue_id: int, order: int, digest: bytes) -> None:
         """A complete snapshot at `order`: the log starts there, with its digest."""
-        self._floors.pop(queue_id, None)
+        self._forget_floor(queue_id)
         txn.put(_QI.pack(queue_id, order), digest, db=self.db["oplog"])
         txn.put(_QI.pack(queue_id, _LOG_START), EMPTY_DIGEST + _Q.pack(order), db=self.db["oplog"])
 
     def _truncate_logs(self, txn: lmdb.Transaction, floors: dict[int, int]) -> None:
         """Delete op-log records below each queue's floor, at most
         TRUNCATE_RECORDS_PER_BATCH_MAX per batch; what is left continues in the next batches.
-        The log-start record moves to the floor first: from then on nothing below it is served."""
+        The log-start record moves to the floor first: from then on nothing below it is served.
+        A record that holds a live message's payload stays (the lowest first) until the
+        queue's kept records pass `payload_hold_bytes`; then its live payloads move into their
+        message rows and it goes."""
         oplog = self.db["oplog"]
         for queue_id, floor in floors.items():
             start_key = _QI.pack(queue_id, _LOG_START)
@@ -572,23 +629,92 @@ class Storage:
         budget = TRUNCATE_RECORDS_PER_BATCH_MAX
         cursor = txn.cursor(db=oplog)
         for queue_id in list(self._floors):
+            if budget <= 0:
+                return                   # the rest goes on in the next batches
             floor = self._floors[queue_id]
+            budget = self._count_held(cursor, queue_id, floor, budget)
+            counted = self._held_counted[queue_id]
             if not cursor.set_range(_QI.pack(queue_id, _LOG_START + 1)):
-                del self._floors[queue_id]
+                self._forget_floor(queue_id)
                 continue
             while budget > 0:
                 key = cursor.key()
-                if not key:
-                    break
-                owner, order = _QI.unpack(key)
+                owner, order = _QI.unpack(key) if key else (0, 0)
                 if owner != queue_id or order >= floor:
+                    if owner != queue_id or counted >= floor:
+                        self._forget_floor(queue_id)       # nothing below the floor is left
                     break
+                if order >= counted:
+                    break                # not counted yet: the next batch goes on
+                value = bytes(cursor.value())
+                over = self._held_bytes[queue_id] > self.payload_hold_bytes
+                live = self._live_rows(txn, queue_id, order, value, every=over)
+                if live and not over:
+                    break                # kept for its payloads; what is above it stays too
+                if live:
+                    self._move_payloads(txn, queue_id, order, live)
+                self._held_bytes[queue_id] -= len(value)
                 cursor.delete()          # moves to the next record
                 budget -= 1
                 self.truncated_records += 1
-            else:
-                return                   # out of budget: this queue goes on in the next batch
-            del self._floors[queue_id]
+
+    def _count_held(self, cursor: lmdb.Cursor, queue_id: int, floor: int, budget: int) -> int:
+        """Add the sizes of the records that went below the floor since the last count (all
+        of them after a restart) to what the queue keeps; returns the budget left."""
+        counted = self._held_counted.get(queue_id, _LOG_START + 1)   # records below it are counted
+        held = self._held_bytes.get(queue_id, 0)
+        if counted < floor and cursor.set_range(_QI.pack(queue_id, counted)):
+            while budget > 0:
+                key = cursor.key()
+                owner, order = _QI.unpack(key) if key else (0, 0)
+                if owner != queue_id or order >= floor:
+                    counted = floor
+                    break
+                held += len(cursor.value())
+                counted = order + 1
+                budget -= 1
+                if not cursor.next():
+                    counted = floor
+                    break
+        elif counted < floor:
+            counted = floor
+        self._held_counted[queue_id], self._held_bytes[queue_id] = counted, held
+        return budget
+
+    def _forget_floor(self, queue_id: int) -> None:
+        self._floors.pop(queue_id, None)
+        self._held_counted.pop(queue_id, None)
+        self._held_bytes.pop(queue_id, None)
+
+    def _live_rows(self, txn: lmdb.Transaction, queue_id: int, last: int, value: bytes, *,
+                   every: bool) -> list[tuple[bytes, list[Any]]]:
+        """The message rows whose payload is only in the op-log record `last` (`value`): the
+        live messages enqueued by its entry (message ids are their enqueues' orders); the
+        first one only unless `every`."""
+        if len(value) <= DIGEST_BYTES:
+            return []                    # a snapshot's mark
+        first = _Q.unpack_from(value, DIGEST_BYTES)[0]
+        live = []
+        rows = txn.cursor(db=self.db["messages"])
+        if rows.set_range(_QI.pack(queue_id, first)):
+            end = _QI.pack(queue_id, last)
+            for key, raw in rows:
+                if bytes(key) > end:
+                    break
+                row = msgpack.unpackb(raw)
+                if type(row[4]) is int and row[4] == last:
+                    live.append((bytes(key), row))
+                    if not every:
+                        break
+        return live
+
+    def _move_payloads(self, txn: lmdb.Transaction, queue_id: int, last: int, live: list[tuple[bytes, list[Any]]]) -> None:
+        resolve = self._payloads.resolve  # type: ignore[union-attr]
+        messages = self.db["messages"]
+        for key, row in live:
+            row[4] = resolve(queue_id, _QI.unpack(key)[1], last)
+            txn.put(key, self._pack(row), db=messages)
+        self.moved_payloads += len(live)
 
     def open_snapshot(self, name: str, queue_id: int, *, consumption: bool, after_index: int,
                       dead_letter: tuple[str, int] | None) -> LmdbSnapshotView | None:
@@ -756,6 +882,40 @@ JOURNAL_FIELDS = ("at_ms", "queue", "queue_id", "epoch", "index", "op", "message
                   "priority", "payload_size", "payload_crc32", "role", "node", "client")
 
 
+class _EntryPayloads:
+    """Payloads whose one copy is their enqueue's op-log entry: a message row holds the
+    entry's last order (an int) instead of the bytes. Each entry is decoded once per use
+    (a commit, a snapshot view): a batch of leases or a snapshot chunk reads its messages in
+    order, so most of them come out of one or two entries."""
+    __slots__ = ("_txn", "_oplog", "_entries")
+    KEPT_MAX = 8
+
+    def __init__(self, txn: lmdb.Transaction, oplog: Any) -> None:
+        self._txn, self._oplog = txn, oplog
+        self._entries: dict[tuple[int, int], dict[int, bytes]] = {}
+
+    def resolve(self, queue_id: int, index: int, held: bytes | int) -> bytes:
+        if type(held) is not int:
+            return held  # type: ignore[return-value]
+        entry = self._entries.get((queue_id, held))
+        if entry is None:
+            raw = self._txn.get(_QI.pack(queue_id, held), db=self._oplog)
+            if raw is None or len(raw) <= _ENTRY_AT:
+                raise InvariantViolation(f"message {queue_id}/{index} names op-log entry {held}, which is gone")
+            try:
+                ops = decode_entry(bytes(raw[_ENTRY_AT:]))
+            except MessageError as error:
+                raise InvariantViolation(f"op-log entry {queue_id}/{held} does not decode: {error}") from None
+            entry = {op.index: op.payload for op in ops if type(op) is Enqueued}
+            if len(self._entries) >= self.KEPT_MAX:
+                self._entries.clear()
+            self._entries[(queue_id, held)] = entry
+        payload = entry.get(index)
+        if payload is None:
+            raise InvariantViolation(f"op-log entry {queue_id}/{held} holds no enqueue of message {index}")
+        return payload
+
+
 class LmdbSnapshotView:
     """One queue's committed state at one order, read from one LMDB read transaction (a
     consistent view while writes go on). Its rows come in bounded chunks (SnapshotView in
@@ -765,6 +925,7 @@ class LmdbSnapshotView:
     def __init__(self, storage: Storage, txn: lmdb.Transaction, name: str, queue_id: int, consumption: bool,
                  after_index: int, dead_letter: tuple[str, int] | None) -> None:
         self._storage, self._txn, self._db = storage, txn, storage.db
+        self._payloads = _EntryPayloads(txn, storage.db["oplog"])
         self._consumption = consumption
         self.record = self._record(name)
         self.order, self.digest = self._last(queue_id)
@@ -818,7 +979,8 @@ class LmdbSnapshotView:
                 return rows, None
             if size >= bytes_max:
                 return rows, bytes(key)
-            priority, enqueued_ms, dedupe_id, client, payload = msgpack.unpackb(value)
+            priority, enqueued_ms, dedupe_id, client, held = msgpack.unpackb(value)
+            payload = self._payloads.resolve(owner, index, held)
             deliveries, lease = 0, None
             if self._consumption:
                 raw_lease = txn.get(key, db=db["leases"])

@@ -33,6 +33,7 @@ from qserver.pairs import ClusterView
 from qserver.storage import SealedBatch, Storage
 from replication.audit_checks import HistoryEnqueue, JournalRecord, check_group
 from replication.cluster_map import ClusterMap
+from replication.messages import encode_entry
 from replication.operations import Enqueued, Operation
 from replication.options import QueueOptions, Strength
 from replication.queue_core import QueueCore, QueueRecord
@@ -89,14 +90,14 @@ def test_a_suffix_is_not_dropped_under_full_strength_nor_past_a_lease() -> None:
 def test_storage_erases_a_truncated_suffix_before_the_batch_that_follows(tmp_path: Path) -> None:
     storage = Storage(tmp_path / "lmdb", node_id="n1")
     record = QueueRecord(1, "events", QueueOptions(strength=Strength.PRODUCER), AT_MS, next_index=6)
-    first = SealedBatch(operations=[Enqueued(1, i, 4, AT_MS, f"d{i}", "c", b"x") for i in range(1, 6)],
-                        queue_records={"events": record.to_json()},
-                        oplog_rows=[(1, i, i, bytes(16), b"op") for i in range(1, 6)])
+    enqueues = [Enqueued(1, i, 4, AT_MS, f"d{i}", "c", b"x") for i in range(1, 6)]
+    first = SealedBatch(operations=enqueues, queue_records={"events": record.to_json()},
+                        oplog_rows=[(1, op.index, op.index, bytes(16), encode_entry([op])) for op in enqueues])
     storage.commit(first)
     # the suffix 4..5 goes, and the new master's 4 lands in the same transaction after it
-    second = SealedBatch(operations=[Enqueued(1, 4, 4, AT_MS, "new", "c", b"y")],
-                         queue_records={"events": record.to_json()}, oplog_rows=[(1, 4, 4, bytes(16), b"op")],
-                         truncations=[(1, 3)])
+    new = Enqueued(1, 4, 4, AT_MS, "new", "c", b"y")
+    second = SealedBatch(operations=[new], queue_records={"events": record.to_json()},
+                         oplog_rows=[(1, 4, 4, bytes(16), encode_entry([new]))], truncations=[(1, 3)])
     storage.commit(second)
     storage.begin_read()
     assert storage.ready_page(1, 4, 0, 100, 100) == [(1, 0), (2, 0), (3, 0), (4, 0)]
