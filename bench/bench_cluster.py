@@ -60,7 +60,7 @@ async def workloads(cluster: LocalCluster, seconds: float) -> list[dict[str, Any
     results = []
     async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as client, \
             AsyncClient(cluster.urls["n1"], cluster.credentials_path) as consumer_client:
-        await client.create_queue("bench", max_depth=50_000_000)
+        await client.create_queue("bench", strength="full", max_depth=50_000_000)
         await client.ping()
         await converged(client, cluster.urls["n2"], cluster.credentials_path, "bench", 10)
         results.append({"workload": "produce_100_in_flight", **await produce_in_flight(client, "bench", payload, seconds, 100)})

@@ -652,8 +652,10 @@ class PairDriver:
         for proposal in role.proposals:
             self._propose_in_sync(role, proposal)
         role.proposals.clear()
-        self._flush(role)
+        # Answers first: a commit point that moved on an AppendAck is what the clients wait
+        # for; the replica's notice of it (in the outbox) only widens what it may expose.
         self.release_committed()
+        self._flush(role)
 
     def _propose_in_sync(self, role: MasterRole, proposal: InSyncProposal) -> None:
         """Record the replica in (or out of) sync: a compare-and-set on the map; until the

@@ -36,18 +36,19 @@ it a bounded number at a time.
 
 A payload is stored once. An enqueue's log entry carries its payload, so its message row
 names the entry instead of holding a second copy; reads decode the entry (`_EntryPayloads`).
-A record below the floor that still holds a live message's payload is kept (no longer part
-of the log: nothing below the log start is served or compared), so a queue consumed about
-as fast as it is filled writes each payload once. A backlog is bounded: once a queue's kept
-records fill half of `payload_hold_bytes`, its new rows hold their payloads again (written
-twice, as a backlog's would be anyway), and past the whole of it the lowest kept record's
-live payloads move into their rows before it goes: the moves of a backlog come to at most
-half the hold each time its kept records fill up. A snapshot's state is cut from one read transaction
+A record that goes below the floor while it holds a live message's payload is kept (no
+longer part of the log: nothing below the log start is served or compared) and goes once
+none of its messages is live, so a queue consumed about as fast as it is filled writes each
+payload once. A backlog is bounded by `payload_hold_bytes`: a queue whose ready messages or
+kept records pass half of it stores new payloads in their rows (twice, as a backlog's would
+be anyway), and past the whole of it the oldest kept records' live payloads move into their
+rows before they go. A snapshot's state is cut from one read transaction
 (`open_snapshot`) and installed on the replica as rows (`snapshot_rows`) and, once complete,
 a mark at its order (`snapshot_installs`).
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 import shutil
@@ -167,14 +168,17 @@ class Storage:
         self._batch_replicas: set[int] = set()                # queue ids this node holds as replica
         self._dedupe_sweep_from = b""     # where the next dedupe sweep resumes (writer thread)
         self._floors: dict[int, int] = {}  # op-log truncations still under way (writer thread)
-        # Records below a queue's floor kept for their live payloads (writer thread): the
-        # order up to which their sizes are counted, and that size. Rebuilt after a restart.
-        self._held_counted: dict[int, int] = {}
-        self._held_bytes: dict[int, int] = {}
+        # Records below a queue's floor kept for their live payloads (writer thread): their
+        # (order, size), oldest first, and total; and the order below which every record was
+        # looked at. Rebuilt by looking again after a restart or an aborted commit.
+        self._kept: dict[int, collections.deque[tuple[int, int]]] = {}
+        self._kept_bytes: dict[int, int] = {}
+        self._examined: dict[int, int] = {}
         self.truncated_records = 0
         self.moved_payloads = 0
         self.kept_bytes = 0                # op-log records below the floors kept for live payloads
         self._entry_ends: dict[int, list[tuple[int, int]]] = {}   # this batch's entries per queue
+        self._ready_counts: dict[int, int] = {}                    # this batch's queues' ready messages
         self._payloads: _EntryPayloads | None = None
         self._read_txn: lmdb.Transaction | None = None
         self._check_schema()
@@ -358,12 +362,13 @@ class Storage:
         started = time.perf_counter()
         # What the writer remembers of truncations under way, as of the last commit: an
         # aborted transaction must not leave it counting records it did not delete.
-        remembered = dict(self._floors), dict(self._held_counted), dict(self._held_bytes), self.moved_payloads
+        floors, moved = dict(self._floors), self.moved_payloads
         try:
             with self.env.begin(write=True) as txn:
                 payloads = self._write(txn, batch)
         except BaseException as error:
-            self._floors, self._held_counted, self._held_bytes, self.moved_payloads = remembered
+            self._floors, self.moved_payloads = floors, moved
+            self._kept, self._kept_bytes, self._examined = {}, {}, {}     # looked at again
             if isinstance(error, lmdb.MapFullError):
                 raise MapGrowthNeeded() from None
             raise
@@ -371,6 +376,7 @@ class Storage:
 
     def _write(self, txn: lmdb.Transaction, batch: SealedBatch) -> list[bytes | None]:
         db = self.db
+        self._payloads = _EntryPayloads(txn, db["oplog"])     # this transaction's reads of payloads
         names = {record["queue_id"]: (name, record["epoch"]) for name, record in batch.queue_records.items()}
         self._batch_names = names
         self._batch_replicas = batch.replica_queue_ids
@@ -389,7 +395,7 @@ class Storage:
                                                  for queue_id, first, last, digest, encoded in batch.oplog_rows])
             for queue_id, first, last, _, _ in batch.oplog_rows:
                 self._entry_ends.setdefault(queue_id, []).append((first, last))
-        self._payloads = _EntryPayloads(txn, db["oplog"])
+        self._ready_counts = {record.get("queue_id", 0): record.get("ready_count", 0) for record in batch.queue_records.values()}
         operations = batch.operations
         position, count = 0, len(operations)
         marks = batch.journal_marks if self.journal_enabled else []
@@ -425,7 +431,7 @@ class Storage:
             txn.put(b"next_queue_id", _Q.pack(batch.next_queue_id), db=db["meta"])
         if batch.log_floors or self._floors:
             self._truncate_logs(txn, batch.log_floors)
-            self.kept_bytes = sum(self._held_bytes.values())
+            self.kept_bytes = sum(self._kept_bytes.values())
         if batch.housekeeping_ms is not None:
             self._housekeeping(txn, batch)
         messages, resolve = db["messages"], self._payloads.resolve
@@ -455,22 +461,26 @@ class Storage:
         runs: list[list[Any]] = []      # [first op, count, dedupe ids, sizes, crcs]
         current: list[Any] | None = None
         end = start
-        entry_ends = self._entry_ends
+        entry_ends, half_hold = self._entry_ends, self.payload_hold_bytes // 2
         for queue_id in entry_ends:
-            if self._held_bytes.get(queue_id, 0) > self.payload_hold_bytes // 2:
+            if self._kept_bytes.get(queue_id, 0) > half_hold:
                 entry_ends[queue_id] = []
+        waiting = self._ready_counts
         for op in operations[start:stop]:
             if type(op) is not Enqueued:
                 break
             payload = op.payload
             # The payload's one copy is the entry of this batch that holds the enqueue (the
             # entry ending at or after its index). A queue without an op log keeps it here, and
-            # so does a queue whose kept records fill half the hold (a backlog: its entries
-            # would only have their payloads moved out later).
+            # so does a backlog (ready messages or kept records past half the hold): its
+            # entries would only have their payloads moved out later.
             ends = entry_ends.get(op.queue_id)
             while ends and ends[0][1] < op.index:
                 del ends[0]
-            held = payload if not ends or ends[0][0] > op.index else ends[0][1]
+            if not ends or ends[0][0] > op.index or waiting.get(op.queue_id, 0) * len(payload) > half_hold:
+                held: bytes | int = payload
+            else:
+                held = ends[0][1]
             messages.append((qi(op.queue_id, op.index), pack([op.priority, op.enqueued_ms, op.dedupe_id, op.client, held])))
             ready.append((qpi(op.queue_id, op.priority, op.index), b""))
             if op.dedupe_id is not None:
@@ -609,6 +619,9 @@ class Storage:
     def _install_mark(self, txn: lmdb.Transaction, queue_id: int, order: int, digest: bytes) -> None:
         """A complete snapshot at `order`: the log starts there, with its digest."""
         self._forget_floor(queue_id)
+        # An entry of this member's own ending there gives way to the mark: the payloads it
+        # alone holds move into their rows first.
+        self._move_payloads(txn, queue_id, order, self._live_rows(txn, queue_id, order, every=True))
         txn.put(_QI.pack(queue_id, order), digest, db=self.db["oplog"])
         txn.put(_QI.pack(queue_id, _LOG_START), EMPTY_DIGEST + _Q.pack(order), db=self.db["oplog"])
 
@@ -616,9 +629,11 @@ class Storage:
         """Delete op-log records below each queue's floor, at most
         TRUNCATE_RECORDS_PER_BATCH_MAX per batch; what is left continues in the next batches.
         The log-start record moves to the floor first: from then on nothing below it is served.
-        A record that holds a live message's payload stays (the lowest first) until the
-        queue's kept records pass `payload_hold_bytes`; then its live payloads move into their
-        message rows and it goes."""
+        Each record that goes below the floor is looked at once: deleted, or kept while it
+        holds a live message's payload. Kept records go, oldest first, once none of their
+        messages is live (a queue consumed in order frees its oldest first), or once the
+        queue keeps more than `payload_hold_bytes`, after their live payloads move into their
+        message rows."""
         oplog = self.db["oplog"]
         for queue_id, floor in floors.items():
             start_key = _QI.pack(queue_id, _LOG_START)
@@ -632,68 +647,59 @@ class Storage:
             if budget <= 0:
                 return                   # the rest goes on in the next batches
             floor = self._floors[queue_id]
-            budget = self._count_held(cursor, queue_id, floor, budget)
-            counted = self._held_counted[queue_id]
-            if not cursor.set_range(_QI.pack(queue_id, _LOG_START + 1)):
-                self._forget_floor(queue_id)
-                continue
-            while budget > 0:
-                key = cursor.key()
-                owner, order = _QI.unpack(key) if key else (0, 0)
-                if owner != queue_id or order >= floor:
-                    if owner != queue_id or counted >= floor:
-                        self._forget_floor(queue_id)       # nothing below the floor is left
-                    break
-                if order >= counted:
-                    break                # not counted yet: the next batch goes on
-                value = bytes(cursor.value())
-                over = self._held_bytes[queue_id] > self.payload_hold_bytes
-                live = self._live_rows(txn, queue_id, order, value, every=over)
-                if live and not over:
-                    break                # kept for its payloads; what is above it stays too
-                if live:
-                    self._move_payloads(txn, queue_id, order, live)
-                self._held_bytes[queue_id] -= len(value)
-                cursor.delete()          # moves to the next record
+            kept = self._kept.setdefault(queue_id, collections.deque())
+            while kept and budget > 0 and not self._live_rows(txn, queue_id, kept[0][0], every=False):
+                order, size = kept.popleft()
+                txn.delete(_QI.pack(queue_id, order), db=oplog)
+                self._forget_kept(queue_id, size)
                 budget -= 1
-                self.truncated_records += 1
+            examined = self._examined.get(queue_id, _LOG_START + 1)     # records below it were
+            if examined < floor and cursor.set_range(_QI.pack(queue_id, examined)):
+                while budget > 0:
+                    key = cursor.key()
+                    owner, order = _QI.unpack(key) if key else (0, 0)
+                    if owner != queue_id or order >= floor:
+                        examined = floor
+                        break
+                    examined = order + 1
+                    budget -= 1
+                    if self._live_rows(txn, queue_id, order, every=False):
+                        size = len(cursor.value())
+                        kept.append((order, size))
+                        self._kept_bytes[queue_id] = self._kept_bytes.get(queue_id, 0) + size
+                        cursor.next()
+                    else:
+                        cursor.delete()  # moves to the next record
+                        self.truncated_records += 1
+            elif examined < floor:
+                examined = floor
+            self._examined[queue_id] = examined
+            while kept and budget > 0 and self._kept_bytes.get(queue_id, 0) > self.payload_hold_bytes:
+                order, size = kept.popleft()
+                self._move_payloads(txn, queue_id, order, self._live_rows(txn, queue_id, order, every=True))
+                txn.delete(_QI.pack(queue_id, order), db=oplog)
+                self._forget_kept(queue_id, size)
+                budget -= 1
+            if not kept and examined >= floor:
+                self._forget_floor(queue_id)         # nothing below the floor is left
 
-    def _count_held(self, cursor: lmdb.Cursor, queue_id: int, floor: int, budget: int) -> int:
-        """Add the sizes of the records that went below the floor since the last count (all
-        of them after a restart) to what the queue keeps; returns the budget left."""
-        counted = self._held_counted.get(queue_id, _LOG_START + 1)   # records below it are counted
-        held = self._held_bytes.get(queue_id, 0)
-        if counted < floor and cursor.set_range(_QI.pack(queue_id, counted)):
-            while budget > 0:
-                key = cursor.key()
-                owner, order = _QI.unpack(key) if key else (0, 0)
-                if owner != queue_id or order >= floor:
-                    counted = floor
-                    break
-                held += len(cursor.value())
-                counted = order + 1
-                budget -= 1
-                if not cursor.next():
-                    counted = floor
-                    break
-        elif counted < floor:
-            counted = floor
-        self._held_counted[queue_id], self._held_bytes[queue_id] = counted, held
-        return budget
+    def _forget_kept(self, queue_id: int, size: int) -> None:
+        self._kept_bytes[queue_id] -= size
+        self.truncated_records += 1
 
     def _forget_floor(self, queue_id: int) -> None:
-        self._floors.pop(queue_id, None)
-        self._held_counted.pop(queue_id, None)
-        self._held_bytes.pop(queue_id, None)
+        for remembered in (self._floors, self._kept, self._examined, self._kept_bytes):
+            remembered.pop(queue_id, None)
 
-    def _live_rows(self, txn: lmdb.Transaction, queue_id: int, last: int, value: bytes, *,
+    def _live_rows(self, txn: lmdb.Transaction, queue_id: int, last: int, *,
                    every: bool) -> list[tuple[bytes, list[Any]]]:
-        """The message rows whose payload is only in the op-log record `last` (`value`): the
-        live messages enqueued by its entry (message ids are their enqueues' orders); the
-        first one only unless `every`."""
-        if len(value) <= DIGEST_BYTES:
+        """The message rows whose payload is only in the op-log record `last`: the live
+        messages enqueued by its entry (message ids are their enqueues' orders); the first
+        one only unless `every`."""
+        head = txn.get(_QI.pack(queue_id, last), db=self.db["oplog"])
+        if head is None or len(head) <= DIGEST_BYTES:
             return []                    # a snapshot's mark
-        first = _Q.unpack_from(value, DIGEST_BYTES)[0]
+        first = _Q.unpack_from(head, DIGEST_BYTES)[0]
         live = []
         rows = txn.cursor(db=self.db["messages"])
         if rows.set_range(_QI.pack(queue_id, first)):

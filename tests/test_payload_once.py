@@ -164,3 +164,22 @@ def test_a_backlog_past_half_the_hold_keeps_new_payloads_in_their_rows_and_moves
         assert log_records(storage) == [30] and stored_rows(storage) == {}
     finally:
         storage.close()
+
+
+def test_records_are_kept_one_by_one_and_a_backlog_keeps_its_payloads_in_its_rows(tmp_path: Path) -> None:
+    storage = Storage(tmp_path / "lmdb", node_id="n1", payload_hold_bytes=1 << 20)
+    try:
+        storage.commit(entry_batch((1, 10), (11, 20), (21, 30), (31, 40)))
+        storage.commit(acks(11, 20, floor=40))
+        assert log_records(storage) == [10, 30, 40]             # the acknowledged one between goes
+        storage.commit(acks(1, 10))
+        assert log_records(storage) == [30, 40]
+        # a queue with more ready bytes than half the hold is a backlog: its rows hold the bytes
+        batch = entry_batch((41, 50))
+        batch.queue_records["q"]["ready_count"] = 10_000
+        storage.commit(batch)
+        rows = stored_rows(storage)
+        assert all(rows[index][4] == payload(index) for index in range(41, 51))
+        assert all(rows[index][4] == 30 for index in range(21, 31))
+    finally:
+        storage.close()
