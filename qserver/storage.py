@@ -35,7 +35,8 @@ met (`SealedBatch.log_floors`, see MasterRole.log_floor) and the writer deletes 
 it a bounded number at a time.
 
 A payload is stored once. An enqueue's log entry carries its payload, so its message row
-names the entry instead of holding a second copy; reads decode the entry (`_EntryPayloads`).
+names the entry instead of holding a second copy (an entry of several operations: see
+`_live_rows`); reads decode the entry (`_EntryPayloads`).
 A record that goes below the floor while it holds a live message's payload is kept (no
 longer part of the log: nothing below the log start is served or compared) and goes once
 none of its messages is live, so a queue consumed about as fast as it is filled writes each
@@ -171,7 +172,8 @@ class Storage:
         # Records below a queue's floor kept for their live payloads (writer thread): their
         # (order, size), oldest first, and total; and the order below which every record was
         # looked at. Rebuilt by looking again after a restart or an aborted commit.
-        self._kept: dict[int, collections.deque[tuple[int, int]]] = {}
+        self._kept: dict[int, collections.deque[tuple[int, int, int]]] = {}   # (last, first, size)
+        self._consumed: set[int] = set()   # queues whose messages this batch acknowledged or moved
         self._kept_bytes: dict[int, int] = {}
         self._examined: dict[int, int] = {}
         self.truncated_records = 0
@@ -377,6 +379,9 @@ class Storage:
     def _write(self, txn: lmdb.Transaction, batch: SealedBatch) -> list[bytes | None]:
         db = self.db
         self._payloads = _EntryPayloads(txn, db["oplog"])     # this transaction's reads of payloads
+        # Suffixes erased and snapshots installed replace rows: their kept records are looked at.
+        self._consumed = {queue_id for queue_id, _ in batch.truncations} | \
+            {queue_id for queue_id, _, _ in batch.snapshot_rows}
         names = {record["queue_id"]: (name, record["epoch"]) for name, record in batch.queue_records.items()}
         self._batch_names = names
         self._batch_replicas = batch.replica_queue_ids
@@ -394,7 +399,8 @@ class Storage:
             txn.cursor(db=db["oplog"]).putmulti([(_QI.pack(queue_id, last), digest + _Q.pack(first) + encoded)
                                                  for queue_id, first, last, digest, encoded in batch.oplog_rows])
             for queue_id, first, last, _, _ in batch.oplog_rows:
-                self._entry_ends.setdefault(queue_id, []).append((first, last))
+                if last > first:     # an entry of one operation is not kept for its payload (see _live_rows)
+                    self._entry_ends.setdefault(queue_id, []).append((first, last))
         self._ready_counts = {record.get("queue_id", 0): record.get("ready_count", 0) for record in batch.queue_records.values()}
         operations = batch.operations
         position, count = 0, len(operations)
@@ -533,6 +539,7 @@ class Storage:
                 db=self.db["leases"])
 
     def _apply_acked(self, txn: lmdb.Transaction, op: Acked) -> None:
+        self._consumed.add(op.queue_id)
         key = _QI.pack(op.queue_id, op.index)
         txn.delete(key, db=self.db["leases"])
         txn.delete(key, db=self.db["messages"])
@@ -546,6 +553,7 @@ class Storage:
 
     def _apply_dead_lettered(self, txn: lmdb.Transaction, op: DeadLettered) -> None:
         key = _QI.pack(op.queue_id, op.index)
+        self._consumed.add(op.queue_id)
         txn.delete(key, db=self.db["leases"])
         raw = txn.pop(key, db=self.db["messages"])
         if raw is None:
@@ -621,7 +629,10 @@ class Storage:
         self._forget_floor(queue_id)
         # An entry of this member's own ending there gives way to the mark: the payloads it
         # alone holds move into their rows first.
-        self._move_payloads(txn, queue_id, order, self._live_rows(txn, queue_id, order, every=True))
+        replaced = txn.get(_QI.pack(queue_id, order), db=self.db["oplog"])
+        if replaced is not None and len(replaced) > DIGEST_BYTES:
+            first = _Q.unpack_from(replaced, DIGEST_BYTES)[0]
+            self._move_payloads(txn, queue_id, order, self._live_rows(txn, queue_id, first, order, every=True))
         txn.put(_QI.pack(queue_id, order), digest, db=self.db["oplog"])
         txn.put(_QI.pack(queue_id, _LOG_START), EMPTY_DIGEST + _Q.pack(order), db=self.db["oplog"])
 
@@ -648,8 +659,10 @@ class Storage:
                 return                   # the rest goes on in the next batches
             floor = self._floors[queue_id]
             kept = self._kept.setdefault(queue_id, collections.deque())
-            while kept and budget > 0 and not self._live_rows(txn, queue_id, kept[0][0], every=False):
-                order, size = kept.popleft()
+            # Only a batch that consumed messages of the queue can have freed a kept record.
+            while kept and budget > 0 and queue_id in self._consumed \
+                    and not self._live_rows(txn, queue_id, kept[0][1], kept[0][0], every=False):
+                order, _, size = kept.popleft()
                 txn.delete(_QI.pack(queue_id, order), db=oplog)
                 self._forget_kept(queue_id, size)
                 budget -= 1
@@ -663,9 +676,11 @@ class Storage:
                         break
                     examined = order + 1
                     budget -= 1
-                    if self._live_rows(txn, queue_id, order, every=False):
-                        size = len(cursor.value())
-                        kept.append((order, size))
+                    value = cursor.value()
+                    first = _Q.unpack_from(value, DIGEST_BYTES)[0] if len(value) > DIGEST_BYTES else order
+                    if first < order and self._live_rows(txn, queue_id, first, order, every=False):
+                        size = len(value)
+                        kept.append((order, first, size))
                         self._kept_bytes[queue_id] = self._kept_bytes.get(queue_id, 0) + size
                         cursor.next()
                     else:
@@ -675,8 +690,8 @@ class Storage:
                 examined = floor
             self._examined[queue_id] = examined
             while kept and budget > 0 and self._kept_bytes.get(queue_id, 0) > self.payload_hold_bytes:
-                order, size = kept.popleft()
-                self._move_payloads(txn, queue_id, order, self._live_rows(txn, queue_id, order, every=True))
+                order, first, size = kept.popleft()
+                self._move_payloads(txn, queue_id, order, self._live_rows(txn, queue_id, first, order, every=True))
                 txn.delete(_QI.pack(queue_id, order), db=oplog)
                 self._forget_kept(queue_id, size)
                 budget -= 1
@@ -691,15 +706,13 @@ class Storage:
         for remembered in (self._floors, self._kept, self._examined, self._kept_bytes):
             remembered.pop(queue_id, None)
 
-    def _live_rows(self, txn: lmdb.Transaction, queue_id: int, last: int, *,
+    def _live_rows(self, txn: lmdb.Transaction, queue_id: int, first: int, last: int, *,
                    every: bool) -> list[tuple[bytes, list[Any]]]:
-        """The message rows whose payload is only in the op-log record `last`: the live
-        messages enqueued by its entry (message ids are their enqueues' orders); the first
-        one only unless `every`."""
-        head = txn.get(_QI.pack(queue_id, last), db=self.db["oplog"])
-        if head is None or len(head) <= DIGEST_BYTES:
-            return []                    # a snapshot's mark
-        first = _Q.unpack_from(head, DIGEST_BYTES)[0]
+        """The message rows whose payload is only in the op-log entry from `first` to `last`:
+        the live messages it enqueued (message ids are their enqueues' orders); the first
+        one only unless `every`. An entry of one operation never holds a row's payload: one
+        message at a time, a kept record per message cost more than the copy it saves (a
+        deeper op-log tree to write in every commit, bench/RESULTS.md)."""
         live = []
         rows = txn.cursor(db=self.db["messages"])
         if rows.set_range(_QI.pack(queue_id, first)):

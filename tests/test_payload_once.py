@@ -183,3 +183,13 @@ def test_records_are_kept_one_by_one_and_a_backlog_keeps_its_payloads_in_its_row
         assert all(rows[index][4] == 30 for index in range(21, 31))
     finally:
         storage.close()
+
+
+def test_an_entry_of_one_enqueue_leaves_the_payload_in_its_row_and_goes_with_the_floor(tmp_path: Path) -> None:
+    storage = Storage(tmp_path / "lmdb", node_id="n1")
+    try:
+        storage.commit(entry_batch((1, 1), (2, 2), (3, 3), floor=3))
+        assert all(row[4] == payload(index) for index, row in stored_rows(storage).items())
+        assert log_records(storage) == [3]
+    finally:
+        storage.close()
