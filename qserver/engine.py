@@ -63,7 +63,7 @@ from replication.cluster_map import CreateQueue, DeleteQueue, QueueEntry, choose
 from replication.cluster_map import PutClient as MapPutClient
 from replication.invariants import InvariantViolation
 from replication.master import ReplicationLimits
-from replication.operations import Leased, Operation
+from replication.operations import DeadLettered, Leased, Operation
 from replication.options import (
     DEAD_LETTER_SUFFIX,
     QueueOptions,
@@ -497,7 +497,11 @@ class Engine:
         dead = core.dead_letter_core
         if install.dead_letter is not None and dead is not None:
             dead_order, dead_digest, dead_record = install.dead_letter
-            dead.record.next_index = max(int(dead_record.get("next_index", 1)), dead_order + 1)
+            # Past every message the snapshot holds, whatever the record says (a node before
+            # this version could write a dead letter without its queue's record).
+            held = [index for _, index, _ in received.dead_letter_ready] + \
+                [lease[0] for lease in received.dead_letter_leases]
+            dead.record.next_index = max(int(dead_record.get("next_index", 1)), dead_order + 1, max(held, default=0) + 1)
             dead.record.ready_count = len(received.dead_letter_ready)
             dead.record.total_enqueued = int(dead_record.get("total_enqueued", 0))
             sealed.snapshot_installs.append((dead.queue_id, dead_order, dead_digest))
@@ -624,6 +628,7 @@ class Engine:
     def _step_ack(self, command: c.Ack, now_ms: int) -> None:
         core = self._core(command.queue)
         operations = self._open.sealed.operations
+        mark = len(operations)
         try:
             if command.release:
                 core.release(command.message_id, command.receipt, now_ms, operations)
@@ -634,6 +639,12 @@ class Engine:
                 core.ack(command.message_id, command.receipt, command.client, now_ms, operations)
         finally:
             self._touch(core)   # a refused ack may still have ended an overdue lease
+            dead = core.dead_letter_core
+            if dead is not None and any(type(op) is DeadLettered for op in operations[mark:]):
+                # The lease it ended was the message's last delivery: the dead-letter queue's
+                # record (its counter) goes into this commit with the message's new row.
+                self._touch(dead)
+                self._to_serve.add(dead.name)
         self._open.replies.append((command.replier, command.request_id, None))
 
     def _step_subscribe(self, command: c.Subscribe, now_ms: int) -> None:

@@ -984,9 +984,28 @@ def _check_queue(queue: str, keys: list[StreamKey], replays: Mapping[StreamKey, 
     found += _duplicated_enqueues(queue, final, settings)
     summary = {"queue": queue, "strength": strength, "final_master": final.node,
                "members": [_member_summary(member) for member in members],
-               "counts": {**final.final_counts(), **_redelivery_counts(final)},
+               "counts": {**_history_counts(final, members), **_redelivery_counts(final)},
                "series": _series(final, settings)}
     return summary, found
+
+
+def _history_counts(final: StreamReplay, members: list[StreamReplay]) -> dict[str, int]:
+    """The final master's counts, plus the messages consumed before it took the queue over by
+    snapshot (a member that joined late, or was rebuilt): its journal starts with the
+    messages still held then, and only the other members' journals show the earlier ones
+    (each counted once; a message is consumed only once committed)."""
+    counts = final.final_counts()
+    earlier: dict[int, int] = {}
+    for member in members:
+        if member is final:
+            continue
+        for message_id, state in member.states.items():
+            if state >= _ACKED and message_id not in final.enqueued:
+                earlier[message_id] = max(state, earlier.get(message_id, state))
+    counts["enqueued"] += len(earlier)
+    for state in earlier.values():
+        counts["acked" if state == _ACKED else "dead_lettered"] += 1
+    return counts
 
 
 def _check_survival(queue: str, members: list[StreamReplay], final: StreamReplay, acknowledged: set[int],

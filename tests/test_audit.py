@@ -101,6 +101,11 @@ async def _scenario(cluster: LocalCluster, history: History) -> None:
         api = {node: RawApi(session, url, signer) for node, url in cluster.urls.items()}
         await client.create_queue("orders", strength="producer")
         await client.create_queue("ledger", strength="full", max_deliveries=2)
+        # Both replicas follow from the start: one that joins late (its node applies the map
+        # after the master has run alone) takes a snapshot and journals no release or ack
+        # from before it, which the per-journal assertions below count on.
+        for queue, (master, _) in PLACEMENT.items():
+            await _replica_caught_up(api[master], queue)
         await history.enqueue(client, "orders", [f"o{i}".encode() for i in range(40)], priority=3)
         await history.enqueue(client, "orders", [f"urgent{i}".encode() for i in range(5)], priority=8)
         await history.enqueue(client, "ledger", [f"l{i}".encode() for i in range(40)], priority=6)
@@ -120,8 +125,8 @@ async def _scenario(cluster: LocalCluster, history: History) -> None:
         await history.enqueue(client, "ledger", [f"after-handoff{i}".encode() for i in range(10)])
         for message in await client.receive("ledger", max_messages=5, wait_s=2):
             await message.ack()
-        for message in await _until(lambda: client.receive("ledger.dlq", max_messages=5, wait_s=1)):
-            await message.ack()
+        [dead] = await _until(lambda: client.receive("ledger.dlq", max_messages=5, wait_s=1))
+        await dead.ack()
         cluster.kill("n1")                        # master of orders: n2 is promoted
         await _until(lambda: history.enqueue_raw(api["n2"], "orders", b"after-failover"))
     async with AsyncClient(cluster.urls["n2"], cluster.credentials_path) as promoted:
@@ -130,6 +135,19 @@ async def _scenario(cluster: LocalCluster, history: History) -> None:
         cluster.start("n1")                       # the old master returns as replica
         await history.enqueue(promoted, "orders", [f"after-return{i}".encode() for i in range(5)])
         await _converged(promoted, "orders")
+
+
+async def _replica_caught_up(master: RawApi, queue: str, timeout_s: float = 30.0) -> None:
+    """The master holds its replica in sync and caught up with the stream (after the
+    snapshot a new member of a queue with a dead-letter queue starts from)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status, stats, _ = await master.request("GET", f"/v1/queues/{queue}")
+        if status == 200 and stats.get("replication_state") == "in_sync" \
+                and stats.get("replica_progress") == "caught_up":
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{queue}: the replica did not catch up: {stats}")
 
 
 async def _converged(client: AsyncClient, queue: str, timeout_s: float = 30.0) -> None:

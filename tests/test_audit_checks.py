@@ -173,3 +173,20 @@ def test_a_record_that_does_not_match_its_checksum_is_named() -> None:
     journal = Journal("n1").enqueue(1, 2)
     journal.records[1] = journal.records[1]._replace(priority=9)
     assert kinds(audit(journal)) == {checks.RECORD_CHECKSUM: 1}
+
+
+def test_a_member_that_took_the_queue_over_by_snapshot_counts_what_was_consumed_before_it() -> None:
+    """A replica that joined late holds only the messages still queued at its snapshot; the
+    queue's counts still cover the whole history (the earlier ack is in the old master's)."""
+    master = Journal("n1").enqueue(1, 2, 3).add("lease", 4, 1).add("ack", 5, 1) \
+        .add("epoch", 5, 0, epoch=2, role="replica", dedupe_id="handoff") \
+        .add("enqueue", 6, 6, epoch=2, role="replica", at_ms=5_000)
+    late = Journal("n2").add("snapshot", 0, 2, role="replica").add("snapshot", 0, 3, role="replica") \
+        .add("epoch", 5, 0, role="replica", dedupe_id="snapshot").add("epoch", 5, 0, epoch=2, dedupe_id="handoff") \
+        .add("enqueue", 6, 6, epoch=2, at_ms=5_000)
+    report = audit(master, late)
+    assert report["verdict"] == "clean", report["violations"]
+    [queue] = report["incarnations"][0]["queues"]
+    assert queue["final_master"] == "n2"
+    assert {key: queue["counts"][key] for key in ("enqueued", "acked", "queued")} == {"enqueued": 4, "acked": 1, "queued": 3}
+    assert report["total_queue"]["enqueued"] == 4

@@ -73,6 +73,36 @@ async def test_a_member_recreated_by_a_move_takes_the_state_and_repeats_no_ackno
     assert sorted(rest) == sorted(set(ids) - set(acked))
 
 
+async def test_a_dead_letter_taken_over_by_snapshot_is_served_by_the_new_master(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
+    """A message dead-lettered while the replica is away reaches it inside its queue's
+    snapshot, counter and all: after a handoff the new master serves it (it once held the
+    row under a counter that did not cover it, and served nothing)."""
+    cluster: LocalCluster = qcluster_factory(3, {"jobs": ["n1", "n2"]})
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as client:
+        await client.create_queue("jobs", strength="full", max_deliveries=1)
+        await client.enqueue_many("jobs", [b"poison", b"fine"])
+        cluster.wipe("n2")
+        [poison] = await client.receive("jobs", max_messages=1, wait_s=1)
+        assert poison.payload == b"poison"
+        await poison.release()                    # its only delivery: dead-lettered
+        cluster.start("n2")
+
+        async def in_sync() -> dict[str, Any] | None:
+            stats = await client.queue_stats("jobs")
+            return stats if stats["replication_state"] == "in_sync" else None
+        stats = await wait_for(in_sync, 30, "the returning replica to take the snapshot")
+        assert stats["snapshots_sent"] >= 1, stats
+        await client.handoff("jobs")
+    async with AsyncClient(cluster.urls["n2"], cluster.credentials_path) as at_n2:
+        [dead] = await at_n2.receive("jobs.dlq", max_messages=5, wait_s=2)
+        assert dead.payload == b"poison"
+        await dead.ack()
+        [fine] = await at_n2.receive("jobs", max_messages=5, wait_s=1)
+        await fine.release()                      # the next dead letter takes the next index
+        [second] = await at_n2.receive("jobs.dlq", max_messages=5, wait_s=2)
+        assert second.payload == b"fine" and second.id != dead.id
+
+
 @pytest.mark.timeout(240)
 async def test_a_replica_killed_while_taking_a_snapshot_under_traffic_comes_back_identical(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
     cluster: LocalCluster = qcluster_factory(3, {"ledger": ["n1", "n2"]},

@@ -128,3 +128,24 @@ async def test_a_node_holding_a_million_messages_serves_right_after_restart(qnod
         assert stats["depth"] == count + 1
     # Loading a million keys would take seconds; the node must not do it before serving.
     assert serving_after_s < 3.0, f"first message {serving_after_s:.1f}s after the restart began"
+
+
+async def test_a_message_dead_lettered_by_a_release_survives_a_restart(qnode) -> None:  # type: ignore[no-untyped-def]
+    """The release that dead-letters a message writes the dead-letter queue's record in the
+    same commit (its counter included): after a restart the message is there to receive, and
+    the next dead letter takes the next index instead of overwriting it."""
+    async with AsyncClient(qnode.url, qnode.credentials_path) as client:
+        await client.create_queue("jobs", max_deliveries=1)
+        await client.enqueue_many("jobs", [b"poison", b"second"])
+        [poison] = await client.receive("jobs", max_messages=1)
+        await poison.release()                         # its only delivery: dead-lettered
+        qnode.kill()
+        qnode.start()
+        [dead] = (await receive_one_retrying(client, "jobs.dlq"),)
+        assert dead.payload == b"poison"
+        [second] = await client.receive("jobs", max_messages=1, wait_s=1)
+        await second.release()
+        [after] = await client.receive("jobs.dlq", max_messages=5, wait_s=1)
+        assert after.payload == b"second" and after.id != dead.id
+        stats = await client.queue_stats("jobs.dlq")
+        assert stats["depth"] == 2 and stats["total_enqueued"] == 2, stats
