@@ -152,6 +152,7 @@ class MasterRole:
         self.appends_sent = 0
         self._last_progress_ms = 0
         self._last_attempt_ms = 0             # the last resend or repeated SyncEnd
+        self._resync_sent_ms: int | None = None   # a RESYNC awaiting the replica's Open
         self.outbox: list[tuple[str, Message]] = []
         self.proposals: list[InSyncProposal] = []
         self.forwarded: list[Forward] = []    # requests from the replica's clients, for the driver
@@ -252,6 +253,7 @@ class MasterRole:
     def _on_open(self, request: Open, now_ms: int) -> None:
         """A replica (re)joins: stream only what it lacks from the log, or its state by snapshot
         when the log no longer reaches back to it or the histories differ."""
+        self._resync_sent_ms = None
         if self._resume_snapshot(request, now_ms):
             return
         self._end_snapshot()
@@ -487,6 +489,9 @@ class MasterRole:
             self._last_attempt_ms = now_ms
             self._send(SyncEnd(self.core.name, self.incarnation, self.epoch, self._sync_target,
                                self._digest_at(self._sync_target)))
+        if self.progress is ReplicaProgress.PROBING and self._resync_sent_ms is not None \
+                and now_ms - self._resync_sent_ms > self.limits.resend_after_ms:
+            self._send_resync(now_ms)
         self._pump(now_ms)
 
     def answer_forward(self, request: Forward, outcomes: list[object]) -> None:
@@ -498,6 +503,7 @@ class MasterRole:
         """The peer link broke: the replica must Open again before anything is streamed. A
         snapshot under way keeps its read view, so that the Open may resume it, until
         `sync_view_max_ms` pass without progress (see tick)."""
+        self._resync_sent_ms = None       # the replica opens again once the link is back
         if self.progress is not ReplicaProgress.FENCED:
             self._set_progress(ReplicaProgress.PROBING)
 
@@ -543,7 +549,7 @@ class MasterRole:
             self.core.visible_upto = self.commit_order
         if self.progress not in (ReplicaProgress.CATCHING_UP, ReplicaProgress.CAUGHT_UP):
             return
-        if self._pump_snapshot(now_ms) or self._lost_from_log():
+        if self._pump_snapshot(now_ms) or self._lost_from_log(now_ms):
             return
         limits = self.limits
         in_flight = self._in_flight
@@ -567,7 +573,7 @@ class MasterRole:
             self._send(Append(self.core.name, self.incarnation, self.epoch, self.sent_order,
                               tuple(encoded for _, _, encoded in entries), self._sent_commit, self.recorded_commit))
             self.sent_order = entries[-1][1]
-        if self._lost_from_log():
+        if self._lost_from_log(now_ms):
             return
         if self.commit_order > self._sent_commit or self.recorded_commit > self._sent_recorded_commit:
             # Nothing new to stream, but the replica's clients wait on the commit point (and its
@@ -601,7 +607,7 @@ class MasterRole:
             return []
         return [entry for entry in older if entry[1] <= self._recent_floor]
 
-    def _lost_from_log(self) -> bool:
+    def _lost_from_log(self, now_ms: int) -> bool:
         """What the replica needs next, or the order its transfer vouches for, was truncated (it
         was recorded out of sync and fell behind past log_retain_max_bytes): it opens again and
         gets a snapshot."""
@@ -610,9 +616,15 @@ class MasterRole:
                           or self.sent_order >= self._recent_floor):
             return False
         self._set_progress(ReplicaProgress.PROBING)
+        self._send_resync(now_ms)
+        return True
+
+    def _send_resync(self, now_ms: int) -> None:
+        """Tell a following replica its position left the log; repeated (see tick) until its
+        Open comes, since a lost one would leave it following a master that streams nothing."""
+        self._resync_sent_ms = now_ms
         self._send(Refused(self.core.name, self.incarnation, self.epoch, RESYNC,
                            f"order {self.sent_order} is no longer in the log (it starts at {self.log_start})"))
-        return True
 
     def _digest_at(self, order: int) -> bytes:
         if order == self.last_order:

@@ -196,10 +196,13 @@ class ReplicaRole:
             self._set_phase(ReplicaPhase.FENCED)   # placement changed: the driver re-reads it
             return
         if isinstance(message, Refused):
+            # The master repeats a RESYNC until an Open comes: one that meets a member already
+            # starting over (waiting to open, or opening) asks for nothing more.
             if message.code == RESYNC and self.core.record.dead_letter_of is not None:
-                self.resync_source = True  # a dead-letter queue's state comes with its queue's
+                if not self.never_opened:
+                    self.resync_source = True   # a dead-letter queue's state comes with its queue's
             elif message.code == RESYNC and self.phase is not ReplicaPhase.OPENING:
-                self.start(now_ms)        # our position left the master's log: open again
+                self.start(now_ms)              # our position left the master's log: open again
             # Otherwise, of our own epoch, it refuses what this node sent in an older epoch (as
             # the master it was before a handoff, say), so it is stale. Fencing on it would stop
             # this replica for good: the map, which is already current, would never re-read it.
