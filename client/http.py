@@ -12,7 +12,9 @@ the call is not idempotent.
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +29,7 @@ from client.errors import (
     E_FORBIDDEN,
     E_INTERNAL,
     E_NOT_FOUND,
+    E_QUEUE_UNAVAILABLE,
     E_TIMEOUT,
     E_UNAUTHENTICATED,
     E_UNAVAILABLE,
@@ -160,9 +163,23 @@ class HttpClient:
 
     # --- queues -----------------------------------------------------------------------------
     async def create_queue(self, name: str, **options: Any) -> dict[str, Any]:
-        """Create or open a queue; options left as None are not sent (server defaults)."""
+        """Create or open a queue; options left as None are not sent (server defaults).
+
+        A create the cluster cannot place now (E_QUEUE_UNAVAILABLE: fewer than two live
+        nodes, e.g. a node's lease renewing after a stall, or the same create under way) is
+        asked again until the request timeout: creating is idempotent (the same options
+        open the queue the first attempt made)."""
         chosen = {key: value for key, value in options.items() if value is not None}
-        return dict(await self._json("PUT", queue_path(name), document=chosen))
+        deadline = time.monotonic() + self._request_timeout_s
+        pause_s = 0.05
+        while True:
+            try:
+                return dict(await self._json("PUT", queue_path(name), document=chosen))
+            except QueueError as error:
+                if error.kind is not E_QUEUE_UNAVAILABLE or time.monotonic() + pause_s > deadline:
+                    raise
+            await asyncio.sleep(pause_s)
+            pause_s = min(2 * pause_s, 1.0)
 
     async def delete_queue(self, name: str) -> dict[str, Any]:
         return dict(await self._json("DELETE", queue_path(name), idempotent=False))

@@ -14,6 +14,7 @@ import json
 import os
 import stat
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -327,6 +328,28 @@ async def test_a_non_2xx_answer_raises_the_servers_error_with_its_traits(fake_no
         with pytest.raises(QueueError) as missing:
             await http.queue_stats("nowhere")
         assert missing.value.code == "E_NOT_FOUND"
+
+
+@pytest.mark.asyncio
+async def test_a_create_the_cluster_cannot_place_yet_is_asked_again_until_the_request_timeout(
+        fake_node: FakeNode) -> None:
+    unplaceable = QueueError("E_QUEUE_UNAVAILABLE", "no two live nodes for orders").envelope()
+    fake_node.rest_answers[("PUT", "/v1/queues/orders")] = (503, unplaceable)
+
+    async def node_back() -> None:
+        await asyncio.sleep(0.3)
+        fake_node.rest_answers[("PUT", "/v1/queues/orders")] = (201, {"name": "orders", "created": True})
+    async with HttpClient(fake_node.url, fake_node.credentials.signer()) as http:
+        back = asyncio.create_task(node_back())
+        assert (await http.create_queue("orders"))["created"] is True
+        await back
+    assert len(fake_node.rest_requests) >= 2
+    fake_node.rest_answers[("PUT", "/v1/queues/orders")] = (503, unplaceable)
+    async with HttpClient(fake_node.url, fake_node.credentials.signer(), request_timeout_s=0.5) as http:
+        started = time.monotonic()
+        with pytest.raises(QueueError) as caught:
+            await http.create_queue("orders")
+    assert caught.value.code == "E_QUEUE_UNAVAILABLE" and time.monotonic() - started < 2.0
 
 
 @pytest.mark.asyncio
