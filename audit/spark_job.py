@@ -157,9 +157,13 @@ def audit_spark(spark: Any, journals: list[str], history_path: str | None = None
     progress(f"reading journals from {len(journals)} path(s)")
     records = (spark.read.schema(SPARK_SCHEMA_DDL).option("recursiveFileLookup", "true")
                .option("pathGlobFilter", "*.parquet").parquet(*journals))
-    # Where each journal starts (a journal that starts at sequence 1 is complete): native, cheap.
-    starts = {(row.node, row.journal_id): row.first for row in
-              records.groupBy("node", "journal_id").agg(F.min("sequence").alias("first")).collect()}
+    # Where each journal starts (a journal that starts at sequence 1 is complete): from the
+    # files' footers when they can say (local files, one journal each, with statistics: the
+    # exporter's), else a native aggregate (a whole Spark job: about 4 s of 20 on 1M records).
+    starts = footer_starts(journals)
+    if starts is None:
+        starts = {(row.node, row.journal_id): row.first for row in
+                  records.groupBy("node", "journal_id").agg(F.min("sequence").alias("first")).collect()}
     progress(f"{len(starts)} journals; checking queues in {partitions} partitions")
     rows = records
     if history_path:
@@ -179,6 +183,47 @@ def audit_spark(spark: Any, journals: list[str], history_path: str | None = None
                        for (node, journal_id), journal_runs in sorted(runs.items())]
     progress(f"{len(group_results)} queues checked; assembling the report")
     return assemble_report(journal_results, group_results, settings)
+
+
+def footer_starts(journals: list[str]) -> dict[tuple[str, str], int] | None:
+    """Each journal's lowest sequence from the Parquet footers' column statistics, or None
+    when some file cannot say (not a local path, no statistics, or rows of several
+    journals in one file)."""
+    import pyarrow.parquet as pq
+
+    starts: dict[tuple[str, str], int] = {}
+    for journal in journals:
+        if "://" in journal:
+            return None
+        root = Path(journal)
+        paths = [root] if root.is_file() else [path for path in sorted(root.rglob("*.parquet"))
+                                                 if not any(part[0] in "._" for part in path.relative_to(root).parts)]
+        for path in paths:                    # the files Spark reads (it skips hidden ones)
+            try:
+                metadata = pq.ParquetFile(path).metadata
+            except (OSError, pa.ArrowException):
+                return None
+            if metadata.num_rows == 0:
+                continue
+            bounds = {}
+            for name in ("node", "journal_id", "sequence"):
+                column = metadata.schema.names.index(name) if name in metadata.schema.names else -1
+                if column < 0:
+                    return None
+                lows, highs = [], []
+                for group in range(metadata.num_row_groups):
+                    stats = metadata.row_group(group).column(column).statistics
+                    if stats is None or not stats.has_min_max or stats.null_count:
+                        return None
+                    lows.append(stats.min)
+                    highs.append(stats.max)
+                bounds[name] = (min(lows), max(highs))
+            (node, last_node), (journal_id, last_id) = bounds["node"], bounds["journal_id"]
+            if node != last_node or journal_id != last_id:
+                return None
+            key = (node, journal_id)
+            starts[key] = min(bounds["sequence"][0], starts.get(key, bounds["sequence"][0]))
+    return starts
 
 
 def _history_rows(spark: Any, history_path: str) -> Any:

@@ -325,6 +325,24 @@ def test_spark_names_every_planted_fault_as_the_pure_path_does(real_run: RealRun
     assert {fault.kind for fault in FAULTS} <= set(found["violation_counts"])
 
 
+def test_journal_starts_come_from_the_footers_and_from_spark_when_the_files_cannot_say(
+        real_run: RealRun, spark: Any, tmp_path: Path) -> None:
+    from audit.spark_job import audit_spark, footer_starts
+    lowest: dict[tuple[str, str], int] = {}
+    for record in real_run.records:
+        key = (record.node, record.journal_id)
+        lowest[key] = min(record.sequence, lowest.get(key, record.sequence))
+    assert footer_starts([str(real_run.journals)]) == lowest
+    for node in sorted({r.node for r in real_run.records}):      # the same rows, no statistics
+        rows = sorted((r for r in real_run.records if r.node == node), key=lambda r: r.sequence)
+        (tmp_path / node).mkdir(parents=True)
+        columns = {name: [r[position] for r in rows] for position, name in enumerate(RECORD_COLUMNS)}
+        pq.write_table(columns_table(columns), tmp_path / node / "journal.parquet", write_statistics=False)
+    assert footer_starts([str(tmp_path)]) is None
+    expected = audit_paths([str(real_run.journals)], str(real_run.history))
+    assert comparable(audit_spark(spark, [str(tmp_path)], str(real_run.history))) == comparable(expected)
+
+
 def test_qaudit_writes_the_report_and_page_and_exits_non_zero_on_a_violation(real_run: RealRun, tmp_path: Path,
                                                                              capsys: pytest.CaptureFixture[str]) -> None:
     clean = qaudit_main(["--journals", str(real_run.journals), "--history", str(real_run.history), "--engine", "python",
