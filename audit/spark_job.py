@@ -2,7 +2,8 @@
 
 Every check is per journal or per queue group:
 
-  1. a native aggregate finds where each journal starts (its lowest sequence number);
+  1. each journal's start (its lowest sequence number) comes from the Parquet footers'
+     statistics, or, where the files cannot say, from a native aggregate;
   2. one shuffle brings every record of a queue group together (all members, all
      incarnations, the dead-letter queue, and the group's history entries, read from the
      history file and shaped as records) into a Python worker (`mapInArrow`: Arrow batches,

@@ -291,13 +291,15 @@ def test_a_dropped_record_also_shows_as_a_gap_in_its_journals_sequence_numbers(r
     assert report["violation_counts"].get(checks.SEQUENCE_GAP) == 1
 
 
-def _write_journals(records: list[JournalRecord], directory: Path) -> None:
-    """Records as exported Parquet files, one per node, as the exporter writes them."""
+def _write_journals(records: list[JournalRecord], directory: Path, *, statistics: bool = True) -> None:
+    """Records as exported Parquet files, one per node, as the exporter writes them (with
+    the column statistics in their footers, unless told otherwise)."""
     for node in sorted({r.node for r in records}):
         rows = sorted((r for r in records if r.node == node), key=lambda r: r.sequence)
         (directory / node).mkdir(parents=True)
         columns = {name: [r[position] for r in rows] for position, name in enumerate(RECORD_COLUMNS)}
-        pq.write_table(columns_table(columns), directory / node / f"journal-{node}.parquet")
+        pq.write_table(columns_table(columns), directory / node / f"journal-{node}.parquet",
+                       write_statistics=statistics)
 
 
 def _write_history(entries: list[HistoryEnqueue], path: Path) -> None:
@@ -333,11 +335,7 @@ def test_journal_starts_come_from_the_footers_and_from_spark_when_the_files_cann
         key = (record.node, record.journal_id)
         lowest[key] = min(record.sequence, lowest.get(key, record.sequence))
     assert footer_starts([str(real_run.journals)]) == lowest
-    for node in sorted({r.node for r in real_run.records}):      # the same rows, no statistics
-        rows = sorted((r for r in real_run.records if r.node == node), key=lambda r: r.sequence)
-        (tmp_path / node).mkdir(parents=True)
-        columns = {name: [r[position] for r in rows] for position, name in enumerate(RECORD_COLUMNS)}
-        pq.write_table(columns_table(columns), tmp_path / node / "journal.parquet", write_statistics=False)
+    _write_journals(list(real_run.records), tmp_path, statistics=False)
     assert footer_starts([str(tmp_path)]) is None
     expected = audit_paths([str(real_run.journals)], str(real_run.history))
     assert comparable(audit_spark(spark, [str(tmp_path)], str(real_run.history))) == comparable(expected)
