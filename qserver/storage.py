@@ -50,6 +50,7 @@ a mark at its order (`snapshot_installs`).
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import logging
 import os
@@ -146,6 +147,19 @@ class CommitResult:
 
 def _queue_prefix(queue_id: int) -> bytes:
     return _Q.pack(queue_id)
+
+
+def _put_in_order(cursor: lmdb.Cursor, puts: list[tuple[bytes, bytes]]) -> None:
+    """Rows in ascending key order that all sort after the database's last key are appended
+    (MDB_APPEND fills pages instead of splitting them: fewer pages for the commit to write);
+    any others are put as usual. A snapshot's rows usually qualify: they fill an instance
+    created for the transfer, whose local queue id is the newest (+26% transfer speed in an
+    A/B, bench/RESULTS.md)."""
+    if (not cursor.last() or bytes(cursor.key()) < puts[0][0]) and all(
+            earlier[0] < later[0] for earlier, later in itertools.pairwise(puts)):
+        cursor.putmulti(puts, append=True)
+    else:
+        cursor.putmulti(puts)
 
 
 class Storage:
@@ -631,9 +645,10 @@ class Storage:
                                self.node_id, client])
                 sequence += 1
                 journal_rows.append((_Q.pack(sequence), record + _U32.pack(zlib.crc32(record))))
+        ready.sort()
         for name, puts in (("messages", messages), ("ready", ready), ("leases", leases), ("dedupe", dedupe)):
             if puts:
-                txn.cursor(db=db[name]).putmulti(puts)
+                _put_in_order(txn.cursor(db=db[name]), puts)
         if journal_rows:
             txn.cursor(db=db["journal"]).putmulti(journal_rows, append=True)
             self._journal_sequence = sequence
