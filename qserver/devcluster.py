@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -22,10 +23,30 @@ REPOSITORY = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 20.0
 
 
+FREE_PORT_FIRST, FREE_PORT_LAST = 5_000, 9_999   # below chaos/cluster.py's port blocks and the
+                                                 # ephemeral range (32768-60999 on Linux)
+_PORTS_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback port nothing listens on, outside the ephemeral range and not handed out
+    before by this process: a port the system picks for bind(0) is one an outgoing
+    connection may take before the node binds it (a node of a full test run failed to start
+    so)."""
+    if len(_PORTS_GIVEN) > (FREE_PORT_LAST - FREE_PORT_FIRST) // 2:
+        _PORTS_GIVEN.clear()              # long runs: the earliest are long released
+    for _ in range(1000):
+        port = random.randint(FREE_PORT_FIRST, FREE_PORT_LAST)
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    raise RuntimeError(f"no free port in {FREE_PORT_FIRST}-{FREE_PORT_LAST} on 127.0.0.1")
 
 
 def start_qserver(run_args: list[str], url: str, log_path: Path,
