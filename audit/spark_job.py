@@ -208,9 +208,9 @@ def footer_starts(journals: list[str]) -> dict[tuple[str, str], int] | None:
                 continue
             bounds = {}
             for name in ("node", "journal_id", "sequence"):
-                column = metadata.schema.names.index(name) if name in metadata.schema.names else -1
-                if column < 0:
+                if name not in metadata.schema.names:
                     return None
+                column = metadata.schema.names.index(name)
                 lows, highs = [], []
                 for group in range(metadata.num_row_groups):
                     stats = metadata.row_group(group).column(column).statistics

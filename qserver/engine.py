@@ -497,11 +497,7 @@ class Engine:
         dead = core.dead_letter_core
         if install.dead_letter is not None and dead is not None:
             dead_order, dead_digest, dead_record = install.dead_letter
-            # Past every message the snapshot holds, whatever the record says (a node before
-            # this version could write a dead letter without its queue's record).
-            held = [index for _, index, _ in received.dead_letter_ready] + \
-                [lease[0] for lease in received.dead_letter_leases]
-            dead.record.next_index = max(int(dead_record.get("next_index", 1)), dead_order + 1, max(held, default=0) + 1)
+            dead.record.next_index = max(int(dead_record.get("next_index", 1)), dead_order + 1)
             dead.record.ready_count = len(received.dead_letter_ready)
             dead.record.total_enqueued = int(dead_record.get("total_enqueued", 0))
             sealed.snapshot_installs.append((dead.queue_id, dead_order, dead_digest))

@@ -52,7 +52,6 @@ from __future__ import annotations
 import collections
 import itertools
 import json
-import logging
 import os
 import shutil
 import struct
@@ -78,7 +77,6 @@ from replication.store import StoredLease
 # 3: the op log holds entries (runs of operations) keyed by their last order; no reader of 2.
 # 4: a message row may name the op-log entry holding its payload instead; no reader of 3.
 SCHEMA_VERSION = 4
-log = logging.getLogger(__name__)
 _QI = struct.Struct(">QQ")
 _QPI = struct.Struct(">QBQ")
 _Q = struct.Struct(">Q")
@@ -248,20 +246,8 @@ class Storage:
 
     # --- loading at start ------------------------------------------------------------------
     def load_queue_records(self) -> list[QueueRecord]:
-        with self.env.begin() as txn:
-            records = [QueueRecord.from_json(msgpack.unpackb(value)) for _, value in txn.cursor(db=self.db["queues"])]
-            rows = txn.cursor(db=self.db["messages"])
-            for record in records:
-                # A message row above the record's counter would never be served, and the next
-                # message would take its index: a dead-letter queue written by an earlier
-                # version could hold one (its record was not written with a dead letter).
-                found = rows.prev() if rows.set_range(_Q.pack(record.queue_id + 1)) else rows.last()
-                owner, index = _QI.unpack(rows.key()) if found else (None, 0)
-                if owner == record.queue_id and index >= record.next_index:
-                    log.warning("queue %s: message %d lies above its counter %d: the counter moves past it",
-                                record.name, index, record.next_index)
-                    record.next_index = index + 1
-            return records
+        with self.env.begin(db=self.db["queues"]) as txn:
+            return [QueueRecord.from_json(msgpack.unpackb(value)) for _, value in txn.cursor()]
 
     def load_leases(self, queue_id: int) -> list[StoredLease]:
         prefix = _queue_prefix(queue_id)

@@ -36,6 +36,7 @@ from qserver.journal_export import columns_table, export_environment
 from replication import audit_checks as checks
 from replication.audit_checks import RECORD_COLUMNS, HistoryEnqueue, JournalRecord
 from tests.support import RawApi
+from tests.test_failover import wait_for
 
 pytest.importorskip("pyspark")
 PLACEMENT = {"orders": ["n1", "n2"], "ledger": ["n2", "n3"]}
@@ -137,17 +138,14 @@ async def _scenario(cluster: LocalCluster, history: History) -> None:
         await _converged(promoted, "orders")
 
 
-async def _replica_caught_up(master: RawApi, queue: str, timeout_s: float = 30.0) -> None:
+async def _replica_caught_up(master: RawApi, queue: str) -> None:
     """The master holds its replica in sync and caught up with the stream (after the
     snapshot a new member of a queue with a dead-letter queue starts from)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    async def caught_up() -> bool:
         status, stats, _ = await master.request("GET", f"/v1/queues/{queue}")
-        if status == 200 and stats.get("replication_state") == "in_sync" \
-                and stats.get("replica_progress") == "caught_up":
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{queue}: the replica did not catch up: {stats}")
+        return status == 200 and stats.get("replication_state") == "in_sync" \
+            and stats.get("replica_progress") == "caught_up"
+    await wait_for(caught_up, 30, f"{queue}: the replica to catch up")
 
 
 async def _converged(client: AsyncClient, queue: str, timeout_s: float = 30.0) -> None:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import lmdb
-import msgpack
 import pytest
 
 from client import AsyncClient, QueueError
@@ -152,28 +150,3 @@ async def test_a_message_dead_lettered_by_a_release_survives_a_restart(qnode) ->
         stats = await client.queue_stats("jobs.dlq")
         assert stats["depth"] == 2 and stats["total_enqueued"] == 2, stats
 
-
-async def test_a_message_row_above_its_queues_counter_is_served_after_a_restart(qnode) -> None:  # type: ignore[no-untyped-def]
-    """Data written before the fix above (a dead letter whose queue record kept the old
-    counter) loads with the counter moved past the row: served, never overwritten."""
-    async with AsyncClient(qnode.url, qnode.credentials_path) as client:
-        await client.create_queue("jobs", max_deliveries=1)
-        await client.enqueue("jobs", b"poison")
-        [poison] = await client.receive("jobs", max_messages=1)
-        await poison.release()
-        qnode.kill()
-        env = lmdb.open(str(qnode.data_dir / "lmdb"), max_dbs=64)
-        with env.begin(write=True) as txn:                 # the record as an earlier version left it
-            queues = env.open_db(b"queues", txn=txn)
-            record = msgpack.unpackb(txn.get(b"jobs.dlq", db=queues))
-            record["next_index"] = 1
-            txn.put(b"jobs.dlq", msgpack.packb(record), db=queues)
-        env.close()
-        qnode.start()
-        dead = await receive_one_retrying(client, "jobs.dlq")
-        assert dead.payload == b"poison"
-        await client.enqueue("jobs", b"second")
-        [second] = await client.receive("jobs", max_messages=1, wait_s=1)
-        await second.release()
-        [after] = await client.receive("jobs.dlq", max_messages=5, wait_s=1)
-        assert after.payload == b"second" and after.id != dead.id
