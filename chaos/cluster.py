@@ -4,11 +4,11 @@ Each node dials each peer through a proxy of its own, for both kinds of peer tra
 clients reach each node through one more (DESIGN.md 4.7):
 
     peer-a-b     a's replication link (WebSocket) and HTTP passing-on to b   -> b's HTTP port
-    raft-a-b     a's membership (pysyncobj) link to b                        -> b's Raft port
+    raft-a-b     a's membership (Raft) link to b                             -> b's Raft port
     client-a     every client of a (the URL a publishes in the cluster map)  -> a's HTTP port
 
 Only one of peer-a-b / peer-b-a carries the pair's replication link (the lower id dials) and
-only one of raft-a-b / raft-b-a its Raft link (the higher id dials), so cutting a pair cuts
+only one of raft-a-b / raft-b-a its Raft link (the lower id dials too), so cutting a pair cuts
 all four. Every node's TOML holds its own tables: `[cluster.nodes]` and `[cluster.membership]`
 name the proxies it dials, `url` its client proxy, `membership_bind` where its Raft link
 listens.

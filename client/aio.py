@@ -161,6 +161,7 @@ def _op_bytes(op: ClientOp) -> int:
 
 ROUTED_ENQUEUE_RETRY_S = 0.5   # see AsyncClient._node_client
 FAILOVER_WAIT_S = 4.0          # how long a call waits for the map to name a reachable master
+DEAD_LETTER_SUFFIX = ".dlq"      # a queue's dead-letter queue: same pair (replication/options.py)
 FAILOVER_POLL_S = 0.1
 # Set while a call is retried after a failure (_retried_once): a retry at this very node
 # (it has just become the queue's master) is taken once per call, not again from the retry.
@@ -409,8 +410,10 @@ class AsyncClient:
             # A client of either member stays with it (under `producer` each member serves
             # its own consumers; a replica forwards what its master must order).
             members = {urls[pair["master"]], urls.get(pair.get("replica") or "", "")}
-            self._masters[queue] = self.url if self.url in members else urls[pair["master"]]
-            self._master_urls[queue] = urls[pair["master"]]
+            # A queue's dead-letter queue lives in its pair (the map has no entry of its own).
+            for name in (queue, queue + DEAD_LETTER_SUFFIX):
+                self._masters[name] = self.url if self.url in members else urls[pair["master"]]
+                self._master_urls[name] = urls[pair["master"]]
 
     def _node_client(self, url: str) -> AsyncClient:
         """A client of another node of the cluster. It gives up on an unreachable node soon

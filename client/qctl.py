@@ -256,8 +256,14 @@ async def cmd_status(http: HttpClient, args: argparse.Namespace) -> Outcome:
         except QueueError:
             continue
     leader = cluster.get("leader")
+    raft = cluster.get("membership", {})
+    voters, learners = set(raft.get("voters", [])), set(raft.get("learners", []))
+
+    def membership_role(node_id: str | None) -> str:
+        role = "voter" if node_id in voters else "learner" if node_id in learners else "-"
+        return f"{role}, leader" if node_id == leader else role
     node_table = format_table(["NODE", "URL", "STATE", "MEMBERSHIP"],
-                              [[n.get("id"), n.get("url"), n.get("state"), "leader" if n.get("id") == leader else ""]
+                              [[n.get("id"), n.get("url"), n.get("state"), membership_role(n.get("id"))]
                                for n in nodes])
     queues = cluster.get("queues", {})
     for name, entry in queues.items():

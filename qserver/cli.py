@@ -13,6 +13,7 @@ from client.credentials import Credentials, save_credentials
 from client.signing import new_private_key, private_key_to_text, public_key_text
 from qserver.auth import ADMIN_GRANTS
 from qserver.config import load_config
+from qserver.raft_store import RaftStore
 from qserver.storage import SealedBatch, Storage, read_clients
 
 DEFAULT_CREDENTIALS = Path.home() / ".config" / "qserver" / "credentials.json"
@@ -55,6 +56,11 @@ def init(data_dir: Path, node_id: str, credentials_path: Path, url: str, force: 
     storage = Storage(data_dir / "lmdb", node_id=node_id)
     try:
         storage.commit(SealedBatch(client_puts={client_id: record}))
+        membership = RaftStore(storage)
+        if membership.is_empty():
+            # This node founds the cluster: the membership layer's first configuration is this
+            # node alone; every other node (init --join) asks it, or its successor, to be added.
+            membership.bootstrap(node_id, storage.storage_id)
     finally:
         storage.close()
     save_credentials(credentials_path, Credentials(client_id, private_key_to_text(key), url))

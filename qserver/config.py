@@ -47,7 +47,7 @@ class NodeConfig:
     # in chaos tests), and preferred pairs for named queues at creation.
     cluster_nodes: dict[str, str] = field(default_factory=dict)
     placement: dict[str, list[str]] = field(default_factory=dict)
-    # The membership layer (pysyncobj): voter id -> "host:port" this node dials for its Raft
+    # The membership layer (Raft): voter id -> "host:port" this node dials for its Raft
     # link (a proxy's address in chaos tests), and where this node listens for it (voters
     # only: a node not listed follows the cluster map without voting).
     membership_nodes: dict[str, str] = field(default_factory=dict)
@@ -57,7 +57,6 @@ class NodeConfig:
     lease_renew_interval_ms: int = 200
     election_timeout_ms: tuple[int, int] = (300, 600)
     raft_heartbeat_ms: int = 50
-    raft_leader_fallback_ms: int = 400      # a leader that hears no majority this long steps down
     replica_replace_after_s: float = 300.0  # a node down this long gets its replicas re-created elsewhere
     accept_replica_handoffs: bool = True    # false: this node's masters refuse handoffs their replicas ask
     shutdown_handoff_timeout_s: float = 10.0
@@ -104,9 +103,9 @@ class NodeConfig:
             if len(self.membership_nodes) not in (2, 3, 4, 5):
                 problems.append("the membership layer has 3 or 5 voters (2 or 4 work but tolerate no more failures); "
                                 "further nodes follow the map without voting")
-            if self.lease_margin_ms < self.raft_leader_fallback_ms:
-                problems.append("lease_margin_ms must cover raft_leader_fallback_ms (a cut-off leader may grant "
-                                "until it steps down)")
+            if self.lease_margin_ms < self.election_timeout_ms[0]:
+                problems.append("lease_margin_ms must cover election_timeout_ms's minimum (a cut-off membership "
+                                "leader may grant leases until check-quorum steps it down)")
             if self.lease_renew_interval_ms * 3 > self.lease_ms:
                 problems.append("lease_renew_interval_ms must allow three renewals per lease_ms")
             if self.election_timeout_ms[0] <= 3 * self.raft_heartbeat_ms or \

@@ -417,5 +417,5 @@ class Coordinator:
         cluster = self.membership.cluster_map.to_json()
         return {**cluster, "node": self.node_id, "leader": self.membership.leader_id(),
                 "term": self.membership.term(), "lease_remaining_ms": self.lease.remaining_ms(self.monotonic_ms()),
-                "failovers_proposed": self.failovers}
+                "failovers_proposed": self.failovers, "membership": self.membership.status()}
 

@@ -126,15 +126,18 @@ class LocalCluster:
 
     def wait_ready(self, nodes: list[str] | None = None, timeout_s: float = START_TIMEOUT_S) -> None:
         """Until every running node sees a membership leader, every running node up in the map,
-        and holds a valid lease."""
+        every running voter a voter of the membership layer's configuration, and holds a valid
+        lease (a test that kills a node at once needs the voters it counts on)."""
         deadline = time.monotonic() + timeout_s
         for node in nodes or list(self.processes):
             while True:
                 health = self.health(node)
                 membership: dict[str, Any] = health.get("membership", {})  # type: ignore[assignment]
                 states = membership.get("nodes", {})
+                voters = membership.get("raft", {}).get("voters", [])
                 if membership.get("leader") and membership.get("lease_valid") \
-                        and all(states.get(running) == "up" for running in self.processes):
+                        and all(states.get(running) == "up" for running in self.processes) \
+                        and all(running in voters for running in self.processes if running in self.raft_addresses):
                     break
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{node} did not join the cluster in {timeout_s}s: {health}")

@@ -542,7 +542,7 @@ async def healthz(request: web.Request) -> web.Response:
         answer["membership"] = {"leader": coordinator.membership.leader_id(), "term": coordinator.membership.term(),
                                 "nodes": {n: entry.state.value for n, entry
                                           in sorted(coordinator.membership.cluster_map.nodes.items())},
-                                "lease_valid": coordinator.lease_valid()}
+                                "lease_valid": coordinator.lease_valid(), "raft": coordinator.membership.status()}
     return web.json_response(answer)
 
 

@@ -1,5 +1,5 @@
-"""The membership layer behind one narrow interface: pysyncobj (Raft) for real nodes, an
-in-memory twin for the simulations (DESIGN.md 4.2).
+"""The membership layer behind one narrow interface: our own Raft core, run on the node's
+event loop (DESIGN.md 4.2); the engine simulation runs the same driver on its virtual loop.
 
     membership.cluster_map           the local copy of the replicated map (read on the loop)
     membership.propose(cmd, done)    done(outcomes) on the loop once applied, done(None) when
@@ -7,34 +7,55 @@ in-memory twin for the simulations (DESIGN.md 4.2).
     membership.on_applied            called on the loop after every command applied locally
     membership.is_leader() / leader_id() / term()
 
-Raft words (leader, term, log) stay inside this module; nothing outside derives queue
-mastership from them: masters come from the map, which only compare-and-set commands change.
+Raft words (leader, term, log) stay inside this module and replication/raft*.py; nothing
+outside derives queue mastership from them: masters come from the map, which only
+compare-and-set commands change.
 
-pysyncobj runs its own thread. Commands reach it as msgpack bytes (it pickles only those);
-its state machine applies each one to its copy of the map and hands the same bytes to the
-event loop (`call_soon_threadsafe`, in order), where `cluster_map` applies them again. So the
-loop never reads an object the Raft thread writes.
-
-Durability: pysyncobj writes its journal through mmap without fsync. `DurableFileJournal`
-syncs the journal after every append or truncation and the term/vote file on every change,
-so a vote or an entry is on disk before any message that depends on it is sent.
+`RaftMembership` drives the pure core (replication/raft.py) on the event loop: ticks from the
+loop's timer, frames over a peer transport of its own (its own port, so heartbeats never wait
+behind replication frames or snapshot chunks, and a proxy can sit on every link), its state
+in the node's LMDB environment (qserver/raft_store.py) written by the node's writer thread
+before any message that depends on it leaves, and committed commands applied to the one
+`cluster_map` on the loop.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
+import itertools
 import logging
 import os
+import random
 from collections.abc import Callable
-from pathlib import Path
+from concurrent.futures import Executor
 from typing import Any, Protocol
 
-import pysyncobj.syncobj as _syncobj_module
-from pysyncobj import SyncObj, SyncObjConf, SyncObjConsumer, replicated
-from pysyncobj.journal import FileJournal, MemoryJournal
-from pysyncobj.monotonic import monotonic as _raft_monotonic
-from pysyncobj.node import Node, TCPNode
-
-from replication.cluster_map import ClusterMap, Command, Outcome, decode_command, encode_command
+from qserver.raft_store import RaftStorage, storage_id_bytes
+from replication.cluster_map import (
+    ClusterMap,
+    Command,
+    CommandError,
+    NodeState,
+    Outcome,
+    decode_command,
+    decode_map,
+    encode_command,
+    encode_map,
+)
+from replication.messages import MessageError
+from replication.raft import (
+    ChangeKind,
+    ConfigurationChange,
+    ProposalOutcome,
+    Proposed,
+    RaftLimits,
+    RaftNode,
+    Ready,
+    Refusal,
+    Refused,
+)
+from replication.raft_codec import JoinRequest, ProposeRequest, ProposeResponse, decode_frame, encode_frame
+from replication.raft_messages import EntryKind
 
 log = logging.getLogger("qserver.membership")
 
@@ -53,226 +74,353 @@ class Membership(Protocol):
     def is_leader(self) -> bool: ...
     def leader_id(self) -> str | None: ...
     def term(self) -> int: ...
+    def status(self) -> dict[str, Any]: ...
 
 
 def _ignore_applied(command: Command, outcomes: list[Outcome]) -> None:
     pass
 
 
-# --- pysyncobj ---------------------------------------------------------------------------------
-# Logical id -> (host, port) this process dials for it. A node's identity is its id, never the
-# address a peer reached it at, so a proxy can sit on every membership link (DESIGN.md 4.7).
-DIAL_ADDRESSES: dict[str, tuple[str, int]] = {}
+# --- the Raft driver ----------------------------------------------------------------------------
+JOIN_EVERY_TICKS = 8                # a node outside the configuration asks to join this often
+RECONCILE_EVERY_TICKS = 4           # the leader looks for learners to promote and removed nodes
+COMPACT_EVERY_ENTRIES = 1_000       # applied entries between two snapshots of the map
+INBOX_ITEMS_MAX = 10_000            # frames and proposals waiting for the core (more are dropped)
+PARKED_PROPOSALS_MAX = 1_000        # proposals waiting for a leader to be known
 
 
-class MembershipNode(TCPNode):
-    """A pysyncobj TCP node whose id (and announced `address`) is the logical node id; host
-    and port come from this process's dial table. Pickled between nodes, so it must stay
-    importable under this module path on every node."""
-
-    def __init__(self, node_id: str, **kwargs: Any) -> None:
-        Node.__init__(self, node_id, **kwargs)
-
-    @property
-    def address(self) -> str:
-        return str(self.id)
-
-    @property
-    def host(self) -> str:
-        return DIAL_ADDRESSES[self.id][0]
-
-    @property
-    def port(self) -> int:
-        return DIAL_ADDRESSES[self.id][1]
-
-    @property
-    def ip(self) -> str:
-        return DIAL_ADDRESSES[self.id][0]
-
-    def __repr__(self) -> str:
-        return f"MembershipNode({self.id!r})"
+def tick_ms(heartbeat_ms: int) -> int:
+    """The core counts time in ticks of this length: half a heartbeat (25 ms by default), so
+    that the leader lease (RaftNode.lease_remaining_ticks) loses little to rounding."""
+    return max(5, heartbeat_ms // 2)
 
 
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def raft_limits(election_timeout_ms: tuple[int, int], heartbeat_ms: int) -> RaftLimits:
+    """The core's timers, in ticks, from the node's configuration in milliseconds."""
+    tick = tick_ms(heartbeat_ms)
+    low, high = (max(2, round(ms / tick)) for ms in election_timeout_ms)
+    heartbeat = max(1, round(heartbeat_ms / tick))
+    return RaftLimits(election_timeout_min_ticks=low, election_timeout_max_ticks=max(high, low + 1),
+                      heartbeat_interval_ticks=min(heartbeat, low - 1), resend_after_ticks=max(1, min(5, low - 1)))
 
 
-class DurableFileJournal(FileJournal):
-    """pysyncobj's file journal, synced to disk on every change (it only msyncs on close)."""
-
-    def __init__(self, journal_file: str) -> None:
-        super().__init__(journal_file)
-        self._path = journal_file
-
-    def _sync(self) -> None:
-        self.flush()                       # msync(MS_SYNC) of the mapped pages
-        _fsync_path(self._path)            # and the file's size and metadata
-
-    def add(self, command: bytes, idx: int, term: int) -> None:
-        super().add(command, idx, term)
-        self._sync()
-
-    def clear(self) -> None:
-        super().clear()
-        self._sync()
-
-    def deleteEntriesFrom(self, entryFrom: int) -> None:  # noqa: N802,N803 (pysyncobj's names)
-        super().deleteEntriesFrom(entryFrom)
-        self._sync()
-
-    def deleteEntriesTo(self, entryTo: int) -> None:  # noqa: N802,N803
-        super().deleteEntriesTo(entryTo)
-        self._sync()
-
-    def setCurrentTerm(self, term: int, votedForNodeId: Any) -> None:  # noqa: N802,N803
-        super().setCurrentTerm(term, votedForNodeId)     # written to a temp file, renamed
-        meta = self._path + ".meta"
-        _fsync_path(meta)
-        _fsync_path(os.path.dirname(os.path.abspath(meta)))
+_CAMPAIGN = object()    # an inbox item: stand for election now (RaftMembership.campaign)
 
 
-def _create_journal(journal_file: str | None = None) -> Any:
-    return MemoryJournal() if journal_file is None else DurableFileJournal(journal_file)
+class _Proposal:
+    __slots__ = ("command", "data", "deadline", "done", "finished")
 
+    def __init__(self, command: Command, done: Done, deadline: float) -> None:
+        self.command = command
+        self.data = encode_command(command)
+        self.done = done
+        self.deadline = deadline
+        self.finished = False
 
-# pysyncobj builds its journal through this module-level factory; a node runs one SyncObj.
-_syncobj_module.createJournal = _create_journal   # type: ignore[attr-defined]
-
-
-class _MapMachine(SyncObjConsumer):
-    """The replicated state: the cluster map (pysyncobj serialises what is set after
-    SyncObjConsumer.__init__ for its snapshots)."""
-
-    def __init__(self, deliver: Callable[[bytes], None], deliver_snapshot: Callable[[ClusterMap], None]) -> None:
-        self._deliver = deliver
-        self._deliver_snapshot = deliver_snapshot
-        super().__init__()
-        self.cluster_map = ClusterMap()
-
-    @replicated
-    def apply_command(self, data: bytes) -> list[tuple[str, bool, str]]:
-        try:
-            command = decode_command(data)
-        except ValueError:
-            return []
-        outcomes = self.cluster_map.apply(command)
-        self._deliver(data)
-        return [(o.name, o.applied, o.reason) for o in outcomes]
-
-    def _deserialize(self, data: dict[str, Any]) -> None:
-        super()._deserialize(data)
-        self._deliver_snapshot(self.cluster_map.copy())
+    def finish(self, outcomes: list[Outcome] | None) -> None:
+        if not self.finished:
+            self.finished = True
+            self.done(outcomes)
 
 
 class RaftMembership:
-    """pysyncobj with a durable journal and a full-dump file beside it, logical node ids and
-    the cluster password (its messages are pickled: never run it without one)."""
+    """The pure Raft core (replication/raft.py) run on the node's event loop.
 
-    def __init__(self, node_id: str, voters: dict[str, str], directory: Path, password: str, *,
-                 loop: asyncio.AbstractEventLoop, election_timeout_s: tuple[float, float] = (0.5, 1.0),
-                 heartbeat_s: float = 0.1, leader_fallback_s: float = 1.0, connection_timeout_s: float = 1.5,
-                 connection_retry_s: float = 0.5) -> None:
-        if not password:
-            raise ValueError("the membership layer needs the cluster password (its messages are pickled)")
-        # A node that is not one of the (3 or 5) voters follows the map without voting: a
-        # pysyncobj read-only node, which dials every voter and passes its proposals on.
-        self.voter = node_id in voters
-        for voter, address in voters.items():
-            host, port = address.rsplit(":", 1)
-            DIAL_ADDRESSES[voter] = (host, int(port))
+    One task owns the core. Inputs (ticks, frames from peers, proposals) wait in a bounded
+    inbox while a Ready is being persisted (the core takes no input between `ready()` and
+    `advance()`); then the task feeds them all, takes the next Ready, has the writer thread
+    persist it (queued behind at most one queue commit), sends its messages, applies its
+    committed commands to the one `cluster_map` and calls `advance`. No second thread, no
+    second copy of the map.
+
+    Around the core, three driver messages (replication/raft_codec.py): a node outside the
+    configuration sends `JoinRequest` to every voter until the leader added it (as a learner;
+    a configured voter is promoted once it has caught up, a disk that changed is removed
+    first and added again); a follower passes its proposals to the leader (`ProposeRequest`)
+    and waits for the entry the answer names."""
+
+    def __init__(self, node_id: str, storage_id: int, store: RaftStorage, *, voters: set[str],
+                 send: Callable[[str, bytes], bool], writer: Callable[[], Executor],
+                 loop: asyncio.AbstractEventLoop, limits: RaftLimits, tick_s: float, seed: int | None = None) -> None:
         self.node_id = node_id
         self.cluster_map = ClusterMap()
         self.on_applied: OnApplied = _ignore_applied
+        self._storage_id = storage_id_bytes(storage_id)
+        self._store = store
+        self._voters = voters                 # the configured voters: who is promoted once caught up
+        self._send = send
+        self._writer = writer
         self._loop = loop
-        directory.mkdir(parents=True, exist_ok=True)
-        self._conf = SyncObjConf(
-            password=password, bindAddress=voters[node_id] if self.voter else None,
-            journalFile=str(directory / "raft.journal"), fullDumpFile=str(directory / "raft.dump"),
-            raftMinTimeout=election_timeout_s[0], raftMaxTimeout=election_timeout_s[1],
-            appendEntriesPeriod=heartbeat_s, leaderFallbackTimeout=leader_fallback_s,
-            connectionTimeout=connection_timeout_s, connectionRetryTime=connection_retry_s,
-            autoTickPeriod=0.01, commandsWaitLeader=True, dynamicMembershipChange=False,
-            appendEntriesUseBatch=False)   # send a command at once: map changes are rare, latency matters
-        self._voters = voters
-        self._leader_fallback_s = leader_fallback_s
-        self._syncobj: SyncObj | None = None
-        self._machine = _MapMachine(self._from_raft_thread, self._snapshot_from_raft_thread)
+        self._limits = limits
+        self._tick_s = tick_s
+        self._random = random.Random(seed)
+        self._core: RaftNode | None = None
+        self._inbox: collections.deque[Any] = collections.deque()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._ticker: asyncio.TimerHandle | None = None
+        self._ticks_due = 0
+        self._tick_count = 0
+        self._waiting: dict[int, tuple[int, _Proposal]] = {}       # entry index -> (term, proposal)
+        self._forwarded: dict[int, _Proposal] = {}                 # request id -> proposal at the leader
+        self._parked: list[_Proposal] = []                         # no leader known yet
+        self._request_ids = itertools.count(1)
+        self._changes_asked: dict[str, int] = {}                   # node -> tick of the last change proposed
+        self.frames_dropped = 0
+        self.bad_frames = 0
 
+    # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
-        others = [MembershipNode(voter) for voter in sorted(self._voters) if voter != self.node_id]
-        self._syncobj = SyncObj(MembershipNode(self.node_id) if self.voter else None, others, conf=self._conf,
-                                consumers=[self._machine], nodeClass=MembershipNode)
+        persisted = self._store.load()
+        self._core = RaftNode(self.node_id, self._storage_id, persisted, self._limits, self._random)
+        self.cluster_map = decode_map(persisted.snapshot.data)
+        self._task = self._loop.create_task(self._run())
+        self._task.add_done_callback(_task_ended)
+        self._ticker = self._loop.call_later(self._tick_s, self._tick)
 
     def stop(self) -> None:
-        if self._syncobj is not None:
-            self._syncobj.destroy()
-            self._syncobj = None
+        if self._ticker is not None:
+            self._ticker.cancel()
+        if self._task is not None:
+            self._task.cancel()
+        for proposal in [*self._parked, *self._forwarded.values(), *(p for _, p in self._waiting.values())]:
+            proposal.finish(None)
+        self._parked, self._forwarded, self._waiting = [], {}, {}
 
-    # --- the Raft thread hands over to the loop ---------------------------------------------
-    def _from_raft_thread(self, data: bytes) -> None:
-        self._loop.call_soon_threadsafe(self._apply_local, data)
-
-    def _snapshot_from_raft_thread(self, snapshot: ClusterMap) -> None:
-        self._loop.call_soon_threadsafe(self._install_snapshot, snapshot)
-
-    def _apply_local(self, data: bytes) -> None:
-        command = decode_command(data)
-        outcomes = self.cluster_map.apply(command)
-        self.on_applied(command, outcomes)
-
-    def _install_snapshot(self, snapshot: ClusterMap) -> None:
-        if snapshot.version >= self.cluster_map.version:
-            self.cluster_map = snapshot
-            self.on_applied(ChangeAll, [])
-
-    # --- interface ---------------------------------------------------------------------------
-    def propose(self, command: Command, done: Done) -> None:
-        finished = False
-
-        def finish(outcomes: list[Outcome] | None) -> None:
-            nonlocal finished
-            if not finished:
-                finished = True
-                done(outcomes)
-
-        def callback(result: Any, error: Any) -> None:        # on the Raft thread
-            outcomes = None if error != 0 or result is None else [Outcome(*row) for row in result]
-            self._loop.call_soon_threadsafe(finish, outcomes)
-
-        timer = self._loop.call_later(PROPOSAL_TIMEOUT_S, finish, None)
-        self._loop.call_soon(lambda: None)   # keep the loop's time fresh for the timer
-        try:
-            self._machine.apply_command(encode_command(command), callback=callback)
-        except Exception:
-            log.exception("membership proposal failed")
-            timer.cancel()
-            finish(None)
-
+    # --- reads ----------------------------------------------------------------------------------
     def is_leader(self) -> bool:
-        """Leads, and heard from a majority of the voters within leader_fallback_s. pysyncobj's
-        own flag stays up after the process was paused (SIGSTOP) or cut off until its thread
-        notices; a leader on a stale flag would grant leases (its own too) and promote, after
-        the majority has elected another and promoted a replica (DESIGN.md 4.2: never derive
-        anything from that flag alone)."""
-        syncobj = self._syncobj
-        if syncobj is None or not syncobj._isLeader():
-            return False
-        others = list(syncobj._SyncObj__otherNodes)                 # pysyncobj 0.3.17 internals
-        responses = syncobj._SyncObj__lastResponseTime
-        deadline = _raft_monotonic() - self._leader_fallback_s
-        heard = 1 + sum(1 for node in others if responses.get(node, 0.0) > deadline)
-        return heard > (len(others) + 1) / 2
+        """Leads, and holds the leader lease: no other leader can have been elected yet (the
+        core's exact rule, RaftNode.lease_remaining_ticks). A leader cut off, or paused and
+        resumed, stops granting node leases and deciding failovers at once, before
+        check-quorum steps it down (DESIGN.md 4.2)."""
+        core = self._core
+        return core is not None and core.is_leader and core.lease_remaining_ticks > 0
 
     def leader_id(self) -> str | None:
-        leader = self._syncobj._getLeader() if self._syncobj is not None else None
-        return None if leader is None else str(leader.id)
+        return None if self._core is None else self._core.leader_id
 
     def term(self) -> int:
-        return int(self._syncobj._getTerm()) if self._syncobj is not None else 0
+        return 0 if self._core is None else self._core.term
+
+    def status(self) -> dict[str, Any]:
+        core = self._core
+        if core is None:
+            return {}
+        configuration = core.configuration
+        return {"role": core.role.value, "term": core.term, "leader": core.leader_id, "commit_index": core.commit_index,
+                "applied_index": core.applied_index, "last_index": core.last_index, "snapshot_index": core.snapshot_index,
+                "voters": configuration.voter_ids(),
+                "learners": sorted(set(configuration.node_ids()) - set(configuration.voter_ids()))}
+
+    # --- inputs -----------------------------------------------------------------------------------
+    def propose(self, command: Command, done: Done) -> None:
+        self._put(_Proposal(command, done, self._loop.time() + PROPOSAL_TIMEOUT_S))
+
+    def campaign(self) -> None:
+        """Stand for election now, as if the election timer had fired (the simulation's
+        "new leader" fault; refused by the core unless this node is a voter on this disk)."""
+        self._put(_CAMPAIGN)
+
+    def on_frame(self, peer: str, data: bytes) -> None:
+        """A frame from the membership link (loop thread)."""
+        try:
+            frame = decode_frame(data)
+        except MessageError as error:
+            self.bad_frames += 1
+            log.warning("dropped a bad membership frame from %s: %s", peer, error)
+            return
+        if getattr(frame, "sender", peer) != peer:
+            self.bad_frames += 1         # the link's authenticated peer is who speaks
+            return
+        self._put(frame)
+
+    def _put(self, item: Any) -> None:
+        if len(self._inbox) >= INBOX_ITEMS_MAX:
+            self.frames_dropped += 1      # Raft retransmits; a proposal times out
+            return
+        self._inbox.append(item)
+        self._wake.set()
+
+    def _tick(self) -> None:
+        self._ticker = self._loop.call_later(self._tick_s, self._tick)
+        self._ticks_due = min(self._ticks_due + 1, self._limits.election_timeout_min_ticks)
+        self._wake.set()
+
+    # --- the task that owns the core --------------------------------------------------------
+    async def _run(self) -> None:
+        core = self._core
+        assert core is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            self._feed(core)
+            while core.has_ready():
+                ready = core.ready()
+                if ready.must_persist:
+                    await self._loop.run_in_executor(self._writer(), self._store.persist, ready)
+                for message in ready.messages:
+                    self._send(message.recipient, encode_frame(message))
+                self._apply(ready)
+                core.advance(ready)
+                self._feed(core)
+
+    def _feed(self, core: RaftNode) -> None:
+        while self._ticks_due:
+            self._ticks_due -= 1
+            self._tick_count += 1
+            core.tick()
+            self._on_tick(core)
+        inbox = self._inbox
+        while inbox:
+            item = inbox.popleft()
+            if isinstance(item, _Proposal):
+                self._propose(core, item)
+            elif isinstance(item, JoinRequest):
+                self._on_join(core, item)
+            elif isinstance(item, ProposeRequest):
+                self._on_forwarded(core, item)
+            elif isinstance(item, ProposeResponse):
+                self._on_forward_answer(item)
+            elif item is _CAMPAIGN:
+                core.campaign()
+            else:
+                core.step(item)
+        if core.applied_index - core.snapshot_index >= COMPACT_EVERY_ENTRIES:
+            core.compact(core.applied_index, encode_map(self.cluster_map))
+
+    def _on_tick(self, core: RaftNode) -> None:
+        now = self._loop.time()
+        if self._parked and core.leader_id is not None:
+            parked, self._parked = self._parked, []
+            for proposal in parked:
+                self._propose(core, proposal)
+        for proposal in [p for p in self._parked if p.deadline <= now]:
+            self._parked.remove(proposal)
+            proposal.finish(None)
+        for request_id in [r for r, p in self._forwarded.items() if p.deadline <= now]:
+            self._forwarded.pop(request_id).finish(None)
+        for index in [i for i, (_, p) in self._waiting.items() if p.deadline <= now]:
+            self._waiting.pop(index)[1].finish(None)
+        if self._tick_count % JOIN_EVERY_TICKS == 0 and core.configuration.storage_id_of(self.node_id) != self._storage_id:
+            join = encode_frame(JoinRequest(self.node_id, self._storage_id, self.node_id in self._voters))
+            for voter in self._voters - {self.node_id}:
+                self._send(voter, join)
+        if core.is_leader and self._tick_count % RECONCILE_EVERY_TICKS == 0:
+            self._reconcile(core)
+
+    # --- proposals ----------------------------------------------------------------------------
+    def _propose(self, core: RaftNode, proposal: _Proposal) -> None:
+        if proposal.finished:
+            return
+        if core.is_leader:
+            self._await_entry(proposal, core.propose(proposal.data))
+        elif core.leader_id is not None:
+            request_id = next(self._request_ids)
+            self._forwarded[request_id] = proposal
+            self._send(core.leader_id, encode_frame(ProposeRequest(self.node_id, request_id, proposal.data)))
+        elif len(self._parked) < PARKED_PROPOSALS_MAX:
+            self._parked.append(proposal)
+        else:
+            proposal.finish(None)
+
+    def _await_entry(self, proposal: _Proposal, outcome: ProposalOutcome) -> None:
+        if isinstance(outcome, Proposed):
+            self._waiting[outcome.index] = (outcome.term, proposal)
+        else:
+            log.info("membership proposal refused: %s", outcome.reason.value)
+            proposal.finish(None)
+
+    def _on_forwarded(self, core: RaftNode, request: ProposeRequest) -> None:
+        """At the leader: propose a follower's command and say where it went."""
+        outcome = core.propose(request.command) if core.is_leader else Refused(Refusal.NOT_LEADER)
+        if isinstance(outcome, Proposed):
+            answer = ProposeResponse(self.node_id, request.request_id, outcome.index, outcome.term, "")
+        else:
+            answer = ProposeResponse(self.node_id, request.request_id, 0, 0, outcome.reason.value)
+        self._send(request.sender, encode_frame(answer))
+
+    def _on_forward_answer(self, answer: ProposeResponse) -> None:
+        proposal = self._forwarded.pop(answer.request_id, None)
+        if proposal is None:
+            return
+        if answer.index == 0:
+            if answer.refusal == Refusal.NOT_LEADER.value:
+                self._put(proposal)         # the leader changed meanwhile: again, to the new one
+            else:
+                proposal.finish(None)
+        elif answer.index <= (self._core.applied_index if self._core else 0):
+            proposal.finish(None)           # already applied (or compacted) here: outcome unknown
+        else:
+            self._waiting[answer.index] = (answer.term, proposal)
+
+    # --- membership changes (the leader) ----------------------------------------------------
+    def _on_join(self, core: RaftNode, request: JoinRequest) -> None:
+        if not core.is_leader:
+            return
+        known = core.configuration.storage_id_of(request.sender)
+        if known == request.storage_id:
+            return
+        if known is not None:
+            # Back with another disk: what it promised (votes, entries) is gone. It is removed,
+            # and added again as a new member on its next request.
+            self._change(core, ConfigurationChange(ChangeKind.REMOVE_MEMBER, request.sender))
+        else:
+            self._change(core, ConfigurationChange(ChangeKind.ADD_LEARNER, request.sender, request.storage_id))
+
+    def _reconcile(self, core: RaftNode) -> None:
+        configuration = core.configuration
+        for node_id in sorted(set(configuration.node_ids()) - set(configuration.voter_ids())):
+            if node_id in self._voters:
+                self._change(core, ConfigurationChange(ChangeKind.PROMOTE_LEARNER, node_id))
+        for node_id, entry in sorted(self.cluster_map.nodes.items()):
+            if entry.state is NodeState.REMOVED and configuration.is_member(node_id) and node_id != self.node_id:
+                self._change(core, ConfigurationChange(ChangeKind.REMOVE_MEMBER, node_id))
+
+    def _change(self, core: RaftNode, change: ConfigurationChange) -> None:
+        """One change at a time (the core refuses another while one is pending), each node's
+        at most once per reconcile period."""
+        last = self._changes_asked.get(change.node_id)
+        if last is not None and self._tick_count - last < RECONCILE_EVERY_TICKS:
+            return
+        self._changes_asked[change.node_id] = self._tick_count
+        outcome = core.propose_change(change)
+        if isinstance(outcome, Proposed):
+            log.info("membership: %s %s (entry %d, term %d)", change.kind.value, change.node_id, outcome.index,
+                     outcome.term)
+
+    # --- applying -----------------------------------------------------------------------------
+    def _apply(self, ready: Ready) -> None:
+        snapshot = ready.install_snapshot
+        if snapshot is not None:
+            self.cluster_map = decode_map(snapshot.data)
+            for index in [i for i in self._waiting if i <= snapshot.index]:
+                self._waiting.pop(index)[1].finish(None)
+            self.on_applied(ChangeAll, [])
+        for entry in ready.committed_entries:
+            waiting = self._waiting.pop(entry.index, None)
+            outcomes: list[Outcome] | None = None
+            if entry.kind is EntryKind.COMMAND:
+                try:
+                    command = decode_command(entry.command)
+                except CommandError as error:
+                    # Every replica skips the same bytes the same way: the maps stay equal.
+                    log.error("membership entry %d is not a map command: %s", entry.index, error)
+                else:
+                    outcomes = self.cluster_map.apply(command)
+                    self.on_applied(command, outcomes)
+            if waiting is not None:
+                term, proposal = waiting
+                proposal.finish(outcomes if term == entry.term else None)
+
+
+def _task_ended(task: asyncio.Task[None]) -> None:
+    """The task ends only when cancelled. Anything else is a broken invariant (the core
+    refusing to truncate a committed entry, say): the node stops at once, before it acts on
+    a map it can no longer trust, and its supervisor restarts it from what is on disk."""
+    if not task.cancelled() and task.exception() is not None:
+        log.critical("the membership task died: stopping the node", exc_info=task.exception())
+        logging.shutdown()
+        os._exit(70)        # EX_SOFTWARE
 
 
 class _ChangeAll:
@@ -280,111 +428,3 @@ class _ChangeAll:
 
 
 ChangeAll: Any = _ChangeAll()
-
-
-# --- the in-memory twin ------------------------------------------------------------------------
-class MemoryMembershipGroup:
-    """One replicated log in memory, for simulations: every member's copy applies the same
-    commands in the same order, delivered by the loop after `apply_delay_s`. A member cut off
-    from the majority (`isolate`) can neither propose nor learn until `heal`; the leader is
-    the first member in `order` that is not isolated (or the one `elect` names)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, members: list[str], apply_delay_s: float = 0.005) -> None:
-        self.loop = loop
-        self.members: dict[str, MemoryMembership] = {m: MemoryMembership(self, m) for m in members}
-        self.log: list[bytes] = []
-        self.isolated: set[str] = set()
-        self.apply_delay_s = apply_delay_s
-        self._term = 1
-        self._leader: str | None = members[0] if members else None
-
-    def member(self, node_id: str) -> MemoryMembership:
-        return self.members[node_id]
-
-    def isolate(self, node_id: str) -> None:
-        self.isolated.add(node_id)
-        if self._leader == node_id:
-            self.elect(None)
-
-    def heal(self, node_id: str) -> None:
-        self.isolated.discard(node_id)
-        if self._leader is None and self.has_majority():
-            self.elect(None)      # every member was cut off: with a majority back, Raft elects one
-        self.members[node_id].catch_up()
-
-    def elect(self, node_id: str | None) -> None:
-        """A new leader (a new term); None: the first member not isolated."""
-        candidates = [m for m in self.members if m not in self.isolated]
-        self._leader = node_id if node_id is not None else (candidates[0] if candidates else None)
-        self._term += 1
-
-    def leader(self) -> str | None:
-        return self._leader
-
-    def term(self) -> int:
-        return self._term
-
-    def has_majority(self) -> bool:
-        return len(self.members) - len(self.isolated) > len(self.members) // 2
-
-    def append(self, data: bytes) -> int:
-        self.log.append(data)
-        index = len(self.log)
-        for member in self.members.values():
-            if member.node_id not in self.isolated:
-                self.loop.call_later(self.apply_delay_s, member.catch_up)
-        return index
-
-
-class MemoryMembership:
-    def __init__(self, group: MemoryMembershipGroup, node_id: str) -> None:
-        self.group = group
-        self.node_id = node_id
-        self.cluster_map = ClusterMap()
-        self.on_applied: OnApplied = _ignore_applied
-        self.applied = 0
-        self._waiting: dict[int, Done] = {}
-
-    def start(self) -> None:
-        self.group.loop.call_soon(self.catch_up)
-
-    def stop(self) -> None:
-        for done in self._waiting.values():
-            done(None)
-        self._waiting.clear()
-
-    def restart(self) -> None:
-        """A crash: the copy is rebuilt from the log (the journal) on start."""
-        self._waiting.clear()
-        self.cluster_map = ClusterMap()
-        self.applied = 0
-
-    def propose(self, command: Command, done: Done) -> None:
-        group = self.group
-        if self.node_id in group.isolated or not group.has_majority() or group.leader() is None:
-            group.loop.call_later(0.05, done, None)
-            return
-        index = group.append(encode_command(command))
-        self._waiting[index] = done
-
-    def catch_up(self) -> None:
-        if self.node_id in self.group.isolated:
-            return
-        while self.applied < len(self.group.log):
-            data = self.group.log[self.applied]
-            self.applied += 1
-            command = decode_command(data)
-            outcomes = self.cluster_map.apply(command)
-            self.on_applied(command, outcomes)
-            done = self._waiting.pop(self.applied, None)
-            if done is not None:
-                done(outcomes)
-
-    def is_leader(self) -> bool:
-        return self.group.leader() == self.node_id and self.node_id not in self.group.isolated
-
-    def leader_id(self) -> str | None:
-        return self.group.leader()
-
-    def term(self) -> int:
-        return self.group.term()

@@ -25,9 +25,10 @@ from qserver.config import NodeConfig
 from qserver.engine import Engine
 from qserver.http_api import add_routes, errors_and_auth
 from qserver.journal_export import ExportSettings, JournalExporter, JournalSource, exit_with_parent, export_in_process
-from qserver.membership import RaftMembership
+from qserver.membership import RaftMembership, raft_limits, tick_ms
 from qserver.metrics import render_family
 from qserver.peers import PEER_PATH, PeerTransport
+from qserver.raft_store import RaftStore
 from qserver.storage import Storage
 from qserver.ws_api import ClientConnection, websocket
 
@@ -41,7 +42,7 @@ class Node:
         self.storage = Storage(Path(config.data_dir) / "lmdb", node_id=config.node_id, map_size_bytes=config.map_size_bytes,
                                map_size_max_bytes=config.map_size_max_bytes,
                                journal_enabled=config.journal_enabled, payload_hold_bytes=config.payload_hold_bytes)
-        self.membership = self._membership()
+        self.membership, self.membership_peers = self._membership()
         self.engine = Engine(config, self.storage, membership=self.membership)
         self.peers = self._peer_transport()
         self.auth = Authenticator(self.engine.clients, skew_max_s=config.signature_skew_max_s,
@@ -116,23 +117,37 @@ class Node:
             except Exception:    # a full or unreachable destination: try again later, keep serving
                 log.exception("journal export failed")
 
-    def _membership(self) -> RaftMembership | None:
-        """The Raft membership layer (DESIGN.md 4.2), with the cluster secret as its password."""
-        if len(self.config.cluster_nodes) < 2:
-            return None
+    def _membership(self) -> tuple[RaftMembership | None, PeerTransport | None]:
+        """The membership layer (DESIGN.md 4.2): the Raft core on this node's loop, with a peer
+        transport of its own on the [cluster.membership] addresses. A node not listed there
+        follows the map as a learner: it dials the voters and does not listen."""
         config = self.config
-        secret = (Path(config.data_dir) / "cluster.secret").read_text().strip()
-        voters = dict(config.membership_nodes)
-        if config.membership_bind and config.node_id in voters:
-            # This node listens where configured, even when its peers dial a proxy.
-            voters_for_bind = {**voters, config.node_id: config.membership_bind}
-        else:
-            voters_for_bind = voters
-        return RaftMembership(
-            config.node_id, voters_for_bind, Path(config.data_dir) / "membership", secret,
-            loop=asyncio.get_running_loop(),
-            election_timeout_s=(config.election_timeout_ms[0] / 1000, config.election_timeout_ms[1] / 1000),
-            heartbeat_s=config.raft_heartbeat_ms / 1000, leader_fallback_s=config.raft_leader_fallback_ms / 1000)
+        if len(config.cluster_nodes) < 2:
+            return None, None
+        secret = (Path(config.data_dir) / "cluster.secret").read_text().strip().encode()
+        addresses = config.membership_nodes
+        peers = {node: f"http://{addresses[node]}" if node in addresses else "" for node in config.cluster_nodes}
+        membership: RaftMembership | None = None
+
+        def on_frame(peer: str, data: bytes) -> None:
+            if membership is not None:
+                membership.on_frame(peer, data)
+        transport = PeerTransport(config.node_id, secret, peers, on_message=on_frame,
+                                  listening=config.node_id in addresses)
+        membership = RaftMembership(
+            config.node_id, self.storage.storage_id, RaftStore(self.storage), voters=set(addresses),
+            send=transport.send, writer=lambda: self.engine.writer, loop=asyncio.get_running_loop(),
+            limits=raft_limits(config.election_timeout_ms, config.raft_heartbeat_ms),
+            tick_s=tick_ms(config.raft_heartbeat_ms) / 1000)
+        return membership, transport
+
+    def membership_application(self) -> web.Application | None:
+        """What the membership port serves: the membership transport's links only."""
+        if self.membership_peers is None or self.config.node_id not in self.config.membership_nodes:
+            return None
+        app = web.Application()
+        app.router.add_get(PEER_PATH, self.membership_peers.handle)
+        return app
 
     def _peer_transport(self) -> PeerTransport | None:
         """One WebSocket per peer node, authenticated with the cluster secret (DESIGN.md 4.1)."""
@@ -159,6 +174,8 @@ class Node:
         self.auth._clients = self.engine.clients   # the engine rebuilt its registry on load
         if self.peers is not None:
             await self.peers.start()
+        if self.membership_peers is not None:
+            await self.membership_peers.start()
 
     async def stop(self) -> None:
         if self._journal_task is not None:
@@ -169,6 +186,8 @@ class Node:
             await connection.close_with(QueueError(e.E_SHUTTING_DOWN, "the node is stopping"))
         if self.peers is not None:
             await self.peers.stop()
+        if self.membership_peers is not None:
+            await self.membership_peers.stop()
         if self._http_session is not None:
             await self._http_session.close()
         await self.engine.stop()
@@ -309,6 +328,15 @@ async def serve(config: NodeConfig, *, ready: asyncio.Event | None = None) -> No
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, reuse_address=True, backlog=1024)
     await site.start()
+    membership_app = node.membership_application()
+    membership_runner = None
+    if membership_app is not None:
+        # Where this node's membership link listens: membership_bind, else its own entry of
+        # [cluster.membership] (peers may dial a proxy in front of it).
+        host, port = (config.membership_bind or config.membership_nodes[config.node_id]).rsplit(":", 1)
+        membership_runner = web.AppRunner(membership_app, access_log=None, handle_signals=False)
+        await membership_runner.setup()
+        await web.TCPSite(membership_runner, host, int(port), reuse_address=True).start()
     log.info("node %s serving on %s (data in %s)", config.node_id, node.url, config.data_dir)
     print(f"qserver {config.node_id} ready on {node.url}", flush=True)
     stop = asyncio.Event()
@@ -323,6 +351,8 @@ async def serve(config: NodeConfig, *, ready: asyncio.Event | None = None) -> No
     await site.stop()
     await node.stop()
     await runner.cleanup()
+    if membership_runner is not None:
+        await membership_runner.cleanup()
 
 
 def run(config: NodeConfig) -> None:

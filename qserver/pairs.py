@@ -208,8 +208,13 @@ class PairDriver:
             # master raises the epoch, so it was this epoch's replica all along) keeps everything:
             # its master may have committed on its acknowledgements, and the map still counts it
             # in sync. Should the master have lost some of it, their digests differ when it
-            # opens, and it takes a snapshot.
-            if previous is None and record.epoch == entry.epoch:
+            # opens, and it takes a snapshot. So does a deposed master the map counts in sync:
+            # only a handoff makes one (a failover records it out of sync), and a handoff swaps
+            # only once the new master holds everything the old one assigned, so nothing it holds
+            # is uncommitted; its record's commit point lags what it acknowledged, and dropping
+            # past that point would lose acknowledged writes should it be promoted again before
+            # it has caught up (found by the engine simulation, seed 2092 under `producer`).
+            if (previous is None and record.epoch == entry.epoch) or entry.in_sync:
                 known_commit = 0
             if known_commit and last_order > known_commit:
                 kept = self._discard_uncommitted(core, known_commit)
@@ -586,11 +591,18 @@ class PairDriver:
             self._drain_replica(replica)
 
     def _ahead_of_map(self, peer: str, message: Message) -> bool:
-        """A message from a newer epoch than this node's copy of the map knows (the peer
-        applied a handoff or failover first) waits until the map catches up: delivered now,
-        it would fence the role this node is about to leave and be lost."""
+        """A message from a newer epoch than this node has acted on (the peer applied a
+        handoff or failover first) waits until this node has taken its role in that epoch:
+        delivered now, it would fence the role this node is about to leave and be lost. The
+        node's copy of the map is not enough: it changes as soon as the membership layer
+        applies a command, and the roles follow when the engine's task gets to it (a Forward
+        that arrived in between reached the old, fenced replica and was never answered)."""
         entry = self.view.entry(message.queue)
-        if entry is None or message.epoch <= entry.epoch:
+        if entry is None:
+            return False
+        role = self.masters.get(message.queue) or self.replicas.get(message.queue)
+        acted_on = entry.epoch if role is None else min(entry.epoch, role.epoch)
+        if message.epoch <= acted_on:
             return False
         waiting = self.early.setdefault(message.queue, collections.deque())
         if len(waiting) < EARLY_MESSAGES_MAX:

@@ -150,10 +150,14 @@ class PeerTransport:
                  send_queue_bytes_max: int = 8 << 20, frame_bytes_max: int = 1 << 20,
                  reconnect_delay_initial_s: float = 0.05, reconnect_delay_max_s: float = 2.0,
                  heartbeat_s: float = 2.0, connect_timeout_s: float = CONNECT_TIMEOUT_S,
-                 close_timeout_s: float = CLOSE_TIMEOUT_S, rng: random.Random | None = None) -> None:
+                 close_timeout_s: float = CLOSE_TIMEOUT_S, rng: random.Random | None = None,
+                 listening: bool = True) -> None:
+        """`peers`: id -> URL to dial, or "" for a peer that does not listen (it dials this
+        node). `listening`: false for a node that accepts no links (it dials every peer)."""
         _check_limits(cluster_secret, send_queue_bytes_max, frame_bytes_max, reconnect_delay_initial_s,
                       reconnect_delay_max_s, heartbeat_s)
         self.node_id = node_id
+        self._listening = listening
         self._secret = cluster_secret
         self._on_message = on_message
         self._on_link_change = on_link_change
@@ -290,7 +294,7 @@ class PeerTransport:
         if not hmac.compare_digest(expected.encode(), signature.encode("utf-8", "replace")):
             raise QueueError(e.E_UNAUTHENTICATED, "bad peer signature (is the cluster secret the same?)")
         self._remember_nonce(f"{from_id}:{nonce}", now_ms)
-        if not from_id < self.node_id:
+        if self._dials(peer):
             raise QueueError(e.E_BAD_REQUEST, f"{self.node_id} dials {from_id}, not the reverse")
         return peer
 
@@ -305,9 +309,14 @@ class PeerTransport:
         nonces[key] = now_ms
 
     # --- dialing -------------------------------------------------------------------------------
+    def _dials(self, peer: _Peer) -> bool:
+        """Exactly one link per pair: the lower id dials, unless one of the two does not listen."""
+        if not peer.url:
+            return False
+        return not self._listening or self.node_id < peer.peer_id
+
     def _start_dialer(self, peer: _Peer) -> None:
-        # Exactly one link per pair: only the lower id dials.
-        if self.node_id < peer.peer_id and peer.dialer is None:
+        if self._dials(peer) and peer.dialer is None:
             peer.dialer = asyncio.get_running_loop().create_task(self._dial_forever(peer))
             peer.dialer.add_done_callback(self._dialer_ended)
 

@@ -1,4 +1,4 @@
-"""LMDB storage of one node: the only module that touches lmdb.
+"""LMDB storage of one node: the only module that opens its environment.
 
 One environment per node, named databases per kind of record (below). Writes happen only in
 `commit`, which the node's single writer thread runs for one sealed batch at a time: every
@@ -29,6 +29,8 @@ Key layout (big-endian integers so LMDB's byte order is numeric order):
     clients   client_id                           -> JSON client record
     meta      b"schema_version" | b"next_queue_id" | b"journal_sequence" | b"node_id" | b"storage_id"
               (journal_sequence: written by the journal's prune, which may empty the journal)
+    raft_state, raft_log      the membership layer's Raft state (qserver/raft_store.py reads and
+                              writes them)
 
 The op log is bounded: each batch carries the floor below which every member's needs are
 met (`SealedBatch.log_floors`, see MasterRole.log_floor) and the writer deletes records below
@@ -76,7 +78,9 @@ from replication.store import StoredLease
 # 2: bounded op log (its start record at order 0, snapshot marks); no reader of layout 1.
 # 3: the op log holds entries (runs of operations) keyed by their last order; no reader of 2.
 # 4: a message row may name the op-log entry holding its payload instead; no reader of 3.
-SCHEMA_VERSION = 4
+# 5: the membership layer's Raft state in raft_state and raft_log (qserver/raft_store.py), not
+#    in pysyncobj's journal files; no reader of 4.
+SCHEMA_VERSION = 5
 _QI = struct.Struct(">QQ")
 _QPI = struct.Struct(">QBQ")
 _Q = struct.Struct(">Q")
@@ -84,7 +88,7 @@ _U32 = struct.Struct(">I")
 _EXPIRY = struct.Struct(">BQQ")
 EXPIRY_STATUS = 1
 DB_NAMES = ("queues", "messages", "ready", "leases", "status", "dedupe", "expiry", "doomed",
-            "epochs", "journal", "clients", "meta", "oplog")
+            "epochs", "journal", "clients", "meta", "oplog", "raft_state", "raft_log")
 ERASE_KEYS_PER_BATCH_MAX = 5_000
 PRUNE_KEYS_PER_BATCH_MAX = 5_000
 TRUNCATE_RECORDS_PER_BATCH_MAX = 20_000     # op-log records deleted per batch (the rest follow)

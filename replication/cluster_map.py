@@ -1,6 +1,6 @@
 """The cluster map: what the membership layer replicates (DESIGN.md 4.2), as a pure state machine.
 
-Every node holds a copy; the membership layer (pysyncobj in `qserver/membership.py`, an
+Every node holds a copy; the membership layer (a Raft core driven by `qserver/membership.py`, an
 in-memory twin in the simulations) applies the same commands in the same order to each copy,
 so `apply` must be deterministic: no clock, no randomness, no I/O. Reads are local.
 
@@ -417,3 +417,27 @@ def plan_rebalance(cluster: ClusterMap) -> list[str]:
 
 def astuple(pair: PairState) -> tuple[int, str, str, bool]:
     return (pair.epoch, pair.master, pair.replica, pair.in_sync)
+
+
+# --- snapshots of the map (the membership layer compacts its log below one) ------------------
+def encode_map(cluster: ClusterMap) -> bytes:
+    nodes = [[n.node_id, n.url, n.state.value, n.voter, n.storage_id] for n in cluster.nodes.values()]
+    queues = [[q.name, q.options, q.master, q.replica, q.epoch, q.in_sync, q.incarnation, q.unclean_promotions,
+               q.last_reason] for q in cluster.queues.values()]
+    alternatives = {recipient: list(names) for recipient, names in cluster.alternatives.items()}
+    return msgpack.packb([cluster.version, nodes, queues, cluster.clients, alternatives], use_bin_type=True)
+
+
+def decode_map(data: bytes) -> ClusterMap:
+    """The map a snapshot holds (b"": the empty map of a log that starts at its beginning)."""
+    if not data:
+        return ClusterMap()
+    try:
+        version, nodes, queues, clients, alternatives = msgpack.unpackb(data, raw=False)
+        return ClusterMap(
+            nodes={row[0]: NodeEntry(row[0], row[1], NodeState(row[2]), row[3], row[4]) for row in nodes},
+            queues={row[0]: QueueEntry(*row) for row in queues},
+            clients=clients, alternatives={recipient: tuple(names) for recipient, names in alternatives.items()},
+            version=version)
+    except Exception as exc:  # msgpack and the constructors raise several unrelated types
+        raise CommandError(f"not a cluster map snapshot: {type(exc).__name__}: {exc}") from None

@@ -77,7 +77,7 @@ class FakeNode:
         self.drop_next_frame_unanswered = False
         self.hold_receives = False
         self.closing_on_next_frame: Closing | None = None
-        self.not_master_answers = 0      # the next enqueue batches answer E_NOT_MASTER, outcome unknown
+        self.not_master_answers = 0      # the next enqueue batches or receives answer E_NOT_MASTER, outcome unknown
         self._sockets: set[web.WebSocketResponse] = set()
         self._subscriptions: dict[int, int] = {}  # subscription id -> credit left
         self._runner: web.AppRunner | None = None
@@ -175,6 +175,9 @@ class FakeNode:
             self.acked.extend(message_id for message_id, _ in op.items)
             return [OkReply(op.request_id, [None] * len(op.items))]
         if isinstance(op, ReceiveOp):
+            if self.not_master_answers:
+                self.not_master_answers -= 1
+                return [ErrorReply(op.request_id, "E_NOT_MASTER", "this member became the master", True)]
             if self.hold_receives:
                 return []
             taken, self.ready = self.ready[:op.max_messages], self.ready[op.max_messages:]
@@ -546,6 +549,17 @@ async def test_an_enqueue_forwarded_by_a_replica_that_just_became_the_master_is_
     assert caught.value.code == "E_NOT_MASTER" and caught.value.outcome_unknown
     assert [op.dedupe_ids for op in fake_node.ops_of(EnqueueBatchOp)] == [
         ("d-a", "d-b"), ("d-a", "d-b"), ("d-c",), ("d-c",)]
+
+
+@pytest.mark.asyncio
+async def test_a_receive_from_a_dead_letter_queue_follows_its_queue_to_the_new_master(
+        fake_node: FakeNode, unused_tcp_port: int) -> None:
+    """The map has no entry for `ledger.dlq`: it lives in `ledger`'s pair and moves with it."""
+    fake_node.rest_answers[("GET", "/v1/cluster")] = _map_naming(fake_node, unused_tcp_port)
+    async with AsyncClient(credentials=fake_node.credentials, **FAST) as client:  # type: ignore[arg-type]
+        fake_node.not_master_answers = 1                 # forwarded to the old master as this node took over
+        assert await client.receive("ledger.dlq") == []  # retried once here, the new master
+    assert [op.queue for op in fake_node.ops_of(ReceiveOp)] == ["ledger.dlq", "ledger.dlq"]
 
 
 @pytest.mark.asyncio

@@ -2,9 +2,9 @@
 (tests/sim/engine_cluster.py).
 
 Real cores, replication roles, pair driver, coordinator (leases, failover, handoff) and engine
-(group commit, held answers) on a virtual-time loop, the in-memory membership twin, in-memory
-peers and in-memory storage. Fixed seeds run in CI plus fresh ones each run; a failure names
-the seed and the line that replays it.
+(group commit, held answers) on a virtual-time loop, the real membership layer (Raft core and
+driver) over an in-memory network, in-memory peers and in-memory storage. Fixed seeds run in
+CI plus fresh ones each run; a failure names the seed and the line that replays it.
 """
 from __future__ import annotations
 
@@ -144,6 +144,11 @@ REGRESSIONS = [
     # released against the new master's commit point, which gave that index to another message.
     pytest.param(334968335, Strength.PRODUCER,
                  id="held-answers-past-a-handed-off-masters-commit-are-unknown-334968335-producer"),
+    # Found once the simulation ran the real Raft core: a master deposed by a handoff crashed,
+    # came back as the replica the map counted in sync, and dropped what lay past its record's
+    # commit point (an index it had acknowledged itself); promoted again before it caught up,
+    # it gave that index to another message.
+    pytest.param(2092, Strength.PRODUCER, id="a-handed-off-master-keeps-its-acknowledged-suffix-2092-producer"),
 ]
 
 
@@ -169,7 +174,8 @@ def test_the_same_seed_replays_the_same_run() -> None:
     second = EngineSimulation(3, Strength.FULL).run()
     assert first.log == second.log
     assert first.history == second.history
-    assert first.group.log == second.group.log
+    assert [node.map_commands for node in first.members.values()] == \
+        [node.map_commands for node in second.members.values()]
     assert first.oplog_rows(first.final_master) == second.oplog_rows(second.final_master)
 
 

@@ -1,5 +1,5 @@
 """Failover, handoff and node operations on real processes: three `qserver` nodes with the
-pysyncobj membership layer, the real client library, kill -9 and SIGTERM."""
+Raft membership layer, the real client library, kill -9 and SIGTERM."""
 from __future__ import annotations
 
 import asyncio

@@ -183,7 +183,10 @@ async def test_under_full_strength_dead_lettering_happens_once_for_the_pair(qclu
 
 
 async def test_a_replica_that_lost_its_disk_takes_the_whole_queue_again(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
-    cluster = qcluster_factory(3, {**PLACEMENT, "other": ["n2", "n3"]})
+    # Five voters: with n1 down and n2's disk gone, n3, n4 and n5 still make a majority that
+    # can replace n2 in the membership layer (three voters could not, and must not: a wiped
+    # voter never votes again under its old membership).
+    cluster = qcluster_factory(5, {**PLACEMENT, "other": ["n2", "n3"]})
     async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as master:
         await master.create_queue("ledger", strength="full")
         await master.enqueue_many("ledger", [f"l{i}".encode() for i in range(300)])

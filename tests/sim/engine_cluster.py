@@ -1,8 +1,9 @@
 """Deterministic simulation of a three-node cluster built from real engines (STYLE.md, after
 TigerBeetle's VOPR): the node driver of qserver/engine.py with its group commit, pair driver,
-held answers and coordinator (leases, failover, handoff), the in-memory twin of the
-membership layer (`MemoryMembershipGroup`), on a virtual-time event loop, an in-memory peer
-network and in-memory storage whose commits are durable when they run, after a seeded fsync
+held answers and coordinator (leases, failover, handoff), the real membership layer (the Raft
+core of replication/raft.py run by qserver/membership.py, its state in a `MemoryRaftStore`
+written through the node's disk), on a virtual-time event loop, in-memory peer and membership
+networks and in-memory storage whose commits are durable when they run, after a seeded fsync
 delay.
 
 One `random.Random(seed)` decides everything: the client workload, fsync latencies, network
@@ -13,10 +14,11 @@ Faults come on a seeded schedule, each bounded in duration: crash and restart of
 of the replica or of any node; process pauses of the master or of any node (its engine and
 disk stop, what arrives waits, it resumes with a backlog on a clock that moved on); partitions of the master from its replica and between any
 pair of nodes (peer links only); a node isolated from the membership majority (cut off from
-the membership log and from every peer); a new membership leader; and handoffs asked by the
-master, by the replica, or by both at the same moment. A crash drops the engine with what it
-had not committed and every answer it still owed, and the node drops out of the membership
-group; a restart builds a new engine on the same storage and replays the map to it.
+the membership links and from every peer); a node standing for election at once; and handoffs
+asked by the master, by the replica, or by both at the same moment. A crash drops the engine
+and its membership driver with what they had not written and every answer still owed; a
+restart builds new ones on the same storage, and the Raft core replays the map from its log.
+n1 founds the cluster (its store holds the first configuration); n2 and n3 join it.
 
 A run is a safety phase with faults, then a liveness phase that heals everything, restarts
 what is down and lets the cluster converge. `EngineSimulation(seed, strength).run()` replays
@@ -36,9 +38,10 @@ from client.errors import QueueError
 from qserver import commands as c
 from qserver.config import NodeConfig
 from qserver.engine import Engine
-from qserver.membership import MemoryMembershipGroup
+from qserver.membership import ChangeAll, RaftMembership, raft_limits, tick_ms
 from qserver.peers import MemoryPeerNetwork
-from replication.cluster_map import ChangePair, ChangePairs, ClusterMap, QueueEntry, decode_command
+from qserver.raft_store import MemoryRaftStore
+from replication.cluster_map import ChangePair, ChangePairs, ClusterMap, QueueEntry, decode_command, encode_command
 from replication.options import Strength
 from tests.sim.memory_storage import MemoryStorage
 from tests.sim.virtual_loop import DelayedExecutor, VirtualTimeLoop
@@ -46,6 +49,7 @@ from tests.sim.virtual_loop import DelayedExecutor, VirtualTimeLoop
 QUEUE = "q"
 NODES = ("n1", "n2", "n3")
 FIRST_MASTER, FIRST_REPLICA = "n1", "n2"
+FOUNDER = "n1"                 # whose store holds the membership layer's first configuration
 SAFETY_S = 4.0
 LIVENESS_S = 10.0
 FAULTS = 7
@@ -64,9 +68,9 @@ def sim_config(node_id: str) -> NodeConfig:
     return NodeConfig(
         node_id=node_id, data_dir=f"/nonexistent/{node_id}",
         cluster_nodes={node: f"http://{node}.sim" for node in NODES},
-        membership_nodes={node: f"{node}.sim:7200" for node in NODES},   # the twin ignores them
+        membership_nodes={node: f"{node}.sim:7200" for node in NODES},   # the simulated network ignores them
         lease_ms=LEASE_MS, lease_margin_ms=LEASE_MARGIN_MS, lease_renew_interval_ms=LEASE_RENEW_INTERVAL_MS,
-        raft_leader_fallback_ms=LEASE_MARGIN_MS, raft_heartbeat_ms=30, election_timeout_ms=(100, 200),
+        raft_heartbeat_ms=30, election_timeout_ms=(100, 200),
         replica_replace_after_s=REPLICA_REPLACE_AFTER_S).check()
 
 
@@ -103,9 +107,15 @@ class SimNode:
         self.sim = sim
         self.node_id = node_id
         self.storage = MemoryStorage(node_id)
+        self.raft_store = MemoryRaftStore()        # survives crashes, as the node's LMDB would
+        if node_id == FOUNDER:
+            self.raft_store.bootstrap(node_id, self.storage.storage_id)
         self.config = sim_config(node_id)
-        self.membership = sim.group.member(node_id)
+        self.membership: RaftMembership | None = None
+        self.map_commands: list[bytes] = []        # what this boot's membership applied, in order
         self.transport = sim.network.transport(node_id, self._on_message, self._on_link_change)
+        self.membership_transport = sim.membership_network.transport(node_id, self._on_membership_frame)
+        self._membership_inbound_at = 0.0
         self.engine: Engine | None = None
         self.disk: DelayedExecutor | None = None
         self.outstanding: set[asyncio.Future[Any]] = set()
@@ -140,6 +150,22 @@ class SimNode:
         if self.engine is not None and self.boots == boots:
             self.engine.submit(command)
 
+    def _on_membership_frame(self, peer: str, data: bytes) -> None:
+        """The same seeded latency, in order, on the membership link."""
+        if self.membership is None:
+            return
+        loop = self.sim.loop
+        self._membership_inbound_at = max(self._membership_inbound_at, loop.time() + self.sim.rng.uniform(0, 0.005))
+        loop.call_at(self._membership_inbound_at, self._deliver_membership_frame, self.boots, peer, data)
+
+    def _deliver_membership_frame(self, boots: int, peer: str, data: bytes) -> None:
+        if self.membership is not None and self.boots == boots:
+            self.membership.on_frame(peer, data)
+
+    def _record_map_command(self, command: Any, outcomes: Any) -> None:
+        if not isinstance(command, type(ChangeAll)):
+            self.map_commands.append(encode_command(command))
+
     async def boot(self) -> None:
         """Start a new engine on the same storage; the membership layer replays the map to it
         (as Raft replays its journal) once it has loaded its queues."""
@@ -148,19 +174,32 @@ class SimNode:
         self.boots += 1
         rng = self.sim.rng
         self.disk = DelayedExecutor(self.sim.loop, lambda: rng.randint(0, 3))
+        disk = self.disk
+        membership = self.membership = RaftMembership(
+            self.node_id, self.storage.storage_id, self.raft_store, voters=set(NODES),
+            send=self.membership_transport.send, writer=lambda: disk, loop=self.sim.loop,
+            limits=raft_limits(self.config.election_timeout_ms, self.config.raft_heartbeat_ms),
+            tick_s=tick_ms(self.config.raft_heartbeat_ms) / 1000, seed=rng.getrandbits(64))
         engine = Engine(self.config, self.storage, rng=random.Random(rng.getrandbits(64)),  # type: ignore[arg-type]
-                        clock_ms=self.sim.now_ms, writer=self.disk, membership=self.membership,
+                        clock_ms=self.sim.now_ms, writer=self.disk, membership=membership,
                         monotonic_ms=self.sim.now_ms)
         engine.pairs.send = self.transport.send
         engine.pairs.link_up = self.transport.is_up
-        self.membership.restart()
+        applied = membership.on_applied
+        self.map_commands = []
+
+        def record_and_apply(command: Any, outcomes: Any) -> None:
+            self._record_map_command(command, outcomes)
+            applied(command, outcomes)
+        membership.on_applied = record_and_apply
         await engine.start()
         assert engine._task is not None
         engine._task.add_done_callback(lambda task: self.sim.engine_ended(self.node_id, task))
         self.engine = engine
         self.sim.rejoin_group(self.node_id, "crashed")
-        self.membership.start()
+        membership.start()
         await self.transport.start()
+        await self.membership_transport.start()
 
     async def crash(self) -> None:
         """kill -9: uncommitted batches and owed answers are gone; the peers see the links
@@ -175,7 +214,9 @@ class SimNode:
         self.disk.crash()
         self.sim.leave_group(self.node_id, "crashed")
         self.sim.rejoin_group(self.node_id, "paused")      # a paused process can be killed too
-        self.membership.stop()
+        if self.membership is not None:
+            self.membership.stop()
+            self.membership = None
         if engine._timer is not None:
             engine._timer.cancel()
         task = engine._task
@@ -187,6 +228,7 @@ class SimNode:
         self.sim.history.unanswered += len(self.outstanding)
         self.outstanding.clear()
         await self.transport.stop()
+        await self.membership_transport.stop()
 
     def pause(self) -> bool:
         """A process pause (a long GC, SIGSTOP, a stalled VM): the engine's task and its disk
@@ -222,7 +264,7 @@ class SimNode:
 
     def entry(self) -> QueueEntry | None:
         """The queue as this node's copy of the map has it."""
-        return self.membership.cluster_map.queues.get(QUEUE)
+        return None if self.membership is None else self.membership.cluster_map.queues.get(QUEUE)
 
     def call(self, command: Callable[[c.FutureReplier], c.Command],
              on_ok: Callable[[Any], None]) -> None:
@@ -256,7 +298,7 @@ class EngineSimulation:
         self.rng = random.Random(seed)
         self.loop = VirtualTimeLoop()
         self.network = MemoryPeerNetwork()
-        self.group = MemoryMembershipGroup(self.loop, list(NODES))
+        self.membership_network = MemoryPeerNetwork()
         self.history = History()
         self.members = {node_id: SimNode(self, node_id) for node_id in NODES}
         self.log: list[str] = []
@@ -367,7 +409,7 @@ class EngineSimulation:
         for node in self.members.values():
             await node.boot()
         await asyncio.sleep(duration_s)
-        entry = self.group.member(self.group.leader() or FIRST_MASTER).cluster_map.queues.get(QUEUE)
+        entry = self.latest_entry()
         assert entry is not None, "the queue is not in the final map"
         self.final_entry = entry
         for node_id in (entry.master, entry.replica):
@@ -378,13 +420,16 @@ class EngineSimulation:
     # --- faults ----------------------------------------------------------------------------
     def latest_entry(self) -> QueueEntry | None:
         """The queue in the most recent copy of the map (what an operator would read)."""
-        newest = max(self.group.members.values(), key=lambda member: member.cluster_map.version)
-        return newest.cluster_map.queues.get(QUEUE)
+        maps = [node.membership.cluster_map for node in self.members.values() if node.membership is not None]
+        if not maps:
+            return None
+        return max(maps, key=lambda cluster: cluster.version).queues.get(QUEUE)
 
     def _random_fault(self) -> None:
         rng = self.rng
         entry = self.latest_entry()
-        assert entry is not None
+        if entry is None:
+            return                    # every node is down: nothing to aim at
         choice = rng.choice(["crash_master", "crash_replica", "crash_any", "partition_pair", "partition_any",
                              "isolate", "isolate_master", "elect", "pause_master", "pause_any"])
         duration = rng.uniform(*FAULT_S)
@@ -413,11 +458,10 @@ class EngineSimulation:
                     self._cut(node_id, other)
             self._later(duration, self._end_isolation, node_id)
         else:
-            candidates = [node for node in NODES if node not in self.group.isolated]
-            if candidates:
-                leader = rng.choice(candidates)
-                self.note(f"elect {leader}")
-                self.group.elect(leader)
+            membership = self.members[candidate := rng.choice(NODES)].membership
+            if membership is not None:
+                self.note(f"campaign {candidate}")
+                membership.campaign()
 
     def _resume(self, node_id: str) -> None:
         self.note(f"resume {node_id}")
@@ -450,10 +494,13 @@ class EngineSimulation:
                 self.network.heal(a, b)
 
     def leave_group(self, node_id: str, why: str) -> None:
-        """A crashed or cut-off node takes no part in the membership group (nor leads it)."""
+        """A crashed, paused or cut-off node's membership links are cut (a crashed one's are
+        closed as well); the others go on without it, a majority electing a leader."""
         reasons = self._out_of_group[node_id]
         if not reasons:
-            self.group.isolate(node_id)
+            for other in NODES:
+                if other != node_id:
+                    self.membership_network.partition(node_id, other)
         reasons.add(why)
 
     def rejoin_group(self, node_id: str, why: str) -> None:
@@ -462,10 +509,9 @@ class EngineSimulation:
             return
         reasons.discard(why)
         if not reasons:
-            self.group.heal(node_id)
-            if self.rng.random() < 0.3:      # a rejoining Raft node forces an election (no pre-vote)
-                candidates = [node for node in NODES if node not in self.group.isolated]
-                self.group.elect(self.rng.choice(candidates))
+            for other in NODES:
+                if other != node_id and not self._out_of_group[other]:
+                    self.membership_network.heal(node_id, other)
 
     # --- handoffs --------------------------------------------------------------------------
     def _handoff(self, who: str) -> None:
@@ -606,7 +652,9 @@ class EngineSimulation:
         """Applied changes of the queue's pair, by reason (failover, handoff, move, in_sync)."""
         cluster = ClusterMap()
         counts: collections.Counter[str] = collections.Counter()
-        for data in self.group.log:
+        # Every boot replays the map from the start of its Raft log (no run compacts it), so
+        # the longest record any node holds is the whole history.
+        for data in max((node.map_commands for node in self.members.values()), key=len):
             command = decode_command(data)
             outcomes = cluster.apply(command)
             if isinstance(command, (ChangePair, ChangePairs)):
