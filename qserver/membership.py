@@ -108,10 +108,9 @@ _CAMPAIGN = object()    # an inbox item: stand for election now (RaftMembership.
 
 
 class _Proposal:
-    __slots__ = ("command", "data", "deadline", "done", "finished")
+    __slots__ = ("data", "deadline", "done", "finished")
 
     def __init__(self, command: Command, done: Done, deadline: float) -> None:
-        self.command = command
         self.data = encode_command(command)
         self.done = done
         self.deadline = deadline
@@ -165,7 +164,6 @@ class RaftMembership:
         self._forwarded: dict[int, _Proposal] = {}                 # request id -> proposal at the leader
         self._parked: list[_Proposal] = []                         # no leader known yet
         self._request_ids = itertools.count(1)
-        self._changes_asked: dict[str, int] = {}                   # node -> tick of the last change proposed
         self.frames_dropped = 0
         self.bad_frames = 0
 
@@ -377,12 +375,8 @@ class RaftMembership:
                 self._change(core, ConfigurationChange(ChangeKind.REMOVE_MEMBER, node_id))
 
     def _change(self, core: RaftNode, change: ConfigurationChange) -> None:
-        """One change at a time (the core refuses another while one is pending), each node's
-        at most once per reconcile period."""
-        last = self._changes_asked.get(change.node_id)
-        if last is not None and self._tick_count - last < RECONCILE_EVERY_TICKS:
-            return
-        self._changes_asked[change.node_id] = self._tick_count
+        """Propose one change; the core refuses it while another is pending, and refuses a
+        change already made (so asking again every reconcile period costs nothing)."""
         outcome = core.propose_change(change)
         if isinstance(outcome, Proposed):
             log.info("membership: %s %s (entry %d, term %d)", change.kind.value, change.node_id, outcome.index,
