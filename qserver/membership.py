@@ -355,6 +355,9 @@ class RaftMembership:
     def _on_join(self, core: RaftNode, request: JoinRequest) -> None:
         if not core.is_leader:
             return
+        entry = self.cluster_map.nodes.get(request.sender)
+        if entry is not None and entry.state is NodeState.REMOVED:
+            return                  # gone for good: a removed id is never reused (ClusterMap)
         known = core.configuration.storage_id_of(request.sender)
         if known == request.storage_id:
             return
@@ -370,8 +373,10 @@ class RaftMembership:
         for node_id in sorted(set(configuration.node_ids()) - set(configuration.voter_ids())):
             if node_id in self._voters:
                 self._change(core, ConfigurationChange(ChangeKind.PROMOTE_LEARNER, node_id))
+        # The leader removes itself too: it steps down once that commits, and the others elect
+        # a leader when their timers fire (there is no leadership transfer; docs/RAFT.md).
         for node_id, entry in sorted(self.cluster_map.nodes.items()):
-            if entry.state is NodeState.REMOVED and configuration.is_member(node_id) and node_id != self.node_id:
+            if entry.state is NodeState.REMOVED and configuration.is_member(node_id):
                 self._change(core, ConfigurationChange(ChangeKind.REMOVE_MEMBER, node_id))
 
     def _change(self, core: RaftNode, change: ConfigurationChange) -> None:

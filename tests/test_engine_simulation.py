@@ -15,6 +15,7 @@ import random
 
 import pytest
 
+from qserver.coordinator import Coordinator
 from replication.digest import EMPTY_DIGEST
 from replication.invariants import (
     epochs_with_two_masters,
@@ -29,7 +30,7 @@ from replication.oplog import MemoryOpLog
 from replication.options import QueueOptions, QueueState, Strength
 from replication.queue_core import QueueCore, QueueRecord
 from replication.store import MemoryStore
-from tests.sim.engine_cluster import NODES, QUEUE, EngineSimulation
+from tests.sim.engine_cluster import CLOCK_DRIFT, NODES, QUEUE, EngineSimulation
 from tests.sim.virtual_loop import InlineExecutor, VirtualTimeLoop
 
 FIXED_SEEDS = [1, 2, 3, 4, 5, 6]
@@ -48,6 +49,8 @@ def check_safety(sim: EngineSimulation) -> None:
     assert not replica_won, f"the replica's handoff won over the master's asked at the same moment: {replica_won}"
     two = epochs_with_two_masters(history.masters_seen)
     assert not two, f"epochs with two masters: {two}"
+    assert not history.two_acknowledging, \
+        f"two nodes could acknowledge writes as master at once (ms, nodes): {history.two_acknowledging[:5]}"
     surviving = sim.surviving_payloads(master)
     acked = set(history.acked_enqueues)
     # An ack whose answer a crash swallowed may have been applied: such a message may be gone.
@@ -96,8 +99,8 @@ def check_converged(sim: EngineSimulation) -> None:
         assert sim.members[node_id].storage.queue_id(QUEUE) is None, f"{node_id} kept an instance it left"
 
 
-def run_checked(seed: int, strength: Strength) -> EngineSimulation:
-    sim = EngineSimulation(seed, strength)
+def run_checked(seed: int, strength: Strength, clock_drift: float = CLOCK_DRIFT) -> EngineSimulation:
+    sim = EngineSimulation(seed, strength, clock_drift)
     try:
         sim.run()
         assert not sim.broken, f"engines stopped on an error: {sim.broken}"
@@ -106,7 +109,8 @@ def run_checked(seed: int, strength: Strength) -> EngineSimulation:
         check_converged(sim)
     except AssertionError as failure:
         raise AssertionError(f"seed {seed} ({strength.value}) fails: replay with "
-                             f"EngineSimulation({seed}, Strength.{strength.name}).run(); faults {sim.log}\n"
+                             f"EngineSimulation({seed}, Strength.{strength.name}, {clock_drift}).run(); "
+                             f"faults {sim.log}\n"
                              f"{failure}") from None
     return sim
 
@@ -155,7 +159,7 @@ REGRESSIONS = [
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("seed", "strength"), REGRESSIONS)
 def test_a_seed_that_found_a_bug_passes(seed: int, strength: Strength) -> None:
-    run_checked(seed, strength)
+    run_checked(seed, strength, clock_drift=0.0)     # the clocks they were found with
 
 
 @pytest.mark.timeout(60)
@@ -166,6 +170,16 @@ def test_the_fixed_seeds_go_through_failovers_and_handoffs() -> None:
         for strength in Strength:
             changes.update(EngineSimulation(seed, strength).run().pair_changes())
     assert changes["failover"] >= 2 and changes["handoff"] >= 2, changes
+
+
+@pytest.mark.timeout(60)
+def test_the_check_of_one_acknowledging_master_catches_a_master_that_ignores_its_lease(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check is not idle: a master that goes on past its lease (on clocks that drift) is
+    seen acknowledging while the master promoted after it does too."""
+    monkeypatch.setattr(Coordinator, "lease_valid", lambda self: True)
+    caught = {seed: EngineSimulation(seed, Strength.PRODUCER).run().history.two_acknowledging for seed in (1, 3)}
+    assert all(caught.values()), caught
 
 
 @pytest.mark.timeout(30)

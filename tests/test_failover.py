@@ -165,7 +165,16 @@ async def test_draining_a_node_moves_everything_off_it_and_then_it_can_be_remove
         await client.remove_node("n1")
         nodes = {n["id"]: n["state"] for n in (await map_of(cluster, "n2"))["nodes"]}
         assert nodes["n1"] == "removed"
+
+        async def out_of_the_membership_layer() -> bool:    # its Raft member goes too
+            members = [(await map_of(cluster, node))["membership"] for node in ("n2", "n3")]
+            return all(m["voters"] == ["n2", "n3"] and not m["learners"] for m in members)
+        await wait_for(out_of_the_membership_layer, 10.0, "n1 removed from the Raft configuration")
         cluster.kill("n1")
+        # The two voters left commit map changes on their own: a new queue, then a handoff.
+        await client.create_queue("d", strength="full")
+        handed = await client.handoff("c")
+        assert (handed["master"], handed["replica"]) == ("n2", "n3"), handed
         for name in ("a", "b", "c"):
             assert set(await drain(client, name)) == acknowledged[name], name
 

@@ -1,19 +1,35 @@
 """The membership layer's node side: the codec of its frames and values, its durable state in
-LMDB (qserver/raft_store.py), and the snapshot encoding of the cluster map. The core itself
+LMDB (qserver/raft_store.py), the snapshot encoding of the cluster map, and the driver
+(qserver/membership.py) on a virtual loop. The core itself
 is tests/test_raft.py and tests/test_raft_simulation.py; real clusters run it in every
 real-process test (tests/test_failover.py, tests/test_pairs.py, ...)."""
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from qserver.membership import RaftMembership, raft_limits, tick_ms
+from qserver.peers import MemoryPeerNetwork
 from qserver.raft_store import MemoryRaftStore, RaftStorage, RaftStore, storage_id_bytes
 from qserver.storage import Storage
-from replication.cluster_map import AddNode, ChangePair, ClusterMap, CreateQueue, PutClient, decode_map, encode_map
+from replication.cluster_map import (
+    AddNode,
+    ChangePair,
+    ClusterMap,
+    CreateQueue,
+    NodeState,
+    PutClient,
+    SetNodeState,
+    decode_map,
+    encode_map,
+)
 from replication.messages import MessageError
 from replication.raft import PersistedState, Ready, bootstrap_state
 from replication.raft_codec import (
@@ -45,6 +61,7 @@ from replication.raft_messages import (
     VoteRequest,
     VoteResponse,
 )
+from tests.sim.virtual_loop import InlineExecutor, VirtualTimeLoop
 
 names = st.sampled_from(["n1", "n2", "n3", "n4", "n5"])
 disks = st.binary(min_size=8, max_size=8)
@@ -176,3 +193,97 @@ def test_the_cluster_map_survives_its_snapshot_encoding() -> None:
         cluster.apply(command_)
     assert decode_map(encode_map(cluster)) == cluster
     assert decode_map(b"") == ClusterMap()
+
+
+# --- the driver (qserver/membership.py) on a virtual loop ------------------------------------------
+class DriverCluster:
+    """Three `RaftMembership` drivers over an in-memory network on a virtual-time loop, n1 the
+    founder, n2 and n3 joining: the node side without engines, deterministic."""
+
+    def __init__(self, loop: VirtualTimeLoop) -> None:
+        self.loop = loop
+        self.network = MemoryPeerNetwork()
+        self.disk = InlineExecutor()          # each Ready durable at once
+        self.members: dict[str, RaftMembership] = {}
+        self.transports: dict[str, Any] = {}
+        for number, node_id in enumerate(("n1", "n2", "n3"), start=1):
+            store = MemoryRaftStore()
+            if node_id == "n1":
+                store.bootstrap(node_id, number)
+            member = RaftMembership(node_id, number, store, voters={"n1", "n2", "n3"}, send=self._sender(node_id),
+                                    writer=lambda: self.disk, loop=loop, limits=raft_limits((200, 400), 50),
+                                    tick_s=tick_ms(50) / 1000, seed=number)
+            self.members[node_id] = member
+            self.transports[node_id] = self.network.transport(node_id, member.on_frame)
+
+    def _sender(self, node_id: str) -> Callable[[str, bytes], bool]:
+        return lambda peer, data: self.transports[node_id].send(peer, data)
+
+    async def start(self) -> None:
+        for node_id, member in self.members.items():
+            member.start()
+            await self.transports[node_id].start()
+
+    async def until(self, predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+        deadline = self.loop.time() + timeout_s
+        while not predicate():
+            assert self.loop.time() < deadline, f"timed out waiting for {what}: {self.status()}"
+            await asyncio.sleep(0.01)
+
+    def status(self) -> dict[str, dict[str, Any]]:
+        return {node_id: member.status() for node_id, member in self.members.items()}
+
+    def leader(self) -> str | None:
+        leaders = [node_id for node_id, member in self.members.items() if member.is_leader()]
+        return leaders[0] if len(leaders) == 1 else None
+
+    async def propose(self, via: str, command: Any) -> Any:
+        done: asyncio.Future[Any] = self.loop.create_future()
+
+        def finish(outcomes: Any) -> None:
+            if not done.done():
+                done.set_result(outcomes)
+        self.members[via].propose(command, finish)
+        return await done
+
+    async def stop(self) -> None:
+        for node_id, member in self.members.items():
+            member.stop()
+            await self.transports[node_id].stop()
+
+
+def test_a_node_removed_from_the_map_leaves_the_raft_configuration_even_when_it_leads() -> None:
+    """`qctl nodes remove` of the node that leads: the leader removes its own member and steps
+    down once that commits, the other two elect a leader, and the removed node's requests to
+    join again are ignored (a removed id is never reused)."""
+    loop = VirtualTimeLoop()
+
+    async def main() -> None:
+        cluster = DriverCluster(loop)
+        await cluster.start()
+        try:
+            await cluster.until(lambda: all(s.get("voters") == ["n1", "n2", "n3"] for s in cluster.status().values()),
+                                10.0, "three voters")
+            await cluster.until(lambda: cluster.leader() is not None, 5.0, "a leader")
+            leader = cluster.leader()
+            assert leader is not None
+            for node_id in ("n1", "n2", "n3"):
+                await cluster.propose(leader, AddNode(node_id, f"http://{node_id}", True, 0))
+            outcomes = await cluster.propose(leader, SetNodeState(leader, NodeState.REMOVED.value))
+            assert outcomes[0].applied, outcomes
+            rest = sorted({"n1", "n2", "n3"} - {leader})
+            await cluster.until(lambda: all(cluster.members[n].status()["voters"] == rest for n in rest),
+                                5.0, f"{leader} out of the configuration")
+            await cluster.until(lambda: cluster.leader() in rest, 5.0, "a leader among the others")
+            for _ in range(200):             # 2 s: many join periods of the removed node
+                await asyncio.sleep(0.01)
+                for node_id in rest:
+                    status = cluster.members[node_id].status()
+                    assert status["voters"] == rest and status["learners"] == [], status
+            assert await cluster.propose(rest[0], AddNode("n9", "http://n9", False, 0)), "the two commit alone"
+        finally:
+            await cluster.stop()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()

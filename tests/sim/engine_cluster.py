@@ -7,7 +7,10 @@ networks and in-memory storage whose commits are durable when they run, after a 
 delay.
 
 One `random.Random(seed)` decides everything: the client workload, fsync latencies, network
-latency and the faults. Clients follow the map: each request goes to a node picked at random,
+latency and the faults; a second one, from the same seed, sets each node's clock, which runs
+up to CLOCK_DRIFT faster or slower than the virtual time (leases count on it, Raft ticks by
+it). At every acknowledged write and every few milliseconds the run checks that at most one
+node could acknowledge writes as master of the queue, each judging its lease by its own clock. Clients follow the map: each request goes to a node picked at random,
 which looks the queue up in its own copy of the map and is sent to the master or the replica
 named there (a stale copy sends it to the wrong node; errors are recorded, not retried).
 Faults come on a seeded schedule, each bounded in duration: crash and restart of the master,
@@ -42,6 +45,7 @@ from qserver.membership import ChangeAll, RaftMembership, raft_limits, tick_ms
 from qserver.peers import MemoryPeerNetwork
 from qserver.raft_store import MemoryRaftStore
 from replication.cluster_map import ChangePair, ChangePairs, ClusterMap, QueueEntry, decode_command, encode_command
+from replication.master import ReplicaProgress
 from replication.options import Strength
 from tests.sim.memory_storage import MemoryStorage
 from tests.sim.virtual_loop import DelayedExecutor, VirtualTimeLoop
@@ -62,6 +66,9 @@ LEASE_MARGIN_MS = 150
 LEASE_RENEW_INTERVAL_MS = 100
 REPLICA_REPLACE_AFTER_S = 1.0
 FAULT_S = (0.05, 2.0)          # how long a crash, partition or isolation lasts
+# Each node's clock (its monotonic clock, which leases count on, and its Raft ticks) runs at
+# 1 +- this rate against the virtual time: the most the Raft lease allows (RaftLimits).
+CLOCK_DRIFT = 0.1
 
 
 def sim_config(node_id: str) -> NodeConfig:
@@ -88,6 +95,10 @@ class History:
     handoffs: dict[str, int] = field(default_factory=dict)  # "initiator outcome" -> count
     simultaneous_handoffs: list[dict[str, str]] = field(default_factory=list)   # initiator -> outcome
     masters_seen: set[tuple[int, str]] = field(default_factory=set)   # (epoch, node acting as master)
+    # Moments at which two nodes could both acknowledge writes as master of the queue (each
+    # master with a lease valid on its own clock): (ms, the nodes).
+    two_acknowledging: list[tuple[int, tuple[str, ...]]] = field(default_factory=list)
+    acks_checked: int = 0                                  # acknowledgements the check above ran at
 
     def failed(self, error: BaseException | str) -> None:
         code = error if isinstance(error, str) else error.code if isinstance(error, QueueError) \
@@ -103,9 +114,11 @@ class History:
 class SimNode:
     """One node: its storage survives crashes; its engine, disk queue and copy of the map do not."""
 
-    def __init__(self, sim: EngineSimulation, node_id: str) -> None:
+    def __init__(self, sim: EngineSimulation, node_id: str, clock_rate: float, clock_offset_ms: int) -> None:
         self.sim = sim
         self.node_id = node_id
+        self.clock_rate = clock_rate                # this node's ticks per virtual tick
+        self.clock_offset_ms = clock_offset_ms      # monotonic clocks of two machines are unrelated
         self.storage = MemoryStorage(node_id)
         self.raft_store = MemoryRaftStore()        # survives crashes, as the node's LMDB would
         if node_id == FOUNDER:
@@ -130,6 +143,21 @@ class SimNode:
     @property
     def paused(self) -> bool:
         return self._paused_wake is not None
+
+    def monotonic_ms(self) -> int:
+        return self.clock_offset_ms + int(self.sim.loop.time() * 1000 * self.clock_rate)
+
+    def may_acknowledge_as_master(self) -> bool:
+        """Whether this node would take a write as master of the queue now: it masters the
+        queue, no newer epoch fenced it, no handoff of it is under way (from its start the
+        master assigns no new index) and its node lease is valid on its own clock. A paused
+        process counts: it acts on that lease the moment it resumes."""
+        engine = self.engine
+        if engine is None or engine.coordinator is None:
+            return False
+        role = engine.pairs.masters.get(QUEUE)
+        return role is not None and role.progress is not ReplicaProgress.FENCED \
+            and not engine.coordinator.parks(QUEUE) and engine.coordinator.lease_valid()
 
     def _on_message(self, peer: str, data: bytes) -> None:
         self._arrive(c.PeerMessage(peer, data))
@@ -179,10 +207,10 @@ class SimNode:
             self.node_id, self.storage.storage_id, self.raft_store, voters=set(NODES),
             send=self.membership_transport.send, writer=lambda: disk, loop=self.sim.loop,
             limits=raft_limits(self.config.election_timeout_ms, self.config.raft_heartbeat_ms),
-            tick_s=tick_ms(self.config.raft_heartbeat_ms) / 1000, seed=rng.getrandbits(64))
+            tick_s=tick_ms(self.config.raft_heartbeat_ms) / 1000 / self.clock_rate, seed=rng.getrandbits(64))
         engine = Engine(self.config, self.storage, rng=random.Random(rng.getrandbits(64)),  # type: ignore[arg-type]
                         clock_ms=self.sim.now_ms, writer=self.disk, membership=membership,
-                        monotonic_ms=self.sim.now_ms)
+                        monotonic_ms=self.monotonic_ms)
         engine.pairs.send = self.transport.send
         engine.pairs.link_up = self.transport.is_up
         applied = membership.on_applied
@@ -292,15 +320,19 @@ class SimNode:
 
 
 class EngineSimulation:
-    def __init__(self, seed: int, strength: Strength = Strength.FULL) -> None:
+    def __init__(self, seed: int, strength: Strength = Strength.FULL, clock_drift: float = CLOCK_DRIFT) -> None:
         self.seed = seed
         self.strength = strength
         self.rng = random.Random(seed)
+        # The clocks come from a stream of their own: a seed's run without drift is the run it
+        # was before clocks drifted (the regression seeds replay what they found).
+        clocks = random.Random(seed ^ 0xC10C)
         self.loop = VirtualTimeLoop()
         self.network = MemoryPeerNetwork()
         self.membership_network = MemoryPeerNetwork()
         self.history = History()
-        self.members = {node_id: SimNode(self, node_id) for node_id in NODES}
+        self.members = {node_id: SimNode(self, node_id, 1 + clocks.uniform(-clock_drift, clock_drift),
+                                         clocks.randrange(10**9)) for node_id in NODES}
         self.log: list[str] = []
         self._tasks: list[asyncio.Task[Any]] = []
         self._fault_timers: list[asyncio.TimerHandle] = []
@@ -372,13 +404,23 @@ class EngineSimulation:
         raise AssertionError("the queue was never created")
 
     async def _sample_masters(self) -> None:
-        """Who acts as master of which epoch, as every live node sees itself."""
+        """Who acts as master of which epoch, as every live node sees itself, and whether two
+        could acknowledge writes at once."""
         seen = self.history.masters_seen
         while True:
             for node_id, node in self.members.items():
                 if node.engine is not None:
                     seen.update((role.epoch, node_id) for role in node.engine.pairs.masters.values())
+            self.check_one_acknowledging()
             await asyncio.sleep(SAMPLE_INTERVAL_S)
+
+    def check_one_acknowledging(self) -> None:
+        """At most one node may acknowledge writes as master of the queue at any moment, each
+        judging its lease by its own drifting clock. Run at every sample and at the moment of
+        every acknowledged write."""
+        able = tuple(node_id for node_id, node in self.members.items() if node.may_acknowledge_as_master())
+        if len(able) > 1:
+            self.history.two_acknowledging.append((self.now_ms(), able))
 
     async def safety_phase(self, duration_s: float) -> None:
         """Client load with faults and handoffs, each at a seeded moment."""
@@ -518,7 +560,8 @@ class EngineSimulation:
         """Ask for a handoff at the master, at the replica, or at both at the same moment
         (then the master's request must win: History.simultaneous_handoffs)."""
         entry = self.latest_entry()
-        assert entry is not None
+        if entry is None:
+            return                    # every node is down: no one to ask
         self.note(f"handoff asked by {who} ({entry.master} -> {entry.replica}, epoch {entry.epoch})")
         outcomes: dict[str, str] = {}
         if who == "both" and not any(self.members[node].paused for node in (entry.master, entry.replica)):
@@ -565,8 +608,11 @@ class EngineSimulation:
             return
         if self.rng.random() < 0.5:
             [payload] = self._payloads(1)
-            node.call(lambda r: c.Enqueue(QUEUE, payload, 4, None, "producer", r),
-                      lambda result: history.acknowledged(result[0], payload))
+
+            def answered(result: Any) -> None:
+                history.acknowledged(result[0], payload)
+                self._check_at_acknowledgement()
+            node.call(lambda r: c.Enqueue(QUEUE, payload, 4, None, "producer", r), answered)
             return
         payloads = self._payloads(self.rng.randint(1, 4))
 
@@ -574,7 +620,12 @@ class EngineSimulation:
             for index, payload in zip(result[1], payloads, strict=True):
                 if isinstance(index, int):
                     history.acknowledged(index, payload)
+            self._check_at_acknowledgement()
         node.call(lambda r: c.EnqueueMany(QUEUE, self.rng.randint(0, 9), payloads, None, "producer", r), placed)
+
+    def _check_at_acknowledgement(self) -> None:
+        self.history.acks_checked += 1
+        self.check_one_acknowledging()
 
     def _receive(self) -> None:
         node, history = self._target(0.8), self.history
