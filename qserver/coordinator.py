@@ -100,12 +100,19 @@ class Coordinator:
         return self.lease.valid(self.monotonic_ms())
 
     def _accept_grants(self) -> None:
-        """Grants count once this node's map has applied what the leader's had when it granted
-        (LeaseGrant): a node restarted on its own stale copy of the map, which still named it
-        master of queues that failed over meanwhile, decided operations in the old epoch."""
+        """Grants count once this node's map has applied what the leader's log held when it
+        granted (LeaseGrant): a node restarted on its own stale copy of the map, which still
+        named it master of queues that failed over meanwhile, decided operations in the old
+        epoch. A grant whose version is never reached (the leader's uncommitted commands were
+        replaced) is passed over by the next one that is."""
         version, waiting = self.membership.cluster_map.version, self._grants_waiting
-        while waiting and waiting[0][0] <= version:
-            self.lease.granted(waiting.popleft()[1])
+        ready = [sequence for needed, sequence in waiting if needed <= version]
+        if ready:
+            latest = max(ready)
+            self.lease.granted(latest)          # drops the renewals sent before it
+            kept = [(needed, sequence) for needed, sequence in waiting if sequence > latest]
+            waiting.clear()
+            waiting.extend(kept)
 
     def tick(self, now_ms: int) -> None:
         self._accept_grants()
@@ -135,7 +142,9 @@ class Coordinator:
             if self.membership.is_leader() and known is not None \
                     and known.storage_id == self.engine.storage.storage_id:
                 self.table.grant(self.node_id, mono)
-                self.lease.granted(sequence)
+                # Its own log may hold a failover of its queues decided by a predecessor.
+                self._grants_waiting.append((self.membership.version_when_applied(), sequence))
+                self._accept_grants()
             return
         self.pairs.send_message(leader, LeaseRenew("", self.engine.storage.storage_id, self.membership.term(), sequence))
 
@@ -147,7 +156,7 @@ class Coordinator:
             if self.membership.is_leader() and known is not None and known.storage_id == message.incarnation:
                 self.table.grant(peer, self.monotonic_ms())
                 self.pairs.send_message(peer, LeaseGrant("", 0, self.membership.term(), message.sequence,
-                                                         self.membership.cluster_map.version))
+                                                         self.membership.version_when_applied()))
         elif isinstance(message, LeaseGrant):
             self._grants_waiting.append((message.map_version, message.sequence))
             self._accept_grants()

@@ -74,6 +74,7 @@ class Membership(Protocol):
     def is_leader(self) -> bool: ...
     def leader_id(self) -> str | None: ...
     def term(self) -> int: ...
+    def version_when_applied(self) -> int: ...
     def status(self) -> dict[str, Any]: ...
 
 
@@ -196,6 +197,19 @@ class RaftMembership:
 
     def leader_id(self) -> str | None:
         return None if self._core is None else self._core.leader_id
+
+    def version_when_applied(self) -> int:
+        """The map version this node's copy will have once it has applied every map command
+        in its log and every proposal of its own on its way there. A node lease the leader
+        grants counts only from that version on (LeaseGrant.map_version): granted against the
+        applied map alone, it let a master act in its old epoch while the leader's failover
+        of its queues was still uncommitted (engine simulation, seed 2093 under `producer`)."""
+        core = self._core
+        pending = sum(1 for item in self._inbox if isinstance(item, _Proposal))
+        if core is not None and core.last_index > core.applied_index:
+            pending += sum(1 for entry in core.log.entries_between(core.applied_index + 1, core.last_index)
+                           if entry.kind is EntryKind.COMMAND)
+        return self.cluster_map.version + pending
 
     def term(self) -> int:
         return 0 if self._core is None else self._core.term

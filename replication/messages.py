@@ -280,8 +280,9 @@ class LeaseRenew:
 @dataclass(frozen=True, slots=True)
 class LeaseGrant:
     """membership leader -> node: the renewal `sequence` is granted. It counts once the node's
-    copy of the cluster map has applied `map_version` commands, as the leader's had: a node
-    restarted or cut off on a stale map must not act on roles that changed meanwhile."""
+    copy of the cluster map has applied `map_version` commands, as many as the leader's will
+    have once it applies what its log holds: a node restarted or cut off on a stale map must
+    not act on roles that changed, or are changing, meanwhile."""
     TAG: ClassVar[int] = 15
     queue: str
     incarnation: int

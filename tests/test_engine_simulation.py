@@ -156,10 +156,29 @@ REGRESSIONS = [
 ]
 
 
+# Found on drifting clocks (the check that no two nodes could acknowledge as master at once).
+DRIFTING_REGRESSIONS = [
+    # A node restarted while the leader's failover of its queues was still uncommitted got a
+    # lease granted against the leader's applied map and acted as master in its old epoch
+    # until it applied the failover (LeaseGrant.map_version now counts the leader's log).
+    pytest.param(2093, Strength.PRODUCER, id="a-lease-counts-from-the-leaders-uncommitted-failover-2093-producer"),
+    # The checker's own defect: a master refused because its replica was out of sync is no
+    # contest with the replica's request asked at the same moment, which waits at the master
+    # and succeeds once the replica is in sync.
+    pytest.param(3164, Strength.PRODUCER, id="a-master-refused-for-an-out-of-sync-replica-is-no-contest-3164-producer"),
+]
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("seed", "strength"), REGRESSIONS)
 def test_a_seed_that_found_a_bug_passes(seed: int, strength: Strength) -> None:
     run_checked(seed, strength, clock_drift=0.0)     # the clocks they were found with
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("seed", "strength"), DRIFTING_REGRESSIONS)
+def test_a_seed_that_found_a_bug_on_drifting_clocks_passes(seed: int, strength: Strength) -> None:
+    run_checked(seed, strength)
 
 
 @pytest.mark.timeout(60)
@@ -178,8 +197,8 @@ def test_the_check_of_one_acknowledging_master_catches_a_master_that_ignores_its
     """The check is not idle: a master that goes on past its lease (on clocks that drift) is
     seen acknowledging while the master promoted after it does too."""
     monkeypatch.setattr(Coordinator, "lease_valid", lambda self: True)
-    caught = {seed: EngineSimulation(seed, Strength.PRODUCER).run().history.two_acknowledging for seed in (1, 3)}
-    assert all(caught.values()), caught
+    caught = [seed for seed in FIXED_SEEDS if EngineSimulation(seed, Strength.PRODUCER).run().history.two_acknowledging]
+    assert len(caught) >= 2, f"only seeds {caught} of {FIXED_SEEDS} caught it"
 
 
 @pytest.mark.timeout(30)

@@ -580,7 +580,12 @@ class EngineSimulation:
             engine.invoke(ask)
 
     def _handoff_done(self, outcomes: dict[str, str], initiator: str, result: Any) -> None:
-        self._record_handoff(outcomes, initiator, result.code if isinstance(result, QueueError) else "ok")
+        outcome = "ok"
+        if isinstance(result, QueueError):
+            # Refused for a replica out of sync is no contest with the replica's request, which
+            # waits at the master and may succeed once the replica is in sync.
+            outcome = result.code + (" (not in sync)" if "not in sync" in result.message else "")
+        self._record_handoff(outcomes, initiator, outcome)
 
     def _record_handoff(self, outcomes: dict[str, str], initiator: str, outcome: str) -> None:
         outcomes[initiator] = outcome
