@@ -21,6 +21,7 @@ import json
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,32 @@ async def catch_up(cluster: LocalCluster) -> dict[str, Any]:
     return {"workload": "catch_up_10k_of_1m", "seconds": seconds}
 
 
+def raft_write_waits(cluster: LocalCluster) -> dict[str, Any]:
+    """How long the membership layer's writes waited for each node's writer thread behind
+    queue commits over the whole run (issue 12 bounds it at 10 ms), and how long the queue
+    commits they wait behind took: counts from the nodes' histograms."""
+    waits: dict[str, Any] = {}
+    for node, url in cluster.urls.items():
+        if node not in cluster.processes:
+            continue
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as answer:
+            text = answer.read().decode()
+        waits[node] = {"raft_writes": _over(text, "qserver_membership_persist_wait_seconds"),
+                       "queue_commits": _over(text, "qserver_commit_seconds")}
+    return {"workload": "raft_write_wait", "nodes": waits}
+
+
+def _over(metrics: str, histogram: str) -> dict[str, int]:
+    """The samples of a histogram, and how many exceeded 2, 5 and 10 ms."""
+    buckets = {}
+    for line in metrics.splitlines():
+        if line.startswith(histogram + "_bucket"):
+            bound, count = line.split('le="')[1].split('"} ')
+            buckets[bound] = int(count)
+    total = buckets.get("+Inf", 0)
+    return {"count": total, **{f"over_{ms}ms": total - buckets.get(f"{ms / 1000:g}", total) for ms in (2, 5, 10)}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3)
@@ -143,6 +170,7 @@ def main() -> None:
                 for result in (asyncio.run(state_transfer(cluster, args.transfer_messages)),
                                asyncio.run(catch_up(cluster))):
                     print(json.dumps(result), flush=True)
+            print(json.dumps(raft_write_waits(cluster)), flush=True)
         finally:
             cluster.stop_all()
     print_summaries(all_runs)

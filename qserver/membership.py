@@ -26,10 +26,12 @@ import itertools
 import logging
 import os
 import random
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any, Protocol
 
+from qserver.metrics import Histogram, render_family
 from qserver.raft_store import RaftStorage, storage_id_bytes
 from replication.cluster_map import (
     ClusterMap,
@@ -167,6 +169,14 @@ class RaftMembership:
         self._request_ids = itertools.count(1)
         self.frames_dropped = 0
         self.bad_frames = 0
+        # The Raft write shares the node's one writer thread with queue commits: how long it
+        # waits behind them (issue 12 bounds it at 10 ms), and how long it takes itself.
+        self.persist_wait_seconds = Histogram(
+            "qserver_membership_persist_wait_seconds", "Raft writes: wait for the node's writer thread",
+            (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1))
+        self.persist_seconds = Histogram(
+            "qserver_membership_persist_seconds", "Raft writes: the LMDB transaction with its fsync",
+            (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1))
 
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -224,6 +234,23 @@ class RaftMembership:
                 "voters": configuration.voter_ids(),
                 "learners": sorted(set(configuration.node_ids()) - set(configuration.voter_ids()))}
 
+    def render_metrics(self) -> list[str]:
+        core = self._core
+        if core is None:
+            return []
+        lines = render_family("qserver_membership_term", "gauge", "the membership layer's current term", [({}, core.term)])
+        lines += render_family("qserver_membership_leader", "gauge", "1 while this node leads and holds the leader lease",
+                               [({}, 1.0 if self.is_leader() else 0.0)])
+        lines += render_family("qserver_membership_index", "gauge", "the Raft log's indices on this node",
+                               [({"kind": "commit"}, core.commit_index), ({"kind": "applied"}, core.applied_index),
+                                ({"kind": "last"}, core.last_index), ({"kind": "snapshot"}, core.snapshot_index)])
+        lines += render_family("qserver_membership_voters", "gauge", "voters in the configuration in force",
+                               [({}, len(core.configuration.voter_ids()))])
+        lines += render_family("qserver_membership_frames_refused_total", "counter",
+                               "membership frames dropped (inbox full) or refused (malformed, wrong sender)",
+                               [({"why": "inbox_full"}, self.frames_dropped), ({"why": "bad"}, self.bad_frames)])
+        return lines + self.persist_wait_seconds.render() + self.persist_seconds.render()
+
     # --- inputs -----------------------------------------------------------------------------------
     def propose(self, command: Command, done: Done) -> None:
         self._put(_Proposal(command, done, self._loop.time() + PROPOSAL_TIMEOUT_S))
@@ -269,12 +296,19 @@ class RaftMembership:
             while core.has_ready():
                 ready = core.ready()
                 if ready.must_persist:
-                    await self._loop.run_in_executor(self._writer(), self._store.persist, ready)
+                    await self._loop.run_in_executor(self._writer(), self._persist, ready, time.perf_counter())
                 for message in ready.messages:
                     self._send(message.recipient, encode_frame(message))
                 self._apply(ready)
                 core.advance(ready)
                 self._feed(core)
+
+    def _persist(self, ready: Ready, submitted: float) -> None:
+        """On the writer thread."""
+        started = time.perf_counter()
+        self._store.persist(ready)
+        self.persist_wait_seconds.observe(started - submitted)
+        self.persist_seconds.observe(time.perf_counter() - started)
 
     def _feed(self, core: RaftNode) -> None:
         while self._ticks_due:

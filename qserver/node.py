@@ -274,6 +274,8 @@ class Node:
                                + [({"code": "E_OVERLOADED"}, engine.rejected["overloaded"])])
         lines += render_family("qserver_storage_map_bytes", "gauge", "LMDB map size", [({}, self.storage.map_size())])
         lines += self._replication_metrics()
+        if self.membership is not None:
+            lines += self.membership.render_metrics()
         return "\n".join(lines) + "\n"
 
     def _replication_metrics(self) -> list[str]:
