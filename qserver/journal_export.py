@@ -73,6 +73,7 @@ import pyarrow.parquet as pq
 from replication.audit_checks import JOURNAL_FIELDS, RECORD_COLUMNS, UNDECODABLE_OP, is_run, run_count, run_rows
 
 _Q = struct.Struct(">Q")
+READER_MAP_BYTES = 1 << 40     # NodeConfig.map_size_max_bytes by default (JournalSource.open)
 _U32 = struct.Struct(">I")
 SEGMENT_NAME = re.compile(r"^journal-(?P<node>.+)-(?P<journal>[0-9a-z]+)-(?P<first>\d{20})-(?P<last>\d{20})\.parquet$")
 INT_COLUMNS = frozenset({"sequence", "at_ms", "queue_id", "epoch", "index", "message_id", "priority",
@@ -128,8 +129,12 @@ class JournalSource:
 
     @classmethod
     def open(cls, path: str | Path) -> JournalSource:
-        """An environment on disk, read-only (its node may be running)."""
-        env = lmdb.open(str(path), readonly=True, lock=True, max_dbs=32, readahead=False)
+        """An environment on disk, read-only (its node may be running). LMDB refuses a reader
+        whose map is smaller than the pages the writer has in use by then (MapResizedError),
+        and a running node adds pages all the time: the reader maps as much as a node's map
+        may ever grow to (address space only; nothing past the file is touched)."""
+        env = lmdb.open(str(path), readonly=True, lock=True, max_dbs=32, readahead=False,
+                        map_size=READER_MAP_BYTES)
         with env.begin() as txn:
             names = {bytes(key) for key, _ in txn.cursor()}
         if b"journal" not in names or b"meta" not in names:
@@ -477,6 +482,8 @@ def exit_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
             time.sleep(poll_s)
         os._exit(0)
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 
 
 def export_in_process(path: str, settings: ExportSettings, now_ms: int, force: bool,

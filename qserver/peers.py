@@ -62,6 +62,11 @@ NONCES_KEPT_MAX = 100_000
 # Upper bounds of msgpack's headers: a bin32 item, and the frame's array and version.
 ITEM_OVERHEAD_BYTES = 5
 FRAME_OVERHEAD_BYTES = 16
+# Only the lower id dials, so a restarted peer waits for the next dial before anything
+# reaches it: this ceiling on the redial backoff bounds how long a restarted replica waits to
+# start catching up (with 2 s it waited 0.3 - 1.4 s of a 10k-message catch-up). A dial to a
+# peer that is down is one refused connect, or one connect timeout where the network drops it.
+RECONNECT_DELAY_MAX_S = 0.25
 CONNECT_TIMEOUT_S = 5.0
 CLOSE_TIMEOUT_S = 1.0
 
@@ -148,7 +153,7 @@ class PeerTransport:
     def __init__(self, node_id: str, cluster_secret: bytes, peers: dict[str, str], *,
                  on_message: OnMessage, on_link_change: OnLinkChange = _ignore_link_change,
                  send_queue_bytes_max: int = 8 << 20, frame_bytes_max: int = 1 << 20,
-                 reconnect_delay_initial_s: float = 0.05, reconnect_delay_max_s: float = 2.0,
+                 reconnect_delay_initial_s: float = 0.05, reconnect_delay_max_s: float = RECONNECT_DELAY_MAX_S,
                  heartbeat_s: float = 2.0, connect_timeout_s: float = CONNECT_TIMEOUT_S,
                  close_timeout_s: float = CLOSE_TIMEOUT_S, rng: random.Random | None = None,
                  listening: bool = True) -> None:

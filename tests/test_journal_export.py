@@ -8,6 +8,7 @@ import struct
 import zlib
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -260,3 +261,36 @@ def test_a_node_that_lost_its_disk_exports_a_new_journal_beside_the_old(tmp_path
     assert ids[0] != ids[1] and len(list((tmp_path / "out" / "n1").glob("*.parquet"))) == 2
     report = audit_records(read_records([str(tmp_path / "out")]))
     assert report["totals"]["journals"] == 2 and report["verdict"] == "clean"
+
+
+def _bounds_after_growth(path: str, opened: Any, grown: Any) -> tuple[int, int]:
+    """In a process of its own: open the journal, let the node write on, then read it."""
+    source = JournalSource.open(path)
+    try:
+        opened.set()
+        assert grown.wait(60)
+        return source.bounds()
+    finally:
+        source.close()
+
+
+def test_a_reader_opened_before_the_journal_grew_reads_it_after(storage: Storage) -> None:
+    """A node under traffic adds pages past what its export process saw when it opened the
+    environment; LMDB refuses a reader whose map is smaller than the pages in use
+    (MapResizedError), which failed every export during a benchmark's fill."""
+    commit_enqueues(storage, 1, 1, 10)
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager, ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        opened, grown = manager.Event(), manager.Event()
+        reading = pool.submit(_bounds_after_growth, str(storage.path), opened, grown)
+        assert opened.wait(60)
+        next_index = 11
+        for _ in range(40):          # ~40 MiB of new pages, past the reader's 10 MiB default map
+            storage.commit(SealedBatch(
+                operations=[Enqueued(1, index, 4, NOW_MS, None, "p", b"x" * 4000)
+                            for index in range(next_index, next_index + 250)],
+                queue_records={"q1": {"queue_id": 1, "epoch": 1}}))
+            next_index += 250
+        grown.set()
+        first, last = reading.result(timeout=60)
+    assert first == 1 and last > 10
