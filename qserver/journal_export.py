@@ -73,8 +73,8 @@ import pyarrow.parquet as pq
 from replication.audit_checks import JOURNAL_FIELDS, RECORD_COLUMNS, UNDECODABLE_OP, is_run, run_count, run_rows
 
 _Q = struct.Struct(">Q")
-READER_MAP_BYTES = 1 << 40     # NodeConfig.map_size_max_bytes by default (JournalSource.open)
 _U32 = struct.Struct(">I")
+READER_MAP_BYTES = 1 << 40     # NodeConfig.map_size_max_bytes by default (JournalSource.open)
 SEGMENT_NAME = re.compile(r"^journal-(?P<node>.+)-(?P<journal>[0-9a-z]+)-(?P<first>\d{20})-(?P<last>\d{20})\.parquet$")
 INT_COLUMNS = frozenset({"sequence", "at_ms", "queue_id", "epoch", "index", "message_id", "priority",
                           "payload_size", "payload_crc32", "record_crc32"})
@@ -482,8 +482,6 @@ def exit_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
             time.sleep(poll_s)
         os._exit(0)
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
-
-
 
 
 def export_in_process(path: str, settings: ExportSettings, now_ms: int, force: bool,
