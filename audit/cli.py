@@ -67,7 +67,7 @@ def run(arguments: argparse.Namespace) -> dict[str, Any]:
 
 
 def _spark(arguments: argparse.Namespace, journals: list[str], settings: AuditSettings, progress: Any) -> dict[str, Any]:
-    from audit.spark_job import audit_spark, spark_session
+    from audit.spark_job import audit_spark, spark_session, stop_session
 
     progress(f"starting Spark ({arguments.master})")
     spark = spark_session(arguments.master, partitions=arguments.partitions, driver_memory=arguments.driver_memory,
@@ -75,7 +75,7 @@ def _spark(arguments: argparse.Namespace, journals: list[str], settings: AuditSe
     try:
         return audit_spark(spark, journals, arguments.history, settings, progress)
     finally:
-        spark.stop()
+        stop_session(spark)
 
 
 def write_report(report: dict[str, Any], out: Path) -> tuple[Path, Path]:

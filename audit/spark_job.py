@@ -23,12 +23,16 @@ executors need Python 3.11+ with msgpack and pyarrow).
 from __future__ import annotations
 
 import functools
+import gc
+import importlib
 import json
 import os
+import struct
 import sys
 import tempfile
+import threading
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +40,7 @@ import pyarrow as pa
 
 from qserver.journal_export import INT_COLUMNS
 from replication.audit_checks import (
+    DEAD_LETTER_SUFFIX,
     DEFAULT_SETTINGS,
     HISTORY_OP,
     RECORD_COLUMNS,
@@ -44,6 +49,7 @@ from replication.audit_checks import (
     assemble_report,
     check_group,
     check_journal_runs,
+    group_of,
     sequence_runs,
 )
 
@@ -85,6 +91,11 @@ def spark_session(master: str = "local[*]", *, partitions: int | None = None, dr
                .config("spark.pyspark.driver.python", sys.executable)
                .config("spark.sql.execution.arrow.maxRecordsPerBatch", "50000")
                .config("spark.sql.session.timeZone", "UTC"))
+    if local:
+        # The workers' daemon imports pyspark from the installed package (cached bytecode), not
+        # from pyspark.zip (compiled from source in every run): audit/spark_daemon.py. Local
+        # only: the workers find the audit package where the driver's code finds it.
+        builder = builder.config("spark.python.daemon.module", "audit.spark_daemon")
     if partitions is not None:
         builder = builder.config("spark.sql.shuffle.partitions", str(partitions))
     elif local:
@@ -92,9 +103,18 @@ def spark_session(master: str = "local[*]", *, partitions: int | None = None, dr
         cores = master[6:-1] if master.startswith("local[") else "1"
         count = os.cpu_count() or 2 if cores in ("*", "") else int(cores.split(",")[0])
         builder = builder.config("spark.sql.shuffle.partitions", str(4 * count))
+        # The scan too: by default Spark packs the files into one split per core by size, which
+        # for the exporter's segments (250,000 records, then a short last one per journal) gave
+        # one task 3 times the rows of the other (2.0 s against 1.1 s on 1M records).
+        builder = builder.config("spark.sql.files.minPartitionNum", str(4 * count))
     if driver_host is not None:
         builder = (builder.config("spark.driver.host", driver_host)
                    .config("spark.driver.bindAddress", driver_host))
+    # pyspark imports pyspark.testing.utils (pandas with it: about 0.25 s) at its first call into
+    # the JVM, which comes after waiting for the JVM to start: importing it meanwhile, on a thread,
+    # takes that off the path (the import lock makes the later import wait for this one).
+    threading.Thread(target=_import_quietly, args=("pyspark.testing.utils",), name="qaudit-preload",
+                     daemon=True).start()
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("WARN")
     if not local:
@@ -102,6 +122,27 @@ def spark_session(master: str = "local[*]", *, partitions: int | None = None, dr
         if partitions is None:       # Spark's default of 200 costs more in task overhead than it spreads
             session.conf.set("spark.sql.shuffle.partitions", str(4 * max(2, session.sparkContext.defaultParallelism)))
     return session
+
+
+def _import_quietly(module: str) -> None:
+    try:
+        importlib.import_module(module)
+    except Exception:   # whoever needs it imports it again and sees the error
+        pass
+
+
+def stop_session(spark: Any) -> None:
+    """`spark.stop()`, without waiting for pyspark's accumulator server to shut down: its
+    handler looks at the shutdown flag only between one-second polls of the JVM's connection,
+    so `SparkContext.stop` spent most of a second (0.9 s measured) waiting after the JVM side had
+    stopped. The server is shut down on a daemon thread instead, done within a second if the
+    process lives on, and nothing to wait for if it exits (qaudit's case)."""
+    context = spark.sparkContext
+    server = getattr(context, "_accumulatorServer", None)
+    if server is not None:
+        context._accumulatorServer = None
+        threading.Thread(target=server.shutdown, name="qaudit-accumulator-shutdown", daemon=True).start()
+    spark.stop()
 
 
 def _code_zip() -> Path:
@@ -115,21 +156,39 @@ def _code_zip() -> Path:
 
 
 # --- partition functions (run in the Python workers) ----------------------------------------
-def group_partition(settings: AuditSettings, starts: dict[tuple[str, str], int | None],
+def group_partition(settings: AuditSettings, starts: Mapping[tuple[str, str], int | None],
                     batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """A partition's records (and history rows), in any order -> one JSON result per queue
     group, then the runs of consecutive sequence numbers per journal that this partition saw
     (every record passes through exactly one partition, so the driver's merge of all runs is
-    exact). Grouping here rather than sorting in Spark saves the JVM a sort of every row."""
-    groups: dict[str, list[JournalRecord]] = {}
+    exact). Grouping here rather than sorting in Spark saves the JVM a sort of every row.
+
+    The cyclic garbage collector is off meanwhile: a partition builds hundreds of thousands of
+    record tuples (no reference cycles), and the collector's passes over them cost several
+    times the building itself (1M records: 2.5 s with it, 0.45 s without)."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield from _group_partition(settings, starts, batches)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+_make_record = functools.partial(tuple.__new__, JournalRecord)   # JournalRecord._make without its Python frame
+_QUEUE = RECORD_COLUMNS.index("queue")
+
+
+def _group_partition(settings: AuditSettings, starts: Mapping[tuple[str, str], int | None],
+                     batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    by_queue: dict[str, list[JournalRecord]] = {}
     sequences: dict[tuple[str, str], list[int]] = {}
     for batch in batches:
-        keys = batch.column("group").to_pylist()
         columns = [batch.column(name).to_pylist() for name in RECORD_COLUMNS]
-        for group, record in zip(keys, map(JournalRecord._make, zip(*columns, strict=True)), strict=True):
-            found = groups.get(group)
+        for queue, record in zip(columns[_QUEUE], map(_make_record, zip(*columns, strict=True)), strict=True):
+            found = by_queue.get(queue)
             if found is None:
-                found = groups[group] = []
+                found = by_queue[queue] = []
             found.append(record)
             if record.op != HISTORY_OP:
                 journal = (record.node, record.journal_id)
@@ -137,6 +196,14 @@ def group_partition(settings: AuditSettings, starts: dict[tuple[str, str], int |
                 if numbers is None:
                     numbers = sequences[journal] = []
                 numbers.append(record.sequence)
+    groups: dict[str, list[JournalRecord]] = {}
+    for queue, queue_records in by_queue.items():
+        found = groups.get(group_of(queue))
+        if found is None:
+            groups[group_of(queue)] = queue_records
+        else:
+            found += queue_records
+    del by_queue
     for group in sorted(groups):
         yield _result_batch("group", check_group(group, groups.pop(group), settings, starts))
     runs = [[node, journal_id, [value for run in sequence_runs(sorted(numbers)) for value in run]]
@@ -145,8 +212,24 @@ def group_partition(settings: AuditSettings, starts: dict[tuple[str, str], int |
         yield _result_batch("runs", runs)
 
 
+def warm_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """Nothing to compute: a Python worker that ran this has started and imported the audit's
+    code (unpickling this function imported this module), and waits for the per-queue pass."""
+    for _ in batches:
+        pass
+    return iter(())
+
+
 def _result_batch(kind: str, result: Any) -> pa.RecordBatch:
-    return pa.RecordBatch.from_pydict({"kind": [kind], "result": [json.dumps(result)]}, schema=RESULT_SCHEMA)
+    return pa.RecordBatch.from_arrays([_one_string(kind), _one_string(json.dumps(result))], schema=RESULT_SCHEMA)
+
+
+def _one_string(text: str) -> pa.Array:
+    """A string array of one value, made from its buffers: `pa.array` (and `from_pydict`) on
+    Python objects imports pandas to rule out pandas objects, which cost each worker about
+    0.5 s at its first result."""
+    data = text.encode()
+    return pa.StringArray.from_buffers(1, pa.py_buffer(struct.pack("=2i", 0, len(data))), pa.py_buffer(data))
 
 
 # --- the job ----------------------------------------------------------------------------------
@@ -155,6 +238,7 @@ def audit_spark(spark: Any, journals: list[str], history_path: str | None = None
     from pyspark.sql import functions as F
 
     partitions = int(spark.conf.get("spark.sql.shuffle.partitions"))
+    warm_up = _start_python_workers(spark)
     progress(f"reading journals from {len(journals)} path(s)")
     records = (spark.read.schema(SPARK_SCHEMA_DDL).option("recursiveFileLookup", "true")
                .option("pathGlobFilter", "*.parquet").parquet(*journals))
@@ -169,8 +253,12 @@ def audit_spark(spark: Any, journals: list[str], history_path: str | None = None
     rows = records
     if history_path:
         rows = rows.unionByName(_history_rows(spark, history_path))
-    grouped = (rows.withColumn("group", F.regexp_replace(F.col("queue"), r"\.dlq$", ""))
-               .repartition(partitions, "group")
+    # Partitioned by each record's group (audit_checks.group_of, in Spark), which is not shipped:
+    # the workers group by queue and merge each queue with its dead-letter queue.
+    queue = F.col("queue")
+    group = F.when(queue.endswith(DEAD_LETTER_SUFFIX),
+                   F.expr(f"substring(queue, 1, char_length(queue) - {len(DEAD_LETTER_SUFFIX)})")).otherwise(queue)
+    grouped = (rows.repartition(partitions, group)
                .mapInArrow(functools.partial(group_partition, settings, starts), RESULT_DDL))
     group_results: list[dict[str, Any]] = []
     runs: dict[tuple[str, str], list[tuple[int, int]]] = {}
@@ -180,10 +268,28 @@ def audit_spark(spark: Any, journals: list[str], history_path: str | None = None
             continue
         for node, journal_id, flat in json.loads(row.result):
             runs.setdefault((node, journal_id), []).extend(zip(flat[0::2], flat[1::2], strict=True))
+    warm_up.join()
     journal_results = [check_journal_runs(node, journal_id, journal_runs, settings)
                        for (node, journal_id), journal_runs in sorted(runs.items())]
     progress(f"{len(group_results)} queues checked; assembling the report")
     return assemble_report(journal_results, group_results, settings)
+
+
+def _start_python_workers(spark: Any) -> threading.Thread:
+    """A one-row-per-core job on a thread of its own, so that the Python workers start (the
+    daemon, then each worker's imports: about a second, which the first tasks of the per-queue
+    pass used to wait for) while the driver lists the files and plans the audit's job, when the
+    cores are otherwise idle. The workers stay up for the audit's job (spark.python.worker.reuse)."""
+    count = max(1, spark.sparkContext.defaultParallelism)
+
+    def run() -> None:
+        try:
+            spark.range(0, count, 1, count).mapInArrow(warm_partition, "id long").collect()
+        except Exception:   # only a head start: the audit's own job starts whatever is not up
+            pass
+    thread = threading.Thread(target=run, name="qaudit-warm-up", daemon=True)
+    thread.start()
+    return thread
 
 
 def footer_starts(journals: list[str]) -> dict[tuple[str, str], int] | None:

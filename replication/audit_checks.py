@@ -59,10 +59,12 @@ JOURNAL_FIELDS = ("at_ms", "queue", "queue_id", "epoch", "index", "op", "message
 RECORD_COLUMNS = ("journal_id", "sequence", *JOURNAL_FIELDS, "record_crc32", "extra")
 
 # A run record: one stored journal record for consecutive enqueues of one queue that share
-# time, priority and client (a producer's batch). Its 14 fields are the first message's; past
-# them: RUN_MARK, count, then one list per varying field. Rows i = 0..count-1 are the first's
-# with message_id = index = first + i and the i-th dedupe id, payload size and crc32. It is
-# stored under the journal sequence of its last row (its rows take the sequences before).
+# time, priority and client (a producer's batch), or for a run of such messages a replica took
+# over by snapshot. Its 14 fields are the first message's; past them: RUN_MARK, count, then one
+# list per varying field. Rows i = 0..count-1 are the first's with message_id = first + i, the
+# ordering index first's + i (a snapshot's rows have none: 0 in every row) and the i-th dedupe
+# id, payload size and crc32. It is stored under the journal sequence of its last row (its rows
+# take the sequences before).
 RUN_MARK = "run"
 _RUN_FIELDS = len(JOURNAL_FIELDS) + 5
 
@@ -76,9 +78,12 @@ def run_rows(record: list[Any]) -> list[list[Any]] | None:
     if type(count) is not int or count < 1 or not all(
             isinstance(column, list) and len(column) == count for column in (dedupe_ids, sizes, crcs)):
         return None
-    at_ms, queue, queue_id, epoch, first, op, _, _, priority, _, _, role, node, client = record[:14]
-    return [[at_ms, queue, queue_id, epoch, first + i, op, first + i, dedupe_ids[i], priority, sizes[i], crcs[i],
-             role, node, client] for i in range(count)]
+    at_ms, queue, queue_id, epoch, order, op, first, _, priority, _, _, role, node, client = record[:14]
+    if type(order) is not int or type(first) is not int:
+        return None
+    step = 1 if order else 0
+    return [[at_ms, queue, queue_id, epoch, order + i * step, op, first + i, dedupe_ids[i], priority, sizes[i],
+             crcs[i], role, node, client] for i in range(count)]
 
 
 def is_run(record: list[Any]) -> bool:

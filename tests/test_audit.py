@@ -179,10 +179,11 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealRun]:
 
 @pytest.fixture(scope="module")
 def spark() -> Iterator[Any]:
-    from audit.spark_job import spark_session
+    from audit.spark_job import spark_session, stop_session
     session = spark_session("local[2]")
     yield session
-    session.stop()
+    stop_session(session)
+    assert session.sparkContext._jsc is None          # the JVM side is stopped
 
 
 def comparable(report: dict[str, Any]) -> dict[str, Any]:
@@ -337,6 +338,41 @@ def test_journal_starts_come_from_the_footers_and_from_spark_when_the_files_cann
     assert footer_starts([str(tmp_path)]) is None
     expected = audit_paths([str(real_run.journals)], str(real_run.history))
     assert comparable(audit_spark(spark, [str(tmp_path)], str(real_run.history))) == comparable(expected)
+
+
+def test_a_partition_gives_check_groups_answers_and_leaves_the_collector_on(real_run: RealRun) -> None:
+    import gc
+
+    import pyarrow as pa
+
+    from audit.spark_job import group_partition
+    records = list(real_run.records)
+    table = pa.table({name: [getattr(r, name) for r in records] for name in RECORD_COLUMNS})
+    starts = {(r.node, r.journal_id): 1 for r in records}
+    results = [(batch.column("kind")[0].as_py(), json.loads(batch.column("result")[0].as_py()))
+               for batch in group_partition(checks.DEFAULT_SETTINGS, starts, iter(table.to_batches(max_chunksize=97)))]
+    assert gc.isenabled()
+    by_group: dict[str, list[JournalRecord]] = {}
+    for record in records:
+        by_group.setdefault(checks.group_of(record.queue), []).append(record)
+    expected = [json.loads(json.dumps(checks.check_group(group, by_group[group], checks.DEFAULT_SETTINGS, starts)))
+                for group in sorted(by_group)]
+    assert [result for kind, result in results if kind == "group"] == expected
+    assert [kind for kind, _ in results] == ["group"] * len(by_group) + ["runs"]
+
+
+def test_the_workers_daemon_takes_pyspark_from_the_installed_package(tmp_path: Path) -> None:
+    from audit.spark_daemon import prefer_installed_pyspark
+    package = tmp_path / "site-packages" / "pyspark"
+    (package / "python" / "lib").mkdir(parents=True)
+    for name in ("__init__.py", "daemon.py"):
+        (package / name).write_text("")
+    installed = str(package / "python" / "lib" / "pyspark.zip")
+    elsewhere = str(tmp_path / "spark-home" / "python" / "lib" / "pyspark.zip")   # not a pip package: kept
+    py4j = str(package / "python" / "lib" / "py4j-0.10.9.9-src.zip")
+    assert prefer_installed_pyspark(["", installed, py4j, "/usr/lib/python3.11"]) == [
+        "", str(tmp_path / "site-packages"), py4j, "/usr/lib/python3.11"]
+    assert prefer_installed_pyspark([elsewhere, py4j]) == [elsewhere, py4j]
 
 
 def test_qaudit_writes_the_report_and_page_and_exits_non_zero_on_a_violation(real_run: RealRun, tmp_path: Path,
