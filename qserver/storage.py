@@ -533,17 +533,22 @@ class Storage:
         return end
 
     def _journal_runs(self, txn: lmdb.Transaction, runs: list[list[Any]]) -> None:
-        names, node, replicas, pack = self._batch_names, self.node_id, self._batch_replicas, self._pack
-        sequence = self._journal_sequence
-        rows = []
+        names, node, replicas = self._batch_names, self.node_id, self._batch_replicas
+        records = []
         for first, count, dedupe_ids, sizes, crcs in runs:
             name, epoch = names.get(first.queue_id, ("", 0))
-            fields = [first.enqueued_ms, name, first.queue_id, epoch, first.index, "enqueue", first.index,
-                      dedupe_ids[0], first.priority, sizes[0], crcs[0],
-                      "replica" if first.queue_id in replicas else "master", node, first.client]
-            if count > 1:
-                fields += [RUN_MARK, count, dedupe_ids, sizes, crcs]
-            record = pack(fields)
+            records.append([[first.enqueued_ms, name, first.queue_id, epoch, first.index, "enqueue", first.index,
+                             dedupe_ids[0], first.priority, sizes[0], crcs[0],
+                             "replica" if first.queue_id in replicas else "master", node, first.client],
+                            count, dedupe_ids, sizes, crcs])
+        self._put_journal_runs(txn, records)
+
+    def _put_journal_runs(self, txn: lmdb.Transaction, runs: list[list[Any]]) -> None:
+        """Each run: [its first row's fields, count, dedupe ids, payload sizes, crc32s], stored
+        as one record (a run record when it has more than one row)."""
+        pack, sequence, rows = self._pack, self._journal_sequence, []
+        for fields, count, dedupe_ids, sizes, crcs in runs:
+            record = pack(fields + [RUN_MARK, count, dedupe_ids, sizes, crcs] if count > 1 else fields)
             sequence += count          # the record takes its rows' sequences; stored under the last
             rows.append((_Q.pack(sequence), record + _U32.pack(zlib.crc32(record))))
         txn.cursor(db=self.db["journal"]).putmulti(rows, append=True)
@@ -611,10 +616,15 @@ class Storage:
                            rows: list[Any], journaled: bool) -> None:
         """A replica stores a snapshot's rows as they arrive (replication/snapshot.py); they
         count as its state only once the snapshot is installed. Each message is journaled as
-        `snapshot` (or `snapshot_lease`), so the audit knows what the member took over."""
-        db, pack, qi, qpi = self.db, self._pack, _QI.pack, _QPI.pack
-        messages, ready, leases, dedupe, journal_rows = [], [], [], [], []
-        sequence = self._journal_sequence
+        `snapshot` (or `snapshot_lease`), so the audit knows what the member took over; a run
+        of them is one run record, as a producer's batch is."""
+        db, pack, qi, qpi, crc32 = self.db, self._pack, _QI.pack, _QPI.pack, zlib.crc32
+        messages: list[tuple[bytes, bytes]] = []
+        ready: list[tuple[bytes, bytes]] = []
+        leases: list[tuple[bytes, bytes]] = []
+        dedupe: list[tuple[bytes, bytes]] = []
+        runs: list[list[Any]] = []
+        run: list[Any] | None = None
         for row in rows:
             if row[0] == ROW_DEDUPE:
                 dedupe.append((_Q.pack(queue_id) + row[1].encode(), qi(row[2], row[3])))
@@ -629,19 +639,30 @@ class Storage:
             else:
                 leases.append((qi(owner, index), pack([priority, lease[0], lease[1], deliveries, lease[2]])))
             if journaled:
-                name, epoch = self._batch_names.get(owner, ("", 0))
-                record = pack([enqueued_ms, name, owner, epoch, 0, "snapshot" if lease is None else "snapshot_lease",
-                               index, dedupe_id, priority, len(payload), zlib.crc32(payload), "replica",
-                               self.node_id, client])
-                sequence += 1
-                journal_rows.append((_Q.pack(sequence), record + _U32.pack(zlib.crc32(record))))
+                # One record per run of consecutive messages that share time, priority,
+                # client and kind (a producer's batch, as the master journaled it); a
+                # snapshot's rows have no ordering index (0).
+                kind, size, crc = "snapshot" if lease is None else "snapshot_lease", len(payload), crc32(payload)
+                if run is not None:
+                    head = run[0]
+                    if head[6] + run[1] != index or head[2] != owner or head[0] != enqueued_ms \
+                            or head[8] != priority or head[13] != client or head[5] != kind:
+                        run = None
+                if run is None:
+                    name, epoch = self._batch_names.get(owner, ("", 0))
+                    run = [[enqueued_ms, name, owner, epoch, 0, kind, index, dedupe_id, priority, size, crc,
+                            "replica", self.node_id, client], 0, [], [], []]
+                    runs.append(run)
+                run[1] += 1
+                run[2].append(dedupe_id)
+                run[3].append(size)
+                run[4].append(crc)
         ready.sort()
         for name, puts in (("messages", messages), ("ready", ready), ("leases", leases), ("dedupe", dedupe)):
             if puts:
                 _put_in_order(txn.cursor(db=db[name]), puts)
-        if journal_rows:
-            txn.cursor(db=db["journal"]).putmulti(journal_rows, append=True)
-            self._journal_sequence = sequence
+        if runs:
+            self._put_journal_runs(txn, runs)
 
     def _install_mark(self, txn: lmdb.Transaction, queue_id: int, order: int, digest: bytes) -> None:
         """A complete snapshot at `order`: the log starts there, with its digest."""

@@ -10,6 +10,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pyarrow.parquet as pq
 import pytest
 
@@ -27,6 +28,7 @@ from qserver.storage import JOURNAL_FIELDS as STORAGE_FIELDS
 from qserver.storage import SealedBatch, Storage
 from replication import audit_checks as checks
 from replication.operations import Acked, Enqueued, Leased
+from replication.snapshot import ROW_MESSAGE
 
 NOW_MS = 1_790_000_000_000
 
@@ -294,3 +296,30 @@ def test_a_reader_opened_before_the_journal_grew_reads_it_after(storage: Storage
         grown.set()
         first, last = reading.result(timeout=60)
     assert first == 1 and last > 10
+
+
+def test_a_snapshots_rows_are_journaled_as_runs_and_exported_one_row_per_message(storage: Storage) -> None:
+    """A replica taking a snapshot journals what it took over in run records (consecutive
+    messages of one time, priority, client and kind), as the master journaled the producers'
+    batches; the export gives the same rows as one record per message would: `snapshot` or
+    `snapshot_lease`, no ordering index, the message id, each with the checksum of its fields."""
+    lease = [b"r", NOW_MS + 60_000, NOW_MS]
+    rows = [[ROW_MESSAGE, index, 4, NOW_MS, f"d{index}", "p", f"m{index}".encode(), 0, None] for index in range(1, 6)]
+    rows += [[ROW_MESSAGE, 6, 4, NOW_MS, None, "other", b"m6", 0, None],          # another client
+             [ROW_MESSAGE, 7, 4, NOW_MS, None, "other", b"m7", 1, lease],         # leased
+             [ROW_MESSAGE, 9, 4, NOW_MS, None, "other", b"m9", 0, None]]          # not consecutive
+    storage.commit(SealedBatch(snapshot_rows=[(1, None, rows)], queue_records={"q1": {"queue_id": 1, "epoch": 3}}))
+    source = JournalSource.from_storage(storage)
+    with source.env.begin(db=source.journal_db) as txn:
+        assert txn.stat(source.journal_db)["entries"] == 4, "five in one run, then one record each"
+    columns = source.read_columns(1, 100)
+    assert columns["sequence"] == list(range(1, 9))
+    assert columns["message_id"] == [1, 2, 3, 4, 5, 6, 7, 9] and set(columns["index"]) == {0}
+    assert columns["op"] == ["snapshot"] * 6 + ["snapshot_lease", "snapshot"]
+    assert columns["dedupe_id"] == ["d1", "d2", "d3", "d4", "d5", None, None, None]
+    assert columns["payload_crc32"] == [zlib.crc32(row[6]) for row in rows]
+    assert set(columns["queue"]) == {"q1"} and set(columns["epoch"]) == {3} and set(columns["role"]) == {"replica"}
+    fields = [columns[name] for name in STORAGE_FIELDS]
+    for position, checksum in enumerate(columns["record_crc32"]):
+        record = [column[position] for column in fields]
+        assert checksum == zlib.crc32(msgpack.packb(record, use_bin_type=True)), "a row checks like a plain record"
