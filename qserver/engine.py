@@ -18,9 +18,10 @@ import functools
 import itertools
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,6 +153,25 @@ class _Messages:
         self.leased = leased
 
 
+class LockedWriter(Executor):
+    """The writer's executor, holding `lock` while each job runs, so that the loop thread can
+    act between two write transactions (growing the map)."""
+
+    def __init__(self, inner: Executor) -> None:
+        self.inner = inner
+        self.lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        return self.inner.submit(self._locked, fn, args, kwargs)
+
+    def _locked(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        with self.lock:
+            return fn(*args, **kwargs)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self.inner.shutdown(wait=wait, cancel_futures=cancel_futures)
+
+
 class Engine:
     def __init__(self, config: NodeConfig, storage: Storage, *, rng: random.Random | None = None,
                  clock_ms: Callable[[], int] = wall_ms, writer: Executor | None = None,
@@ -187,7 +207,7 @@ class Engine:
         self._open = OpenBatch()
         self._committing: OpenBatch | None = None
         # The one writer. A simulation passes an executor that runs commits deterministically.
-        self._writer: Executor = writer or ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmdb-writer")
+        self._writer = LockedWriter(writer or ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmdb-writer"))
         self._waiters: dict[str, collections.deque[Waiter]] = {}
         self._subscriptions: dict[str, list[Subscription]] = {}
         self._subscriptions_by_id: dict[int, Subscription] = {}
@@ -1058,9 +1078,16 @@ class Engine:
     def _grow_and_retry(self, batch: OpenBatch) -> None:
         try:
             self.storage.end_read()
-            size = self.storage.grow_map()
+            # Between two of the writer's jobs: LMDB refuses to resize the map while a write
+            # transaction is active, and the membership layer's writes and journal prunes share
+            # the writer with the commits (one of them running here left this batch committing
+            # for ever: the engine answered nothing more and could not stop).
+            with self._writer.lock:
+                size = self.storage.grow_map()
             log.info("storage map grown to %d bytes", size)
-        except StorageFull as error:
+        except Exception as error:     # StorageFull, or LMDB's refusal: nothing was stored
+            if not isinstance(error, StorageFull):
+                log.exception("growing the storage map failed")
             self._committing = None
             self._abandon(batch, error)
             return

@@ -35,3 +35,39 @@ async def test_a_full_disk_refuses_enqueues_keeps_what_was_stored_and_goes_on_se
     node.start()
     async with AsyncClient(node.url, node.credentials_path) as client:
         assert (await client.queue_stats("big"))["depth"] == len(stored) - 5
+
+
+async def test_the_map_grows_between_two_writer_jobs_never_during_one(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """LMDB refuses to resize the map while a write transaction is active. The membership
+    layer's writes and journal prunes share the writer with the commits, so the engine grows
+    the map under the writer's lock (Engine._grow_and_retry): before, a Raft write running at
+    that moment made the growth raise inside the commit's callback, and the engine kept its
+    batch committing for ever (seen in a benchmark: no answers, no stop)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import lmdb
+
+    from qserver.engine import LockedWriter
+    from qserver.storage import Storage
+    storage = Storage(tmp_path / "lmdb", node_id="n1", map_size_bytes=8 << 20, disk_reserve_bytes=0)
+    writer = LockedWriter(ThreadPoolExecutor(max_workers=1))
+    in_transaction, finish = threading.Event(), threading.Event()
+
+    def a_raft_write() -> None:
+        with storage.env.begin(write=True):
+            in_transaction.set()
+            assert finish.wait(10)
+    try:
+        job = writer.submit(a_raft_write)
+        assert in_transaction.wait(10)
+        with pytest.raises(lmdb.Error, match="write transaction is active"):
+            storage.grow_map()                       # what the engine did, unguarded
+        threading.Timer(0.2, finish.set).start()
+        with writer.lock:                            # what it does now: waits for the job
+            assert storage.grow_map() == 16 << 20
+        job.result(timeout=10)
+    finally:
+        finish.set()
+        writer.shutdown()
+        storage.close()
