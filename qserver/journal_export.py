@@ -74,7 +74,8 @@ from replication.audit_checks import JOURNAL_FIELDS, RECORD_COLUMNS, UNDECODABLE
 
 _Q = struct.Struct(">Q")
 _U32 = struct.Struct(">I")
-READER_MAP_BYTES = 1 << 40     # NodeConfig.map_size_max_bytes by default (JournalSource.open)
+READER_MAP_BYTES = 1 << 40     # NodeConfig.map_size_max_bytes by default (JournalSource.open; a
+                               # node configured larger gets its export retried at the next interval)
 SEGMENT_NAME = re.compile(r"^journal-(?P<node>.+)-(?P<journal>[0-9a-z]+)-(?P<first>\d{20})-(?P<last>\d{20})\.parquet$")
 INT_COLUMNS = frozenset({"sequence", "at_ms", "queue_id", "epoch", "index", "message_id", "priority",
                           "payload_size", "payload_crc32", "record_crc32"})
@@ -490,21 +491,16 @@ def export_in_process(path: str, settings: ExportSettings, now_ms: int, force: b
     environment at `path`, opened read-only here, and find the journal's safe sequence for the
     prune (`safe_sequence_for`, up to what is exported). Both are scans of up to a million
     records with msgpack: in a process of their own they never hold the engine's GIL. The
-    environment is opened for each call, since the node may grow its map in between (LMDB
-    answers a reader of an older size with MapResizedError; once more, at the new size)."""
-    for attempt in (1, 2):
-        source = JournalSource.open(path)
-        try:
-            exporter = JournalExporter(source, settings)
-            segments = exporter.export(now_ms, force=force)
-            return segments, safe_sequence_for(source, floors, upto=exporter.exported_through,
-                                               older_than_ms=now_ms - settings.retention_ms)
-        except lmdb.MapResizedError:
-            if attempt == 2:
-                raise
-        finally:
-            source.close()
-    raise AssertionError("unreachable")
+    environment is opened for each call and mapped as large as the node's may grow
+    (JournalSource.open), so the node's writes meanwhile never make it unreadable."""
+    source = JournalSource.open(path)
+    try:
+        exporter = JournalExporter(source, settings)
+        segments = exporter.export(now_ms, force=force)
+        return segments, safe_sequence_for(source, floors, upto=exporter.exported_through,
+                                           older_than_ms=now_ms - settings.retention_ms)
+    finally:
+        source.close()
 
 
 def export_environment(path: str | Path, destination: str, *, segment_records_max: int = 200_000,

@@ -482,8 +482,9 @@ class Storage:
         dedupe: list[tuple[bytes, bytes]] = []
         pack, qi, qpi, q, crc32 = self._pack, _QI.pack, _QPI.pack, _Q.pack, zlib.crc32
         journaled = journal is not None
-        runs: list[list[Any]] = []      # [first op, count, dedupe ids, sizes, crcs]
+        runs: list[list[Any]] = []      # as _put_journal_runs takes them
         current: list[Any] | None = None
+        names, replicas = self._batch_names, self._batch_replicas
         end = start
         entry_ends, half_hold = self._entry_ends, self.payload_hold_bytes // 2
         for queue_id in entry_ends:
@@ -510,38 +511,30 @@ class Storage:
             if op.dedupe_id is not None:
                 dedupe.append((q(op.queue_id) + op.dedupe_id.encode(), qi(op.index, op.enqueued_ms)))
             if journaled:
+                size, crc = len(payload), crc32(payload)
                 if current is not None:
-                    first = current[0]
-                    if op.queue_id != first.queue_id or op.index != first.index + current[1] \
-                            or op.enqueued_ms != first.enqueued_ms or op.priority != first.priority \
-                            or op.client != first.client:
+                    head = current[0]
+                    if op.queue_id != head[2] or op.index != head[6] + current[1] or op.enqueued_ms != head[0] \
+                            or op.priority != head[8] or op.client != head[13]:
                         current = None
                 if current is None:
-                    current = [op, 0, [], [], []]
+                    name, epoch = names.get(op.queue_id, ("", 0))
+                    current = [[op.enqueued_ms, name, op.queue_id, epoch, op.index, "enqueue", op.index, op.dedupe_id,
+                                op.priority, size, crc, "replica" if op.queue_id in replicas else "master",
+                                self.node_id, op.client], 0, [], [], []]
                     runs.append(current)
                 current[1] += 1
                 current[2].append(op.dedupe_id)
-                current[3].append(len(payload))
-                current[4].append(crc32(payload))
+                current[3].append(size)
+                current[4].append(crc)
             end += 1
         txn.cursor(db=self.db["messages"]).putmulti(messages)
         txn.cursor(db=self.db["ready"]).putmulti(ready)
         if dedupe:
             txn.cursor(db=self.db["dedupe"]).putmulti(dedupe)
         if runs:
-            self._journal_runs(txn, runs)
+            self._put_journal_runs(txn, runs)
         return end
-
-    def _journal_runs(self, txn: lmdb.Transaction, runs: list[list[Any]]) -> None:
-        names, node, replicas = self._batch_names, self.node_id, self._batch_replicas
-        records = []
-        for first, count, dedupe_ids, sizes, crcs in runs:
-            name, epoch = names.get(first.queue_id, ("", 0))
-            records.append([[first.enqueued_ms, name, first.queue_id, epoch, first.index, "enqueue", first.index,
-                             dedupe_ids[0], first.priority, sizes[0], crcs[0],
-                             "replica" if first.queue_id in replicas else "master", node, first.client],
-                            count, dedupe_ids, sizes, crcs])
-        self._put_journal_runs(txn, records)
 
     def _put_journal_runs(self, txn: lmdb.Transaction, runs: list[list[Any]]) -> None:
         """Each run: [its first row's fields, count, dedupe ids, payload sizes, crc32s], stored
