@@ -161,7 +161,8 @@ class RaftMembership:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._ticker: asyncio.TimerHandle | None = None
-        self._ticks_due = 0
+        self._next_tick_at = 0.0          # loop time of the next tick not counted yet
+        self._ticks_due = 0               # counted, not yet fed to the core
         self._tick_count = 0
         self._waiting: dict[int, tuple[int, _Proposal]] = {}       # entry index -> (term, proposal)
         self._forwarded: dict[int, _Proposal] = {}                 # request id -> proposal at the leader
@@ -185,7 +186,8 @@ class RaftMembership:
         self.cluster_map = decode_map(persisted.snapshot.data)
         self._task = self._loop.create_task(self._run())
         self._task.add_done_callback(_task_ended)
-        self._ticker = self._loop.call_later(self._tick_s, self._tick)
+        self._next_tick_at = self._loop.time() + self._tick_s
+        self._ticker = self._loop.call_at(self._next_tick_at, self._tick)
 
     def stop(self) -> None:
         if self._ticker is not None:
@@ -203,7 +205,14 @@ class RaftMembership:
         resumed, stops granting node leases and deciding failovers at once, before
         check-quorum steps it down (DESIGN.md 4.2)."""
         core = self._core
-        return core is not None and core.is_leader and core.lease_remaining_ticks > 0
+        # The core counts only the ticks it was fed. Those the clock has passed and it has not
+        # seen count against the lease too: they wait while a Ready is persisted (behind a
+        # slow fsync, or a disk stalled with its process), and a paused process's timer fires
+        # once, late. Found by the engine simulation: a leader resumed from a pause granted
+        # itself a node lease before its core saw the time go by, while another node already
+        # mastered its queue.
+        return core is not None and core.is_leader \
+            and core.lease_remaining_ticks > self._ticks_due + self._ticks_passed()
 
     def leader_id(self) -> str | None:
         return None if self._core is None else self._core.leader_id
@@ -280,9 +289,20 @@ class RaftMembership:
         self._inbox.append(item)
         self._wake.set()
 
+    def _ticks_passed(self) -> int:
+        """Ticks whose time the loop's clock has passed and that `_tick` has not counted."""
+        late = self._loop.time() - self._next_tick_at
+        return 0 if late < 0 else int(late // self._tick_s) + 1
+
     def _tick(self) -> None:
-        self._ticker = self._loop.call_later(self._tick_s, self._tick)
-        self._ticks_due = min(self._ticks_due + 1, self._limits.election_timeout_min_ticks)
+        """Count every tick the clock passed since the last one (at least this one: a timer
+        may fire a little early), so that ticks keep time after a pause. At most a minimum
+        election timeout's worth is fed at once: enough to end any lease, and no burst of
+        elections."""
+        passed = max(1, self._ticks_passed())
+        self._next_tick_at += passed * self._tick_s
+        self._ticker = self._loop.call_at(self._next_tick_at, self._tick)
+        self._ticks_due = min(self._ticks_due + passed, self._limits.election_timeout_min_ticks)
         self._wake.set()
 
     # --- the task that owns the core --------------------------------------------------------

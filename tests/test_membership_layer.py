@@ -6,7 +6,9 @@ real-process test (tests/test_failover.py, tests/test_pairs.py, ...)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +63,7 @@ from replication.raft_messages import (
     VoteRequest,
     VoteResponse,
 )
-from tests.sim.virtual_loop import InlineExecutor, VirtualTimeLoop
+from tests.sim.virtual_loop import DelayedExecutor, InlineExecutor, VirtualTimeLoop
 
 names = st.sampled_from(["n1", "n2", "n3", "n4", "n5"])
 disks = st.binary(min_size=8, max_size=8)
@@ -203,15 +205,17 @@ class DriverCluster:
     def __init__(self, loop: VirtualTimeLoop) -> None:
         self.loop = loop
         self.network = MemoryPeerNetwork()
-        self.disk = InlineExecutor()          # each Ready durable at once
+        self.disks: dict[str, Executor] = {}   # each Ready durable at once unless a test swaps one
         self.members: dict[str, RaftMembership] = {}
         self.transports: dict[str, Any] = {}
         for number, node_id in enumerate(("n1", "n2", "n3"), start=1):
             store = MemoryRaftStore()
             if node_id == "n1":
                 store.bootstrap(node_id, number)
+            self.disks[node_id] = InlineExecutor()
             member = RaftMembership(node_id, number, store, voters={"n1", "n2", "n3"}, send=self._sender(node_id),
-                                    writer=lambda: self.disk, loop=loop, limits=raft_limits((200, 400), 50),
+                                    writer=functools.partial(self.disks.__getitem__, node_id), loop=loop,
+                                    limits=raft_limits((200, 400), 50),
                                     tick_s=tick_ms(50) / 1000, seed=number)
             self.members[node_id] = member
             self.transports[node_id] = self.network.transport(node_id, member.on_frame)
@@ -281,6 +285,63 @@ def test_a_node_removed_from_the_map_leaves_the_raft_configuration_even_when_it_
                     status = cluster.members[node_id].status()
                     assert status["voters"] == rest and status["learners"] == [], status
             assert await cluster.propose(rest[0], AddNode("n9", "http://n9", False, 0)), "the two commit alone"
+        finally:
+            await cluster.stop()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+
+
+def test_a_leader_whose_disk_or_process_stalls_stops_leading_before_another_can_be_elected() -> None:
+    """The leader lease counts the time its core has not seen yet: ticks waiting while a Ready
+    is persisted behind a stalled disk, and those a paused process's timer passed over (it
+    fires once, late). At every moment at most one node says it leads (`is_leader`, which
+    grants node leases and decides failovers), though the stalled leader's core, fed no
+    ticks, still counts its lease as held."""
+    loop = VirtualTimeLoop()
+
+    async def main() -> None:
+        cluster = DriverCluster(loop)
+        await cluster.start()
+
+        async def watch(seconds: float) -> None:
+            for _ in range(int(seconds / 0.005)):
+                await asyncio.sleep(0.005)
+                leading = [n for n, member in cluster.members.items() if member.is_leader()]
+                assert len(leading) <= 1, f"{leading} lead at once at {loop.time():.3f}: {cluster.status()}"
+        try:
+            await cluster.until(lambda: all(s.get("voters") == ["n1", "n2", "n3"] for s in cluster.status().values()),
+                                10.0, "three voters")
+            await cluster.until(lambda: cluster.leader() is not None, 5.0, "a leader")
+            stalled = cluster.leader()
+            assert stalled is not None
+            member = cluster.members[stalled]
+            disk = cluster.disks[stalled] = DelayedExecutor(loop, lambda: 0)
+            disk.pause()
+            member.propose(AddNode("n9", "http://n9", False, 0), lambda outcomes: None)
+            await watch(1.0)
+            assert cluster.leader() not in (None, stalled), f"the others elected a leader meanwhile: {cluster.status()}"
+            core = member._core
+            assert core is not None and core.is_leader and core.lease_remaining_ticks > 0, \
+                "the stalled core still counts its lease as held: what is_leader must not believe"
+            disk.resume()
+            await cluster.until(lambda: cluster.leader() not in (None, stalled) and not member.is_leader(),
+                                5.0, "the stalled leader steps down")
+
+            # A paused process: its timers stop and fire late when it resumes.
+            await cluster.until(lambda: cluster.leader() is not None, 5.0, "a leader")
+            paused = cluster.leader()
+            assert paused is not None
+            member = cluster.members[paused]
+            assert member._ticker is not None
+            member._ticker.cancel()
+            for other in cluster.members:
+                if other != paused:
+                    cluster.network.partition(paused, other)
+            await watch(1.0)
+            member._tick()               # the late timer of the resumed process
+            assert not member.is_leader()
         finally:
             await cluster.stop()
     try:
