@@ -166,6 +166,10 @@ DRIFTING_REGRESSIONS = [
     # contest with the replica's request asked at the same moment, which waits at the master
     # and succeeds once the replica is in sync.
     pytest.param(3164, Strength.PRODUCER, id="a-master-refused-for-an-out-of-sync-replica-is-no-contest-3164-producer"),
+    # The membership leader, paused with its disk, resumed and granted itself a node lease
+    # before its Raft core was fed the ticks it had missed; another node mastered its queue
+    # already (RaftMembership.is_leader counts the ticks the core has not seen).
+    pytest.param(500012, Strength.PRODUCER, id="a-resumed-leader-counts-the-ticks-it-missed-500012-producer"),
 ]
 
 
