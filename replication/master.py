@@ -46,7 +46,7 @@ from replication.operations import Enqueued, Operation
 from replication.oplog import LogEntry, OpLogReader, runs
 from replication.options import Strength
 from replication.queue_core import QueueCore
-from replication.snapshot import EMPTY_STATE_HASH, SnapshotSource, SnapshotView, fold_rows
+from replication.snapshot import EMPTY_STATE_HASH, SnapshotSource, SnapshotView, encode_rows, fold_rows
 
 
 class ReplicaProgress(enum.StrEnum):
@@ -392,11 +392,12 @@ class MasterRole:
         limits = self.limits
         while not self._snapshot_done and len(self._snapshot_unacked) < limits.snapshot_chunks_in_flight_max:
             rows = view.next_rows(limits.snapshot_chunk_bytes_max)
+            encoded = encode_rows(rows)
             self._snapshot_sequence += 1
-            self._snapshot_hash = fold_rows(self._snapshot_hash, rows)
+            self._snapshot_hash = fold_rows(self._snapshot_hash, encoded)
             last = not rows
             chunk = SnapshotChunk(self.core.name, self.incarnation, self.epoch, self._session, self._snapshot_sequence,
-                                  rows, last, view.order if last else 0, view.digest if last else b"",
+                                  encoded, last, view.order if last else 0, view.digest if last else b"",
                                   self._snapshot_hash if last else b"", view.dead_letter if last else None)
             self._snapshot_done = last
             self._snapshot_unacked.append(chunk)

@@ -30,9 +30,10 @@ import msgpack
 
 from replication.operations import OPERATION_TYPES, Operation
 
-PROTOCOL_VERSION = 4       # 2: snapshots (SyncBegin.snapshot, SnapshotChunk, SnapshotAck), Open.committed_order
+PROTOCOL_VERSION = 5       # 2: snapshots (SyncBegin.snapshot, SnapshotChunk, SnapshotAck), Open.committed_order
                            # 3: a snapshot resumed after a broken link (Open.snapshot_*, SyncBegin.resume_after)
                            # 4: Append carries log entries (runs of operations), not single operations
+                           # 5: SnapshotChunk carries its rows encoded once (what the content hash folds)
 _OPERATION_FIELDS = {tag: tuple(f.name for f in fields(kind)) for tag, kind in OPERATION_TYPES.items()}
 # One C call reads an operation's fields in order (packed as [tag, fields...]).
 _OPERATION_GETTERS = {kind: (tag, operator.attrgetter(*_OPERATION_FIELDS[tag])) for tag, kind in OPERATION_TYPES.items()}
@@ -157,7 +158,7 @@ class SnapshotChunk:
     epoch: int
     session: int
     sequence: int              # 1, 2, ...: a chunk out of sequence is dropped (resent)
-    rows: list[Any]
+    rows: bytes                # the rows, msgpack-encoded (replication.snapshot.encode_rows)
     last: bool = False
     order: int = 0             # on the last chunk: the snapshot's order, digest and content hash
     digest: bytes = b""

@@ -50,7 +50,7 @@ from replication.messages import (
 from replication.operations import DeadLettered, Operation
 from replication.oplog import LogEntry, OpLogReader
 from replication.queue_core import QueueCore
-from replication.snapshot import EMPTY_STATE_HASH, check_rows, fold_rows
+from replication.snapshot import EMPTY_STATE_HASH, decode_rows, fold_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,10 +340,10 @@ class ReplicaRole:
                                        transfer.next_sequence - 1))
             return
         try:
-            rows = check_rows(chunk.rows)
+            rows = decode_rows(chunk.rows)
         except MessageError:
             return                      # never applied; resent, or the transfer starts over
-        transfer.state_hash = fold_rows(transfer.state_hash, rows)
+        transfer.state_hash = fold_rows(transfer.state_hash, chunk.rows)
         transfer.next_sequence += 1
         self._last_progress_ms = now_ms
         if rows:

@@ -61,11 +61,28 @@ class SnapshotSource(Protocol):
         ...
 
 
-def fold_rows(state_hash: bytes, rows: list[list[Any]]) -> bytes:
+def encode_rows(rows: list[list[Any]]) -> bytes:
+    """A chunk's rows as they travel (SnapshotChunk.rows) and as the content hash folds them:
+    packed once by the master, hashed as they are on both sides, unpacked once by the replica."""
+    return msgpack.packb(rows, use_bin_type=True)
+
+
+def fold_rows(state_hash: bytes, encoded_rows: bytes) -> bytes:
     """The content hash after one chunk: both sides hash the rows' msgpack encoding."""
     hasher = xxhash.xxh3_128(state_hash)      # as the rolling digest (replication/digest.py)
-    hasher.update(msgpack.packb(rows, use_bin_type=True))
+    hasher.update(encoded_rows)
     return hasher.digest()
+
+
+def decode_rows(encoded_rows: Any) -> list[list[Any]]:
+    """A chunk's rows from a peer, checked for shape (a malformed chunk is dropped, never applied)."""
+    if not isinstance(encoded_rows, bytes):
+        raise MessageError("snapshot rows are msgpack bytes")
+    try:
+        rows = msgpack.unpackb(encoded_rows, raw=False)
+    except Exception as exc:  # msgpack raises several unrelated types for garbage
+        raise MessageError(f"snapshot rows are not msgpack: {type(exc).__name__}") from None
+    return check_rows(rows)
 
 
 def message_row(kind: int, index: int, priority: int, enqueued_ms: int, dedupe_id: str | None, client: str,

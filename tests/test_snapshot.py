@@ -25,7 +25,7 @@ from replication.oplog import MemoryOpLog
 from replication.options import QueueOptions, QueueState, Strength
 from replication.queue_core import QueueCore, QueueRecord
 from replication.replica import ReplicaPhase, ReplicaRole
-from replication.snapshot import MemorySnapshotView, SnapshotView, memory_rows
+from replication.snapshot import MemorySnapshotView, SnapshotView, decode_rows, encode_rows, memory_rows
 from replication.store import MemoryStore
 from tests.conftest import REPOSITORY
 
@@ -190,7 +190,7 @@ def test_a_chunk_whose_content_hash_does_not_match_makes_the_replica_start_over(
     messages = sent(master)
     replica.receive(messages[0], 2)
     session = replica.session
-    forged = SnapshotChunk(QUEUE, 1, 1, session, 1, [], True, 3, master.digest, b"\x01" * 16)
+    forged = SnapshotChunk(QUEUE, 1, 1, session, 1, encode_rows([]), True, 3, master.digest, b"\x01" * 16)
     replica.receive(forged, 3)
     assert not replica.installs and replica.session == session + 1, "a mismatch opens again"
     assert replica.phase is ReplicaPhase.OPENING
@@ -217,7 +217,8 @@ def test_a_producer_member_behind_the_logs_start_keeps_its_own_state_and_takes_o
     master.receive(Open(QUEUE, 1, 1, 1, 12, b"d" * 16, session=4, committed_order=12), 1)
     begin, *chunks = sent(master)
     assert isinstance(begin, SyncBegin) and begin.snapshot and not begin.reset and begin.keep_upto == 12
-    indices = [row[1] for chunk in chunks if isinstance(chunk, SnapshotChunk) for row in chunk.rows if row[0] == 0]
+    indices = [row[1] for chunk in chunks if isinstance(chunk, SnapshotChunk)
+               for row in decode_rows(chunk.rows) if row[0] == 0]
     assert indices and min(indices) == 13
 
 
