@@ -72,7 +72,7 @@ class NodeConfig:
     # past it, the lowest one's payloads move into their message rows.
     payload_hold_bytes: int = 64 << 20
     snapshot_chunk_bytes_max: int = 256 << 10
-    snapshot_chunks_in_flight_max: int = 8
+    snapshot_chunks_in_flight_max: int = 16
     sync_view_max_s: float = 60.0
 
     def check(self) -> NodeConfig:

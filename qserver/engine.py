@@ -487,10 +487,12 @@ class Engine:
         self._touch(core)
 
     # --- snapshots (called by the pair driver) ---------------------------------------------
-    def stage_snapshot_rows(self, core: QueueCore, rows: list[Any]) -> None:
-        """Rows of a snapshot this replica is receiving: stored now, served once installed."""
+    def stage_snapshot_rows(self, core: QueueCore, rows: list[Any], on_stored: Callable[[], None]) -> None:
+        """Rows of a snapshot this replica is receiving: stored now, served once installed;
+        `on_stored` once they are durable."""
         dead = core.dead_letter_core
         self._open.sealed.snapshot_rows.append((core.queue_id, dead.queue_id if dead is not None else None, rows))
+        self._open.sealed.on_commit.append(on_stored)
         self._touch(core)
         if dead is not None:
             self._touch(dead)

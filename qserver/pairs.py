@@ -716,10 +716,12 @@ class PairDriver:
                      replica.snapshot_order)
             self.snapshots_resumed += replica.snapshots_resumed
             replica.snapshots_resumed = 0
-        if replica.snapshot_rows:
+        if replica.snapshot_rows_through is not None:
             self.received.setdefault(replica.core.name, InstalledState()).take(replica.snapshot_rows)
-            self.engine.stage_snapshot_rows(replica.core, replica.snapshot_rows)
-            replica.snapshot_rows = []
+            self.engine.stage_snapshot_rows(replica.core, replica.snapshot_rows,
+                                            functools.partial(self._snapshot_rows_stored, replica,
+                                                              *replica.snapshot_rows_through))
+            replica.snapshot_rows, replica.snapshot_rows_through = [], None
         for install in replica.installs:
             received = self.received.pop(replica.core.name, InstalledState())
             self.engine.stage_snapshot_install(replica.core, install, received,
@@ -754,6 +756,11 @@ class PairDriver:
         self.engine.reset_replica_instance(dead_role, dead_role.core.record.to_json())
         core.dead_letter_core = dead_role.core
         dead_role.rebase(0, EMPTY_DIGEST)
+
+    def _snapshot_rows_stored(self, replica: ReplicaRole, transfer_number: int, sequence: int) -> None:
+        if self.replicas.get(replica.core.name) is replica:
+            replica.snapshot_rows_durable(transfer_number, sequence)
+            self._flush(replica)
 
     def _installed(self, replica: ReplicaRole, install: SnapshotInstall, received: InstalledState) -> None:
         """The batch installing a snapshot committed: the core serves its messages (and the

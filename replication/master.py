@@ -79,8 +79,8 @@ class ReplicationLimits:
     append_batch_max: int = 1_000         # operations per Append message
     open_retry_ms: int = 1_000            # a replica repeats Open this often until answered
     snapshot_chunk_bytes_max: int = 256 << 10   # payload bytes per SnapshotChunk
-    snapshot_chunks_in_flight_max: int = 8      # chunks sent and not yet acknowledged (below the
-                                                # peer link's send queue, like window_bytes_max)
+    snapshot_chunks_in_flight_max: int = 16     # chunks sent and not yet stored by the replica (below
+                                                # the peer link's send queue, like window_bytes_max)
     sync_view_max_ms: int = 60_000        # a snapshot's read view is dropped after this long without
                                           # progress (it keeps LMDB from reusing pages); a new one follows
     log_retain_max_bytes: int = 64 << 20  # op log kept for a replica recorded out of sync; past

@@ -17,7 +17,8 @@ only what the master has committed (`visible_order`), and operations its clients
 forwarded to the master, which answers with the ordering index that places each one.
 
 Pure: effects accumulate in `resets` (wipe the queue and start from this record), `discards`
-(drop what is held past this order), `snapshot_rows` (rows of a snapshot to store), `installs`
+(drop what is held past this order), `snapshot_rows` (rows of a snapshot to store, through the
+chunk `snapshot_rows_through` names: once stored, the driver calls `snapshot_rows_durable`), `installs`
 (a complete snapshot to install), `applied` (operations to persist with their digests),
 `outbox` and `forward_results`; the driver drains them in that order after every call.
 """
@@ -69,7 +70,9 @@ class _Transfer:
     order: int
     keep_upto: int
     record: dict[str, Any]
+    number: int                # which transfer of this role: a late durability notice names it
     next_sequence: int = 1
+    durable_sequence: int = 0  # chunks up to here are stored: what SnapshotAck reports
     state_hash: bytes = EMPTY_STATE_HASH
     gap_reported_at: int = 0
 
@@ -132,6 +135,10 @@ class ReplicaRole:
         self.resets: list[dict[str, Any]] = []
         self.discards: list[int] = []
         self.snapshot_rows: list[list[Any]] = []
+        # (transfer number, chunk sequence) of the last chunk whose rows are in snapshot_rows:
+        # the driver calls snapshot_rows_durable with it once they are stored.
+        self.snapshot_rows_through: tuple[int, int] | None = None
+        self._transfers = 0
         self.installs: list[SnapshotInstall] = []
         self.applied: list[LogEntry] = []    # entries applied, for the driver to persist
         self.outbox: list[tuple[str, Message]] = []
@@ -318,7 +325,8 @@ class ReplicaRole:
                 return                  # not what we opened with; our next Open sorts it out
             # Rows past keep_upto may remain from a transfer a crash cut short: drop them.
             self.discards.append(begin.keep_upto)
-        self._transfer = _Transfer(begin.snapshot_order, begin.keep_upto, begin.record or {})
+        self._transfers += 1
+        self._transfer = _Transfer(begin.snapshot_order, begin.keep_upto, begin.record or {}, self._transfers)
         self._set_phase(ReplicaPhase.SYNCING)
         self._last_progress_ms = self._now_ms
 
@@ -327,9 +335,11 @@ class ReplicaRole:
         if transfer is None or chunk.session != self.session or self.phase is not ReplicaPhase.SYNCING:
             return
         if chunk.sequence < transfer.next_sequence:
-            # Resent because our acknowledgement was lost: say it again.
-            self._send(SnapshotAck(self.core.name, self.incarnation, self.epoch, self.session,
-                                   transfer.next_sequence - 1))
+            # Resent because our acknowledgement was lost: say it again (a chunk not stored
+            # yet is acknowledged when it is).
+            if transfer.durable_sequence == transfer.next_sequence - 1:
+                self._send(SnapshotAck(self.core.name, self.incarnation, self.epoch, self.session,
+                                       transfer.durable_sequence))
             return
         if chunk.sequence > transfer.next_sequence:
             # One before it was lost or overtaken: say where we are, once per position, and
@@ -337,7 +347,7 @@ class ReplicaRole:
             if transfer.gap_reported_at != transfer.next_sequence:
                 transfer.gap_reported_at = transfer.next_sequence
                 self._send(SnapshotAck(self.core.name, self.incarnation, self.epoch, self.session,
-                                       transfer.next_sequence - 1))
+                                       transfer.durable_sequence))
             return
         try:
             rows = decode_rows(chunk.rows)
@@ -348,7 +358,9 @@ class ReplicaRole:
         self._last_progress_ms = now_ms
         if rows:
             self.snapshot_rows.extend(rows)
-        self._send(SnapshotAck(self.core.name, self.incarnation, self.epoch, self.session, chunk.sequence))
+        # Acknowledged once stored (snapshot_rows_durable): the master's window of chunks in
+        # flight then bounds what waits in this member's memory for its disk.
+        self.snapshot_rows_through = (transfer.number, chunk.sequence)
         if not chunk.last:
             return
         self._transfer = None
@@ -425,6 +437,15 @@ class ReplicaRole:
         self._send(OpenAck(self.core.name, self.incarnation, self.epoch, end.order, self.session))
 
     # --- durability and forwarding ---------------------------------------------------------
+    def snapshot_rows_durable(self, transfer_number: int, sequence: int) -> None:
+        """The rows of the transfer's chunks up to `sequence` are in local storage."""
+        transfer = self._transfer
+        if transfer is None or transfer.number != transfer_number or sequence <= transfer.durable_sequence:
+            return               # a transfer that ended or started over since: nothing to say
+        transfer.durable_sequence = sequence
+        if self.phase is ReplicaPhase.SYNCING:
+            self._send(SnapshotAck(self.core.name, self.incarnation, self.epoch, self.session, sequence))
+
     def local_durable_to(self, order: int) -> None:
         """Everything applied up to `order` is in local storage: tell the master."""
         if order <= self.durable_order:

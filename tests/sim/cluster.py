@@ -157,6 +157,7 @@ class SimNode:
         self.snapshots_installed = 0
         self.truncated_rows = 0
         self.staged_rows: list[list[Any]] = []           # snapshot rows of the batch being staged
+        self.staged_through: tuple[int, int] | None = None   # the role's chunk they end with
         self.staged_installs: list[tuple[SnapshotInstall, InstalledState]] = []
         self.staged_discards: list[int] = []
         self.received = InstalledState()                 # rows of the transfer under way
@@ -182,6 +183,7 @@ class SimNode:
         self.up = True
         self.staged_ops, self.staged_log, self.pending, self.waiting_forwards = [], [], [], {}
         self.staged_rows, self.staged_installs, self.staged_discards = [], [], []
+        self.staged_through = None
         self.received = InstalledState()
         self.fsync_in_flight = False
         record = QueueRecord.from_json(self.record_json)
@@ -211,6 +213,7 @@ class SimNode:
         self.boots += 1          # fsyncs in flight belong to a dead incarnation now
         self.staged_ops, self.staged_log, self.pending = [], [], []
         self.staged_rows, self.staged_installs, self.staged_discards = [], [], []
+        self.staged_through = None
         self.peer_node().link_down()      # the peer sees its link break
 
     def peer_node(self) -> SimNode:
@@ -238,6 +241,8 @@ class SimNode:
             self.received.take(role.snapshot_rows)
             self.staged_rows.extend(role.snapshot_rows)
             role.snapshot_rows.clear()
+            if role.snapshot_rows_through is not None:
+                self.staged_through, role.snapshot_rows_through = role.snapshot_rows_through, None
             for install in role.installs:
                 self._stage_install(install)
             role.installs.clear()
@@ -289,6 +294,7 @@ class SimNode:
         self.core.visible_upto = 0
         self.staged_ops, self.staged_log = [], []
         self.staged_rows, self.staged_installs, self.staged_discards = [], [], []
+        self.staged_through = None
         self.received = InstalledState()
         self.applied_upto = 0
 
@@ -297,7 +303,7 @@ class SimNode:
         if self.core.discard_after(order) is None:
             raise InvariantBroken(f"{self.name} could not keep its state up to {order}")
         self.staged_discards.append(order)
-        self.staged_rows, self.received = [], InstalledState()
+        self.staged_rows, self.received, self.staged_through = [], InstalledState(), None
         self.applied_upto = min(self.applied_upto, order)
 
     def _stage_install(self, install: SnapshotInstall) -> None:
@@ -328,8 +334,10 @@ class SimNode:
             return
         ops, log = self.staged_ops, self.staged_log
         rows, installs, discards = self.staged_rows, self.staged_installs, self.staged_discards
+        through = self.staged_through
         self.staged_ops, self.staged_log = [], []
         self.staged_rows, self.staged_installs, self.staged_discards = [], [], []
+        self.staged_through = None
         floor = self._log_floor()
         record = self.core.record.to_json()
         # As the engine does: the record keeps the commit point this member knew.
@@ -340,7 +348,7 @@ class SimNode:
         self.batch += 1
         batch, boots = self.batch, self.boots
         self.sim.clock.after(self.sim.rng.randint(*self.sim.network.faults.fsync_ms),
-                             lambda: self._fsync_done(boots, batch, ops, log, record, (rows, installs, discards, floor)))
+                             lambda: self._fsync_done(boots, batch, ops, log, record, (rows, installs, discards, floor, through)))
 
     def _log_floor(self) -> int:
         """What this batch truncates the log below (checked: no member still needs it)."""
@@ -363,7 +371,7 @@ class SimNode:
                     record: dict[str, Any], snapshot: tuple[Any, Any, Any, int]) -> None:
         if boots != self.boots or not self.up:
             return
-        rows, installs, discards, floor = snapshot
+        rows, installs, discards, floor, through = snapshot
         current = record["queue_id"] == self.queue_id      # not a batch of an instance since reset
         for order in discards:
             if self.queue_id in self.store.queues:
@@ -396,6 +404,8 @@ class SimNode:
         if durable:
             self.role.local_durable_to(durable) if isinstance(self.role, ReplicaRole) \
                 else self.role.local_durable_to(durable, self.sim.clock.now_ms)
+        if through is not None and isinstance(self.role, ReplicaRole):
+            self.role.snapshot_rows_durable(*through)
         self.drain()
 
     def _answer_committed(self) -> None:
