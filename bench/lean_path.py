@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import socket
 import statistics
@@ -63,6 +64,7 @@ from bench.bench import percentile  # noqa: E402
 
 SEQ = struct.Struct(">Q")
 MAP_SIZE = 4 << 30
+GC_THRESHOLDS = (50_000, 20, 10)   # as a qserver node
 GIL_SWITCH_INTERVAL_S = 0.0002   # as a qserver node: the writer thread gets the GIL back promptly after its fsync
 T = TypeVar("T")
 
@@ -351,6 +353,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.role is not None:
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        gc.freeze()                                   # as a qserver node (qserver/node.py, run)
+        gc.set_threshold(*GC_THRESHOLDS)
     if args.role == "replica":
         return run_loop(run_replica(args.data))
     if args.role == "master":
