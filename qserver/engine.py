@@ -501,17 +501,17 @@ class Engine:
         """A complete snapshot: its counters go into the queue record(s) and its mark into the
         log in this batch; once committed, `on_installed` makes the core(s) serve it."""
         record, full = core.record, core.options.strength is Strength.FULL
-        messages = len(received.ready) + len(received.leases)
+        messages = received.ready_count + len(received.leases)
         if install.keep_upto:
-            record.ready_count += len(received.ready)
+            record.ready_count += received.ready_count
             record.total_enqueued += messages
         elif full:
             for counter in ("total_enqueued", "total_acked", "total_dead_lettered", "total_redelivered",
                             "highest_depth", "service_ms_total", "service_count"):
                 setattr(record, counter, int(install.record.get(counter, 0)))
-            record.ready_count = len(received.ready)
+            record.ready_count = received.ready_count
         else:
-            record.ready_count = len(received.ready)
+            record.ready_count = received.ready_count
             record.total_enqueued = messages
         record.next_index = install.order + 1
         sealed = self._open.sealed
@@ -520,7 +520,7 @@ class Engine:
         if install.dead_letter is not None and dead is not None:
             dead_order, dead_digest, dead_record = install.dead_letter
             dead.record.next_index = max(int(dead_record.get("next_index", 1)), dead_order + 1)
-            dead.record.ready_count = len(received.dead_letter_ready)
+            dead.record.ready_count = received.dead_letter_ready_count
             dead.record.total_enqueued = int(dead_record.get("total_enqueued", 0))
             sealed.snapshot_installs.append((dead.queue_id, dead_order, dead_digest))
             # Its base is its counter at the view: its later orders and arrivals come after it.

@@ -717,7 +717,8 @@ class PairDriver:
             self.snapshots_resumed += replica.snapshots_resumed
             replica.snapshots_resumed = 0
         if replica.snapshot_rows_through is not None:
-            self.received.setdefault(replica.core.name, InstalledState()).take(replica.snapshot_rows)
+            received = self.received.setdefault(replica.core.name, InstalledState(replica.snapshot_keep_upto > 0))
+            received.take(replica.snapshot_rows)
             self.engine.stage_snapshot_rows(replica.core, replica.snapshot_rows,
                                             functools.partial(self._snapshot_rows_stored, replica,
                                                               *replica.snapshot_rows_through))
@@ -771,7 +772,7 @@ class PairDriver:
         core.install_snapshot(received.ready if install.keep_upto else None, received.leases)
         self.snapshots_installed += 1
         log.info("queue %s: snapshot at order %d installed (%d messages)", core.name, install.order,
-                 len(received.ready) + len(received.leases))
+                 received.ready_count + len(received.leases))
         dead = core.dead_letter_core
         dead_role = self.replicas.get(dead.name) if dead is not None else None
         if install.dead_letter is None or dead is None or dead_role is None:

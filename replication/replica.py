@@ -138,6 +138,7 @@ class ReplicaRole:
         # (transfer number, chunk sequence) of the last chunk whose rows are in snapshot_rows:
         # the driver calls snapshot_rows_durable with it once they are stored.
         self.snapshot_rows_through: tuple[int, int] | None = None
+        self.snapshot_keep_upto = 0          # of the latest transfer: this member keeps its state up to it
         self._transfers = 0
         self.installs: list[SnapshotInstall] = []
         self.applied: list[LogEntry] = []    # entries applied, for the driver to persist
@@ -326,6 +327,7 @@ class ReplicaRole:
             # Rows past keep_upto may remain from a transfer a crash cut short: drop them.
             self.discards.append(begin.keep_upto)
         self._transfers += 1
+        self.snapshot_keep_upto = begin.keep_upto
         self._transfer = _Transfer(begin.snapshot_order, begin.keep_upto, begin.record or {}, self._transfers)
         self._set_phase(ReplicaPhase.SYNCING)
         self._last_progress_ms = self._now_ms

@@ -115,24 +115,35 @@ def check_rows(rows: Any) -> list[list[Any]]:
 
 @dataclass
 class InstalledState:
-    """What a replica took from the rows of one transfer, for its queue core at install."""
+    """What a replica took from the rows of one transfer, for its queue core at install.
+    The ready messages themselves are kept only for a member that keeps its own state
+    (`keep_ready`: a returning `producer` member adds them to its core); any other core pages
+    them in from storage, and only their count is needed (a tuple per message of a 1M-message
+    transfer was ~100 MB of memory the collector kept scanning)."""
+    keep_ready: bool = True
     ready: list[tuple[int, int, int]] = field(default_factory=list)       # (priority, index, deliveries)
+    ready_count: int = 0
     leases: list[tuple[int, int, str, int, int, int]] = field(default_factory=list)
     # ^ (index, priority, receipt, deadline_ms, deliveries, leased_ms)
-    dead_letter_ready: list[tuple[int, int, int]] = field(default_factory=list)
+    dead_letter_ready_count: int = 0
     dead_letter_leases: list[tuple[int, int, str, int, int, int]] = field(default_factory=list)
 
     def take(self, rows: list[list[Any]]) -> None:
+        keep = self.keep_ready
         for row in rows:
-            if row[0] == ROW_DEDUPE:
+            kind = row[0]
+            if kind == ROW_DEDUPE:
                 continue
-            ready, leases = (self.ready, self.leases) if row[0] == ROW_MESSAGE else \
-                (self.dead_letter_ready, self.dead_letter_leases)
-            _, index, priority, _, _, _, _, deliveries, lease = row
-            if lease is None:
-                ready.append((priority, index, deliveries))
+            lease = row[8]
+            if lease is not None:
+                leases = self.leases if kind == ROW_MESSAGE else self.dead_letter_leases
+                leases.append((row[1], row[2], lease[0], lease[1], row[7], lease[2]))
+            elif kind == ROW_MESSAGE:
+                self.ready_count += 1
+                if keep:
+                    self.ready.append((row[2], row[1], row[7]))
             else:
-                leases.append((index, priority, lease[0], lease[1], deliveries, lease[2]))
+                self.dead_letter_ready_count += 1
 
 
 class MemorySnapshotView:

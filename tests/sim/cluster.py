@@ -308,12 +308,12 @@ class SimNode:
 
     def _stage_install(self, install: SnapshotInstall) -> None:
         record = self.core.record
-        count = len(self.received.ready) + len(self.received.leases)
+        count = self.received.ready_count + len(self.received.leases)
         if install.keep_upto:
-            record.ready_count += len(self.received.ready)
+            record.ready_count += self.received.ready_count
             record.total_enqueued += count
         else:
-            record.ready_count = len(self.received.ready)
+            record.ready_count = self.received.ready_count
             record.total_enqueued = count
         record.next_index = install.order + 1
         self.staged_installs.append((install, self.received))
