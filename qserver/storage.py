@@ -59,9 +59,10 @@ import shutil
 import struct
 import time
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import lmdb
 import msgpack
@@ -72,7 +73,7 @@ from replication.invariants import InvariantViolation
 from replication.messages import MessageError, decode_entry
 from replication.operations import Acked, DeadLettered, Enqueued, Leased, Operation, Released
 from replication.queue_core import QueueRecord
-from replication.snapshot import ROW_DEAD_LETTER, ROW_DEDUPE, ROW_MESSAGE, message_row
+from replication.snapshot import ROW_DEAD_LETTER, ROW_DEDUPE, ROW_MESSAGE
 from replication.store import StoredLease
 
 # 2: bounded op log (its start record at order 0, snapshot marks); no reader of layout 1.
@@ -1007,60 +1008,78 @@ class LmdbSnapshotView:
         while self._parts and size < bytes_max:
             kind, queue_id, start = self._parts[0]
             if kind == ROW_DEDUPE:
-                rows, resume = self._dedupe_rows(queue_id, start, bytes_max - size)
+                rows, resume, taken = self._dedupe_rows(queue_id, start, bytes_max - size)
             else:
-                rows, resume = self._message_rows(kind, queue_id, start, bytes_max - size)
+                rows, resume, taken = self._message_rows(kind, queue_id, start, bytes_max - size)
             out += rows
-            size += sum(len(row[6]) + 64 if row[0] != ROW_DEDUPE else 64 for row in rows)
+            size += taken
             if resume is None:
                 self._parts.pop(0)
             else:
                 self._parts[0] = (kind, queue_id, resume)
         return out
 
-    def _message_rows(self, kind: int, queue_id: int, start: bytes, bytes_max: int) -> tuple[list[list[Any]], bytes | None]:
+    def _message_rows(self, kind: int, queue_id: int, start: bytes,
+                      bytes_max: int) -> tuple[list[list[Any]], bytes | None, int]:
+        """Message rows from `start` on, about `bytes_max` of payload: (rows, where the next
+        call resumes or None at the queue's end, the bytes counted). Per message, on the
+        master's loop during a transfer: the leases come from a second cursor walked beside
+        the messages' (both in (queue, index) order; few messages are leased), not a lookup."""
         rows: list[list[Any]] = []
         size = 0
-        txn, db = self._txn, self._db
-        cursor = txn.cursor(db=db["messages"])
+        txn, unpack_row, unpack_key = self._txn, msgpack.unpackb, _QI.unpack
+        resolve = self._payloads.resolve
+        cursor = txn.cursor(db=self._db["messages"])
         if not cursor.set_range(start):
-            return rows, None
-        for key, value in cursor:
-            owner, index = _QI.unpack(key)
+            return rows, None, 0
+        consumption = self._consumption
+        if consumption:
+            ready_db, ready_key = self._db["ready"], _QPI.pack
+            leases = txn.cursor(db=self._db["leases"])
+            next_lease = bytes(leases.key()) if leases.set_range(start) else None
+        # The view's transaction has buffers off: keys and values are bytes.
+        for key, value in cast("Iterator[tuple[bytes, bytes]]", cursor):
+            owner, index = unpack_key(key)
             if owner != queue_id:
-                return rows, None
+                return rows, None, size
             if size >= bytes_max:
-                return rows, bytes(key)
-            priority, enqueued_ms, dedupe_id, client, held = msgpack.unpackb(value)
-            payload = self._payloads.resolve(owner, index, held)
+                return rows, key, size
+            priority, enqueued_ms, dedupe_id, client, held = unpack_row(value)
+            payload = held if type(held) is bytes else resolve(owner, index, held)
             deliveries, lease = 0, None
-            if self._consumption:
-                raw_lease = txn.get(key, db=db["leases"])
-                if raw_lease is not None:
-                    _, receipt, deadline_ms, deliveries, leased_ms = msgpack.unpackb(raw_lease)
+            if consumption:
+                while next_lease is not None and next_lease < key:     # a lease without its message
+                    next_lease = bytes(leases.key()) if leases.next() else None
+                if next_lease == key:
+                    _, receipt, deadline_ms, deliveries, leased_ms = unpack_row(leases.value())
                     lease = [receipt, deadline_ms, leased_ms]
+                    next_lease = bytes(leases.key()) if leases.next() else None
                 else:
-                    raw_ready = txn.get(_QPI.pack(queue_id, priority, index), db=db["ready"])
+                    raw_ready = txn.get(ready_key(queue_id, priority, index), db=ready_db)
                     deliveries = _U32.unpack(raw_ready)[0] if raw_ready else 0
-            rows.append(message_row(kind, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease))
+            # As replication.snapshot.message_row lays it out.
+            rows.append([kind, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease])
             size += len(payload) + 64
-        return rows, None
+        return rows, None, size
 
-    def _dedupe_rows(self, queue_id: int, start: bytes, bytes_max: int) -> tuple[list[list[Any]], bytes | None]:
+    def _dedupe_rows(self, queue_id: int, start: bytes,
+                     bytes_max: int) -> tuple[list[list[Any]], bytes | None, int]:
         rows: list[list[Any]] = []
         prefix = _Q.pack(queue_id)
         cursor = self._txn.cursor(db=self._db["dedupe"])
         if not cursor.set_range(start):
-            return rows, None
-        for key, value in cursor:
-            if not bytes(key).startswith(prefix):
-                return rows, None
-            if len(rows) * 64 >= bytes_max:
-                return rows, bytes(key)
-            index, enqueued_ms = _QI.unpack(value)
-            if index > self._after_index:
-                rows.append([ROW_DEDUPE, bytes(key[len(prefix):]).decode(), index, enqueued_ms])
-        return rows, None
+            return rows, None, 0
+        after, unpack, size = self._after_index, _QI.unpack, 0
+        for key, value in cast("Iterator[tuple[bytes, bytes]]", cursor):
+            if key[:8] != prefix:
+                return rows, None, size
+            if size >= bytes_max:
+                return rows, key, size
+            index, enqueued_ms = unpack(value)
+            if index > after:           # (counted once taken: a call that returns rows takes one)
+                rows.append([ROW_DEDUPE, key[8:].decode(), index, enqueued_ms])
+                size += 64
+        return rows, None, size
 
     def close(self) -> None:
         if self._txn is not None:

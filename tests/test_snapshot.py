@@ -277,3 +277,44 @@ def test_snapshot_rows_are_appended_only_where_they_sort_after_every_stored_key(
         stored = [(struct.Struct(">QQ").unpack(k), bytes(v)) for k, v in txn.cursor()]
     assert stored == [((1, 5), b"b"), ((1, 6), b"b"), ((2, 1), b"a"), ((2, 2), b"a"), ((2, 3), b"a"),
                       ((2, 9), b"d"), ((3, 1), b"c"), ((3, 2), b"c")]
+
+
+def test_an_lmdb_view_carries_each_messages_lease_or_deliveries_and_the_dedupe_window_once(tmp_path: Path) -> None:
+    """The view on the master's storage, read in chunks far smaller than the queue: every
+    message once, in order, with its lease (leased) or its delivery count (released, or
+    never delivered), then the dedupe window's entries; a lease of another queue that sorts
+    among them is not taken for one of this queue's."""
+    from qserver.storage import SealedBatch, Storage
+    from replication.operations import Enqueued, Leased, Released
+    from replication.snapshot import ROW_DEDUPE, ROW_MESSAGE
+    at_ms = 1_700_000_000_000
+    storage = Storage(tmp_path / "lmdb", node_id="n1")
+    try:
+        records = {name: QueueRecord(queue_id, name, QueueOptions(), at_ms).to_json() for name, queue_id in (("q", 1), ("other", 2))}
+        enqueues: list[Operation] = [Enqueued(1, index, 4, at_ms, f"d{index}", "c", b"p%d" % index) for index in range(1, 41)]
+        enqueues += [Enqueued(2, 1, 4, at_ms, None, "c", b"other")]
+        storage.commit(SealedBatch(operations=enqueues, queue_records=records))
+        leased = [Leased(1, index, 4, f"r{index}", at_ms + 30_000, 1, "c", at_ms) for index in (3, 17, 40)]
+        released = [Leased(1, index, 4, f"r{index}", at_ms + 30_000, 2, "c", at_ms) for index in (5, 6)]
+        storage.commit(SealedBatch(operations=[*leased, *released, Leased(2, 1, 4, "x", at_ms + 30_000, 1, "c", at_ms)]))
+        storage.commit(SealedBatch(operations=[Released(1, index, 4, 2, False, at_ms) for index in (5, 6)]))
+        view = storage.open_snapshot("q", 1, consumption=True, after_index=0, dead_letter=None)
+        assert view is not None
+        rows = []
+        try:
+            while chunk := view.next_rows(40):             # a row or two per call
+                rows += chunk
+        finally:
+            view.close()
+    finally:
+        storage.close()
+    messages = [row for row in rows if row[0] == ROW_MESSAGE]
+    assert [row[1] for row in messages] == list(range(1, 41)), "each message once, in order"
+    by_index = {row[1]: row for row in messages}
+    for index, row in by_index.items():
+        assert row[6] == b"p%d" % index and row[4] == f"d{index}"
+        if index in (3, 17, 40):
+            assert row[8] == [f"r{index}", at_ms + 30_000, at_ms] and row[7] == 1, row
+        else:
+            assert row[8] is None and row[7] == (2 if index in (5, 6) else 0), row
+    assert sorted(row[1] for row in rows if row[0] == ROW_DEDUPE) == sorted(f"d{index}" for index in range(1, 41))
