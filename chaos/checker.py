@@ -101,11 +101,21 @@ def gather(history: Iterable[Mapping[str, Any]]) -> dict[str, QueueFacts]:
 
 def check(history: Iterable[Mapping[str, Any]], strengths: Mapping[str, str],
           observations: Iterable[tuple[str, int, str]] = (),
-          pairs: Iterable[tuple[str, int, float, str, str | None]] = ()) -> dict[str, Any]:
+          pairs: Iterable[tuple[str, int, float, str, str | None]] = (),
+          one_way: Iterable[str] = ()) -> dict[str, Any]:
     """The verdict over a history: counts per queue, violations by kind (listed up to
     LISTED_MAX each, all counted), explained duplicates by explanation. `pairs`: (queue, epoch,
-    when first seen, master, replica) as the observer saw the maps (see Departures)."""
+    when first seen, master, replica) as the observer saw the maps (see Departures).
+    `one_way`: queues of type one_way, whose enqueue is answered before it is durable (seed
+    004 One_Way): such an answer promises nothing, so it counts as an outcome unknown (never
+    `lost` if the message is gone; `recovered` when it is delivered), its id included (a
+    master that failed before storing it gave the id to nothing, and its successor may give it
+    to another message)."""
     facts = gather(history)
+    for queue in one_way:
+        for tag, entry in facts[queue].enqueues.items():
+            if entry["status"] == "ok":
+                facts[queue].enqueues[tag] = {**entry, "status": "unknown", "id": None}
     findings = Findings()
     members: dict[str, list[tuple[float, frozenset[str]]]] = defaultdict(list)
     for queue, _, seen, master, replica in pairs:

@@ -118,7 +118,8 @@ async def _run_on(scenario: Scenario, cluster: ChaosCluster, schedule: list[Any]
     (run_dir / "observations.json").write_text(json.dumps({"masters": sorted(observer.observations),
                                                             "pairs": observer.pair_history()}) + "\n")
     await asyncio.to_thread(_kill_all, cluster)
-    judged = checker.check(history.completed, scenario.strengths(), observer.observations, observer.pair_history())
+    judged = checker.check(history.completed, scenario.strengths(), observer.observations, observer.pair_history(),
+                           scenario.one_way_queues())
     progress(f"history judged: {'valid' if judged['valid'] else judged['violation_counts']}; auditing the journals")
     try:
         audit = await asyncio.to_thread(run_audit, cluster, run_dir, engine)

@@ -15,6 +15,7 @@
     [[queues]]                   # chaos.workload.QueueSpec
     name = "orders"
     strength = "full"
+    type = "queued_ack"          # or one_way: answered before durable, judged as outcome unknown
     placement = ["n1", "n2"]
     producers = 2
     consumers = 2
@@ -46,6 +47,7 @@ from typing import Any
 
 from chaos.nemesis import FAULT_KINDS, MODES, RING_NODES_MIN, TARGETS, Fault, FaultSpec, ScheduledFault
 from chaos.workload import QueueSpec
+from replication.options import QueueType
 
 SCENARIO_DIRECTORY = Path(__file__).resolve().parent / "scenarios"
 TIME_MAX_S = 3_600.0          # a run is bounded
@@ -70,6 +72,9 @@ class Scenario:
 
     def strengths(self) -> dict[str, str]:
         return {queue.name: queue.strength for queue in self.queues}
+
+    def one_way_queues(self) -> list[str]:
+        return [queue.name for queue in self.queues if queue.type == QueueType.ONE_WAY]
 
     def placement(self) -> dict[str, list[str]]:
         return {queue.name: list(queue.placement) for queue in self.queues if queue.placement}
@@ -124,6 +129,8 @@ def check_scenario(scenario: Scenario) -> None:
     for queue in scenario.queues:
         if queue.strength not in ("full", "producer"):
             problems.append(f"{queue.name}: strength is full or producer")
+        if queue.type not in set(QueueType):
+            problems.append(f"{queue.name}: type is one of {', '.join(QueueType)}")
         if queue.placement and (len(set(queue.placement)) != 2 or not set(queue.placement) <= ids):
             problems.append(f"{queue.name}: placement names two different nodes of {sorted(ids)}")
         if max(queue.producers, queue.consumers, queue.push_consumers) > WORKERS_PER_QUEUE_MAX or queue.rate <= 0:

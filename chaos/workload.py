@@ -53,6 +53,7 @@ WORKER_STOP_GRACE_S = 5.0
 class QueueSpec:
     name: str
     strength: str = "full"
+    type: str = "queued_ack"         # replication.options.QueueType; one_way answers before durable
     placement: tuple[str, str] | None = None
     producers: int = 2
     consumers: int = 2               # polling consumers
@@ -67,7 +68,7 @@ class QueueSpec:
     abandon_fraction: float = 0.01
 
     def options(self) -> dict[str, Any]:
-        return {"strength": self.strength, "visibility_timeout_s": self.visibility_timeout_s,
+        return {"strength": self.strength, "type": self.type, "visibility_timeout_s": self.visibility_timeout_s,
                 "max_deliveries": self.max_deliveries}
 
 

@@ -24,7 +24,9 @@ Admin calls go over signed REST (`client/http.py`) and share the client's aiohtt
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
+import heapq
 import itertools
 import os
 import random
@@ -37,7 +39,15 @@ import aiohttp
 from yarl import URL
 
 from client.credentials import Credentials, load_credentials
-from client.errors import E_BAD_FRAME, E_INTERNAL, E_NOT_MASTER, E_QUEUE_UNAVAILABLE, E_UNAVAILABLE, QueueError
+from client.errors import (
+    E_BAD_FRAME,
+    E_INTERNAL,
+    E_NOT_MASTER,
+    E_QUEUE_UNAVAILABLE,
+    E_TIMEOUT,
+    E_UNAVAILABLE,
+    QueueError,
+)
 from client.http import Grant, HttpClient, error_from_status
 from client.protocol import (
     BATCH_ITEMS_MAX,
@@ -208,6 +218,13 @@ class AsyncClient:
         self._in_flight_max = in_flight_max
         self._frame_bytes_max = frame_bytes_max
         self._heartbeat_s = heartbeat_s
+        self._request_timeout_s = request_timeout_s
+        # Every call over the WebSocket has a deadline (see _track): (when, request id), a heap
+        # with answered calls left in it until they reach its top.
+        self._deadlines: list[tuple[float, int]] = []
+        self._deadline_timer: asyncio.TimerHandle | None = None
+        self._placement_reading: asyncio.Task[None] | None = None     # see refresh_placement
+        self._placement_reading_started = 0.0
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count(1)
@@ -275,6 +292,8 @@ class AsyncClient:
             self._supervisor.cancel()
             await asyncio.gather(self._supervisor, return_exceptions=True)
         self._fail_everything(QueueError(E_UNAVAILABLE, "the client is closed"))
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
         await self.http.close()
         for other in self._others.values():
             await other.close()
@@ -306,6 +325,7 @@ class AsyncClient:
         """Queue one op for this turn's frame and return the future its answer resolves."""
         future = self._new_future()
         self._pending[op.request_id] = (future, op)
+        self._track(op)
         self._outgoing.append(op)
         return future
 
@@ -326,6 +346,7 @@ class AsyncClient:
                     end = start + BATCH_ITEMS_MAX
                     op = AckBatchOp(next(self._ids), queue, tuple(ack_batch.items[start:end]))
                     self._pending[op.request_id] = (ack_batch.futures[start:end], op)
+                    self._track(op)
                     self._outgoing.append(op)
         waiter = self._writer_waiter
         if waiter is not None and self._outgoing:
@@ -339,13 +360,54 @@ class AsyncClient:
         if count <= BATCH_ITEMS_MAX and batch.size_bytes <= self._frame_bytes_max:
             op = EnqueueBatchOp(next(self._ids), queue, priority, tuple(payloads), tuple(batch.dedupe_ids))
             self._pending[op.request_id] = (batch.futures, op)
+            self._track(op)
             self._outgoing.append(op)
             return
         for start, end in _batch_bounds(payloads, self._frame_bytes_max):
             op = EnqueueBatchOp(next(self._ids), queue, priority, tuple(payloads[start:end]),
                                 tuple(batch.dedupe_ids[start:end]))
             self._pending[op.request_id] = (batch.futures[start:end], op)
+            self._track(op)
             self._outgoing.append(op)
+
+    def _track(self, op: ClientOp) -> None:
+        """Give a call its deadline: request_timeout_s after it was asked (a receive's wait
+        added). A call still unanswered then fails with E_TIMEOUT, retriable and with its
+        outcome unknown once it was sent (a node that paused or a link that black-holes
+        answers nothing and breaks nothing; without a deadline the call waited for ever)."""
+        loop = self._bound_loop()
+        wait_s = op.wait_ms / 1000 if type(op) is ReceiveOp else 0.0
+        deadline = loop.time() + self._request_timeout_s + wait_s
+        heapq.heappush(self._deadlines, (deadline, op.request_id))
+        timer = self._deadline_timer
+        if timer is None or deadline < timer.when():
+            if timer is not None:
+                timer.cancel()
+            self._deadline_timer = loop.call_at(deadline, self._expire_calls)
+
+    def _expire_calls(self) -> None:
+        self._deadline_timer = None
+        loop = self._bound_loop()
+        now, heap, pending = loop.time(), self._deadlines, self._pending
+        if len(heap) > 2 * len(pending) + 1024:          # answered calls pile up: keep it bounded
+            self._deadlines = heap = [entry for entry in heap if entry[1] in pending]
+            heapq.heapify(heap)
+        expired = []
+        while heap and (heap[0][1] not in pending or heap[0][0] <= now):
+            _, request_id = heapq.heappop(heap)
+            if request_id in pending:
+                expired.append(request_id)
+        if expired:
+            unsent = {op.request_id for op in self._outgoing}
+            for request_id in expired:
+                sent = request_id not in unsent or request_id in self._retry_attempts
+                self._fail_op(request_id, QueueError(E_TIMEOUT, f"no answer within {self._request_timeout_s} s",
+                                                     outcome_unknown=sent))
+            self._outgoing = [op for op in self._outgoing if op.request_id in pending]
+            self._forget_retries()
+            self._wake_room()
+        if heap:
+            self._deadline_timer = loop.call_at(heap[0][0], self._expire_calls)
 
     async def _wait_for_room(self) -> None:
         """Back-pressure: at most `in_flight_max` calls wait for answers at once."""
@@ -382,7 +444,25 @@ class AsyncClient:
         return other
 
     async def refresh_placement(self) -> None:
-        """Read the cluster map from every node (each lists the queues it holds)."""
+        """Read the cluster map from every node (each lists the queues it holds). Callers at
+        once share one reading (after a failover, thousands of calls in flight fail together
+        and read the map once, not once each against every node); a reading that began before
+        a caller asked may predate what made it ask, so that caller waits for the next one."""
+        loop = self._bound_loop()
+        asked_at = loop.time()
+        while True:
+            reading = self._placement_reading
+            if reading is None or reading.done():
+                reading = self._placement_reading = loop.create_task(self._read_placement())
+                reading.add_done_callback(_ignore_outcome)
+                self._placement_reading_started = loop.time()
+            if self._placement_reading_started >= asked_at:
+                await asyncio.shield(reading)
+                return
+            with contextlib.suppress(QueueError):
+                await asyncio.shield(reading)
+
+    async def _read_placement(self) -> None:
         try:
             first = await self.http.cluster()
         except QueueError:
@@ -494,7 +574,11 @@ class AsyncClient:
     # --- messages -----------------------------------------------------------------------------
     async def enqueue(self, queue: str, payload: bytes, priority: int = 4,
                       dedupe_id: str | None = None) -> int:
-        """Enqueue one message and return its id once the server has made it durable."""
+        """Enqueue one message and return its id once it is durable on every copy the queue's
+        strength asks for. Except on a `one_way` queue (seed 004 One_Way): there the answer comes
+        as soon as the master accepted the message, before it is durable, and a failure of the
+        master right after may lose it (and give its id to another message); use `queued_ack`
+        (the default) where an answer must mean stored."""
         if self._masters and (target := self._route(queue)) is not self:
             return await self._via(queue, target, "enqueue", queue, payload, priority, dedupe_id)
         if self._calls_in_flight >= self._in_flight_max:
@@ -603,17 +687,15 @@ class AsyncClient:
         and not yet taken at any time. Use `async with client.consume(q) as messages:`."""
         if not 1 <= prefetch <= 100_000:
             raise ValueError("prefetch must be in [1, 100000]")
-        master = self._master_urls.get(queue)
-        if master is not None and master != self.url:
-            # Subscriptions follow the master (under `full` only it pushes; after a handoff a
-            # consumer that ended asks again here, and the refreshed map names the new one).
-            return self._route_to(master).consume(queue, prefetch, visibility_timeout_s)
-        self._start()
-        consumer = Consumer(self, queue, prefetch, _milliseconds(visibility_timeout_s))
-        self._consumers.add(consumer)
-        if self._ws is not None:
-            consumer._subscribe()
+        consumer = Consumer(self._consume_target(queue), queue, prefetch, _milliseconds(visibility_timeout_s),
+                            router=self)
+        consumer._attach(consumer._client)
         return consumer
+
+    def _consume_target(self, queue: str) -> AsyncClient:
+        """Subscriptions go to the master (under `full` only it pushes)."""
+        master = self._master_urls.get(queue)
+        return self._route_to(master) if master is not None else self
 
     # --- admin and the REST-only message calls (client/http.py) ---------------------------------
     async def create_queue(self, name: str, **options: Any) -> dict[str, Any]:
@@ -1014,8 +1096,14 @@ class Consumer:
     many acks in one batch, where one task awaiting each ack in turn pays a round trip each.
     """
 
-    def __init__(self, client: AsyncClient, queue: str, prefetch: int, visibility_ms: int | None) -> None:
+    def __init__(self, client: AsyncClient, queue: str, prefetch: int, visibility_ms: int | None, *,
+                 router: AsyncClient | None = None) -> None:
+        """`router`: the client whose consume() made it; it knows the cluster map, so that the
+        consumer follows the queue's master to its new node after a handoff or failover."""
         self.queue = queue
+        self._router = router
+        self._following: asyncio.Task[None] | None = None
+        self._follow_deadline: float | None = None   # set by the first E_NOT_MASTER, cleared once subscribed
         self.prefetch = prefetch
         self.closed = False
         self._client = client
@@ -1098,6 +1186,7 @@ class Consumer:
     def _on_subscribed(self, subscription_id: int) -> None:
         self._subscription_id = subscription_id
         self._subscribing = False
+        self._follow_deadline = None
         if self.closed:
             self._client._submit_quietly(UnsubscribeOp(next(self._client._ids), subscription_id))
         elif self._taken >= self._credit_batch:
@@ -1105,7 +1194,9 @@ class Consumer:
 
     def _on_subscribe_failed(self, error: QueueError) -> None:
         self._subscribing = False
-        if not error.retriable or error.code == E_NOT_MASTER.code:    # see _on_subscription_ended
+        if error.code == E_NOT_MASTER.code:            # see _on_subscription_ended
+            self._follow_master(error)
+        elif not error.retriable:
             self._error = error
             self._wake()
 
@@ -1123,12 +1214,56 @@ class Consumer:
         """The server ended the subscription: surface a lasting reason, else subscribe again."""
         self._subscription_id = None
         # E_NOT_MASTER: this node stopped mastering the queue (a handoff or failover); asking
-        # it again cannot help: the caller consumes again, where the map now says.
-        if error.retriable and error.code != E_NOT_MASTER.code:
+        # it again cannot help: the consumer goes where the map now says.
+        if error.code == E_NOT_MASTER.code:
+            self._follow_master(error)
+        elif error.retriable:
             self._subscribe()
         else:
             self._error = error
             self._wake()
+
+    def _attach(self, client: AsyncClient) -> None:
+        client._start()
+        self._client = client
+        client._consumers.add(self)
+        if client._ws is not None:
+            self._subscribe()
+
+    def _follow_master(self, error: QueueError) -> None:
+        """Subscribe again where the refreshed map names the queue's master. The iteration
+        sees E_NOT_MASTER only when no node serves the subscription within FAILOVER_WAIT_S of
+        the first refusal (or at once for a consumer made by a node's own client, which has
+        no map). Messages already buffered stay; their acks go to where they were leased,
+        which passes them on to the master."""
+        router = self._router
+        if router is None or self.closed:
+            self._error = error
+            self._wake()
+            return
+        loop = router._bound_loop()
+        if self._follow_deadline is None:
+            self._follow_deadline = loop.time() + FAILOVER_WAIT_S
+        elif loop.time() >= self._follow_deadline:
+            self._error = error
+            self._wake()
+            return
+        if self._following is None:
+            self._following = loop.create_task(self._move_to_master(router))
+
+    async def _move_to_master(self, router: AsyncClient) -> None:
+        old = self._client
+        try:
+            with contextlib.suppress(QueueError):
+                await router.refresh_placement()
+            target = router._consume_target(self.queue)
+            if target is old:                    # the map has not moved yet, or it came back
+                await asyncio.sleep(FAILOVER_POLL_S)
+            if not self.closed:
+                old._consumers.discard(self)
+                self._attach(target)
+        finally:
+            self._following = None
 
     def _on_fatal(self, error: QueueError) -> None:
         self._error = error

@@ -194,8 +194,9 @@ class HttpClient:
     # --- messages ---------------------------------------------------------------------------
     async def enqueue_http(self, queue: str, payload: bytes, priority: int = 4,
                            dedupe_id: str | None = None) -> int:
-        """Enqueue one message; returns its id. A dedupe id is always sent so a caller that
-        retries after `outcome_unknown` can pass the same one and not store twice."""
+        """Enqueue one message; returns its id (once durable; on a `one_way` queue, 202 before
+        it is). A dedupe id is always sent so a caller that retries after `outcome_unknown` can
+        pass the same one and not store twice."""
         headers = {"X-Priority": str(priority), "X-Dedupe-Id": dedupe_id or uuid.uuid4().hex,
                    "Content-Type": "application/octet-stream"}
         answer = await self.request("POST", queue_path(queue, "messages"), body=payload,

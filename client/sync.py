@@ -134,6 +134,8 @@ class Client:
 
     # --- messages -----------------------------------------------------------------------------
     def enqueue(self, queue: str, payload: bytes, priority: int = 4, dedupe_id: str | None = None) -> int:
+        """As AsyncClient.enqueue: the id once durable, except on a `one_way` queue (answered
+        before it is durable)."""
         return self._run(self._async.enqueue(queue, payload, priority, dedupe_id))
 
     def enqueue_many(self, queue: str, payloads: Iterable[bytes], priority: int = 4, *,

@@ -283,8 +283,21 @@ class Coordinator:
             self.handoffs[queue] = handoff
             self._end_handoff(queue, "the replica is not in sync")
             return
+        if not self._may_take_over(role.replica_id):
+            # It could never catch up and take the queue: waiting would only hold writes until
+            # the handoff's timeout (every node of a stopping cluster waited ~10 s for peers
+            # already gone, with no membership majority left to record them down).
+            self.handoffs[queue] = handoff
+            self._end_handoff(queue, f"the replica's node {role.replica_id} is unreachable, stopping or not up")
+            return
         self.handoffs[queue] = handoff      # from here the master assigns no new index
         self.master_progress(role)
+
+    def _may_take_over(self, node: str) -> bool:
+        """A node a handoff may go to: linked to this one and up in the map (not draining,
+        down or removed)."""
+        entry = self.membership.cluster_map.nodes.get(node)
+        return entry is not None and entry.state is NodeState.UP and bool(self.pairs.link_up(node))
 
     def parks(self, queue: str) -> bool:
         return queue in self.handoffs or (queue.endswith(".dlq") and queue[:-4] in self.handoffs)

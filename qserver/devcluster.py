@@ -21,6 +21,7 @@ from typing import Any
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 20.0
+RESTARTS_PER_MINUTE_MAX = 3
 
 
 FREE_PORT_FIRST, FREE_PORT_LAST = 5_000, 9_999   # below chaos/cluster.py's port blocks and the
@@ -88,6 +89,8 @@ class LocalCluster:
                                if voters is None or i <= voters}
         self.credentials_path = credentials_path or root / "admin-credentials.json"
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self._restarts: dict[str, list[float]] = {}     # node -> when restart_exited started it
+        self.left_down: set[str] = set()
         self.log_level = os.environ.get("QSERVER_TEST_LOG_LEVEL", "WARNING")
         self._init(self.ids[0], ["--credentials", str(self.credentials_path), "--url", self.urls[self.ids[0]]])
         for node in self.ids[1:]:
@@ -142,6 +145,27 @@ class LocalCluster:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{node} did not join the cluster in {timeout_s}s: {health}")
                 time.sleep(0.05)
+
+    def restart_exited(self) -> list[str]:
+        """The supervisor's part: a node that exited by itself (a fail-stop, exit code 70, or a
+        crash) is started again, as systemd's Restart=on-failure would, at most
+        RESTARTS_PER_MINUTE_MAX times a minute per node; then it is left down. Returns what
+        happened, one line per node."""
+        events = []
+        now = time.monotonic()
+        for node, process in list(self.processes.items()):
+            code = process.poll()
+            if code is None or node in self.left_down:
+                continue
+            recent = [at for at in self._restarts.get(node, []) if now - at < 60]
+            if len(recent) >= RESTARTS_PER_MINUTE_MAX:
+                self.left_down.add(node)
+                events.append(f"{node} exited with code {code} again: left down (see {self.root / (node + '.log')})")
+                continue
+            self._restarts[node] = recent + [now]
+            self.start(node, wait=False)
+            events.append(f"{node} exited with code {code}: started again")
+        return events
 
     def health(self, node: str) -> dict[str, object]:
         try:

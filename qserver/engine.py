@@ -89,12 +89,6 @@ def _refuse(command: c.Command, error: QueueError) -> None:
         command.replier.fail(command.request_id, error)
 
 
-def _engine_ended(task: asyncio.Task[None]) -> None:
-    """The engine task only ends on stop; anything else is a broken invariant: say so loudly."""
-    if not task.cancelled() and task.exception() is not None:
-        log.critical("the engine stopped on an error", exc_info=task.exception())
-
-
 def wall_ms() -> int:
     return int(time.time() * 1000)
 
@@ -175,8 +169,15 @@ class LockedWriter(Executor):
 class Engine:
     def __init__(self, config: NodeConfig, storage: Storage, *, rng: random.Random | None = None,
                  clock_ms: Callable[[], int] = wall_ms, writer: Executor | None = None,
-                 membership: Membership | None = None, monotonic_ms: Callable[[], int] | None = None) -> None:
+                 membership: Membership | None = None, monotonic_ms: Callable[[], int] | None = None,
+                 on_fatal: Callable[[str, BaseException | None], None] | None = None) -> None:
+        """`on_fatal(reason, error)`: called once when the engine can no longer trust its
+        memory (a broken invariant, its task ending on an error); a node passes
+        qserver.failstop.stop_process, which ends the process. Without it (in-process tests,
+        simulations) the engine stops serving and `failed` says why."""
         self.config = config
+        self._on_fatal = on_fatal
+        self.failed: BaseException | None = None
         self.storage = storage
         self.clock_ms = clock_ms
         self._rng = rng or random.Random()
@@ -231,7 +232,33 @@ class Engine:
     async def start(self) -> None:
         self._load()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="engine")
-        self._task.add_done_callback(_engine_ended)
+        self._task.add_done_callback(self._task_ended)
+
+    @property
+    def serving(self) -> bool:
+        """The engine's task runs and takes commands (/healthz answers 503 otherwise)."""
+        return self._task is not None and not self._task.done() and not self._stopping and self.failed is None
+
+    def fail(self, reason: str, error: BaseException | None = None) -> None:
+        """Memory and storage may disagree: stop serving at once, commit nothing more."""
+        if self.failed is not None:
+            return
+        self.failed = error or InvariantViolation(reason)
+        log.critical("the engine failed: %s", reason, exc_info=error)
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        if self._on_fatal is not None:
+            self._on_fatal(reason, error)
+
+    def _task_ended(self, task: asyncio.Task[None]) -> None:
+        """The task ends only when stop() asks it to (or a simulation's crash cancels it)."""
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None:
+            self.fail("the engine's task died", error)
+        elif not self._stopping:
+            self.fail("the engine's task returned without being stopped")
 
     def _load(self) -> None:
         """Rebuild cores from storage: queue records and leases only, never the messages."""
@@ -271,6 +298,9 @@ class Engine:
 
     # --- the inbox -------------------------------------------------------------------------
     def submit(self, command: c.Command) -> None:
+        if self.failed is not None:
+            _refuse(command, QueueError(E_INTERNAL, "this node is stopping on an internal failure"))
+            return
         if self._stopping:
             _refuse(command, QueueError(E_SHUTTING_DOWN))
             return
@@ -738,7 +768,8 @@ class Engine:
         master, replica = pair
         if master != self.config.node_id:
             raise Redirect(master, f"queue {command.name} is created by its master {master}", (master, replica))
-        assert self.coordinator is not None
+        if self.coordinator is None:
+            raise InvariantViolation(f"queue {command.name} was placed without a membership layer")
         self._pending_creates.setdefault(command.name, []).append((command.replier, command.request_id))
         if len(self._pending_creates[command.name]) > 1:
             return
@@ -1052,18 +1083,37 @@ class Engine:
         asyncio.get_running_loop().call_soon(self._submit_commit, sealed)
 
     def _submit_commit(self, sealed: SealedBatch) -> None:
-        future = asyncio.get_running_loop().run_in_executor(self._writer, self.storage.commit, sealed)
+        # Runs as a loop callback, where an exception would only be logged: a writer that
+        # takes no more work leaves every answer waiting for ever.
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self._writer, self.storage.commit, sealed)
+        except Exception as error:
+            self.fail("the writer thread takes no more commits", error)
+            return
         future.add_done_callback(self._commit_done)
 
     def _commit_done(self, future: asyncio.Future[CommitResult]) -> None:
+        """A done-callback: anything raised here would be logged by the loop and forgotten while
+        the engine went on with memory storage may not match, so it stops the node instead."""
+        if self.failed is not None or future.cancelled():   # cancelled: a simulation's crash of the node
+            return
+        try:
+            self._finish_commit(future)
+        except Exception as error:
+            self.fail("completing a commit failed", error)
+
+    def _finish_commit(self, future: asyncio.Future[CommitResult]) -> None:
         batch = self._committing
-        assert batch is not None
+        if batch is None:
+            raise InvariantViolation("a commit completed while none was under way")
         try:
             result = future.result()
         except MapGrowthNeeded:
             self._grow_and_retry(batch)
             return
-        except Exception as error:  # an LMDB or invariant failure: nothing was stored
+        except InvariantViolation:
+            raise               # the writer found storage and memory apart: no retry, no rebuild
+        except Exception as error:  # an LMDB failure (I/O): nothing was stored
             log.exception("commit failed")
             self._committing = None
             self._abandon(batch, error)

@@ -33,6 +33,7 @@ UNSIGNED_PATHS = frozenset({"/healthz", "/metrics", "/v1/peer"})   # peers authe
 ENGINE_ANSWER_GRACE_S = 30.0
 STATUS_STATES = frozenset({"queued", "delivered", "acked", "replied", "dead_lettered"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+NODE: web.AppKey[Any] = web.AppKey("node")       # the qserver.node.Node an application serves
 
 
 PRIORITY_TEXTS = frozenset(str(p) for p in range(10))
@@ -41,7 +42,7 @@ PRIORITY_TEXTS = frozenset(str(p) for p in range(10))
 @web.middleware
 async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Translate every failure into the error envelope, and authenticate signed routes."""
-    node = request.app["node"]
+    node = request.app[NODE]
     try:
         if request.path not in UNSIGNED_PATHS:
             length = request.content_length
@@ -191,7 +192,7 @@ async def put_queue(request: web.Request) -> web.Response:
         options, placement = parse_options(await json_body(request))
     except OptionError as error:
         raise QueueError(e.E_INVALID_OPTION, str(error)) from None
-    engine = request.app["node"].engine
+    engine = request.app[NODE].engine
     chosen = request.headers.get(PLACEMENT, "").split(",")
     if FORWARDED_BY in request.headers and len(chosen) == 2:
         placement.setdefault("master", chosen[0])
@@ -205,7 +206,7 @@ async def empty_queue_name(request: web.Request) -> web.Response:
 
 
 async def list_queues(request: web.Request) -> web.Response:
-    engine = request.app["node"].engine
+    engine = request.app[NODE].engine
     who = principal(request)
     return web.json_response({"queues": [engine.describe(core) for name, core in sorted(engine.cores.items())
                                          if who.may_see(name)]})
@@ -217,19 +218,19 @@ async def get_queue(request: web.Request) -> web.Response:
         raise QueueError(e.E_INVALID_NAME, "invalid queue name")
     if not principal(request).may_see(name):
         raise QueueError(e.E_FORBIDDEN, f"no grant covers {name}")
-    engine = request.app["node"].engine
+    engine = request.app[NODE].engine
     core = engine.cores.get(name)
     if core is None:
         engine.pairs.refuse_if_not_master(name)    # in a cluster, another node may hold it
         raise QueueError(e.E_UNKNOWN_QUEUE, f"no queue named {name!r}")
     stats = engine.describe(core)
-    stats.update(request.app["node"].client_counts(name))
+    stats.update(request.app[NODE].client_counts(name))
     return web.json_response(stats)
 
 
 async def delete_queue(request: web.Request) -> web.Response:
     name = queue_name(request, "admin")
-    return web.json_response(await call(request.app["node"].engine, lambda r: c.DeleteQueue(name, r)))
+    return web.json_response(await call(request.app[NODE].engine, lambda r: c.DeleteQueue(name, r)))
 
 
 # --- messages ----------------------------------------------------------------------------
@@ -242,7 +243,7 @@ async def enqueue(request: web.Request) -> web.Response:
     if dedupe_id is not None and not valid_dedupe_id(dedupe_id):
         raise QueueError(e.E_INVALID_OPTION, "X-Dedupe-Id must be 1-128 printable UTF-8 characters")
     payload = await request.read()
-    engine = request.app["node"].engine
+    engine = request.app[NODE].engine
     client = principal(request).client_id
     message_index, epoch = await call(
         engine, lambda r: c.Enqueue(name, payload, int(raw_priority), dedupe_id, client, r), may_have_applied=True)
@@ -252,7 +253,7 @@ async def enqueue(request: web.Request) -> web.Response:
 
 async def receive(request: web.Request) -> web.Response:
     name = queue_name(request, "get")
-    node = request.app["node"]
+    node = request.app[NODE]
     wait_s = number_param(request, "wait_s", 0.0, 0.0, node.config.receive_wait_max_s)
     visibility_s = number_param(request, "visibility_timeout_s", -1.0, 0.0, 43_200.0) if \
         "visibility_timeout_s" in request.rel_url.query else None
@@ -272,7 +273,7 @@ async def ack(request: web.Request) -> web.Response:
     name = queue_name(request, "delete")
     index, token = message_id(request), receipt(request)
     client = principal(request).client_id
-    await call(request.app["node"].engine, lambda r: c.Ack(name, index, token, client, r))
+    await call(request.app[NODE].engine, lambda r: c.Ack(name, index, token, client, r))
     return web.json_response({"acked": index})
 
 
@@ -280,7 +281,7 @@ async def release(request: web.Request) -> web.Response:
     name = queue_name(request, "get")
     index, token = message_id(request), receipt(request)
     client = principal(request).client_id
-    await call(request.app["node"].engine, lambda r: c.Ack(name, index, token, client, r, release=True))
+    await call(request.app[NODE].engine, lambda r: c.Ack(name, index, token, client, r, release=True))
     return web.json_response({"released": index})
 
 
@@ -289,14 +290,14 @@ async def reply(request: web.Request) -> web.Response:
     index, token = message_id(request), receipt(request)
     payload = await request.read()
     client = principal(request).client_id
-    await call(request.app["node"].engine, lambda r: c.Ack(name, index, token, client, r, reply_payload=payload))
+    await call(request.app[NODE].engine, lambda r: c.Ack(name, index, token, client, r, reply_payload=payload))
     return web.json_response({"replied": index})
 
 
 async def message_status(request: web.Request) -> web.Response:
     name = queue_name(request, "post")
     index = message_id(request)
-    node = request.app["node"]
+    node = request.app[NODE]
     wait_s = number_param(request, "wait_s", 0.0, 0.0, node.config.receive_wait_max_s)
     until_raw = request.rel_url.query.get("until")
     until = frozenset(until_raw.split(",")) if until_raw else TERMINAL_STATES
@@ -316,7 +317,7 @@ async def register_client(request: web.Request) -> web.Response:
     if not isinstance(body, dict) or not isinstance(body.get("name"), str) or not is_valid_queue_name(body["name"]):
         raise QueueError(e.E_INVALID_NAME, "a client needs a name of 1-200 of A-Z a-z 0-9 . _ : -")
     grants = validate_grants(body.get("grants", []))
-    engine = request.app["node"].engine
+    engine = request.app[NODE].engine
     if any(record["name"] == body["name"] for record in engine.clients.values()):
         raise QueueError(e.E_CLIENT_EXISTS, f"a client named {body['name']} exists")
     private_text = None
@@ -341,20 +342,20 @@ async def register_client(request: web.Request) -> web.Response:
 
 async def list_clients(request: web.Request) -> web.Response:
     principal(request).require("admin")
-    return web.json_response({"clients": sorted(request.app["node"].engine.clients.values(), key=lambda r: r["name"])})
+    return web.json_response({"clients": sorted(request.app[NODE].engine.clients.values(), key=lambda r: r["name"])})
 
 
 async def remove_client(request: web.Request) -> web.Response:
     principal(request).require("admin")
     client_id = request.match_info["id"]
-    await call(request.app["node"].engine, lambda r: c.PutClient(client_id, None, r))
+    await call(request.app[NODE].engine, lambda r: c.PutClient(client_id, None, r))
     return web.json_response({"removed": client_id})
 
 
 async def set_grants(request: web.Request) -> web.Response:
     principal(request).require("admin")
     client_id = request.match_info["id"]
-    engine = request.app["node"].engine
+    engine = request.app[NODE].engine
     body = await json_body(request)
     grants = validate_grants(body.get("grants") if isinstance(body, dict) else None)
     record = engine.clients.get(client_id)
@@ -369,7 +370,7 @@ async def set_grants(request: web.Request) -> web.Response:
 async def cluster(request: web.Request) -> web.Response:
     """The cluster map as this node knows it (the replicated map in a cluster), with the lag of
     the queues mastered here."""
-    node = request.app["node"]
+    node = request.app[NODE]
     who = principal(request)
     engine = node.engine
     if engine.coordinator is not None:
@@ -390,7 +391,7 @@ async def cluster(request: web.Request) -> web.Response:
 async def export_journal(request: web.Request) -> web.Response:
     """Export this node's journal to Parquet now (docs/AUDIT.md), unsealed tail included."""
     principal(request).require("admin", "*")
-    return web.json_response(await request.app["node"].export_journal(force=True))
+    return web.json_response(await request.app[NODE].export_journal(force=True))
 
 
 # --- cluster operations (DESIGN.md 5) ----------------------------------------------------------
@@ -416,14 +417,14 @@ async def in_engine(engine: Engine, action: Callable[[Callable[[Any], None]], No
 
 
 def coordinator_of(request: web.Request) -> Any:
-    coordinator = request.app["node"].engine.coordinator
+    coordinator = request.app[NODE].engine.coordinator
     if coordinator is None:
         raise QueueError(e.E_INVALID_OPTION, "this node is not part of a cluster")
     return coordinator
 
 
 def cluster_entry(request: web.Request, name: str) -> Any:
-    entry = request.app["node"].engine.pairs.view.entry(name)
+    entry = request.app[NODE].engine.pairs.view.entry(name)
     if entry is None:
         raise QueueError(e.E_UNKNOWN_QUEUE, f"no queue named {name!r}")
     return entry
@@ -438,7 +439,7 @@ async def handoff(request: web.Request) -> web.Response:
     if initiator not in ("master", "replica"):
         raise QueueError(e.E_INVALID_OPTION, "initiator is master or replica")
     entry = cluster_entry(request, name)
-    node = request.app["node"]
+    node = request.app[NODE]
     target = entry.master if initiator == "master" else entry.replica
     if target != node.config.node_id and FORWARDED_BY not in request.headers:
         return await proxy_to(request, node, target)
@@ -462,7 +463,7 @@ async def promote(request: web.Request) -> web.Response:
                                              "messages; say unclean to do it anyway")
     pair = entry.pair          # the entry itself changes once the local map applies the change
     change = ChangePair(name, astuple(pair), (pair.epoch + 1, pair.replica, pair.master, False), Reason.UNCLEAN.value)
-    outcomes = await in_engine(request.app["node"].engine, lambda finish: coordinator.propose_checked(
+    outcomes = await in_engine(request.app[NODE].engine, lambda finish: coordinator.propose_checked(
         change, finish, lambda o: o))
     if not outcomes[0].applied:
         raise QueueError(e.E_HANDOFF_REFUSED, f"the map changed first: {outcomes[0].reason}")
@@ -478,7 +479,7 @@ async def move(request: web.Request) -> web.Response:
     if not isinstance(body, dict) or body.get("member") not in ("master", "replica") or not isinstance(
             body.get("to"), str):
         raise QueueError(e.E_INVALID_OPTION, 'the body is {"member": "master"|"replica", "to": NODE}')
-    node = request.app["node"]
+    node = request.app[NODE]
     engine = node.engine
     entry = cluster_entry(request, name)
     target = body["to"]
@@ -500,7 +501,7 @@ async def move(request: web.Request) -> web.Response:
 async def rebalance(request: web.Request) -> web.Response:
     principal(request).require("admin", "*")
     coordinator = coordinator_of(request)
-    chosen = await in_engine(request.app["node"].engine, lambda finish: finish(coordinator.rebalance()))
+    chosen = await in_engine(request.app[NODE].engine, lambda finish: finish(coordinator.rebalance()))
     return web.json_response({"handoffs": chosen})
 
 
@@ -527,7 +528,7 @@ async def remove_node(request: web.Request) -> web.Response:
 
 
 async def node_command(request: web.Request, coordinator: Any, command: Any) -> web.Response:
-    outcomes = await in_engine(request.app["node"].engine,
+    outcomes = await in_engine(request.app[NODE].engine,
                                lambda finish: coordinator.propose_checked(command, finish, lambda o: o))
     if not outcomes[0].applied:
         raise QueueError(e.E_INVALID_OPTION, f"refused: {outcomes[0].reason}")
@@ -535,19 +536,23 @@ async def node_command(request: web.Request, coordinator: Any, command: Any) -> 
 
 
 async def healthz(request: web.Request) -> web.Response:
-    node = request.app["node"]
-    answer: dict[str, Any] = {"status": "ok", "node": node.config.node_id, "queues": len(node.engine.cores)}
+    node = request.app[NODE]
+    engine = node.engine
+    # A supervisor or load balancer reads the status code: 503 whenever the engine does not
+    # take commands (starting, stopping, or failed and about to exit).
+    status = "ok" if engine.serving else "failed" if engine.failed is not None else "not_serving"
+    answer: dict[str, Any] = {"status": status, "node": node.config.node_id, "queues": len(engine.cores)}
     coordinator = node.engine.coordinator
     if coordinator is not None:      # enough for a supervisor to see the node take part
         answer["membership"] = {"leader": coordinator.membership.leader_id(), "term": coordinator.membership.term(),
                                 "nodes": {n: entry.state.value for n, entry
                                           in sorted(coordinator.membership.cluster_map.nodes.items())},
                                 "lease_valid": coordinator.lease_valid(), "raft": coordinator.membership.status()}
-    return web.json_response(answer)
+    return web.json_response(answer, status=200 if status == "ok" else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(text=request.app["node"].render_metrics(), content_type="text/plain")
+    return web.Response(text=request.app[NODE].render_metrics(), content_type="text/plain")
 
 
 def add_routes(app: web.Application) -> None:

@@ -109,6 +109,7 @@ class Demo:
         tty = sys.stdout.isatty()
         while stop_at is None or time.monotonic() < stop_at:
             await asyncio.sleep(STATUS_INTERVAL_S)
+            self.events += [f"{time.strftime('%H:%M:%S')} {event}" for event in cluster.restart_exited()]
             now = time.monotonic()
             produced, consumed = sum(self.produced.values()), sum(self.consumed.values())
             try:
@@ -195,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.no_demo:
             print("cluster running; Ctrl-C stops it")
             with contextlib.suppress(KeyboardInterrupt):
-                while all(process.poll() is None for process in cluster.processes.values()):
+                while len(cluster.left_down) < len(cluster.ids):
+                    for event in cluster.restart_exited():    # a node that failed stop is started again
+                        print(f"{time.strftime('%H:%M:%S')} {event}", flush=True)
                     time.sleep(0.5)
         else:
             asyncio.run(run_demo(cluster, args.rate, args.duration_s, args.handoff_every_s))

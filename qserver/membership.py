@@ -24,13 +24,13 @@ import asyncio
 import collections
 import itertools
 import logging
-import os
 import random
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any, Protocol
 
+from qserver.failstop import stop_process
 from qserver.metrics import Histogram, render_family
 from qserver.raft_store import RaftStorage, storage_id_bytes
 from replication.cluster_map import (
@@ -44,6 +44,7 @@ from replication.cluster_map import (
     encode_command,
     encode_map,
 )
+from replication.invariants import InvariantViolation
 from replication.messages import MessageError
 from replication.raft import (
     ChangeKind,
@@ -308,7 +309,8 @@ class RaftMembership:
     # --- the task that owns the core --------------------------------------------------------
     async def _run(self) -> None:
         core = self._core
-        assert core is not None
+        if core is None:
+            raise InvariantViolation("the membership task started before its Raft core")
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -485,9 +487,7 @@ def _task_ended(task: asyncio.Task[None]) -> None:
     refusing to truncate a committed entry, say): the node stops at once, before it acts on
     a map it can no longer trust, and its supervisor restarts it from what is on disk."""
     if not task.cancelled() and task.exception() is not None:
-        log.critical("the membership task died: stopping the node", exc_info=task.exception())
-        logging.shutdown()
-        os._exit(70)        # EX_SOFTWARE
+        stop_process("the membership task died", task.exception())
 
 
 class _ChangeAll:

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -24,7 +25,9 @@ from qserver import commands as c
 from qserver.auth import Authenticator
 from qserver.config import NodeConfig
 from qserver.engine import Engine
-from qserver.http_api import add_routes, errors_and_auth
+from qserver.failstop import loop_exception_handler, stop_process
+from qserver.http_api import NODE, add_routes, errors_and_auth
+from qserver.http_errors import EnvelopeAppRunner
 from qserver.journal_export import ExportSettings, JournalExporter, JournalSource, exit_with_parent, export_in_process
 from qserver.membership import RaftMembership, raft_limits, tick_ms
 from qserver.metrics import render_family
@@ -39,13 +42,14 @@ GC_THRESHOLDS = (50_000, 20, 10)   # young, middle, old (see run; bench/RESULTS.
 
 
 class Node:
-    def __init__(self, config: NodeConfig) -> None:
+    def __init__(self, config: NodeConfig, *, on_fatal: Callable[[str, BaseException | None], None] = stop_process) -> None:
+        """`on_fatal`: what a broken invariant does (qserver/failstop.py: end the process)."""
         self.config = config
         self.storage = Storage(Path(config.data_dir) / "lmdb", node_id=config.node_id, map_size_bytes=config.map_size_bytes,
                                map_size_max_bytes=config.map_size_max_bytes,
                                journal_enabled=config.journal_enabled, payload_hold_bytes=config.payload_hold_bytes)
         self.membership, self.membership_peers = self._membership()
-        self.engine = Engine(config, self.storage, membership=self.membership)
+        self.engine = Engine(config, self.storage, membership=self.membership, on_fatal=on_fatal)
         self.peers = self._peer_transport()
         self.auth = Authenticator(self.engine.clients, skew_max_s=config.signature_skew_max_s,
                                   enabled=config.auth_enabled)
@@ -105,7 +109,8 @@ class Node:
         return await asyncio.get_running_loop().run_in_executor(self.engine.writer, exporter.prune, safe, now_ms)
 
     async def _export_journal_when_due(self) -> None:
-        assert self.journal is not None
+        if self.journal is None:
+            return                                   # the journal is off: nothing to export
         while True:
             await asyncio.sleep(self.config.journal_export_check_interval_s)
             try:
@@ -316,7 +321,7 @@ class Node:
 
     def application(self) -> web.Application:
         app = web.Application(middlewares=[errors_and_auth], client_max_size=self.config.body_bytes_max + 4096)
-        app["node"] = self
+        app[NODE] = self
         add_routes(app)
         app.router.add_get("/v1/ws", websocket)
         if self.peers is not None:
@@ -328,7 +333,7 @@ async def serve(config: NodeConfig, *, ready: asyncio.Event | None = None) -> No
     """Run a node until SIGTERM or SIGINT, then stop in order (answers first, then storage)."""
     node = Node(config)
     await node.start()
-    runner = web.AppRunner(node.application(), access_log=None, handle_signals=False)
+    runner = EnvelopeAppRunner(node.application(), access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, reuse_address=True, backlog=1024)
     await site.start()
@@ -345,6 +350,7 @@ async def serve(config: NodeConfig, *, ready: asyncio.Event | None = None) -> No
     print(f"qserver {config.node_id} ready on {node.url}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    loop.set_exception_handler(loop_exception_handler)
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     if ready is not None:

@@ -42,6 +42,7 @@ from yarl import URL
 
 from client import errors as e
 from client.errors import QueueError
+from qserver.failstop import stop_process
 from qserver.http_errors import error_response
 
 log = logging.getLogger("qserver.peers")
@@ -328,9 +329,10 @@ class PeerTransport:
     @staticmethod
     def _dialer_ended(task: asyncio.Task[None]) -> None:
         # Only cancellation ends a dialer; anything else is a bug (often a callback that
-        # raised) and leaves that peer without a link, so say so loudly now, not at stop().
+        # raised) and would leave that peer without a link for good: the node stops and its
+        # supervisor starts it again.
         if not task.cancelled() and task.exception() is not None:
-            log.critical("a peer dialer died; its peer stays unlinked", exc_info=task.exception())
+            stop_process("a peer dialer died", task.exception())
 
     async def _dial_forever(self, peer: _Peer) -> None:
         delay_s = self._delay_initial_s

@@ -39,6 +39,7 @@ from client.protocol import (
 )
 from qserver import commands as c
 from qserver.auth import Principal
+from qserver.http_api import NODE
 from replication.options import is_valid_queue_name, valid_dedupe_id
 
 log = logging.getLogger("qserver.ws")
@@ -205,7 +206,7 @@ class ClientConnection:
 
 
 async def websocket(request: web.Request) -> web.StreamResponse:
-    node = request.app["node"]
+    node = request.app[NODE]
     ws = web.WebSocketResponse(max_msg_size=max(16 << 20, node.config.body_bytes_max * 16), heartbeat=30.0)
     await ws.prepare(request)
     connection = ClientConnection(ws, request["principal"], node)

@@ -4,6 +4,7 @@ stored messages and other clients' connections are exactly as they were."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -58,6 +59,26 @@ async def ws_exchange(ws: aiohttp.ClientWebSocketResponse, frame: bytes, *, text
     message = await asyncio.wait_for(ws.receive(), 5)
     assert message.type == aiohttp.WSMsgType.BINARY, message
     return decode_server_frame(message.data)
+
+
+@pytest.mark.parametrize("raw", [
+    b"GET /v1/queues/" + b"q" * 10_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",          # request line over the limit
+    b"GET /v1/queues HTTP/1.1\r\nHost: x\r\nX-Dedupe-Id: " + b"d" * 10_000 + b"\r\n\r\n",  # a header over it
+    b"NOT HTTP AT ALL\r\n\r\n",
+    b"POST /v1/queues/keep/messages HTTP/1.1\r\nHost: x\r\nContent-Length: nine\r\n\r\n",
+], ids=["long-request-line", "long-header", "not-http", "bad-content-length"])
+async def test_what_aiohttp_refuses_before_any_handler_is_answered_with_the_envelope(api: RawApi, raw: bytes) -> None:
+    host, port = api.url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(raw)
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 5)        # the server closes after it
+    finally:
+        writer.close()
+    head, body = answer.split(b"\r\n\r\n", 1)
+    assert head.split(b" ", 2)[1] == b"400" and b"application/json" in head, head
+    assert json.loads(body)["error"]["code"] == "E_BAD_REQUEST" and b"X-Error-Code: E_BAD_REQUEST" in head
 
 
 @pytest.mark.parametrize("body, code", [

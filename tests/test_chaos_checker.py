@@ -54,6 +54,27 @@ def test_a_clean_history_is_valid_and_counts_every_outcome() -> None:
     assert result["counts"]["recovered"] == 1 and result["counts"]["enqueue_fail"] == 1
 
 
+def test_a_one_way_answer_promises_nothing_a_lost_message_and_a_reused_id_are_not_violations() -> None:
+    """A one_way queue answers before the message is durable (seed 004 One_Way): a master that
+    failed before storing "a" lost it and gave its id 1 again to "b" after the failover."""
+    history = Recorder()
+    history.enqueue("a", "ok", (0, 1), 1)
+    history.enqueue("b", "ok", (2, 3), 1)
+    history.receive([(1, "b", 1)], (4, 5))
+    history.ack(1, "ok", (5, 6))
+    assert not verdict(history)["valid"]                          # judged as a durable queue
+    result = checker.check(history.entries, {"q": "full"}, one_way=["q"])
+    assert result["valid"], result["violations"]
+    assert result["counts"]["enqueue_unknown"] == 2 and result["counts"]["recovered"] == 1
+
+
+def test_a_scenario_takes_a_queue_type_and_refuses_an_unknown_one() -> None:
+    scenario = parse_scenario("t", {"queues": [{"name": "q", "type": "one_way"}]})
+    assert scenario.one_way_queues() == ["q"] and scenario.queues[0].options()["type"] == "one_way"
+    with pytest.raises(ValueError, match="type is one of"):
+        parse_scenario("t", {"queues": [{"name": "q", "type": "sometimes"}]})
+
+
 def test_an_acknowledged_enqueue_never_delivered_is_lost() -> None:
     history = Recorder()
     history.enqueue("a", "ok", (0, 1), 1)

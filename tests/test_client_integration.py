@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -203,6 +204,37 @@ async def test_a_receive_in_flight_when_the_node_dies_fails_as_outcome_unknown(q
 
 
 @pytest.mark.asyncio
+async def test_a_websocket_call_to_a_paused_node_ends_at_its_deadline_with_an_outcome_unknown_timeout(
+        qnode: Any) -> None:
+    """SIGSTOP: the socket stays open and nothing is answered. Every call ends with a
+    retriable E_TIMEOUT after request_timeout_s (a receive's wait added), and the client
+    works again once the node resumes."""
+    timeout_s = 1.0
+    async with AsyncClient(qnode.url, qnode.credentials_path, request_timeout_s=timeout_s) as client:
+        await client.create_queue("paused")
+        await client.enqueue("paused", b"before")
+        qnode.process.send_signal(signal.SIGSTOP)
+        try:
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            calls = await asyncio.gather(client.enqueue("paused", b"lost?"), client.receive("paused", wait_s=0.5),
+                                         client.ping(), return_exceptions=True)
+            elapsed = loop.time() - started
+        finally:
+            qnode.process.send_signal(signal.SIGCONT)
+        for outcome in calls:
+            assert isinstance(outcome, QueueError) and outcome.code == "E_TIMEOUT", calls
+            assert outcome.retriable and outcome.outcome_unknown
+        assert timeout_s <= elapsed < timeout_s + 0.5 + 1.0
+        await client.enqueue("paused", b"after")
+        # The node took the calls once it resumed (their outcome was unknown, not failed): the
+        # enqueue stored "lost?", and the receive leased "before" to an answer nobody read.
+        assert (await client.queue_stats("paused"))["depth"] == 3
+        payloads = {m.payload for m in await client.receive("paused", max_messages=10, wait_s=1.0)}
+        assert payloads == {b"lost?", b"after"}
+
+
+@pytest.mark.asyncio
 async def test_a_client_with_only_the_post_grant_is_forbidden_to_receive(qnode: Any, tmp_path: Path) -> None:
     producer_path = tmp_path / "producer.json"
     code, document, _ = await asyncio.to_thread(run_qctl, qnode, "clients", "add", "producer",
@@ -220,6 +252,44 @@ async def test_a_client_with_only_the_post_grant_is_forbidden_to_receive(qnode: 
             await producer.enqueue("payments", b"not granted")
     for caught in (over_websocket, over_rest, elsewhere):
         assert caught.value.code == "E_FORBIDDEN" and not caught.value.retriable
+
+
+@pytest.mark.asyncio
+async def test_one_grant_rule_on_rest_and_websocket_get_receives_and_releases_delete_acks_post_reads_status(
+        qnode: Any, tmp_path: Path) -> None:
+    """docs/PROTOCOL.md "Grants": release gives a leased message back and removes nothing, so
+    the `get` that leased it suffices; ack and reply remove it (`delete`); a message's status
+    (with a two-way reply) belongs to whoever posted it (`post`)."""
+    paths = {name: tmp_path / f"{name}.json" for name in ("poster", "taker", "deleter")}
+    for name, privileges in (("poster", "post"), ("taker", "get"), ("deleter", "delete")):
+        code, _, _ = await asyncio.to_thread(run_qctl, qnode, "clients", "add", name, "--grant",
+                                             f"orders:{privileges}", "--out", str(paths[name]))
+        assert code == 0
+    async with AsyncClient(credentials=str(qnode.credentials_path)) as admin:
+        await admin.create_queue("orders")
+    async with AsyncClient(credentials=str(paths["poster"])) as poster, \
+            AsyncClient(credentials=str(paths["taker"])) as taker, \
+            AsyncClient(credentials=str(paths["deleter"])) as deleter:
+        first, second = await poster.enqueue("orders", b"one"), await poster.enqueue("orders", b"two")
+        assert (await poster.message_status("orders", first))["state"] == "queued"
+        over_websocket = (await taker.receive("orders"))[0]
+        await taker.release("orders", over_websocket.id, over_websocket.receipt)
+        over_rest = await taker.http.receive_http("orders")
+        assert over_rest is not None
+        await taker.http.release_http("orders", over_rest.message_id, over_rest.receipt)
+        leased = (await taker.receive("orders"))[0]
+        refusals = []
+        for attempt in (taker.ack("orders", leased.id, leased.receipt),
+                        taker.http.ack_http("orders", leased.id, leased.receipt),
+                        taker.message_status("orders", second),
+                        deleter.message_status("orders", second),
+                        deleter.receive("orders")):
+            with pytest.raises(QueueError) as caught:
+                await attempt
+            refusals.append(caught.value.code)
+        assert refusals == ["E_FORBIDDEN"] * 5
+        await deleter.ack("orders", leased.id, leased.receipt)
+        assert (await poster.message_status("orders", leased.id))["state"] == "acked"
 
 
 @pytest.mark.asyncio

@@ -27,6 +27,13 @@ def test_the_compose_file_names_one_configuration_per_node_and_the_dockerfile_co
         assert (REPOSITORY / source).exists(), source
 
 
+def test_every_supervisor_starts_a_node_again_after_it_fails_stop() -> None:
+    """A broken invariant ends the process with code 70 (qserver/failstop.py): each way of
+    running a node starts it again."""
+    assert "restart: on-failure" in (DEPLOY / "compose.yaml").read_text()
+    assert "Restart=on-failure" in (DEPLOY / "qserver.service").read_text()
+
+
 def test_a_retired_setting_is_refused_with_what_to_do(tmp_path: Path) -> None:
     path = tmp_path / "node.toml"
     path.write_text('[node]\nnode_id = "n1"\ncommit_inline_operations_max = 4\n')

@@ -3,6 +3,7 @@ Raft membership layer, the real client library, kill -9 and SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -121,6 +122,46 @@ async def test_a_handoff_asked_by_the_master_swaps_the_pair_without_losing_a_wri
             assert set(await drain(new_master, "orders")) == acknowledged
 
 
+async def test_a_consumer_follows_its_queue_through_handoffs_and_never_sees_not_master(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
+    """issue 13: the demo's consume loop saw E_NOT_MASTER once per handoff."""
+    cluster = qcluster_factory(3, {"orders": ["n1", "n2"]})
+    async with AsyncClient(cluster.urls["n3"], cluster.credentials_path) as client:
+        await client.create_queue("orders", strength="full")
+        await client.refresh_placement()
+        acknowledged: set[int] = set()
+        consumed: set[int] = set()
+        stop = asyncio.Event()
+
+        async def produce() -> None:
+            while not stop.is_set():
+                try:
+                    acknowledged.update(await client.enqueue_many("orders", [b"m"] * 10))
+                except QueueError:
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.01)
+
+        async def consume() -> None:
+            async with client.consume("orders", prefetch=50) as messages:
+                async for message in messages:       # any E_NOT_MASTER would end this task
+                    consumed.add(message.id)
+                    with contextlib.suppress(QueueError):
+                        await message.ack()
+        producer, consumer = asyncio.create_task(produce()), asyncio.create_task(consume())
+        for expected in ("n2", "n1", "n2"):
+            await asyncio.sleep(0.5)
+            assert (await client.handoff("orders"))["master"] == expected
+        await asyncio.sleep(0.5)
+        stop.set()
+        await producer
+
+        async def settled() -> bool:
+            return acknowledged <= consumed or consumer.done()
+        await wait_for(settled, 10.0, "every acknowledged message consumed")
+        assert not consumer.done(), consumer.exception()
+        consumer.cancel()
+        assert acknowledged <= consumed
+
+
 async def test_a_replica_asked_handoff_is_refused_when_the_master_does_not_accept_them_and_accepted_otherwise(
         qcluster_factory) -> None:  # type: ignore[no-untyped-def]
     cluster = qcluster_factory(3, {"strict": ["n1", "n2"], "open": ["n2", "n3"]})
@@ -194,6 +235,26 @@ async def test_sigterm_hands_off_every_master_on_the_node_first(qcluster_factory
         entry = await wait_for(handed_off, 2.0, "n3's map to show the handoff")
         assert entry["master"] == "n2" and entry["last_reason"] == "handoff", entry
         assert set(await drain(client, "orders")) == acknowledged
+
+
+async def test_the_last_node_of_a_stopping_cluster_does_not_wait_to_hand_off_to_nodes_already_gone(
+        qcluster_factory) -> None:  # type: ignore[no-untyped-def]
+    """Its replica's node and the third are gone: no membership majority is left to record
+    them down, so its map still shows the replica in sync; it must stop at once, not after
+    shutdown_handoff_timeout_s (10 s)."""
+    cluster = qcluster_factory(3, {"orders": ["n1", "n2"]})
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as client:
+        await client.create_queue("orders", strength="full")
+        await client.enqueue_many("orders", [b"x"] * 20)
+    for node in ("n3", "n2"):
+        process = cluster.processes.pop(node)
+        process.terminate()
+        process.wait(timeout=30)
+    process = cluster.processes.pop("n1")
+    started = time.monotonic()
+    process.terminate()
+    assert process.wait(timeout=30) == 0
+    assert time.monotonic() - started < 3.0
 
 
 async def test_qctl_shows_the_cluster_map_and_hands_a_queue_off(qcluster_factory) -> None:  # type: ignore[no-untyped-def]

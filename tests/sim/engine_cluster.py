@@ -210,7 +210,8 @@ class SimNode:
             tick_s=tick_ms(self.config.raft_heartbeat_ms) / 1000 / self.clock_rate, seed=rng.getrandbits(64))
         engine = Engine(self.config, self.storage, rng=random.Random(rng.getrandbits(64)),  # type: ignore[arg-type]
                         clock_ms=self.sim.now_ms, writer=self.disk, membership=membership,
-                        monotonic_ms=self.monotonic_ms)
+                        monotonic_ms=self.monotonic_ms,
+                        on_fatal=lambda reason, error: self.sim.engine_failed(self.node_id, reason, error))
         engine.pairs.send = self.transport.send
         engine.pairs.link_up = self.transport.is_up
         applied = membership.on_applied
@@ -221,8 +222,6 @@ class SimNode:
             applied(command, outcomes)
         membership.on_applied = record_and_apply
         await engine.start()
-        assert engine._task is not None
-        engine._task.add_done_callback(lambda task: self.sim.engine_ended(self.node_id, task))
         self.engine = engine
         self.sim.rejoin_group(self.node_id, "crashed")
         membership.start()
@@ -374,11 +373,10 @@ class EngineSimulation:
             for node in self.members.values():
                 await node.shutdown()
 
-    def engine_ended(self, node_id: str, task: asyncio.Task[None]) -> None:
-        """An engine task ends only when the simulation crashes it; one that stopped on an
-        error (a broken invariant) fails the run."""
-        if not task.cancelled() and task.exception() is not None:
-            self.broken.append(f"{self.now_ms()} ms, {node_id}: {task.exception()!r}")
+    def engine_failed(self, node_id: str, reason: str, error: BaseException | None) -> None:
+        """An engine fails (a broken invariant, its task dying, a commit's completion raising)
+        where a real node would stop its process: that fails the run."""
+        self.broken.append(f"{self.now_ms()} ms, {node_id}: {reason}: {error!r}")
 
     def _spawn(self, coroutine: Any) -> None:
         self._tasks.append(self.loop.create_task(coroutine))
