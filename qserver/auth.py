@@ -4,14 +4,23 @@ Registered clients are stored with their Ed25519 public key only. Every request 
 against the canonical string of client/signing.py; timestamps outside the skew window and
 nonces already seen inside it are refused, so a captured request cannot be replayed. Grants
 are shell-style queue-name patterns, each with a set of privileges.
+
+Across a restart: an orderly stop saves the nonces of the window (`save_nonces`) and the next
+start loads them; after a crash nothing was saved, so the node refuses every request signed
+before it started (`not_before_ms`): what it may have seen before the crash cannot pass
+again, and a client signs a new request (a client whose clock runs behind the node's by d is
+refused for d after such a restart).
 """
 from __future__ import annotations
 
 import collections
 import fnmatch
+import json
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -86,9 +95,11 @@ ANONYMOUS_ADMIN = Principal("anonymous", ADMIN_GRANTS)   # when auth is switched
 
 
 class Authenticator:
-    def __init__(self, clients: dict[str, dict[str, Any]], *, skew_max_s: float, enabled: bool = True) -> None:
+    def __init__(self, clients: dict[str, dict[str, Any]], *, skew_max_s: float, enabled: bool = True,
+                 not_before_ms: int = 0) -> None:
         self._clients = clients            # the engine's live registry (client id -> record)
         self._skew_max_ms = int(skew_max_s * 1000)
+        self.not_before_ms = not_before_ms  # requests signed earlier are refused (see the module)
         self.enabled = enabled
         self._keys: dict[str, tuple[str, Ed25519PublicKey]] = {}
         self._nonces: collections.OrderedDict[str, int] = collections.OrderedDict()
@@ -116,6 +127,8 @@ class Authenticator:
         now_ms = int(time.time() * 1000)
         if abs(now_ms - timestamp_ms) > self._skew_max_ms:
             raise QueueError(E_STALE_REQUEST, "the request timestamp is outside the accepted window")
+        if timestamp_ms < self.not_before_ms:
+            raise QueueError(E_STALE_REQUEST, "the request was signed before this node restarted: sign it again")
         record = self._clients.get(client_id)
         if record is None:
             raise QueueError(E_UNAUTHENTICATED, "unknown client or bad signature")
@@ -131,6 +144,30 @@ class Authenticator:
             cached = (record["public_key"], public_key_from_text(record["public_key"]))
             self._keys[client_id] = cached
         return cached[1]
+
+    def save_nonces(self, path: Path) -> None:
+        """At an orderly stop: the nonces still inside the window, for the next start."""
+        horizon = int(time.time() * 1000) - 2 * self._skew_max_ms
+        kept = {nonce: seen_ms for nonce, seen_ms in self._nonces.items() if seen_ms >= horizon}
+        temporary = path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(kept))
+        os.replace(temporary, path)
+
+    def load_nonces(self, path: Path) -> bool:
+        """At start: the nonces an orderly stop saved (the file is used once: a crash after this
+        start must not find it again). False when there was none (a first start or a crash)."""
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return False
+        path.unlink(missing_ok=True)
+        if not isinstance(saved, dict):
+            return False
+        horizon = int(time.time() * 1000) - 2 * self._skew_max_ms
+        for nonce, seen_ms in sorted(saved.items(), key=lambda item: item[1]):
+            if isinstance(seen_ms, int) and seen_ms >= horizon and len(self._nonces) < NONCES_KEPT_MAX:
+                self._nonces[str(nonce)] = seen_ms
+        return True
 
     def _remember_nonce(self, nonce: str, now_ms: int) -> None:
         """Refuse a nonce seen within the skew window; older ones cannot pass the clock check."""

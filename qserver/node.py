@@ -61,6 +61,7 @@ class Node:
         self.journal = self._journal_exporter()
         self._journal_task: asyncio.Task[None] | None = None
         self._export_pool: ProcessPoolExecutor | None = None
+        self._nonces_path = Path(config.data_dir) / "replay-window.json"
 
     def _journal_exporter(self) -> JournalExporter | None:
         config = self.config
@@ -179,6 +180,8 @@ class Node:
         if self.journal is not None:
             self._journal_task = asyncio.get_running_loop().create_task(self._export_journal_when_due())
         self.auth._clients = self.engine.clients   # the engine rebuilt its registry on load
+        if not self.auth.load_nonces(self._nonces_path):
+            self.auth.not_before_ms = int(time.time() * 1000)   # after a crash: see qserver/auth.py
         if self.peers is not None:
             await self.peers.start()
         if self.membership_peers is not None:
@@ -197,6 +200,10 @@ class Node:
             await self.membership_peers.stop()
         if self._http_session is not None:
             await self._http_session.close()
+        try:
+            self.auth.save_nonces(self._nonces_path)    # the HTTP site stopped: no more requests
+        except OSError:
+            log.exception("could not save the replay window: the next start refuses older requests")
         await self.engine.stop()
         if self.membership is not None:
             self.membership.stop()

@@ -202,6 +202,30 @@ async def test_a_replayed_request_is_refused_and_not_applied_twice(api: RawApi) 
     assert stats["depth"] == 1
 
 
+@pytest.mark.parametrize("restart", ["sigterm", "sigkill"])
+async def test_a_request_replayed_after_the_node_restarts_is_refused_and_not_applied(
+        api: RawApi, qnode: Any, restart: str) -> None:
+    """An orderly stop keeps the replay window's nonces for the next start; after a crash the
+    node refuses whatever was signed before it started. A fresh request passes either way."""
+    assert api.signer is not None
+    await api.request("PUT", "/v1/queues/replayed", {})
+    headers = api.signer.headers("POST", "/v1/queues/replayed/messages", {}, b"once")
+    status, _, _ = await api.request("POST", "/v1/queues/replayed/messages", b"once", signed_headers=headers)
+    assert status == 201
+    if restart == "sigterm":
+        assert await asyncio.to_thread(qnode.stop) == 0
+    else:
+        await asyncio.to_thread(qnode.kill)
+    await asyncio.to_thread(qnode.start)
+    status, answer, _ = await api.request("POST", "/v1/queues/replayed/messages", b"once", signed_headers=headers)
+    expected = "E_REPLAYED_REQUEST" if restart == "sigterm" else "E_STALE_REQUEST"
+    assert status == 401 and error_code(answer) == expected
+    status, _, _ = await api.request("POST", "/v1/queues/replayed/messages", b"fresh")
+    assert status == 201
+    _, stats, _ = await api.request("GET", "/v1/queues/replayed")
+    assert stats["depth"] == 2
+
+
 async def test_a_client_without_the_grant_is_forbidden_and_changes_nothing(api: RawApi) -> None:
     producer = await client_with(api, [{"pattern": "keep", "privileges": ["post"]}])
     status, answer, _ = await producer.request("POST", "/v1/queues/keep/receive")
