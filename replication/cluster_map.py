@@ -293,10 +293,16 @@ class ClusterMap:
                 entry.in_sync = False
                 entry.last_reason = Reason.IN_SYNC.value
                 outcomes.append(Outcome(name, True, "replica lost its data"))
-            elif entry.master == node and entry.in_sync:
+            elif entry.master == node:
+                # With its replica out of sync too (it lost its disk right after it was promoted,
+                # before the old master caught up as its replica), the replica still holds every
+                # operation it did; the empty master must not serve, or the replica would take
+                # its empty state. What the lost master acknowledged alone is gone either way.
+                detail = "master lost its data: its " + ("in-sync " if entry.in_sync else "out-of-sync ") \
+                    + "replica took over"
                 entry.epoch, entry.master, entry.replica, entry.in_sync = entry.epoch + 1, entry.replica, node, False
                 entry.last_reason = Reason.FAILOVER.value
-                outcomes.append(Outcome(name, True, "master lost its data: its in-sync replica took over"))
+                outcomes.append(Outcome(name, True, detail))
         return outcomes
 
     def _create(self, command: CreateQueue) -> Outcome:

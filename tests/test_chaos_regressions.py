@@ -32,7 +32,7 @@ from qserver.forwarding import answer_from_master, forwarded_error
 from qserver.pairs import ClusterView
 from qserver.storage import SealedBatch, Storage
 from replication.audit_checks import HistoryEnqueue, JournalRecord, check_group
-from replication.cluster_map import ClusterMap
+from replication.cluster_map import ClusterMap, PairState
 from replication.messages import encode_entry
 from replication.operations import Enqueued, Operation
 from replication.options import QueueOptions, Strength
@@ -451,3 +451,30 @@ def test_a_forward_of_the_new_epoch_waits_while_the_map_has_changed_but_the_role
     pairs.replicas = {}
     pairs.masters = {"orders": SimpleNamespace(epoch=2)}  # type: ignore[dict-item]
     assert not pairs._ahead_of_map("n1", forward)          # the master of epoch 2 takes it
+
+
+# --- a master that lost its disk right after its promotion -----------------------------------------
+def test_a_master_that_lost_its_data_never_serves_an_empty_queue_even_with_its_replica_out_of_sync() -> None:
+    """The lost-disk test of test_pairs.py ended once with the wiped node as master. The map
+    sequence read while it ran (recorded in bench/RESULTS.md) shows the legitimate path: the
+    wiped n2 re-registered (in sync cleared), was transferred the whole queue by snapshot and
+    recorded in sync, and only then did the leader fail n1's queue over to it. This pins the
+    ordering the map enforces, and the one hole it had: a node promoted just before its disk
+    was lost kept the queue, and with its replica out of sync nothing moved it away."""
+    from replication.cluster_map import AddNode, ChangePair, CreateQueue, plan_failover
+    cluster_map = ClusterMap()
+    for node, storage in (("n1", 11), ("n2", 22), ("n3", 33)):
+        cluster_map.apply(AddNode(node, f"http://{node}", True, storage))
+    cluster_map.apply(CreateQueue("ledger", {}, "n1", "n2", 7))
+    # A failover planned before n2's new disk is known fails its compare-and-set after it.
+    stale_plan, _ = plan_failover(cluster_map.copy(), {"n1"})
+    assert cluster_map.apply(AddNode("n2", "http://n2", True, 23))[0].reason == "lost its data"
+    assert not cluster_map.apply(stale_plan[0])[0].applied
+    assert cluster_map.queues["ledger"].pair == PairState(1, "n1", "n2", False)
+    # Promoted first, then the disk is gone: the replica (the old master) takes the queue back.
+    cluster_map.apply(ChangePair("ledger", (1, "n1", "n2", False), (1, "n1", "n2", True), "in_sync"))
+    failover, _ = plan_failover(cluster_map, {"n1"})
+    assert cluster_map.apply(failover[0])[0].applied
+    assert cluster_map.queues["ledger"].pair == PairState(2, "n2", "n1", False)
+    outcomes = cluster_map.apply(AddNode("n2", "http://n2", True, 24))
+    assert cluster_map.queues["ledger"].pair == PairState(3, "n1", "n2", False), outcomes
