@@ -268,12 +268,22 @@ class Coordinator:
             self.start_handoff(request.queue, "replica", None, replica_request=(peer, request.request_id))
 
     def start_handoff(self, queue: str, initiator: str, finish: Finish | None,
-                      replica_request: tuple[str, int] | None = None) -> None:
+                      replica_request: tuple[str, int] | None = None, *, linked: bool = False) -> None:
+        """`linked`: refuse at once when the replica's node is not linked to this one (a node
+        that stops or drains hands off only to peers it still reaches; an operator's handoff
+        waits through a brief break of the link instead)."""
         role = self.pairs.masters.get(queue)
         existing = self.handoffs.get(queue)
         if existing is not None:
             if finish is not None:
                 existing.finishes.append(finish)
+            if initiator == "master" and existing.replica_request is not None:
+                # The replica's request reached this master first, but the master's own request
+                # wins whenever it arrives before the swap commits (DESIGN.md 4.1): the replica
+                # is refused, and the handoff goes on as the master's.
+                self._answer_replica(queue, existing.replica_request,
+                                     "the master's own handoff is in progress (the master's request wins)")
+                existing.replica_request, existing.initiator = None, "master"
             return
         now = self.engine.clock_ms()
         handoff = Handoff(queue, initiator, now, now + HANDOFF_TIMEOUT_MS, replica_request=replica_request)
@@ -283,21 +293,22 @@ class Coordinator:
             self.handoffs[queue] = handoff
             self._end_handoff(queue, "the replica is not in sync")
             return
-        if not self._may_take_over(role.replica_id):
-            # It could never catch up and take the queue: waiting would only hold writes until
+        if not self._may_take_over(role.replica_id, linked=linked):
+            # It could not catch up and take the queue: waiting would only hold writes until
             # the handoff's timeout (every node of a stopping cluster waited ~10 s for peers
             # already gone, with no membership majority left to record them down).
             self.handoffs[queue] = handoff
-            self._end_handoff(queue, f"the replica's node {role.replica_id} is unreachable, stopping or not up")
+            self._end_handoff(queue, f"the replica's node {role.replica_id} is "
+                                     + ("unreachable or not up" if linked else "not up"))
             return
         self.handoffs[queue] = handoff      # from here the master assigns no new index
         self.master_progress(role)
 
-    def _may_take_over(self, node: str) -> bool:
-        """A node a handoff may go to: linked to this one and up in the map (not draining,
-        down or removed)."""
+    def _may_take_over(self, node: str, *, linked: bool) -> bool:
+        """A node a handoff may go to: up in the map (not draining, down or removed) and, if
+        asked, linked to this one."""
         entry = self.membership.cluster_map.nodes.get(node)
-        return entry is not None and entry.state is NodeState.UP and bool(self.pairs.link_up(node))
+        return entry is not None and entry.state is NodeState.UP and (not linked or bool(self.pairs.link_up(node)))
 
     def parks(self, queue: str) -> bool:
         return queue in self.handoffs or (queue.endswith(".dlq") and queue[:-4] in self.handoffs)
@@ -363,13 +374,16 @@ class Coordinator:
         for finish in handoff.finishes:
             finish(result)
         if handoff.replica_request is not None:
-            peer, request_id = handoff.replica_request
-            role = self.pairs.masters.get(name) or self.pairs.replicas.get(name)
-            epoch = role.epoch if role is not None else 0
-            self.pairs.send_message(peer, HandoffAnswer(name, 0 if role is None else role.incarnation, epoch,
-                                                        request_id, failure is None, failure or ""))
+            self._answer_replica(name, handoff.replica_request, failure)
         for command in handoff.parked:           # they meet the new roles (a replica forwards)
             self.engine.resubmit(command)
+
+    def _answer_replica(self, name: str, request: tuple[str, int], failure: str | None) -> None:
+        peer, request_id = request
+        role = self.pairs.masters.get(name) or self.pairs.replicas.get(name)
+        epoch = role.epoch if role is not None else 0
+        self.pairs.send_message(peer, HandoffAnswer(name, 0 if role is None else role.incarnation, epoch,
+                                                    request_id, failure is None, failure or ""))
 
     def _handoff_result(self, name: str) -> dict[str, Any]:
         entry = self.membership.cluster_map.queues.get(name)
@@ -432,7 +446,7 @@ class Coordinator:
             core = self.engine.cores.get(name)
             if core is None or core.record.dead_letter_of is not None or name in self.handoffs:
                 continue
-            self.start_handoff(name, "master", None)
+            self.start_handoff(name, "master", None, linked=True)
         return len(self.handoffs)
 
     def status(self) -> dict[str, Any]:

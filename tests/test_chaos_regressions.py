@@ -478,3 +478,40 @@ def test_a_master_that_lost_its_data_never_serves_an_empty_queue_even_with_its_r
     assert cluster_map.queues["ledger"].pair == PairState(2, "n2", "n1", False)
     outcomes = cluster_map.apply(AddNode("n2", "http://n2", True, 24))
     assert cluster_map.queues["ledger"].pair == PairState(3, "n1", "n2", False), outcomes
+
+
+# --- master wins, always ------------------------------------------------------------------------------
+def test_the_masters_handoff_request_wins_even_when_the_replicas_reached_the_master_first() -> None:
+    """Both members asked at once and the replica's HandoffRequest arrived first: the master
+    started the handoff for it, and its own request then joined it (both callers got 200 in 2
+    of 10 real rounds). The replica is refused as soon as the master's own request arrives."""
+    from types import SimpleNamespace
+
+    from qserver.coordinator import Coordinator
+    from replication.cluster_map import AddNode, CreateQueue
+    from replication.messages import HandoffAnswer, HandoffRequest
+    cluster_map = ClusterMap()
+    for node in ("n1", "n2", "n3"):
+        cluster_map.apply(AddNode(node, f"http://{node}", True, 1))
+    cluster_map.apply(CreateQueue("q", {}, "n1", "n2", 5))
+    sent: list[tuple[str, Any]] = []
+    role = SimpleNamespace(replica_id="n2", epoch=1, incarnation=5, recorded_in_sync=True, caught_up=False,
+                           core=SimpleNamespace(name="q", record=SimpleNamespace(dead_letter_of=None)))
+    pairs = SimpleNamespace(masters={"q": role}, replicas={}, link_up=lambda node: True,
+                            send_message=lambda peer, message: sent.append((peer, message)))
+    coordinator = Coordinator.__new__(Coordinator)
+    coordinator.pairs, coordinator.handoffs, coordinator.node_id = pairs, {}, "n1"   # type: ignore[assignment]
+    coordinator.accept_replica_handoffs = True
+    coordinator.engine = SimpleNamespace(clock_ms=lambda: AT_MS)                     # type: ignore[assignment]
+    coordinator.membership = SimpleNamespace(cluster_map=cluster_map)                # type: ignore[assignment]
+    coordinator._replica_asks("n2", HandoffRequest("q", 5, 1, 77))
+    assert coordinator.handoffs["q"].initiator == "replica" and not sent
+    answers: list[Any] = []
+    coordinator.handoff("q", "master", answers.append)
+    assert [(peer, type(message), message.request_id, message.accepted) for peer, message in sent] == \
+        [("n2", HandoffAnswer, 77, False)]
+    assert "master's request wins" in sent[0][1].reason
+    handoff = coordinator.handoffs["q"]
+    assert handoff.initiator == "master" and handoff.replica_request is None and not answers
+    coordinator._end_handoff("q", None)          # the swap committed: the master's caller is answered
+    assert len(answers) == 1 and not isinstance(answers[0], Exception) and len(sent) == 1

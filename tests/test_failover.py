@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from typing import Any
 
@@ -182,6 +183,39 @@ async def test_a_replica_asked_handoff_is_refused_when_the_master_does_not_accep
         assert accepted["master"] == "n3" and accepted["replica"] == "n2"
         entries = (await map_of(cluster, "n1"))["queues"]
         assert entries["strict"]["master"] == "n1" and entries["strict"]["epoch"] == 1
+
+
+async def test_when_master_and_replica_ask_a_handoff_at_once_never_both_succeed(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
+    """DESIGN.md 4.1: the master's request wins whenever it reaches the master before the
+    swap commits; the replica's is then refused. Each round the replica's request leaves first
+    and the master's follows 0-8 ms later, so that the replica's often reaches the master
+    first (before, both were then answered 200 for the one swap)."""
+    cluster = qcluster_factory(3, {"orders": ["n1", "n2"]})
+    clients = {node: AsyncClient(cluster.urls[node], cluster.credentials_path) for node in ("n1", "n2")}
+    try:
+        await clients["n1"].create_queue("orders", strength="full")
+        await clients["n1"].enqueue("orders", b"x")
+        epoch, master, replica = 1, "n1", "n2"
+        for delay_ms in (0, 1, 2, 4, 8) * 2:
+            await wait_for(functools.partial(_in_sync, cluster, epoch), 5.0, "the pair in sync")
+
+            async def master_asks(delay_s: float = delay_ms / 1000, node: str = master) -> Any:
+                await asyncio.sleep(delay_s)
+                return await clients[node].handoff("orders", initiator="master")
+            by_replica, by_master = await asyncio.gather(clients[replica].handoff("orders", initiator="replica"),
+                                                         master_asks(), return_exceptions=True)
+            succeeded = [answer for answer in (by_master, by_replica) if isinstance(answer, dict)]
+            assert len(succeeded) == 1, (delay_ms, by_master, by_replica)
+            assert succeeded[0]["epoch"] == epoch + 1
+            epoch, master, replica = epoch + 1, replica, master
+    finally:
+        for client in clients.values():
+            await client.close()
+
+
+async def _in_sync(cluster: LocalCluster, epoch: int) -> bool:
+    entry = (await map_of(cluster, "n3"))["queues"]["orders"]
+    return bool(entry["epoch"] == epoch and entry["in_sync"])
 
 
 async def test_draining_a_node_moves_everything_off_it_and_then_it_can_be_removed(qcluster_factory) -> None:  # type: ignore[no-untyped-def]

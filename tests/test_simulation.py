@@ -13,6 +13,7 @@ import pytest
 from replication.invariants import history_disagreements, lost_acknowledged, seen_but_uncommitted
 from replication.options import Strength
 from replication.replica import ReplicaPhase
+from tests.sim import hash_seed
 from tests.sim.cluster import Simulation
 
 # 120788860: a RESYNC lost on the network left the replica following a master that streamed
@@ -71,7 +72,7 @@ def test_a_pair_under_faults_loses_nothing_acknowledged_and_converges(seed: int,
         check_safety(sim)
         check_converged(sim)
     except AssertionError as failure:
-        raise AssertionError(f"seed {seed} ({strength.value}) fails: replay with "
+        raise AssertionError(f"seed {seed} ({strength.value}) fails: replay with {hash_seed()} "
                              f"Simulation({seed}, Strength.{strength.name}).run(); faults {sim.log}\n{failure}") from None
 
 
