@@ -184,9 +184,19 @@ class HttpClient:
     async def delete_queue(self, name: str) -> dict[str, Any]:
         return dict(await self._json("DELETE", queue_path(name), idempotent=False))
 
-    async def list_queues(self) -> list[dict[str, Any]]:
-        answer = await self._json("GET", "/v1/queues")
-        return list(answer.get("queues", [])) if isinstance(answer, dict) else list(answer or [])
+    async def list_queues(self, *, page_size: int = 1000) -> list[dict[str, Any]]:
+        """Every queue visible to this client (the cluster's, from any node), page after page."""
+        queues: list[dict[str, Any]] = []
+        after: str | None = None
+        while True:
+            query = [("limit", str(page_size))] + ([("after", after)] if after else [])
+            answer = await self._json("GET", "/v1/queues", query=query)
+            if not isinstance(answer, dict):
+                return queues + list(answer or [])
+            queues += answer.get("queues", [])
+            after = answer.get("next")
+            if not after:
+                return queues
 
     async def queue_stats(self, name: str) -> dict[str, Any]:
         return dict(await self._json("GET", queue_path(name)))

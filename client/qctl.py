@@ -35,7 +35,7 @@ QUEUE_COLUMNS = (("NAME", "name"), ("STRENGTH", "options.strength"), ("TYPE", "o
                  ("DEPTH", "depth"), ("READY", "ready"), ("IN_FLIGHT", "in_flight"),
                  ("ENQUEUED", "total_enqueued"), ("ACKED", "total_acked"),
                  ("DEAD_LETTERED", "total_dead_lettered"), ("REPLICATION", "replication_state"),
-                 ("MASTER", "master"), ("REPLICA", "replica"), ("EPOCH", "epoch"))
+                 ("MASTER", "master"), ("REPLICA", "replica"), ("EPOCH", "epoch"), ("IN_SYNC", "in_sync"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,6 +62,10 @@ class NodeConfig:
     shutdown_handoff_timeout_s: float = 10.0
     replica_lag_max: int = 100_000          # operations behind before the replica is out of sync
     replica_lag_max_ms: int = 2_000         # silence before the same
+    # An answer held for a commit point that does not come (a master without its lease), and a
+    # replica's Forward its master does not answer, end after this with an outcome-unknown
+    # E_TIMEOUT (a receive's wait added): past a failover's seconds, inside a client's 30 s.
+    commit_wait_max_s: float = 10.0
     peer_send_queue_bytes_max: int = 8 << 20
     # The bounded op log and snapshots (DESIGN.md 4.1): the log kept for a replica recorded out
     # of sync (past it, the replica gets a snapshot), snapshot chunks, and how long a read view
@@ -95,6 +99,8 @@ class NodeConfig:
         if self.snapshot_chunk_bytes_max * self.snapshot_chunks_in_flight_max * 2 > self.peer_send_queue_bytes_max:
             problems.append("snapshot chunks in flight must fit twice in peer_send_queue_bytes_max (a chunk the "
                             "link drops costs a resend)")
+        if self.commit_wait_max_s <= 0:
+            problems.append("commit_wait_max_s must be positive")
         if self.log_retain_max_bytes <= 0 or self.sync_view_max_s <= 0 or self.payload_hold_bytes < 0:
             problems.append("log_retain_max_bytes and sync_view_max_s must be positive, payload_hold_bytes not negative")
         if self.cluster_nodes:

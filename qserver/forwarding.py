@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from client.errors import E_BAD_REQUEST, E_NOT_MASTER, QueueError
+from client.errors import E_BAD_REQUEST, E_NOT_MASTER, E_TIMEOUT, QueueError
 from client.protocol import DeliveredMessage
 from qserver import commands as c
 
@@ -81,9 +81,9 @@ def forwarded_error(code: str, message: Any) -> QueueError:
     """The error a forwarded request was answered with. Its [code, message] form cannot say
     whether the operation was applied, and E_NOT_MASTER comes from a master deposed while the
     request was held, or from this node failing the forwards still in flight when it became
-    the master (qserver/pairs.py `_fail_forwards`): either may have applied it, so its outcome
-    is unknown (the client retries with the same dedupe id, or reports it unknown)."""
-    return QueueError(code, str(message), outcome_unknown=code == E_NOT_MASTER.code)
+    the master (qserver/pairs.py `_fail_forwards`), and E_TIMEOUT from a forward the master
+    never answered (`expire_waiting`): each may have been applied, so its outcome is unknown (the client retries with the same dedupe id, or reports it unknown)."""
+    return QueueError(code, str(message), outcome_unknown=code in (E_NOT_MASTER.code, E_TIMEOUT.code))
 
 
 def answer_from_master(command: Any) -> Callable[[Any], None]:
@@ -91,7 +91,9 @@ def answer_from_master(command: Any) -> Callable[[Any], None]:
     kind, replier, request_id = type(command), command.replier, command.request_id
 
     def answer(outcome: Any) -> None:
-        if isinstance(outcome, list) and len(outcome) == 2 and isinstance(outcome[0], str) \
+        if isinstance(outcome, QueueError):   # the answer was held here and refused (PairDriver.hold)
+            replier.fail(request_id, outcome)
+        elif isinstance(outcome, list) and len(outcome) == 2 and isinstance(outcome[0], str) \
                 and outcome[0].startswith("E_"):
             replier.fail(request_id, forwarded_error(outcome[0], outcome[1]))
         elif kind is c.Enqueue:

@@ -37,6 +37,7 @@ NODE: web.AppKey[Any] = web.AppKey("node")       # the qserver.node.Node an appl
 
 
 PRIORITY_TEXTS = frozenset(str(p) for p in range(10))
+QUEUES_PAGE_DEFAULT, QUEUES_PAGE_MAX = 100, 1000       # GET /v1/queues
 
 
 @web.middleware
@@ -206,10 +207,36 @@ async def empty_queue_name(request: web.Request) -> web.Response:
 
 
 async def list_queues(request: web.Request) -> web.Response:
+    """Every queue the caller may see, by name, a page at a time (`limit`, `after`: the last
+    name of the previous page; `next` names this page's last when more follow). In a cluster
+    the list is the map's, the same at every node: each queue with its master, replica, epoch
+    and in-sync state, and the statistics of the members this node holds (`held_here`: the
+    master's numbers are authoritative; a replica's follow them)."""
     engine = request.app[NODE].engine
     who = principal(request)
-    return web.json_response({"queues": [engine.describe(core) for name, core in sorted(engine.cores.items())
-                                         if who.may_see(name)]})
+    limit = int(number_param(request, "limit", QUEUES_PAGE_DEFAULT, 1, QUEUES_PAGE_MAX))
+    after = request.rel_url.query.get("after", "")
+    coordinator = engine.coordinator
+    entries = coordinator.membership.cluster_map.queues if coordinator is not None else {}
+    names = sorted(entries) if coordinator is not None else sorted(engine.cores)
+    page: list[dict[str, Any]] = []
+    more = False
+    for name in names:
+        if name <= after or not who.may_see(name):
+            continue
+        if len(page) == limit:
+            more = True
+            break
+        core = engine.cores.get(name)
+        listed = engine.describe(core) if core is not None else {"name": name}
+        entry = entries.get(name)
+        if entry is not None:            # the map's placement wins over what this node describes
+            listed.update({"options": listed.get("options", entry.options), "master": entry.master,
+                           "replica": entry.replica, "epoch": entry.epoch, "in_sync": entry.in_sync,
+                           "incarnation": entry.incarnation, "last_reason": entry.last_reason,
+                           "held_here": core is not None})
+        page.append(listed)
+    return web.json_response({"queues": page, "next": page[-1]["name"] if more else None})
 
 
 async def get_queue(request: web.Request) -> web.Response:

@@ -31,7 +31,7 @@ API for the node (the HTTP route `POST /v1/journal/export` and `qctl journal exp
     exporter.due(now_ms)                  -> bool: a segment is full or old enough
     exporter.export(now_ms, force=False)  -> list[Segment]: seal and write what is due
                                              (force: also the unsealed tail; on demand)
-    exporter.prune(safe_sequence, now_ms) -> int: records deleted from LMDB
+    exporter.prune(safe_sequence, now_ms) -> int: records deleted from LMDB (prune_step: one transaction)
     exporter.prunable(now_ms)             -> bool: exported records past the retention are held
     exporter.status()                     -> dict (JSON): journal id, exported_through, pending, ...
     safe_sequence_for(source, floors)     -> int: the highest journal sequence below which every
@@ -391,17 +391,21 @@ class JournalExporter:
     def prune(self, safe_sequence: int, now_ms: int) -> int:
         """Delete exported records at or below `safe_sequence` older than the retention, from
         the journal's start, in short write transactions. Returns how many were deleted."""
+        deleted = 0
+        while True:
+            count, done = self.prune_step(safe_sequence, now_ms)
+            deleted += count
+            if done:
+                return deleted
+
+    def prune_step(self, safe_sequence: int, now_ms: int) -> tuple[int, bool]:
+        """One short write transaction of `prune` (at most prune_keys_per_txn_max records):
+        a node runs each as its own job of the writer thread, so commits go between them.
+        Returns (records deleted, whether the prune is done)."""
         if not self.source.writable:
             raise PermissionError("this journal source is read-only")
         with self._lock:
-            bound = min(self.exported_through, safe_sequence)
-            cutoff_ms = now_ms - self.settings.retention_ms
-            deleted = 0
-            while True:
-                count, done = self._prune_batch(bound, cutoff_ms)
-                deleted += count
-                if done:
-                    return deleted
+            return self._prune_batch(min(self.exported_through, safe_sequence), now_ms - self.settings.retention_ms)
 
     def _prune_batch(self, bound: int, cutoff_ms: int) -> tuple[int, bool]:
         count = 0

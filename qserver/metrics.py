@@ -1,7 +1,9 @@
 """Prometheus text exposition without a dependency: counters and fixed-bucket histograms."""
 from __future__ import annotations
 
+import asyncio
 import bisect
+import collections
 from collections.abc import Iterable, Sequence
 
 
@@ -41,3 +43,38 @@ def render_family(name: str, kind: str, help_text: str, samples: Sequence[tuple[
         rendered = ",".join(f'{key}="{label_value(val)}"' for key, val in labels.items())
         lines.append(f"{name}{{{rendered}}} {value:g}" if rendered else f"{name} {value:g}")
     return lines
+
+
+class LoopLag:
+    """How late the event loop runs a timer: a task asks to wake every INTERVAL_S and records
+    how much later it did (whatever held the loop meanwhile: a long callback, a collection, a
+    step of the engine). A node's lease is 800 ms: lag near it lapses the node's own lease."""
+    INTERVAL_S = 0.05
+    WINDOW_S = 10.0
+
+    def __init__(self) -> None:
+        self.histogram = Histogram("qserver_loop_lag_seconds", "how late the event loop ran a timer",
+                                   (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0))
+        self._recent: collections.deque[tuple[float, float]] = collections.deque()   # (when, lag)
+        self.max_ever_s = 0.0
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            asked = loop.time()
+            await asyncio.sleep(self.INTERVAL_S)
+            now = loop.time()
+            lag = max(0.0, now - asked - self.INTERVAL_S)
+            self.histogram.observe(lag)
+            self.max_ever_s = max(self.max_ever_s, lag)
+            self._recent.append((now, lag))
+            while self._recent[0][0] < now - self.WINDOW_S:
+                self._recent.popleft()
+
+    def recent_max_s(self) -> float:
+        return max((lag for _, lag in self._recent), default=0.0)
+
+    def render(self) -> list[str]:
+        return self.histogram.render() + render_family(
+            "qserver_loop_lag_max_seconds", "gauge", f"the longest loop lag of the last {self.WINDOW_S:g} s",
+            [({}, self.recent_max_s())])

@@ -30,7 +30,7 @@ from qserver.http_api import NODE, add_routes, errors_and_auth
 from qserver.http_errors import EnvelopeAppRunner
 from qserver.journal_export import ExportSettings, JournalExporter, JournalSource, exit_with_parent, export_in_process
 from qserver.membership import RaftMembership, raft_limits, tick_ms
-from qserver.metrics import render_family
+from qserver.metrics import LoopLag, render_family
 from qserver.peers import PEER_PATH, PeerTransport
 from qserver.raft_store import RaftStore
 from qserver.storage import Storage
@@ -60,6 +60,8 @@ class Node:
         self.engine.on_clients_changed = self._clients_changed
         self.journal = self._journal_exporter()
         self._journal_task: asyncio.Task[None] | None = None
+        self.loop_lag = LoopLag()
+        self._loop_lag_task: asyncio.Task[None] | None = None
         self._export_pool: ProcessPoolExecutor | None = None
         self._nonces_path = Path(config.data_dir) / "replay-window.json"
 
@@ -106,8 +108,15 @@ class Node:
             raise
 
     async def _prune_journal(self, exporter: JournalExporter, now_ms: int) -> int:
+        """Each step of the prune is its own job of the writer: group commits go between them
+        instead of waiting for a prune of a million records to end."""
         _, safe = await self._in_export_process(exporter, now_ms, False)
-        return await asyncio.get_running_loop().run_in_executor(self.engine.writer, exporter.prune, safe, now_ms)
+        loop, deleted = asyncio.get_running_loop(), 0
+        while True:
+            count, done = await loop.run_in_executor(self.engine.writer, exporter.prune_step, safe, now_ms)
+            deleted += count
+            if done:
+                return deleted
 
     async def _export_journal_when_due(self) -> None:
         if self.journal is None:
@@ -179,6 +188,7 @@ class Node:
         await self.engine.start()
         if self.journal is not None:
             self._journal_task = asyncio.get_running_loop().create_task(self._export_journal_when_due())
+        self._loop_lag_task = asyncio.get_running_loop().create_task(self.loop_lag.run())
         self.auth._clients = self.engine.clients   # the engine rebuilt its registry on load
         if not self.auth.load_nonces(self._nonces_path):
             self.auth.not_before_ms = int(time.time() * 1000)   # after a crash: see qserver/auth.py
@@ -188,8 +198,9 @@ class Node:
             await self.membership_peers.start()
 
     async def stop(self) -> None:
-        if self._journal_task is not None:
-            self._journal_task.cancel()
+        for task in (self._journal_task, self._loop_lag_task):
+            if task is not None:
+                task.cancel()
         if self._export_pool is not None:
             self._export_pool.shutdown(wait=False, cancel_futures=True)
         for connection in list(self.connections):
@@ -277,6 +288,7 @@ class Node:
             lines += render_family(f"qserver_queue_{name}_total", "counter", f"messages {name.replace('_', ' ')}",
                                    per_queue[name])
         lines += engine.commit_seconds.render()
+        lines += self.loop_lag.render()
         lines += engine.batch_operations.render()
         lines += render_family("qserver_inbox_commands", "gauge", "commands waiting for the engine",
                                [({}, engine.pending_commands())])

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import collections
 import functools
+import heapq
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from client.errors import E_NOT_MASTER, E_QUEUE_UNAVAILABLE, E_UNKNOWN_QUEUE, QueueError
+from client.errors import E_NOT_MASTER, E_QUEUE_UNAVAILABLE, E_TIMEOUT, E_UNKNOWN_QUEUE, QueueError
 from replication.cluster_map import (
     ChangePair,
     ClusterMap,
@@ -66,6 +67,7 @@ log = logging.getLogger("qserver.pairs")
 OUTCOME_UNKNOWN = -1      # in place of a held answer's required order: see Engine.outcomes_unknown
 EARLY_MESSAGES_MAX = 10_000     # per queue; beyond it the protocol's resends recover
 ANNOUNCE_INTERVAL_MS = 1_000    # how often a master repeats Create to a replica that has not opened
+
 
 
 def base_name(queue: str) -> str:
@@ -117,7 +119,8 @@ class HeldAnswer:
     """An answer released once the queue's commit point passes `required_order`."""
     required_order: int
     release: Any              # a no-argument callable: answer
-    refuse: Any = None        # callable(QueueError): the queue went away first
+    refuse: Any = None        # callable(QueueError): the queue went away first, or the deadline passed
+    deadline_ms: int = 0      # refused (outcome unknown) if still held then: see expire_waiting
 
 
 class PairDriver:
@@ -150,6 +153,8 @@ class PairDriver:
         # Unique per engine instance: an answer the master sends to a crashed predecessor of
         # this engine must never match one of our requests.
         self._next_forward = (engine.random_bits(40) << 20) + 1
+        self._forward_deadlines: list[tuple[int, int]] = []      # heap of (deadline ms, forward request id)
+        self.commit_wait_max_ms = int(engine.config.commit_wait_max_s * 1000)
         self.link_up: Any = lambda peer: False       # set by the node: PeerTransport.is_up
         self.send: Any = lambda peer, data: False   # set by the node: PeerTransport.send
         self.coordinator: Coordinator | None = None  # set by the engine in a cluster
@@ -467,7 +472,8 @@ class PairDriver:
             return True          # a push is dropped: its lease runs out and it is delivered again
         if commit is None or (required_order <= commit and self._may_answer(name)):
             return False
-        self.held.setdefault(name, collections.deque()).append(HeldAnswer(required_order, release, refuse))
+        self.held.setdefault(name, collections.deque()).append(
+            HeldAnswer(required_order, release, refuse, self.engine.clock_ms() + self.commit_wait_max_ms))
         return True
 
     def may_answer(self, name: str) -> bool:
@@ -538,8 +544,28 @@ class PairDriver:
         request_id = self._next_forward
         self._next_forward += 1
         self.forwards[request_id] = (name, answer)
+        wait_ms = request[2] if request[0] == "receive" else 0
+        heapq.heappush(self._forward_deadlines, (self.engine.clock_ms() + self.commit_wait_max_ms + wait_ms, request_id))
         role.forward(request_id, request)
         self._flush(role)
+
+    def expire_waiting(self, now_ms: int) -> None:
+        """Forwards and held answers past their deadline end with an outcome-unknown E_TIMEOUT
+        (the node's commit_wait_max_s: an answer held for a commit point that does not come, a
+        Forward lost with a broken link; nothing waits for ever or leaks). A late ForwardResult then finds no entry and is dropped."""
+        deadlines = self._forward_deadlines
+        while deadlines and (deadlines[0][0] <= now_ms or deadlines[0][1] not in self.forwards):
+            _, request_id = heapq.heappop(deadlines)
+            entry = self.forwards.pop(request_id, None)
+            if entry is not None:
+                entry[1]([E_TIMEOUT.code, f"the master of {entry[0]} did not answer a forwarded request in "
+                                          f"{self.commit_wait_max_ms} ms; the outcome is unknown"])
+        for name, waiting in self.held.items():
+            while waiting and waiting[0].deadline_ms <= now_ms:
+                held = waiting.popleft()
+                if held.refuse is not None:      # a push without refusal: its lease runs out instead
+                    held.refuse(QueueError(E_TIMEOUT, f"queue {name}: not committed within {self.commit_wait_max_ms} ms "
+                                                      "(no lease or no replica?)", outcome_unknown=True))
 
     def _forward_answered(self, name: str, result: ForwardResult) -> None:
         entry = self.forwards.pop(result.request_id, None)
@@ -547,7 +573,7 @@ class PairDriver:
             return
         answer = entry[1]
         commit, outcome = result.outcomes
-        if not self.hold(name, commit, lambda: answer(outcome)):
+        if not self.hold(name, commit, lambda: answer(outcome), answer):   # refused: answer(the QueueError)
             answer(outcome)
 
     # --- peers -----------------------------------------------------------------------------
@@ -656,6 +682,7 @@ class PairDriver:
             replica.tick(now_ms)
             self._drain_replica(replica)
         self.release_committed()
+        self.expire_waiting(now_ms)
 
     def _drain_master(self, role: MasterRole) -> None:
         forwarded, role.forwarded = role.forwarded, []

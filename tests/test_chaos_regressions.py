@@ -240,7 +240,7 @@ def test_operations_applied_as_replica_in_the_batch_where_the_node_became_master
     core = producer_core(store, Strength.FULL)
     applied = Enqueued(1, 1, 4, AT_MS, "a", "c", b"x")        # received from the old master
     digest = fold(EMPTY_DIGEST, applied)
-    engine = SimpleNamespace(config=SimpleNamespace(node_id="n2"), random_bits=lambda bits: 1)
+    engine = SimpleNamespace(config=SimpleNamespace(node_id="n2", commit_wait_max_s=10.0), random_bits=lambda bits: 1)
     driver = PairDriver(engine, ClusterView("n2", {}, None), ReplicationLimits())   # type: ignore[arg-type]
     role = MasterRole(core, storage_stub(), node_id="n2", replica_id="n1", epoch=2, incarnation=1,
                       recorded_in_sync=True, last_order=1, digest=digest)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import signal
 import time
 from typing import Any
 
@@ -216,6 +217,64 @@ async def test_when_master_and_replica_ask_a_handoff_at_once_never_both_succeed(
 async def _in_sync(cluster: LocalCluster, epoch: int) -> bool:
     entry = (await map_of(cluster, "n3"))["queues"]["orders"]
     return bool(entry["epoch"] == epoch and entry["in_sync"])
+
+
+async def test_every_node_lists_the_clusters_queues_from_the_map_a_page_at_a_time(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
+    """issue 13: GET /v1/queues on a node listed only the queues it held a member of."""
+    cluster = qcluster_factory(3, {"a": ["n1", "n2"], "b": ["n2", "n3"], "c": ["n3", "n1"]})
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as client:
+        for name in ("a", "b", "c"):
+            await client.create_queue(name, strength="full")
+        await client.enqueue("a", b"x")
+        for node in cluster.ids:
+            async with AsyncClient(cluster.urls[node], cluster.credentials_path) as at_node:
+                async def listed() -> list[dict[str, Any]] | None:
+                    queues = await at_node.list_queues()
+                    return queues if len(queues) == 3 and all(q["in_sync"] for q in queues) else None
+                queues = await wait_for(listed, 5.0, f"{node} to list every queue in sync")
+                assert [(q["name"], q["master"], q["replica"], q["epoch"]) for q in queues] == \
+                    [("a", "n1", "n2", 1), ("b", "n2", "n3", 1), ("c", "n3", "n1", 1)]
+                assert [q["held_here"] for q in queues] == [node in pair for pair in (("n1", "n2"), ("n2", "n3"),
+                                                                                      ("n3", "n1"))]
+                first = await at_node.http._json("GET", "/v1/queues", query=[("limit", "2")])
+                assert [q["name"] for q in first["queues"]] == ["a", "b"] and first["next"] == "b"
+                rest = await at_node.http._json("GET", "/v1/queues", query=[("limit", "2"), ("after", "b")])
+                assert [q["name"] for q in rest["queues"]] == ["c"] and rest["next"] is None
+        assert (await client.http.list_queues(page_size=1))[0]["depth"] == 1       # n1 masters a
+
+
+async def test_a_forward_to_a_paused_master_and_an_answer_held_without_a_lease_end_at_the_nodes_deadline(
+        qcluster_factory) -> None:  # type: ignore[no-untyped-def]
+    """commit_wait_max_s (0.4 s here): a replica's Forward its master does not answer, and an
+    answer a master holds for a commit point it cannot reach (no lease: both other nodes
+    paused), end with an outcome-unknown E_TIMEOUT from the node, before any failover and long
+    before the client's own deadline (30 s)."""
+    cluster = qcluster_factory(3, {"orders": ["n1", "n2"]}, {"commit_wait_max_s": 0.4})
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as at_master, \
+            AsyncClient(cluster.urls["n2"], cluster.credentials_path) as at_replica:
+        await at_master.create_queue("orders", strength="full")
+        await at_master.enqueue("orders", b"first")
+        await wait_for(functools.partial(_in_sync_named, cluster, "orders"), 5.0, "the replica in sync")
+        for paused, client, expected in ((["n1"], at_replica, "did not answer a forwarded request"),
+                                         (["n2", "n3"], at_master, "not committed within")):
+            for node in paused:
+                cluster.processes[node].send_signal(signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                with pytest.raises(QueueError) as caught:
+                    await client.http.enqueue_http("orders", b"waits")
+                elapsed = time.monotonic() - started
+            finally:
+                for node in paused:
+                    cluster.processes[node].send_signal(signal.SIGCONT)
+            assert caught.value.code == "E_TIMEOUT" and caught.value.outcome_unknown, caught.value
+            assert expected in caught.value.message and 0.3 < elapsed < 0.8, (caught.value, elapsed)
+            await wait_for(functools.partial(_in_sync_named, cluster, "orders"), 10.0, "the pair back in sync")
+
+
+async def _in_sync_named(cluster: LocalCluster, name: str) -> bool:
+    entry = (await map_of(cluster, "n3"))["queues"].get(name)
+    return bool(entry and entry["in_sync"] and entry["master"] == "n1")
 
 
 async def test_draining_a_node_moves_everything_off_it_and_then_it_can_be_removed(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
