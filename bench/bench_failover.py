@@ -1,7 +1,7 @@
 """Failover time and handoff pause on a local 3-node cluster with default settings (run by
 hand, not in CI; loopback only; bounded in count and time).
 
-    .venv/bin/python bench/bench_failover.py [--failovers 20] [--handoffs 30] [--out FILE]
+    .venv/bin/python bench/bench_failover.py [--failovers 20] [--pauses 20] [--handoffs 30] [--out FILE]
 
 failover   producers (through the client library, at the node that holds neither member)
            write to a `full` queue one message at a time; the queue's master is killed with
@@ -10,6 +10,11 @@ failover   producers (through the client library, at the node that holds neither
            back in sync before the next round; rounds alternate which member is master, and
            record whether the killed node was also the membership (Raft) leader, which adds
            an election to the failover.
+pause      the same load; the queue's master is paused (SIGSTOP) instead: the calls already sent
+           to it get no answer and no broken connection. Measured: from the promotion (the
+           first time the map at n3, read every 10 ms, names the replica master) to the first
+           acknowledged write (issue 13: within 1 s). The paused node is resumed (SIGCONT) and
+           must be back in sync before the next round.
 handoff    the same steady load; `POST /v1/queues/{q}/handoff` every round. Measured: the
            write pause as the producers see it (the longest time any write in flight during
            the handoff waited for its acknowledgement) and the master's own pause_ms (from
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import statistics
 import sys
 import tempfile
@@ -117,6 +123,55 @@ async def failovers(cluster: LocalCluster, rounds: int) -> list[dict[str, Any]]:
     return results
 
 
+async def pauses(cluster: LocalCluster, rounds: int) -> list[dict[str, Any]]:
+    results = []
+    async with AsyncClient(cluster.urls["n3"], cluster.credentials_path) as client, \
+            AsyncClient(cluster.urls["n3"], cluster.credentials_path) as observer:
+        await client.create_queue(QUEUE, strength="full", max_depth=50_000_000)
+        await client.refresh_placement()
+        load = Load(client)
+        load.start()
+        try:
+            for round_number in range(1, rounds + 1):
+                entry = await wait_in_sync(observer)
+                await asyncio.sleep(0.5)
+                victim, epoch = entry["master"], entry["epoch"]
+                paused_at = time.monotonic()
+                cluster.processes[victim].send_signal(signal.SIGSTOP)
+                try:
+                    promoted_at = None
+                    deadline = paused_at + ROUND_TIMEOUT_S
+                    while promoted_at is None and time.monotonic() < deadline:
+                        try:
+                            now = (await observer.cluster())["queues"][QUEUE]
+                            if now["epoch"] > epoch and now["master"] != victim:
+                                promoted_at = time.monotonic()
+                        except QueueError:
+                            pass
+                        await asyncio.sleep(0.01)
+                    if promoted_at is None:
+                        raise RuntimeError(f"round {round_number}: no promotion")
+                    while time.monotonic() < deadline:
+                        acked = [a for _, a in load.writes[-400:] if a > paused_at + 0.01]
+                        if acked:
+                            break
+                        await asyncio.sleep(0.005)
+                    else:
+                        raise RuntimeError(f"round {round_number}: writes did not resume")
+                finally:
+                    cluster.processes[victim].send_signal(signal.SIGCONT)
+                first_ack = min(acked)
+                result = {"measure": "pause", "round": round_number, "paused": victim,
+                          "promotion_s": round(promoted_at - paused_at, 3),
+                          "first_ack_after_promotion_s": round(first_ack - promoted_at, 3)}
+                print(json.dumps(result), flush=True)
+                results.append(result)
+        finally:
+            await load.stop()
+        await client.delete_queue(QUEUE)
+    return results
+
+
 async def handoffs(cluster: LocalCluster, rounds: int) -> list[dict[str, Any]]:
     results = []
     async with AsyncClient(cluster.urls["n3"], cluster.credentials_path) as client:
@@ -154,6 +209,7 @@ def summarise(name: str, values: list[float]) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--failovers", type=int, default=20)
+    parser.add_argument("--pauses", type=int, default=20)
     parser.add_argument("--handoffs", type=int, default=30)
     parser.add_argument("--out", type=Path, help="append every JSON line to this file too")
     args = parser.parse_args()
@@ -166,6 +222,8 @@ def main() -> None:
                 lines += asyncio.run(handoffs(cluster, args.handoffs))
             if args.failovers:
                 lines += asyncio.run(failovers(cluster, args.failovers))
+            if args.pauses:
+                lines += asyncio.run(pauses(cluster, args.pauses))
         finally:
             cluster.stop_all()
     summaries = []
@@ -178,6 +236,10 @@ def main() -> None:
             if subset:
                 summaries.append(summarise(f"failover_s_killed_{'also' if was_leader else 'not'}_membership_leader",
                                            subset))
+    for key in ("promotion_s", "first_ack_after_promotion_s"):
+        values = [float(r[key]) for r in lines if r["measure"] == "pause"]
+        if values:
+            summaries.append(summarise(f"pause_{key}", values))
     for key in ("client_pause_ms", "master_pause_ms"):
         values = [float(r[key]) for r in lines if r["measure"] == "handoff" and r.get(key) is not None]
         if values:

@@ -31,7 +31,7 @@ import itertools
 import os
 import random
 from collections import deque
-from collections.abc import Awaitable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -173,6 +173,8 @@ ROUTED_ENQUEUE_RETRY_S = 0.5   # see AsyncClient._node_client
 FAILOVER_WAIT_S = 4.0          # how long a call waits for the map to name a reachable master
 DEAD_LETTER_SUFFIX = ".dlq"      # a queue's dead-letter queue: same pair (replication/options.py)
 FAILOVER_POLL_S = 0.1
+STALL_CHECK_S = 0.25           # an enqueue unanswered this long reads the map again (AsyncClient._hedged)
+MAP_READ_TIMEOUT_S = 0.3       # a node's copy of the map not read in this long is passed over
 # Set while a call is retried after a failure (_retried_once): a retry at this very node
 # (it has just become the queue's master) is taken once per call, not again from the retry.
 _RETRYING: contextvars.ContextVar[bool] = contextvars.ContextVar("qcluster_retrying", default=False)
@@ -463,22 +465,18 @@ class AsyncClient:
                 await asyncio.shield(reading)
 
     async def _read_placement(self) -> None:
-        try:
-            first = await self.http.cluster()
-        except QueueError:
-            # This client's own node is down: any other node of the last map knows the map.
+        first = await self._map_at(self)
+        if first is None:
+            # This client's own node is down or paused: any other node of the last map knows it.
             first = await self._cluster_from_another_node()
         urls = {node["id"]: node["url"].rstrip("/") for node in first.get("nodes", [])}
         self._cluster_size = len(urls)
         self._node_urls = [url for url in urls.values() if url != self.url]
-        maps = [first]
-        for node in first.get("nodes", []):
-            url = node["url"].rstrip("/")
-            if url != self.url:      # ask every node: a peer link's state says nothing of ours
-                try:
-                    maps.append(await self._route_to(url).http.cluster())
-                except QueueError:
-                    continue
+        # Every node at once, each within MAP_READ_TIMEOUT_S: a paused node answers nothing and
+        # must not hold up learning that its queues failed over (a peer link's state says
+        # nothing of ours, so each node is asked).
+        others = await asyncio.gather(*(self._map_at(self._route_to(url)) for url in self._node_urls))
+        maps = [first] + [cluster_map for cluster_map in others if cluster_map is not None]
         newest: dict[str, dict[str, Any]] = {}
         for cluster_map in maps:        # nodes may lag behind the membership layer: newest epoch wins
             for queue, pair in cluster_map.get("queues", {}).items():
@@ -502,6 +500,41 @@ class AsyncClient:
             float(self._limits["enqueue_retry_time_s"]), ROUTED_ENQUEUE_RETRY_S)}  # type: ignore[arg-type]
         return AsyncClient(url, self._credentials, **limits)
 
+    async def _hedged(self, queue: str, attempt: Callable[[AsyncClient], Coroutine[Any, Any, Any]]) -> Any:
+        """An enqueue at the queue's master, watched: while it is unanswered, every
+        STALL_CHECK_S the map is read again (one reading shared by every waiting call), and
+        when it names another master (the one asked paused or was cut off, and its replica
+        took over), the same enqueue, with the same dedupe ids, is asked there too. The first
+        answer wins; the dedupe ids store the message once whichever attempts got through.
+        Without it, calls sent to a paused master waited for their deadline although the
+        replica was promoted seconds before."""
+        loop = self._bound_loop()
+        target = self._route(queue)
+        asked = {target}
+        attempts = {loop.create_task(attempt(target))}
+        failure: BaseException | None = None
+        try:
+            while attempts:
+                done, attempts = await asyncio.wait(attempts, timeout=STALL_CHECK_S,
+                                                    return_when=asyncio.FIRST_COMPLETED)
+                for finished in done:
+                    if finished.exception() is None:
+                        return finished.result()
+                    failure = failure or finished.exception()
+                if done or not attempts:
+                    continue
+                with contextlib.suppress(QueueError):
+                    await self.refresh_placement()
+                target = self._route(queue)
+                if target not in asked:
+                    asked.add(target)
+                    attempts.add(loop.create_task(attempt(target)))
+            raise failure or QueueError(E_INTERNAL, "no attempt was made")
+        finally:
+            for pending in attempts:
+                pending.cancel()
+                pending.add_done_callback(_ignore_outcome)
+
     async def _via(self, queue: str, target: AsyncClient, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call `method` on the client of the queue's node; when that node fails (unreachable,
         or no longer the master), refresh the map and try the node it names now, once."""
@@ -516,13 +549,20 @@ class AsyncClient:
             return await _retried_once(error, getattr(other, method)(*args, **kwargs))
 
     async def _cluster_from_another_node(self) -> dict[str, Any]:
-        last_error = QueueError(E_UNAVAILABLE, f"{self.url} is unreachable and no other node is known")
         for url in self._node_urls:
-            try:
-                return await self._route_to(url).http.cluster()
-            except QueueError as error:
-                last_error = error
-        raise last_error
+            cluster_map = await self._map_at(self._route_to(url))
+            if cluster_map is not None:
+                return cluster_map
+        raise QueueError(E_UNAVAILABLE, f"{self.url} did not answer and no other node of the map did")
+
+    @staticmethod
+    async def _map_at(node: AsyncClient) -> dict[str, Any] | None:
+        """A node's copy of the cluster map, or None if it does not answer in MAP_READ_TIMEOUT_S."""
+        try:
+            async with asyncio.timeout(MAP_READ_TIMEOUT_S):
+                return await node.http.cluster()
+        except (QueueError, TimeoutError):
+            return None
 
     def _route_to(self, url: str) -> AsyncClient:
         if url == self.url:
@@ -579,13 +619,16 @@ class AsyncClient:
         as soon as the master accepted the message, before it is durable, and a failure of the
         master right after may lose it (and give its id to another message); use `queued_ack`
         (the default) where an answer must mean stored."""
-        if self._masters and (target := self._route(queue)) is not self:
-            return await self._via(queue, target, "enqueue", queue, payload, priority, dedupe_id)
-        if self._calls_in_flight >= self._in_flight_max:
-            await self._wait_for_room()
         if type(payload) is not bytes:
             payload = _as_bytes(payload)
         dedupe_id = dedupe_id or self._new_dedupe_id()
+        if self._masters:
+            return await self._hedged(queue, lambda node: node._enqueue_here(queue, payload, priority, dedupe_id))
+        return await self._enqueue_here(queue, payload, priority, dedupe_id)
+
+    async def _enqueue_here(self, queue: str, payload: bytes, priority: int, dedupe_id: str) -> int:
+        if self._calls_in_flight >= self._in_flight_max:
+            await self._wait_for_room()
         future = self._join_enqueue(queue, priority, payload, dedupe_id)
         try:
             return await future  # type: ignore[no-any-return]
@@ -603,11 +646,14 @@ class AsyncClient:
         items = [_as_bytes(p) for p in payloads]
         if dedupe_ids is not None and len(dedupe_ids) != len(items):
             raise ValueError("dedupe_ids must have one id per payload")
-        if self._masters and (target := self._route(queue)) is not self:
-            return await self._via(queue, target, "enqueue_many", queue, items, priority, dedupe_ids=dedupe_ids)
+        ids = list(dedupe_ids) if dedupe_ids is not None else [self._new_dedupe_id() for _ in items]
+        if self._masters:
+            return await self._hedged(queue, lambda node: node._enqueue_many_here(queue, items, priority, ids))
+        return await self._enqueue_many_here(queue, items, priority, ids)
+
+    async def _enqueue_many_here(self, queue: str, items: list[bytes], priority: int, ids: list[str]) -> list[int]:
         if self._calls_in_flight >= self._in_flight_max:
             await self._wait_for_room()
-        ids = list(dedupe_ids) if dedupe_ids is not None else [self._new_dedupe_id() for _ in items]
         # The call is its own batch with one future for all its answers: no future per message.
         futures = []
         for start, end in _batch_bounds(items, self._frame_bytes_max):
