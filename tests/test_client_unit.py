@@ -765,3 +765,20 @@ def test_qctl_clients_add_sends_only_the_public_key_and_writes_a_usable_credenti
     written = load_credentials(new_path)
     assert written.client_id == "c-9" and written.url == threaded_fake_node.url
     assert stat.S_IMODE(os.stat(new_path).st_mode) == 0o600
+
+
+@pytest.mark.asyncio
+async def test_calls_that_need_the_map_at_once_share_one_reading_of_it(fake_node: FakeNode, client: AsyncClient) -> None:
+    """issue 13: after a failover, thousands of calls in flight each read the map from every
+    node. Calls share readings: one that asks while a reading is under way waits for it and
+    then for the next one (the first may predate what made it ask), which serves everyone who
+    asked meanwhile: a burst of 1,000 costs two readings, not 1,000."""
+    fake_node.rest_answers[("GET", "/v1/cluster")] = (200, {"nodes": [{"id": "n1", "url": fake_node.url}], "queues": {}})
+
+    def readings() -> int:
+        return len([r for r in fake_node.rest_requests if r["path"] == "/v1/cluster"])
+    await asyncio.gather(*(client.refresh_placement() for _ in range(1000)))
+    assert 1 <= readings() <= 2
+    before = readings()
+    await client.refresh_placement()          # alone: a reading of its own
+    assert readings() == before + 1
