@@ -99,16 +99,18 @@ class ChaosCluster(LocalCluster):
         ports = itertools.count(self.base_port + 200)
         wanted: list[tuple[str, str]] = []
         for node in self.ids:
-            wanted.append((client_proxy(node), self.urls[node].removeprefix("http://")))
+            wanted.append((client_proxy(node), self.urls[node].split("://", 1)[1]))
         for source, target in itertools.permutations(self.ids, 2):
-            wanted.append((peer_proxy(source, target), self.urls[target].removeprefix("http://")))
+            wanted.append((peer_proxy(source, target), self.urls[target].split("://", 1)[1]))
             wanted.append((raft_proxy(source, target), self.raft_addresses[target]))
         if len(wanted) > PROXY_SLOTS:
             raise ValueError("more proxies than the port block holds")
         for name, upstream in wanted:
             self.proxies[name] = self.toxiproxy.create(upstream=upstream, name=name,
                                                        listen=f"127.0.0.1:{next(ports)}")
-        self.client_urls = {node: f"http://{self.proxies[client_proxy(node)].listen}" for node in self.ids}
+        # TLS passes through the proxies untouched (the certificates name 127.0.0.1).
+        scheme = "https" if self.tls else "http"
+        self.client_urls = {node: f"{scheme}://{self.proxies[client_proxy(node)].listen}" for node in self.ids}
 
     def _write_config(self, node: str, placement: dict[str, list[str]], settings: dict[str, object]) -> None:
         if not self.proxies:
@@ -117,7 +119,7 @@ class ChaosCluster(LocalCluster):
         own_client_url = self.client_urls[node]
 
         def dialled(target: str) -> str:
-            return f"http://{self.proxies[peer_proxy(node, target)].listen}"
+            return f"{'https' if self.tls else 'http'}://{self.proxies[peer_proxy(node, target)].listen}"
 
         def raft_dialled(target: str) -> str:
             return str(self.proxies[raft_proxy(node, target)].listen)

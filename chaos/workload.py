@@ -84,9 +84,9 @@ class Observer:
     def __init__(self, cluster: ChaosCluster, history: History) -> None:
         self.cluster = cluster
         self.history = history
-        signer = load_credentials(cluster.credentials_path).signer()
-        self.http = {node: HttpClient(cluster.urls[node], signer, request_timeout_s=OBSERVE_TIMEOUT_S)
-                     for node in cluster.ids}
+        credentials = load_credentials(cluster.credentials_path)
+        self.http = {node: HttpClient(cluster.urls[node], credentials.signer(), request_timeout_s=OBSERVE_TIMEOUT_S,
+                                      ca_file=credentials.ca_file) for node in cluster.ids}
         self.observations: set[tuple[str, int, str]] = set()
         self.seen_by: dict[tuple[str, int, str], set[str]] = {}
         # (queue, epoch) -> (first seen, master, replica): who the pair was, and since when
@@ -394,8 +394,9 @@ def _pair_view(entry: dict[str, Any] | None) -> tuple[int, str | None, str | Non
 
 async def observer_stats(cluster: ChaosCluster, node: str, queue: str) -> dict[str, Any]:
     """A queue's statistics as `node` holds them (asked directly, not through a proxy)."""
-    signer = load_credentials(cluster.credentials_path).signer()
-    async with HttpClient(cluster.urls[node], signer, request_timeout_s=OBSERVE_TIMEOUT_S * 3) as http:
+    credentials = load_credentials(cluster.credentials_path)
+    async with HttpClient(cluster.urls[node], credentials.signer(), request_timeout_s=OBSERVE_TIMEOUT_S * 3,
+                          ca_file=credentials.ca_file) as http:
         return await http.queue_stats(queue)
 
 

@@ -189,10 +189,13 @@ class AsyncClient:
                  reconnect_delay_initial_s: float = 0.05, reconnect_delay_max_s: float = 2.0,
                  enqueue_retry_time_s: float = 30.0, enqueue_attempts_max: int = 10,
                  in_flight_max: int = 50_000, frame_bytes_max: int = 1024 * 1024,
-                 heartbeat_s: float = 10.0) -> None:
+                 heartbeat_s: float = 10.0, ca_file: str | None = None) -> None:
+        """`ca_file`: the CA that signs the nodes' TLS certificates (default: the credentials'
+        `ca_file`, else the system's)."""
         creds = resolve_credentials(credentials)
         self._credentials = creds
-        self._limits = dict(request_timeout_s=request_timeout_s, connect_timeout_s=connect_timeout_s,
+        ca_file = creds.ca_file if ca_file is None else ca_file
+        self._limits = dict(request_timeout_s=request_timeout_s, connect_timeout_s=connect_timeout_s, ca_file=ca_file,
                             reconnect_delay_initial_s=reconnect_delay_initial_s,
                             reconnect_delay_max_s=reconnect_delay_max_s, enqueue_retry_time_s=enqueue_retry_time_s,
                             enqueue_attempts_max=enqueue_attempts_max, in_flight_max=in_flight_max,
@@ -207,7 +210,7 @@ class AsyncClient:
         self.url = (url or creds.url).rstrip("/")
         self.client_id = creds.client_id
         self._signer = creds.signer()
-        self.http = HttpClient(self.url, self._signer, request_timeout_s=request_timeout_s)
+        self.http = HttpClient(self.url, self._signer, request_timeout_s=request_timeout_s, ca_file=ca_file)
         base = URL(self.url)
         self._ws_path = base.raw_path.rstrip("/") + "/v1/ws"
         ws_scheme = {"http": "ws", "https": "wss"}.get(base.scheme, base.scheme)

@@ -5,6 +5,9 @@ private key (base64 of the raw 32 bytes) and the URL of a node to talk to:
 
     {"client_id": "c-1a2b", "private_key": "base64...", "url": "http://127.0.0.1:7100"}
 
+and, for a cluster that serves TLS (`https://` URLs), `"ca_file"`: the CA certificate the
+client checks the nodes' certificates against (qserver/tls.py).
+
 `qserver init` writes the first admin's file with `save_credentials`, `qctl clients add --out`
 writes one for each new client, and `load_credentials` finds it without flags: an explicit
 path first, then `$QSERVER_CREDENTIALS`, then `./.qserver/credentials.json`, then
@@ -35,12 +38,16 @@ class Credentials:
     client_id: str
     private_key_text: str
     url: str = DEFAULT_URL
+    ca_file: str = ""          # the CA that signs the nodes' TLS certificates ("" : the system's)
 
     def signer(self) -> Signer:
         return Signer(self.client_id, private_key_from_text(self.private_key_text))
 
     def to_json(self) -> dict[str, str]:
-        return {"client_id": self.client_id, "private_key": self.private_key_text, "url": self.url}
+        document = {"client_id": self.client_id, "private_key": self.private_key_text, "url": self.url}
+        if self.ca_file:
+            document["ca_file"] = self.ca_file
+        return document
 
     @classmethod
     def from_json(cls, document: Any, source: str = "credentials") -> Credentials:
@@ -51,13 +58,14 @@ class Credentials:
         url = document.get("url", DEFAULT_URL)
         if not isinstance(client_id, str) or not client_id:
             raise _bad(source, "client_id must be a non-empty string")
-        if not isinstance(key_text, str) or not isinstance(url, str):
-            raise _bad(source, "private_key and url must be strings")
+        ca_file = document.get("ca_file", "")
+        if not isinstance(key_text, str) or not isinstance(url, str) or not isinstance(ca_file, str):
+            raise _bad(source, "private_key, url and ca_file must be strings")
         try:
             private_key_from_text(key_text)
         except ValueError as exc:  # bad base64 and wrong key length both land here
             raise _bad(source, f"private_key is not a base64 raw Ed25519 key ({exc})") from None
-        return cls(client_id, key_text, url.rstrip("/"))
+        return cls(client_id, key_text, url.rstrip("/"), ca_file)
 
 
 def _bad(source: str, reason: str) -> QueueError:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -90,7 +91,8 @@ class HttpClient:
     otherwise one is created on first use and closed by `close()`."""
 
     def __init__(self, url: str, signer: Signer, *, session: aiohttp.ClientSession | None = None,
-                 request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+                 request_timeout_s: float = REQUEST_TIMEOUT_S, ca_file: str = "") -> None:
+        """`ca_file`: the CA the node's TLS certificate must be signed by (an https:// URL)."""
         base = URL(url)
         self.url = str(base.with_path("").with_query(None)).rstrip("/")
         self._path_prefix = base.raw_path.rstrip("/")
@@ -98,6 +100,8 @@ class HttpClient:
         self._session = session
         self._owns_session = session is None
         self._request_timeout_s = request_timeout_s
+        self.ca_file = ca_file
+        self._ssl = ssl.create_default_context(cafile=ca_file) if ca_file else None
 
     async def close(self) -> None:
         if self._owns_session and self._session is not None:
@@ -146,7 +150,8 @@ class HttpClient:
     def session(self) -> aiohttp.ClientSession:
         """The aiohttp session (created on first use, inside the running loop)."""
         if self._session is None:
-            self._session = aiohttp.ClientSession()
+            connector = aiohttp.TCPConnector(ssl=self._ssl) if self._ssl is not None else None
+            self._session = aiohttp.ClientSession(connector=connector)
             self._owns_session = True
         return self._session
 

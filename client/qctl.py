@@ -149,6 +149,8 @@ def _add_globals(parser: argparse.ArgumentParser, *, in_subcommand: bool) -> Non
                         help="print one JSON document on stdout")
     parser.add_argument("--credentials", metavar="PATH", default=default, help="credentials file")
     parser.add_argument("--url", default=default, help="node URL (default: the credentials' url)")
+    parser.add_argument("--ca-file", metavar="PATH", default=default,
+                        help="CA of the nodes' TLS certificates (default: the credentials' ca_file)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -249,7 +251,7 @@ async def cmd_status(http: HttpClient, args: argparse.Namespace) -> Outcome:
         if node.get("state") != "up":
             continue
         try:
-            async with HttpClient(node["url"], http._signer) as other:
+            async with HttpClient(node["url"], http._signer, ca_file=http.ca_file) as other:
                 for name, entry in (await other.cluster()).get("queues", {}).items():
                     if "lag" in entry and entry.get("master") == node["id"]:
                         lag[name] = entry["lag"]
@@ -377,7 +379,7 @@ async def cmd_clients_add(http: HttpClient, args: argparse.Namespace) -> Outcome
     private_text = answer.pop("private_key", None) or private_key_to_text(key)
     document = dict(answer)
     if args.out is not None:
-        save_credentials(args.out, Credentials(str(answer["id"]), private_text, http.url))
+        save_credentials(args.out, Credentials(str(answer["id"]), private_text, http.url, http.ca_file))
         document["credentials_file"] = str(args.out)
     else:
         document["private_key"] = private_text  # shown once: nowhere else keeps it
@@ -400,7 +402,7 @@ async def cmd_clients_remove(http: HttpClient, args: argparse.Namespace) -> Outc
 # --- entry point ---------------------------------------------------------------------------------
 async def run_command(args: argparse.Namespace) -> Outcome:
     creds = load_credentials(args.credentials)
-    async with HttpClient(args.url or creds.url, creds.signer()) as http:
+    async with HttpClient(args.url or creds.url, creds.signer(), ca_file=args.ca_file or creds.ca_file) as http:
         handler: Handler = args.handler
         return await handler(http, args)
 

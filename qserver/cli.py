@@ -15,11 +15,12 @@ from qserver.auth import ADMIN_GRANTS
 from qserver.config import load_config
 from qserver.raft_store import RaftStore
 from qserver.storage import SealedBatch, Storage, read_clients
+from qserver.tls import DEFAULT_HOSTS, make_tls_files
 
 DEFAULT_CREDENTIALS = Path.home() / ".config" / "qserver" / "credentials.json"
 
 
-def join(data_dir: Path, node_id: str, existing: Path) -> int:
+def join(data_dir: Path, node_id: str, existing: Path, tls_hosts: tuple[str, ...] | None = None) -> int:
     """Initialise a further node of a cluster: the same cluster secret and client registry as
     an existing node's data directory (until the membership layer replicates the registry)."""
     secret_path = data_dir / "cluster.secret"
@@ -35,12 +36,21 @@ def join(data_dir: Path, node_id: str, existing: Path) -> int:
         storage.commit(SealedBatch(client_puts=clients))
     finally:
         storage.close()
+    if tls_hosts is not None:
+        _report_tls(make_tls_files(data_dir, node_id, tls_hosts, ca_from=existing))
     print(f"initialised {data_dir} as {node_id}, joining the cluster of {existing} ({len(clients)} clients)")
     return 0
 
 
-def init(data_dir: Path, node_id: str, credentials_path: Path, url: str, force: bool) -> int:
-    """Create the cluster secret and the first admin client, and write its credentials."""
+def _report_tls(files: dict[str, str]) -> None:
+    print(f"TLS: certificate {files['tls_cert_file']} (CA {files['tls_ca_file']}); `qserver run --data-dir` "
+          "finds them there, or name them in node.toml as tls_cert_file, tls_key_file, tls_ca_file")
+
+
+def init(data_dir: Path, node_id: str, credentials_path: Path, url: str, force: bool,
+         tls_hosts: tuple[str, ...] | None = None) -> int:
+    """Create the cluster secret and the first admin client, and write its credentials; with
+    `tls_hosts`, a local CA and this node's certificate for those host names too."""
     secret_path = data_dir / "cluster.secret"
     if secret_path.exists() and not force:
         print(f"error: {data_dir} is already initialised (use --force to add a new admin credential)", file=sys.stderr)
@@ -63,7 +73,13 @@ def init(data_dir: Path, node_id: str, credentials_path: Path, url: str, force: 
             membership.bootstrap(node_id, storage.storage_id)
     finally:
         storage.close()
-    save_credentials(credentials_path, Credentials(client_id, private_key_to_text(key), url))
+    ca_file = ""
+    if tls_hosts is not None:
+        files = make_tls_files(data_dir, node_id, tls_hosts)
+        ca_file = str(Path(files["tls_ca_file"]).resolve())
+        url = url.replace("http://", "https://", 1)
+        _report_tls(files)
+    save_credentials(credentials_path, Credentials(client_id, private_key_to_text(key), url, ca_file))
     print(f"initialised {data_dir}: cluster secret and admin client {client_id!r}; credentials in {credentials_path}")
     return 0
 
@@ -79,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     p_init.add_argument("--force", action="store_true")
     p_init.add_argument("--join", type=Path, metavar="DATA_DIR",
                         help="another node's data directory: take its cluster secret and clients")
+    p_init.add_argument("--tls", action="store_true",
+                        help="make TLS files under DATA_DIR/tls: a local CA (or the joined node's) and this "
+                             "node's certificate; the admin credential then names the CA and an https URL")
+    p_init.add_argument("--tls-hosts", default=",".join(DEFAULT_HOSTS),
+                        help="host names and addresses the node's certificate covers (comma-separated)")
     p_run = sub.add_parser("run", help="run one node")
     p_run.add_argument("--config", type=Path)
     p_run.add_argument("--data-dir", type=Path)
@@ -89,9 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     p_run.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     if args.command == "init":
+        tls_hosts = tuple(h.strip() for h in args.tls_hosts.split(",") if h.strip()) if args.tls else None
         if args.join is not None:
-            return join(args.data_dir, args.node_id, args.join)
-        return init(args.data_dir, args.node_id, args.credentials, args.url, args.force)
+            return join(args.data_dir, args.node_id, args.join, tls_hosts)
+        return init(args.data_dir, args.node_id, args.credentials, args.url, args.force, tls_hosts)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = load_config(args.config, node_id=args.node_id, host=args.host, port=args.port,
                          data_dir=None if args.data_dir is None else str(args.data_dir),

@@ -66,6 +66,12 @@ class NodeConfig:
     # replica's Forward its master does not answer, end after this with an outcome-unknown
     # E_TIMEOUT (a receive's wait added): past a failover's seconds, inside a client's 30 s.
     commit_wait_max_s: float = 10.0
+    # TLS on every link (qserver/tls.py): this node's certificate and key, and the CA its peers'
+    # certificates are checked against. Empty: the files `qserver init --tls` made under
+    # data_dir/tls/ if there are any, else plaintext (loopback demos).
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_ca_file: str = ""
     peer_send_queue_bytes_max: int = 8 << 20
     # The bounded op log and snapshots (DESIGN.md 4.1): the log kept for a replica recorded out
     # of sync (past it, the replica gets a snapshot), snapshot chunks, and how long a read view
@@ -99,6 +105,8 @@ class NodeConfig:
         if self.snapshot_chunk_bytes_max * self.snapshot_chunks_in_flight_max * 2 > self.peer_send_queue_bytes_max:
             problems.append("snapshot chunks in flight must fit twice in peer_send_queue_bytes_max (a chunk the "
                             "link drops costs a resend)")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file) or (self.tls_cert_file and not self.tls_ca_file):
+            problems.append("tls_cert_file and tls_key_file go together, with tls_ca_file (to check peers)")
         if self.commit_wait_max_s <= 0:
             problems.append("commit_wait_max_s must be positive")
         if self.log_retain_max_bytes <= 0 or self.sync_view_max_s <= 0 or self.payload_hold_bytes < 0:
@@ -121,9 +129,19 @@ class NodeConfig:
             raise ValueError("invalid node configuration: " + "; ".join(problems))
         return self
 
+    def tls_files(self) -> tuple[str, str, str] | None:
+        """(certificate, key, CA) when this node serves TLS."""
+        if self.tls_cert_file or self.tls_key_file:
+            return self.tls_cert_file, self.tls_key_file, self.tls_ca_file
+        made = Path(self.data_dir) / "tls"
+        if (made / "node.pem").exists():
+            return str(made / "node.pem"), str(made / "node-key.pem"), str(made / "ca.pem")
+        return None
+
     @property
     def own_url(self) -> str:
-        return self.url or self.cluster_nodes.get(self.node_id) or f"http://{self.host}:{self.port}"
+        scheme = "https" if self.tls_files() else "http"
+        return self.url or self.cluster_nodes.get(self.node_id) or f"{scheme}://{self.host}:{self.port}"
 
     def with_overrides(self, **overrides: Any) -> NodeConfig:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None}).check()

@@ -12,6 +12,7 @@ import random
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -50,8 +51,8 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {FREE_PORT_FIRST}-{FREE_PORT_LAST} on 127.0.0.1")
 
 
-def start_qserver(run_args: list[str], url: str, log_path: Path,
-                  timeout_s: float = START_TIMEOUT_S) -> subprocess.Popen[bytes]:
+def start_qserver(run_args: list[str], url: str, log_path: Path, timeout_s: float = START_TIMEOUT_S,
+                  ssl_context: ssl.SSLContext | None = None) -> subprocess.Popen[bytes]:
     """Start `qserver run ARGS...` (output to log_path) and wait for its /healthz; a node that
     exits or stays silent raises RuntimeError with the end of its log."""
     with open(log_path, "ab") as log:
@@ -63,7 +64,7 @@ def start_qserver(run_args: list[str], url: str, log_path: Path,
         if process.poll() is not None:
             raise RuntimeError(f"qserver exited with {process.returncode}: {log_path.read_text()[-2000:]}")
         try:
-            with urllib.request.urlopen(url + "/healthz", timeout=1) as answer:
+            with urllib.request.urlopen(url + "/healthz", timeout=1, context=ssl_context) as answer:
                 if answer.status == 200:
                     return process
         except OSError:
@@ -75,16 +76,20 @@ def start_qserver(run_args: list[str], url: str, log_path: Path,
 class LocalCluster:
     def __init__(self, root: Path, size: int, placement: dict[str, list[str]] | None = None,
                  settings: dict[str, object] | None = None, *, base_port: int | None = None,
-                 credentials_path: Path | None = None, voters: int | None = None) -> None:
+                 credentials_path: Path | None = None, voters: int | None = None, tls: bool | None = None) -> None:
         """`settings`: extra [node] keys for every node (TOML literals, e.g. {"journal_enabled": "false"}).
         `base_port`: node i serves HTTP on base_port+i and Raft on base_port+100+i (else free
         ports). Data already under `root` is reused (the nodes were initialised before).
-        `voters`: how many of the nodes (the first ones) vote in the membership layer (default all)."""
+        `voters`: how many of the nodes (the first ones) vote in the membership layer (default all).
+        `tls`: every link over TLS with a local CA (`qserver init --tls`); default from
+        $QSERVER_TEST_TLS ("1": on), so the whole suite can run with TLS on."""
         self.root = root
+        self.tls = tls if tls is not None else os.environ.get("QSERVER_TEST_TLS") == "1"
+        scheme = "https" if self.tls else "http"
         self.ids = [f"n{i}" for i in range(1, size + 1)]
         def port(i: int, offset: int) -> int:
             return base_port + offset + i if base_port else free_port()
-        self.urls = {node: f"http://127.0.0.1:{port(i, 0)}" for i, node in enumerate(self.ids, 1)}
+        self.urls = {node: f"{scheme}://127.0.0.1:{port(i, 0)}" for i, node in enumerate(self.ids, 1)}
         self.raft_addresses = {node: f"127.0.0.1:{port(i, 100)}" for i, node in enumerate(self.ids, 1)
                                if voters is None or i <= voters}
         self.credentials_path = credentials_path or root / "admin-credentials.json"
@@ -102,7 +107,7 @@ class LocalCluster:
         if (self.root / node / "cluster.secret").exists():
             return
         subprocess.run([sys.executable, "-m", "qserver", "init", "--data-dir", str(self.root / node), "--node-id", node,
-                        *extra], check=True, capture_output=True, cwd=REPOSITORY)
+                        *extra, *(["--tls"] if self.tls else [])], check=True, capture_output=True, cwd=REPOSITORY)
 
     def _write_config(self, node: str, placement: dict[str, list[str]], settings: dict[str, object]) -> None:
         port = self.urls[node].rsplit(":", 1)[1]
@@ -118,7 +123,7 @@ class LocalCluster:
         unless `wait` is false, until it takes part in the cluster (see wait_ready)."""
         self.processes[node] = start_qserver(
             ["--config", str(self.root / f"{node}.toml"), "--log-level", self.log_level], self.urls[node],
-            self.root / f"{node}.log")
+            self.root / f"{node}.log", ssl_context=self.ssl_context)
         if wait and len(self.processes) > len(self.ids) // 2:
             self.wait_ready([node])
 
@@ -146,6 +151,13 @@ class LocalCluster:
                     raise RuntimeError(f"{node} did not join the cluster in {timeout_s}s: {health}")
                 time.sleep(0.05)
 
+    @property
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """For this process's own requests to the nodes (health checks) when they serve TLS."""
+        if not self.tls:
+            return None
+        return ssl.create_default_context(cafile=str(self.root / self.ids[0] / "tls" / "ca.pem"))
+
     def restart_exited(self) -> list[str]:
         """The supervisor's part: a node that exited by itself (a fail-stop, exit code 70, or a
         crash) is started again, as systemd's Restart=on-failure would, at most
@@ -169,7 +181,7 @@ class LocalCluster:
 
     def health(self, node: str) -> dict[str, object]:
         try:
-            with urllib.request.urlopen(self.urls[node] + "/healthz", timeout=2) as answer:
+            with urllib.request.urlopen(self.urls[node] + "/healthz", timeout=2, context=self.ssl_context) as answer:
                 return dict(json.loads(answer.read()))
         except OSError:
             return {}

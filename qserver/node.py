@@ -34,6 +34,7 @@ from qserver.metrics import LoopLag, render_family
 from qserver.peers import PEER_PATH, PeerTransport
 from qserver.raft_store import RaftStore
 from qserver.storage import Storage
+from qserver.tls import client_context, server_context
 from qserver.ws_api import ClientConnection, websocket
 
 log = logging.getLogger("qserver")
@@ -45,6 +46,10 @@ class Node:
     def __init__(self, config: NodeConfig, *, on_fatal: Callable[[str, BaseException | None], None] = stop_process) -> None:
         """`on_fatal`: what a broken invariant does (qserver/failstop.py: end the process)."""
         self.config = config
+        # TLS (qserver/tls.py): what this node serves with, and how it checks the peers it dials.
+        self.tls = config.tls_files()
+        self.server_tls = server_context(self.tls[0], self.tls[1]) if self.tls else None
+        self.client_tls = client_context(self.tls[2]) if self.tls else None
         self.storage = Storage(Path(config.data_dir) / "lmdb", node_id=config.node_id, map_size_bytes=config.map_size_bytes,
                                map_size_max_bytes=config.map_size_max_bytes,
                                journal_enabled=config.journal_enabled, payload_hold_bytes=config.payload_hold_bytes)
@@ -143,14 +148,15 @@ class Node:
             return None, None
         secret = (Path(config.data_dir) / "cluster.secret").read_text().strip().encode()
         addresses = config.membership_nodes
-        peers = {node: f"http://{addresses[node]}" if node in addresses else "" for node in config.cluster_nodes}
+        scheme = "https" if self.tls is not None else "http"
+        peers = {node: f"{scheme}://{addresses[node]}" if node in addresses else "" for node in config.cluster_nodes}
         membership: RaftMembership | None = None
 
         def on_frame(peer: str, data: bytes) -> None:
             if membership is not None:
                 membership.on_frame(peer, data)
         transport = PeerTransport(config.node_id, secret, peers, on_message=on_frame,
-                                  listening=config.node_id in addresses)
+                                  listening=config.node_id in addresses, ssl_context=self.client_tls)
         membership = RaftMembership(
             config.node_id, self.storage.storage_id, RaftStore(self.storage), voters=set(addresses),
             send=transport.send, writer=lambda: self.engine.writer, loop=asyncio.get_running_loop(),
@@ -177,7 +183,7 @@ class Node:
             self.config.node_id, secret, {node: url for node, url in nodes.items() if node != self.config.node_id},
             on_message=lambda peer, data: engine.submit(c.PeerMessage(peer, data)),
             on_link_change=lambda peer, up: engine.submit(c.LinkChange(peer, up)),
-            send_queue_bytes_max=self.config.peer_send_queue_bytes_max)
+            send_queue_bytes_max=self.config.peer_send_queue_bytes_max, ssl_context=self.client_tls)
         engine.pairs.send = transport.send
         engine.pairs.link_up = transport.is_up
         return transport
@@ -245,7 +251,8 @@ class Node:
     def http_session(self) -> aiohttp.ClientSession:
         """For requests this node passes on to a queue's master."""
         if self._http_session is None:
-            self._http_session = aiohttp.ClientSession()
+            connector = aiohttp.TCPConnector(ssl=self.client_tls) if self.client_tls is not None else None
+            self._http_session = aiohttp.ClientSession(connector=connector)
         return self._http_session
 
     def _clients_changed(self) -> None:
@@ -354,7 +361,8 @@ async def serve(config: NodeConfig, *, ready: asyncio.Event | None = None) -> No
     await node.start()
     runner = EnvelopeAppRunner(node.application(), access_log=None, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port, reuse_address=True, backlog=1024)
+    site = web.TCPSite(runner, config.host, config.port, reuse_address=True, backlog=1024,
+                       ssl_context=node.server_tls)
     await site.start()
     membership_app = node.membership_application()
     membership_runner = None
@@ -364,7 +372,7 @@ async def serve(config: NodeConfig, *, ready: asyncio.Event | None = None) -> No
         host, port = (config.membership_bind or config.membership_nodes[config.node_id]).rsplit(":", 1)
         membership_runner = web.AppRunner(membership_app, access_log=None, handle_signals=False)
         await membership_runner.setup()
-        await web.TCPSite(membership_runner, host, int(port), reuse_address=True).start()
+        await web.TCPSite(membership_runner, host, int(port), reuse_address=True, ssl_context=node.server_tls).start()
     log.info("node %s serving on %s (data in %s)", config.node_id, node.url, config.data_dir)
     print(f"qserver {config.node_id} ready on {node.url}", flush=True)
     stop = asyncio.Event()

@@ -30,6 +30,7 @@ import hmac
 import logging
 import os
 import random
+import ssl
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -157,9 +158,10 @@ class PeerTransport:
                  reconnect_delay_initial_s: float = 0.05, reconnect_delay_max_s: float = RECONNECT_DELAY_MAX_S,
                  heartbeat_s: float = 2.0, connect_timeout_s: float = CONNECT_TIMEOUT_S,
                  close_timeout_s: float = CLOSE_TIMEOUT_S, rng: random.Random | None = None,
-                 listening: bool = True) -> None:
+                 listening: bool = True, ssl_context: ssl.SSLContext | None = None) -> None:
         """`peers`: id -> URL to dial, or "" for a peer that does not listen (it dials this
-        node). `listening`: false for a node that accepts no links (it dials every peer)."""
+        node). `listening`: false for a node that accepts no links (it dials every peer).
+        `ssl_context`: how to check the certificates of peers dialed over https:// URLs."""
         _check_limits(cluster_secret, send_queue_bytes_max, frame_bytes_max, reconnect_delay_initial_s,
                       reconnect_delay_max_s, heartbeat_s)
         self.node_id = node_id
@@ -182,6 +184,7 @@ class PeerTransport:
         self._nonces: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._background: set[asyncio.Task[Any]] = set()
         self._session: aiohttp.ClientSession | None = None
+        self._ssl_context = ssl_context
         self._started = False
         self._stopping = False
         # Counters for /metrics.
@@ -201,7 +204,8 @@ class PeerTransport:
             return
         self._started = True
         # No pool limit: one connection per dialed peer, and the peers are the bound.
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        connector = aiohttp.TCPConnector(limit=0, ssl=self._ssl_context if self._ssl_context is not None else True)
+        self._session = aiohttp.ClientSession(connector=connector)
         for peer in self._peers.values():
             self._start_dialer(peer)
 
