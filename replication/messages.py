@@ -22,6 +22,7 @@ The flows (seed 004 FIG. 21-22, with ordering-index acknowledgements):
 """
 from __future__ import annotations
 
+import itertools
 import operator
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
@@ -35,6 +36,14 @@ PROTOCOL_VERSION = 5       # 2: snapshots (SyncBegin.snapshot, SnapshotChunk, Sn
                            # 4: Append carries log entries (runs of operations), not single operations
                            # 5: SnapshotChunk carries its rows encoded once (what the content hash folds)
 _OPERATION_FIELDS = {tag: tuple(f.name for f in fields(kind)) for tag, kind in OPERATION_TYPES.items()}
+# What each field of an operation may hold when it comes from a peer (bool is an int too, and
+# msgpack gives bools where ints were sent only if a bool was sent).
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "bool": (bool,), "str": (str,), "bytes": (bytes,),
+                                             "str | None": (str, type(None)), "bytes | None": (bytes, type(None))}
+# Every shape a well-formed row may have, as the tuple of its values' types: one C-level
+# lookup per operation on the replica's hot path instead of a check per field.
+_OPERATION_SHAPES = {tag: frozenset((int, *shape) for shape in itertools.product(
+    *(_FIELD_TYPES[str(f.type)] for f in fields(kind)))) for tag, kind in OPERATION_TYPES.items()}
 # One C call reads an operation's fields in order (packed as [tag, fields...]).
 _OPERATION_GETTERS = {kind: (tag, operator.attrgetter(*_OPERATION_FIELDS[tag])) for tag, kind in OPERATION_TYPES.items()}
 
@@ -64,11 +73,11 @@ def decode_entry(data: bytes) -> list[Operation]:
 
 
 def _operation_from_row(row: Any) -> Operation:
-    if not isinstance(row, list) or not row or row[0] not in OPERATION_TYPES:
+    if not isinstance(row, list) or not row or type(row[0]) is not int or row[0] not in OPERATION_TYPES:
         raise MessageError("an operation is [tag, fields...]")
-    names = _OPERATION_FIELDS[row[0]]
-    if len(row) - 1 != len(names):
-        raise MessageError(f"operation {row[0]} has {len(names)} fields")
+    if tuple(map(type, row)) not in _OPERATION_SHAPES[row[0]]:
+        names = _OPERATION_FIELDS[row[0]]
+        raise MessageError(f"operation {row[0]} has {len(names)} fields ({', '.join(names)}) of other types")
     return OPERATION_TYPES[row[0]](*row[1:])  # type: ignore[no-any-return]
 
 

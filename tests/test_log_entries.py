@@ -9,13 +9,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgpack
 import pytest
 
 from qserver.storage import SealedBatch, Storage
 from replication.digest import EMPTY_DIGEST, fold
 from replication.invariants import InvariantViolation, history_disagreements
 from replication.master import APPEND_BYTES_MAX, MasterRole
-from replication.messages import Append, AppendAck, Open, decode_message, encode_entry, encode_message
+from replication.messages import (
+    Append,
+    AppendAck,
+    MessageError,
+    Open,
+    decode_entry,
+    decode_message,
+    encode_entry,
+    encode_message,
+)
 from replication.operations import Operation
 from replication.oplog import ENTRY_BYTES_MAX, ENTRY_OPERATIONS_MAX, runs
 from replication.options import Strength
@@ -140,3 +150,12 @@ def test_members_whose_entries_differ_in_bounds_disagree() -> None:
     assert history_disagreements(same, same) == []
     assert history_disagreements([(1, 3, b"ab")], same) == [3]
     assert history_disagreements([(1, 2, b"a"), (3, 3, b"c")], same) == [3]
+
+
+@pytest.mark.parametrize("row", [[[1], 1], [1, "q", 1, 4, 0, None, "c", b"x"], [1.5], [True, 1]],
+                         ids=["tag-a-list", "field-of-another-type", "tag-a-float", "tag-a-bool"])
+def test_a_log_entry_row_of_the_wrong_shape_is_a_message_error_not_a_type_error(row: list[object]) -> None:
+    """Found by the coverage-guided fuzzer (tests/fuzz_targets.py log_entry): a list as the tag
+    raised TypeError (unhashable), which on a replica would have stopped the node."""
+    with pytest.raises(MessageError):
+        decode_entry(msgpack.packb([row], use_bin_type=True))
