@@ -40,6 +40,7 @@ from client.protocol import DeliveredMessage
 from client.signing import Signer
 
 REQUEST_TIMEOUT_S = 30.0
+TLS_CLOSE_GRACE_S = 0.1   # see HttpClient.close
 ERROR_BODY_BYTES_MAX = 64 * 1024
 
 Grant = Mapping[str, Any]
@@ -106,6 +107,10 @@ class HttpClient:
     async def close(self) -> None:
         if self._owns_session and self._session is not None:
             await self._session.close()
+            if self.url.startswith("https://"):
+                # aiohttp closes a TLS connection with a shutdown the loop finishes later: give
+                # it those turns, or a loop that ends at once leaves the sockets open.
+                await asyncio.sleep(TLS_CLOSE_GRACE_S)
         self._session = None
 
     async def __aenter__(self) -> Self:

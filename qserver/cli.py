@@ -20,7 +20,8 @@ from qserver.tls import DEFAULT_HOSTS, make_tls_files
 DEFAULT_CREDENTIALS = Path.home() / ".config" / "qserver" / "credentials.json"
 
 
-def join(data_dir: Path, node_id: str, existing: Path, tls_hosts: tuple[str, ...] | None = None) -> int:
+def join(data_dir: Path, node_id: str, existing: Path, tls_hosts: tuple[str, ...] | None = None,
+         tls_ca: Path | None = None) -> int:
     """Initialise a further node of a cluster: the same cluster secret and client registry as
     an existing node's data directory (until the membership layer replicates the registry)."""
     secret_path = data_dir / "cluster.secret"
@@ -37,7 +38,7 @@ def join(data_dir: Path, node_id: str, existing: Path, tls_hosts: tuple[str, ...
     finally:
         storage.close()
     if tls_hosts is not None:
-        _report_tls(make_tls_files(data_dir, node_id, tls_hosts, ca_from=existing))
+        _report_tls(make_tls_files(data_dir, node_id, tls_hosts, ca_from=tls_ca or existing))
     print(f"initialised {data_dir} as {node_id}, joining the cluster of {existing} ({len(clients)} clients)")
     return 0
 
@@ -48,7 +49,7 @@ def _report_tls(files: dict[str, str]) -> None:
 
 
 def init(data_dir: Path, node_id: str, credentials_path: Path, url: str, force: bool,
-         tls_hosts: tuple[str, ...] | None = None) -> int:
+         tls_hosts: tuple[str, ...] | None = None, tls_ca: Path | None = None) -> int:
     """Create the cluster secret and the first admin client, and write its credentials; with
     `tls_hosts`, a local CA and this node's certificate for those host names too."""
     secret_path = data_dir / "cluster.secret"
@@ -75,7 +76,7 @@ def init(data_dir: Path, node_id: str, credentials_path: Path, url: str, force: 
         storage.close()
     ca_file = ""
     if tls_hosts is not None:
-        files = make_tls_files(data_dir, node_id, tls_hosts)
+        files = make_tls_files(data_dir, node_id, tls_hosts, ca_from=tls_ca)
         ca_file = str(Path(files["tls_ca_file"]).resolve())
         url = url.replace("http://", "https://", 1)
         _report_tls(files)
@@ -100,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                              "node's certificate; the admin credential then names the CA and an https URL")
     p_init.add_argument("--tls-hosts", default=",".join(DEFAULT_HOSTS),
                         help="host names and addresses the node's certificate covers (comma-separated)")
+    p_init.add_argument("--tls-ca", type=Path, metavar="DIR",
+                        help="sign with the CA under DIR/tls/ (ca.pem, ca-key.pem) instead of making one")
     p_run = sub.add_parser("run", help="run one node")
     p_run.add_argument("--config", type=Path)
     p_run.add_argument("--data-dir", type=Path)
@@ -112,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "init":
         tls_hosts = tuple(h.strip() for h in args.tls_hosts.split(",") if h.strip()) if args.tls else None
         if args.join is not None:
-            return join(args.data_dir, args.node_id, args.join, tls_hosts)
-        return init(args.data_dir, args.node_id, args.credentials, args.url, args.force, tls_hosts)
+            return join(args.data_dir, args.node_id, args.join, tls_hosts, args.tls_ca)
+        return init(args.data_dir, args.node_id, args.credentials, args.url, args.force, tls_hosts, args.tls_ca)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = load_config(args.config, node_id=args.node_id, host=args.host, port=args.port,
                          data_dir=None if args.data_dir is None else str(args.data_dir),

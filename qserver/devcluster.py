@@ -23,6 +23,9 @@ from typing import Any
 REPOSITORY = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 20.0
 RESTARTS_PER_MINUTE_MAX = 3
+# QSERVER_TEST_TLS=1: test clusters use TLS; tests/conftest.py then makes one CA for the whole
+# run, names it here, and points SSL_CERT_FILE at it so every client of the test process trusts it.
+TEST_TLS_ENV, TEST_TLS_CA_ENV = "QSERVER_TEST_TLS", "QSERVER_TEST_TLS_CA_DIR"
 
 
 FREE_PORT_FIRST, FREE_PORT_LAST = 5_000, 9_999   # below chaos/cluster.py's port blocks and the
@@ -84,7 +87,7 @@ class LocalCluster:
         `tls`: every link over TLS with a local CA (`qserver init --tls`); default from
         $QSERVER_TEST_TLS ("1": on), so the whole suite can run with TLS on."""
         self.root = root
-        self.tls = tls if tls is not None else os.environ.get("QSERVER_TEST_TLS") == "1"
+        self.tls = tls if tls is not None else os.environ.get(TEST_TLS_ENV) == "1"
         scheme = "https" if self.tls else "http"
         self.ids = [f"n{i}" for i in range(1, size + 1)]
         def port(i: int, offset: int) -> int:
@@ -106,8 +109,10 @@ class LocalCluster:
     def _init(self, node: str, extra: list[str]) -> None:
         if (self.root / node / "cluster.secret").exists():
             return
+        shared_ca = os.environ.get(TEST_TLS_CA_ENV)     # tests: one CA for every cluster of the run
+        tls = ["--tls", *(["--tls-ca", shared_ca] if shared_ca else [])] if self.tls else []
         subprocess.run([sys.executable, "-m", "qserver", "init", "--data-dir", str(self.root / node), "--node-id", node,
-                        *extra, *(["--tls"] if self.tls else [])], check=True, capture_output=True, cwd=REPOSITORY)
+                        *extra, *tls], check=True, capture_output=True, cwd=REPOSITORY)
 
     def _write_config(self, node: str, placement: dict[str, list[str]], settings: dict[str, object]) -> None:
         port = self.urls[node].rsplit(":", 1)[1]

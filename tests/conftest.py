@@ -10,27 +10,39 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from qserver.devcluster import REPOSITORY, LocalCluster, free_port, start_qserver
+from qserver.devcluster import REPOSITORY, TEST_TLS_CA_ENV, TEST_TLS_ENV, LocalCluster, free_port, start_qserver
+from qserver.tls import make_tls_files
+
+TLS = os.environ.get(TEST_TLS_ENV) == "1"
+if TLS and TEST_TLS_CA_ENV not in os.environ:
+    # QSERVER_TEST_TLS=1: every node of the run gets a certificate from one CA, which every
+    # client in this process trusts through SSL_CERT_FILE. Made here, at import, because aiohttp
+    # builds its default SSL context when it is first imported (by the test modules, later).
+    _ca_dir = Path(tempfile.mkdtemp(prefix="qserver-test-ca-"))
+    os.environ["SSL_CERT_FILE"] = make_tls_files(_ca_dir, "test-ca")["tls_ca_file"]
+    os.environ[TEST_TLS_CA_ENV] = str(_ca_dir)
 
 
 class QNode:
-    """One real qserver process (loopback only)."""
+    """One real qserver process (loopback only); with QSERVER_TEST_TLS=1, over TLS."""
 
     def __init__(self, data_dir: Path, port: int, extra_args: list[str] | None = None) -> None:
         self.data_dir = data_dir
         self.port = port
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"{'https' if TLS else 'http'}://127.0.0.1:{port}"
         self.credentials_path = data_dir / "admin-credentials.json"
         self.extra_args = extra_args or []
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path = data_dir / "qserver.log"
+        tls = ["--tls", "--tls-ca", os.environ[TEST_TLS_CA_ENV]] if TLS else []
         subprocess.run([sys.executable, "-m", "qserver", "init", "--data-dir", str(data_dir),
-                        "--credentials", str(self.credentials_path), "--url", self.url],
+                        "--credentials", str(self.credentials_path), "--url", self.url, *tls],
                        check=True, capture_output=True, cwd=REPOSITORY)
 
     def start(self) -> None:

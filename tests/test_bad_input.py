@@ -4,6 +4,7 @@ stored messages and other clients' connections are exactly as they were."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from typing import Any
@@ -12,6 +13,7 @@ import aiohttp
 import msgpack
 import pytest
 import pytest_asyncio
+from yarl import URL
 
 from client.protocol import (
     AckOp,
@@ -68,14 +70,16 @@ async def ws_exchange(ws: aiohttp.ClientWebSocketResponse, frame: bytes, *, text
     b"POST /v1/queues/keep/messages HTTP/1.1\r\nHost: x\r\nContent-Length: nine\r\n\r\n",
 ], ids=["long-request-line", "long-header", "not-http", "bad-content-length"])
 async def test_what_aiohttp_refuses_before_any_handler_is_answered_with_the_envelope(api: RawApi, raw: bytes) -> None:
-    host, port = api.url.removeprefix("http://").rsplit(":", 1)
-    reader, writer = await asyncio.open_connection(host, int(port))
+    url = URL(api.url)
+    reader, writer = await asyncio.open_connection(url.host, url.port, ssl=url.scheme == "https" or None)
     try:
         writer.write(raw)
         await writer.drain()
         answer = await asyncio.wait_for(reader.read(), 5)        # the server closes after it
     finally:
         writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
     head, body = answer.split(b"\r\n\r\n", 1)
     assert head.split(b" ", 2)[1] == b"400" and b"application/json" in head, head
     assert json.loads(body)["error"]["code"] == "E_BAD_REQUEST" and b"X-Error-Code: E_BAD_REQUEST" in head
@@ -141,14 +145,16 @@ async def test_a_dedupe_id_that_is_not_utf8_is_refused(api: RawApi) -> None:
     assert api.signer is not None
     path, body = "/v1/queues/keep/messages", b"odd"
     signed = api.signer.headers("POST", path, {}, body)
-    host, port = api.url.removeprefix("http://").split(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
+    url = URL(api.url)
+    reader, writer = await asyncio.open_connection(url.host, url.port, ssl=url.scheme == "https" or None)
     head = "".join(f"{k}: {v}\r\n" for k, v in signed.items()).encode()
-    writer.write(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: " + host.encode() + b"\r\n" + head
+    writer.write(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: " + str(url.host).encode() + b"\r\n" + head
                  + b"X-Dedupe-Id: order-\xff\r\nContent-Length: 3\r\nConnection: close\r\n\r\n" + body)
     await writer.drain()
     answer = await asyncio.wait_for(reader.read(), 5)
     writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
     assert answer.startswith(b"HTTP/1.1 400") and b"E_INVALID_OPTION" in answer, answer[:200]
 
 
