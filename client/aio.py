@@ -532,6 +532,14 @@ class AsyncClient:
                 if target not in asked:
                     asked.add(target)
                     attempts.add(loop.create_task(attempt(target)))
+            if isinstance(failure, QueueError) and target is not self:
+                # Every attempt failed, the last at another node's client (which knows no map):
+                # as any routed call, refresh the map (waiting for a failover while the node is
+                # unreachable) and try where it says now, once. (This client's own attempts
+                # reroute themselves.)
+                other = await self._rerouted(queue, failure, failed=target)
+                if other is not None:
+                    return await _retried_once(failure, attempt(other))
             raise failure or QueueError(E_INTERNAL, "no attempt was made")
         finally:
             for pending in attempts:
