@@ -89,6 +89,18 @@ async def wait_in_sync(client: AsyncClient, timeout_s: float = ROUND_TIMEOUT_S) 
     raise RuntimeError("the pair did not come back in sync")
 
 
+async def first_ack(load: Load, round_number: int, *, invoked_after: float = 0.0, acked_after: float = 0.0) -> float:
+    """When the first recent write invoked after `invoked_after` and acknowledged after
+    `acked_after` was acknowledged."""
+    deadline = time.monotonic() + ROUND_TIMEOUT_S
+    while time.monotonic() < deadline:
+        acked = [a for invoked, a in load.writes[-400:] if invoked > invoked_after and a > acked_after]
+        if acked:
+            return min(acked)
+        await asyncio.sleep(0.005)
+    raise RuntimeError(f"round {round_number}: writes did not resume")
+
+
 async def failovers(cluster: LocalCluster, rounds: int) -> list[dict[str, Any]]:
     results = []
     async with AsyncClient(cluster.urls["n3"], cluster.credentials_path) as client:
@@ -103,15 +115,8 @@ async def failovers(cluster: LocalCluster, rounds: int) -> list[dict[str, Any]]:
                 leader = (await client.cluster()).get("leader")
                 killed_at = time.monotonic()
                 await asyncio.to_thread(cluster.kill, victim)
-                deadline = killed_at + ROUND_TIMEOUT_S
-                while time.monotonic() < deadline:
-                    resumed = [acked for invoked, acked in load.writes[-200:] if invoked > killed_at]
-                    if resumed:
-                        break
-                    await asyncio.sleep(0.005)
-                else:
-                    raise RuntimeError(f"round {round_number}: writes did not resume")
-                failover_s = min(resumed) - killed_at
+                resumed = await first_ack(load, round_number, invoked_after=killed_at)
+                failover_s = resumed - killed_at
                 result = {"measure": "failover", "round": round_number, "killed": victim,
                           "killed_was_membership_leader": victim == leader, "seconds": round(failover_s, 3)}
                 print(json.dumps(result), flush=True)
@@ -151,19 +156,12 @@ async def pauses(cluster: LocalCluster, rounds: int) -> list[dict[str, Any]]:
                         await asyncio.sleep(0.01)
                     if promoted_at is None:
                         raise RuntimeError(f"round {round_number}: no promotion")
-                    while time.monotonic() < deadline:
-                        acked = [a for _, a in load.writes[-400:] if a > paused_at + 0.01]
-                        if acked:
-                            break
-                        await asyncio.sleep(0.005)
-                    else:
-                        raise RuntimeError(f"round {round_number}: writes did not resume")
+                    acked_at = await first_ack(load, round_number, acked_after=paused_at + 0.01)
                 finally:
                     cluster.processes[victim].send_signal(signal.SIGCONT)
-                first_ack = min(acked)
                 result = {"measure": "pause", "round": round_number, "paused": victim,
                           "promotion_s": round(promoted_at - paused_at, 3),
-                          "first_ack_after_promotion_s": round(first_ack - promoted_at, 3)}
+                          "first_ack_after_promotion_s": round(acked_at - promoted_at, 3)}
                 print(json.dumps(result), flush=True)
                 results.append(result)
         finally:
