@@ -114,9 +114,9 @@ class Coordinator:
             waiting.clear()
             waiting.extend(kept)
 
-    def tick(self, now_ms: int) -> None:
+    def tick(self, mono: int) -> None:
+        """`mono`: the monotonic clock (every deadline here is on it)."""
         self._accept_grants()
-        mono = self.monotonic_ms()
         if mono >= self._next_renew_ms:
             self._next_renew_ms = mono + self.renew_interval_ms
             self._renew(mono)
@@ -126,7 +126,7 @@ class Coordinator:
         elif self._leader_term is not None:
             self._leader_term = None
             self.table.stepped_down()
-        self._handoff_timeouts(now_ms)
+        self._handoff_timeouts(mono)
         self.check_handoffs()
         me = self.membership.cluster_map.nodes.get(self.node_id)
         if me is not None and me.state is NodeState.DRAINING and self.pairs.masters:
@@ -249,7 +249,7 @@ class Coordinator:
             return
         request_id = self._next_request
         self._next_request += 1
-        self.asked[request_id] = (queue, finish, self.engine.clock_ms() + HANDOFF_TIMEOUT_MS)
+        self.asked[request_id] = (queue, finish, self.monotonic_ms() + HANDOFF_TIMEOUT_MS)
         self.pairs.send_message(role.master_id, HandoffRequest(queue, role.incarnation, role.epoch, request_id))
 
     def _replica_asks(self, peer: str, request: HandoffRequest) -> None:
@@ -285,7 +285,7 @@ class Coordinator:
                                      "the master's own handoff is in progress (the master's request wins)")
                 existing.replica_request, existing.initiator = None, "master"
             return
-        now = self.engine.clock_ms()
+        now = self.monotonic_ms()
         handoff = Handoff(queue, initiator, now, now + HANDOFF_TIMEOUT_MS, replica_request=replica_request)
         if finish is not None:
             handoff.finishes.append(finish)
@@ -366,7 +366,7 @@ class Coordinator:
         handoff = self.handoffs.pop(name, None)
         if handoff is None:
             return
-        pause_ms = self.engine.clock_ms() - handoff.started_ms
+        pause_ms = self.monotonic_ms() - handoff.started_ms
         result: Any = QueueError(E_HANDOFF_REFUSED, failure) if failure else {**self._handoff_result(name),
                                                                                 "pause_ms": pause_ms}
         if failure:

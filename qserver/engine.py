@@ -93,9 +93,14 @@ def wall_ms() -> int:
     return int(time.time() * 1000)
 
 
+def monotonic_clock_ms() -> int:
+    return int(time.monotonic() * 1000)
+
+
 @dataclass(slots=True)
 class Waiter:
-    """A receive that found nothing and waits for a message until `deadline_ms`."""
+    """A receive that found nothing and waits for a message until `deadline_ms` (the
+    engine's monotonic clock, as every deadline below)."""
     command: c.Receive
     deadline_ms: int
 
@@ -179,7 +184,12 @@ class Engine:
         self._on_fatal = on_fatal
         self.failed: BaseException | None = None
         self.storage = storage
+        # Two clocks. `clock_ms` (the wall clock) is what records say: enqueue and lease times,
+        # the dedupe window, the journal. `monotonic_ms` times everything that waits: leases,
+        # receive waits, held answers, forwards, handoffs, replication ticks; a wall clock that
+        # steps (NTP) or differs between nodes must not move a deadline.
         self.clock_ms = clock_ms
+        self.monotonic_ms = monotonic_ms or monotonic_clock_ms
         self._rng = rng or random.Random()
         self.cores: dict[str, QueueCore] = {}
         self.pairs = PairDriver(self, ClusterView(config.node_id, config.cluster_nodes, membership),
@@ -197,7 +207,7 @@ class Engine:
                 renew_interval_ms=config.lease_renew_interval_ms,
                 replica_replace_after_ms=int(config.replica_replace_after_s * 1000),
                 accept_replica_handoffs=config.accept_replica_handoffs,
-                monotonic_ms=monotonic_ms or (lambda: int(time.monotonic() * 1000)))
+                monotonic_ms=self.monotonic_ms)
             membership.on_applied = lambda command, outcomes: self.invoke(
                 lambda now_ms: self.pairs.map_applied(command, outcomes))
         self._pending_creates: dict[str, list[tuple[Any, int]]] = {}   # queue -> (replier, request id)
@@ -285,7 +295,7 @@ class Engine:
         return self._rng.getrandbits(bits)
 
     def _new_core(self, record: QueueRecord, leases: list[Any]) -> QueueCore:
-        return QueueCore(record, self.storage, self._rng, leases=leases,
+        return QueueCore(record, self.storage, self._rng, lease_clock=self.monotonic_ms, leases=leases,
                          dedupe_window_ms=int(self.config.dedupe_window_s * 1000))
 
     async def stop(self) -> None:
@@ -323,22 +333,22 @@ class Engine:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            now_ms = self.clock_ms()
+            now_ms, mono_ms = self.clock_ms(), self.monotonic_ms()
             self.storage.begin_read()
             try:
                 self._step_inbox(now_ms)
-                if self.coordinator is not None and now_ms >= self._next_replication_tick_ms:
-                    self.coordinator.tick(now_ms)
-                    self.pairs.tick(now_ms)
-                    self._next_replication_tick_ms = now_ms + REPLICATION_TICK_MS
-                self._expire_leases(now_ms)
+                if self.coordinator is not None and mono_ms >= self._next_replication_tick_ms:
+                    self.coordinator.tick(mono_ms)
+                    self.pairs.tick(mono_ms)
+                    self._next_replication_tick_ms = mono_ms + REPLICATION_TICK_MS
+                self._expire_leases(now_ms, mono_ms)
                 self._serve(now_ms)
-                self._expire_waiters(now_ms)
+                self._expire_waiters(mono_ms)
             finally:
                 self.storage.end_read()
-            if now_ms >= self._next_housekeeping_ms:
-                self._open.sealed.housekeeping_ms = now_ms
-                self._next_housekeeping_ms = now_ms + self.config.housekeeping_interval_ms
+            if mono_ms >= self._next_housekeeping_ms:
+                self._open.sealed.housekeeping_ms = now_ms      # what is older than this is pruned
+                self._next_housekeeping_ms = mono_ms + self.config.housekeeping_interval_ms
                 for core in self.pairs.commit_points_to_record():
                     self._touch(core)
             if self._committing is None and not self._open.empty():
@@ -346,7 +356,7 @@ class Engine:
             if self._stopping and not self._inbox and self._committing is None:
                 self._fail_waiters_on_stop()
                 return
-            self._arm_timer(now_ms)
+            self._arm_timer(mono_ms)
 
     def _step_inbox(self, now_ms: int) -> None:
         """Step queued commands into the open batch. When the writer is idle and the batch
@@ -659,7 +669,7 @@ class Engine:
             self._answer_with_messages(core, command.replier, command.request_id, leased)
         elif command.wait_ms > 0:
             self._waiters.setdefault(core.name, collections.deque()).append(
-                Waiter(command, now_ms + command.wait_ms))
+                Waiter(command, self.monotonic_ms() + command.wait_ms))
         else:
             command.replier.reply(command.request_id, [])
 
@@ -901,7 +911,7 @@ class Engine:
         core = self._core(command.queue)
         if not 1 <= command.message_id < core.record.next_index:
             raise QueueError(E_UNKNOWN_MESSAGE, f"queue {core.name} has no message {command.message_id}")
-        waiter = StatusWaiter(command, core.queue_id, now_ms + command.wait_ms)
+        waiter = StatusWaiter(command, core.queue_id, self.monotonic_ms() + command.wait_ms)
         # Read after the batch in flight lands, so the answer never shows uncommitted state.
         self._open.after_commit.append(lambda: self._check_status(waiter, final=command.wait_ms == 0))
 
@@ -935,10 +945,10 @@ class Engine:
         self._open.after_commit.append(self.on_clients_changed)
 
     def _step_peer_message(self, command: c.PeerMessage, now_ms: int) -> None:
-        self.pairs.on_peer_message(command.peer, command.data, now_ms)
+        self.pairs.on_peer_message(command.peer, command.data, self.monotonic_ms())
 
     def _step_link_change(self, command: c.LinkChange, now_ms: int) -> None:
-        self.pairs.on_link_change(command.peer, command.up, now_ms)
+        self.pairs.on_link_change(command.peer, command.up, self.monotonic_ms())
 
     _STEP_OTHER: dict[type, Callable[[Engine, Any, int], None]] = {
         c.Subscribe: _step_subscribe, c.Credit: _step_credit, c.Unsubscribe: _step_unsubscribe,
@@ -956,7 +966,7 @@ class Engine:
         one index of one epoch)."""
         return self.coordinator is None or self.coordinator.lease_valid()
 
-    def _expire_leases(self, now_ms: int) -> None:
+    def _expire_leases(self, now_ms: int, mono_ms: int) -> None:
         operations = self._open.sealed.operations
         masters, clustered = self.pairs.masters, self.pairs.clustered
         may_decide = self._full_master_may_decide()
@@ -971,9 +981,9 @@ class Engine:
                 # Under `producer` too, a core with no role yet waits for it: its expiries would
                 # be journaled under no member's role (a restarted replica's, as its master's).
                 continue
-            deadline = core.next_deadline_ms()
+            deadline = core.next_deadline()
             mark = len(operations)
-            if deadline is not None and deadline <= now_ms and core.expire_leases(now_ms, operations):
+            if deadline is not None and deadline <= mono_ms and core.expire_leases(now_ms, operations):
                 self.pairs.note_decided(core, operations[mark:])
                 self._touch(core)
                 if core.dead_letter_core is not None:
@@ -1046,7 +1056,7 @@ class Engine:
         deadlines = [self._next_housekeeping_ms]
         if self.pairs.clustered:
             deadlines.append(self._next_replication_tick_ms)
-        deadlines.extend(d for d in (core.next_deadline_ms() for core in self.cores.values()) if d is not None)
+        deadlines.extend(d for d in (core.next_deadline() for core in self.cores.values()) if d is not None)
         deadlines.extend(w.deadline_ms for ws in self._waiters.values() for w in ws)
         deadlines.extend(w.deadline_ms for ws in self._status_waiters.values() for w in ws)
         delay_s = max(0.0, (min(deadlines) - now_ms) / 1000) + 0.001
@@ -1063,7 +1073,7 @@ class Engine:
         sealed = batch.sealed
         sealed.dedupe_window_ms = int(self.config.dedupe_window_s * 1000)
         sealed.status_retention_ms = int(self.config.status_retention_s * 1000)
-        self.pairs.before_commit(sealed.operations, sealed.oplog_rows, self.clock_ms())
+        self.pairs.before_commit(sealed.operations, sealed.oplog_rows, self.monotonic_ms())
         sealed.log_floors = self.pairs.log_floors()
         sealed.replica_queue_ids = {role.core.queue_id for role in self.pairs.replicas.values()}
         for name, core in batch.touched.items():
@@ -1126,7 +1136,7 @@ class Engine:
         for installed in batch.sealed.on_commit:
             installed()
         try:
-            self.pairs.after_commit(batch.sealed.operations, self.clock_ms(),
+            self.pairs.after_commit(batch.sealed.operations, self.monotonic_ms(),
                                     [(queue_id, order) for queue_id, order, _ in batch.sealed.snapshot_installs])
         finally:
             self.storage.end_read()

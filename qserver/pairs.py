@@ -124,6 +124,9 @@ class HeldAnswer:
 
 
 class PairDriver:
+    """The node's side of its queue pairs: one role per queue it holds. Every `mono_ms` here
+    is the engine's monotonic clock (the roles' timers, held answers, forwards)."""
+
     def __init__(self, engine: Engine, view: ClusterView, limits: ReplicationLimits) -> None:
         self.engine = engine
         self.view = view
@@ -201,6 +204,8 @@ class PairDriver:
                 replica_returns_from=previous.master_recorded_commit if isinstance(previous, ReplicaRole) else None)
             self.received.pop(core.name, None)
             self.replicas.pop(core.name, None)
+            if isinstance(previous, ReplicaRole):
+                core.inherit_leases()      # a takeover: leases run from now on this clock
             if previous is None and first_reason == "restart":
                 self.unconfirmed[core.name] = record.commit_order
             role_name = "master"
@@ -303,7 +308,7 @@ class PairDriver:
             new = self.masters.get(name)
             if new is not None:
                 self.announce(core)
-                new.tick(self.engine.clock_ms())
+                new.tick(self.engine.monotonic_ms())
                 self._flush(new)
             self.release_committed()
             return
@@ -330,7 +335,7 @@ class PairDriver:
             self._refuse_held(name, QueueError(E_NOT_MASTER, f"queue {name} has a new master {entry.master}",
                                                outcome_unknown=True), deposed_commit)
         if self._may_open(role):
-            role.start(self.engine.clock_ms())
+            role.start(self.engine.monotonic_ms())
             self._flush(role)
 
     def _stream_staged(self, role: MasterRole) -> None:
@@ -345,7 +350,7 @@ class PairDriver:
         ops = [op for op in staged.operations if op.queue_id == role.core.queue_id and op.order > role.last_order]
         if not ops:
             return
-        role.replicate(ops, self.engine.clock_ms())
+        role.replicate(ops, self.engine.monotonic_ms())
         for entry in role.to_log:
             staged.oplog_rows.append(entry.row(role.core.queue_id))
         role.to_log.clear()
@@ -417,7 +422,7 @@ class PairDriver:
 
     # --- the engine's batches --------------------------------------------------------------
     def before_commit(self, operations: list[Operation], oplog_rows: list[tuple[int, int, int, bytes, bytes]],
-                      now_ms: int) -> None:
+                      mono_ms: int) -> None:
         """Stream the batch's replicated operations (persist and send in the same step) and
         add their op-log rows to the transaction."""
         if not self.masters:
@@ -431,13 +436,13 @@ class PairDriver:
             # its history already, and folding them in again would break its digest chain.
             ops = [op for op in by_queue.get(role.core.queue_id, ()) if op.order > role.last_order]
             if ops:
-                role.replicate(ops, now_ms)
+                role.replicate(ops, mono_ms)
                 for entry in role.to_log:
                     oplog_rows.append(entry.row(role.core.queue_id))
                 role.to_log.clear()
                 self._flush(role)
 
-    def after_commit(self, operations: list[Operation], now_ms: int,
+    def after_commit(self, operations: list[Operation], mono_ms: int,
                      installed: list[tuple[int, int]] | None = None) -> None:
         """The batch is durable: advance each role's durable point and answer what committed."""
         durable: dict[int, int] = dict(installed or ())
@@ -449,7 +454,7 @@ class PairDriver:
             role.recorded_commit = role.core.record.commit_order
             order = durable.get(role.core.queue_id)
             if order:
-                role.local_durable_to(order, now_ms)
+                role.local_durable_to(order, mono_ms)
                 self._flush(role)
         for replica in self.replicas.values():
             order = durable.get(replica.core.queue_id)
@@ -473,7 +478,7 @@ class PairDriver:
         if commit is None or (required_order <= commit and self._may_answer(name)):
             return False
         self.held.setdefault(name, collections.deque()).append(
-            HeldAnswer(required_order, release, refuse, self.engine.clock_ms() + self.commit_wait_max_ms))
+            HeldAnswer(required_order, release, refuse, self.engine.monotonic_ms() + self.commit_wait_max_ms))
         return True
 
     def may_answer(self, name: str) -> bool:
@@ -545,23 +550,23 @@ class PairDriver:
         self._next_forward += 1
         self.forwards[request_id] = (name, answer)
         wait_ms = request[2] if request[0] == "receive" else 0
-        heapq.heappush(self._forward_deadlines, (self.engine.clock_ms() + self.commit_wait_max_ms + wait_ms, request_id))
+        heapq.heappush(self._forward_deadlines, (self.engine.monotonic_ms() + self.commit_wait_max_ms + wait_ms, request_id))
         role.forward(request_id, request)
         self._flush(role)
 
-    def expire_waiting(self, now_ms: int) -> None:
+    def expire_waiting(self, mono_ms: int) -> None:
         """Forwards and held answers past their deadline end with an outcome-unknown E_TIMEOUT
         (the node's commit_wait_max_s: an answer held for a commit point that does not come, a
         Forward lost with a broken link; nothing waits for ever or leaks). A late ForwardResult then finds no entry and is dropped."""
         deadlines = self._forward_deadlines
-        while deadlines and (deadlines[0][0] <= now_ms or deadlines[0][1] not in self.forwards):
+        while deadlines and (deadlines[0][0] <= mono_ms or deadlines[0][1] not in self.forwards):
             _, request_id = heapq.heappop(deadlines)
             entry = self.forwards.pop(request_id, None)
             if entry is not None:
                 entry[1]([E_TIMEOUT.code, f"the master of {entry[0]} did not answer a forwarded request in "
                                           f"{self.commit_wait_max_ms} ms; the outcome is unknown"])
         for name, waiting in self.held.items():
-            while waiting and waiting[0].deadline_ms <= now_ms:
+            while waiting and waiting[0].deadline_ms <= mono_ms:
                 held = waiting.popleft()
                 if held.refuse is not None:      # a push without refusal: its lease runs out instead
                     held.refuse(QueueError(E_TIMEOUT, f"queue {name}: not committed within {self.commit_wait_max_ms} ms "
@@ -577,7 +582,7 @@ class PairDriver:
             answer(outcome)
 
     # --- peers -----------------------------------------------------------------------------
-    def on_peer_message(self, peer: str, data: bytes, now_ms: int) -> None:
+    def on_peer_message(self, peer: str, data: bytes, mono_ms: int) -> None:
         try:
             message = decode_message(data)
         except MessageError as error:
@@ -596,7 +601,7 @@ class PairDriver:
             self.engine.hold_replica_instance(message.queue, message.incarnation, message.record)
             role = self.replicas.get(message.queue)
             if role is not None and role.phase.value == "opening" and self._may_open(role):
-                role.start(now_ms)
+                role.start(mono_ms)
                 self._flush(role)
             return
         if isinstance(message, Delete):
@@ -606,14 +611,14 @@ class PairDriver:
             return
         master = self.masters.get(message.queue)
         if master is not None and master.incarnation == message.incarnation:
-            master.receive(message, now_ms)
+            master.receive(message, mono_ms)
             self._drain_master(master)
             if self.coordinator is not None:
                 self.coordinator.master_progress(master)
             return
         replica = self.replicas.get(message.queue)
         if replica is not None and replica.incarnation == message.incarnation:
-            replica.receive(message, now_ms)
+            replica.receive(message, mono_ms)
             self._drain_replica(replica)
 
     def _ahead_of_map(self, peer: str, message: Message) -> bool:
@@ -641,9 +646,9 @@ class PairDriver:
             entry = self.view.entry(queue)
             while waiting and entry is not None:
                 peer, data = waiting.popleft()
-                self.on_peer_message(peer, data, self.engine.clock_ms())
+                self.on_peer_message(peer, data, self.engine.monotonic_ms())
 
-    def on_link_change(self, peer: str, up: bool, now_ms: int) -> None:
+    def on_link_change(self, peer: str, up: bool, mono_ms: int) -> None:
         for role in self.masters.values():
             if role.replica_id != peer:
                 continue
@@ -655,7 +660,7 @@ class PairDriver:
             if replica.master_id != peer:
                 continue
             if up and self._may_open(replica):
-                replica.start(now_ms)
+                replica.start(mono_ms)
                 self._flush(replica)
             elif not up:
                 replica.link_down()
@@ -666,23 +671,23 @@ class PairDriver:
         if self.unconfirmed and (self.coordinator is None or self.coordinator.lease_valid()):
             self.unconfirmed.clear()
 
-    def tick(self, now_ms: int) -> None:
+    def tick(self, mono_ms: int) -> None:
         self.confirm_restarted_masters()
-        announce = now_ms >= self._next_announce_ms
+        announce = mono_ms >= self._next_announce_ms
         if announce:
-            self._next_announce_ms = now_ms + ANNOUNCE_INTERVAL_MS
+            self._next_announce_ms = mono_ms + ANNOUNCE_INTERVAL_MS
         for role in self.masters.values():
             if announce and role.progress.value == "probing" and self.link_up(role.replica_id):
                 self.announce(role.core)    # a replica that never opened may have missed it
-            role.tick(now_ms)
+            role.tick(mono_ms)
             self._drain_master(role)
         for replica in self.replicas.values():
             if replica.phase.value == "opening" and replica.never_opened and self._may_open(replica):
-                replica.start(now_ms)       # the link came up before this role existed (or it waited)
-            replica.tick(now_ms)
+                replica.start(mono_ms)       # the link came up before this role existed (or it waited)
+            replica.tick(mono_ms)
             self._drain_replica(replica)
         self.release_committed()
-        self.expire_waiting(now_ms)
+        self.expire_waiting(mono_ms)
 
     def _drain_master(self, role: MasterRole) -> None:
         forwarded, role.forwarded = role.forwarded, []

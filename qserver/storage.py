@@ -12,7 +12,7 @@ Key layout (big-endian integers so LMDB's byte order is numeric order):
                                                      where payload is the bytes, or the last order of the
                                                      op-log entry that holds them (an int: see below)
     ready     queue_id:8 priority:1 index:8       -> deliveries so far (4 bytes, empty when 0)
-    leases    queue_id:8 index:8                  -> msgpack [priority, receipt, deadline_ms, deliveries, leased_ms]
+    leases    queue_id:8 index:8                  -> msgpack [priority, receipt, visibility_ms, deliveries, leased_ms]
     status    queue_id:8 index:8                  -> msgpack [state, at_ms, reply]   (completed messages)
     dedupe    queue_id:8 dedupe_id                -> index:8 enqueued_ms:8
     expiry    kind:1 at_ms:8 queue_id:8 index:8   -> ""   (completion statuses to prune, oldest first)
@@ -81,7 +81,9 @@ from replication.store import StoredLease
 # 4: a message row may name the op-log entry holding its payload instead; no reader of 3.
 # 5: the membership layer's Raft state in raft_state and raft_log (qserver/raft_store.py), not
 #    in pysyncobj's journal files; no reader of 4.
-SCHEMA_VERSION = 5
+# 6: a lease row (and a Leased operation in the op log) holds the lease's duration, not a
+#    wall-clock deadline; no reader of 5.
+SCHEMA_VERSION = 6
 _QI = struct.Struct(">QQ")
 _QPI = struct.Struct(">QBQ")
 _Q = struct.Struct(">Q")
@@ -263,8 +265,8 @@ class Storage:
                 for key, value in cursor:
                     if not key.startswith(prefix):
                         break
-                    priority, receipt, deadline_ms, deliveries, leased_ms = msgpack.unpackb(value)
-                    leases.append(StoredLease(_QI.unpack(key)[1], priority, receipt, deadline_ms,
+                    priority, receipt, visibility_ms, deliveries, leased_ms = msgpack.unpackb(value)
+                    leases.append(StoredLease(_QI.unpack(key)[1], priority, receipt, visibility_ms,
                                               deliveries, leased_ms))
         return leases
 
@@ -552,7 +554,7 @@ class Storage:
         if not txn.delete(_QPI.pack(op.queue_id, op.priority, op.index), db=self.db["ready"]):
             raise InvariantViolation(f"leased message {op.queue_id}/{op.index} was not ready")
         txn.put(_QI.pack(op.queue_id, op.index),
-                self._pack([op.priority, op.receipt, op.deadline_ms, op.deliveries, op.leased_ms]),
+                self._pack([op.priority, op.receipt, op.visibility_ms, op.deliveries, op.leased_ms]),
                 db=self.db["leases"])
 
     def _apply_acked(self, txn: lmdb.Transaction, op: Acked) -> None:
@@ -1051,8 +1053,8 @@ class LmdbSnapshotView:
                 while next_lease is not None and next_lease < key:     # a lease without its message
                     next_lease = bytes(leases.key()) if leases.next() else None
                 if next_lease == key:
-                    _, receipt, deadline_ms, deliveries, leased_ms = unpack_row(leases.value())
-                    lease = [receipt, deadline_ms, leased_ms]
+                    _, receipt, visibility_ms, deliveries, leased_ms = unpack_row(leases.value())
+                    lease = [receipt, visibility_ms, leased_ms]
                     next_lease = bytes(leases.key()) if leases.next() else None
                 else:
                     raw_ready = txn.get(ready_key(queue_id, priority, index), db=ready_db)

@@ -31,10 +31,11 @@ import msgpack
 
 from replication.operations import OPERATION_TYPES, Operation
 
-PROTOCOL_VERSION = 5       # 2: snapshots (SyncBegin.snapshot, SnapshotChunk, SnapshotAck), Open.committed_order
+PROTOCOL_VERSION = 6       # 2: snapshots (SyncBegin.snapshot, SnapshotChunk, SnapshotAck), Open.committed_order
                            # 3: a snapshot resumed after a broken link (Open.snapshot_*, SyncBegin.resume_after)
                            # 4: Append carries log entries (runs of operations), not single operations
                            # 5: SnapshotChunk carries its rows encoded once (what the content hash folds)
+                           # 6: a Leased operation and a snapshot's lease carry the lease's duration
 _OPERATION_FIELDS = {tag: tuple(f.name for f in fields(kind)) for tag, kind in OPERATION_TYPES.items()}
 # What each field of an operation may hold when it comes from a peer (bool is an int too, and
 # msgpack gives bools where ints were sent only if a bool was sent).

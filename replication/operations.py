@@ -31,16 +31,19 @@ class Enqueued:
 
 @dataclass(slots=True)
 class Leased:
-    """A ready message handed to a consumer until `deadline_ms` (the master's clock)."""
+    """A ready message handed to a consumer for `visibility_ms`. The duration is what is
+    replicated and stored, never a deadline: each member times it on its own monotonic clock
+    (from the grant at the master; from its takeover or restart at a member that inherits it),
+    so a wall clock's step or two nodes' skew neither expires a lease early nor stretches it."""
     TAG: ClassVar[int] = 2
     queue_id: int
     index: int
     priority: int
     receipt: str
-    deadline_ms: int
+    visibility_ms: int
     deliveries: int
     client: str
-    leased_ms: int
+    leased_ms: int      # wall clock, for the record (journal, service time); never for timing
     order: int = 0        # ordering index under `full`; 0 for a member's local lease (`producer`)
 
 

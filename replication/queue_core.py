@@ -1,7 +1,8 @@
 """The queue core: one queue's decisions as a pure state machine.
 
 The node feeds it commands (`enqueue`, `lease`, `ack`, `release`, `reply`, `expire_leases`)
-with the current time as an argument; each appends the operations it decided to `out`, in
+with the wall clock's time as an argument (what the records say: enqueue and lease times,
+the dedupe window); each appends the operations it decided to `out`, in
 order, for the node to persist in one transaction before answering anyone (group commit:
 DESIGN.md 4.3, STYLE.md "effects in order"). Nothing here waits, sleeps or does I/O apart
 from committed-state reads through `StoreReader`.
@@ -12,11 +13,18 @@ a restart the heap starts empty and pages of pre-restart messages are loaded on 
 the heap holds every ready message with index <= `_loaded_upto`, plus any newer ones
 (everything made ready since the restart); a page is loaded whenever the heap's head lies
 beyond `_loaded_upto`, which keeps delivery in (priority, index) order.
+
+Leases are timed apart from the records, on `lease_clock` (the node's monotonic clock, a
+virtual one in simulations): a lease is a duration, and its deadline is where that duration
+ends on this member's own clock, counted from the grant here, or from the moment this member
+inherited it (a restart, a takeover: `inherit_leases`, a snapshot). A wall clock that steps,
+or two members' clocks that disagree, move no deadline (DESIGN.md 4.1).
 """
 from __future__ import annotations
 
 import heapq
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,9 +89,10 @@ class QueueRecord:
 class _Lease:
     priority: int
     receipt: str
-    deadline_ms: int
+    visibility_ms: int     # what was granted (replicated and stored)
+    deadline: int          # where it ends on this member's lease clock
     deliveries: int
-    leased_ms: int
+    leased_ms: int         # wall clock, for the record
 
 
 @dataclass(slots=True)
@@ -95,8 +104,10 @@ class _DedupeOverlay:
 
 class QueueCore:
     def __init__(self, record: QueueRecord, reader: StoreReader, rng: random.Random, *,
-                 leases: list[StoredLease] = (), dedupe_window_ms: int = 300_000) -> None:  # type: ignore[assignment]
+                 lease_clock: Callable[[], int], leases: list[StoredLease] = (),  # type: ignore[assignment]
+                 dedupe_window_ms: int = 300_000) -> None:
         self.record = record
+        self._lease_clock = lease_clock
         self._reader = reader
         self._rng = rng
         self._dedupe_window_ms = dedupe_window_ms
@@ -115,9 +126,9 @@ class QueueCore:
         self.visible_upto: int | None = None
         self._leases: dict[int, _Lease] = {}
         self._lease_deadlines: list[tuple[int, int, str]] = []
-        for stored in leases:
-            self._add_lease(stored.index, _Lease(stored.priority, stored.receipt, stored.deadline_ms,
-                                                 stored.deliveries, stored.leased_ms))
+        for stored in leases:      # from storage, after a restart: inherited now
+            self._inherit(stored.index, stored.priority, stored.receipt, stored.visibility_ms,
+                          stored.deliveries, stored.leased_ms)
 
     # --- identity and state ----------------------------------------------------------------
     @property
@@ -197,7 +208,9 @@ class QueueCore:
         leased: list[Leased] = []
         if self.record.ready_count == 0:
             return leased
-        deadline_ms = now_ms + (self.options.visibility_timeout_ms if visibility_ms is None else visibility_ms)
+        if visibility_ms is None:
+            visibility_ms = self.options.visibility_timeout_ms
+        deadline = self._lease_clock() + visibility_ms
         visible_upto = self.visible_upto
         for priority in PRIORITIES_HIGH_FIRST:
             while len(leased) < max_messages and self._fill_head(priority):
@@ -207,8 +220,8 @@ class QueueCore:
                 deliveries = self._ready_deliveries.pop(index, 0) + 1
                 receipt = f"{self._rng.getrandbits(64):016x}"
                 self.record.ready_count -= 1
-                self._add_lease(index, _Lease(priority, receipt, deadline_ms, deliveries, now_ms))
-                op = Leased(self.queue_id, index, priority, receipt, deadline_ms, deliveries, client, now_ms,
+                self._add_lease(index, _Lease(priority, receipt, visibility_ms, deadline, deliveries, now_ms))
+                op = Leased(self.queue_id, index, priority, receipt, visibility_ms, deliveries, client, now_ms,
                             self._consumption_order())
                 out.append(op)
                 leased.append(op)
@@ -222,7 +235,7 @@ class QueueCore:
         del self._leases[index]
         record = self.record
         record.total_acked += 1
-        record.service_ms_total += now_ms - lease.leased_ms
+        record.service_ms_total += max(0, now_ms - lease.leased_ms)
         record.service_count += 1
         out.append(Acked(record.queue_id, index, lease.priority, client, now_ms,
                          record.options.tracks_status, reply, self._consumption_order()))
@@ -239,10 +252,12 @@ class QueueCore:
         self._end_lease(index, lease, now_ms, expired=False, out=out)
 
     def expire_leases(self, now_ms: int, out: list[Operation]) -> int:
-        """End every lease whose deadline has passed; returns how many ended."""
+        """End every lease whose deadline has passed on the lease clock; returns how many
+        ended (`now_ms`, the wall clock, is what the Released records say)."""
         ended = 0
         deadlines = self._lease_deadlines
-        while deadlines and deadlines[0][0] <= now_ms:
+        lease_now = self._lease_clock()
+        while deadlines and deadlines[0][0] <= lease_now:
             _, index, receipt = heapq.heappop(deadlines)
             lease = self._leases.get(index)
             if lease is not None and lease.receipt == receipt:
@@ -250,8 +265,20 @@ class QueueCore:
                 ended += 1
         return ended
 
-    def next_deadline_ms(self) -> int | None:
+    def next_deadline(self) -> int | None:
+        """The earliest lease deadline, on the lease clock."""
         return self._lease_deadlines[0][0] if self._lease_deadlines else None
+
+    def inherit_leases(self) -> None:
+        """This member takes the queue over (a failover, a handoff): every lease in flight
+        counts as granted now, on this member's clock. The master that granted them timed
+        them on another clock, which says nothing here; none may expire early, so each runs
+        its whole duration again (at worst one takeover longer than granted)."""
+        now = self._lease_clock()
+        for lease in self._leases.values():
+            lease.deadline = now + lease.visibility_ms
+        self._lease_deadlines = [(lease.deadline, index, lease.receipt) for index, lease in self._leases.items()]
+        heapq.heapify(self._lease_deadlines)
 
     def seal(self) -> None:
         """The staged batch is going to disk; its dedupe ids stay visible until committed."""
@@ -327,8 +354,8 @@ class QueueCore:
         """A snapshot's rows are committed to storage and its counters to the record: serve
         them. `ready` (priority, index, deliveries) are pushed as they are; None means this
         instance held nothing before, so every ready message below `next_index` is paged in
-        from storage as after a restart. `leases`: (index, priority, receipt, deadline_ms,
-        deliveries, leased_ms) under `full`."""
+        from storage as after a restart. `leases`: (index, priority, receipt, visibility_ms,
+        deliveries, leased_ms) under `full`, inherited now."""
         if ready is None:
             self._boundary = self.record.next_index
             self._ready = [[] for _ in range(PRIORITY_MAX + 1)]
@@ -342,8 +369,8 @@ class QueueCore:
                 heapq.heappush(self._ready[priority], index)
                 if deliveries:
                     self._ready_deliveries[index] = deliveries
-        for index, priority, receipt, deadline_ms, deliveries, leased_ms in leases:
-            self._add_lease(index, _Lease(priority, receipt, deadline_ms, deliveries, leased_ms))
+        for index, priority, receipt, visibility_ms, deliveries, leased_ms in leases:
+            self._inherit(index, priority, receipt, visibility_ms, deliveries, leased_ms)
 
     # --- the replica's side: applying what the master decided ------------------------------
     def apply(self, op: Operation) -> None:
@@ -359,7 +386,7 @@ class QueueCore:
             self._advance_order(op.order)
         if type(op) is Leased:
             self._take_ready(op.priority, op.index)
-            self._add_lease(op.index, _Lease(op.priority, op.receipt, op.deadline_ms, op.deliveries, op.leased_ms))
+            self._inherit(op.index, op.priority, op.receipt, op.visibility_ms, op.deliveries, op.leased_ms)
             return
         lease = self._leases.pop(op.index, None)
         if lease is None:
@@ -367,7 +394,7 @@ class QueueCore:
         record = self.record
         if type(op) is Acked:
             record.total_acked += 1
-            record.service_ms_total += op.acked_ms - lease.leased_ms
+            record.service_ms_total += max(0, op.acked_ms - lease.leased_ms)
             record.service_count += 1
         elif type(op) is Released:
             record.ready_count += 1
@@ -462,7 +489,14 @@ class QueueCore:
 
     def _add_lease(self, index: int, lease: _Lease) -> None:
         self._leases[index] = lease
-        heapq.heappush(self._lease_deadlines, (lease.deadline_ms, index, lease.receipt))
+        heapq.heappush(self._lease_deadlines, (lease.deadline, index, lease.receipt))
+
+    def _inherit(self, index: int, priority: int, receipt: str, visibility_ms: int, deliveries: int,
+                 leased_ms: int) -> None:
+        """A lease this member did not grant (stored before a restart, applied as the
+        master's decision, in a snapshot): it runs from now on this member's clock."""
+        self._add_lease(index, _Lease(priority, receipt, visibility_ms, self._lease_clock() + visibility_ms,
+                                      deliveries, leased_ms))
 
     def _valid_lease(self, index: int, receipt: str, now_ms: int, out: list[Operation]) -> _Lease:
         lease = self._leases.get(index)
@@ -472,7 +506,7 @@ class QueueCore:
             raise QueueError(E_UNKNOWN_MESSAGE, f"queue {self.name} has no message {index}")
         if lease.receipt != receipt:
             raise QueueError(E_LEASE_EXPIRED, f"receipt for message {index} is stale")
-        if lease.deadline_ms <= now_ms:
+        if lease.deadline <= self._lease_clock():
             # The lease ran out before the expiry sweep got to it: end it now, so the
             # message is redelivered exactly as if the sweep had run first.
             self._end_lease(index, lease, now_ms, expired=True, out=out)

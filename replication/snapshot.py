@@ -11,7 +11,8 @@ Rows (msgpack lists, in this order within a view):
     [ROW_MESSAGE, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease]
     [ROW_DEDUPE, dedupe_id, index, enqueued_ms]            the dedupe window's entries
     [ROW_DEAD_LETTER, index, priority, enqueued_ms, None, client, payload, deliveries, lease]
-`lease` is [receipt, deadline_ms, leased_ms] or None. Under `full` the snapshot is the whole
+`lease` is [receipt, visibility_ms, leased_ms] or None (a duration: the taker times it from
+when it takes the queue over, see operations.Leased). Under `full` the snapshot is the whole
 state: deliveries, leases in flight and the dead-letter queue's messages (its stream follows
 on from the dead-letter order the last chunk names). Under `producer` it carries the live
 messages and the dedupe window only (never the master's consumption state), and only those
@@ -104,7 +105,7 @@ def check_rows(rows: Any) -> list[list[Any]]:
             lease = row[8]
             if lease is not None and (not isinstance(lease, list) or len(lease) != 3
                                       or not isinstance(lease[0], str)):
-                raise MessageError("a snapshot lease is [receipt, deadline_ms, leased_ms]")
+                raise MessageError("a snapshot lease is [receipt, visibility_ms, leased_ms]")
         elif row[0] == ROW_DEDUPE:
             if len(row) != _DEDUPE_ROW_FIELDS or not isinstance(row[1], str) or type(row[2]) is not int:
                 raise MessageError("a snapshot dedupe row is malformed")
@@ -124,7 +125,7 @@ class InstalledState:
     ready: list[tuple[int, int, int]] = field(default_factory=list)       # (priority, index, deliveries)
     ready_count: int = 0
     leases: list[tuple[int, int, str, int, int, int]] = field(default_factory=list)
-    # ^ (index, priority, receipt, deadline_ms, deliveries, leased_ms)
+    # ^ (index, priority, receipt, visibility_ms, deliveries, leased_ms)
     dead_letter_ready_count: int = 0
     dead_letter_leases: list[tuple[int, int, str, int, int, int]] = field(default_factory=list)
 
@@ -184,7 +185,7 @@ def memory_rows(store: Any, queue_id: int, *, consumption: bool, after_index: in
         lease = queue.leases.get(index)
         if consumption:
             deliveries = lease.deliveries if lease is not None else ready.get(index, 0)
-            lease_row = None if lease is None else [lease.receipt, lease.deadline_ms, lease.leased_ms]
+            lease_row = None if lease is None else [lease.receipt, lease.visibility_ms, lease.leased_ms]
         else:
             deliveries, lease_row = 0, None
         rows.append(message_row(kind, index, message.priority, message.enqueued_ms, message.dedupe_id,

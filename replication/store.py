@@ -38,7 +38,7 @@ class StoredLease:
     index: int
     priority: int
     receipt: str
-    deadline_ms: int
+    visibility_ms: int       # a duration: see operations.Leased
     deliveries: int
     leased_ms: int
 
@@ -126,7 +126,7 @@ class MemoryStore:
         queue = self._queue(op.queue_id)
         if not self._drop_ready(queue, op.priority, op.index):
             raise InvariantViolation(f"leased message {op.queue_id}/{op.index} was not ready")
-        queue.leases[op.index] = StoredLease(op.index, op.priority, op.receipt, op.deadline_ms,
+        queue.leases[op.index] = StoredLease(op.index, op.priority, op.receipt, op.visibility_ms,
                                              op.deliveries, op.leased_ms)
 
     def _apply_Acked(self, op: Acked) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +43,10 @@ from replication.store import MemoryStore
 AT_MS = 1_700_000_000_000
 
 
-def producer_core(store: MemoryStore, strength: Strength = Strength.PRODUCER) -> QueueCore:
+def producer_core(store: MemoryStore, strength: Strength = Strength.PRODUCER,
+                  lease_clock: Callable[[], int] = lambda: AT_MS) -> QueueCore:
     record = QueueRecord(1, "events", QueueOptions(strength=strength), AT_MS)
-    return QueueCore(record, store, random.Random(3))
+    return QueueCore(record, store, random.Random(3), lease_clock=lease_clock)
 
 
 def enqueue(core: QueueCore, store: MemoryStore, count: int, tag: str) -> list[int]:
@@ -287,9 +289,11 @@ def test_a_core_without_a_role_yet_expires_no_lease_until_the_map_gives_it_one()
 
     from qserver.engine import Engine, OpenBatch
     store = MemoryStore()
-    core = producer_core(store)
+    lease_clock = [AT_MS]
+    core = producer_core(store, lease_clock=lambda: lease_clock[0])
     enqueue(core, store, 1, "e")
     core.lease(1, 1, "c", AT_MS, [])                          # a lease that ran out long ago
+    lease_clock[0] += 60_000
     engine = Engine.__new__(Engine)
     engine._open = OpenBatch()
     engine.coordinator = None
@@ -297,10 +301,10 @@ def test_a_core_without_a_role_yet_expires_no_lease_until_the_map_gives_it_one()
     engine._to_serve = set()
     engine.pairs = SimpleNamespace(masters={}, replicas={}, clustered=True,   # type: ignore[assignment]
                                    note_decided=lambda core, ops: None)
-    engine._expire_leases(AT_MS + 60_000)
+    engine._expire_leases(AT_MS + 60_000, lease_clock[0])
     assert engine._open.sealed.operations == []               # restarted, no role yet: wait
     engine.pairs.replicas["events"] = object()     # type: ignore[assignment]
-    engine._expire_leases(AT_MS + 60_000)
+    engine._expire_leases(AT_MS + 60_000, lease_clock[0])
     assert [type(op).__name__ for op in engine._open.sealed.operations] == ["Released"]
 
 
@@ -346,7 +350,7 @@ def test_a_restarted_core_drops_its_suffix_past_the_recorded_commit_point_even_o
     first = producer_core(store)
     enqueue(first, store, 10, "r")                            # 1..10 stored; the crash comes
     record = QueueRecord.from_json(first.record.to_json())
-    core = QueueCore(record, store, random.Random(3))         # rebuilt: nothing loaded yet
+    core = QueueCore(record, store, random.Random(3), lease_clock=lambda: AT_MS)   # rebuilt: nothing loaded
     assert core.discard_after(6) == []                        # 7..10 are on pages it never read
     assert core.record.next_index == 7 and core.depth == 6
     leased = core.lease(20, None, "c", AT_MS, [])
@@ -502,7 +506,7 @@ def test_the_masters_handoff_request_wins_even_when_the_replicas_reached_the_mas
     coordinator = Coordinator.__new__(Coordinator)
     coordinator.pairs, coordinator.handoffs, coordinator.node_id = pairs, {}, "n1"   # type: ignore[assignment]
     coordinator.accept_replica_handoffs = True
-    coordinator.engine = SimpleNamespace(clock_ms=lambda: AT_MS)                     # type: ignore[assignment]
+    coordinator.monotonic_ms = lambda: AT_MS                                          # type: ignore[method-assign]
     coordinator.membership = SimpleNamespace(cluster_map=cluster_map)                # type: ignore[assignment]
     coordinator._replica_asks("n2", HandoffRequest("q", 5, 1, 77))
     assert coordinator.handoffs["q"].initiator == "replica" and not sent

@@ -74,11 +74,31 @@ def check_safety(sim: EngineSimulation) -> None:
         # An acknowledged ack is replicated like an enqueue: the message is gone for good.
         back = history.consumed & sim.held(master)
         assert not back, f"messages whose ack was acknowledged are held again: {sorted(back)[:10]}"
+        early = leases_expired_early(sim)
+        assert not early, f"leases that ended before their duration (id, sent, answered, duration, " \
+                          f"redelivered): {early[:5]}"
     else:
         # Each member keeps its own consumption state: what the replica lacks was consumed there
         # (or, if it took a snapshot, anywhere: a snapshot carries the master's live messages).
         absent = set(surviving) - sim.held(replica) - history.ack_invoked
         assert not absent, f"the replica lacks committed enqueues: {sorted(absent)[:10]}"
+
+
+def leases_expired_early(sim: EngineSimulation) -> list[tuple[int, int, int, int, int]]:
+    """Under `full` a lease is replicated as a duration and timed on the serving member's
+    monotonic clock; a member that inherits it (a takeover, a restart) times it from then.
+    So a message is delivered again no sooner than its last lease's duration after that
+    lease was asked for, on the fastest clock of the run, whatever the wall clocks (skewed
+    between nodes, stepped during the run) said."""
+    early = []
+    last: dict[int, tuple[int, int, int, int]] = {}
+    for lease in sim.history.leases:
+        message_id, _, answered_ms, _ = lease
+        before = last.get(message_id)
+        if before is not None and answered_ms < before[1] + before[3] / (1 + sim.clock_drift) - 2:
+            early.append((*before, answered_ms))
+        last[message_id] = lease
+    return early
 
 
 def check_converged(sim: EngineSimulation) -> None:
@@ -240,7 +260,7 @@ def test_a_master_acknowledging_alone_records_its_replica_in_sync_only_once_it_h
     until the replica holds every acknowledged index."""
     store, oplog = MemoryStore(), MemoryOpLog(EMPTY_DIGEST)
     core = QueueCore(QueueRecord(1, QUEUE, QueueOptions(strength=Strength.FULL), 0, state=QueueState.OPEN), store,
-                     random.Random(1))
+                     random.Random(1), lease_clock=lambda: 0)
     role = MasterRole(core, oplog, node_id="n1", replica_id="n2", epoch=2, incarnation=1, recorded_in_sync=False,
                       last_order=0, digest=EMPTY_DIGEST)
 

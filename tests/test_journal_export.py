@@ -45,7 +45,7 @@ def commit_enqueues(storage: Storage, queue_id: int, first: int, count: int, at_
 
 
 def consume(storage: Storage, queue_id: int, index: int, at_ms: int = NOW_MS) -> None:
-    storage.commit(SealedBatch(operations=[Leased(queue_id, index, 4, "r", at_ms + 30_000, 1, "consumer", at_ms),
+    storage.commit(SealedBatch(operations=[Leased(queue_id, index, 4, "r", 30_000, 1, "consumer", at_ms),
                                            Acked(queue_id, index, 4, "consumer", at_ms + 1, False)],
                                queue_records={f"q{queue_id}": {"queue_id": queue_id, "epoch": 1}}))
 

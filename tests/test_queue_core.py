@@ -116,7 +116,7 @@ class Driver:
 
     def _build(self, reader: StoreReader) -> tuple[QueueCore, QueueCore]:
         cores = [QueueCore(QueueRecord.from_json(copy.deepcopy(raw)), reader, self.rng,
-                           leases=self.store.leases(raw["queue_id"]), dedupe_window_ms=self.dedupe_window_ms)
+                           lease_clock=lambda: self.now_ms, leases=self.store.leases(raw["queue_id"]), dedupe_window_ms=self.dedupe_window_ms)
                  for raw in self.committed_records]
         if self.with_dead_letter_queue:
             cores[0].dead_letter_core = cores[1]
@@ -250,7 +250,7 @@ def test_an_expired_lease_returns_the_message_to_ready_with_its_deliveries_kept(
     driver = Driver()
     driver.enqueue()
     [first] = driver.lease(1, visibility_ms=1_000)
-    assert driver.core.next_deadline_ms() == driver.now_ms + 1_000
+    assert driver.core.next_deadline() == driver.now_ms + 1_000
     driver.tick(999)
     assert driver.expire() == 0
     driver.tick(1)
@@ -632,14 +632,17 @@ def test_a_restarted_core_delivers_exactly_the_remaining_messages_in_order_loadi
     assert all(pages <= 5_000 // queue_core.READY_PAGE_SIZE + 2 for pages in reader.pages.values()), reader.pages
 
 
-def test_a_restart_keeps_the_deadlines_and_deliveries_of_leases_in_flight() -> None:
+def test_a_restart_keeps_the_leases_in_flight_and_runs_each_its_whole_duration_again() -> None:
+    # Leases are durations timed on the member's own clock: one inherited at a restart (or a
+    # takeover) counts as granted then, so it never expires early (DESIGN.md 4.1).
     driver = Driver()
     driver.enqueue(b"a")
     driver.enqueue(b"b")
     [leased] = driver.lease(1, visibility_ms=5_000)
+    assert leased.visibility_ms == 5_000
     driver.tick(1_000)
     driver.restart()
-    assert driver.core.next_deadline_ms() == leased.deadline_ms
+    assert driver.core.next_deadline() == driver.now_ms + 5_000
     driver.ack(leased)
     [second] = driver.lease(1, visibility_ms=1_000)
     driver.restart()
@@ -683,6 +686,7 @@ class ModelLease:
     receipt: str
     deadline_ms: int
     deliveries: int
+    visibility_ms: int
 
 
 @dataclass
@@ -757,7 +761,8 @@ class ModelRun:
         assert delivered(leased) == expected_next(model.ready, count)
         for op in leased:
             priority, deliveries = model.ready.pop(op.index)
-            model.leased[op.index] = ModelLease(priority, op.receipt, driver.now_ms + visibility_ms, deliveries + 1)
+            model.leased[op.index] = ModelLease(priority, op.receipt, driver.now_ms + visibility_ms, deliveries + 1,
+                                                visibility_ms)
 
     def end(self, ack: bool) -> None:
         driver, model = self.driver, self.model
@@ -815,6 +820,8 @@ class ModelRun:
         self.in_flight = None
         self.driver.restart()
         self.model = copy.deepcopy(self.committed_model)
+        for lease in self.model.leased.values():       # inherited at the restart: granted now
+            lease.deadline_ms = self.driver.now_ms + lease.visibility_ms
 
     # --- checks -------------------------------------------------------------------------
     def check_memory(self) -> None:
@@ -832,9 +839,10 @@ class ModelRun:
     def check_store(self, model: Model) -> None:
         store = self.driver.store
         assert stored_ready(store, QUEUE_ID) == model.ready
-        stored_leases = {lease.index: ModelLease(lease.priority, lease.receipt, lease.deadline_ms, lease.deliveries)
+        stored_leases = {lease.index: (lease.priority, lease.receipt, lease.visibility_ms, lease.deliveries)
                          for lease in store.leases(QUEUE_ID)}
-        assert stored_leases == model.leased
+        assert stored_leases == {index: (lease.priority, lease.receipt, lease.visibility_ms, lease.deliveries)
+                                 for index, lease in model.leased.items()}
         assert set(stored_ready(store, DEAD_LETTER_QUEUE_ID)) == set(model.dead.values())
         for index, dead_index in model.dead.items():
             assert store.payload(DEAD_LETTER_QUEUE_ID, dead_index) == model.payloads[index]

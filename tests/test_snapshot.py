@@ -42,7 +42,7 @@ class Member:
         self.store, self.oplog = MemoryStore(), MemoryOpLog(EMPTY_DIGEST)
         options = QueueOptions(strength=strength, dead_letter=False)
         self.core = QueueCore(QueueRecord(queue_id, QUEUE, options, 0, state=QueueState.OPEN), self.store,
-                              random.Random(1))
+                              random.Random(1), lease_clock=lambda: 0)
 
     def open_snapshot(self, name: str, queue_id: int, *, consumption: bool, after_index: int,
                       dead_letter: tuple[str, int] | None) -> SnapshotView | None:
@@ -294,9 +294,9 @@ def test_an_lmdb_view_carries_each_messages_lease_or_deliveries_and_the_dedupe_w
         enqueues: list[Operation] = [Enqueued(1, index, 4, at_ms, f"d{index}", "c", b"p%d" % index) for index in range(1, 41)]
         enqueues += [Enqueued(2, 1, 4, at_ms, None, "c", b"other")]
         storage.commit(SealedBatch(operations=enqueues, queue_records=records))
-        leased = [Leased(1, index, 4, f"r{index}", at_ms + 30_000, 1, "c", at_ms) for index in (3, 17, 40)]
-        released = [Leased(1, index, 4, f"r{index}", at_ms + 30_000, 2, "c", at_ms) for index in (5, 6)]
-        storage.commit(SealedBatch(operations=[*leased, *released, Leased(2, 1, 4, "x", at_ms + 30_000, 1, "c", at_ms)]))
+        leased = [Leased(1, index, 4, f"r{index}", 30_000, 1, "c", at_ms) for index in (3, 17, 40)]
+        released = [Leased(1, index, 4, f"r{index}", 30_000, 2, "c", at_ms) for index in (5, 6)]
+        storage.commit(SealedBatch(operations=[*leased, *released, Leased(2, 1, 4, "x", 30_000, 1, "c", at_ms)]))
         storage.commit(SealedBatch(operations=[Released(1, index, 4, 2, False, at_ms) for index in (5, 6)]))
         view = storage.open_snapshot("q", 1, consumption=True, after_index=0, dead_letter=None)
         assert view is not None
@@ -314,7 +314,7 @@ def test_an_lmdb_view_carries_each_messages_lease_or_deliveries_and_the_dedupe_w
     for index, row in by_index.items():
         assert row[6] == b"p%d" % index and row[4] == f"d{index}"
         if index in (3, 17, 40):
-            assert row[8] == [f"r{index}", at_ms + 30_000, at_ms] and row[7] == 1, row
+            assert row[8] == [f"r{index}", 30_000, at_ms] and row[7] == 1, row
         else:
             assert row[8] is None and row[7] == (2 if index in (5, 6) else 0), row
     assert sorted(row[1] for row in rows if row[0] == ROW_DEDUPE) == sorted(f"d{index}" for index in range(1, 41))

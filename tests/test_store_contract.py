@@ -110,8 +110,8 @@ def enqueued(index: int, priority: int = 4, *, queue_id: int = QUEUE, dedupe_id:
 
 
 def leased(index: int, priority: int = 4, *, queue_id: int = QUEUE, deliveries: int = 1,
-           receipt: str | None = None, deadline_ms: int = AT_MS + 30_000) -> Leased:
-    return Leased(queue_id, index, priority, receipt or f"{index:016x}", deadline_ms, deliveries, "consumer", AT_MS)
+           receipt: str | None = None, visibility_ms: int = 30_000) -> Leased:
+    return Leased(queue_id, index, priority, receipt or f"{index:016x}", visibility_ms, deliveries, "consumer", AT_MS)
 
 
 def released(index: int, priority: int = 4, *, queue_id: int = QUEUE, deliveries: int = 1,
@@ -162,9 +162,9 @@ def test_a_ready_page_reaches_the_largest_indices(store: Backend) -> None:
 def test_a_lease_takes_the_message_out_of_ready_and_a_release_brings_it_back_with_its_deliveries(
         store: Backend) -> None:
     store.commit([enqueued(1), enqueued(2), enqueued(3)])
-    store.commit([leased(2, deliveries=1, receipt="aa" * 8, deadline_ms=AT_MS + 5)])
+    store.commit([leased(2, deliveries=1, receipt="aa" * 8, visibility_ms=5)])
     assert whole(store, QUEUE, 4) == [(1, 0), (3, 0)]
-    assert store.leases(QUEUE) == [StoredLease(2, 4, "aa" * 8, AT_MS + 5, 1, AT_MS)]
+    assert store.leases(QUEUE) == [StoredLease(2, 4, "aa" * 8, 5, 1, AT_MS)]
     store.commit([released(2, deliveries=1, expired=True)])
     assert whole(store, QUEUE, 4) == [(1, 0), (2, 1), (3, 0)]
     assert store.leases(QUEUE) == []
@@ -217,9 +217,9 @@ def test_dedupe_ids_are_matched_exactly_whatever_their_characters(store: Backend
 
 def test_leases_are_listed_per_queue(store: Backend) -> None:
     store.commit([enqueued(i, i % 10) for i in range(1, 8)] + [enqueued(1, 0, queue_id=OTHER)])
-    store.commit([leased(i, i % 10, deliveries=i, deadline_ms=AT_MS + i) for i in (6, 2, 4)]
+    store.commit([leased(i, i % 10, deliveries=i, visibility_ms=i) for i in (6, 2, 4)]
                  + [leased(1, 0, queue_id=OTHER)])
-    assert store.leases(QUEUE) == [StoredLease(i, i % 10, f"{i:016x}", AT_MS + i, i, AT_MS) for i in (2, 4, 6)]
+    assert store.leases(QUEUE) == [StoredLease(i, i % 10, f"{i:016x}", i, i, AT_MS) for i in (2, 4, 6)]
     assert [lease.index for lease in store.leases(OTHER)] == [1]
     assert store.leases(3) == []
 
@@ -242,12 +242,12 @@ def random_batches(seed: int, batches: int) -> Iterator[tuple[list[Operation], d
     """Batches a real QueueCore decides (with a dead-letter queue) on random commands."""
     rng = random.Random(seed)
     reference = MemoryStore()
-    core = QueueCore(QueueRecord(QUEUE, "orders", QueueOptions(max_deliveries=3), AT_MS), reference, rng,
-                     dedupe_window_ms=1_000)
-    dead = QueueCore(QueueRecord(OTHER, "orders.dlq", QueueOptions(dead_letter=False), AT_MS,
-                                 dead_letter_of="orders"), reference, rng)
-    core.dead_letter_core = dead
     now_ms = AT_MS
+    core = QueueCore(QueueRecord(QUEUE, "orders", QueueOptions(max_deliveries=3), AT_MS), reference, rng,
+                     lease_clock=lambda: now_ms, dedupe_window_ms=1_000)
+    dead = QueueCore(QueueRecord(OTHER, "orders.dlq", QueueOptions(dead_letter=False), AT_MS,
+                                 dead_letter_of="orders"), reference, rng, lease_clock=lambda: now_ms)
+    core.dead_letter_core = dead
     held: list[Leased] = []
     for _ in range(batches):
         out: list[Operation] = []
@@ -335,7 +335,7 @@ def test_a_commit_is_durable_across_close_and_reopen(tmp_path: Path) -> None:
         assert storage.ready_page(QUEUE, 0, 0, EVERYTHING, 10) == [(3, 0)]
         assert storage.ready_page(QUEUE, 9, 0, EVERYTHING, 10) == []
         assert tuple(storage.dedupe_lookup(QUEUE, "order-1") or ()) == (1, AT_MS)
-        assert storage.load_leases(QUEUE) == [StoredLease(2, 9, f"{2:016x}", AT_MS + 30_000, 1, AT_MS)]
+        assert storage.load_leases(QUEUE) == [StoredLease(2, 9, f"{2:016x}", 30_000, 1, AT_MS)]
         assert storage.read_client_payload(QUEUE, 3) == b"payload-1-3"
         assert storage.message_status(QUEUE, 1) == ("acked", 0, None)
         assert storage.message_status(QUEUE, 2) == ("delivered", 1, None)

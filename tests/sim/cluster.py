@@ -53,6 +53,9 @@ class Clock:
         self._events: list[tuple[int, int, Callable[[], None]]] = []
         self._sequence = 0
 
+    def read(self) -> int:
+        return self.now_ms
+
     def after(self, delay_ms: int, callback: Callable[[], None]) -> None:
         self._sequence += 1
         heapq.heappush(self._events, (self.now_ms + max(0, delay_ms), self._sequence, callback))
@@ -188,7 +191,7 @@ class SimNode:
         self.fsync_in_flight = False
         record = QueueRecord.from_json(self.record_json)
         self.core = QueueCore(record, self.store, random.Random(self.sim.rng.random()),
-                              leases=self.store.leases(self.queue_id))
+                              lease_clock=self.sim.clock.read, leases=self.store.leases(self.queue_id))
         last_order, digest = self.oplog.last(self.queue_id)
         self.applied_upto = last_order
         if self.is_master:
@@ -289,7 +292,7 @@ class SimNode:
         self.queue_id += 100
         fresh = QueueRecord(self.queue_id, QUEUE, self.sim.options, record_json["created_ms"], state=QueueState.OPEN)
         self.record_json = fresh.to_json()
-        self.core = QueueCore(fresh, self.store, random.Random(self.sim.rng.random()))
+        self.core = QueueCore(fresh, self.store, random.Random(self.sim.rng.random()), lease_clock=self.sim.clock.read)
         self.role.core = self.core
         self.core.visible_upto = 0
         self.staged_ops, self.staged_log = [], []

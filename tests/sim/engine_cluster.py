@@ -69,6 +69,11 @@ FAULT_S = (0.05, 2.0)          # how long a crash, partition or isolation lasts
 # Each node's clock (its monotonic clock, which leases count on, and its Raft ticks) runs at
 # 1 +- this rate against the virtual time: the most the Raft lease allows (RaftLimits).
 CLOCK_DRIFT = 0.1
+# Each node's wall clock (what records say; nothing may time a deadline on it) starts off the
+# others by up to this much, and a run steps some of them by this much either way, as NTP does.
+WALL_SKEW_MS = 60_000
+WALL_STEPS = 2
+WALL_BASE_MS = 1_700_000_000_000
 
 
 def sim_config(node_id: str) -> NodeConfig:
@@ -87,6 +92,8 @@ class History:
     acked_enqueues: dict[int, bytes] = field(default_factory=dict)     # message id -> payload
     acked_twice: list[tuple[int, bytes, bytes]] = field(default_factory=list)   # one id, two payloads
     delivered: list[tuple[int, bytes]] = field(default_factory=list)
+    # Every delivery in virtual ms: (message id, receive sent, answered, lease duration asked).
+    leases: list[tuple[int, int, int, int]] = field(default_factory=list)
     consumed: set[int] = field(default_factory=set)
     ack_invoked: set[int] = field(default_factory=set)     # acks sent, answered or not
     invoked: int = 0
@@ -114,11 +121,13 @@ class History:
 class SimNode:
     """One node: its storage survives crashes; its engine, disk queue and copy of the map do not."""
 
-    def __init__(self, sim: EngineSimulation, node_id: str, clock_rate: float, clock_offset_ms: int) -> None:
+    def __init__(self, sim: EngineSimulation, node_id: str, clock_rate: float, clock_offset_ms: int,
+                 wall_offset_ms: int) -> None:
         self.sim = sim
         self.node_id = node_id
         self.clock_rate = clock_rate                # this node's ticks per virtual tick
         self.clock_offset_ms = clock_offset_ms      # monotonic clocks of two machines are unrelated
+        self.wall_offset_ms = wall_offset_ms        # its wall clock's skew; steps move it
         self.storage = MemoryStorage(node_id)
         self.raft_store = MemoryRaftStore()        # survives crashes, as the node's LMDB would
         if node_id == FOUNDER:
@@ -146,6 +155,9 @@ class SimNode:
 
     def monotonic_ms(self) -> int:
         return self.clock_offset_ms + int(self.sim.loop.time() * 1000 * self.clock_rate)
+
+    def wall_ms(self) -> int:
+        return WALL_BASE_MS + self.wall_offset_ms + self.sim.now_ms()
 
     def may_acknowledge_as_master(self) -> bool:
         """Whether this node would take a write as master of the queue now: it masters the
@@ -209,7 +221,7 @@ class SimNode:
             limits=raft_limits(self.config.election_timeout_ms, self.config.raft_heartbeat_ms),
             tick_s=tick_ms(self.config.raft_heartbeat_ms) / 1000 / self.clock_rate, seed=rng.getrandbits(64))
         engine = Engine(self.config, self.storage, rng=random.Random(rng.getrandbits(64)),  # type: ignore[arg-type]
-                        clock_ms=self.sim.now_ms, writer=self.disk, membership=membership,
+                        clock_ms=self.wall_ms, writer=self.disk, membership=membership,
                         monotonic_ms=self.monotonic_ms,
                         on_fatal=lambda reason, error: self.sim.engine_failed(self.node_id, reason, error))
         engine.pairs.send = self.transport.send
@@ -326,12 +338,15 @@ class EngineSimulation:
         # The clocks come from a stream of their own: a seed's run without drift is the run it
         # was before clocks drifted (the regression seeds replay what they found).
         clocks = random.Random(seed ^ 0xC10C)
+        self.walls = random.Random(seed ^ 0x3A11)     # wall clocks: their own stream, for the same reason
         self.loop = VirtualTimeLoop()
         self.network = MemoryPeerNetwork()
         self.membership_network = MemoryPeerNetwork()
         self.history = History()
         self.members = {node_id: SimNode(self, node_id, 1 + clocks.uniform(-clock_drift, clock_drift),
-                                         clocks.randrange(10**9)) for node_id in NODES}
+                                         clocks.randrange(10**9), self.walls.randint(-WALL_SKEW_MS, WALL_SKEW_MS))
+                        for node_id in NODES}
+        self.clock_drift = clock_drift
         self.log: list[str] = []
         self._tasks: list[asyncio.Task[Any]] = []
         self._fault_timers: list[asyncio.TimerHandle] = []
@@ -431,6 +446,10 @@ class EngineSimulation:
             self._later(rng.uniform(0, duration_s), self._random_fault)
         for _ in range(rng.randint(0, HANDOFFS)):
             self._later(rng.uniform(0, duration_s), self._handoff, rng.choice(["master", "replica", "both"]))
+        walls = self.walls
+        for _ in range(WALL_STEPS):
+            self._later(walls.uniform(0, duration_s), self._step_wall, walls.choice(NODES),
+                        walls.choice([-WALL_SKEW_MS, WALL_SKEW_MS]))
         await asyncio.sleep(duration_s)
 
     async def liveness_phase(self, duration_s: float) -> None:
@@ -502,6 +521,10 @@ class EngineSimulation:
             if membership is not None:
                 self.note(f"campaign {candidate}")
                 membership.campaign()
+
+    def _step_wall(self, node_id: str, step_ms: int) -> None:
+        self.note(f"step {node_id}'s wall clock by {step_ms} ms")
+        self.members[node_id].wall_offset_ms += step_ms
 
     def _resume(self, node_id: str) -> None:
         self.note(f"resume {node_id}")
@@ -635,10 +658,12 @@ class EngineSimulation:
         if node is None:
             return
         visibility_ms = self.rng.choice([300, 60_000])
+        sent_ms = self.now_ms()
 
         def got(messages: Any) -> None:
             for message in messages:
                 history.delivered.append((message.message_id, message.payload))
+                history.leases.append((message.message_id, sent_ms, self.now_ms(), visibility_ms))
             if messages:
                 self.loop.call_later(self.rng.uniform(0.001, 0.02), self._ack, node, messages)
         wait_ms = self.rng.choice([0, 0, 100])
