@@ -1,7 +1,8 @@
 """Failover time and handoff pause on a local 3-node cluster with default settings (run by
 hand, not in CI; loopback only; bounded in count and time).
 
-    .venv/bin/python bench/bench_failover.py [--failovers 20] [--pauses 20] [--handoffs 30] [--out FILE]
+    .venv/bin/python bench/bench_failover.py [--failovers 20] [--pauses 20] [--blackholes 20]
+                                             [--handoffs 30] [--out FILE]
 
 failover   producers (through the client library, at the node that holds neither member)
            write to a `full` queue one message at a time; the queue's master is killed with
@@ -15,6 +16,10 @@ pause      the same load; the queue's master is paused (SIGSTOP) instead: the ca
            first time the map at n3, read every 10 ms, names the replica master) to the first
            acknowledged write (issue 13: within 1 s). The paused node is resumed (SIGCONT) and
            must be back in sync before the next round.
+blackhole  the same, on a chaos cluster (every link through a Toxiproxy proxy, chaos/cluster.py):
+           every link of the master (replication, membership, and its clients' proxy) is held by
+           a `timeout` toxic of 0 (data stops, connections stay open, as a dropped route does)
+           instead of pausing it. Measured the same way; the links are healed after each round.
 handoff    the same steady load; `POST /v1/queues/{q}/handoff` every round. Measured: the
            write pause as the producers see it (the longest time any write in flight during
            the handoff waited for its acknowledgement) and the master's own pause_ms (from
@@ -31,10 +36,13 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from chaos.cluster import ChaosCluster, client_proxy  # noqa: E402
+from chaos.toxiproxy_server import start as start_toxiproxy  # noqa: E402
 from client import AsyncClient, QueueError  # noqa: E402
 from qserver.devcluster import LocalCluster  # noqa: E402
 
@@ -128,11 +136,33 @@ async def failovers(cluster: LocalCluster, rounds: int) -> list[dict[str, Any]]:
     return results
 
 
-async def pauses(cluster: LocalCluster, rounds: int) -> list[dict[str, Any]]:
+def pause(cluster: LocalCluster, victim: str) -> Callable[[], None]:
+    """SIGSTOP the master; the returned call resumes it."""
+    cluster.processes[victim].send_signal(signal.SIGSTOP)
+    return lambda: cluster.processes[victim].send_signal(signal.SIGCONT)
+
+
+def black_hole(cluster: LocalCluster, victim: str) -> Callable[[], None]:
+    """Hold every byte on every link of the master (blocking: run in a thread); the returned
+    call (blocking too) heals them."""
+    assert isinstance(cluster, ChaosCluster)
+    proxies = [*cluster.links_of(victim), client_proxy(victim)]
+    for proxy in proxies:
+        cluster.add_toxic(proxy, "timeout", {"timeout": 0}, name="blackhole")
+
+    def heal() -> None:
+        for proxy in proxies:
+            cluster.remove_toxic(proxy, name="blackhole")
+    return heal
+
+
+async def isolations(cluster: LocalCluster, rounds: int, fault: str) -> list[dict[str, Any]]:
+    """`fault`: "pause" or "blackhole" (see the module docstring)."""
+    isolate = pause if fault == "pause" else black_hole
     results = []
     async with AsyncClient(cluster.urls["n3"], cluster.credentials_path) as client, \
             AsyncClient(cluster.urls["n3"], cluster.credentials_path) as observer:
-        await client.create_queue(QUEUE, strength="full", max_depth=50_000_000)
+        await client.create_queue(QUEUE, strength="full", max_depth=50_000_000, master="n1", replica="n2")
         await client.refresh_placement()
         load = Load(client)
         load.start()
@@ -141,11 +171,12 @@ async def pauses(cluster: LocalCluster, rounds: int) -> list[dict[str, Any]]:
                 entry = await wait_in_sync(observer)
                 await asyncio.sleep(0.5)
                 victim, epoch = entry["master"], entry["epoch"]
-                paused_at = time.monotonic()
-                cluster.processes[victim].send_signal(signal.SIGSTOP)
+                faulted_at = time.monotonic()
+                heal = await asyncio.to_thread(isolate, cluster, victim)
+                isolated_at = time.monotonic()       # from here the master can acknowledge nothing
                 try:
                     promoted_at = None
-                    deadline = paused_at + ROUND_TIMEOUT_S
+                    deadline = faulted_at + ROUND_TIMEOUT_S
                     while promoted_at is None and time.monotonic() < deadline:
                         try:
                             now = (await observer.cluster())["queues"][QUEUE]
@@ -156,11 +187,11 @@ async def pauses(cluster: LocalCluster, rounds: int) -> list[dict[str, Any]]:
                         await asyncio.sleep(0.01)
                     if promoted_at is None:
                         raise RuntimeError(f"round {round_number}: no promotion")
-                    acked_at = await first_ack(load, round_number, acked_after=paused_at + 0.01)
+                    acked_at = await first_ack(load, round_number, acked_after=isolated_at + 0.01)
                 finally:
-                    cluster.processes[victim].send_signal(signal.SIGCONT)
-                result = {"measure": "pause", "round": round_number, "paused": victim,
-                          "promotion_s": round(promoted_at - paused_at, 3),
+                    await asyncio.to_thread(heal)
+                result = {"measure": fault, "round": round_number, "master": victim,
+                          "promotion_s": round(promoted_at - faulted_at, 3),
                           "first_ack_after_promotion_s": round(acked_at - promoted_at, 3)}
                 print(json.dumps(result), flush=True)
                 results.append(result)
@@ -208,6 +239,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--failovers", type=int, default=20)
     parser.add_argument("--pauses", type=int, default=20)
+    parser.add_argument("--blackholes", type=int, default=20)
     parser.add_argument("--handoffs", type=int, default=30)
     parser.add_argument("--out", type=Path, help="append every JSON line to this file too")
     args = parser.parse_args()
@@ -221,9 +253,18 @@ def main() -> None:
             if args.failovers:
                 lines += asyncio.run(failovers(cluster, args.failovers))
             if args.pauses:
-                lines += asyncio.run(pauses(cluster, args.pauses))
+                lines += asyncio.run(isolations(cluster, args.pauses, "pause"))
         finally:
             cluster.stop_all()
+    if args.blackholes:
+        with tempfile.TemporaryDirectory(prefix="qbench-blackhole-") as root, \
+                start_toxiproxy(backend="subprocess") as toxiproxy:
+            chaos = ChaosCluster(Path(root), 3, toxiproxy)
+            try:
+                chaos.start_all()
+                lines += asyncio.run(isolations(chaos, args.blackholes, "blackhole"))
+            finally:
+                chaos.close()
     summaries = []
     failover = [r["seconds"] for r in lines if r["measure"] == "failover"]
     if failover:
@@ -234,10 +275,11 @@ def main() -> None:
             if subset:
                 summaries.append(summarise(f"failover_s_killed_{'also' if was_leader else 'not'}_membership_leader",
                                            subset))
-    for key in ("promotion_s", "first_ack_after_promotion_s"):
-        values = [float(r[key]) for r in lines if r["measure"] == "pause"]
-        if values:
-            summaries.append(summarise(f"pause_{key}", values))
+    for fault in ("pause", "blackhole"):
+        for key in ("promotion_s", "first_ack_after_promotion_s"):
+            values = [float(r[key]) for r in lines if r["measure"] == fault]
+            if values:
+                summaries.append(summarise(f"{fault}_{key}", values))
     for key in ("client_pause_ms", "master_pause_ms"):
         values = [float(r[key]) for r in lines if r["measure"] == "handoff" and r.get(key) is not None]
         if values:

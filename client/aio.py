@@ -44,6 +44,7 @@ from client.errors import (
     E_INTERNAL,
     E_NOT_MASTER,
     E_QUEUE_UNAVAILABLE,
+    E_REPLAYED_REQUEST,
     E_TIMEOUT,
     E_UNAVAILABLE,
     QueueError,
@@ -820,7 +821,9 @@ class AsyncClient:
             try:
                 ws = await self._open_socket()
             except QueueError as error:
-                if not error.retriable:
+                # A replay refusal of an upgrade is of a copy of our own (this client signs
+                # each attempt anew): connecting again is a new request, not a replay.
+                if not error.retriable and error.code != E_REPLAYED_REQUEST.code:
                     self._set_fatal(error)
                     return
                 self._on_connect_failed(error)

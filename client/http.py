@@ -83,6 +83,20 @@ def _segment(text: str | int) -> str:
     return quote(str(text), safe="")
 
 
+def signed_session(connector: aiohttp.BaseConnector | None = None) -> aiohttp.ClientSession:
+    """An aiohttp session for signed requests. aiohttp sends a GET, PUT or DELETE once more,
+    with the same headers, when the pooled connection it went out on turns out broken; the
+    node may have taken the first, and then refuses the copy as a replay (its nonce was
+    used): a WebSocket upgrade refused E_REPLAYED_REQUEST ended a client for good after a
+    link was cut and healed (bench/bench_failover.py --blackholes). Every send here is signed
+    anew by our own retries, so aiohttp's resend is switched off."""
+    session = aiohttp.ClientSession(connector=connector)
+    if not hasattr(session, "_retry_connection"):
+        raise RuntimeError("this aiohttp has no _retry_connection switch: check how it resends requests")
+    session._retry_connection = False
+    return session
+
+
 def queue_path(queue: str, *rest: str | int) -> str:
     return "/v1/queues/" + "/".join([_segment(queue), *(_segment(part) for part in rest)])
 
@@ -156,7 +170,7 @@ class HttpClient:
         """The aiohttp session (created on first use, inside the running loop)."""
         if self._session is None:
             connector = aiohttp.TCPConnector(ssl=self._ssl) if self._ssl is not None else None
-            self._session = aiohttp.ClientSession(connector=connector)
+            self._session = signed_session(connector)
             self._owns_session = True
         return self._session
 

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from client import errors as e
 from client.errors import QueueError
+from client.http import signed_session
 from qserver import commands as c
 from qserver.auth import Authenticator
 from qserver.config import NodeConfig
@@ -252,7 +253,7 @@ class Node:
         """For requests this node passes on to a queue's master."""
         if self._http_session is None:
             connector = aiohttp.TCPConnector(ssl=self.client_tls) if self.client_tls is not None else None
-            self._http_session = aiohttp.ClientSession(connector=connector)
+            self._http_session = signed_session(connector)
         return self._http_session
 
     def _clients_changed(self) -> None:

@@ -43,6 +43,7 @@ from yarl import URL
 
 from client import errors as e
 from client.errors import QueueError
+from client.http import signed_session
 from qserver.failstop import stop_process
 from qserver.http_errors import error_response
 
@@ -205,7 +206,7 @@ class PeerTransport:
         self._started = True
         # No pool limit: one connection per dialed peer, and the peers are the bound.
         connector = aiohttp.TCPConnector(limit=0, ssl=self._ssl_context if self._ssl_context is not None else True)
-        self._session = aiohttp.ClientSession(connector=connector)
+        self._session = signed_session(connector)
         for peer in self._peers.values():
             self._start_dialer(peer)
 

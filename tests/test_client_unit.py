@@ -782,3 +782,35 @@ async def test_calls_that_need_the_map_at_once_share_one_reading_of_it(fake_node
     before = readings()
     await client.refresh_placement()          # alone: a reading of its own
     assert readings() == before + 1
+
+
+@pytest.mark.asyncio
+async def test_a_signed_request_is_never_resent_by_aiohttp_with_the_same_nonce(fake_node: FakeNode) -> None:
+    """aiohttp sends a GET, PUT or DELETE again, with the same headers, when the kept-alive
+    connection it reused turns out closed. A node may have taken the first copy and then
+    refuses the second as a replay: a WebSocket upgrade refused so ended a client for good
+    after a black-holed link healed. Here the server answers the first request on a
+    connection and closes the connection on the second without an answer."""
+    nonces: list[str] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for answered in (True, False):
+            head = await reader.readuntil(b"\r\n\r\n")
+            nonces.extend(line.split(b":", 1)[1].strip().decode() for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"x-nonce:"))
+            if not answered:
+                break
+            writer.write(b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}')
+            await writer.drain()
+        writer.close()
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with HttpClient(f"http://127.0.0.1:{port}", fake_node.credentials.signer()) as http:
+            await http.cluster()
+            with pytest.raises(QueueError):
+                await http.cluster()             # the connection closes under it: no second copy
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert len(nonces) == len(set(nonces)), f"a nonce was sent twice: {nonces}"
