@@ -61,6 +61,7 @@ from client.protocol import (
     Delivery,
     EnqueueBatchOp,
     ErrorReply,
+    ExtendOp,
     FrameError,
     OkReply,
     PingOp,
@@ -117,9 +118,68 @@ class Message:
     def release(self) -> Coroutine[Any, Any, None]:
         return self._client.release(self.queue, self.id, self.receipt)
 
+    def extend(self, visibility_timeout_s: float) -> Coroutine[Any, Any, None]:
+        """Give the lease `visibility_timeout_s` from now (E_LEASE_EXPIRED if it ended)."""
+        return self._client.extend(self.queue, self.id, self.receipt, visibility_timeout_s)
+
+    def keep_alive(self, visibility_timeout_s: float = 30.0, every_s: float | None = None) -> LeaseKeeper:
+        """`async with message.keep_alive():` around a long job: the lease is extended to
+        `visibility_timeout_s` from now every `every_s` (a third of it by default) until the
+        block ends, so no other consumer gets the message meanwhile. A consumer that crashes
+        stops extending, and the message is redelivered once the last extension runs out."""
+        return LeaseKeeper(self, visibility_timeout_s, every_s)
+
     def __repr__(self) -> str:
         return (f"Message(queue={self.queue!r}, id={self.id}, priority={self.priority}, "
                 f"deliveries={self.deliveries}, payload={self.payload[:32]!r})")
+
+
+class LeaseKeeper:
+    """Extends one message's lease on a timer (see Message.keep_alive). A retriable failure
+    (a failover under way) is tried again at the next beat; E_LEASE_EXPIRED or another
+    refusal ends the beats and is kept in `lost`: the job may go on, but its ack will be
+    refused and the message is, or will be, delivered again."""
+
+    def __init__(self, message: Message, visibility_timeout_s: float, every_s: float | None) -> None:
+        if not 0 < visibility_timeout_s <= 43_200:
+            raise ValueError("visibility_timeout_s must be in (0, 43200]")
+        self.every_s = every_s if every_s is not None else visibility_timeout_s / 3
+        if not 0 < self.every_s < visibility_timeout_s:
+            raise ValueError("every_s must be positive and shorter than visibility_timeout_s")
+        self.message = message
+        self.visibility_timeout_s = visibility_timeout_s
+        self.extensions = 0
+        self.lost: QueueError | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.message.extend(self.visibility_timeout_s)
+        self.extensions += 1
+        self._task = asyncio.get_running_loop().create_task(self._beat())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(self.every_s)
+            try:
+                await self.message.extend(self.visibility_timeout_s)
+                self.extensions += 1
+            except QueueError as error:
+                if not error.retriable:
+                    self.lost = error
+                    return
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
 
 
 class _EnqueueBatch:
@@ -734,6 +794,18 @@ class AsyncClient:
         if self._calls_in_flight >= self._in_flight_max:
             await self._wait_for_room()
         await self._submit(ReleaseOp(next(self._ids), queue, message_id, receipt))
+
+    async def extend(self, queue: str, message_id: int, receipt: str, visibility_timeout_s: float) -> None:
+        """Give a leased message's lease `visibility_timeout_s` from now, under the same
+        receipt (0 gives it back at the next expiry sweep). Refused with E_LEASE_EXPIRED once
+        the lease has ended; the duration is counted on the serving member's clock."""
+        if not 0 <= visibility_timeout_s <= 43_200:
+            raise ValueError("visibility_timeout_s must be in [0, 43200]")
+        if self._masters and (target := self._route(queue)) is not self:
+            return await self._via(queue, target, "extend", queue, message_id, receipt, visibility_timeout_s)
+        if self._calls_in_flight >= self._in_flight_max:
+            await self._wait_for_room()
+        await self._submit(ExtendOp(next(self._ids), queue, message_id, receipt, round(visibility_timeout_s * 1000)))
 
     async def ping(self) -> None:
         """One round trip over the WebSocket (connecting first if needed)."""

@@ -263,6 +263,11 @@ class HttpClient:
         await self.request("POST", queue_path(queue, "messages", message_id, "release"),
                            query=[("receipt", receipt)], idempotent=False)
 
+    async def extend_http(self, queue: str, message_id: int, receipt: str, visibility_timeout_s: float) -> None:
+        await self.request("POST", queue_path(queue, "messages", message_id, "extend"),
+                           query=[("receipt", receipt), ("visibility_timeout_s", f"{visibility_timeout_s:g}")],
+                           idempotent=True)
+
     async def reply(self, queue: str, message_id: int, receipt: str, body: bytes) -> None:
         await self.request("POST", queue_path(queue, "messages", message_id, "reply"),
                            query=[("receipt", receipt)], body=body, idempotent=False,

@@ -117,7 +117,19 @@ class AckBatchOp:
     items: tuple[tuple[int, str], ...]
 
 
-ClientOp = (EnqueueOp | ReceiveOp | AckOp | ReleaseOp | SubscribeOp | CreditOp | UnsubscribeOp | PingOp | EnqueueBatchOp | AckBatchOp)
+@dataclass(frozen=True, slots=True)
+class ExtendOp:
+    """Give a leased message's lease `visibility_ms` from now (the receipt stays)."""
+    TAG: ClassVar[int] = 11
+    request_id: int
+    queue: str
+    message_id: int
+    receipt: str
+    visibility_ms: int
+
+
+ClientOp = (EnqueueOp | ReceiveOp | AckOp | ReleaseOp | SubscribeOp | CreditOp | UnsubscribeOp | PingOp | EnqueueBatchOp
+            | AckBatchOp | ExtendOp)
 BATCH_ITEMS_MAX = 10_000
 
 
@@ -234,7 +246,7 @@ def _str(value: Any, name: str, request_id: int, *, optional: bool = False) -> A
 
 INT64_MAX = 2**63 - 1
 _OP_ARITY = {1: (5, 6), 2: (3, 6), 3: (5, 5), 4: (5, 5), 5: (4, 5), 6: (4, 4), 7: (3, 3), 8: (2, 2),
-             9: (5, 6), 10: (4, 4)}
+             9: (5, 6), 10: (4, 4), 11: (6, 6)}
 
 
 def _decode_op(row: Any) -> ClientOp:
@@ -266,6 +278,10 @@ def _decode_op(row: Any) -> ClientOp:
         cls = AckOp if tag == AckOp.TAG else ReleaseOp
         return cls(request_id, _str(args[0], "queue", request_id),
                    _int(args[1], "message_id", 1, INT64_MAX, request_id), _str(args[2], "receipt", request_id))
+    if tag == ExtendOp.TAG:
+        return ExtendOp(request_id, _str(args[0], "queue", request_id),
+                        _int(args[1], "message_id", 1, INT64_MAX, request_id), _str(args[2], "receipt", request_id),
+                        _int(args[3], "visibility_ms", 0, 43_200_000, request_id))
     if tag == SubscribeOp.TAG:
         visibility = args[2] if len(args) > 2 else None
         return SubscribeOp(request_id, _str(args[0], "queue", request_id),

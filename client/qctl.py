@@ -220,6 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
     ack.add_argument("queue")
     ack.add_argument("message_id", type=int)
     ack.add_argument("receipt")
+    extend = command(commands, "extend", cmd_extend, "give a leased message's lease a new duration from now")
+    extend.add_argument("queue")
+    extend.add_argument("message_id", type=int)
+    extend.add_argument("receipt")
+    extend.add_argument("--visibility-timeout-s", type=float, required=True)
 
     clients = commands.add_parser("clients", help="register, list and remove clients")
     client_commands = clients.add_subparsers(dest="clients_command", required=True, metavar="ACTION")
@@ -370,6 +375,12 @@ async def cmd_get(http: HttpClient, args: argparse.Namespace) -> Outcome:
 async def cmd_ack(http: HttpClient, args: argparse.Namespace) -> Outcome:
     await http.ack_http(args.queue, args.message_id, args.receipt)
     return Outcome({"queue": args.queue, "acked": args.message_id}, f"acked {args.message_id}")
+
+
+async def cmd_extend(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    await http.extend_http(args.queue, args.message_id, args.receipt, args.visibility_timeout_s)
+    return Outcome({"queue": args.queue, "extended": args.message_id, "visibility_timeout_s": args.visibility_timeout_s},
+                   f"extended {args.message_id} by {args.visibility_timeout_s:g} s from now")
 
 
 async def cmd_clients_add(http: HttpClient, args: argparse.Namespace) -> Outcome:

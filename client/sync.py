@@ -12,18 +12,19 @@ import threading
 from collections.abc import Coroutine, Iterable, Iterator, Sequence
 from typing import Any, Self, TypeVar
 
-from client.aio import AsyncClient, Consumer, CredentialsArg, Message
+from client.aio import AsyncClient, Consumer, CredentialsArg, LeaseKeeper, Message
 from client.http import Grant
 
 T = TypeVar("T")
 
 
 class SyncMessage:
-    """A leased message received through a `Client`; `ack()` and `release()` block."""
+    """A leased message received through a `Client`; `ack()`, `release()` and `extend()` block."""
 
-    __slots__ = ("_client", "deliveries", "id", "payload", "priority", "queue", "receipt")
+    __slots__ = ("_client", "_message", "deliveries", "id", "payload", "priority", "queue", "receipt")
 
     def __init__(self, client: Client, message: Message) -> None:
+        self._message = message
         self.id = message.id
         self.receipt = message.receipt
         self.priority = message.priority
@@ -38,9 +39,36 @@ class SyncMessage:
     def release(self) -> None:
         self._client.release(self.queue, self.id, self.receipt)
 
+    def extend(self, visibility_timeout_s: float) -> None:
+        self._client.extend(self.queue, self.id, self.receipt, visibility_timeout_s)
+
+    def keep_alive(self, visibility_timeout_s: float = 30.0, every_s: float | None = None) -> SyncLeaseKeeper:
+        """`with message.keep_alive():` around a long job (see Message.keep_alive): the
+        client's loop thread extends the lease while the block runs."""
+        return SyncLeaseKeeper(self._client, self._message.keep_alive(visibility_timeout_s, every_s))
+
     def __repr__(self) -> str:
         return (f"SyncMessage(queue={self.queue!r}, id={self.id}, priority={self.priority}, "
                 f"deliveries={self.deliveries}, payload={self.payload[:32]!r})")
+
+
+class SyncLeaseKeeper:
+    """A LeaseKeeper whose beats run on the client's loop thread; `lost` as there."""
+
+    def __init__(self, client: Client, keeper: LeaseKeeper) -> None:
+        self._client = client
+        self.keeper = keeper
+
+    @property
+    def lost(self) -> Any:
+        return self.keeper.lost
+
+    def __enter__(self) -> Self:
+        self._client._run(self.keeper.start())
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._client._run(self.keeper.stop())
 
 
 class SyncConsumer:
@@ -153,6 +181,9 @@ class Client:
 
     def release(self, queue: str, message_id: int, receipt: str) -> None:
         self._run(self._async.release(queue, message_id, receipt))
+
+    def extend(self, queue: str, message_id: int, receipt: str, visibility_timeout_s: float) -> None:
+        self._run(self._async.extend(queue, message_id, receipt, visibility_timeout_s))
 
     def ping(self) -> None:
         self._run(self._async.ping())

@@ -88,6 +88,7 @@ class Ack:
     request_id: int = 0
     release: bool = False          # give the lease back instead of deleting
     reply_payload: bytes | None = None   # two_way reply (acks too)
+    extend_ms: int | None = None   # keep the lease: give it this duration from now instead
 
 
 @dataclass(slots=True)

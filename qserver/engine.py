@@ -691,6 +691,9 @@ class Engine:
             if command.release:
                 core.release(command.message_id, command.receipt, now_ms, operations)
                 self._to_serve.add(core.name)
+            elif command.extend_ms is not None:
+                core.extend(command.message_id, command.receipt, command.extend_ms, command.client, now_ms,
+                            operations)
             elif command.reply_payload is not None:
                 core.reply(command.message_id, command.receipt, command.reply_payload, command.client, now_ms, operations)
             else:

@@ -1,7 +1,7 @@
 """Forwarding between the members of a pair: a replica's clients, served by its master.
 
 A replica passes on what only the master may decide (every enqueue; under `full` also
-receives, acks and releases) as a Forward message; the master runs it like a request of its
+receives, acks, releases and lease extensions) as a Forward message; the master runs it like a request of its
 own clients and answers, once committed, with the commit point the replica must reach before
 it answers its client (DESIGN.md 4.1). These helpers translate between engine commands and
 the [kind, args...] requests of Forward messages.
@@ -33,6 +33,8 @@ def forwarded_request(command: Any) -> list[Any]:
         return ["ack", [list(item) for item in command.items], command.client]
     if kind is c.Ack and command.release:
         return ["release", command.message_id, command.receipt, command.client]
+    if kind is c.Ack and command.extend_ms is not None:
+        return ["extend", command.message_id, command.receipt, command.extend_ms, command.client]
     if kind is c.Ack and command.reply_payload is None:
         return ["ack", [[command.message_id, command.receipt]], command.client]
     raise QueueError(E_NOT_MASTER, f"send this to the master of {command.queue}")
@@ -74,6 +76,9 @@ def command_from_forward(request: Any, replier: Any) -> c.Command:
     if kind == "release":
         message_id, receipt, client = args
         return c.Ack(name, message_id, receipt, client, replier, release=True)
+    if kind == "extend":
+        message_id, receipt, extend_ms, client = args
+        return c.Ack(name, message_id, receipt, client, replier, extend_ms=int(extend_ms))
     raise QueueError(E_BAD_REQUEST, f"unknown forwarded request {kind!r}")
 
 
@@ -104,7 +109,7 @@ def answer_from_master(command: Any) -> Callable[[Any], None]:
                 replier.reply(request_id, [single, epoch])
         elif kind is c.Receive:
             replier.reply(request_id, [DeliveredMessage(*row) for row in outcome])
-        elif kind is c.Ack and not command.release:
+        elif kind is c.Ack and not command.release and command.extend_ms is None:
             [single] = outcome          # forwarded as a one-item ack batch
             if single is None:
                 replier.reply(request_id, None)

@@ -312,6 +312,17 @@ async def release(request: web.Request) -> web.Response:
     return web.json_response({"released": index})
 
 
+async def extend(request: web.Request) -> web.Response:
+    name = queue_name(request, "get")
+    index, token = message_id(request), receipt(request)
+    if "visibility_timeout_s" not in request.rel_url.query:
+        raise QueueError(e.E_INVALID_OPTION, "visibility_timeout_s (the lease's new duration from now) is required")
+    visibility_ms = int(number_param(request, "visibility_timeout_s", 0.0, 0.0, 43_200.0) * 1000)
+    client = principal(request).client_id
+    await call(request.app[NODE].engine, lambda r: c.Ack(name, index, token, client, r, extend_ms=visibility_ms))
+    return web.json_response({"extended": index, "visibility_timeout_s": visibility_ms / 1000})
+
+
 async def reply(request: web.Request) -> web.Response:
     name = queue_name(request, "delete")
     index, token = message_id(request), receipt(request)
@@ -593,6 +604,7 @@ def add_routes(app: web.Application) -> None:
     r.add_post("/v1/queues/{q}/receive", receive)
     r.add_delete("/v1/queues/{q}/messages/{id}", ack)
     r.add_post("/v1/queues/{q}/messages/{id}/release", release)
+    r.add_post("/v1/queues/{q}/messages/{id}/extend", extend)
     r.add_post("/v1/queues/{q}/messages/{id}/reply", reply)
     r.add_get("/v1/queues/{q}/messages/{id}/status", message_status)
     r.add_post("/v1/queues/{q}/handoff", handoff)

@@ -71,7 +71,7 @@ from replication.audit_checks import RUN_MARK, is_run, run_rows
 from replication.digest import DIGEST_BYTES, EMPTY_DIGEST
 from replication.invariants import InvariantViolation
 from replication.messages import MessageError, decode_entry
-from replication.operations import Acked, DeadLettered, Enqueued, Leased, Operation, Released
+from replication.operations import Acked, DeadLettered, Enqueued, Extended, Leased, Operation, Released
 from replication.queue_core import QueueRecord
 from replication.snapshot import ROW_DEAD_LETTER, ROW_DEDUPE, ROW_MESSAGE
 from replication.store import StoredLease
@@ -557,6 +557,16 @@ class Storage:
                 self._pack([op.priority, op.receipt, op.visibility_ms, op.deliveries, op.leased_ms]),
                 db=self.db["leases"])
 
+    def _apply_extended(self, txn: lmdb.Transaction, op: Extended) -> None:
+        key = _QI.pack(op.queue_id, op.index)
+        raw = txn.get(key, db=self.db["leases"])
+        if raw is None:
+            raise InvariantViolation(f"extended message {op.queue_id}/{op.index} is not leased")
+        priority, receipt, _, deliveries, leased_ms = msgpack.unpackb(raw)
+        if receipt != op.receipt:
+            raise InvariantViolation(f"extended message {op.queue_id}/{op.index} is leased under another receipt")
+        txn.put(key, self._pack([priority, receipt, op.visibility_ms, deliveries, leased_ms]), db=self.db["leases"])
+
     def _apply_acked(self, txn: lmdb.Transaction, op: Acked) -> None:
         self._consumed.add(op.queue_id)
         key = _QI.pack(op.queue_id, op.index)
@@ -782,7 +792,7 @@ class Storage:
             txn.abort()
             return None
 
-    _APPLY = {Leased: _apply_leased, Acked: _apply_acked,
+    _APPLY = {Leased: _apply_leased, Extended: _apply_extended, Acked: _apply_acked,
               Released: _apply_released, DeadLettered: _apply_dead_lettered}
 
     def _put_status(self, txn: lmdb.Transaction, queue_id: int, index: int, state: str, at_ms: int,
@@ -920,6 +930,9 @@ def _journal_fields(op: Operation, name: str, epoch: int, node: str, role: str) 
     """The journal row of a consumption step; `index` is its ordering index (0 when local)."""
     if isinstance(op, Leased):
         return [op.leased_ms, name, op.queue_id, epoch, op.order, "lease", op.index, None, op.priority,
+                0, 0, role, node, op.client]
+    if isinstance(op, Extended):
+        return [op.at_ms, name, op.queue_id, epoch, op.order, "extend", op.index, None, op.priority,
                 0, 0, role, node, op.client]
     if isinstance(op, Acked):
         return [op.acked_ms, name, op.queue_id, epoch, op.order, "reply" if op.reply is not None else "ack",

@@ -26,6 +26,7 @@ from client.protocol import (
     EnqueueBatchOp,
     EnqueueOp,
     ErrorReply,
+    ExtendOp,
     FrameError,
     OkReply,
     PingOp,
@@ -184,6 +185,10 @@ class ClientConnection:
         if kind is AckOp or kind is ReleaseOp:
             self._queue(op.queue, "delete" if kind is AckOp else "get", op.request_id)
             return c.Ack(op.queue, op.message_id, op.receipt, client, self, op.request_id, release=kind is ReleaseOp)
+        if kind is ExtendOp:
+            self._queue(op.queue, "get", op.request_id)        # like a release: it removes nothing
+            return c.Ack(op.queue, op.message_id, op.receipt, client, self, op.request_id,
+                         extend_ms=op.visibility_ms)
         if kind is ReceiveOp:
             self.queues_consumed.add(self._queue(op.queue, "get", op.request_id))
             wait_ms = min(op.wait_ms, int(self.node.config.receive_wait_max_s * 1000))

@@ -100,7 +100,7 @@ def run_count(record: list[Any]) -> int:
 
 DEAD_LETTER_SUFFIX = ".dlq"
 PRIORITIES = 10
-CONSUMPTION_OPS = frozenset({"lease", "ack", "reply", "release", "expire", "dead_letter"})
+CONSUMPTION_OPS = frozenset({"lease", "extend", "ack", "reply", "release", "expire", "dead_letter"})
 HISTORY_OP = "history"            # a client-side history entry travelling with the records
 ARRIVAL_OP = "dead_letter_arrival"   # derived, never stored
 EPOCH_OP = "epoch"
@@ -603,6 +603,9 @@ class _Consumption:
             self._unknown(record)
         elif record.op == "lease":
             self._lease(record, message_id, state)   # type: ignore[arg-type]
+        elif record.op == "extend":
+            if state != _LEASED:          # a new duration for a lease in flight: nothing else moves
+                self._refuse(record, state)
         elif record.op in ("ack", "reply"):
             if state == _LEASED:
                 self.replay.states[message_id] = _ACKED   # type: ignore[index]

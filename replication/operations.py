@@ -88,9 +88,24 @@ class DeadLettered:
     order: int = 0
 
 
+@dataclass(slots=True)
+class Extended:
+    """A lease in flight given a new duration, counted from now (SQS ChangeMessageVisibility);
+    the receipt and the delivery count stay. Like `Leased`, the duration is what travels."""
+    TAG: ClassVar[int] = 6
+    queue_id: int
+    index: int
+    priority: int
+    receipt: str
+    visibility_ms: int
+    client: str
+    at_ms: int
+    order: int = 0
+
+
 OPERATION_TYPES: dict[int, type] = {}   # filled below: tag -> class, for the codec
 
-Operation = (Enqueued | Leased | Acked | Released | DeadLettered)
+Operation = (Enqueued | Leased | Acked | Released | DeadLettered | Extended)
 
-for _kind in (Enqueued, Leased, Acked, Released, DeadLettered):
+for _kind in (Enqueued, Leased, Acked, Released, DeadLettered, Extended):
     OPERATION_TYPES[_kind.TAG] = _kind

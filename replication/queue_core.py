@@ -1,6 +1,6 @@
 """The queue core: one queue's decisions as a pure state machine.
 
-The node feeds it commands (`enqueue`, `lease`, `ack`, `release`, `reply`, `expire_leases`)
+The node feeds it commands (`enqueue`, `lease`, `extend`, `ack`, `release`, `reply`, `expire_leases`)
 with the wall clock's time as an argument (what the records say: enqueue and lease times,
 the dedupe window); each appends the operations it decided to `out`, in
 order, for the node to persist in one transaction before answering anyone (group commit:
@@ -30,7 +30,7 @@ from typing import Any
 
 from client.errors import E_LEASE_EXPIRED, E_QUEUE_FULL, E_UNKNOWN_MESSAGE, E_WRONG_QUEUE_TYPE, QueueError
 from replication.invariants import InvariantViolation
-from replication.operations import Acked, DeadLettered, Enqueued, Leased, Operation, Released
+from replication.operations import Acked, DeadLettered, Enqueued, Extended, Leased, Operation, Released
 from replication.options import (
     PRIORITY_MAX,
     QUEUE_STATE_TRANSITIONS,
@@ -251,6 +251,18 @@ class QueueCore:
         lease = self._valid_lease(index, receipt, now_ms, out)
         self._end_lease(index, lease, now_ms, expired=False, out=out)
 
+    def extend(self, index: int, receipt: str, visibility_ms: int, client: str, now_ms: int,
+               out: list[Operation]) -> None:
+        """Give a lease in flight a new duration from now (shorter or longer; 0 makes the
+        message ready again at the next expiry sweep, as SQS does). Refused like an ack once the
+        lease has ended or under another receipt."""
+        lease = self._valid_lease(index, receipt, now_ms, out)
+        lease.visibility_ms = visibility_ms
+        lease.deadline = self._lease_clock() + visibility_ms
+        heapq.heappush(self._lease_deadlines, (lease.deadline, index, receipt))
+        out.append(Extended(self.queue_id, index, lease.priority, receipt, visibility_ms, client, now_ms,
+                            self._consumption_order()))
+
     def expire_leases(self, now_ms: int, out: list[Operation]) -> int:
         """End every lease whose deadline has passed on the lease clock; returns how many
         ended (`now_ms`, the wall clock, is what the Released records say)."""
@@ -258,9 +270,10 @@ class QueueCore:
         deadlines = self._lease_deadlines
         lease_now = self._lease_clock()
         while deadlines and deadlines[0][0] <= lease_now:
-            _, index, receipt = heapq.heappop(deadlines)
+            deadline, index, receipt = heapq.heappop(deadlines)
             lease = self._leases.get(index)
-            if lease is not None and lease.receipt == receipt:
+            # Entries go stale: the lease ended, or an extension pushed a new deadline.
+            if lease is not None and lease.receipt == receipt and lease.deadline == deadline:
                 self._end_lease(index, lease, now_ms, expired=True, out=out)
                 ended += 1
         return ended
@@ -387,6 +400,12 @@ class QueueCore:
         if type(op) is Leased:
             self._take_ready(op.priority, op.index)
             self._inherit(op.index, op.priority, op.receipt, op.visibility_ms, op.deliveries, op.leased_ms)
+            return
+        if type(op) is Extended:
+            extended = self._leases.get(op.index)
+            if extended is None or extended.receipt != op.receipt:
+                raise InvariantViolation(f"queue {self.name}: extension of message {op.index} that is not so leased")
+            self._inherit(op.index, op.priority, op.receipt, op.visibility_ms, extended.deliveries, extended.leased_ms)
             return
         lease = self._leases.pop(op.index, None)
         if lease is None:

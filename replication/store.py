@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from replication.invariants import InvariantViolation
-from replication.operations import Acked, DeadLettered, Enqueued, Leased, Operation, Released
+from replication.operations import Acked, DeadLettered, Enqueued, Extended, Leased, Operation, Released
 from replication.snapshot import ROW_DEDUPE, ROW_MESSAGE
 
 
@@ -128,6 +128,12 @@ class MemoryStore:
             raise InvariantViolation(f"leased message {op.queue_id}/{op.index} was not ready")
         queue.leases[op.index] = StoredLease(op.index, op.priority, op.receipt, op.visibility_ms,
                                              op.deliveries, op.leased_ms)
+
+    def _apply_Extended(self, op: Extended) -> None:
+        lease = self._queue(op.queue_id).leases.get(op.index)
+        if lease is None or lease.receipt != op.receipt:
+            raise InvariantViolation(f"extended message {op.queue_id}/{op.index} is not so leased")
+        lease.visibility_ms = op.visibility_ms
 
     def _apply_Acked(self, op: Acked) -> None:
         queue = self._queue(op.queue_id)

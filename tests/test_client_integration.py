@@ -12,6 +12,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,14 @@ def test_the_sync_client_round_trips_a_message_and_consumes(qnode: Any) -> None:
                 each.ack()
         assert [m.payload for m in taken] == [b"a", b"b"]
         assert client.queue_stats("sync")["depth"] == 0
+        client.enqueue("sync", b"long")
+        [long_job] = client.receive("sync", wait_s=1.0, visibility_timeout_s=0.5)
+        with long_job.keep_alive(visibility_timeout_s=0.5, every_s=0.15) as keeper:
+            time.sleep(1.2)                                    # the job outlives the 0.5 s lease
+            assert client.receive("sync") == []
+        assert keeper.lost is None
+        long_job.extend(5.0)
+        long_job.ack()
 
 
 @pytest.mark.asyncio
@@ -344,6 +353,32 @@ def test_qctl_manages_queues_and_messages_end_to_end_with_json(qnode: Any) -> No
     code, document, err = run_qctl(qnode, "queue", "stats", "jobs")
     assert code == 1 and document["error"]["code"] == "E_UNKNOWN_QUEUE"
     assert err.startswith("error: E_UNKNOWN_QUEUE: ")
+
+
+def test_qctl_and_rest_extend_a_lease_and_refuse_a_bad_extension_with_a_stable_code(qnode: Any) -> None:
+    run_qctl(qnode, "queue", "create", "slow", "--visibility-timeout-s", "1")
+    run_qctl(qnode, "put", "slow", "x")
+    code, got, _ = run_qctl(qnode, "get", "slow")
+    assert code == 0
+    code, extended, _ = run_qctl(qnode, "extend", "slow", str(got["id"]), got["receipt"], "--visibility-timeout-s", "30")
+    assert code == 0 and extended == {"queue": "slow", "extended": got["id"], "visibility_timeout_s": 30.0}
+    time.sleep(1.5)                                  # past the queue's 1 s: the extension holds
+    assert run_qctl(qnode, "get", "slow")[1] is None
+    code, document, _ = run_qctl(qnode, "extend", "slow", str(got["id"]), "0" * 16, "--visibility-timeout-s", "5")
+    assert code == 1 and document["error"]["code"] == "E_LEASE_EXPIRED"
+
+    async def refusals() -> list[str]:
+        async with AsyncClient(credentials=str(qnode.credentials_path)) as client:
+            codes = []
+            for query in ([("receipt", got["receipt"])],                                   # no duration
+                          [("receipt", got["receipt"]), ("visibility_timeout_s", "-1")],
+                          [("receipt", got["receipt"]), ("visibility_timeout_s", "9e9")]):
+                with pytest.raises(QueueError) as refused:
+                    await client.http.request("POST", f"/v1/queues/slow/messages/{got['id']}/extend", query=query)
+                codes.append(refused.value.code)
+            return codes
+    assert asyncio.run(refusals()) == ["E_INVALID_OPTION"] * 3
+    assert run_qctl(qnode, "ack", "slow", str(got["id"]), got["receipt"])[0] == 0     # the lease was untouched
 
 
 def test_qctl_get_with_ack_deletes_the_message(qnode: Any) -> None:

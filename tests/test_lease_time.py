@@ -18,13 +18,14 @@ from typing import Any
 
 import pytest
 
+from client import AsyncClient
 from client.errors import QueueError
 from client.protocol import DeliveredMessage
 from qserver import commands as c
 from qserver.config import NodeConfig
 from qserver.engine import Engine
 from qserver.storage import Storage
-from replication.operations import Operation
+from replication.operations import Extended, Operation
 from replication.options import QueueOptions, Strength
 from replication.queue_core import QueueCore, QueueRecord
 from replication.store import MemoryStore
@@ -166,3 +167,58 @@ def test_a_new_master_times_inherited_leases_from_its_takeover_on_its_own_clock(
     assert replica.expire_leases(0, out) == 0
     replica_clock[0] = 11_000
     assert replica.expire_leases(0, out) == 1
+
+
+# --- lease extension (issue 14, item 8) ------------------------------------------------------
+def test_an_extension_moves_the_deadline_and_the_old_one_no_longer_expires_it() -> None:
+    clock = [0]
+    options = QueueOptions(strength=Strength.FULL, dead_letter=False)
+    master = QueueCore(QueueRecord(1, "jobs", options, 0), MemoryStore(), random.Random(1),
+                       lease_clock=lambda: clock[0])
+    replica = QueueCore(QueueRecord(1, "jobs", options, 0), MemoryStore(), random.Random(2),
+                        lease_clock=lambda: clock[0])
+    ops: list[Operation] = []
+    master.enqueue(b"a", 4, None, "producer", 0, ops)
+    [granted] = master.lease(1, 1_000, "consumer", 0, ops)
+    clock[0] = 900
+    master.extend(granted.index, granted.receipt, 5_000, "consumer", 0, ops)
+    extended = ops[-1]
+    assert isinstance(extended, Extended) and (extended.visibility_ms, extended.order) == (5_000, 3)
+    for op in ops:
+        replica.apply(op)
+    clock[0] = 1_000                   # the first deadline: its heap entry is stale now
+    assert master.expire_leases(0, []) == 0 and replica.expire_leases(0, []) == 0
+    clock[0] = 5_900
+    assert master.expire_leases(0, []) == 1
+    with pytest.raises(QueueError) as refused:
+        master.extend(granted.index, granted.receipt, 5_000, "consumer", 0, [])
+    assert refused.value.code == "E_LEASE_EXPIRED"
+
+
+@pytest.mark.asyncio
+async def test_an_extended_lease_holds_through_a_handoff_and_keep_alive_outlives_the_visibility_timeout(
+        qcluster_factory: Any) -> None:
+    cluster = qcluster_factory(3, {"jobs": ["n1", "n2"]})
+    async with AsyncClient(cluster.urls["n3"], cluster.credentials_path) as client:
+        await client.create_queue("jobs", strength="full", visibility_timeout_s=1.0)
+        await client.refresh_placement()
+        first_id = await client.enqueue("jobs", b"long job")
+        second_id = await client.enqueue("jobs", b"longer job")
+        [first] = await client.receive("jobs", wait_s=2.0)
+        assert first.id == first_id
+        await first.extend(6.0)
+        await client.handoff("jobs")               # the new master inherits the extended lease
+        await asyncio.sleep(1.5)                   # past the 1 s it was granted
+        [second] = await client.receive("jobs", wait_s=2.0)
+        assert second.id == second_id              # not the first again: its lease holds
+        async with second.keep_alive(visibility_timeout_s=1.0, every_s=0.3) as keeper:
+            await asyncio.sleep(2.5)               # a job longer than the visibility timeout
+            assert await client.receive("jobs") == []
+        assert keeper.lost is None and keeper.extensions >= 5
+        await second.ack()
+        await first.ack()
+        with pytest.raises(QueueError) as refused:
+            await first.extend(1.0)                # acked: the lease is gone
+        assert refused.value.code == "E_LEASE_EXPIRED"
+        stats = await client.queue_stats("jobs")
+    assert stats["total_acked"] == 2 and stats["total_redelivered"] == 0

@@ -144,6 +144,7 @@ CLIENT_OP_STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     ReceiveOp: st.builds(ReceiveOp, ids, names, st.integers(1, 10_000), st.integers(0, 3_600_000), visibility),
     AckOp: st.builds(AckOp, ids, names, ids, names),
     ReleaseOp: st.builds(ReleaseOp, ids, names, ids, names),
+    protocol.ExtendOp: st.builds(protocol.ExtendOp, ids, names, ids, names, st.integers(0, 43_200_000)),
     SubscribeOp: st.builds(SubscribeOp, ids, names, credits, visibility),
     CreditOp: st.builds(CreditOp, ids, ids, credits),
     UnsubscribeOp: st.builds(UnsubscribeOp, ids, ids),

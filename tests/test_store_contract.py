@@ -268,6 +268,12 @@ def random_batches(seed: int, batches: int) -> Iterator[tuple[list[Operation], d
                         core.release(lease.index, lease.receipt, now_ms, out)
                 except Exception as error:  # an overdue or superseded lease: refused, maybe ended
                     assert getattr(error, "code", None) == "E_LEASE_EXPIRED", error
+            elif roll < 0.95 and held:
+                lease = held[rng.randrange(len(held))]
+                try:
+                    core.extend(lease.index, lease.receipt, rng.randint(0, 1_500), "c", now_ms, out)
+                except Exception as error:  # as above
+                    assert getattr(error, "code", None) == "E_LEASE_EXPIRED", error
             else:
                 core.expire_leases(now_ms, out)
         core.seal()
