@@ -41,6 +41,7 @@ log = logging.getLogger("chaos.workload")
 OBSERVE_INTERVAL_S = 0.25
 OBSERVE_TIMEOUT_S = 1.0
 RECEIVE_WAIT_S = 0.5
+EXTEND_VISIBILITY_S = 10.0       # what an extension asks for before the message is acked
 PUSH_IDLE_S = 3.0
 PUSH_PREFETCH = 10
 ERROR_PAUSE_S = 0.2
@@ -66,6 +67,7 @@ class QueueSpec:
     max_deliveries: int = 20
     release_fraction: float = 0.02
     abandon_fraction: float = 0.01
+    extend_fraction: float = 0.02    # extend the lease (a replicated step under full), then ack
 
     def options(self) -> dict[str, Any]:
         return {"strength": self.strength, "type": self.type, "visibility_timeout_s": self.visibility_timeout_s,
@@ -242,21 +244,32 @@ class Workload:
 
     async def _settle_messages(self, spec: QueueSpec, process: str, messages: list[Message],
                                rng: random.Random) -> None:
-        """Ack most, release a few, abandon a few (their leases expire)."""
+        """Ack most, release a few, abandon a few (their leases expire), extend a few first."""
         calls = []
         for message in messages:
             draw = rng.random()
             if draw < spec.abandon_fraction:
                 continue
-            action = "release" if draw < spec.abandon_fraction + spec.release_fraction else "ack"
-            calls.append(self.finish(process, message, action))
+            if draw < spec.abandon_fraction + spec.release_fraction:
+                calls.append(self.finish(process, message, "release"))
+            elif draw < spec.abandon_fraction + spec.release_fraction + spec.extend_fraction:
+                calls.append(self._extend_then_ack(process, message))
+            else:
+                calls.append(self.finish(process, message, "ack"))
         if calls:
             await asyncio.gather(*calls)
 
+    async def _extend_then_ack(self, process: str, message: Message) -> None:
+        await self.finish(process, message, "extend")
+        await self.finish(process, message, "ack")
+
     async def finish(self, process: str, message: Message, action: str) -> bool:
+        """`action`: ack, release or extend (by EXTEND_VISIBILITY_S; the checker reads no
+        verdict from it, the audit checks the replicated step)."""
         operation = self.history.invoke(process, action, message.queue, id=message.id, deliveries=message.deliveries,
                                         node=self.served_by(message))
-        call = message.ack() if action == "ack" else message.release()
+        call = message.ack() if action == "ack" else message.release() if action == "release" \
+            else message.extend(EXTEND_VISIBILITY_S)
         ok, _ = await self._outcome(operation, call, lambda _: {})
         return ok
 

@@ -834,6 +834,11 @@ class AsyncClient:
     async def delete_queue(self, name: str) -> dict[str, Any]:
         return await self.http.delete_queue(name)
 
+    async def purge(self, name: str) -> dict[str, Any]:
+        """Take every message the queue holds now, ready or leased, out of it for good (admin
+        grant): `{"queue", "purged"}`, and under `producer` `"members"`, each member's count."""
+        return await self.http.purge(name)
+
     async def list_queues(self) -> list[dict[str, Any]]:
         return await self.http.list_queues()
 

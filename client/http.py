@@ -208,6 +208,10 @@ class HttpClient:
     async def delete_queue(self, name: str) -> dict[str, Any]:
         return dict(await self._json("DELETE", queue_path(name), idempotent=False))
 
+    async def purge(self, name: str) -> dict[str, Any]:
+        """Take every message the queue holds now out of it (admin grant; see docs/PROTOCOL.md)."""
+        return dict(await self._json("POST", queue_path(name, "purge"), idempotent=False))
+
     async def list_queues(self, *, page_size: int = 1000) -> list[dict[str, Any]]:
         """Every queue visible to this client (the cluster's, from any node), page after page."""
         queues: list[dict[str, Any]] = []

@@ -201,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     command(queue_commands, "list", cmd_queue_list, "every queue with its statistics")
     command(queue_commands, "stats", cmd_queue_stats, "one queue's statistics").add_argument("name")
     command(queue_commands, "delete", cmd_queue_delete, "delete a queue and its messages").add_argument("name")
+    command(queue_commands, "purge", cmd_queue_purge,
+            "take every message the queue holds now out of it, for good").add_argument("name")
     move = command(queue_commands, "move", cmd_queue_move, "put one member of a queue's pair on another node")
     move.add_argument("name")
     move.add_argument("--member", choices=("master", "replica"), required=True)
@@ -350,6 +352,13 @@ async def cmd_queue_stats(http: HttpClient, args: argparse.Namespace) -> Outcome
 async def cmd_queue_delete(http: HttpClient, args: argparse.Namespace) -> Outcome:
     answer = await http.delete_queue(args.name)
     return Outcome(answer, f"deleted {args.name}")
+
+
+async def cmd_queue_purge(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    answer = await http.purge(args.name)
+    members = answer.get("members")
+    each = "" if not members else " (" + ", ".join(f"{node}: {count}" for node, count in sorted(members.items())) + ")"
+    return Outcome(answer, f"purged {answer['purged']} messages from {args.name}{each}")
 
 
 async def cmd_put(http: HttpClient, args: argparse.Namespace) -> Outcome:

@@ -201,6 +201,9 @@ class Client:
     def delete_queue(self, name: str) -> dict[str, Any]:
         return self._run(self._async.delete_queue(name))
 
+    def purge(self, name: str) -> dict[str, Any]:
+        return self._run(self._async.purge(name))
+
     def list_queues(self) -> list[dict[str, Any]]:
         return self._run(self._async.list_queues())
 

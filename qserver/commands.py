@@ -92,6 +92,16 @@ class Ack:
 
 
 @dataclass(slots=True)
+class Purge:
+    """An operator's purge, run in bounded steps (Engine._step_purge)."""
+    queue: str
+    replier: Replier
+    request_id: int = 0
+    upto: int = 0                  # set at the first step: what is enqueued after it stays
+    purged: int = 0                # so far, over the steps (and a forward to a new master)
+
+
+@dataclass(slots=True)
 class Subscribe:
     queue: str
     credit: int
@@ -176,4 +186,4 @@ class Invoke:
     request_id: int = 0
 
 
-Command = (Enqueue | EnqueueMany | AckMany | Receive | Ack | Subscribe | Credit | Unsubscribe | CreateQueue | DeleteQueue | MessageStatus | PutClient | PeerMessage | LinkChange | Invoke)
+Command = (Enqueue | EnqueueMany | AckMany | Receive | Ack | Purge | Subscribe | Credit | Unsubscribe | CreateQueue | DeleteQueue | MessageStatus | PutClient | PeerMessage | LinkChange | Invoke)

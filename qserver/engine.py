@@ -80,8 +80,9 @@ from replication.options import (
 from replication.queue_core import QueueCore, QueueRecord
 
 log = logging.getLogger("qserver.engine")
-TERMINAL_STATES = frozenset({"acked", "replied", "dead_lettered"})
+TERMINAL_STATES = frozenset({"acked", "replied", "dead_lettered", "purged"})
 REPLICATION_TICK_MS = 50    # how often replication roles check lag, resends and retries
+PURGE_STEP_MAX = 5_000      # messages a purge takes out per engine turn (a few ms of work)
 
 
 def _refuse(command: c.Command, error: QueueError) -> None:
@@ -411,8 +412,9 @@ class Engine:
         decided = batch.sealed.operations[op_mark:]
         pairs.note_decided(master.core, decided)
         required = pairs.replicated_order(master.core, decided)
-        if type(command) in WRITES:
-            # A repeated dedupe id answers with an earlier id, which may not be committed yet.
+        if type(command) in WRITES or type(command) is c.Purge:
+            # A repeated dedupe id answers with an earlier id, which may not be committed yet;
+            # a purge's last step answers for the operations of its earlier steps too.
             required = max(required, master.core.record.next_index - 1)
         if required:
             for position in range(reply_mark, len(batch.replies)):
@@ -546,7 +548,7 @@ class Engine:
             record.ready_count += received.ready_count
             record.total_enqueued += messages
         elif full:
-            for counter in ("total_enqueued", "total_acked", "total_dead_lettered", "total_redelivered",
+            for counter in ("total_enqueued", "total_acked", "total_dead_lettered", "total_purged", "total_redelivered",
                             "highest_depth", "service_ms_total", "service_count"):
                 setattr(record, counter, int(install.record.get(counter, 0)))
             record.ready_count = received.ready_count
@@ -852,6 +854,31 @@ class Engine:
         self._inbox.appendleft(command)
         self._wake.set()
 
+    def _step_purge(self, command: c.Purge, now_ms: int) -> None:
+        """One bounded step of an operator's purge (PURGE_STEP_MAX messages); the rest goes on
+        in the engine's next turn, after this batch is on its way to disk, so purging millions
+        never holds the loop or grows one batch without bound."""
+        core = self._core(command.queue)
+        if not command.upto:
+            command.upto = core.record.next_index - 1
+        purged, done = core.purge(command.upto, PURGE_STEP_MAX, now_ms, self._open.sealed.operations)
+        command.purged += purged
+        if purged:
+            self._touch(core)
+        if done:
+            self._open.replies.append((command.replier, command.request_id,
+                                       {"queue": command.queue, "purged": command.purged}))
+        else:
+            asyncio.get_running_loop().call_soon(self._continue, command)
+
+    def _continue(self, command: c.Command) -> None:
+        """A command's next step, in the engine's next turn."""
+        if self._stopping or self.failed is not None:
+            _refuse(command, QueueError(E_SHUTTING_DOWN, outcome_unknown=True))
+            return
+        self._inbox.append(command)
+        self._wake.set()
+
     def _step_invoke(self, command: c.Invoke, now_ms: int) -> None:
         command.action(now_ms)
 
@@ -957,7 +984,7 @@ class Engine:
         c.Subscribe: _step_subscribe, c.Credit: _step_credit, c.Unsubscribe: _step_unsubscribe,
         c.CreateQueue: _step_create, c.DeleteQueue: _step_delete, c.MessageStatus: _step_status,
         c.PutClient: _step_put_client, c.PeerMessage: _step_peer_message, c.LinkChange: _step_link_change,
-        c.Invoke: _step_invoke,
+        c.Invoke: _step_invoke, c.Purge: _step_purge,
     }
 
     # --- time-driven work ------------------------------------------------------------------
@@ -1261,7 +1288,8 @@ class Engine:
             "master_status": "local",
             "depth": core.depth, "in_flight": core.in_flight, "ready": record.ready_count,
             "total_enqueued": record.total_enqueued, "total_acked": record.total_acked,
-            "total_dead_lettered": record.total_dead_lettered, "total_redelivered": record.total_redelivered,
+            "total_dead_lettered": record.total_dead_lettered, "total_purged": record.total_purged,
+            "total_redelivered": record.total_redelivered,
             "highest_depth": record.highest_depth, "configured_depth": record.options.max_depth,
             "average_service_ms": (record.service_ms_total / record.service_count) if record.service_count else 0.0,
             "next_index": record.next_index, "dead_letter_of": record.dead_letter_of,

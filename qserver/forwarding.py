@@ -1,7 +1,7 @@
 """Forwarding between the members of a pair: a replica's clients, served by its master.
 
 A replica passes on what only the master may decide (every enqueue; under `full` also
-receives, acks, releases and lease extensions) as a Forward message; the master runs it like a request of its
+receives, acks, releases, lease extensions and purges) as a Forward message; the master runs it like a request of its
 own clients and answers, once committed, with the commit point the replica must reach before
 it answers its client (DESIGN.md 4.1). These helpers translate between engine commands and
 the [kind, args...] requests of Forward messages.
@@ -15,7 +15,7 @@ from client.errors import E_BAD_REQUEST, E_NOT_MASTER, E_TIMEOUT, QueueError
 from client.protocol import DeliveredMessage
 from qserver import commands as c
 
-QUEUE_TRAFFIC = frozenset({c.Enqueue, c.EnqueueMany, c.Receive, c.Ack, c.AckMany, c.Subscribe})
+QUEUE_TRAFFIC = frozenset({c.Enqueue, c.EnqueueMany, c.Receive, c.Ack, c.AckMany, c.Purge, c.Subscribe})
 WRITES = frozenset({c.Enqueue, c.EnqueueMany})
 
 
@@ -37,6 +37,8 @@ def forwarded_request(command: Any) -> list[Any]:
         return ["extend", command.message_id, command.receipt, command.extend_ms, command.client]
     if kind is c.Ack and command.reply_payload is None:
         return ["ack", [[command.message_id, command.receipt]], command.client]
+    if kind is c.Purge:
+        return ["purge", command.upto, command.purged]
     raise QueueError(E_NOT_MASTER, f"send this to the master of {command.queue}")
 
 
@@ -76,6 +78,9 @@ def command_from_forward(request: Any, replier: Any) -> c.Command:
     if kind == "release":
         message_id, receipt, client = args
         return c.Ack(name, message_id, receipt, client, replier, release=True)
+    if kind == "purge":
+        upto, purged = args
+        return c.Purge(name, replier, upto=int(upto), purged=int(purged))
     if kind == "extend":
         message_id, receipt, extend_ms, client = args
         return c.Ack(name, message_id, receipt, client, replier, extend_ms=int(extend_ms))

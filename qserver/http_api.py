@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -31,7 +31,7 @@ from replication.options import PRIORITY_DEFAULT, OptionError, is_valid_queue_na
 log = logging.getLogger("qserver.http")
 UNSIGNED_PATHS = frozenset({"/healthz", "/metrics", "/v1/peer"})   # peers authenticate with the cluster secret
 ENGINE_ANSWER_GRACE_S = 30.0
-STATUS_STATES = frozenset({"queued", "delivered", "acked", "replied", "dead_lettered"})
+STATUS_STATES = frozenset({"queued", "delivered", "acked", "replied", "dead_lettered", "purged"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 NODE: web.AppKey[Any] = web.AppKey("node")       # the qserver.node.Node an application serves
 
@@ -96,12 +96,14 @@ async def proxy_to_master(request: web.Request, node: Any, target: str | None = 
     return await proxy_to(request, node, master, placement)
 
 
-async def proxy_to(request: web.Request, node: Any, target: str, placement: tuple[str, str] | None = None) -> web.Response:
+async def proxy_to(request: web.Request, node: Any, target: str, placement: tuple[str, str] | None = None,
+                   extra: Mapping[str, str] | None = None) -> web.Response:
     """Pass the signed request on to node `target`, once (the X-Forwarded-By header)."""
     master = target
     name = request.match_info.get("q", "")
     headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
     headers[FORWARDED_BY] = node.config.node_id
+    headers.update(extra or {})
     if placement is not None:     # the passing node placed a new queue: its choice stands
         headers[PLACEMENT] = ",".join(placement)
     url = node.engine.pairs.view.url(master) + request.raw_path
@@ -321,6 +323,34 @@ async def extend(request: web.Request) -> web.Response:
     client = principal(request).client_id
     await call(request.app[NODE].engine, lambda r: c.Ack(name, index, token, client, r, extend_ms=visibility_ms))
     return web.json_response({"extended": index, "visibility_timeout_s": visibility_ms / 1000})
+
+
+PURGE_OWN_COPY = "X-Purge-Own-Copy"     # set by a member passing a `producer` purge to the other
+
+
+async def purge(request: web.Request) -> web.Response:
+    """Take every message the queue holds now (ready or leased) out of it, for good. Under
+    `full` the master decides and the purge is replicated. Under `producer` each member holds
+    its own copy of the messages and of their consumption: the member that runs it passes it on
+    to the other, which purges its own copy; `members` says what each purged (or why not)."""
+    name = queue_name(request, "admin")
+    node = request.app[NODE]
+    result = await call(node.engine, lambda r: c.Purge(name, r))
+    core = node.engine.cores.get(name)
+    entry = node.engine.pairs.view.entry(name)
+    if core is None or entry is None or core.options.strength.value != "producer" or PURGE_OWN_COPY in request.headers:
+        return web.json_response(result)
+    me = node.config.node_id
+    other = entry.replica if entry.master == me else entry.master
+    members: dict[str, Any] = {me: result["purged"]}
+    if other:
+        answer = await proxy_to(request, node, other, extra={PURGE_OWN_COPY: "1"})
+        try:
+            document = json.loads(answer.body)       # type: ignore[arg-type]
+            members[other] = document["purged"] if answer.status == 200 else document["error"]["code"]
+        except (ValueError, KeyError, TypeError):
+            members[other] = e.E_INTERNAL.code
+    return web.json_response({**result, "members": members})
 
 
 async def reply(request: web.Request) -> web.Response:
@@ -605,6 +635,7 @@ def add_routes(app: web.Application) -> None:
     r.add_delete("/v1/queues/{q}/messages/{id}", ack)
     r.add_post("/v1/queues/{q}/messages/{id}/release", release)
     r.add_post("/v1/queues/{q}/messages/{id}/extend", extend)
+    r.add_post("/v1/queues/{q}/purge", purge)
     r.add_post("/v1/queues/{q}/messages/{id}/reply", reply)
     r.add_get("/v1/queues/{q}/messages/{id}/status", message_status)
     r.add_post("/v1/queues/{q}/handoff", handoff)

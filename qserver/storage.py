@@ -71,7 +71,7 @@ from replication.audit_checks import RUN_MARK, is_run, run_rows
 from replication.digest import DIGEST_BYTES, EMPTY_DIGEST
 from replication.invariants import InvariantViolation
 from replication.messages import MessageError, decode_entry
-from replication.operations import Acked, DeadLettered, Enqueued, Extended, Leased, Operation, Released
+from replication.operations import Acked, DeadLettered, Enqueued, Extended, Leased, Operation, Purged, Released
 from replication.queue_core import QueueRecord
 from replication.snapshot import ROW_DEAD_LETTER, ROW_DEDUPE, ROW_MESSAGE
 from replication.store import StoredLease
@@ -567,6 +567,20 @@ class Storage:
             raise InvariantViolation(f"extended message {op.queue_id}/{op.index} is leased under another receipt")
         txn.put(key, self._pack([priority, receipt, op.visibility_ms, deliveries, leased_ms]), db=self.db["leases"])
 
+    def _apply_purged(self, txn: lmdb.Transaction, op: Purged) -> None:
+        self._consumed.add(op.queue_id)
+        key = _QI.pack(op.queue_id, op.index)
+        if op.leased:
+            removed = txn.delete(key, db=self.db["leases"])
+        else:
+            removed = txn.delete(_QPI.pack(op.queue_id, op.priority, op.index), db=self.db["ready"])
+        if not removed:
+            raise InvariantViolation(f"purged message {op.queue_id}/{op.index} was not "
+                                     f"{'leased' if op.leased else 'ready'}")
+        txn.delete(key, db=self.db["messages"])
+        if op.track_status:
+            self._put_status(txn, op.queue_id, op.index, "purged", op.at_ms, None)
+
     def _apply_acked(self, txn: lmdb.Transaction, op: Acked) -> None:
         self._consumed.add(op.queue_id)
         key = _QI.pack(op.queue_id, op.index)
@@ -792,7 +806,7 @@ class Storage:
             txn.abort()
             return None
 
-    _APPLY = {Leased: _apply_leased, Extended: _apply_extended, Acked: _apply_acked,
+    _APPLY = {Leased: _apply_leased, Extended: _apply_extended, Acked: _apply_acked, Purged: _apply_purged,
               Released: _apply_released, DeadLettered: _apply_dead_lettered}
 
     def _put_status(self, txn: lmdb.Transaction, queue_id: int, index: int, state: str, at_ms: int,
@@ -940,6 +954,9 @@ def _journal_fields(op: Operation, name: str, epoch: int, node: str, role: str) 
     if isinstance(op, Released):
         return [op.at_ms, name, op.queue_id, epoch, op.order, "expire" if op.expired else "release", op.index,
                 None, op.priority, 0, 0, role, node, ""]
+    if isinstance(op, Purged):
+        return [op.at_ms, name, op.queue_id, epoch, op.order, "purge", op.index, None, op.priority,
+                0, 0, role, node, ""]
     if isinstance(op, DeadLettered):
         return [op.at_ms, name, op.queue_id, epoch, op.order, "dead_letter", op.index, None, op.priority,
                 0, 0, role, node, ""]

@@ -36,7 +36,7 @@ PROTOCOL_VERSION = 6       # 2: snapshots (SyncBegin.snapshot, SnapshotChunk, Sn
                            # 4: Append carries log entries (runs of operations), not single operations
                            # 5: SnapshotChunk carries its rows encoded once (what the content hash folds)
                            # 6: a Leased operation and a snapshot's lease carry the lease's duration;
-                           #    Extended operations (a lease given a new duration)
+                           #    Extended operations (a lease given a new duration), Purged operations
 _OPERATION_FIELDS = {tag: tuple(f.name for f in fields(kind)) for tag, kind in OPERATION_TYPES.items()}
 # What each field of an operation may hold when it comes from a peer (bool is an int too, and
 # msgpack gives bools where ints were sent only if a bool was sent).

@@ -103,9 +103,23 @@ class Extended:
     order: int = 0
 
 
+@dataclass(slots=True)
+class Purged:
+    """An operator's purge took the message out of the queue, ready (`leased` False) or leased,
+    for good: consumed, not lost (the audit counts it as purged)."""
+    TAG: ClassVar[int] = 7
+    queue_id: int
+    index: int
+    priority: int
+    leased: bool
+    at_ms: int
+    track_status: bool
+    order: int = 0
+
+
 OPERATION_TYPES: dict[int, type] = {}   # filled below: tag -> class, for the codec
 
-Operation = (Enqueued | Leased | Acked | Released | DeadLettered | Extended)
+Operation = (Enqueued | Leased | Acked | Released | DeadLettered | Extended | Purged)
 
-for _kind in (Enqueued, Leased, Acked, Released, DeadLettered, Extended):
+for _kind in (Enqueued, Leased, Acked, Released, DeadLettered, Extended, Purged):
     OPERATION_TYPES[_kind.TAG] = _kind

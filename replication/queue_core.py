@@ -30,7 +30,7 @@ from typing import Any
 
 from client.errors import E_LEASE_EXPIRED, E_QUEUE_FULL, E_UNKNOWN_MESSAGE, E_WRONG_QUEUE_TYPE, QueueError
 from replication.invariants import InvariantViolation
-from replication.operations import Acked, DeadLettered, Enqueued, Extended, Leased, Operation, Released
+from replication.operations import Acked, DeadLettered, Enqueued, Extended, Leased, Operation, Purged, Released
 from replication.options import (
     PRIORITY_MAX,
     QUEUE_STATE_TRANSITIONS,
@@ -61,6 +61,7 @@ class QueueRecord:
     total_enqueued: int = 0
     total_acked: int = 0
     total_dead_lettered: int = 0
+    total_purged: int = 0
     total_redelivered: int = 0
     highest_depth: int = 0
     service_ms_total: int = 0
@@ -263,6 +264,30 @@ class QueueCore:
         out.append(Extended(self.queue_id, index, lease.priority, receipt, visibility_ms, client, now_ms,
                             self._consumption_order()))
 
+    def purge(self, upto: int, limit: int, now_ms: int, out: list[Operation]) -> tuple[int, bool]:
+        """Take up to `limit` messages with index <= `upto` out of the queue, leased ones
+        first, then ready ones in delivery order; returns (how many, whether none is left).
+        An operator's purge runs this in bounded steps (Engine._step_purge) with `upto` fixed
+        at its start, so what is enqueued meanwhile stays."""
+        record, purged = self.record, 0
+        track = record.options.tracks_status
+        for index in sorted(i for i in self._leases if i <= upto)[:limit]:
+            lease = self._leases.pop(index)
+            out.append(Purged(record.queue_id, index, lease.priority, True, now_ms, track, self._consumption_order()))
+            purged += 1
+        for priority in PRIORITIES_HIGH_FIRST:
+            heap = self._ready[priority]
+            while purged < limit and self._fill_head(priority) and heap[0] <= upto:
+                index = heapq.heappop(heap)
+                self._ready_deliveries.pop(index, None)
+                record.ready_count -= 1
+                out.append(Purged(record.queue_id, index, priority, False, now_ms, track, self._consumption_order()))
+                purged += 1
+        record.total_purged += purged
+        done = not any(i <= upto for i in self._leases) and not any(
+            self._fill_head(priority) and self._ready[priority][0] <= upto for priority in PRIORITIES_HIGH_FIRST)
+        return purged, done
+
     def expire_leases(self, now_ms: int, out: list[Operation]) -> int:
         """End every lease whose deadline has passed on the lease clock; returns how many
         ended (`now_ms`, the wall clock, is what the Released records say)."""
@@ -400,6 +425,13 @@ class QueueCore:
         if type(op) is Leased:
             self._take_ready(op.priority, op.index)
             self._inherit(op.index, op.priority, op.receipt, op.visibility_ms, op.deliveries, op.leased_ms)
+            return
+        if type(op) is Purged:
+            self.record.total_purged += 1
+            if not op.leased:
+                self._take_ready(op.priority, op.index)
+            elif self._leases.pop(op.index, None) is None:
+                raise InvariantViolation(f"queue {self.name}: purge of message {op.index}, which is not leased")
             return
         if type(op) is Extended:
             extended = self._leases.get(op.index)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from replication.invariants import InvariantViolation
-from replication.operations import Acked, DeadLettered, Enqueued, Extended, Leased, Operation, Released
+from replication.operations import Acked, DeadLettered, Enqueued, Extended, Leased, Operation, Purged, Released
 from replication.snapshot import ROW_DEDUPE, ROW_MESSAGE
 
 
@@ -134,6 +134,17 @@ class MemoryStore:
         if lease is None or lease.receipt != op.receipt:
             raise InvariantViolation(f"extended message {op.queue_id}/{op.index} is not so leased")
         lease.visibility_ms = op.visibility_ms
+
+    def _apply_Purged(self, op: Purged) -> None:
+        queue = self._queue(op.queue_id)
+        if op.leased:
+            if queue.leases.pop(op.index, None) is None:
+                raise InvariantViolation(f"purged message {op.queue_id}/{op.index} was not leased")
+        elif not self._drop_ready(queue, op.priority, op.index):
+            raise InvariantViolation(f"purged message {op.queue_id}/{op.index} was not ready")
+        queue.messages.pop(op.index, None)
+        if op.track_status:
+            queue.status[op.index] = ("purged", None)
 
     def _apply_Acked(self, op: Acked) -> None:
         queue = self._queue(op.queue_id)

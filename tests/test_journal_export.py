@@ -144,7 +144,7 @@ def test_the_files_hold_what_the_journal_holds_and_audit_clean(storage: Storage,
     report = audit_records(records)
     assert report["verdict"] == "clean", report["violations"]
     assert report["total_queue"] == {"lost": 0, "unexpected": 0, "duplicated": 0, "recovered": 0, "enqueued": 5,
-                                     "acked": 1, "dead_lettered": 0, "queued": 4}
+                                     "acked": 1, "dead_lettered": 0, "purged": 0, "queued": 4}
 
 
 def test_a_restarted_exporter_continues_after_the_last_segment_it_finds(storage: Storage, tmp_path: Path) -> None:

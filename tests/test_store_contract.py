@@ -274,6 +274,8 @@ def random_batches(seed: int, batches: int) -> Iterator[tuple[list[Operation], d
                     core.extend(lease.index, lease.receipt, rng.randint(0, 1_500), "c", now_ms, out)
                 except Exception as error:  # as above
                     assert getattr(error, "code", None) == "E_LEASE_EXPIRED", error
+            elif roll < 0.96:
+                core.purge(core.record.next_index - 1 - rng.randint(0, 8), rng.randint(1, 6), now_ms, out)
             else:
                 core.expire_leases(now_ms, out)
         core.seal()
