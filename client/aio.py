@@ -839,6 +839,12 @@ class AsyncClient:
         grant): `{"queue", "purged"}`, and under `producer` `"members"`, each member's count."""
         return await self.http.purge(name)
 
+    async def redrive(self, name: str, limit: int | None = None) -> dict[str, Any]:
+        """Move up to `limit` (all there are now when None) of the queue's dead letters back
+        into it, each at its priority as a new message (admin grant): `{"queue", "redriven"}`,
+        `"stopped"` with the error code that ended it early, and under `producer` `"members"`."""
+        return await self.http.redrive(name, limit)
+
     async def list_queues(self) -> list[dict[str, Any]]:
         return await self.http.list_queues()
 

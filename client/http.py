@@ -212,6 +212,11 @@ class HttpClient:
         """Take every message the queue holds now out of it (admin grant; see docs/PROTOCOL.md)."""
         return dict(await self._json("POST", queue_path(name, "purge"), idempotent=False))
 
+    async def redrive(self, name: str, limit: int | None = None) -> dict[str, Any]:
+        """Move the queue's dead letters back into it (admin grant; see docs/PROTOCOL.md)."""
+        query = [] if limit is None else [("limit", str(limit))]
+        return dict(await self._json("POST", queue_path(name, "redrive"), query=query, idempotent=False))
+
     async def list_queues(self, *, page_size: int = 1000) -> list[dict[str, Any]]:
         """Every queue visible to this client (the cluster's, from any node), page after page."""
         queues: list[dict[str, Any]] = []

@@ -203,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     command(queue_commands, "delete", cmd_queue_delete, "delete a queue and its messages").add_argument("name")
     command(queue_commands, "purge", cmd_queue_purge,
             "take every message the queue holds now out of it, for good").add_argument("name")
+    redrive = command(queue_commands, "redrive", cmd_queue_redrive, "move the queue's dead letters back into it")
+    redrive.add_argument("name")
+    redrive.add_argument("--limit", type=int, help="at most this many (default: all there are now)")
     move = command(queue_commands, "move", cmd_queue_move, "put one member of a queue's pair on another node")
     move.add_argument("name")
     move.add_argument("--member", choices=("master", "replica"), required=True)
@@ -356,9 +359,13 @@ async def cmd_queue_delete(http: HttpClient, args: argparse.Namespace) -> Outcom
 
 async def cmd_queue_purge(http: HttpClient, args: argparse.Namespace) -> Outcome:
     answer = await http.purge(args.name)
+    return Outcome(answer, f"purged {answer['purged']} messages from {args.name}{_each_member(answer)}")
+
+
+def _each_member(answer: dict[str, Any]) -> str:
+    """What each member did, when the operation ran on each member's own copy (`producer`)."""
     members = answer.get("members")
-    each = "" if not members else " (" + ", ".join(f"{node}: {count}" for node, count in sorted(members.items())) + ")"
-    return Outcome(answer, f"purged {answer['purged']} messages from {args.name}{each}")
+    return "" if not members else " (" + ", ".join(f"{node}: {did}" for node, did in sorted(members.items())) + ")"
 
 
 async def cmd_put(http: HttpClient, args: argparse.Namespace) -> Outcome:
@@ -390,6 +397,12 @@ async def cmd_extend(http: HttpClient, args: argparse.Namespace) -> Outcome:
     await http.extend_http(args.queue, args.message_id, args.receipt, args.visibility_timeout_s)
     return Outcome({"queue": args.queue, "extended": args.message_id, "visibility_timeout_s": args.visibility_timeout_s},
                    f"extended {args.message_id} by {args.visibility_timeout_s:g} s from now")
+
+
+async def cmd_queue_redrive(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    answer = await http.redrive(args.name, args.limit)
+    stopped = f"; stopped by {answer['stopped']}" if answer.get("stopped") else ""
+    return Outcome(answer, f"moved {answer['redriven']} dead letters back into {args.name}{_each_member(answer)}{stopped}")
 
 
 async def cmd_clients_add(http: HttpClient, args: argparse.Namespace) -> Outcome:

@@ -204,6 +204,9 @@ class Client:
     def purge(self, name: str) -> dict[str, Any]:
         return self._run(self._async.purge(name))
 
+    def redrive(self, name: str, limit: int | None = None) -> dict[str, Any]:
+        return self._run(self._async.redrive(name, limit))
+
     def list_queues(self) -> list[dict[str, Any]]:
         return self._run(self._async.list_queues())
 

@@ -25,6 +25,7 @@ from qserver import commands as c
 from qserver.auth import Principal, validate_grants
 from qserver.engine import TERMINAL_STATES, Engine
 from qserver.http_errors import error_response
+from qserver.redrive import redrive as redrive_dead_letters
 from replication.cluster_map import AddNode, ChangePair, NodeState, Reason, SetNodeState, astuple
 from replication.options import PRIORITY_DEFAULT, OptionError, is_valid_queue_name, parse_options, valid_dedupe_id
 
@@ -325,29 +326,45 @@ async def extend(request: web.Request) -> web.Response:
     return web.json_response({"extended": index, "visibility_timeout_s": visibility_ms / 1000})
 
 
-PURGE_OWN_COPY = "X-Purge-Own-Copy"     # set by a member passing a `producer` purge to the other
+OWN_COPY = "X-Own-Copy"     # set by a member passing a `producer` purge or redrive on to the other
 
 
 async def purge(request: web.Request) -> web.Response:
     """Take every message the queue holds now (ready or leased) out of it, for good. Under
-    `full` the master decides and the purge is replicated. Under `producer` each member holds
-    its own copy of the messages and of their consumption: the member that runs it passes it on
-    to the other, which purges its own copy; `members` says what each purged (or why not)."""
+    `full` the master decides and the purge is replicated; under `producer`, see on_each_member."""
     name = queue_name(request, "admin")
     node = request.app[NODE]
     result = await call(node.engine, lambda r: c.Purge(name, r))
+    return await on_each_member(request, name, result, "purged")
+
+
+async def redrive(request: web.Request) -> web.Response:
+    """Move the queue's dead letters (up to `limit`) back into it (qserver/redrive.py)."""
+    name = queue_name(request, "admin")
+    limit = int(number_param(request, "limit", 0, 1, 10_000_000)) or None
+    node = request.app[NODE]
+    result = await redrive_dead_letters(node.engine, name, limit, principal(request).client_id, call)
+    return await on_each_member(request, name, result, "redriven")
+
+
+async def on_each_member(request: web.Request, name: str, result: dict[str, Any], count: str) -> web.Response:
+    """Under `producer` each member holds its own copy of the messages and of their
+    consumption (dead letters included): the member that ran an operator's purge or redrive
+    passes it on to the other, which runs it on its own copy; `members` says what each did,
+    or why not (a member that is down keeps its copy, as it keeps messages acked at the other)."""
+    node = request.app[NODE]
     core = node.engine.cores.get(name)
     entry = node.engine.pairs.view.entry(name)
-    if core is None or entry is None or core.options.strength.value != "producer" or PURGE_OWN_COPY in request.headers:
+    if core is None or entry is None or core.options.strength.value != "producer" or OWN_COPY in request.headers:
         return web.json_response(result)
     me = node.config.node_id
     other = entry.replica if entry.master == me else entry.master
-    members: dict[str, Any] = {me: result["purged"]}
+    members: dict[str, Any] = {me: result[count]}
     if other:
-        answer = await proxy_to(request, node, other, extra={PURGE_OWN_COPY: "1"})
+        answer = await proxy_to(request, node, other, extra={OWN_COPY: "1"})
         try:
             document = json.loads(answer.body)       # type: ignore[arg-type]
-            members[other] = document["purged"] if answer.status == 200 else document["error"]["code"]
+            members[other] = document[count] if answer.status == 200 else document["error"]["code"]
         except (ValueError, KeyError, TypeError):
             members[other] = e.E_INTERNAL.code
     return web.json_response({**result, "members": members})
@@ -636,6 +653,7 @@ def add_routes(app: web.Application) -> None:
     r.add_post("/v1/queues/{q}/messages/{id}/release", release)
     r.add_post("/v1/queues/{q}/messages/{id}/extend", extend)
     r.add_post("/v1/queues/{q}/purge", purge)
+    r.add_post("/v1/queues/{q}/redrive", redrive)
     r.add_post("/v1/queues/{q}/messages/{id}/reply", reply)
     r.add_get("/v1/queues/{q}/messages/{id}/status", message_status)
     r.add_post("/v1/queues/{q}/handoff", handoff)
