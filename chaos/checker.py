@@ -22,6 +22,10 @@ from every node's cluster map during the run. The rules:
   member, one enqueue stored as two messages, or two confirmed acks of one message on one
   member are violations.
 * **recovered**: an enqueue whose outcome was unknown, delivered after all (not a violation).
+* **purged**: an acknowledged message an operator's purge took (ids up to an answered purge's
+  `upto`, or acknowledged before a purge whose answer was lost): not lost. A message delivered
+  from a receive invoked after a purge answered, at an id up to its `upto`, is a violation
+  (**delivered_after_purge**).
 * **order** (violation): an enqueue that completed before another was invoked got the lower
   id; and under `full`, a consumer was not given a message of a lower id and the same or a
   higher priority that was committed and ready (see `_first_delivery_order`).
@@ -62,6 +66,7 @@ class QueueFacts:
     enqueues: dict[str, dict[str, Any]] = field(default_factory=dict)   # tag -> enqueue entry
     deliveries: list[Delivery] = field(default_factory=list)
     acks: list[dict[str, Any]] = field(default_factory=list)
+    purges: list[dict[str, Any]] = field(default_factory=list)     # an operator's purges
 
 
 @dataclass
@@ -96,6 +101,8 @@ def gather(history: Iterable[Mapping[str, Any]]) -> dict[str, QueueFacts]:
                     dead))
         elif entry["op"] == "ack" and not dead:
             facts[source].acks.append(dict(entry))
+        elif entry["op"] == "purge" and not dead:
+            facts[source].purges.append(dict(entry))
     return facts
 
 
@@ -127,7 +134,7 @@ def check(history: Iterable[Mapping[str, Any]], strengths: Mapping[str, str],
     masters = _check_masters(observations, findings)
     counts = {name: sum(q[name] for q in per_queue.values()) for name in
               ("enqueue_ok", "enqueue_fail", "enqueue_unknown", "delivered", "delivered_messages", "lost",
-               "unexpected", "duplicated", "recovered")}
+               "purged", "unexpected", "duplicated", "recovered")}
     explained: dict[str, int] = defaultdict(int)
     for queue_counts in per_queue.values():
         for reason, count in queue_counts["duplicates_explained"].items():
@@ -149,7 +156,8 @@ def _check_queue(queue: str, facts: QueueFacts, strength: str, findings: Finding
     ids_of_tag = _ids_of_tags(queue, facts, acknowledged, findings)
     _check_unexpected(queue, facts, findings)
     delivered_ids = {ids_of_tag[d.tag] for d in facts.deliveries if d.tag in ids_of_tag}
-    lost = lost_acknowledged(acknowledged.values(), (), delivered_ids)
+    purged = _purged(queue, facts, acknowledged, findings) - delivered_ids
+    lost = lost_acknowledged(acknowledged.values(), (), delivered_ids | purged)
     tag_of_id = {message_id: tag for tag, message_id in acknowledged.items()}
     for message_id in sorted(lost):
         findings.add("lost", queue=queue, id=message_id, tag=tag_of_id.get(message_id))
@@ -164,11 +172,31 @@ def _check_queue(queue: str, facts: QueueFacts, strength: str, findings: Finding
     repeated = sum(1 for count in _delivery_counts(facts).values() if count > 1)
     return {"strength": strength, "enqueue_ok": statuses["ok"], "enqueue_fail": statuses["fail"],
             "enqueue_unknown": statuses["unknown"], "delivered": len(facts.deliveries),
-            "delivered_messages": len(delivered_tags), "lost": len(lost),
+            "delivered_messages": len(delivered_tags), "lost": len(lost), "purged": len(purged),
             "unexpected": sum(1 for t in delivered_tags if t not in facts.enqueues
                               or facts.enqueues[t]["status"] == "fail"),
             "duplicated": repeated, "duplicates_explained": explained, "recovered": len(recovered),
             "acks_ok": sum(1 for a in facts.acks if a["status"] == "ok")}
+
+
+def _purged(queue: str, facts: QueueFacts, acknowledged: Mapping[str, int], findings: Findings) -> set[int]:
+    """The acknowledged ids an operator's purge may have taken: up to an answered purge's
+    `upto` (everything the queue held when it began), and for a purge whose answer was lost,
+    every message acknowledged before it completed. A message delivered from a receive invoked
+    after a purge answered, at an id up to its `upto`, outlived it: a violation."""
+    covered: set[int] = set()
+    for purge in facts.purges:
+        if purge["status"] == "ok":
+            upto = purge["upto"]
+            covered.update(message_id for message_id in acknowledged.values() if message_id <= upto)
+            for delivery in facts.deliveries:
+                if not delivery.dead_letter and delivery.t_invoke > purge["t_complete"] and delivery.message_id <= upto:
+                    findings.add("delivered_after_purge", queue=queue, id=delivery.message_id, upto=upto,
+                                 at=round(delivery.t_invoke, 3))
+        elif purge["status"] == "unknown":
+            covered.update(acknowledged[tag] for tag, entry in facts.enqueues.items()
+                           if tag in acknowledged and entry["t_complete"] < purge["t_complete"])
+    return covered
 
 
 def _ids_of_tags(queue: str, facts: QueueFacts, acknowledged: Mapping[str, int],

@@ -131,6 +131,8 @@ def check_scenario(scenario: Scenario) -> None:
             problems.append(f"{queue.name}: strength is full or producer")
         if queue.type not in set(QueueType):
             problems.append(f"{queue.name}: type is one of {', '.join(QueueType)}")
+        if queue.purge_every_s and queue.strength != "full":
+            problems.append(f"{queue.name}: purges in the workload need strength full (ids are the pair's)")
         if queue.placement and (len(set(queue.placement)) != 2 or not set(queue.placement) <= ids):
             problems.append(f"{queue.name}: placement names two different nodes of {sorted(ids)}")
         if max(queue.producers, queue.consumers, queue.push_consumers) > WORKERS_PER_QUEUE_MAX or queue.rate <= 0:

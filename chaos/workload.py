@@ -68,6 +68,7 @@ class QueueSpec:
     release_fraction: float = 0.02
     abandon_fraction: float = 0.01
     extend_fraction: float = 0.02    # extend the lease (a replicated step under full), then ack
+    purge_every_s: float = 0.0       # an operator purges the queue about this often (0: never; `full` only)
 
     def options(self) -> dict[str, Any]:
         return {"strength": self.strength, "type": self.type, "visibility_timeout_s": self.visibility_timeout_s,
@@ -179,6 +180,9 @@ class Workload:
             for worker in range(spec.push_consumers):
                 tasks.append(asyncio.create_task(self._consume_pushed(spec, worker, ids[slot % len(ids)], stop)))
                 slot += 1
+            if spec.purge_every_s > 0:
+                tasks.append(asyncio.create_task(self._purge_now_and_then(spec, ids[slot % len(ids)], stop)))
+                slot += 1
         return tasks
 
     def _rng(self, *parts: object) -> random.Random:
@@ -199,6 +203,21 @@ class Workload:
             ok, _ = await self._outcome(operation, client.enqueue(spec.name, payload, priority, dedupe_id=tag),
                                         lambda message_id: {"id": message_id})
             await asyncio.sleep(rng.expovariate(spec.rate) if ok else ERROR_PAUSE_S * (1 + rng.random()))
+
+    async def _purge_now_and_then(self, spec: QueueSpec, node: str, stop: asyncio.Event) -> None:
+        """An operator purging the queue at random moments; the answer's `upto` tells the
+        checker which ids it took (under `full` they are the pair's, whichever member answers)."""
+        rng = self._rng("purge", spec.name)
+        client = self.client(node)
+        process = f"o-{spec.name}@{node}"
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), spec.purge_every_s * rng.uniform(0.5, 1.5))
+            if stop.is_set():
+                return
+            operation = self.history.invoke(process, "purge", spec.name, node=node)
+            await self._outcome(operation, client.purge(spec.name),
+                                lambda answer: {"upto": answer["upto"], "purged": answer["purged"]})
 
     async def _outcome(self, operation: Operation, call: Awaitable[Any], fields: Any,
                        timeout_s: float | None = None) -> tuple[bool, Any]:
@@ -245,7 +264,7 @@ class Workload:
     async def _settle_messages(self, spec: QueueSpec, process: str, messages: list[Message],
                                rng: random.Random) -> None:
         """Ack most, release a few, abandon a few (their leases expire), extend a few first."""
-        calls = []
+        calls: list[Awaitable[Any]] = []
         for message in messages:
             draw = rng.random()
             if draw < spec.abandon_fraction:

@@ -582,9 +582,10 @@ class AsyncClient:
                 done, attempts = await asyncio.wait(attempts, timeout=STALL_CHECK_S,
                                                     return_when=asyncio.FIRST_COMPLETED)
                 for finished in done:
-                    if finished.exception() is None:
+                    error = finished.exception()
+                    if error is None:
                         return finished.result()
-                    failure = failure or finished.exception()
+                    failure = _first_failure(failure, error)
                 if done or not attempts:
                     continue
                 with contextlib.suppress(QueueError):
@@ -1204,6 +1205,17 @@ class AsyncClient:
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(error)
+
+
+def _first_failure(first: BaseException | None, then: BaseException) -> BaseException:
+    """The failure to report for a call tried more than once: the first one, but with its
+    outcome unknown when any attempt's was (that attempt may have been applied)."""
+    if first is None:
+        return then
+    if isinstance(first, QueueError) and not first.outcome_unknown \
+            and isinstance(then, QueueError) and then.outcome_unknown:
+        return QueueError(first.kind, first.message, outcome_unknown=True)
+    return first
 
 
 async def _retried_once(first: QueueError, retry: Awaitable[Any]) -> Any:

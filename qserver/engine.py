@@ -867,7 +867,7 @@ class Engine:
             self._touch(core)
         if done:
             self._open.replies.append((command.replier, command.request_id,
-                                       {"queue": command.queue, "purged": command.purged}))
+                                       {"queue": command.queue, "purged": command.purged, "upto": command.upto}))
         else:
             asyncio.get_running_loop().call_soon(self._continue, command)
 

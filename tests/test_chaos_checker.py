@@ -38,6 +38,11 @@ class Recorder:
                              "t_invoke": t[0], "t_complete": t[1], "deliveries": deliveries})
 
 
+    def purge(self, status: str, t: tuple[float, float], upto: int | None = None, queue: str = "q") -> None:
+        self.entries.append({"op": "purge", "queue": queue, "status": status, "upto": upto, "t_invoke": t[0],
+                             "t_complete": t[1]})
+
+
 def verdict(recorder: Recorder, strength: str = "full", observations: Any = ()) -> dict[str, Any]:
     return checker.check(recorder.entries, {"q": strength}, observations)
 
@@ -82,6 +87,25 @@ def test_an_acknowledged_enqueue_never_delivered_is_lost() -> None:
     history.receive([(1, "a", 1)], (2, 3))
     result = verdict(history)
     assert result["violation_counts"] == {"lost": 1} and result["violations"]["lost"][0]["id"] == 2
+
+
+def test_a_purge_explains_what_it_took_and_a_message_it_covered_delivered_after_it_is_a_violation() -> None:
+    history = Recorder()
+    for number in range(1, 5):
+        history.enqueue(f"m{number}", "ok", (0, 1), number)
+    history.receive([(1, "m1", 1)], (1, 2))
+    history.purge("ok", (3, 4), upto=2)                 # took 2 (1 was delivered before)
+    history.purge("unknown", (5, 6))                    # may have taken 3 and 4
+    result = verdict(history)
+    assert result["valid"], result["violations"]
+    assert (result["counts"]["purged"], result["counts"]["lost"]) == (3, 0)
+    history.receive([(2, "m2", 1)], (7, 8))             # id 2 outlived the answered purge
+    result = verdict(history)
+    assert result["violation_counts"] == {"delivered_after_purge": 1}
+    bare = Recorder()
+    bare.enqueue("m1", "ok", (0, 1), 1)
+    bare.purge("fail", (2, 3))                         # refused: it took nothing
+    assert verdict(bare)["violation_counts"] == {"lost": 1}
 
 
 def test_a_delivered_message_whose_enqueue_failed_or_was_never_made_is_unexpected() -> None:

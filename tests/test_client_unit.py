@@ -814,3 +814,13 @@ async def test_a_signed_request_is_never_resent_by_aiohttp_with_the_same_nonce(f
         server.close()
         await server.wait_closed()
     assert len(nonces) == len(set(nonces)), f"a nonce was sent twice: {nonces}"
+
+
+def test_a_call_tried_at_two_nodes_reports_its_first_failure_unknown_when_any_attempt_may_have_been_applied() -> None:
+    from client.aio import _first_failure
+    definite = QueueError("E_UNAVAILABLE", "cannot reach n1")
+    unknown = QueueError("E_UNAVAILABLE", "the connection failed after the request went out", outcome_unknown=True)
+    combined = _first_failure(_first_failure(None, definite), unknown)
+    assert (combined.code, combined.message, combined.outcome_unknown) == ("E_UNAVAILABLE", "cannot reach n1", True)
+    assert _first_failure(unknown, definite) is unknown
+    assert _first_failure(definite, QueueError("E_TIMEOUT")) is definite

@@ -81,7 +81,7 @@ async def test_a_purge_empties_both_members_under_either_strength_on_a_real_clus
         [leased] = await client.receive("ledger", wait_s=2.0)
         full = await client.purge("ledger")                    # asked at n3: passed on to the master
         producer = await client.purge("events")
-        assert full == {"queue": "ledger", "purged": 50}
+        assert full == {"queue": "ledger", "purged": 50, "upto": 51}     # the lease took ordering index 51
         assert producer["purged"] == 50 and producer["members"] == {"n1": 50, "n2": 50}
         with pytest.raises(QueueError) as refused:
             await leased.ack()
@@ -100,7 +100,7 @@ def test_qctl_purges_with_json_and_a_client_without_the_admin_grant_is_forbidden
     assert run_qctl(qnode, "queue", "create", "jobs")[0] == 0
     for payload in ("a", "b", "c"):
         run_qctl(qnode, "put", "jobs", payload)
-    assert run_qctl(qnode, "queue", "purge", "jobs") == (0, {"queue": "jobs", "purged": 3}, "")
+    assert run_qctl(qnode, "queue", "purge", "jobs") == (0, {"queue": "jobs", "purged": 3, "upto": 3}, "")
     assert run_qctl(qnode, "queue", "stats", "jobs")[1]["depth"] == 0
     code, _, _ = run_qctl(qnode, "clients", "add", "worker", "--grant", "jobs:post,get,delete",
                           "--out", str(tmp_path / "worker.json"))
