@@ -143,16 +143,21 @@ async def test_an_ack_within_a_lease_is_taken_after_a_backward_step_and_refused_
         await stop(engine)
 
 
+def full_pair(master_clock: list[int], replica_clock: list[int]) -> tuple[QueueCore, QueueCore]:
+    """The two cores of a `full` pair, each timing leases on its own clock (a one-item list)."""
+    options = QueueOptions(strength=Strength.FULL, dead_letter=False)
+    return (QueueCore(QueueRecord(1, "jobs", options, 0), MemoryStore(), random.Random(1),
+                      lease_clock=lambda: master_clock[0]),
+            QueueCore(QueueRecord(1, "jobs", options, 0), MemoryStore(), random.Random(2),
+                      lease_clock=lambda: replica_clock[0]))
+
+
 def test_a_new_master_times_inherited_leases_from_its_takeover_on_its_own_clock() -> None:
     """The replica applied the master's lease when its own clock read 5,000 (the master's read
     something else entirely: clocks of two machines are unrelated); it takes the queue over at
     its 9,000: the lease runs its whole 2 s from there, neither from the grant nor the apply."""
     master_clock, replica_clock = [1_000_000], [5_000]
-    options = QueueOptions(strength=Strength.FULL, dead_letter=False)
-    master = QueueCore(QueueRecord(1, "jobs", options, 0), MemoryStore(), random.Random(1),
-                       lease_clock=lambda: master_clock[0])
-    replica = QueueCore(QueueRecord(1, "jobs", options, 0), MemoryStore(), random.Random(2),
-                        lease_clock=lambda: replica_clock[0])
+    master, replica = full_pair(master_clock, replica_clock)
     ops: list[Operation] = []
     master.enqueue(b"a", 4, None, "producer", 0, ops)
     [granted] = master.lease(1, 2_000, "consumer", 0, ops)
@@ -172,11 +177,7 @@ def test_a_new_master_times_inherited_leases_from_its_takeover_on_its_own_clock(
 # --- lease extension (issue 14, item 8) ------------------------------------------------------
 def test_an_extension_moves_the_deadline_and_the_old_one_no_longer_expires_it() -> None:
     clock = [0]
-    options = QueueOptions(strength=Strength.FULL, dead_letter=False)
-    master = QueueCore(QueueRecord(1, "jobs", options, 0), MemoryStore(), random.Random(1),
-                       lease_clock=lambda: clock[0])
-    replica = QueueCore(QueueRecord(1, "jobs", options, 0), MemoryStore(), random.Random(2),
-                        lease_clock=lambda: clock[0])
+    master, replica = full_pair(clock, clock)
     ops: list[Operation] = []
     master.enqueue(b"a", 4, None, "producer", 0, ops)
     [granted] = master.lease(1, 1_000, "consumer", 0, ops)

@@ -4,7 +4,6 @@ good, in bounded steps; replicated under `full`, run on each member's own copy u
 from __future__ import annotations
 
 import asyncio
-import random
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +12,9 @@ import pytest
 from client import AsyncClient, QueueError
 from replication import audit_checks as checks
 from replication.operations import Operation, Purged
-from replication.options import QueueOptions, Strength
-from replication.queue_core import QueueCore, QueueRecord
-from replication.store import MemoryStore
 from tests.test_audit_checks import Journal, audit
 from tests.test_client_integration import run_qctl
+from tests.test_lease_time import full_pair
 from tests.test_queue_core import Driver
 
 
@@ -46,9 +43,7 @@ def test_a_purge_takes_leased_then_ready_messages_in_bounded_steps_and_spares_la
 
 
 def test_a_replica_applies_a_full_purge_as_the_master_decided_it() -> None:
-    options = QueueOptions(strength=Strength.FULL, dead_letter=False)
-    master = QueueCore(QueueRecord(1, "q", options, 0), MemoryStore(), random.Random(1), lease_clock=lambda: 0)
-    replica = QueueCore(QueueRecord(1, "q", options, 0), MemoryStore(), random.Random(2), lease_clock=lambda: 0)
+    master, replica = full_pair([0], [0])
     ops: list[Operation] = []
     for _ in range(4):
         master.enqueue(b"m", 4, None, "p", 0, ops)
