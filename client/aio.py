@@ -194,6 +194,42 @@ class _EnqueueBatch:
         self.size_bytes = 0
 
 
+class _Watch:
+    """One enqueue watched without a task of its own (AsyncClient._watched_enqueue): its
+    attempts, the first a future in its node's open batch, any later one a task started by
+    the client's sweep where the map names the master now; `outcome` takes the first answer."""
+
+    __slots__ = ("asked", "asked_at", "attempt", "failure", "outcome", "pending", "queue", "tasks")
+
+    def __init__(self, queue: str, attempt: Callable[[AsyncClient], Coroutine[Any, Any, Any]], target: AsyncClient,
+                 outcome: asyncio.Future[Any], asked_at: float) -> None:
+        self.queue = queue
+        self.attempt = attempt
+        self.asked = {target}
+        self.asked_at = asked_at
+        self.outcome = outcome
+        self.pending = 1
+        self.failure: BaseException | None = None
+        self.tasks: list[asyncio.Task[Any]] = []
+
+    def settle(self, attempt: asyncio.Future[Any]) -> None:
+        """An attempt ended: its answer wins; a failure counts only once every attempt failed."""
+        self.pending -= 1
+        error = QueueError(E_UNAVAILABLE, "the attempt was cancelled", outcome_unknown=True) \
+            if attempt.cancelled() else attempt.exception()       # read even when it comes too late
+        if self.outcome.done():
+            return
+        if error is None:
+            self.outcome.set_result(attempt.result())
+        else:
+            self.failure = _first_failure(self.failure, error)
+        if not self.outcome.done() and self.pending == 0:
+            self.outcome.set_exception(self.failure)      # type: ignore[arg-type]
+        if self.outcome.done():
+            for task in self.tasks:
+                task.cancel()
+
+
 class _AckBatch:
     """The ack() calls of one turn for one queue."""
 
@@ -235,6 +271,7 @@ FAILOVER_WAIT_S = 4.0          # how long a call waits for the map to name a rea
 DEAD_LETTER_SUFFIX = ".dlq"      # a queue's dead-letter queue: same pair (replication/options.py)
 FAILOVER_POLL_S = 0.1
 STALL_CHECK_S = 0.25           # an enqueue unanswered this long reads the map again (AsyncClient._hedged)
+WATCH_SWEEP_S = STALL_CHECK_S / 4   # how often the watched enqueues are looked over (_sweep_watches)
 MAP_READ_TIMEOUT_S = 0.3       # a node's copy of the map not read in this long is passed over
 # Set while a call is retried after a failure (_retried_once): a retry at this very node
 # (it has just become the queue's master) is taken once per call, not again from the retry.
@@ -291,6 +328,9 @@ class AsyncClient:
         self._deadline_timer: asyncio.TimerHandle | None = None
         self._placement_reading: asyncio.Task[None] | None = None     # see refresh_placement
         self._placement_reading_started = 0.0
+        self._watches: deque[_Watch] = deque()                         # see _watched_enqueue
+        self._watch_timer: asyncio.TimerHandle | None = None
+        self._watch_sweep: asyncio.Task[None] | None = None
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count(1)
@@ -360,6 +400,8 @@ class AsyncClient:
         self._fail_everything(QueueError(E_UNAVAILABLE, "the client is closed"))
         if self._deadline_timer is not None:
             self._deadline_timer.cancel()
+        if self._watch_timer is not None:
+            self._watch_timer.cancel()
         await self.http.close()
         for other in self._others.values():
             await other.close()
@@ -696,8 +738,67 @@ class AsyncClient:
             payload = _as_bytes(payload)
         dedupe_id = dedupe_id or self._new_dedupe_id()
         if self._masters:
-            return await self._hedged(queue, lambda node: node._enqueue_here(queue, payload, priority, dedupe_id))
+            return await self._watched_enqueue(queue, payload, priority, dedupe_id)
         return await self._enqueue_here(queue, payload, priority, dedupe_id)
+
+    async def _watched_enqueue(self, queue: str, payload: bytes, priority: int, dedupe_id: str) -> int:
+        """An enqueue at the queue's master, watched as `_hedged` watches a call, but without a
+        task and a timed wait per call (they cost a map-aware client about a quarter of its
+        throughput: bench/RESULTS.md): the call joins its node's batch at once, and a sweep
+        of this client's watched calls every WATCH_SWEEP_S asks again, where the map names
+        the master now, those unanswered for that long."""
+        target = self._route(queue)
+        if target._calls_in_flight >= target._in_flight_max:      # it must wait for room: a task
+            return await self._hedged(queue, lambda node: node._enqueue_here(queue, payload, priority, dedupe_id))
+        loop = self._bound_loop()
+        first = target._join_enqueue(queue, priority, payload, dedupe_id)
+        watch = _Watch(queue, lambda node: node._enqueue_here(queue, payload, priority, dedupe_id), target,
+                       loop.create_future(), loop.time())
+        first.add_done_callback(watch.settle)
+        self._watches.append(watch)
+        if self._watch_timer is None:
+            self._watch_timer = loop.call_later(WATCH_SWEEP_S, self._sweep_watches)
+        try:
+            return await watch.outcome  # type: ignore[no-any-return]
+        except QueueError as failure:
+            # Every attempt failed, the last one at its node (which knows no map): as a routed
+            # call, read the map (waiting through a failover) and try once where it says now.
+            other = await self._rerouted(queue, failure, failed=target)
+            if other is None:
+                raise
+            return await _retried_once(failure, other._enqueue_here(queue, payload, priority, dedupe_id))
+
+    def _sweep_watches(self) -> None:
+        """Every WATCH_SWEEP_S while enqueues are watched: drop the answered ones; if some
+        waited STALL_CHECK_S, read the map (one reading for all) and ask each of them again at
+        the master it names now, if that is a node not asked yet."""
+        self._watch_timer = None
+        loop = self._bound_loop()
+        now = loop.time()
+        watches = self._watches = deque(w for w in self._watches if not w.outcome.done())
+        if any(now - w.asked_at >= STALL_CHECK_S for w in watches) and \
+                (self._watch_sweep is None or self._watch_sweep.done()):
+            self._watch_sweep = loop.create_task(self._ask_stalled_again())
+            self._watch_sweep.add_done_callback(_ignore_outcome)
+        if watches and not self._closed:
+            self._watch_timer = loop.call_later(WATCH_SWEEP_S, self._sweep_watches)
+
+    async def _ask_stalled_again(self) -> None:
+        with contextlib.suppress(QueueError):
+            await self.refresh_placement()
+        loop = self._bound_loop()
+        now = loop.time()
+        for watch in self._watches:
+            if watch.outcome.done() or now - watch.asked_at < STALL_CHECK_S:
+                continue
+            target = self._route(watch.queue)
+            if target in watch.asked:
+                continue
+            watch.asked.add(target)
+            watch.asked_at, watch.pending = now, watch.pending + 1
+            task = loop.create_task(watch.attempt(target))
+            watch.tasks.append(task)
+            task.add_done_callback(watch.settle)
 
     async def _enqueue_here(self, queue: str, payload: bytes, priority: int, dedupe_id: str) -> int:
         if self._calls_in_flight >= self._in_flight_max:

@@ -87,17 +87,20 @@ def check_safety(sim: EngineSimulation) -> None:
 def leases_expired_early(sim: EngineSimulation) -> list[tuple[int, int, int, int, int]]:
     """Under `full` a lease is replicated as a duration and timed on the serving member's
     monotonic clock; a member that inherits it (a takeover, a restart) times it from then.
-    So a message is delivered again no sooner than its last lease's duration after that
-    lease was asked for, on the fastest clock of the run, whatever the wall clocks (skewed
-    between nodes, stepped during the run) said."""
+    So a message is delivered again no sooner than a lease's duration after that lease was
+    asked for, on the fastest clock of the run, whatever the wall clocks (skewed between
+    nodes, stepped during the run) said. A lease is granted between its receive's send and
+    its answer, and answers may arrive out of order (one held through a pause): only a lease
+    answered before another was asked for is surely the earlier one."""
     early = []
-    last: dict[int, tuple[int, int, int, int]] = {}
+    by_message: dict[int, list[tuple[int, int, int, int]]] = {}
     for lease in sim.history.leases:
-        message_id, _, answered_ms, _ = lease
-        before = last.get(message_id)
-        if before is not None and answered_ms < before[1] + before[3] / (1 + sim.clock_drift) - 2:
-            early.append((*before, answered_ms))
-        last[message_id] = lease
+        by_message.setdefault(lease[0], []).append(lease)
+    for leases in by_message.values():
+        for before in leases:
+            for after in leases:
+                if before[2] < after[1] and after[2] < before[1] + before[3] / (1 + sim.clock_drift) - 2:
+                    early.append((*before, after[2]))
     return early
 
 

@@ -471,3 +471,39 @@ async def test_a_node_beyond_the_voters_follows_the_map_holds_members_and_takes_
         acknowledged["south"] |= set(await client.enqueue_many("south", [b"after"] * 10))
         for name in ("north", "south"):
             assert set(await drain(client, name)) == acknowledged[name], name
+
+
+async def test_enqueues_unanswered_by_a_paused_master_are_acknowledged_by_the_promoted_replica_within_a_second(
+        qcluster_factory) -> None:  # type: ignore[no-untyped-def]
+    """A client at the third node knows the map, so its enqueues are watched: those sent to a
+    master that then pauses (SIGSTOP: no answer, no broken socket) are asked again at the
+    replica once the map names it master, with the same dedupe ids, and each is stored once."""
+    cluster = qcluster_factory(3, {"orders": ["n1", "n2"]})
+    async with AsyncClient(cluster.urls["n3"], cluster.credentials_path) as client:
+        await client.create_queue("orders", strength="full")
+        await client.refresh_placement()
+        await client.enqueue("orders", b"before")
+        await wait_for(functools.partial(_in_sync_named, cluster, "orders"), 5.0, "the replica in sync")
+        cluster.processes["n1"].send_signal(signal.SIGSTOP)
+        try:
+            paused_at = time.monotonic()
+            calls = [asyncio.ensure_future(client.enqueue("orders", b"%d" % n, dedupe_id=f"during-{n}"))
+                     for n in range(20)]
+            promoted = await wait_for(functools.partial(_master_named, cluster, "orders", "n2"), 10.0,
+                                      "the replica promoted")
+            assert promoted
+            promoted_at = time.monotonic()
+            ids = await asyncio.wait_for(asyncio.gather(*calls), 5.0)
+            answered_after_s = time.monotonic() - promoted_at
+        finally:
+            cluster.processes["n1"].send_signal(signal.SIGCONT)
+        assert answered_after_s < 1.5, f"answered {answered_after_s:.2f} s after the promotion " \
+                                       f"({promoted_at - paused_at:.2f} s after the pause)"
+        assert len(set(ids)) == 20
+        again = await client.enqueue_many("orders", [b"x"] * 20, dedupe_ids=[f"during-{n}" for n in range(20)])
+        assert sorted(again) == sorted(ids)                       # stored once each
+
+
+async def _master_named(cluster: LocalCluster, name: str, master: str) -> bool:
+    entry = (await map_of(cluster, "n3"))["queues"].get(name)
+    return bool(entry and entry["master"] == master)
