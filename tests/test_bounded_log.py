@@ -65,9 +65,11 @@ async def test_a_member_recreated_by_a_move_takes_the_state_and_repeats_no_ackno
             return stats if stats["replica"] == "n3" and stats["replication_state"] == "in_sync" else None
         stats = await wait_for(moved, 30, "the replica to move to n3 and be in sync")
         assert stats["snapshots_sent"] >= 1, stats
-        await client.handoff("orders")
+        await client.handoff("orders")      # answered once the old master's copy of the map has the swap
         async with AsyncClient(cluster.urls["n3"], cluster.credentials_path) as at_n3:
-            assert (await at_n3.queue_stats("orders"))["master"] == "n3"
+            async def n3_masters() -> bool:   # n3 applies the same committed swap a moment later
+                return bool((await at_n3.queue_stats("orders"))["master"] == "n3")
+            await wait_for(n3_masters, 5, "n3's copy of the map to show the swap")
             rest = await drain(at_n3, "orders")
     assert not set(rest) & set(acked), "a member re-created by a move delivered acknowledged messages again"
     assert sorted(rest) == sorted(set(ids) - set(acked))
