@@ -91,7 +91,7 @@ def summary(report: dict[str, Any]) -> str:
              f"{totals['records']} records, {totals['journals']} journals, {totals['queues']} queues, "
              f"{totals['incarnations']} incarnations",
              "total queue: " + ", ".join(f"{name} {total_queue[name]}" for name in
-                                         ("enqueued", "acked", "dead_lettered", "purged", "queued", "lost", "unexpected",
+                                         ("enqueued", "acked", "dead_lettered", "purged", "expired", "queued", "lost", "unexpected",
                                           "duplicated", "recovered"))]
     for kind, count in report["violation_counts"].items():
         lines.append(f"  {kind}: {count}")

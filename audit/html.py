@@ -132,7 +132,7 @@ def _incarnation(incarnation: dict[str, Any]) -> str:
 
 def _members(members: Sequence[dict[str, Any]]) -> str:
     names = ("node", "journal_id", "queue_id", "records", "first_index", "last_index", "master_epochs", "enqueued",
-             "acked", "dead_lettered", "purged", "queued", "leased")
+             "acked", "dead_lettered", "purged", "expired", "queued", "leased")
     head = "".join(f"<th>{_e(name)}</th>" for name in names)
     rows = "".join("<tr>" + "".join(f"<td>{_e(member[name])}</td>" for name in names) + "</tr>" for member in members)
     return f"<table><tr>{head}</tr>{rows}</table>"

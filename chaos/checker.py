@@ -26,6 +26,11 @@ from every node's cluster map during the run. The rules:
   `upto`, or acknowledged before a purge whose answer was lost): not lost. A message delivered
   from a receive invoked after a purge answered, at an id up to its `upto`, is a violation
   (**delivered_after_purge**).
+* **expired**: an acknowledged message enqueued with a time to live (`ttl_s`) that no
+  consumer was given: its time ran out in a queue without a dead-letter queue (with one, the
+  drain takes it from there and it counts as delivered): not lost. (When it expired is the
+  master's clock's to decide, restarted by a restart or a takeover, so a delivery after `ttl_s`
+  is not judged.)
 * **order** (violation): an enqueue that completed before another was invoked got the lower
   id; and under `full`, a consumer was not given a message of a lower id and the same or a
   higher priority that was committed and ready (see `_first_delivery_order`).
@@ -134,7 +139,7 @@ def check(history: Iterable[Mapping[str, Any]], strengths: Mapping[str, str],
     masters = _check_masters(observations, findings)
     counts = {name: sum(q[name] for q in per_queue.values()) for name in
               ("enqueue_ok", "enqueue_fail", "enqueue_unknown", "delivered", "delivered_messages", "lost",
-               "purged", "unexpected", "duplicated", "recovered")}
+               "purged", "expired", "unexpected", "duplicated", "recovered")}
     explained: dict[str, int] = defaultdict(int)
     for queue_counts in per_queue.values():
         for reason, count in queue_counts["duplicates_explained"].items():
@@ -157,7 +162,9 @@ def _check_queue(queue: str, facts: QueueFacts, strength: str, findings: Finding
     _check_unexpected(queue, facts, findings)
     delivered_ids = {ids_of_tag[d.tag] for d in facts.deliveries if d.tag in ids_of_tag}
     purged = _purged(queue, facts, acknowledged, findings) - delivered_ids
-    lost = lost_acknowledged(acknowledged.values(), (), delivered_ids | purged)
+    expired = {acknowledged[tag] for tag, entry in facts.enqueues.items()
+               if tag in acknowledged and entry.get("ttl_s")} - delivered_ids - purged
+    lost = lost_acknowledged(acknowledged.values(), (), delivered_ids | purged | expired)
     tag_of_id = {message_id: tag for tag, message_id in acknowledged.items()}
     for message_id in sorted(lost):
         findings.add("lost", queue=queue, id=message_id, tag=tag_of_id.get(message_id))
@@ -172,7 +179,7 @@ def _check_queue(queue: str, facts: QueueFacts, strength: str, findings: Finding
     repeated = sum(1 for count in _delivery_counts(facts).values() if count > 1)
     return {"strength": strength, "enqueue_ok": statuses["ok"], "enqueue_fail": statuses["fail"],
             "enqueue_unknown": statuses["unknown"], "delivered": len(facts.deliveries),
-            "delivered_messages": len(delivered_tags), "lost": len(lost), "purged": len(purged),
+            "delivered_messages": len(delivered_tags), "lost": len(lost), "purged": len(purged), "expired": len(expired),
             "unexpected": sum(1 for t in delivered_tags if t not in facts.enqueues
                               or facts.enqueues[t]["status"] == "fail"),
             "duplicated": repeated, "duplicates_explained": explained, "recovered": len(recovered),

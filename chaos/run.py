@@ -185,7 +185,8 @@ def verdict(scenario: Scenario, run_dir: Path, judged: dict[str, Any], audit: di
         "epochs_observed": judged["epochs_observed"], "observer_samples": facts["observer_samples"],
         "settle": facts["settled"], "undrained": undrained, "recovery_enqueues": facts["recovery"],
         "audit": {"verdict": audit["verdict"], "records": audit["totals"]["records"],
-                  **{k: total_queue.get(k) for k in ("enqueued", "acked", "dead_lettered", "purged", "queued", "lost",
+                  **{k: total_queue.get(k) for k in ("enqueued", "acked", "dead_lettered", "purged", "expired", "queued",
+                                                     "lost",
                                                      "unexpected", "duplicated", "recovered")},
                   "flags": len(audit.get("flags", []))},
         "crashes": [{k: v for k, v in crash.items() if k != "log_tail"} for crash in facts["crashes"]],
@@ -197,14 +198,14 @@ def verdict(scenario: Scenario, run_dir: Path, judged: dict[str, Any], audit: di
 
 def summary(result: dict[str, Any]) -> str:
     header = (f"{'queue':<14}{'strength':<10}{'enq ok':>8}{'fail':>6}{'unk':>6}{'deliv':>8}{'lost':>6}"
-              f"{'purged':>8}{'unexp':>7}{'dup':>6}{'recov':>7}")
+              f"{'purged':>8}{'expired':>8}{'unexp':>7}{'dup':>6}{'recov':>7}")
     lines = [f"chaos {result['scenario']}  seed {result['seed']}  {result['time_s']:g} s  {result['nodes']} nodes",
              "faults: " + (", ".join(f"{kind} x{count}" for kind, count in sorted(result["faults"].items())) or "none"),
              header, "-" * len(header)]
     for name, queue in result["queues"].items():
         lines.append(f"{name:<14}{queue['strength']:<10}{queue['enqueue_ok']:>8}{queue['enqueue_fail']:>6}"
                      f"{queue['enqueue_unknown']:>6}{queue['delivered']:>8}{queue['lost']:>6}{queue['purged']:>8}"
-                     f"{queue['unexpected']:>7}"
+                     f"{queue.get('expired', 0):>8}{queue['unexpected']:>7}"
                      f"{queue['duplicated']:>6}{queue['recovered']:>7}")
     explained = ", ".join(f"{why} {count}" for why, count in result["duplicates_explained"].items()) or "none"
     audit = result["audit"]
@@ -213,7 +214,7 @@ def summary(result: dict[str, Any]) -> str:
               f"settled: {result['settle']['settled']} in {result['settle']['settle_s']} s; "
               f"undrained: {result['undrained'] or 'none'}",
               f"audit: {audit['verdict']} ({audit['records']} records; enqueued {audit['enqueued']}, acked "
-              f"{audit['acked']}, purged {audit['purged']}, lost {audit['lost']}, unexpected {audit['unexpected']}, duplicated "
+              f"{audit['acked']}, purged {audit['purged']}, expired {audit.get('expired')}, lost {audit['lost']}, unexpected {audit['unexpected']}, duplicated "
               f"{audit['duplicated']}, recovered {audit['recovered']}, flags {audit['flags']})",
               "violations: " + (", ".join(f"{k} {v}" for k, v in result["violations"].items()) or "none"),
               f"VERDICT: {'VALID' if result['valid'] else 'INVALID'}   (run directory {result['run_dir']})"]

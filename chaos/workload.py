@@ -69,10 +69,13 @@ class QueueSpec:
     abandon_fraction: float = 0.01
     extend_fraction: float = 0.02    # extend the lease (a replicated step under full), then ack
     purge_every_s: float = 0.0       # an operator purges the queue about this often (0: never; `full` only)
+    ttl_fraction: float = 0.0        # enqueues with a time to live of ttl_s (expired ones are dead-lettered
+    ttl_s: float = 2.0               # when the queue has a dead-letter queue, else dropped)
+    dead_letter: bool = True
 
     def options(self) -> dict[str, Any]:
         return {"strength": self.strength, "type": self.type, "visibility_timeout_s": self.visibility_timeout_s,
-                "max_deliveries": self.max_deliveries}
+                "max_deliveries": self.max_deliveries, "dead_letter": self.dead_letter}
 
 
 def _error_text(error: BaseException) -> str:
@@ -198,9 +201,11 @@ class Workload:
             tag = f"{spec.name}.{worker}.{sequence}"
             payload = payload_for(tag, spec.payload_bytes)
             priority = rng.choice(spec.priorities)
+            ttl_s = spec.ttl_s if rng.random() < spec.ttl_fraction else None
             operation = self.history.invoke(process, "enqueue", spec.name, dedupe_id=tag, payload_crc32=crc32(payload),
-                                            priority=priority, node=node)
-            ok, _ = await self._outcome(operation, client.enqueue(spec.name, payload, priority, dedupe_id=tag),
+                                            priority=priority, node=node, **({} if ttl_s is None else {"ttl_s": ttl_s}))
+            ok, _ = await self._outcome(operation, client.enqueue(spec.name, payload, priority, dedupe_id=tag,
+                                                                  ttl_s=ttl_s),
                                         lambda message_id: {"id": message_id})
             await asyncio.sleep(rng.expovariate(spec.rate) if ok else ERROR_PAUSE_S * (1 + rng.random()))
 
@@ -385,7 +390,7 @@ class Workload:
             entry = final_map.get("queues", {}).get(spec.name, {})
             members = [entry.get("master")] + ([entry.get("replica")] if spec.strength == "producer" else [])
             for member in [m for m in members if m]:
-                for queue in (spec.name, spec.name + ".dlq"):
+                for queue in (spec.name, spec.name + ".dlq") if spec.dead_letter else (spec.name,):
                     outcome[f"{queue}@{member}"] = await self._drain_one(queue, member, timeout_s)
         return outcome
 

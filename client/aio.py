@@ -53,6 +53,7 @@ from client.http import Grant, HttpClient, error_from_status
 from client.protocol import (
     BATCH_ITEMS_MAX,
     FRAME_ITEMS_MAX,
+    TTL_MS_MAX,
     AckBatchOp,
     ClientOp,
     Closing,
@@ -256,6 +257,15 @@ def _ignore_outcome(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
+def _ttl_ms(ttl_s: float | None) -> int:
+    """A message's time to live as the protocol carries it (0: the queue's default)."""
+    if ttl_s is None:
+        return 0
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s * 1000 <= TTL_MS_MAX:
+        raise ValueError(f"ttl_s must be above 0 and at most {TTL_MS_MAX // 1000} seconds")
+    return max(1, int(ttl_s * 1000))
+
+
 def _as_bytes(payload: Any) -> bytes:
     if isinstance(payload, (bytes, bytearray, memoryview)):
         return bytes(payload)
@@ -338,7 +348,7 @@ class AsyncClient:
         # uuid4 hex (same 32 hex characters) for a fraction of the cost per message.
         self._dedupe_prefix = os.urandom(10).hex()
         self._dedupe_counter = itertools.count(1)
-        self._open_enqueues: dict[tuple[str, int], _EnqueueBatch] = {}
+        self._open_enqueues: dict[tuple[str, int, int], _EnqueueBatch] = {}   # (queue, priority, ttl_ms)
         self._open_acks: dict[str, _AckBatch] = {}
         self._flush_scheduled = False
         self._calls_in_flight = 0  # futures handed out and not yet answered
@@ -445,8 +455,8 @@ class AsyncClient:
         self._flush_scheduled = False
         if self._open_enqueues:
             batches, self._open_enqueues = self._open_enqueues, {}
-            for (queue, priority), batch in batches.items():
-                self._queue_enqueue_batch(queue, priority, batch)
+            for (queue, priority, ttl_ms), batch in batches.items():
+                self._queue_enqueue_batch(queue, priority, ttl_ms, batch)
         if self._open_acks:
             acks, self._open_acks = self._open_acks, {}
             for queue, ack_batch in acks.items():
@@ -462,18 +472,18 @@ class AsyncClient:
             if not waiter.done():
                 waiter.set_result(None)
 
-    def _queue_enqueue_batch(self, queue: str, priority: int, batch: _EnqueueBatch) -> None:
+    def _queue_enqueue_batch(self, queue: str, priority: int, ttl_ms: int, batch: _EnqueueBatch) -> None:
         """One op for the batch, or several when it passes the item or byte limit."""
         payloads, count = batch.payloads, len(batch.payloads)
         if count <= BATCH_ITEMS_MAX and batch.size_bytes <= self._frame_bytes_max:
-            op = EnqueueBatchOp(next(self._ids), queue, priority, tuple(payloads), tuple(batch.dedupe_ids))
+            op = EnqueueBatchOp(next(self._ids), queue, priority, tuple(payloads), tuple(batch.dedupe_ids), ttl_ms)
             self._pending[op.request_id] = (batch.futures, op)
             self._track(op)
             self._outgoing.append(op)
             return
         for start, end in _batch_bounds(payloads, self._frame_bytes_max):
             op = EnqueueBatchOp(next(self._ids), queue, priority, tuple(payloads[start:end]),
-                                tuple(batch.dedupe_ids[start:end]))
+                                tuple(batch.dedupe_ids[start:end]), ttl_ms)
             self._pending[op.request_id] = (batch.futures[start:end], op)
             self._track(op)
             self._outgoing.append(op)
@@ -528,8 +538,9 @@ class AsyncClient:
     def _new_dedupe_id(self) -> str:
         return f"{self._dedupe_prefix}{next(self._dedupe_counter):012x}"
 
-    def _join_enqueue(self, queue: str, priority: int, payload: bytes, dedupe_id: str) -> asyncio.Future[Any]:
-        key = (queue, priority)
+    def _join_enqueue(self, queue: str, priority: int, payload: bytes, dedupe_id: str,
+                      ttl_ms: int = 0) -> asyncio.Future[Any]:
+        key = (queue, priority, ttl_ms)
         batch = self._open_enqueues.get(key)
         if batch is None:
             batch = self._open_enqueues[key] = _EnqueueBatch()
@@ -728,32 +739,38 @@ class AsyncClient:
 
     # --- messages -----------------------------------------------------------------------------
     async def enqueue(self, queue: str, payload: bytes, priority: int = 4,
-                      dedupe_id: str | None = None) -> int:
+                      dedupe_id: str | None = None, *, ttl_s: float | None = None) -> int:
         """Enqueue one message and return its id once it is durable on every copy the queue's
         strength asks for. Except on a `one_way` queue (seed 004 One_Way): there the answer comes
         as soon as the master accepted the message, before it is durable, and a failure of the
         master right after may lose it (and give its id to another message); use `queued_ack`
-        (the default) where an answer must mean stored."""
+        (the default) where an answer must mean stored. `ttl_s`: the message's time to live
+        (default: the queue's `message_ttl_s`); once it has passed the message is never
+        delivered (dead-lettered if the queue has a dead-letter queue, else dropped)."""
         if type(payload) is not bytes:
             payload = _as_bytes(payload)
         dedupe_id = dedupe_id or self._new_dedupe_id()
+        ttl_ms = _ttl_ms(ttl_s)
         if self._masters:
-            return await self._watched_enqueue(queue, payload, priority, dedupe_id)
-        return await self._enqueue_here(queue, payload, priority, dedupe_id)
+            return await self._watched_enqueue(queue, payload, priority, dedupe_id, ttl_ms)
+        return await self._enqueue_here(queue, payload, priority, dedupe_id, ttl_ms)
 
-    async def _watched_enqueue(self, queue: str, payload: bytes, priority: int, dedupe_id: str) -> int:
+    async def _watched_enqueue(self, queue: str, payload: bytes, priority: int, dedupe_id: str,
+                               ttl_ms: int) -> int:
         """An enqueue at the queue's master, watched as `_hedged` watches a call, but without a
         task and a timed wait per call (they cost a map-aware client about a quarter of its
         throughput: bench/RESULTS.md): the call joins its node's batch at once, and a sweep
         of this client's watched calls every WATCH_SWEEP_S asks again, where the map names
         the master now, those unanswered for that long."""
         target = self._route(queue)
+
+        def attempt(node: AsyncClient) -> Coroutine[Any, Any, int]:
+            return node._enqueue_here(queue, payload, priority, dedupe_id, ttl_ms)
         if target._calls_in_flight >= target._in_flight_max:      # it must wait for room: a task
-            return await self._hedged(queue, lambda node: node._enqueue_here(queue, payload, priority, dedupe_id))
+            return await self._hedged(queue, attempt)
         loop = self._bound_loop()
-        first = target._join_enqueue(queue, priority, payload, dedupe_id)
-        watch = _Watch(queue, lambda node: node._enqueue_here(queue, payload, priority, dedupe_id), target,
-                       loop.create_future(), loop.time())
+        first = target._join_enqueue(queue, priority, payload, dedupe_id, ttl_ms)
+        watch = _Watch(queue, attempt, target, loop.create_future(), loop.time())
         first.add_done_callback(watch.settle)
         self._watches.append(watch)
         if self._watch_timer is None:
@@ -766,7 +783,7 @@ class AsyncClient:
             other = await self._rerouted(queue, failure, failed=target)
             if other is None:
                 raise
-            return await _retried_once(failure, other._enqueue_here(queue, payload, priority, dedupe_id))
+            return await _retried_once(failure, attempt(other))
 
     def _sweep_watches(self) -> None:
         """Every WATCH_SWEEP_S while enqueues are watched: drop the answered ones; if some
@@ -800,38 +817,40 @@ class AsyncClient:
             watch.tasks.append(task)
             task.add_done_callback(watch.settle)
 
-    async def _enqueue_here(self, queue: str, payload: bytes, priority: int, dedupe_id: str) -> int:
+    async def _enqueue_here(self, queue: str, payload: bytes, priority: int, dedupe_id: str, ttl_ms: int = 0) -> int:
         if self._calls_in_flight >= self._in_flight_max:
             await self._wait_for_room()
-        future = self._join_enqueue(queue, priority, payload, dedupe_id)
+        future = self._join_enqueue(queue, priority, payload, dedupe_id, ttl_ms)
         try:
             return await future  # type: ignore[no-any-return]
         except QueueError as error:
             master = await self._rerouted(queue, error)
             if master is None:
                 raise
-            return await _retried_once(error, master.enqueue(queue, payload, priority, dedupe_id))
+            return await _retried_once(error, master._enqueue_here(queue, payload, priority, dedupe_id, ttl_ms))
 
     async def enqueue_many(self, queue: str, payloads: Iterable[bytes], priority: int = 4, *,
-                           dedupe_ids: Sequence[str] | None = None) -> list[int]:
+                           dedupe_ids: Sequence[str] | None = None, ttl_s: float | None = None) -> list[int]:
         """Enqueue many messages in one batch; returns their ids in order. On an error the
         first one is raised after every answer is in (the others may be stored: pass
-        `dedupe_ids` to make a retry of the whole call safe)."""
+        `dedupe_ids` to make a retry of the whole call safe). `ttl_s`: as for `enqueue`."""
         items = [_as_bytes(p) for p in payloads]
         if dedupe_ids is not None and len(dedupe_ids) != len(items):
             raise ValueError("dedupe_ids must have one id per payload")
         ids = list(dedupe_ids) if dedupe_ids is not None else [self._new_dedupe_id() for _ in items]
+        ttl_ms = _ttl_ms(ttl_s)
         if self._masters:
-            return await self._hedged(queue, lambda node: node._enqueue_many_here(queue, items, priority, ids))
-        return await self._enqueue_many_here(queue, items, priority, ids)
+            return await self._hedged(queue, lambda node: node._enqueue_many_here(queue, items, priority, ids, ttl_ms))
+        return await self._enqueue_many_here(queue, items, priority, ids, ttl_ms)
 
-    async def _enqueue_many_here(self, queue: str, items: list[bytes], priority: int, ids: list[str]) -> list[int]:
+    async def _enqueue_many_here(self, queue: str, items: list[bytes], priority: int, ids: list[str],
+                                 ttl_ms: int = 0) -> list[int]:
         if self._calls_in_flight >= self._in_flight_max:
             await self._wait_for_room()
         # The call is its own batch with one future for all its answers: no future per message.
         futures = []
         for start, end in _batch_bounds(items, self._frame_bytes_max):
-            op = EnqueueBatchOp(next(self._ids), queue, priority, tuple(items[start:end]), tuple(ids[start:end]))
+            op = EnqueueBatchOp(next(self._ids), queue, priority, tuple(items[start:end]), tuple(ids[start:end]), ttl_ms)
             futures.append(self._submit(op))
         try:
             outcomes = [outcome for part in await asyncio.gather(*futures) for outcome in part[1]]
@@ -839,7 +858,7 @@ class AsyncClient:
             master = await self._rerouted(queue, error)
             if master is None:
                 raise
-            return await _retried_once(error, master.enqueue_many(queue, items, priority, dedupe_ids=ids))
+            return await _retried_once(error, master._enqueue_many_here(queue, items, priority, ids, ttl_ms))
         for outcome in outcomes:
             if type(outcome) is not int:
                 raise _item_error(outcome)

@@ -34,6 +34,7 @@ class EnqueueOp:
     payload: bytes
     priority: int = 4
     dedupe_id: str | None = None
+    ttl_ms: int = 0          # the message's time to live; 0: the queue's message_ttl_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +107,7 @@ class EnqueueBatchOp:
     priority: int
     payloads: tuple[bytes, ...]
     dedupe_ids: tuple[str | None, ...] | None = None
+    ttl_ms: int = 0          # every message's time to live; 0: the queue's message_ttl_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +206,7 @@ def _encode_item(item: ClientOp | ServerItem) -> list[Any]:
         return [item.TAG, item.subscription_id, [_message_row(m) for m in item.messages]]
     if isinstance(item, EnqueueBatchOp):
         return [item.TAG, item.request_id, item.queue, item.priority, list(item.payloads),
-                None if item.dedupe_ids is None else list(item.dedupe_ids)]
+                None if item.dedupe_ids is None else list(item.dedupe_ids), item.ttl_ms]
     if isinstance(item, AckBatchOp):
         return [item.TAG, item.request_id, item.queue, [list(pair) for pair in item.items]]
     return [item.TAG, *(getattr(item, name) for name in item.__slots__)]  # type: ignore[union-attr]
@@ -245,8 +247,9 @@ def _str(value: Any, name: str, request_id: int, *, optional: bool = False) -> A
 
 
 INT64_MAX = 2**63 - 1
-_OP_ARITY = {1: (5, 6), 2: (3, 6), 3: (5, 5), 4: (5, 5), 5: (4, 5), 6: (4, 4), 7: (3, 3), 8: (2, 2),
-             9: (5, 6), 10: (4, 4), 11: (6, 6)}
+TTL_MS_MAX = 1_209_600_000      # 14 days (replication.options.TTL_MAX_S)
+_OP_ARITY = {1: (5, 7), 2: (3, 6), 3: (5, 5), 4: (5, 5), 5: (4, 5), 6: (4, 4), 7: (3, 3), 8: (2, 2),
+             9: (5, 7), 10: (4, 4), 11: (6, 6)}
 
 
 def _decode_op(row: Any) -> ClientOp:
@@ -265,8 +268,9 @@ def _decode_op(row: Any) -> ClientOp:
         if not isinstance(payload, (bytes, bytearray)):
             raise FrameError("payload must be binary", request_id)
         dedupe = _str(args[3], "dedupe_id", request_id, optional=True) if len(args) > 3 else None
+        ttl_ms = _int(args[4], "ttl_ms", 0, TTL_MS_MAX, request_id) if len(args) > 4 else 0
         return EnqueueOp(request_id, _str(args[0], "queue", request_id), bytes(payload),
-                         _int(args[2], "priority", 0, 9, request_id), dedupe)
+                         _int(args[2], "priority", 0, 9, request_id), dedupe, ttl_ms)
     if tag == ReceiveOp.TAG:
         padded = args + [None] * (4 - len(args))
         visibility = padded[3]
@@ -303,6 +307,7 @@ def _decode_enqueue_batch(request_id: int, args: list[Any]) -> EnqueueBatchOp:
     queue = _str(args[0], "queue", request_id)
     priority = _int(args[1], "priority", 0, 9, request_id)
     payloads, dedupe_ids = args[2], args[3] if len(args) > 3 else None
+    ttl_ms = _int(args[4], "ttl_ms", 0, TTL_MS_MAX, request_id) if len(args) > 4 else 0
     if not isinstance(payloads, list) or not 0 < len(payloads) <= BATCH_ITEMS_MAX:
         raise FrameError(f"payloads must be a list of 1..{BATCH_ITEMS_MAX}", request_id)
     if not all(isinstance(p, (bytes, bytearray)) for p in payloads):
@@ -313,7 +318,7 @@ def _decode_enqueue_batch(request_id: int, args: list[Any]) -> EnqueueBatchOp:
         if not all(d is None or isinstance(d, str) for d in dedupe_ids):
             raise FrameError("dedupe ids must be strings or nil", request_id)
         dedupe_ids = tuple(dedupe_ids)
-    return EnqueueBatchOp(request_id, queue, priority, tuple(bytes(p) for p in payloads), dedupe_ids)
+    return EnqueueBatchOp(request_id, queue, priority, tuple(bytes(p) for p in payloads), dedupe_ids, ttl_ms)
 
 
 def _decode_ack_batch(request_id: int, args: list[Any]) -> AckBatchOp:

@@ -34,7 +34,8 @@ STRENGTHS = ("producer", "full")
 QUEUE_COLUMNS = (("NAME", "name"), ("STRENGTH", "options.strength"), ("TYPE", "options.type"),
                  ("DEPTH", "depth"), ("READY", "ready"), ("IN_FLIGHT", "in_flight"),
                  ("ENQUEUED", "total_enqueued"), ("ACKED", "total_acked"),
-                 ("DEAD_LETTERED", "total_dead_lettered"), ("REPLICATION", "replication_state"),
+                 ("DEAD_LETTERED", "total_dead_lettered"), ("EXPIRED", "total_expired"),
+                 ("REPLICATION", "replication_state"),
                  ("MASTER", "master"), ("REPLICA", "replica"), ("EPOCH", "epoch"), ("IN_SYNC", "in_sync"))
 
 
@@ -198,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--max-deliveries", type=int)
     create.add_argument("--dead-letter", action=argparse.BooleanOptionalAction, default=None)
     create.add_argument("--min-in-sync", type=int, choices=(1, 2))
+    create.add_argument("--message-ttl-s", type=float, help="each message's time to live unless put with --ttl-s")
     command(queue_commands, "list", cmd_queue_list, "every queue with its statistics")
     command(queue_commands, "stats", cmd_queue_stats, "one queue's statistics").add_argument("name")
     command(queue_commands, "delete", cmd_queue_delete, "delete a queue and its messages").add_argument("name")
@@ -216,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     put.add_argument("data", nargs="?", default="-", help="the payload, or - (default) to read stdin")
     put.add_argument("--priority", type=_priority, default=4)
     put.add_argument("--dedupe-id")
+    put.add_argument("--ttl-s", type=float, help="the message's time to live (default: the queue's)")
     get = command(commands, "get", cmd_get, "lease (and with --ack delete) the next message")
     get.add_argument("queue")
     get.add_argument("--wait-s", type=float, default=0.0)
@@ -338,7 +341,7 @@ async def cmd_queue_create(http: HttpClient, args: argparse.Namespace) -> Outcom
     description = await http.create_queue(
         args.name, strength=args.strength, type=args.queue_type, max_depth=args.max_depth,
         visibility_timeout_s=args.visibility_timeout_s, max_deliveries=args.max_deliveries,
-        dead_letter=args.dead_letter, min_in_sync=args.min_in_sync)
+        dead_letter=args.dead_letter, min_in_sync=args.min_in_sync, message_ttl_s=args.message_ttl_s)
     return Outcome(description, format_fields(description))
 
 
@@ -370,7 +373,7 @@ def _each_member(answer: dict[str, Any]) -> str:
 
 async def cmd_put(http: HttpClient, args: argparse.Namespace) -> Outcome:
     payload = sys.stdin.buffer.read() if args.data == "-" else args.data.encode()
-    message_id = await http.enqueue_http(args.queue, payload, args.priority, args.dedupe_id)
+    message_id = await http.enqueue_http(args.queue, payload, args.priority, args.dedupe_id, ttl_s=args.ttl_s)
     return Outcome({"queue": args.queue, "id": message_id}, f"id: {message_id}")
 
 

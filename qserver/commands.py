@@ -44,6 +44,7 @@ class Enqueue:
     client: str
     replier: Replier
     request_id: int = 0
+    ttl_ms: int = 0         # the message's time to live; 0: the queue's message_ttl_s
 
 
 @dataclass(slots=True)
@@ -56,6 +57,7 @@ class EnqueueMany:
     client: str
     replier: Replier
     request_id: int = 0
+    ttl_ms: int = 0         # every message's time to live; 0: the queue's message_ttl_s
 
 
 @dataclass(slots=True)

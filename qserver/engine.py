@@ -80,7 +80,7 @@ from replication.options import (
 from replication.queue_core import QueueCore, QueueRecord
 
 log = logging.getLogger("qserver.engine")
-TERMINAL_STATES = frozenset({"acked", "replied", "dead_lettered", "purged"})
+TERMINAL_STATES = frozenset({"acked", "replied", "dead_lettered", "purged", "expired"})
 REPLICATION_TICK_MS = 50    # how often replication roles check lag, resends and retries
 PURGE_STEP_MAX = 5_000      # messages a purge takes out per engine turn (a few ms of work)
 
@@ -548,8 +548,8 @@ class Engine:
             record.ready_count += received.ready_count
             record.total_enqueued += messages
         elif full:
-            for counter in ("total_enqueued", "total_acked", "total_dead_lettered", "total_purged", "total_redelivered",
-                            "highest_depth", "service_ms_total", "service_count"):
+            for counter in ("total_enqueued", "total_acked", "total_dead_lettered", "total_purged", "total_expired",
+                            "total_redelivered", "highest_depth", "service_ms_total", "service_count"):
                 setattr(record, counter, int(install.record.get(counter, 0)))
             record.ready_count = received.ready_count
         else:
@@ -611,7 +611,7 @@ class Engine:
         core = self._core(command.queue)
         batch = self._open
         index, _ = core.enqueue(command.payload, command.priority, command.dedupe_id, command.client,
-                                now_ms, batch.sealed.operations)
+                                now_ms, batch.sealed.operations, command.ttl_ms)
         batch.touched[core.name] = core
         result = [index, core.record.epoch]
         if core.options.type is QueueType.ONE_WAY:
@@ -638,7 +638,7 @@ class Engine:
             else:
                 placed.append(position)
         results = core.enqueue_many([payloads[p] for p in placed], command.priority, [dedupe_ids[p] for p in placed],
-                                    command.client, now_ms, batch.sealed.operations)
+                                    command.client, now_ms, batch.sealed.operations, command.ttl_ms)
         for position, outcome in zip(placed, results, strict=True):
             outcomes[position] = [outcome.code, outcome.message] if type(outcome) is QueueError else outcome
         batch.touched[core.name] = core
@@ -665,8 +665,7 @@ class Engine:
 
     def _step_receive(self, command: c.Receive, now_ms: int) -> None:
         core = self._core(command.queue)
-        leased = core.lease(command.max_messages, command.visibility_ms, command.client, now_ms,
-                            self._open.sealed.operations)
+        leased = self._lease(core, command.max_messages, command.visibility_ms, command.client, now_ms)
         if leased:
             self._answer_with_messages(core, command.replier, command.request_id, leased)
         elif command.wait_ms > 0:
@@ -674,6 +673,26 @@ class Engine:
                 Waiter(command, self.monotonic_ms() + command.wait_ms))
         else:
             command.replier.reply(command.request_id, [])
+
+    def _lease(self, core: QueueCore, max_messages: int, visibility_ms: int | None, client: str,
+               now_ms: int) -> list[Leased]:
+        """A lease that may take messages past their time to live out of the queue on its way
+        (QueueCore.lease): those operations are decided as the expiry sweep's are."""
+        operations = self._open.sealed.operations
+        mark = len(operations)
+        leased = core.lease(max_messages, visibility_ms, client, now_ms, operations)
+        if len(operations) - mark > len(leased):
+            self._decided(core, operations[mark:])
+        return leased
+
+    def _decided(self, core: QueueCore, ops: list[Operation]) -> None:
+        """The core decided `ops` on its own (expiries): replicated and stored like a command's."""
+        self.pairs.note_decided(core, ops)
+        self._touch(core)
+        if core.dead_letter_core is not None:
+            self._touch(core.dead_letter_core)
+            self._to_serve.add(core.dead_letter_core.name)
+        self._to_serve.add(core.name)
 
     def _answer_with_messages(self, core: QueueCore, replier: Any, request_id: int, leased: list[Leased]) -> None:
         batch = self._open
@@ -1011,15 +1030,24 @@ class Engine:
                 # Under `producer` too, a core with no role yet waits for it: its expiries would
                 # be journaled under no member's role (a restarted replica's, as its master's).
                 continue
-            deadline = core.next_deadline()
+            expires_messages = self._expires_messages(core)
+            deadline = core.next_deadline(ttl=expires_messages)
             mark = len(operations)
-            if deadline is not None and deadline <= mono_ms and core.expire_leases(now_ms, operations):
-                self.pairs.note_decided(core, operations[mark:])
-                self._touch(core)
-                if core.dead_letter_core is not None:
-                    self._touch(core.dead_letter_core)
-                    self._to_serve.add(core.dead_letter_core.name)
-                self._to_serve.add(core.name)
+            if deadline is None or deadline > mono_ms:
+                continue
+            ended = core.expire_leases(now_ms, operations)
+            if expires_messages:
+                ended += core.expire_messages(now_ms, operations)
+            if ended:
+                self._decided(core, operations[mark:])
+
+    def _expires_messages(self, core: QueueCore) -> bool:
+        """Whether this node decides the queue's time-to-live expiries: the master; under
+        `producer` the replica too, for its own copy (it serves its own consumers); under `full`
+        the replica applies the master's decisions."""
+        pairs = self.pairs
+        return not pairs.clustered or core.name in pairs.masters or (
+            core.name in pairs.replicas and core.options.strength is Strength.PRODUCER)
 
     def _serve(self, now_ms: int) -> None:
         """Hand ready messages to waiting receives, then to subscriptions with credit. In a
@@ -1030,7 +1058,9 @@ class Engine:
             self._to_serve.update(self._waiters)
             self._to_serve.update(name for name, subscriptions in self._subscriptions.items() if subscriptions)
             may_decide = self._full_master_may_decide()
-        for name in self._to_serve:
+        # A lease may dead-letter expired messages on its way: their queues are served next turn.
+        serving, self._to_serve = self._to_serve, set()
+        for name in serving:
             core = self.cores.get(name)
             if core is None or not core.has_ready():
                 continue
@@ -1039,21 +1069,21 @@ class Engine:
             waiters = self._waiters.get(name)
             while waiters:
                 command = waiters[0].command
-                leased = core.lease(command.max_messages, command.visibility_ms, command.client, now_ms,
-                                    self._open.sealed.operations)
+                leased = self._lease(core, command.max_messages, command.visibility_ms, command.client, now_ms)
                 if not leased:
                     break       # nothing visible yet: the waiter keeps waiting
                 waiters.popleft()
                 self._answer_with_messages(core, command.replier, command.request_id, leased)
             for subscription in self._subscriptions.get(name, ()):
                 if subscription.credit > 0:
-                    leased = core.lease(subscription.credit, subscription.visibility_ms, subscription.client,
-                                        now_ms, self._open.sealed.operations)
+                    leased = self._lease(core, subscription.credit, subscription.visibility_ms, subscription.client,
+                                         now_ms)
                     if not leased:
                         break
                     subscription.credit -= len(leased)
                     self._push(core, subscription, leased)
-        self._to_serve.clear()
+        if self._to_serve:
+            self._wake.set()
 
     def _push(self, core: QueueCore, subscription: Subscription, leased: list[Leased]) -> None:
         batch = self._open
@@ -1086,7 +1116,8 @@ class Engine:
         deadlines = [self._next_housekeeping_ms]
         if self.pairs.clustered:
             deadlines.append(self._next_replication_tick_ms)
-        deadlines.extend(d for d in (core.next_deadline() for core in self.cores.values()) if d is not None)
+        deadlines.extend(d for d in (core.next_deadline(ttl=self._expires_messages(core))
+                                     for core in self.cores.values()) if d is not None)
         deadlines.extend(w.deadline_ms for ws in self._waiters.values() for w in ws)
         deadlines.extend(w.deadline_ms for ws in self._status_waiters.values() for w in ws)
         delay_s = max(0.0, (min(deadlines) - now_ms) / 1000) + 0.001
@@ -1289,6 +1320,7 @@ class Engine:
             "depth": core.depth, "in_flight": core.in_flight, "ready": record.ready_count,
             "total_enqueued": record.total_enqueued, "total_acked": record.total_acked,
             "total_dead_lettered": record.total_dead_lettered, "total_purged": record.total_purged,
+            "total_expired": record.total_expired,
             "total_redelivered": record.total_redelivered,
             "highest_depth": record.highest_depth, "configured_depth": record.options.max_depth,
             "average_service_ms": (record.service_ms_total / record.service_count) if record.service_count else 0.0,

@@ -27,12 +27,19 @@ from qserver.engine import TERMINAL_STATES, Engine
 from qserver.http_errors import error_response
 from qserver.redrive import redrive as redrive_dead_letters
 from replication.cluster_map import AddNode, ChangePair, NodeState, Reason, SetNodeState, astuple
-from replication.options import PRIORITY_DEFAULT, OptionError, is_valid_queue_name, parse_options, valid_dedupe_id
+from replication.options import (
+    PRIORITY_DEFAULT,
+    TTL_MAX_S,
+    OptionError,
+    is_valid_queue_name,
+    parse_options,
+    valid_dedupe_id,
+)
 
 log = logging.getLogger("qserver.http")
 UNSIGNED_PATHS = frozenset({"/healthz", "/metrics", "/v1/peer"})   # peers authenticate with the cluster secret
 ENGINE_ANSWER_GRACE_S = 30.0
-STATUS_STATES = frozenset({"queued", "delivered", "acked", "replied", "dead_lettered", "purged"})
+STATUS_STATES = frozenset({"queued", "delivered", "acked", "replied", "dead_lettered", "purged", "expired"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 NODE: web.AppKey[Any] = web.AppKey("node")       # the qserver.node.Node an application serves
 
@@ -272,11 +279,13 @@ async def enqueue(request: web.Request) -> web.Response:
     dedupe_id = request.headers.get("X-Dedupe-Id")
     if dedupe_id is not None and not valid_dedupe_id(dedupe_id):
         raise QueueError(e.E_INVALID_OPTION, "X-Dedupe-Id must be 1-128 printable UTF-8 characters")
+    ttl_ms = int(number_param(request, "ttl_s", 0.0, 0.001, TTL_MAX_S) * 1000)   # 0: the queue's default
     payload = await request.read()
     engine = request.app[NODE].engine
     client = principal(request).client_id
     message_index, epoch = await call(
-        engine, lambda r: c.Enqueue(name, payload, int(raw_priority), dedupe_id, client, r), may_have_applied=True)
+        engine, lambda r: c.Enqueue(name, payload, int(raw_priority), dedupe_id, client, r, ttl_ms=ttl_ms),
+        may_have_applied=True)
     one_way = engine.cores[name].options.type.value == "one_way" if name in engine.cores else False
     return web.json_response({"id": message_index, "epoch": epoch}, status=202 if one_way else 201)
 

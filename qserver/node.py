@@ -280,7 +280,7 @@ class Node:
         engine = self.engine
         per_queue: dict[str, list[tuple[dict[str, str], float]]] = {
             "depth": [], "in_flight": [], "enqueued": [], "acked": [], "dead_lettered": [], "purged": [],
-            "redelivered": []}
+            "expired": [], "redelivered": []}
         for name, core in sorted(engine.cores.items()):
             labels = {"queue": name}
             record = core.record
@@ -290,11 +290,12 @@ class Node:
             per_queue["acked"].append((labels, record.total_acked))
             per_queue["dead_lettered"].append((labels, record.total_dead_lettered))
             per_queue["purged"].append((labels, record.total_purged))
+            per_queue["expired"].append((labels, record.total_expired))
             per_queue["redelivered"].append((labels, record.total_redelivered))
         lines: list[str] = []
         lines += render_family("qserver_queue_depth", "gauge", "messages held (ready and in flight)", per_queue["depth"])
         lines += render_family("qserver_queue_in_flight", "gauge", "messages leased to consumers", per_queue["in_flight"])
-        for name in ("enqueued", "acked", "dead_lettered", "purged", "redelivered"):
+        for name in ("enqueued", "acked", "dead_lettered", "purged", "expired", "redelivered"):
             lines += render_family(f"qserver_queue_{name}_total", "counter", f"messages {name.replace('_', ' ')}",
                                    per_queue[name])
         lines += engine.commit_seconds.render()

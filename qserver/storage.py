@@ -15,6 +15,7 @@ Key layout (big-endian integers so LMDB's byte order is numeric order):
     leases    queue_id:8 index:8                  -> msgpack [priority, receipt, visibility_ms, deliveries, leased_ms]
     status    queue_id:8 index:8                  -> msgpack [state, at_ms, reply]   (completed messages)
     dedupe    queue_id:8 dedupe_id                -> index:8 enqueued_ms:8
+    ttl       queue_id:8 index:8                  -> priority:1 ttl_ms:8   (live messages with a time to live)
     expiry    kind:1 at_ms:8 queue_id:8 index:8   -> ""   (completion statuses to prune, oldest first)
     doomed    queue_id:8                          -> ""   (deleted incarnations still being erased)
     epochs    name                                -> epoch:8
@@ -71,7 +72,7 @@ from replication.audit_checks import RUN_MARK, is_run, run_rows
 from replication.digest import DIGEST_BYTES, EMPTY_DIGEST
 from replication.invariants import InvariantViolation
 from replication.messages import MessageError, decode_entry
-from replication.operations import Acked, DeadLettered, Enqueued, Extended, Leased, Operation, Purged, Released
+from replication.operations import Acked, DeadLettered, Enqueued, Expired, Extended, Leased, Operation, Purged, Released
 from replication.queue_core import QueueRecord
 from replication.snapshot import ROW_DEAD_LETTER, ROW_DEDUPE, ROW_MESSAGE
 from replication.store import StoredLease
@@ -83,15 +84,17 @@ from replication.store import StoredLease
 #    in pysyncobj's journal files; no reader of 4.
 # 6: a lease row (and a Leased operation in the op log) holds the lease's duration, not a
 #    wall-clock deadline; no reader of 5.
-SCHEMA_VERSION = 6
+# 7: messages with a time to live have a row in ttl (operations.Enqueued.ttl_ms); no reader of 6.
+SCHEMA_VERSION = 7
 _QI = struct.Struct(">QQ")
 _QPI = struct.Struct(">QBQ")
 _Q = struct.Struct(">Q")
 _U32 = struct.Struct(">I")
 _EXPIRY = struct.Struct(">BQQ")
+_TTL = struct.Struct(">BQ")
 EXPIRY_STATUS = 1
 DB_NAMES = ("queues", "messages", "ready", "leases", "status", "dedupe", "expiry", "doomed",
-            "epochs", "journal", "clients", "meta", "oplog", "raft_state", "raft_log")
+            "epochs", "journal", "clients", "meta", "oplog", "raft_state", "raft_log", "ttl")
 ERASE_KEYS_PER_BATCH_MAX = 5_000
 PRUNE_KEYS_PER_BATCH_MAX = 5_000
 TRUNCATE_RECORDS_PER_BATCH_MAX = 20_000     # op-log records deleted per batch (the rest follow)
@@ -324,6 +327,18 @@ class Storage:
         skip = len(prefix)
         return {bytes(key[skip:]).decode(): _QI.unpack(value) for key, value in found}  # type: ignore[misc]
 
+    def ttl_rows(self, queue_id: int) -> list[tuple[int, int, int]]:
+        """(index, priority, ttl_ms) of the queue's committed messages with a time to live."""
+        prefix = _queue_prefix(queue_id)
+        cursor = self._reader().cursor(db=self.db["ttl"])
+        rows: list[tuple[int, int, int]] = []
+        if cursor.set_range(prefix):
+            for key, value in cursor:
+                if bytes(key[:8]) != prefix:
+                    break
+                rows.append((_QI.unpack(key)[1], *_TTL.unpack(value)))
+        return rows
+
     def message_status(self, queue_id: int, index: int) -> tuple[str, int, bytes | None] | None:
         """Completed status, or 'delivered'/'queued' from the lease and ready records."""
         txn = self._reader()
@@ -483,6 +498,7 @@ class Storage:
         messages: list[tuple[bytes, bytes]] = []
         ready: list[tuple[bytes, bytes]] = []
         dedupe: list[tuple[bytes, bytes]] = []
+        ttls: list[tuple[bytes, bytes]] = []
         pack, qi, qpi, q, crc32 = self._pack, _QI.pack, _QPI.pack, _Q.pack, zlib.crc32
         journaled = journal is not None
         runs: list[list[Any]] = []      # as _put_journal_runs takes them
@@ -513,6 +529,8 @@ class Storage:
             ready.append((qpi(op.queue_id, op.priority, op.index), b""))
             if op.dedupe_id is not None:
                 dedupe.append((q(op.queue_id) + op.dedupe_id.encode(), qi(op.index, op.enqueued_ms)))
+            if op.ttl_ms:
+                ttls.append((qi(op.queue_id, op.index), _TTL.pack(op.priority, op.ttl_ms)))
             if journaled:
                 size, crc = len(payload), crc32(payload)
                 if current is not None:
@@ -535,6 +553,8 @@ class Storage:
         txn.cursor(db=self.db["ready"]).putmulti(ready)
         if dedupe:
             txn.cursor(db=self.db["dedupe"]).putmulti(dedupe)
+        if ttls:
+            txn.cursor(db=self.db["ttl"]).putmulti(ttls)
         if runs:
             self._put_journal_runs(txn, runs)
         return end
@@ -578,14 +598,31 @@ class Storage:
             raise InvariantViolation(f"purged message {op.queue_id}/{op.index} was not "
                                      f"{'leased' if op.leased else 'ready'}")
         txn.delete(key, db=self.db["messages"])
+        txn.delete(key, db=self.db["ttl"])
         if op.track_status:
             self._put_status(txn, op.queue_id, op.index, "purged", op.at_ms, None)
+
+    def _apply_expired(self, txn: lmdb.Transaction, op: Expired) -> None:
+        self._consumed.add(op.queue_id)
+        key = _QI.pack(op.queue_id, op.index)
+        if op.leased:
+            removed = txn.delete(key, db=self.db["leases"])
+        else:
+            removed = txn.delete(_QPI.pack(op.queue_id, op.priority, op.index), db=self.db["ready"])
+        if not removed:
+            raise InvariantViolation(f"expired message {op.queue_id}/{op.index} was not "
+                                     f"{'leased' if op.leased else 'ready'}")
+        txn.delete(key, db=self.db["messages"])
+        txn.delete(key, db=self.db["ttl"])
+        if op.track_status:
+            self._put_status(txn, op.queue_id, op.index, "expired", op.at_ms, None)
 
     def _apply_acked(self, txn: lmdb.Transaction, op: Acked) -> None:
         self._consumed.add(op.queue_id)
         key = _QI.pack(op.queue_id, op.index)
         txn.delete(key, db=self.db["leases"])
         txn.delete(key, db=self.db["messages"])
+        txn.delete(key, db=self.db["ttl"])
         if op.track_status:
             self._put_status(txn, op.queue_id, op.index, "replied" if op.reply is not None else "acked",
                              op.acked_ms, op.reply)
@@ -597,7 +634,11 @@ class Storage:
     def _apply_dead_lettered(self, txn: lmdb.Transaction, op: DeadLettered) -> None:
         key = _QI.pack(op.queue_id, op.index)
         self._consumed.add(op.queue_id)
-        txn.delete(key, db=self.db["leases"])
+        if op.leased:
+            txn.delete(key, db=self.db["leases"])
+        elif not txn.delete(_QPI.pack(op.queue_id, op.priority, op.index), db=self.db["ready"]):
+            raise InvariantViolation(f"dead-lettered message {op.queue_id}/{op.index} was not ready")
+        txn.delete(key, db=self.db["ttl"])
         raw = txn.pop(key, db=self.db["messages"])
         if raw is None:
             raise InvariantViolation(f"dead-lettered message {op.queue_id}/{op.index} has no body")
@@ -620,6 +661,7 @@ class Storage:
             index = _QI.unpack(key)[1]
             priority, _, dedupe_id, _, _ = msgpack.unpackb(cursor.value())
             txn.delete(_QPI.pack(queue_id, priority, index), db=db["ready"])
+            txn.delete(key, db=db["ttl"])
             if dedupe_id is not None:
                 dedupe_key = _Q.pack(queue_id) + dedupe_id.encode()
                 kept = txn.get(dedupe_key, db=db["dedupe"])
@@ -643,6 +685,7 @@ class Storage:
         ready: list[tuple[bytes, bytes]] = []
         leases: list[tuple[bytes, bytes]] = []
         dedupe: list[tuple[bytes, bytes]] = []
+        ttls: list[tuple[bytes, bytes]] = []
         runs: list[list[Any]] = []
         run: list[Any] | None = None
         for row in rows:
@@ -652,8 +695,10 @@ class Storage:
             owner = queue_id if row[0] == ROW_MESSAGE else dead_letter_queue_id
             if owner is None:
                 raise InvariantViolation(f"snapshot of queue {queue_id} has dead letters but no dead-letter queue")
-            _, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease = row
+            _, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease, ttl_ms = row
             messages.append((qi(owner, index), pack([priority, enqueued_ms, dedupe_id, client, payload])))
+            if ttl_ms:
+                ttls.append((qi(owner, index), _TTL.pack(priority, ttl_ms)))
             if lease is None:
                 ready.append((qpi(owner, priority, index), _U32.pack(deliveries) if deliveries else b""))
             else:
@@ -678,7 +723,8 @@ class Storage:
                 run[3].append(size)
                 run[4].append(crc)
         ready.sort()
-        for name, puts in (("messages", messages), ("ready", ready), ("leases", leases), ("dedupe", dedupe)):
+        for name, puts in (("messages", messages), ("ready", ready), ("leases", leases), ("dedupe", dedupe),
+                           ("ttl", ttls)):
             if puts:
                 _put_in_order(txn.cursor(db=db[name]), puts)
         if runs:
@@ -807,6 +853,7 @@ class Storage:
             return None
 
     _APPLY = {Leased: _apply_leased, Extended: _apply_extended, Acked: _apply_acked, Purged: _apply_purged,
+              Expired: _apply_expired,
               Released: _apply_released, DeadLettered: _apply_dead_lettered}
 
     def _put_status(self, txn: lmdb.Transaction, queue_id: int, index: int, state: str, at_ms: int,
@@ -871,7 +918,7 @@ class Storage:
         queue_id = _Q.unpack(doomed.key())[0]
         prefix = _queue_prefix(queue_id)
         budget = ERASE_KEYS_PER_BATCH_MAX
-        for name in ("messages", "ready", "leases", "status", "dedupe", "oplog"):
+        for name in ("messages", "ready", "leases", "status", "dedupe", "oplog", "ttl"):
             cursor = txn.cursor(db=self.db[name])
             if not cursor.set_range(prefix):
                 continue
@@ -959,6 +1006,9 @@ def _journal_fields(op: Operation, name: str, epoch: int, node: str, role: str) 
                 0, 0, role, node, ""]
     if isinstance(op, DeadLettered):
         return [op.at_ms, name, op.queue_id, epoch, op.order, "dead_letter", op.index, None, op.priority,
+                0, 0, role, node, ""]
+    if isinstance(op, Expired):
+        return [op.at_ms, name, op.queue_id, epoch, op.order, "ttl_expire", op.index, None, op.priority,
                 0, 0, role, node, ""]
     raise InvariantViolation(f"no journal form for {type(op).__name__}")
 
@@ -1069,6 +1119,8 @@ class LmdbSnapshotView:
             ready_db, ready_key = self._db["ready"], _QPI.pack
             leases = txn.cursor(db=self._db["leases"])
             next_lease = bytes(leases.key()) if leases.set_range(start) else None
+        ttls = txn.cursor(db=self._db["ttl"])          # walked beside the messages as the leases are
+        next_ttl = bytes(ttls.key()) if ttls.set_range(start) else None
         # The view's transaction has buffers off: keys and values are bytes.
         for key, value in cast("Iterator[tuple[bytes, bytes]]", cursor):
             owner, index = unpack_key(key)
@@ -1089,8 +1141,14 @@ class LmdbSnapshotView:
                 else:
                     raw_ready = txn.get(ready_key(queue_id, priority, index), db=ready_db)
                     deliveries = _U32.unpack(raw_ready)[0] if raw_ready else 0
+            ttl_ms = 0
+            while next_ttl is not None and next_ttl < key:
+                next_ttl = bytes(ttls.key()) if ttls.next() else None
+            if next_ttl == key:
+                ttl_ms = _TTL.unpack(ttls.value())[1]
+                next_ttl = bytes(ttls.key()) if ttls.next() else None
             # As replication.snapshot.message_row lays it out.
-            rows.append([kind, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease])
+            rows.append([kind, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease, ttl_ms])
             size += len(payload) + 64
         return rows, None, size
 

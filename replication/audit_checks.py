@@ -100,7 +100,8 @@ def run_count(record: list[Any]) -> int:
 
 DEAD_LETTER_SUFFIX = ".dlq"
 PRIORITIES = 10
-CONSUMPTION_OPS = frozenset({"lease", "extend", "ack", "reply", "release", "expire", "dead_letter", "purge"})
+CONSUMPTION_OPS = frozenset({"lease", "extend", "ack", "reply", "release", "expire", "dead_letter", "purge",
+                             "ttl_expire"})
 HISTORY_OP = "history"            # a client-side history entry travelling with the records
 ARRIVAL_OP = "dead_letter_arrival"   # derived, never stored
 EPOCH_OP = "epoch"
@@ -145,8 +146,9 @@ LINK_STRIDE = 16            # ... and at every index divisible by this
 BUCKET_WIDTHS_MS = (10, 20, 50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000, 30_000, 60_000, 300_000, 600_000,
                     1_800_000, 3_600_000, 21_600_000, 86_400_000)
 
-_READY, _LEASED, _ACKED, _DEAD, _PURGED = 1, 2, 3, 4, 5     # from _ACKED on: consumed
-_CONSUMED_COUNTS = {_ACKED: "acked", _DEAD: "dead_lettered", _PURGED: "purged"}
+_READY, _LEASED, _ACKED, _DEAD, _PURGED, _EXPIRED = 1, 2, 3, 4, 5, 6     # from _ACKED on: consumed
+_CONSUMED_COUNTS = {_ACKED: "acked", _DEAD: "dead_lettered", _PURGED: "purged", _EXPIRED: "expired"}
+_TAKING_OPS = {"dead_letter": _DEAD, "purge": _PURGED, "ttl_expire": _EXPIRED}   # ready or leased -> gone
 
 
 class JournalRecord(NamedTuple):
@@ -346,8 +348,8 @@ class StreamReplay:
         return self.key[0]
 
     def final_counts(self) -> dict[str, int]:
-        counts = {"enqueued": len(self.enqueued), "acked": 0, "dead_lettered": 0, "purged": 0, "queued": 0,
-                  "leased": 0}
+        counts = {"enqueued": len(self.enqueued), "acked": 0, "dead_lettered": 0, "purged": 0, "expired": 0,
+                  "queued": 0, "leased": 0}
         for state in self.states.values():
             if state >= _ACKED:
                 counts[_CONSUMED_COUNTS[state]] += 1
@@ -617,11 +619,11 @@ class _Consumption:
                 self._make_ready(message_id, record.op)   # type: ignore[arg-type]
             else:
                 self._refuse(record, state)
-        elif record.op in ("dead_letter", "purge"):
+        elif record.op in _TAKING_OPS:
             if state in (_LEASED, _READY):
                 if state == _READY:
                     self.ready_count[self.priority[message_id]] -= 1    # type: ignore[index]
-                self.replay.states[message_id] = _DEAD if record.op == "dead_letter" else _PURGED  # type: ignore[index]
+                self.replay.states[message_id] = _TAKING_OPS[record.op]  # type: ignore[index]
                 self.replay.consumed_times.append(record.at_ms)
             else:
                 self._refuse(record, state)
@@ -679,7 +681,7 @@ class _Consumption:
         replay = self.replay
         if state >= _ACKED:
             kind, why = DUPLICATED, "after it was " + {_ACKED: "acknowledged", _DEAD: "dead-lettered",
-                                                       _PURGED: "purged"}[state]
+                                                       _PURGED: "purged", _EXPIRED: "expired"}[state]
         else:
             kind, why = CONSUMED_WITHOUT_LEASE, "while it was not leased"
         replay.found.append(violation(kind, replay.queue, f"{record.op} of message {record.message_id} {why}",
@@ -1251,7 +1253,8 @@ def assemble_report(journals: Iterable[dict[str, Any]], groups: Iterable[dict[st
         "unexpected": counts.get(UNEXPECTED, 0),
         "duplicated": counts.get(DUPLICATED, 0),
         "recovered": history["recovered"],
-        **{name: sum(final[name] for final in finals) for name in ("enqueued", "acked", "dead_lettered", "purged", "queued")},
+        **{name: sum(final[name] for final in finals)
+           for name in ("enqueued", "acked", "dead_lettered", "purged", "expired", "queued")},
     }
     flags = sorted((flag for group in groups for flag in group["flags"]),
                    key=lambda flag: (flag["kind"], flag["queue"], flag["node"] or "", flag["epoch"], flag["first"]))

@@ -22,6 +22,10 @@ class Enqueued:
     dedupe_id: str | None
     client: str
     payload: bytes = field(repr=False)
+    # Time to live (0: none), a duration as a lease's is: each member times it on its own
+    # monotonic clock from when it placed the message (the master's enqueue, the replica's
+    # apply, a restart), so a message never expires early, at worst one restart late.
+    ttl_ms: int = 0
 
     @property
     def order(self) -> int:
@@ -86,6 +90,8 @@ class DeadLettered:
     at_ms: int
     track_status: bool
     order: int = 0
+    expired: bool = False     # its time to live ran out (else: max_deliveries was reached)
+    leased: bool = True       # it was leased (the lease ends with the move), else ready
 
 
 @dataclass(slots=True)
@@ -117,9 +123,24 @@ class Purged:
     order: int = 0
 
 
+@dataclass(slots=True)
+class Expired:
+    """The message's time to live ran out (`Enqueued.ttl_ms`) in a queue without a dead-letter
+    queue: it leaves the queue, ready or at the end of its lease (`leased`), never delivered
+    again. (With a dead-letter queue it moves there: `DeadLettered` with `expired`.)"""
+    TAG: ClassVar[int] = 8
+    queue_id: int
+    index: int
+    priority: int
+    leased: bool
+    at_ms: int
+    track_status: bool
+    order: int = 0
+
+
 OPERATION_TYPES: dict[int, type] = {}   # filled below: tag -> class, for the codec
 
-Operation = (Enqueued | Leased | Acked | Released | DeadLettered | Extended | Purged)
+Operation = (Enqueued | Leased | Acked | Released | DeadLettered | Extended | Purged | Expired)
 
-for _kind in (Enqueued, Leased, Acked, Released, DeadLettered, Extended, Purged):
+for _kind in (Enqueued, Leased, Acked, Released, DeadLettered, Extended, Purged, Expired):
     OPERATION_TYPES[_kind.TAG] = _kind

@@ -22,6 +22,7 @@ DEAD_LETTER_SUFFIX = ".dlq"
 QUEUE_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,195}")
 PRIORITY_MAX = 9
 PRIORITY_DEFAULT = 4
+TTL_MAX_S = 1_209_600.0     # a message's time to live: at most 14 days (SQS's longest retention)
 
 
 class QueueType(enum.StrEnum):
@@ -74,6 +75,7 @@ class QueueOptions:
     max_deliveries: int = 10
     dead_letter: bool = True
     min_in_sync: int = 1
+    message_ttl_s: float = 0.0     # each message's time to live unless its enqueue names one; 0: none
 
     def to_json(self) -> dict[str, Any]:
         out = {name: getattr(self, name) for name in self.__slots__}
@@ -91,6 +93,10 @@ class QueueOptions:
     @property
     def visibility_timeout_ms(self) -> int:
         return int(self.visibility_timeout_s * 1000)
+
+    @property
+    def message_ttl_ms(self) -> int:
+        return int(self.message_ttl_s * 1000)
 
 
 OPTION_NAMES = frozenset(f.name for f in fields(QueueOptions))
@@ -130,6 +136,8 @@ def parse_options(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
             given[name] = raw[name]
         elif name == "visibility_timeout_s":
             given[name] = float(_number(raw, name, 0.0, 43_200.0, False))
+        elif name == "message_ttl_s":
+            given[name] = float(_number(raw, name, 0.0, TTL_MAX_S, False))
         elif name == "max_depth":
             given[name] = _number(raw, name, 1, 2**40, True)
         elif name == "max_deliveries":
@@ -160,6 +168,13 @@ def options_from_json(raw: dict[str, Any]) -> QueueOptions:
 
 def mismatched_options(existing: QueueOptions, given: dict[str, Any]) -> list[str]:
     return sorted(name for name, value in given.items() if getattr(existing, name) != value)
+
+
+def ttl_ms_of(value: Any) -> int:
+    """An enqueue's `ttl_s` as milliseconds (0 < ttl_s <= TTL_MAX_S); OptionError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= TTL_MAX_S:
+        raise OptionError(f"ttl_s must be a number above 0 and at most {TTL_MAX_S:g}")
+    return max(1, int(value * 1000))
 
 
 def is_valid_queue_name(name: str) -> bool:

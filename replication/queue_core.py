@@ -30,7 +30,7 @@ from typing import Any
 
 from client.errors import E_LEASE_EXPIRED, E_QUEUE_FULL, E_UNKNOWN_MESSAGE, E_WRONG_QUEUE_TYPE, QueueError
 from replication.invariants import InvariantViolation
-from replication.operations import Acked, DeadLettered, Enqueued, Extended, Leased, Operation, Purged, Released
+from replication.operations import Acked, DeadLettered, Enqueued, Expired, Extended, Leased, Operation, Purged, Released
 from replication.options import (
     PRIORITY_MAX,
     QUEUE_STATE_TRANSITIONS,
@@ -62,6 +62,7 @@ class QueueRecord:
     total_acked: int = 0
     total_dead_lettered: int = 0
     total_purged: int = 0
+    total_expired: int = 0     # messages whose time to live ran out (dropped or dead-lettered)
     total_redelivered: int = 0
     highest_depth: int = 0
     service_ms_total: int = 0
@@ -130,6 +131,11 @@ class QueueCore:
         for stored in leases:      # from storage, after a restart: inherited now
             self._inherit(stored.index, stored.priority, stored.receipt, stored.visibility_ms,
                           stored.deliveries, stored.leased_ms)
+        # Live messages with a time to live: index -> (deadline on the lease clock, priority),
+        # and their deadlines as a heap (entries of messages gone since are skipped).
+        self._ttl: dict[int, tuple[int, int]] = {}
+        self._ttl_deadlines: list[tuple[int, int]] = []
+        self._load_ttls()
 
     # --- identity and state ----------------------------------------------------------------
     @property
@@ -159,16 +165,17 @@ class QueueCore:
 
     # --- commands --------------------------------------------------------------------------
     def enqueue(self, payload: bytes, priority: int, dedupe_id: str | None, client: str,
-                now_ms: int, out: list[Operation]) -> tuple[int, bool]:
-        """Place a message; returns (message id, True if it repeats a kept dedupe id)."""
+                now_ms: int, out: list[Operation], ttl_ms: int = 0) -> tuple[int, bool]:
+        """Place a message; returns (message id, True if it repeats a kept dedupe id).
+        `ttl_ms`: its time to live (0: the queue's `message_ttl_s`, which may be none)."""
         if dedupe_id is not None:
             earlier = self._find_dedupe(dedupe_id, now_ms)
             if earlier is not None:
                 return earlier, True
-        return self._place(payload, priority, dedupe_id, client, now_ms, out), False
+        return self._place(payload, priority, dedupe_id, client, now_ms, out, ttl_ms), False
 
     def enqueue_many(self, payloads: list[bytes], priority: int, dedupe_ids: list[str | None], client: str,
-                     now_ms: int, out: list[Operation]) -> list[int | QueueError]:
+                     now_ms: int, out: list[Operation], ttl_ms: int = 0) -> list[int | QueueError]:
         """A batch in one step: each message's id (a kept dedupe id's earlier one), or the
         error that refused it. The committed dedupe ids are looked up in one read."""
         staged, sealed = self._dedupe.staged, self._dedupe.sealed
@@ -181,19 +188,22 @@ class QueueCore:
                 outcomes.append(earlier)
                 continue
             try:
-                outcomes.append(place(payload, priority, dedupe_id, client, now_ms, out))
+                outcomes.append(place(payload, priority, dedupe_id, client, now_ms, out, ttl_ms))
             except QueueError as error:
                 outcomes.append(error)
         return outcomes
 
     def _place(self, payload: bytes, priority: int, dedupe_id: str | None, client: str, now_ms: int,
-               out: list[Operation]) -> int:
+               out: list[Operation], ttl_ms: int = 0) -> int:
         record = self.record
         if record.ready_count + len(self._leases) >= record.options.max_depth:
             raise QueueError(E_QUEUE_FULL, f"queue {record.name} holds {record.options.max_depth} messages")
         index = record.next_index
         record.next_index = index + 1
-        out.append(Enqueued(record.queue_id, index, priority, now_ms, dedupe_id, client, payload))
+        ttl_ms = ttl_ms or record.options.message_ttl_ms
+        out.append(Enqueued(record.queue_id, index, priority, now_ms, dedupe_id, client, payload, ttl_ms))
+        if ttl_ms:
+            self._live_for(index, priority, ttl_ms)
         heapq.heappush(self._ready[priority], index)
         record.ready_count += 1
         record.total_enqueued += 1
@@ -211,13 +221,18 @@ class QueueCore:
             return leased
         if visibility_ms is None:
             visibility_ms = self.options.visibility_timeout_ms
-        deadline = self._lease_clock() + visibility_ms
+        lease_now = self._lease_clock()
+        deadline = lease_now + visibility_ms
         visible_upto = self.visible_upto
         for priority in PRIORITIES_HIGH_FIRST:
             while len(leased) < max_messages and self._fill_head(priority):
                 if visible_upto is not None and self._ready[priority][0] > visible_upto:
                     break       # the rest of this priority is newer still: not committed yet
                 index = heapq.heappop(self._ready[priority])
+                if index in self._ttl and self._ttl[index][0] <= lease_now:
+                    # Its time ran out before the sweep got to it: never delivered.
+                    self._expire_ready(index, priority, now_ms, out, popped=True)
+                    continue
                 deliveries = self._ready_deliveries.pop(index, 0) + 1
                 receipt = f"{self._rng.getrandbits(64):016x}"
                 self.record.ready_count -= 1
@@ -234,6 +249,7 @@ class QueueCore:
             reply: bytes | None = None) -> None:
         lease = self._valid_lease(index, receipt, now_ms, out)
         del self._leases[index]
+        self._ttl.pop(index, None)
         record = self.record
         record.total_acked += 1
         record.service_ms_total += max(0, now_ms - lease.leased_ms)
@@ -273,6 +289,7 @@ class QueueCore:
         track = record.options.tracks_status
         for index in sorted(i for i in self._leases if i <= upto)[:limit]:
             lease = self._leases.pop(index)
+            self._ttl.pop(index, None)
             out.append(Purged(record.queue_id, index, lease.priority, True, now_ms, track, self._consumption_order()))
             purged += 1
         for priority in PRIORITIES_HIGH_FIRST:
@@ -280,6 +297,7 @@ class QueueCore:
             while purged < limit and self._fill_head(priority) and heap[0] <= upto:
                 index = heapq.heappop(heap)
                 self._ready_deliveries.pop(index, None)
+                self._ttl.pop(index, None)
                 record.ready_count -= 1
                 out.append(Purged(record.queue_id, index, priority, False, now_ms, track, self._consumption_order()))
                 purged += 1
@@ -303,9 +321,28 @@ class QueueCore:
                 ended += 1
         return ended
 
-    def next_deadline(self) -> int | None:
-        """The earliest lease deadline, on the lease clock."""
-        return self._lease_deadlines[0][0] if self._lease_deadlines else None
+    def expire_messages(self, now_ms: int, out: list[Operation]) -> int:
+        """Take out every ready message whose time to live has run out on the lease clock
+        (dead-lettered when the queue has a dead-letter queue, else dropped); returns how many.
+        A leased one is left to its consumer: if its lease ends without an ack, it goes then
+        (`_end_lease`). Under `full` only the master decides (its operations are replicated)."""
+        expired = 0
+        heap, ttl = self._ttl_deadlines, self._ttl
+        lease_now = self._lease_clock()
+        while heap and heap[0][0] <= lease_now:
+            deadline, index = heapq.heappop(heap)
+            live = ttl.get(index)
+            if live is None or live[0] != deadline or index in self._leases:
+                continue
+            self._expire_ready(index, live[1], now_ms, out, popped=False)
+            expired += 1
+        return expired
+
+    def next_deadline(self, *, ttl: bool = True) -> int | None:
+        """The earliest lease deadline, and time-to-live deadline if `ttl` (a member that
+        decides expiries), on the lease clock."""
+        deadlines = [heap[0][0] for heap in (self._lease_deadlines, self._ttl_deadlines if ttl else ()) if heap]
+        return min(deadlines) if deadlines else None
 
     def inherit_leases(self) -> None:
         """This member takes the queue over (a failover, a handoff): every lease in flight
@@ -344,6 +381,46 @@ class QueueCore:
     def has_ready(self) -> bool:
         return self.record.ready_count > 0
 
+    # --- time to live ----------------------------------------------------------------------
+    def _live_for(self, index: int, priority: int, ttl_ms: int) -> None:
+        """The message expires `ttl_ms` from now on this member's clock (placed, applied,
+        or loaded after a restart or a snapshot: never earlier than the master's own)."""
+        deadline = self._lease_clock() + ttl_ms
+        self._ttl[index] = (deadline, priority)
+        heapq.heappush(self._ttl_deadlines, (deadline, index))
+
+    def _load_ttls(self) -> None:
+        """Every stored message with a time to live, timed from now (a restart, a snapshot)."""
+        self._ttl, self._ttl_deadlines = {}, []
+        rows = self._reader.ttl_rows(self.queue_id) if self.record.total_enqueued else []
+        for index, priority, ttl_ms in rows:
+            self._live_for(index, priority, ttl_ms)
+
+    def _expire(self, index: int, priority: int, deliveries: int, leased: bool, now_ms: int,
+                out: list[Operation]) -> None:
+        """The message's time ran out: to the dead-letter queue with `expired`, or dropped."""
+        record = self.record
+        self._ttl.pop(index, None)
+        record.total_expired += 1
+        dead_letter = self.dead_letter_core
+        if dead_letter is not None and record.options.dead_letter:
+            dead_index = dead_letter.accept_dead_letter(priority, now_ms)
+            record.total_dead_lettered += 1
+            out.append(DeadLettered(record.queue_id, index, priority, deliveries, dead_letter.queue_id, dead_index,
+                                    now_ms, True, self._consumption_order(), True, leased))
+        else:
+            out.append(Expired(record.queue_id, index, priority, leased, now_ms, record.options.tracks_status,
+                               self._consumption_order()))
+
+    def _expire_ready(self, index: int, priority: int, now_ms: int, out: list[Operation], *, popped: bool) -> None:
+        if popped:      # already off its heap's head (lease)
+            deliveries = self._ready_deliveries.pop(index, 0)
+            self.record.ready_count -= 1
+        else:
+            deliveries = self._ready_deliveries.get(index, 0)
+            self._take_ready(priority, index)
+        self._expire(index, priority, deliveries, False, now_ms, out)
+
     def discard_after(self, order: int) -> list[tuple[int, int]] | None:
         """Drop a deposed `producer` master's uncommitted suffix: the enqueues past `order`
         (no consumer saw them: only committed messages are visible), so that the member can
@@ -376,6 +453,8 @@ class QueueCore:
                 self._ready[priority] = kept
         for _, index in dropped:
             self._ready_deliveries.pop(index, None)
+        for index in [index for index in self._ttl if index > order]:
+            del self._ttl[index]
         self._removed = {index for index in self._removed if index <= order}
         for overlay in (self._dedupe.staged, self._dedupe.sealed):
             for dedupe_id in [d for d, (index, _) in overlay.items() if index > order]:
@@ -409,6 +488,7 @@ class QueueCore:
                     self._ready_deliveries[index] = deliveries
         for index, priority, receipt, visibility_ms, deliveries, leased_ms in leases:
             self._inherit(index, priority, receipt, visibility_ms, deliveries, leased_ms)
+        self._load_ttls()
 
     # --- the replica's side: applying what the master decided ------------------------------
     def apply(self, op: Operation) -> None:
@@ -426,8 +506,12 @@ class QueueCore:
             self._take_ready(op.priority, op.index)
             self._inherit(op.index, op.priority, op.receipt, op.visibility_ms, op.deliveries, op.leased_ms)
             return
-        if type(op) is Purged:
-            self.record.total_purged += 1
+        if type(op) is Purged or type(op) is Expired:
+            self._ttl.pop(op.index, None)
+            if type(op) is Purged:
+                self.record.total_purged += 1
+            else:
+                self.record.total_expired += 1
             if not op.leased:
                 self._take_ready(op.priority, op.index)
             elif self._leases.pop(op.index, None) is None:
@@ -439,13 +523,18 @@ class QueueCore:
                 raise InvariantViolation(f"queue {self.name}: extension of message {op.index} that is not so leased")
             self._inherit(op.index, op.priority, op.receipt, op.visibility_ms, extended.deliveries, extended.leased_ms)
             return
-        lease = self._leases.pop(op.index, None)
-        if lease is None:
-            raise InvariantViolation(f"queue {self.name}: {type(op).__name__} of message {op.index} that is not leased")
+        if type(op) is DeadLettered and not op.leased:     # a ready message whose time ran out
+            self._take_ready(op.priority, op.index)
+            lease = None
+        else:
+            lease = self._leases.pop(op.index, None)
+            if lease is None:
+                raise InvariantViolation(f"queue {self.name}: {type(op).__name__} of message {op.index} that is not leased")
         record = self.record
         if type(op) is Acked:
+            self._ttl.pop(op.index, None)
             record.total_acked += 1
-            record.service_ms_total += max(0, op.acked_ms - lease.leased_ms)
+            record.service_ms_total += max(0, op.acked_ms - lease.leased_ms)  # type: ignore[union-attr]
             record.service_count += 1
         elif type(op) is Released:
             record.ready_count += 1
@@ -455,7 +544,9 @@ class QueueCore:
                 self._pushed_beyond[op.priority].add(op.index)     # as in _end_lease
             self._ready_deliveries[op.index] = op.deliveries
         elif type(op) is DeadLettered:
+            self._ttl.pop(op.index, None)
             record.total_dead_lettered += 1
+            record.total_expired += op.expired
             if self.dead_letter_core is None:
                 raise InvariantViolation(f"queue {self.name} has no dead-letter queue")
             self.dead_letter_core.accept_dead_letter(op.priority, 0, index=op.dead_letter_index)
@@ -471,6 +562,8 @@ class QueueCore:
         record.highest_depth = max(record.highest_depth, self.depth)
         if op.dedupe_id is not None:
             self._dedupe.staged[op.dedupe_id] = (op.index, op.enqueued_ms)
+        if op.ttl_ms:
+            self._live_for(op.index, op.priority, op.ttl_ms)
 
     def _advance_order(self, order: int) -> None:
         if order < self.record.next_index:
@@ -568,8 +661,13 @@ class QueueCore:
                    out: list[Operation]) -> None:
         del self._leases[index]
         record = self.record
+        live = self._ttl.get(index)
+        if live is not None and live[0] <= self._lease_clock():
+            self._expire(index, lease.priority, lease.deliveries, True, now_ms, out)
+            return
         dead_letter = self.dead_letter_core
         if dead_letter is not None and record.options.dead_letter and lease.deliveries >= record.options.max_deliveries:
+            self._ttl.pop(index, None)
             dead_index = dead_letter.accept_dead_letter(lease.priority, now_ms)
             record.total_dead_lettered += 1
             out.append(DeadLettered(record.queue_id, index, lease.priority, lease.deliveries,

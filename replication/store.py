@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from replication.invariants import InvariantViolation
-from replication.operations import Acked, DeadLettered, Enqueued, Extended, Leased, Operation, Purged, Released
+from replication.operations import Acked, DeadLettered, Enqueued, Expired, Extended, Leased, Operation, Purged, Released
 from replication.snapshot import ROW_DEDUPE, ROW_MESSAGE
 
 
@@ -30,6 +30,10 @@ class StoreReader(Protocol):
 
     def dedupe_lookup_many(self, queue_id: int, dedupe_ids: list[str]) -> dict[str, tuple[int, int]]:
         """The same for many ids at once (a batch's): only those kept are in the answer."""
+        ...
+
+    def ttl_rows(self, queue_id: int) -> list[tuple[int, int, int]]:
+        """(index, priority, ttl_ms) of every stored message of the queue with a time to live."""
         ...
 
 
@@ -75,6 +79,10 @@ class MemoryStore:
         kept = self._queue(queue_id).dedupe
         return {dedupe_id: kept[dedupe_id] for dedupe_id in dedupe_ids if dedupe_id in kept}
 
+    def ttl_rows(self, queue_id: int) -> list[tuple[int, int, int]]:
+        messages = self._queue(queue_id).messages
+        return [(index, m.priority, m.ttl_ms) for index, m in sorted(messages.items()) if m.ttl_ms]
+
     def leases(self, queue_id: int) -> list[StoredLease]:
         return list(self._queue(queue_id).leases.values())
 
@@ -97,8 +105,8 @@ class MemoryStore:
             if target is None:
                 raise InvariantViolation(f"snapshot of queue {queue_id} has dead letters but no dead-letter queue")
             queue = self._queue(target)
-            _, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease = row
-            queue.messages[index] = Enqueued(target, index, priority, enqueued_ms, dedupe_id, client, payload)
+            _, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease, ttl_ms = row
+            queue.messages[index] = Enqueued(target, index, priority, enqueued_ms, dedupe_id, client, payload, ttl_ms)
             if lease is None:
                 self._set_ready(queue, priority, index, deliveries)
             else:
@@ -146,6 +154,17 @@ class MemoryStore:
         if op.track_status:
             queue.status[op.index] = ("purged", None)
 
+    def _apply_Expired(self, op: Expired) -> None:
+        queue = self._queue(op.queue_id)
+        if op.leased:
+            if queue.leases.pop(op.index, None) is None:
+                raise InvariantViolation(f"expired message {op.queue_id}/{op.index} was not leased")
+        elif not self._drop_ready(queue, op.priority, op.index):
+            raise InvariantViolation(f"expired message {op.queue_id}/{op.index} was not ready")
+        queue.messages.pop(op.index, None)
+        if op.track_status:
+            queue.status[op.index] = ("expired", None)
+
     def _apply_Acked(self, op: Acked) -> None:
         queue = self._queue(op.queue_id)
         queue.leases.pop(op.index, None)
@@ -160,7 +179,10 @@ class MemoryStore:
 
     def _apply_DeadLettered(self, op: DeadLettered) -> None:
         queue = self._queue(op.queue_id)
-        queue.leases.pop(op.index, None)
+        if op.leased:
+            queue.leases.pop(op.index, None)
+        elif not self._drop_ready(queue, op.priority, op.index):
+            raise InvariantViolation(f"dead-lettered message {op.queue_id}/{op.index} was not ready")
         message = queue.messages.pop(op.index, None)
         if message is None:
             raise InvariantViolation(f"dead-lettered message {op.queue_id}/{op.index} has no body")

@@ -287,6 +287,26 @@ async def test_garbage_on_the_websocket_gets_e_bad_frame_and_the_socket_keeps_wo
         await bystander.close()
 
 
+async def test_a_bad_time_to_live_is_refused_and_stores_nothing(api: RawApi) -> None:
+    for ttl in ("0", "-1", "abc", "nan", "1209601"):
+        status, answer, _ = await api.request("POST", "/v1/queues/keep/messages", b"x", query={"ttl_s": ttl})
+        assert status == 400 and error_code(answer) == "E_INVALID_OPTION", ttl
+    for ttl in (-1, "60", True, 1_209_601):
+        status, answer, _ = await api.request("PUT", "/v1/queues/timed", {"message_ttl_s": ttl})
+        assert status == 400 and error_code(answer) == "E_INVALID_OPTION", ttl
+    ws = await api.ws()
+    try:
+        for request_id, ttl_ms in ((1, -5), (2, "1000"), (3, 1_209_600_001)):
+            [item] = await ws_exchange(ws, msgpack.packb([1, [[1, request_id, "keep", b"x", 4, None, ttl_ms]]]))
+            assert isinstance(item, ErrorReply) and item.code == "E_BAD_FRAME" and item.request_id == request_id
+            [item] = await ws_exchange(ws, msgpack.packb([1, [[9, request_id, "keep", 4, [b"x"], None, ttl_ms]]]))
+            assert isinstance(item, ErrorReply) and item.code == "E_BAD_FRAME"
+    finally:
+        await ws.close()
+    status, stats, _ = await api.request("GET", "/v1/queues/keep")
+    assert status == 200 and stats["depth"] == 3 and stats["total_expired"] == 0
+
+
 async def test_removing_a_client_closes_its_websocket(api: RawApi) -> None:
     consumer = await client_with(api, [{"pattern": "keep", "privileges": ["get"]}])
     ws = await consumer.ws()

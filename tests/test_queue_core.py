@@ -93,6 +93,9 @@ class CountingReader:
     def dedupe_lookup(self, queue_id: int, dedupe_id: str) -> tuple[int, int] | None:
         return self.inner.dedupe_lookup(queue_id, dedupe_id)
 
+    def ttl_rows(self, queue_id: int) -> list[tuple[int, int, int]]:
+        return self.inner.ttl_rows(queue_id)
+
 
 class Driver:
     """One queue and its dead-letter queue. Commands stage operations; `commit` seals,

@@ -18,7 +18,7 @@ import msgpack
 import pytest
 
 from qserver.storage import JOURNAL_FIELDS, MapGrowthNeeded, SealedBatch, Storage, StorageFull
-from replication.operations import Acked, DeadLettered, Enqueued, Leased, Operation, Released
+from replication.operations import Acked, DeadLettered, Enqueued, Expired, Leased, Operation, Released
 from replication.options import QueueOptions
 from replication.queue_core import InvariantViolation, QueueCore, QueueRecord
 from replication.store import MemoryStore, StoredLease
@@ -37,6 +37,7 @@ class Backend(Protocol):
     def dedupe_lookup_many(self, queue_id: int, dedupe_ids: list[str]) -> dict[str, tuple[int, int]]: ...
     def leases(self, queue_id: int) -> list[StoredLease]: ...
     def payload(self, queue_id: int, index: int) -> bytes | None: ...
+    def ttl_rows(self, queue_id: int) -> list[tuple[int, int, int]]: ...
 
 
 class MemoryBackend:
@@ -61,6 +62,9 @@ class MemoryBackend:
 
     def payload(self, queue_id: int, index: int) -> bytes | None:
         return self.store.payload(queue_id, index)
+
+    def ttl_rows(self, queue_id: int) -> list[tuple[int, int, int]]:
+        return self.store.ttl_rows(queue_id)
 
     def close(self) -> None:
         pass
@@ -90,6 +94,9 @@ class LmdbBackend:
 
     def payload(self, queue_id: int, index: int) -> bytes | None:
         return self.storage.read_client_payload(queue_id, index)
+
+    def ttl_rows(self, queue_id: int) -> list[tuple[int, int, int]]:
+        return self.storage.ttl_rows(queue_id)
 
     def close(self) -> None:
         self.storage.close()
@@ -188,6 +195,20 @@ def test_a_dead_letter_moves_the_message_to_its_queue_ready_with_no_deliveries(s
     assert store.payload(QUEUE, 5) is None
     assert whole(store, OTHER, 6) == [(1, 0)]
     assert store.payload(OTHER, 1) == b"poison"
+
+
+def test_messages_with_a_time_to_live_are_listed_until_they_leave_however_they_leave(store: Backend) -> None:
+    ops: list[Operation] = [Enqueued(QUEUE, i, 4, AT_MS, None, "producer", b"m%d" % i, 1_000 * i) for i in range(1, 7)]
+    store.commit(ops + [enqueued(7), enqueued(1, queue_id=OTHER)])
+    assert store.ttl_rows(QUEUE) == [(i, 4, 1_000 * i) for i in range(1, 7)] and store.ttl_rows(OTHER) == []
+    store.commit([leased(1), acked(1), Expired(QUEUE, 2, 4, False, AT_MS, True), leased(3),
+                  Expired(QUEUE, 3, 4, True, AT_MS, True), DeadLettered(QUEUE, 4, 4, 0, OTHER, 2, AT_MS, True, 0, True, False)])
+    assert store.ttl_rows(QUEUE) == [(5, 4, 5_000), (6, 4, 6_000)]
+    assert whole(store, QUEUE, 4) == [(5, 0), (6, 0), (7, 0)] and store.leases(QUEUE) == []
+    assert store.payload(QUEUE, 2) is None and store.payload(QUEUE, 3) is None
+    assert store.payload(OTHER, 2) == b"m4" and whole(store, OTHER, 4) == [(1, 0), (2, 0)]
+    with pytest.raises(InvariantViolation):
+        store.commit([Expired(QUEUE, 7, 4, True, AT_MS, True)])       # not leased
 
 
 def test_a_dedupe_id_names_the_latest_enqueue_that_used_it_within_its_queue(store: Backend) -> None:

@@ -40,6 +40,7 @@ def _install() -> None:
     wrap(engine.Engine, "_start_commit", "batch sealed", end_event="commit started")
     wrap(engine.Engine, "_commit_done", "commit done (loop)")
     wrap(storage.Storage, "commit", "lmdb commit begins", end_event="lmdb commit ends (fsync'd)")
+    wrap(storage.Storage, "_write", "txn write begins", end_event="txn write ends")
     wrap(peers, "encode_frame", "peer frame encoded")
     wrap(peers.PeerTransport, "_deliver", "peer frame in")
 

@@ -106,6 +106,7 @@ class History:
     # master with a lease valid on its own clock): (ms, the nodes).
     two_acknowledging: list[tuple[int, tuple[str, ...]]] = field(default_factory=list)
     acks_checked: int = 0                                  # acknowledgements the check above ran at
+    with_ttl: set[bytes] = field(default_factory=set)      # payloads enqueued with a time to live (each is unique)
 
     def failed(self, error: BaseException | str) -> None:
         code = error if isinstance(error, str) else error.code if isinstance(error, QueueError) \
@@ -331,10 +332,15 @@ class SimNode:
 
 
 class EngineSimulation:
-    def __init__(self, seed: int, strength: Strength = Strength.FULL, clock_drift: float = CLOCK_DRIFT) -> None:
+    def __init__(self, seed: int, strength: Strength = Strength.FULL, clock_drift: float = CLOCK_DRIFT,
+                 ttl_share: float = 0.0) -> None:
         self.seed = seed
         self.strength = strength
         self.rng = random.Random(seed)
+        # The share of enqueues given a time to live, drawn from a stream of their own (with
+        # none, a seed's run is the run it was before messages could expire).
+        self.ttl_share = ttl_share
+        self.ttls = random.Random(seed ^ 0x7711)
         # The clocks come from a stream of their own: a seed's run without drift is the run it
         # was before clocks drifted (the regression seeds replay what they found).
         clocks = random.Random(seed ^ 0xC10C)
@@ -632,13 +638,16 @@ class EngineSimulation:
         node, history = self._target(0.7), self.history
         if node is None:
             return
+        ttl_ms = self.ttls.choice([150, 1_500]) if self.ttls.random() < self.ttl_share else 0
         if self.rng.random() < 0.5:
             [payload] = self._payloads(1)
 
             def answered(result: Any) -> None:
                 history.acknowledged(result[0], payload)
                 self._check_at_acknowledgement()
-            node.call(lambda r: c.Enqueue(QUEUE, payload, 4, None, "producer", r), answered)
+            if ttl_ms:
+                history.with_ttl.add(payload)
+            node.call(lambda r: c.Enqueue(QUEUE, payload, 4, None, "producer", r, ttl_ms=ttl_ms), answered)
             return
         payloads = self._payloads(self.rng.randint(1, 4))
 
@@ -647,7 +656,10 @@ class EngineSimulation:
                 if isinstance(index, int):
                     history.acknowledged(index, payload)
             self._check_at_acknowledgement()
-        node.call(lambda r: c.EnqueueMany(QUEUE, self.rng.randint(0, 9), payloads, None, "producer", r), placed)
+        if ttl_ms:
+            history.with_ttl.update(payloads)
+        node.call(lambda r: c.EnqueueMany(QUEUE, self.rng.randint(0, 9), payloads, None, "producer", r,
+                                          ttl_ms=ttl_ms), placed)
 
     def _check_at_acknowledgement(self) -> None:
         self.history.acks_checked += 1

@@ -85,6 +85,9 @@ class MemoryStorage:
     def dedupe_lookup_many(self, queue_id: int, dedupe_ids: list[str]) -> dict[str, tuple[int, int]]:
         return self.store.dedupe_lookup_many(queue_id, dedupe_ids)
 
+    def ttl_rows(self, queue_id: int) -> list[tuple[int, int, int]]:
+        return self.store.ttl_rows(queue_id)
+
     def message_status(self, queue_id: int, index: int) -> tuple[str, int, bytes | None] | None:
         queue = self.store.queues.get(queue_id)
         if queue is None:
