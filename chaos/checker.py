@@ -31,6 +31,9 @@ from every node's cluster map during the run. The rules:
   drain takes it from there and it counts as delivered): not lost. (When it expired is the
   master's clock's to decide, restarted by a restart or a takeover, so a delivery after `ttl_s`
   is not judged.)
+* **delivered_early** (violation): a message enqueued with a delivery delay (`delay_s`) given
+  to a consumer before that delay had passed since its enqueue was invoked. A delayed message
+  is not judged as one a delivery skipped (when it became ready is the master's to decide).
 * **order** (violation): an enqueue that completed before another was invoked got the lower
   id; and under `full`, a consumer was not given a message of a lower id and the same or a
   higher priority that was committed and ready (see `_first_delivery_order`).
@@ -174,6 +177,7 @@ def _check_queue(queue: str, facts: QueueFacts, strength: str, findings: Finding
     explained = _check_repeats(queue, facts, strength, confirmed, findings, departures)
     _check_acks(queue, strength, confirmed, findings, departures)
     _check_enqueue_order(queue, facts, findings)
+    _check_delays(queue, facts, findings)
     if strength == "full":
         _first_delivery_order(queue, facts, acknowledged, findings)
     repeated = sum(1 for count in _delivery_counts(facts).values() if count > 1)
@@ -184,6 +188,15 @@ def _check_queue(queue: str, facts: QueueFacts, strength: str, findings: Finding
                               or facts.enqueues[t]["status"] == "fail"),
             "duplicated": repeated, "duplicates_explained": explained, "recovered": len(recovered),
             "acks_ok": sum(1 for a in facts.acks if a["status"] == "ok")}
+
+
+def _check_delays(queue: str, facts: QueueFacts, findings: Findings) -> None:
+    for delivery in facts.deliveries:
+        enqueue = facts.enqueues.get(delivery.tag or "")
+        if enqueue is not None and enqueue.get("delay_s") and \
+                delivery.t_complete < enqueue["t_invoke"] + enqueue["delay_s"]:
+            findings.add("delivered_early", queue=queue, id=delivery.message_id, tag=delivery.tag,
+                         delay_s=enqueue["delay_s"], after_s=round(delivery.t_complete - enqueue["t_invoke"], 3))
 
 
 def _purged(queue: str, facts: QueueFacts, acknowledged: Mapping[str, int], findings: Findings) -> set[int]:
@@ -374,7 +387,8 @@ def _first_delivery_order(queue: str, facts: QueueFacts, acknowledged: Mapping[s
             first[delivery.tag] = delivery
         else:
             unknown_first.add(delivery.tag)
-    committed = sorted((facts.enqueues[tag]["t_complete"], tag) for tag in acknowledged if tag in first)
+    committed = sorted((facts.enqueues[tag]["t_complete"], tag) for tag in acknowledged
+                       if tag in first and not facts.enqueues[tag].get("delay_s"))
     heaps: dict[int, list[tuple[int, str]]] = defaultdict(list)
     position = 0
     for delivery in sorted(first.values(), key=lambda d: d.t_invoke):

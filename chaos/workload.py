@@ -71,6 +71,8 @@ class QueueSpec:
     purge_every_s: float = 0.0       # an operator purges the queue about this often (0: never; `full` only)
     ttl_fraction: float = 0.0        # enqueues with a time to live of ttl_s (expired ones are dead-lettered
     ttl_s: float = 2.0               # when the queue has a dead-letter queue, else dropped)
+    delay_fraction: float = 0.0      # enqueues delivered no sooner than delay_s after them
+    delay_s: float = 1.0
     dead_letter: bool = True
 
     def options(self) -> dict[str, Any]:
@@ -202,10 +204,12 @@ class Workload:
             payload = payload_for(tag, spec.payload_bytes)
             priority = rng.choice(spec.priorities)
             ttl_s = spec.ttl_s if rng.random() < spec.ttl_fraction else None
+            delay_s = spec.delay_s if rng.random() < spec.delay_fraction else None
+            timing = {name: value for name, value in (("ttl_s", ttl_s), ("delay_s", delay_s)) if value is not None}
             operation = self.history.invoke(process, "enqueue", spec.name, dedupe_id=tag, payload_crc32=crc32(payload),
-                                            priority=priority, node=node, **({} if ttl_s is None else {"ttl_s": ttl_s}))
+                                            priority=priority, node=node, **timing)
             ok, _ = await self._outcome(operation, client.enqueue(spec.name, payload, priority, dedupe_id=tag,
-                                                                  ttl_s=ttl_s),
+                                                                  ttl_s=ttl_s, delay_s=delay_s),
                                         lambda message_id: {"id": message_id})
             await asyncio.sleep(rng.expovariate(spec.rate) if ok else ERROR_PAUSE_S * (1 + rng.random()))
 

@@ -236,13 +236,16 @@ class HttpClient:
 
     # --- messages ---------------------------------------------------------------------------
     async def enqueue_http(self, queue: str, payload: bytes, priority: int = 4,
-                           dedupe_id: str | None = None, *, ttl_s: float | None = None) -> int:
+                           dedupe_id: str | None = None, *, ttl_s: float | None = None,
+                           delay_s: float | None = None) -> int:
         """Enqueue one message; returns its id (once durable; on a `one_way` queue, 202 before
         it is). A dedupe id is always sent so a caller that retries after `outcome_unknown` can
-        pass the same one and not store twice. `ttl_s`: the message's time to live."""
+        pass the same one and not store twice. `ttl_s`: the message's time to live; `delay_s`:
+        its delivery delay."""
         headers = {"X-Priority": str(priority), "X-Dedupe-Id": dedupe_id or uuid.uuid4().hex,
                    "Content-Type": "application/octet-stream"}
-        query = [] if ttl_s is None else [("ttl_s", query_number(ttl_s))]
+        query = [(name, query_number(value)) for name, value in (("ttl_s", ttl_s), ("delay_s", delay_s))
+                 if value is not None]
         answer = await self.request("POST", queue_path(queue, "messages"), body=payload, query=query,
                                     headers=headers, idempotent=False)
         return int(answer.json()["id"])

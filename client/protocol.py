@@ -35,6 +35,7 @@ class EnqueueOp:
     priority: int = 4
     dedupe_id: str | None = None
     ttl_ms: int = 0          # the message's time to live; 0: the queue's message_ttl_s
+    delay_ms: int = 0        # the message's delivery delay; 0: ready at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +109,7 @@ class EnqueueBatchOp:
     payloads: tuple[bytes, ...]
     dedupe_ids: tuple[str | None, ...] | None = None
     ttl_ms: int = 0          # every message's time to live; 0: the queue's message_ttl_s
+    delay_ms: int = 0        # every message's delivery delay; 0: ready at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +208,7 @@ def _encode_item(item: ClientOp | ServerItem) -> list[Any]:
         return [item.TAG, item.subscription_id, [_message_row(m) for m in item.messages]]
     if isinstance(item, EnqueueBatchOp):
         return [item.TAG, item.request_id, item.queue, item.priority, list(item.payloads),
-                None if item.dedupe_ids is None else list(item.dedupe_ids), item.ttl_ms]
+                None if item.dedupe_ids is None else list(item.dedupe_ids), item.ttl_ms, item.delay_ms]
     if isinstance(item, AckBatchOp):
         return [item.TAG, item.request_id, item.queue, [list(pair) for pair in item.items]]
     return [item.TAG, *(getattr(item, name) for name in item.__slots__)]  # type: ignore[union-attr]
@@ -248,8 +250,9 @@ def _str(value: Any, name: str, request_id: int, *, optional: bool = False) -> A
 
 INT64_MAX = 2**63 - 1
 TTL_MS_MAX = 1_209_600_000      # 14 days (replication.options.TTL_MAX_S)
-_OP_ARITY = {1: (5, 7), 2: (3, 6), 3: (5, 5), 4: (5, 5), 5: (4, 5), 6: (4, 4), 7: (3, 3), 8: (2, 2),
-             9: (5, 7), 10: (4, 4), 11: (6, 6)}
+DELAY_MS_MAX = 900_000          # 15 minutes (replication.options.DELAY_MAX_S)
+_OP_ARITY = {1: (5, 8), 2: (3, 6), 3: (5, 5), 4: (5, 5), 5: (4, 5), 6: (4, 4), 7: (3, 3), 8: (2, 2),
+             9: (5, 8), 10: (4, 4), 11: (6, 6)}
 
 
 def _decode_op(row: Any) -> ClientOp:
@@ -269,8 +272,9 @@ def _decode_op(row: Any) -> ClientOp:
             raise FrameError("payload must be binary", request_id)
         dedupe = _str(args[3], "dedupe_id", request_id, optional=True) if len(args) > 3 else None
         ttl_ms = _int(args[4], "ttl_ms", 0, TTL_MS_MAX, request_id) if len(args) > 4 else 0
+        delay_ms = _int(args[5], "delay_ms", 0, DELAY_MS_MAX, request_id) if len(args) > 5 else 0
         return EnqueueOp(request_id, _str(args[0], "queue", request_id), bytes(payload),
-                         _int(args[2], "priority", 0, 9, request_id), dedupe, ttl_ms)
+                         _int(args[2], "priority", 0, 9, request_id), dedupe, ttl_ms, delay_ms)
     if tag == ReceiveOp.TAG:
         padded = args + [None] * (4 - len(args))
         visibility = padded[3]
@@ -308,6 +312,7 @@ def _decode_enqueue_batch(request_id: int, args: list[Any]) -> EnqueueBatchOp:
     priority = _int(args[1], "priority", 0, 9, request_id)
     payloads, dedupe_ids = args[2], args[3] if len(args) > 3 else None
     ttl_ms = _int(args[4], "ttl_ms", 0, TTL_MS_MAX, request_id) if len(args) > 4 else 0
+    delay_ms = _int(args[5], "delay_ms", 0, DELAY_MS_MAX, request_id) if len(args) > 5 else 0
     if not isinstance(payloads, list) or not 0 < len(payloads) <= BATCH_ITEMS_MAX:
         raise FrameError(f"payloads must be a list of 1..{BATCH_ITEMS_MAX}", request_id)
     if not all(isinstance(p, (bytes, bytearray)) for p in payloads):
@@ -318,7 +323,8 @@ def _decode_enqueue_batch(request_id: int, args: list[Any]) -> EnqueueBatchOp:
         if not all(d is None or isinstance(d, str) for d in dedupe_ids):
             raise FrameError("dedupe ids must be strings or nil", request_id)
         dedupe_ids = tuple(dedupe_ids)
-    return EnqueueBatchOp(request_id, queue, priority, tuple(bytes(p) for p in payloads), dedupe_ids, ttl_ms)
+    return EnqueueBatchOp(request_id, queue, priority, tuple(bytes(p) for p in payloads), dedupe_ids, ttl_ms,
+                          delay_ms)
 
 
 def _decode_ack_batch(request_id: int, args: list[Any]) -> AckBatchOp:

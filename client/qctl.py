@@ -32,7 +32,7 @@ STRENGTHS = ("producer", "full")
 # Queue statistics shown in `status` and `queue list` (header, dotted key in the stats), in
 # this order; a column is shown when any queue reports it.
 QUEUE_COLUMNS = (("NAME", "name"), ("STRENGTH", "options.strength"), ("TYPE", "options.type"),
-                 ("DEPTH", "depth"), ("READY", "ready"), ("IN_FLIGHT", "in_flight"),
+                 ("DEPTH", "depth"), ("READY", "ready"), ("DELAYED", "delayed"), ("IN_FLIGHT", "in_flight"),
                  ("ENQUEUED", "total_enqueued"), ("ACKED", "total_acked"),
                  ("DEAD_LETTERED", "total_dead_lettered"), ("EXPIRED", "total_expired"),
                  ("REPLICATION", "replication_state"),
@@ -219,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     put.add_argument("--priority", type=_priority, default=4)
     put.add_argument("--dedupe-id")
     put.add_argument("--ttl-s", type=float, help="the message's time to live (default: the queue's)")
+    put.add_argument("--delay-s", type=float, help="deliver it no sooner than this (at most 900)")
     get = command(commands, "get", cmd_get, "lease (and with --ack delete) the next message")
     get.add_argument("queue")
     get.add_argument("--wait-s", type=float, default=0.0)
@@ -373,7 +374,8 @@ def _each_member(answer: dict[str, Any]) -> str:
 
 async def cmd_put(http: HttpClient, args: argparse.Namespace) -> Outcome:
     payload = sys.stdin.buffer.read() if args.data == "-" else args.data.encode()
-    message_id = await http.enqueue_http(args.queue, payload, args.priority, args.dedupe_id, ttl_s=args.ttl_s)
+    message_id = await http.enqueue_http(args.queue, payload, args.priority, args.dedupe_id, ttl_s=args.ttl_s,
+                                         delay_s=args.delay_s)
     return Outcome({"queue": args.queue, "id": message_id}, f"id: {message_id}")
 
 

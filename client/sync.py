@@ -162,15 +162,16 @@ class Client:
 
     # --- messages -----------------------------------------------------------------------------
     def enqueue(self, queue: str, payload: bytes, priority: int = 4, dedupe_id: str | None = None, *,
-                ttl_s: float | None = None) -> int:
+                ttl_s: float | None = None, delay_s: float | None = None) -> int:
         """As AsyncClient.enqueue: the id once durable, except on a `one_way` queue (answered
-        before it is durable); `ttl_s` the message's time to live."""
-        return self._run(self._async.enqueue(queue, payload, priority, dedupe_id, ttl_s=ttl_s))
+        before it is durable); `ttl_s` the message's time to live, `delay_s` its delivery delay."""
+        return self._run(self._async.enqueue(queue, payload, priority, dedupe_id, ttl_s=ttl_s, delay_s=delay_s))
 
     def enqueue_many(self, queue: str, payloads: Iterable[bytes], priority: int = 4, *,
-                     dedupe_ids: Sequence[str] | None = None, ttl_s: float | None = None) -> list[int]:
+                     dedupe_ids: Sequence[str] | None = None, ttl_s: float | None = None,
+                     delay_s: float | None = None) -> list[int]:
         return self._run(self._async.enqueue_many(queue, list(payloads), priority, dedupe_ids=dedupe_ids,
-                                                  ttl_s=ttl_s))
+                                                  ttl_s=ttl_s, delay_s=delay_s))
 
     def receive(self, queue: str, max_messages: int = 1, wait_s: float = 0.0,
                 visibility_timeout_s: float | None = None) -> list[SyncMessage]:

@@ -45,6 +45,7 @@ class Enqueue:
     replier: Replier
     request_id: int = 0
     ttl_ms: int = 0         # the message's time to live; 0: the queue's message_ttl_s
+    delay_ms: int = 0       # its delivery delay; 0: ready at once
 
 
 @dataclass(slots=True)
@@ -58,6 +59,7 @@ class EnqueueMany:
     replier: Replier
     request_id: int = 0
     ttl_ms: int = 0         # every message's time to live; 0: the queue's message_ttl_s
+    delay_ms: int = 0       # every message's delivery delay; 0: ready at once
 
 
 @dataclass(slots=True)

@@ -543,7 +543,7 @@ class Engine:
         """A complete snapshot: its counters go into the queue record(s) and its mark into the
         log in this batch; once committed, `on_installed` makes the core(s) serve it."""
         record, full = core.record, core.options.strength is Strength.FULL
-        messages = received.ready_count + len(received.leases)
+        messages = received.ready_count + received.delayed_count + len(received.leases)
         if install.keep_upto:
             record.ready_count += received.ready_count
             record.total_enqueued += messages
@@ -611,7 +611,7 @@ class Engine:
         core = self._core(command.queue)
         batch = self._open
         index, _ = core.enqueue(command.payload, command.priority, command.dedupe_id, command.client,
-                                now_ms, batch.sealed.operations, command.ttl_ms)
+                                now_ms, batch.sealed.operations, command.ttl_ms, command.delay_ms)
         batch.touched[core.name] = core
         result = [index, core.record.epoch]
         if core.options.type is QueueType.ONE_WAY:
@@ -638,7 +638,7 @@ class Engine:
             else:
                 placed.append(position)
         results = core.enqueue_many([payloads[p] for p in placed], command.priority, [dedupe_ids[p] for p in placed],
-                                    command.client, now_ms, batch.sealed.operations, command.ttl_ms)
+                                    command.client, now_ms, batch.sealed.operations, command.ttl_ms, command.delay_ms)
         for position, outcome in zip(placed, results, strict=True):
             outcomes[position] = [outcome.code, outcome.message] if type(outcome) is QueueError else outcome
         batch.touched[core.name] = core
@@ -1037,12 +1037,12 @@ class Engine:
                 continue
             ended = core.expire_leases(now_ms, operations)
             if expires_messages:
-                ended += core.expire_messages(now_ms, operations)
+                ended += core.mature_messages(now_ms, operations) + core.expire_messages(now_ms, operations)
             if ended:
                 self._decided(core, operations[mark:])
 
     def _expires_messages(self, core: QueueCore) -> bool:
-        """Whether this node decides the queue's time-to-live expiries: the master; under
+        """Whether this node decides the queue's time-to-live expiries and delays: the master; under
         `producer` the replica too, for its own copy (it serves its own consumers); under `full`
         the replica applies the master's decisions."""
         pairs = self.pairs
@@ -1318,6 +1318,7 @@ class Engine:
             "master": self.config.node_id, "replica": None, "replication_state": "unreplicated",
             "master_status": "local",
             "depth": core.depth, "in_flight": core.in_flight, "ready": record.ready_count,
+            "delayed": record.delayed_count,
             "total_enqueued": record.total_enqueued, "total_acked": record.total_acked,
             "total_dead_lettered": record.total_dead_lettered, "total_purged": record.total_purged,
             "total_expired": record.total_expired,

@@ -28,6 +28,7 @@ from qserver.http_errors import error_response
 from qserver.redrive import redrive as redrive_dead_letters
 from replication.cluster_map import AddNode, ChangePair, NodeState, Reason, SetNodeState, astuple
 from replication.options import (
+    DELAY_MAX_S,
     PRIORITY_DEFAULT,
     TTL_MAX_S,
     OptionError,
@@ -39,7 +40,8 @@ from replication.options import (
 log = logging.getLogger("qserver.http")
 UNSIGNED_PATHS = frozenset({"/healthz", "/metrics", "/v1/peer"})   # peers authenticate with the cluster secret
 ENGINE_ANSWER_GRACE_S = 30.0
-STATUS_STATES = frozenset({"queued", "delivered", "acked", "replied", "dead_lettered", "purged", "expired"})
+STATUS_STATES = frozenset({"queued", "delayed", "delivered", "acked", "replied", "dead_lettered", "purged",
+                           "expired"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 NODE: web.AppKey[Any] = web.AppKey("node")       # the qserver.node.Node an application serves
 
@@ -280,12 +282,13 @@ async def enqueue(request: web.Request) -> web.Response:
     if dedupe_id is not None and not valid_dedupe_id(dedupe_id):
         raise QueueError(e.E_INVALID_OPTION, "X-Dedupe-Id must be 1-128 printable UTF-8 characters")
     ttl_ms = int(number_param(request, "ttl_s", 0.0, 0.001, TTL_MAX_S) * 1000)   # 0: the queue's default
+    delay_ms = int(number_param(request, "delay_s", 0.0, 0.0, DELAY_MAX_S) * 1000)
     payload = await request.read()
     engine = request.app[NODE].engine
     client = principal(request).client_id
     message_index, epoch = await call(
-        engine, lambda r: c.Enqueue(name, payload, int(raw_priority), dedupe_id, client, r, ttl_ms=ttl_ms),
-        may_have_applied=True)
+        engine, lambda r: c.Enqueue(name, payload, int(raw_priority), dedupe_id, client, r, ttl_ms=ttl_ms,
+                                    delay_ms=delay_ms), may_have_applied=True)
     one_way = engine.cores[name].options.type.value == "one_way" if name in engine.cores else False
     return web.json_response({"id": message_index, "epoch": epoch}, status=202 if one_way else 201)
 

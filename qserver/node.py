@@ -279,13 +279,14 @@ class Node:
     def render_metrics(self) -> str:
         engine = self.engine
         per_queue: dict[str, list[tuple[dict[str, str], float]]] = {
-            "depth": [], "in_flight": [], "enqueued": [], "acked": [], "dead_lettered": [], "purged": [],
+            "depth": [], "in_flight": [], "delayed": [], "enqueued": [], "acked": [], "dead_lettered": [], "purged": [],
             "expired": [], "redelivered": []}
         for name, core in sorted(engine.cores.items()):
             labels = {"queue": name}
             record = core.record
             per_queue["depth"].append((labels, core.depth))
             per_queue["in_flight"].append((labels, core.in_flight))
+            per_queue["delayed"].append((labels, record.delayed_count))
             per_queue["enqueued"].append((labels, record.total_enqueued))
             per_queue["acked"].append((labels, record.total_acked))
             per_queue["dead_lettered"].append((labels, record.total_dead_lettered))
@@ -295,6 +296,8 @@ class Node:
         lines: list[str] = []
         lines += render_family("qserver_queue_depth", "gauge", "messages held (ready and in flight)", per_queue["depth"])
         lines += render_family("qserver_queue_in_flight", "gauge", "messages leased to consumers", per_queue["in_flight"])
+        lines += render_family("qserver_queue_delayed", "gauge", "messages waiting for their delivery delay",
+                               per_queue["delayed"])
         for name in ("enqueued", "acked", "dead_lettered", "purged", "expired", "redelivered"):
             lines += render_family(f"qserver_queue_{name}_total", "counter", f"messages {name.replace('_', ' ')}",
                                    per_queue[name])

@@ -804,7 +804,7 @@ class PairDriver:
         core.install_snapshot(received.ready if install.keep_upto else None, received.leases)
         self.snapshots_installed += 1
         log.info("queue %s: snapshot at order %d installed (%d messages)", core.name, install.order,
-                 received.ready_count + len(received.leases))
+                 received.ready_count + received.delayed_count + len(received.leases))
         dead = core.dead_letter_core
         dead_role = self.replicas.get(dead.name) if dead is not None else None
         if install.dead_letter is None or dead is None or dead_role is None:

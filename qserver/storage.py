@@ -16,6 +16,8 @@ Key layout (big-endian integers so LMDB's byte order is numeric order):
     status    queue_id:8 index:8                  -> msgpack [state, at_ms, reply]   (completed messages)
     dedupe    queue_id:8 dedupe_id                -> index:8 enqueued_ms:8
     ttl       queue_id:8 index:8                  -> priority:1 ttl_ms:8   (live messages with a time to live)
+    delayed   queue_id:8 index:8                  -> priority:1 delay_ms:8 (messages not ready until they mature:
+                                                     no ready row meanwhile)
     expiry    kind:1 at_ms:8 queue_id:8 index:8   -> ""   (completion statuses to prune, oldest first)
     doomed    queue_id:8                          -> ""   (deleted incarnations still being erased)
     epochs    name                                -> epoch:8
@@ -72,7 +74,18 @@ from replication.audit_checks import RUN_MARK, is_run, run_rows
 from replication.digest import DIGEST_BYTES, EMPTY_DIGEST
 from replication.invariants import InvariantViolation
 from replication.messages import MessageError, decode_entry
-from replication.operations import Acked, DeadLettered, Enqueued, Expired, Extended, Leased, Operation, Purged, Released
+from replication.operations import (
+    Acked,
+    DeadLettered,
+    Enqueued,
+    Expired,
+    Extended,
+    Leased,
+    Matured,
+    Operation,
+    Purged,
+    Released,
+)
 from replication.queue_core import QueueRecord
 from replication.snapshot import ROW_DEAD_LETTER, ROW_DEDUPE, ROW_MESSAGE
 from replication.store import StoredLease
@@ -84,7 +97,8 @@ from replication.store import StoredLease
 #    in pysyncobj's journal files; no reader of 4.
 # 6: a lease row (and a Leased operation in the op log) holds the lease's duration, not a
 #    wall-clock deadline; no reader of 5.
-# 7: messages with a time to live have a row in ttl (operations.Enqueued.ttl_ms); no reader of 6.
+# 7: messages with a time to live have a row in ttl (operations.Enqueued.ttl_ms), delayed ones a row
+#    in delayed and none in ready until they mature; no reader of 6.
 SCHEMA_VERSION = 7
 _QI = struct.Struct(">QQ")
 _QPI = struct.Struct(">QBQ")
@@ -94,7 +108,7 @@ _EXPIRY = struct.Struct(">BQQ")
 _TTL = struct.Struct(">BQ")
 EXPIRY_STATUS = 1
 DB_NAMES = ("queues", "messages", "ready", "leases", "status", "dedupe", "expiry", "doomed",
-            "epochs", "journal", "clients", "meta", "oplog", "raft_state", "raft_log", "ttl")
+            "epochs", "journal", "clients", "meta", "oplog", "raft_state", "raft_log", "ttl", "delayed")
 ERASE_KEYS_PER_BATCH_MAX = 5_000
 PRUNE_KEYS_PER_BATCH_MAX = 5_000
 TRUNCATE_RECORDS_PER_BATCH_MAX = 20_000     # op-log records deleted per batch (the rest follow)
@@ -329,8 +343,15 @@ class Storage:
 
     def ttl_rows(self, queue_id: int) -> list[tuple[int, int, int]]:
         """(index, priority, ttl_ms) of the queue's committed messages with a time to live."""
+        return self._timed_rows("ttl", queue_id)
+
+    def delayed_rows(self, queue_id: int) -> list[tuple[int, int, int]]:
+        """(index, priority, delay_ms) of the queue's committed messages still delayed."""
+        return self._timed_rows("delayed", queue_id)
+
+    def _timed_rows(self, name: str, queue_id: int) -> list[tuple[int, int, int]]:
         prefix = _queue_prefix(queue_id)
-        cursor = self._reader().cursor(db=self.db["ttl"])
+        cursor = self._reader().cursor(db=self.db[name])
         rows: list[tuple[int, int, int]] = []
         if cursor.set_range(prefix):
             for key, value in cursor:
@@ -340,7 +361,7 @@ class Storage:
         return rows
 
     def message_status(self, queue_id: int, index: int) -> tuple[str, int, bytes | None] | None:
-        """Completed status, or 'delivered'/'queued' from the lease and ready records."""
+        """Completed status, or 'delivered'/'delayed'/'queued' from the lease, delay and message rows."""
         txn = self._reader()
         key = _QI.pack(queue_id, index)
         raw = txn.get(key, db=self.db["status"])
@@ -350,6 +371,8 @@ class Storage:
         lease = txn.get(key, db=self.db["leases"])
         if lease is not None:
             return "delivered", msgpack.unpackb(lease)[3], None
+        if txn.get(key, db=self.db["delayed"]) is not None:
+            return "delayed", 0, None
         if txn.get(key, db=self.db["messages"]) is not None:
             return "queued", 0, None
         return None
@@ -499,6 +522,7 @@ class Storage:
         ready: list[tuple[bytes, bytes]] = []
         dedupe: list[tuple[bytes, bytes]] = []
         ttls: list[tuple[bytes, bytes]] = []
+        delays: list[tuple[bytes, bytes]] = []
         pack, qi, qpi, q, crc32 = self._pack, _QI.pack, _QPI.pack, _Q.pack, zlib.crc32
         journaled = journal is not None
         runs: list[list[Any]] = []      # as _put_journal_runs takes them
@@ -526,7 +550,10 @@ class Storage:
             else:
                 held = ends[0][1]
             messages.append((qi(op.queue_id, op.index), pack([op.priority, op.enqueued_ms, op.dedupe_id, op.client, held])))
-            ready.append((qpi(op.queue_id, op.priority, op.index), b""))
+            if op.delay_ms:
+                delays.append((qi(op.queue_id, op.index), _TTL.pack(op.priority, op.delay_ms)))
+            else:
+                ready.append((qpi(op.queue_id, op.priority, op.index), b""))
             if op.dedupe_id is not None:
                 dedupe.append((q(op.queue_id) + op.dedupe_id.encode(), qi(op.index, op.enqueued_ms)))
             if op.ttl_ms:
@@ -548,6 +575,13 @@ class Storage:
                 current[2].append(op.dedupe_id)
                 current[3].append(size)
                 current[4].append(crc)
+                if op.delay_ms:
+                    # The audit must know the message is not ready: a journal-only record (no
+                    # ordering index) right after its enqueue; the next enqueue starts a new run.
+                    head = current[0]
+                    runs.append([[op.enqueued_ms, head[1], op.queue_id, head[3], 0, "delay", op.index, None,
+                                  op.priority, 0, 0, head[11], self.node_id, op.client], 1, [None], [0], [0]])
+                    current = None
             end += 1
         txn.cursor(db=self.db["messages"]).putmulti(messages)
         txn.cursor(db=self.db["ready"]).putmulti(ready)
@@ -555,6 +589,8 @@ class Storage:
             txn.cursor(db=self.db["dedupe"]).putmulti(dedupe)
         if ttls:
             txn.cursor(db=self.db["ttl"]).putmulti(ttls)
+        if delays:
+            txn.cursor(db=self.db["delayed"]).putmulti(delays)
         if runs:
             self._put_journal_runs(txn, runs)
         return end
@@ -590,17 +626,24 @@ class Storage:
     def _apply_purged(self, txn: lmdb.Transaction, op: Purged) -> None:
         self._consumed.add(op.queue_id)
         key = _QI.pack(op.queue_id, op.index)
-        if op.leased:
+        if op.delayed:
+            removed = txn.delete(key, db=self.db["delayed"])
+        elif op.leased:
             removed = txn.delete(key, db=self.db["leases"])
         else:
             removed = txn.delete(_QPI.pack(op.queue_id, op.priority, op.index), db=self.db["ready"])
         if not removed:
             raise InvariantViolation(f"purged message {op.queue_id}/{op.index} was not "
-                                     f"{'leased' if op.leased else 'ready'}")
+                                     f"{'delayed' if op.delayed else 'leased' if op.leased else 'ready'}")
         txn.delete(key, db=self.db["messages"])
         txn.delete(key, db=self.db["ttl"])
         if op.track_status:
             self._put_status(txn, op.queue_id, op.index, "purged", op.at_ms, None)
+
+    def _apply_matured(self, txn: lmdb.Transaction, op: Matured) -> None:
+        if not txn.delete(_QI.pack(op.queue_id, op.index), db=self.db["delayed"]):
+            raise InvariantViolation(f"matured message {op.queue_id}/{op.index} was not delayed")
+        txn.put(_QPI.pack(op.queue_id, op.priority, op.index), b"", db=self.db["ready"])
 
     def _apply_expired(self, txn: lmdb.Transaction, op: Expired) -> None:
         self._consumed.add(op.queue_id)
@@ -662,6 +705,7 @@ class Storage:
             priority, _, dedupe_id, _, _ = msgpack.unpackb(cursor.value())
             txn.delete(_QPI.pack(queue_id, priority, index), db=db["ready"])
             txn.delete(key, db=db["ttl"])
+            txn.delete(key, db=db["delayed"])
             if dedupe_id is not None:
                 dedupe_key = _Q.pack(queue_id) + dedupe_id.encode()
                 kept = txn.get(dedupe_key, db=db["dedupe"])
@@ -686,6 +730,7 @@ class Storage:
         leases: list[tuple[bytes, bytes]] = []
         dedupe: list[tuple[bytes, bytes]] = []
         ttls: list[tuple[bytes, bytes]] = []
+        delays: list[tuple[bytes, bytes]] = []
         runs: list[list[Any]] = []
         run: list[Any] | None = None
         for row in rows:
@@ -695,11 +740,13 @@ class Storage:
             owner = queue_id if row[0] == ROW_MESSAGE else dead_letter_queue_id
             if owner is None:
                 raise InvariantViolation(f"snapshot of queue {queue_id} has dead letters but no dead-letter queue")
-            _, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease, ttl_ms = row
+            _, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease, ttl_ms, delay_ms = row
             messages.append((qi(owner, index), pack([priority, enqueued_ms, dedupe_id, client, payload])))
             if ttl_ms:
                 ttls.append((qi(owner, index), _TTL.pack(priority, ttl_ms)))
-            if lease is None:
+            if lease is None and delay_ms:
+                delays.append((qi(owner, index), _TTL.pack(priority, delay_ms)))
+            elif lease is None:
                 ready.append((qpi(owner, priority, index), _U32.pack(deliveries) if deliveries else b""))
             else:
                 leases.append((qi(owner, index), pack([priority, lease[0], lease[1], deliveries, lease[2]])))
@@ -722,9 +769,13 @@ class Storage:
                 run[2].append(dedupe_id)
                 run[3].append(size)
                 run[4].append(crc)
+                if lease is None and delay_ms:      # not ready yet, as after its enqueue
+                    runs.append([[enqueued_ms, run[0][1], owner, run[0][3], 0, "delay", index, None, priority, 0, 0,
+                                  "replica", self.node_id, client], 1, [None], [0], [0]])
+                    run = None
         ready.sort()
         for name, puts in (("messages", messages), ("ready", ready), ("leases", leases), ("dedupe", dedupe),
-                           ("ttl", ttls)):
+                           ("ttl", ttls), ("delayed", delays)):
             if puts:
                 _put_in_order(txn.cursor(db=db[name]), puts)
         if runs:
@@ -853,7 +904,7 @@ class Storage:
             return None
 
     _APPLY = {Leased: _apply_leased, Extended: _apply_extended, Acked: _apply_acked, Purged: _apply_purged,
-              Expired: _apply_expired,
+              Expired: _apply_expired, Matured: _apply_matured,
               Released: _apply_released, DeadLettered: _apply_dead_lettered}
 
     def _put_status(self, txn: lmdb.Transaction, queue_id: int, index: int, state: str, at_ms: int,
@@ -918,7 +969,7 @@ class Storage:
         queue_id = _Q.unpack(doomed.key())[0]
         prefix = _queue_prefix(queue_id)
         budget = ERASE_KEYS_PER_BATCH_MAX
-        for name in ("messages", "ready", "leases", "status", "dedupe", "oplog", "ttl"):
+        for name in ("messages", "ready", "leases", "status", "dedupe", "oplog", "ttl", "delayed"):
             cursor = txn.cursor(db=self.db[name])
             if not cursor.set_range(prefix):
                 continue
@@ -1009,6 +1060,9 @@ def _journal_fields(op: Operation, name: str, epoch: int, node: str, role: str) 
                 0, 0, role, node, ""]
     if isinstance(op, Expired):
         return [op.at_ms, name, op.queue_id, epoch, op.order, "ttl_expire", op.index, None, op.priority,
+                0, 0, role, node, ""]
+    if isinstance(op, Matured):
+        return [op.at_ms, name, op.queue_id, epoch, op.order, "mature", op.index, None, op.priority,
                 0, 0, role, node, ""]
     raise InvariantViolation(f"no journal form for {type(op).__name__}")
 
@@ -1121,6 +1175,8 @@ class LmdbSnapshotView:
             next_lease = bytes(leases.key()) if leases.set_range(start) else None
         ttls = txn.cursor(db=self._db["ttl"])          # walked beside the messages as the leases are
         next_ttl = bytes(ttls.key()) if ttls.set_range(start) else None
+        delays = txn.cursor(db=self._db["delayed"])
+        next_delay = bytes(delays.key()) if delays.set_range(start) else None
         # The view's transaction has buffers off: keys and values are bytes.
         for key, value in cast("Iterator[tuple[bytes, bytes]]", cursor):
             owner, index = unpack_key(key)
@@ -1141,6 +1197,12 @@ class LmdbSnapshotView:
                 else:
                     raw_ready = txn.get(ready_key(queue_id, priority, index), db=ready_db)
                     deliveries = _U32.unpack(raw_ready)[0] if raw_ready else 0
+            delay_ms = 0
+            while next_delay is not None and next_delay < key:
+                next_delay = bytes(delays.key()) if delays.next() else None
+            if next_delay == key:
+                delay_ms = _TTL.unpack(delays.value())[1]
+                next_delay = bytes(delays.key()) if delays.next() else None
             ttl_ms = 0
             while next_ttl is not None and next_ttl < key:
                 next_ttl = bytes(ttls.key()) if ttls.next() else None
@@ -1148,7 +1210,8 @@ class LmdbSnapshotView:
                 ttl_ms = _TTL.unpack(ttls.value())[1]
                 next_ttl = bytes(ttls.key()) if ttls.next() else None
             # As replication.snapshot.message_row lays it out.
-            rows.append([kind, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease, ttl_ms])
+            rows.append([kind, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease, ttl_ms,
+                         delay_ms])
             size += len(payload) + 64
         return rows, None, size
 

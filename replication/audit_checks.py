@@ -101,7 +101,7 @@ def run_count(record: list[Any]) -> int:
 DEAD_LETTER_SUFFIX = ".dlq"
 PRIORITIES = 10
 CONSUMPTION_OPS = frozenset({"lease", "extend", "ack", "reply", "release", "expire", "dead_letter", "purge",
-                             "ttl_expire"})
+                             "ttl_expire", "delay", "mature"})
 HISTORY_OP = "history"            # a client-side history entry travelling with the records
 ARRIVAL_OP = "dead_letter_arrival"   # derived, never stored
 EPOCH_OP = "epoch"
@@ -146,7 +146,7 @@ LINK_STRIDE = 16            # ... and at every index divisible by this
 BUCKET_WIDTHS_MS = (10, 20, 50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000, 30_000, 60_000, 300_000, 600_000,
                     1_800_000, 3_600_000, 21_600_000, 86_400_000)
 
-_READY, _LEASED, _ACKED, _DEAD, _PURGED, _EXPIRED = 1, 2, 3, 4, 5, 6     # from _ACKED on: consumed
+_READY, _LEASED, _DELAYED, _ACKED, _DEAD, _PURGED, _EXPIRED = 1, 2, 3, 4, 5, 6, 7     # from _ACKED on: consumed
 _CONSUMED_COUNTS = {_ACKED: "acked", _DEAD: "dead_lettered", _PURGED: "purged", _EXPIRED: "expired"}
 _TAKING_OPS = {"dead_letter": _DEAD, "purge": _PURGED, "ttl_expire": _EXPIRED}   # ready or leased -> gone
 
@@ -619,8 +619,22 @@ class _Consumption:
                 self._make_ready(message_id, record.op)   # type: ignore[arg-type]
             else:
                 self._refuse(record, state)
+        elif record.op == "delay":           # journaled right after its enqueue: not ready yet
+            if state == _READY:
+                self.ready_count[self.priority[message_id]] -= 1    # type: ignore[index]
+                self.replay.states[message_id] = _DELAYED         # type: ignore[index]
+            else:
+                self._refuse(record, state)
+        elif record.op == "mature":
+            if state == _DELAYED:
+                self.replay.states[message_id] = _READY           # type: ignore[index]
+                priority = self.priority[message_id]              # type: ignore[index]
+                heapq.heappush(self.ready[priority], message_id)  # type: ignore[arg-type,misc]
+                self.ready_count[priority] += 1
+            else:
+                self._refuse(record, state)
         elif record.op in _TAKING_OPS:
-            if state in (_LEASED, _READY):
+            if state in (_LEASED, _READY, _DELAYED):
                 if state == _READY:
                     self.ready_count[self.priority[message_id]] -= 1    # type: ignore[index]
                 self.replay.states[message_id] = _TAKING_OPS[record.op]  # type: ignore[index]

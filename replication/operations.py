@@ -26,6 +26,9 @@ class Enqueued:
     # monotonic clock from when it placed the message (the master's enqueue, the replica's
     # apply, a restart), so a message never expires early, at worst one restart late.
     ttl_ms: int = 0
+    # Delivery delay (0: ready at once), a duration timed the same way: the message waits,
+    # not ready, until a `Matured` operation makes it so (each member, under `producer`).
+    delay_ms: int = 0
 
     @property
     def order(self) -> int:
@@ -121,6 +124,7 @@ class Purged:
     at_ms: int
     track_status: bool
     order: int = 0
+    delayed: bool = False     # it was still waiting for its delivery delay (`Enqueued.delay_ms`)
 
 
 @dataclass(slots=True)
@@ -138,9 +142,21 @@ class Expired:
     order: int = 0
 
 
+@dataclass(slots=True)
+class Matured:
+    """A delayed message's delay ran out: it is ready from now on, in priority-then-index
+    order among the ready messages (so ahead of later enqueues of its priority)."""
+    TAG: ClassVar[int] = 9
+    queue_id: int
+    index: int
+    priority: int
+    at_ms: int
+    order: int = 0
+
+
 OPERATION_TYPES: dict[int, type] = {}   # filled below: tag -> class, for the codec
 
-Operation = (Enqueued | Leased | Acked | Released | DeadLettered | Extended | Purged | Expired)
+Operation = (Enqueued | Leased | Acked | Released | DeadLettered | Extended | Purged | Expired | Matured)
 
-for _kind in (Enqueued, Leased, Acked, Released, DeadLettered, Extended, Purged, Expired):
+for _kind in (Enqueued, Leased, Acked, Released, DeadLettered, Extended, Purged, Expired, Matured):
     OPERATION_TYPES[_kind.TAG] = _kind

@@ -23,6 +23,7 @@ QUEUE_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,195}")
 PRIORITY_MAX = 9
 PRIORITY_DEFAULT = 4
 TTL_MAX_S = 1_209_600.0     # a message's time to live: at most 14 days (SQS's longest retention)
+DELAY_MAX_S = 900.0         # a message's delivery delay: at most 15 minutes (as SQS)
 
 
 class QueueType(enum.StrEnum):
@@ -168,13 +169,6 @@ def options_from_json(raw: dict[str, Any]) -> QueueOptions:
 
 def mismatched_options(existing: QueueOptions, given: dict[str, Any]) -> list[str]:
     return sorted(name for name, value in given.items() if getattr(existing, name) != value)
-
-
-def ttl_ms_of(value: Any) -> int:
-    """An enqueue's `ttl_s` as milliseconds (0 < ttl_s <= TTL_MAX_S); OptionError otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= TTL_MAX_S:
-        raise OptionError(f"ttl_s must be a number above 0 and at most {TTL_MAX_S:g}")
-    return max(1, int(value * 1000))
 
 
 def is_valid_queue_name(name: str) -> bool:

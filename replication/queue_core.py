@@ -30,7 +30,18 @@ from typing import Any
 
 from client.errors import E_LEASE_EXPIRED, E_QUEUE_FULL, E_UNKNOWN_MESSAGE, E_WRONG_QUEUE_TYPE, QueueError
 from replication.invariants import InvariantViolation
-from replication.operations import Acked, DeadLettered, Enqueued, Expired, Extended, Leased, Operation, Purged, Released
+from replication.operations import (
+    Acked,
+    DeadLettered,
+    Enqueued,
+    Expired,
+    Extended,
+    Leased,
+    Matured,
+    Operation,
+    Purged,
+    Released,
+)
 from replication.options import (
     PRIORITY_MAX,
     QUEUE_STATE_TRANSITIONS,
@@ -57,6 +68,7 @@ class QueueRecord:
     epoch: int = 1
     state: QueueState = QueueState.UNKNOWN
     ready_count: int = 0
+    delayed_count: int = 0     # messages waiting for their delivery delay (not ready yet)
     dead_letter_of: str | None = None
     total_enqueued: int = 0
     total_acked: int = 0
@@ -135,7 +147,11 @@ class QueueCore:
         # and their deadlines as a heap (entries of messages gone since are skipped).
         self._ttl: dict[int, tuple[int, int]] = {}
         self._ttl_deadlines: list[tuple[int, int]] = []
-        self._load_ttls()
+        # Messages waiting for their delivery delay: index -> (due on the lease clock, priority),
+        # and the due times as a heap. They are in no ready heap until they mature.
+        self._delayed: dict[int, tuple[int, int]] = {}
+        self._due: list[tuple[int, int]] = []
+        self._load_timed()
 
     # --- identity and state ----------------------------------------------------------------
     @property
@@ -152,7 +168,7 @@ class QueueCore:
 
     @property
     def depth(self) -> int:
-        return self.record.ready_count + len(self._leases)
+        return self.record.ready_count + len(self._leases) + self.record.delayed_count
 
     @property
     def in_flight(self) -> int:
@@ -165,17 +181,18 @@ class QueueCore:
 
     # --- commands --------------------------------------------------------------------------
     def enqueue(self, payload: bytes, priority: int, dedupe_id: str | None, client: str,
-                now_ms: int, out: list[Operation], ttl_ms: int = 0) -> tuple[int, bool]:
+                now_ms: int, out: list[Operation], ttl_ms: int = 0, delay_ms: int = 0) -> tuple[int, bool]:
         """Place a message; returns (message id, True if it repeats a kept dedupe id).
-        `ttl_ms`: its time to live (0: the queue's `message_ttl_s`, which may be none)."""
+        `ttl_ms`: its time to live (0: the queue's `message_ttl_s`, which may be none);
+        `delay_ms`: how long it waits before it is ready (0: ready at once)."""
         if dedupe_id is not None:
             earlier = self._find_dedupe(dedupe_id, now_ms)
             if earlier is not None:
                 return earlier, True
-        return self._place(payload, priority, dedupe_id, client, now_ms, out, ttl_ms), False
+        return self._place(payload, priority, dedupe_id, client, now_ms, out, ttl_ms, delay_ms), False
 
     def enqueue_many(self, payloads: list[bytes], priority: int, dedupe_ids: list[str | None], client: str,
-                     now_ms: int, out: list[Operation], ttl_ms: int = 0) -> list[int | QueueError]:
+                     now_ms: int, out: list[Operation], ttl_ms: int = 0, delay_ms: int = 0) -> list[int | QueueError]:
         """A batch in one step: each message's id (a kept dedupe id's earlier one), or the
         error that refused it. The committed dedupe ids are looked up in one read."""
         staged, sealed = self._dedupe.staged, self._dedupe.sealed
@@ -188,27 +205,30 @@ class QueueCore:
                 outcomes.append(earlier)
                 continue
             try:
-                outcomes.append(place(payload, priority, dedupe_id, client, now_ms, out, ttl_ms))
+                outcomes.append(place(payload, priority, dedupe_id, client, now_ms, out, ttl_ms, delay_ms))
             except QueueError as error:
                 outcomes.append(error)
         return outcomes
 
     def _place(self, payload: bytes, priority: int, dedupe_id: str | None, client: str, now_ms: int,
-               out: list[Operation], ttl_ms: int = 0) -> int:
+               out: list[Operation], ttl_ms: int = 0, delay_ms: int = 0) -> int:
         record = self.record
-        if record.ready_count + len(self._leases) >= record.options.max_depth:
+        if self.depth >= record.options.max_depth:
             raise QueueError(E_QUEUE_FULL, f"queue {record.name} holds {record.options.max_depth} messages")
         index = record.next_index
         record.next_index = index + 1
         ttl_ms = ttl_ms or record.options.message_ttl_ms
-        out.append(Enqueued(record.queue_id, index, priority, now_ms, dedupe_id, client, payload, ttl_ms))
+        out.append(Enqueued(record.queue_id, index, priority, now_ms, dedupe_id, client, payload, ttl_ms, delay_ms))
         if ttl_ms:
             self._live_for(index, priority, ttl_ms)
-        heapq.heappush(self._ready[priority], index)
-        record.ready_count += 1
+        if delay_ms:
+            self._delay(index, priority, delay_ms)
+        else:
+            heapq.heappush(self._ready[priority], index)
+            record.ready_count += 1
         record.total_enqueued += 1
-        if record.ready_count + len(self._leases) > record.highest_depth:
-            record.highest_depth = record.ready_count + len(self._leases)
+        if self.depth > record.highest_depth:
+            record.highest_depth = self.depth
         if dedupe_id is not None:
             self._dedupe.staged[dedupe_id] = (index, now_ms)
         return index
@@ -301,8 +321,14 @@ class QueueCore:
                 record.ready_count -= 1
                 out.append(Purged(record.queue_id, index, priority, False, now_ms, track, self._consumption_order()))
                 purged += 1
+        for index in sorted(i for i in self._delayed if i <= upto)[:max(0, limit - purged)]:
+            _, priority = self._delayed.pop(index)
+            self._ttl.pop(index, None)
+            record.delayed_count -= 1
+            out.append(Purged(record.queue_id, index, priority, False, now_ms, track, self._consumption_order(), True))
+            purged += 1
         record.total_purged += purged
-        done = not any(i <= upto for i in self._leases) and not any(
+        done = not any(i <= upto for i in self._leases) and not any(i <= upto for i in self._delayed) and not any(
             self._fill_head(priority) and self._ready[priority][0] <= upto for priority in PRIORITIES_HIGH_FIRST)
         return purged, done
 
@@ -332,16 +358,41 @@ class QueueCore:
         while heap and heap[0][0] <= lease_now:
             deadline, index = heapq.heappop(heap)
             live = ttl.get(index)
-            if live is None or live[0] != deadline or index in self._leases:
-                continue
+            if live is None or live[0] != deadline or index in self._leases or index in self._delayed:
+                continue        # gone, moved, leased (see _end_lease) or delayed (see mature_messages)
             self._expire_ready(index, live[1], now_ms, out, popped=False)
             expired += 1
         return expired
 
+    def mature_messages(self, now_ms: int, out: list[Operation]) -> int:
+        """Make every delayed message whose delay has run out on the lease clock ready
+        (`Matured`); returns how many. One past its time to live too is expired at once."""
+        matured = 0
+        heap, delayed = self._due, self._delayed
+        lease_now = self._lease_clock()
+        while heap and heap[0][0] <= lease_now:
+            due, index = heapq.heappop(heap)
+            waiting = delayed.get(index)
+            if waiting is None or waiting[0] != due:
+                continue
+            del delayed[index]
+            priority = waiting[1]
+            self.record.delayed_count -= 1
+            out.append(Matured(self.queue_id, index, priority, now_ms, self._consumption_order()))
+            self._make_ready(index, priority, 0)
+            matured += 1
+            live = self._ttl.get(index)
+            if live is not None and live[0] <= lease_now:
+                self._expire_ready(index, priority, now_ms, out, popped=False)
+            elif live is not None:
+                heapq.heappush(self._ttl_deadlines, (live[0], index))    # the sweep skipped it while delayed
+        return matured
+
     def next_deadline(self, *, ttl: bool = True) -> int | None:
-        """The earliest lease deadline, and time-to-live deadline if `ttl` (a member that
-        decides expiries), on the lease clock."""
-        deadlines = [heap[0][0] for heap in (self._lease_deadlines, self._ttl_deadlines if ttl else ()) if heap]
+        """The earliest lease deadline, and time-to-live and delay deadline if `ttl` (a member
+        that decides expiries and maturities), on the lease clock."""
+        heaps = (self._lease_deadlines, self._ttl_deadlines, self._due) if ttl else (self._lease_deadlines,)
+        deadlines = [heap[0][0] for heap in heaps if heap]
         return min(deadlines) if deadlines else None
 
     def inherit_leases(self) -> None:
@@ -389,12 +440,33 @@ class QueueCore:
         self._ttl[index] = (deadline, priority)
         heapq.heappush(self._ttl_deadlines, (deadline, index))
 
-    def _load_ttls(self) -> None:
-        """Every stored message with a time to live, timed from now (a restart, a snapshot)."""
-        self._ttl, self._ttl_deadlines = {}, []
-        rows = self._reader.ttl_rows(self.queue_id) if self.record.total_enqueued else []
-        for index, priority, ttl_ms in rows:
+    def _delay(self, index: int, priority: int, delay_ms: int) -> None:
+        """The message waits `delay_ms` from now on this member's clock before it is ready."""
+        due = self._lease_clock() + delay_ms
+        self._delayed[index] = (due, priority)
+        heapq.heappush(self._due, (due, index))
+        self.record.delayed_count += 1
+
+    def _load_timed(self) -> None:
+        """Every stored message with a time to live, and every delayed one, timed from now
+        (a restart, a snapshot install): none expires or matures early, at worst one restart late."""
+        self._ttl, self._ttl_deadlines, self._delayed, self._due = {}, [], {}, []
+        self.record.delayed_count = 0
+        for index, priority, ttl_ms in self._reader.ttl_rows(self.queue_id):
             self._live_for(index, priority, ttl_ms)
+        for index, priority, delay_ms in self._reader.delayed_rows(self.queue_id):
+            self._delay(index, priority, delay_ms)
+
+    def _make_ready(self, index: int, priority: int, deliveries: int) -> None:
+        """A message ready again (a lease ended without an ack) or at last (its delay ran out)."""
+        self.record.ready_count += 1
+        heapq.heappush(self._ready[priority], index)
+        if self._loaded_upto[priority] < index < self._boundary:
+            # A pre-restart message whose page is not loaded yet: the page load must skip it,
+            # since it may or may not see the committed copy of this operation.
+            self._pushed_beyond[priority].add(index)
+        if deliveries:
+            self._ready_deliveries[index] = deliveries
 
     def _expire(self, index: int, priority: int, deliveries: int, leased: bool, now_ms: int,
                 out: list[Operation]) -> None:
@@ -455,6 +527,9 @@ class QueueCore:
             self._ready_deliveries.pop(index, None)
         for index in [index for index in self._ttl if index > order]:
             del self._ttl[index]
+        delayed = [index for index in self._delayed if index > order]
+        for index in delayed:
+            del self._delayed[index]
         self._removed = {index for index in self._removed if index <= order}
         for overlay in (self._dedupe.staged, self._dedupe.sealed):
             for dedupe_id in [d for d, (index, _) in overlay.items() if index > order]:
@@ -462,7 +537,8 @@ class QueueCore:
         count = on_disk + sum(1 for _, index in dropped if index >= boundary)   # below it: counted on disk
         record = self.record
         record.ready_count -= count
-        record.total_enqueued -= count
+        record.delayed_count -= len(delayed)
+        record.total_enqueued -= count + len(delayed)
         record.next_index = min(record.next_index, order + 1)
         return dropped
 
@@ -488,7 +564,7 @@ class QueueCore:
                     self._ready_deliveries[index] = deliveries
         for index, priority, receipt, visibility_ms, deliveries, leased_ms in leases:
             self._inherit(index, priority, receipt, visibility_ms, deliveries, leased_ms)
-        self._load_ttls()
+        self._load_timed()
 
     # --- the replica's side: applying what the master decided ------------------------------
     def apply(self, op: Operation) -> None:
@@ -505,6 +581,19 @@ class QueueCore:
         if type(op) is Leased:
             self._take_ready(op.priority, op.index)
             self._inherit(op.index, op.priority, op.receipt, op.visibility_ms, op.deliveries, op.leased_ms)
+            return
+        if type(op) is Matured:
+            if self._delayed.pop(op.index, None) is None:
+                raise InvariantViolation(f"queue {self.name}: message {op.index} matured but was not delayed")
+            self.record.delayed_count -= 1
+            self._make_ready(op.index, op.priority, 0)
+            return
+        if type(op) is Purged and op.delayed:
+            self._ttl.pop(op.index, None)
+            self.record.total_purged += 1
+            if self._delayed.pop(op.index, None) is None:
+                raise InvariantViolation(f"queue {self.name}: purge of message {op.index}, which is not delayed")
+            self.record.delayed_count -= 1
             return
         if type(op) is Purged or type(op) is Expired:
             self._ttl.pop(op.index, None)
@@ -537,12 +626,8 @@ class QueueCore:
             record.service_ms_total += max(0, op.acked_ms - lease.leased_ms)  # type: ignore[union-attr]
             record.service_count += 1
         elif type(op) is Released:
-            record.ready_count += 1
             record.total_redelivered += 1
-            heapq.heappush(self._ready[op.priority], op.index)
-            if self._loaded_upto[op.priority] < op.index < self._boundary:
-                self._pushed_beyond[op.priority].add(op.index)     # as in _end_lease
-            self._ready_deliveries[op.index] = op.deliveries
+            self._make_ready(op.index, op.priority, op.deliveries)
         elif type(op) is DeadLettered:
             self._ttl.pop(op.index, None)
             record.total_dead_lettered += 1
@@ -556,8 +641,11 @@ class QueueCore:
         if op.index < record.next_index:
             raise InvariantViolation(f"queue {self.name}: enqueue at {op.index} below {record.next_index}")
         record.next_index = op.index + 1
-        heapq.heappush(self._ready[op.priority], op.index)
-        record.ready_count += 1
+        if op.delay_ms:
+            self._delay(op.index, op.priority, op.delay_ms)
+        else:
+            heapq.heappush(self._ready[op.priority], op.index)
+            record.ready_count += 1
         record.total_enqueued += 1
         record.highest_depth = max(record.highest_depth, self.depth)
         if op.dedupe_id is not None:
@@ -673,14 +761,8 @@ class QueueCore:
             out.append(DeadLettered(record.queue_id, index, lease.priority, lease.deliveries,
                                     dead_letter.queue_id, dead_index, now_ms, True, self._consumption_order()))
             return
-        record.ready_count += 1
         record.total_redelivered += 1
         priority = lease.priority
-        heapq.heappush(self._ready[priority], index)
-        if self._loaded_upto[priority] < index < self._boundary:
-            # A pre-restart message whose page is not loaded yet: the page load must skip it,
-            # since it may or may not see the committed copy of this release.
-            self._pushed_beyond[priority].add(index)
-        self._ready_deliveries[index] = lease.deliveries
+        self._make_ready(index, priority, lease.deliveries)
         out.append(Released(record.queue_id, index, priority, lease.deliveries, expired, now_ms,
                             self._consumption_order()))

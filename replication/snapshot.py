@@ -8,12 +8,13 @@ as rows in bounded chunks; the last chunk carries the digest at that order and a
 hash of every row sent, which the replica checks before anything of it counts.
 
 Rows (msgpack lists, in this order within a view):
-    [ROW_MESSAGE, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease, ttl_ms]
+    [ROW_MESSAGE, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease, ttl_ms, delay_ms]
     [ROW_DEDUPE, dedupe_id, index, enqueued_ms]            the dedupe window's entries
-    [ROW_DEAD_LETTER, index, priority, enqueued_ms, None, client, payload, deliveries, lease, 0]
+    [ROW_DEAD_LETTER, index, priority, enqueued_ms, None, client, payload, deliveries, lease, 0, 0]
 `lease` is [receipt, visibility_ms, leased_ms] or None (a duration: the taker times it from
 when it takes the queue over, see operations.Leased); `ttl_ms` the message's time to live
-(0: none), timed likewise from the install. Under `full` the snapshot is the whole
+(0: none), timed likewise from the install, and `delay_ms` a delay it still waits for (0: it
+is ready or leased), timed again in full from the install. Under `full` the snapshot is the whole
 state: deliveries, leases in flight and the dead-letter queue's messages (its stream follows
 on from the dead-letter order the last chunk names). Under `producer` it carries the live
 messages and the dedupe window only (never the master's consumption state), and only those
@@ -36,7 +37,7 @@ ROW_DEDUPE = 1
 ROW_DEAD_LETTER = 2
 STATE_HASH_BYTES = 16
 EMPTY_STATE_HASH = bytes(STATE_HASH_BYTES)
-_MESSAGE_ROW_FIELDS = 10
+_MESSAGE_ROW_FIELDS = 11
 _DEDUPE_ROW_FIELDS = 4
 
 
@@ -88,8 +89,9 @@ def decode_rows(encoded_rows: Any) -> list[list[Any]]:
 
 
 def message_row(kind: int, index: int, priority: int, enqueued_ms: int, dedupe_id: str | None, client: str,
-                payload: bytes, deliveries: int, lease: list[Any] | None, ttl_ms: int = 0) -> list[Any]:
-    return [kind, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease, ttl_ms]
+                payload: bytes, deliveries: int, lease: list[Any] | None, ttl_ms: int = 0,
+                delay_ms: int = 0) -> list[Any]:
+    return [kind, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease, ttl_ms, delay_ms]
 
 
 def check_rows(rows: Any) -> list[list[Any]]:
@@ -101,7 +103,8 @@ def check_rows(rows: Any) -> list[list[Any]]:
             raise MessageError("a snapshot row is [kind, fields...]")
         if row[0] in (ROW_MESSAGE, ROW_DEAD_LETTER):
             if len(row) != _MESSAGE_ROW_FIELDS or type(row[1]) is not int or type(row[2]) is not int \
-                    or not isinstance(row[6], bytes) or type(row[7]) is not int or type(row[9]) is not int:
+                    or not isinstance(row[6], bytes) or type(row[7]) is not int or type(row[9]) is not int \
+                    or type(row[10]) is not int:
                 raise MessageError("a snapshot message row is malformed")
             lease = row[8]
             if lease is not None and (not isinstance(lease, list) or len(lease) != 3
@@ -125,6 +128,7 @@ class InstalledState:
     keep_ready: bool = True
     ready: list[tuple[int, int, int]] = field(default_factory=list)       # (priority, index, deliveries)
     ready_count: int = 0
+    delayed_count: int = 0          # waiting for their delivery delay: not ready (QueueCore._load_timed)
     leases: list[tuple[int, int, str, int, int, int]] = field(default_factory=list)
     # ^ (index, priority, receipt, visibility_ms, deliveries, leased_ms)
     dead_letter_ready_count: int = 0
@@ -140,6 +144,8 @@ class InstalledState:
             if lease is not None:
                 leases = self.leases if kind == ROW_MESSAGE else self.dead_letter_leases
                 leases.append((row[1], row[2], lease[0], lease[1], row[7], lease[2]))
+            elif kind == ROW_MESSAGE and row[10]:
+                self.delayed_count += 1
             elif kind == ROW_MESSAGE:
                 self.ready_count += 1
                 if keep:
@@ -190,7 +196,8 @@ def memory_rows(store: Any, queue_id: int, *, consumption: bool, after_index: in
         else:
             deliveries, lease_row = 0, None
         rows.append(message_row(kind, index, message.priority, message.enqueued_ms, message.dedupe_id,
-                                message.client, message.payload, deliveries, lease_row, message.ttl_ms))
+                                message.client, message.payload, deliveries, lease_row, message.ttl_ms,
+                                message.delay_ms if index in queue.delayed else 0))
     if with_dedupe:
         for dedupe_id, (index, enqueued_ms) in sorted(queue.dedupe.items()):
             if index > after_index:

@@ -13,7 +13,18 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from replication.invariants import InvariantViolation
-from replication.operations import Acked, DeadLettered, Enqueued, Expired, Extended, Leased, Operation, Purged, Released
+from replication.operations import (
+    Acked,
+    DeadLettered,
+    Enqueued,
+    Expired,
+    Extended,
+    Leased,
+    Matured,
+    Operation,
+    Purged,
+    Released,
+)
 from replication.snapshot import ROW_DEDUPE, ROW_MESSAGE
 
 
@@ -36,6 +47,10 @@ class StoreReader(Protocol):
         """(index, priority, ttl_ms) of every stored message of the queue with a time to live."""
         ...
 
+    def delayed_rows(self, queue_id: int) -> list[tuple[int, int, int]]:
+        """(index, priority, delay_ms) of every stored message of the queue still delayed."""
+        ...
+
 
 @dataclass(slots=True)
 class StoredLease:
@@ -54,6 +69,7 @@ class _MemoryQueue:
     leases: dict[int, StoredLease] = field(default_factory=dict)
     status: dict[int, tuple[str, bytes | None]] = field(default_factory=dict)
     dedupe: dict[str, tuple[int, int]] = field(default_factory=dict)
+    delayed: set[int] = field(default_factory=set)      # messages not ready until they mature
 
 
 class MemoryStore:
@@ -83,6 +99,10 @@ class MemoryStore:
         messages = self._queue(queue_id).messages
         return [(index, m.priority, m.ttl_ms) for index, m in sorted(messages.items()) if m.ttl_ms]
 
+    def delayed_rows(self, queue_id: int) -> list[tuple[int, int, int]]:
+        queue = self._queue(queue_id)
+        return [(index, queue.messages[index].priority, queue.messages[index].delay_ms) for index in sorted(queue.delayed)]
+
     def leases(self, queue_id: int) -> list[StoredLease]:
         return list(self._queue(queue_id).leases.values())
 
@@ -105,9 +125,12 @@ class MemoryStore:
             if target is None:
                 raise InvariantViolation(f"snapshot of queue {queue_id} has dead letters but no dead-letter queue")
             queue = self._queue(target)
-            _, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease, ttl_ms = row
-            queue.messages[index] = Enqueued(target, index, priority, enqueued_ms, dedupe_id, client, payload, ttl_ms)
-            if lease is None:
+            _, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease, ttl_ms, delay_ms = row
+            queue.messages[index] = Enqueued(target, index, priority, enqueued_ms, dedupe_id, client, payload, ttl_ms,
+                                             delay_ms if lease is None else 0)
+            if lease is None and delay_ms:
+                queue.delayed.add(index)
+            elif lease is None:
                 self._set_ready(queue, priority, index, deliveries)
             else:
                 queue.leases[index] = StoredLease(index, priority, lease[0], lease[1], deliveries, lease[2])
@@ -126,7 +149,10 @@ class MemoryStore:
     def _apply_Enqueued(self, op: Enqueued) -> None:
         queue = self._queue(op.queue_id)
         queue.messages[op.index] = op
-        self._set_ready(queue, op.priority, op.index, 0)
+        if op.delay_ms:
+            queue.delayed.add(op.index)
+        else:
+            self._set_ready(queue, op.priority, op.index, 0)
         if op.dedupe_id is not None:
             queue.dedupe[op.dedupe_id] = (op.index, op.enqueued_ms)
 
@@ -143,9 +169,20 @@ class MemoryStore:
             raise InvariantViolation(f"extended message {op.queue_id}/{op.index} is not so leased")
         lease.visibility_ms = op.visibility_ms
 
+    def _apply_Matured(self, op: Matured) -> None:
+        queue = self._queue(op.queue_id)
+        if op.index not in queue.delayed:
+            raise InvariantViolation(f"matured message {op.queue_id}/{op.index} was not delayed")
+        queue.delayed.discard(op.index)
+        self._set_ready(queue, op.priority, op.index, 0)
+
     def _apply_Purged(self, op: Purged) -> None:
         queue = self._queue(op.queue_id)
-        if op.leased:
+        if op.delayed:
+            if op.index not in queue.delayed:
+                raise InvariantViolation(f"purged message {op.queue_id}/{op.index} was not delayed")
+            queue.delayed.discard(op.index)
+        elif op.leased:
             if queue.leases.pop(op.index, None) is None:
                 raise InvariantViolation(f"purged message {op.queue_id}/{op.index} was not leased")
         elif not self._drop_ready(queue, op.priority, op.index):
@@ -193,6 +230,20 @@ class MemoryStore:
         self._set_ready(dead, op.priority, op.dead_letter_index, 0)
         if op.track_status:
             queue.status[op.index] = ("dead_lettered", None)
+
+
+    def discard_after(self, queue_id: int, order: int) -> None:
+        """Erase a queue's messages past `order` (ready, delayed and dedupe entries too), as
+        `Storage._truncate` does for a deposed master's uncommitted suffix."""
+        queue = self.queues.get(queue_id)
+        if queue is None:
+            return
+        for index in [index for index in queue.messages if index > order]:
+            message = queue.messages.pop(index)
+            self._drop_ready(queue, message.priority, index)
+            queue.delayed.discard(index)
+            if message.dedupe_id is not None and queue.dedupe.get(message.dedupe_id, (0, 0))[0] == index:
+                del queue.dedupe[message.dedupe_id]
 
 
 def drop_queue(store: MemoryStore, queue_id: int) -> None:

@@ -287,10 +287,13 @@ async def test_garbage_on_the_websocket_gets_e_bad_frame_and_the_socket_keeps_wo
         await bystander.close()
 
 
-async def test_a_bad_time_to_live_is_refused_and_stores_nothing(api: RawApi) -> None:
+async def test_a_bad_time_to_live_or_delay_is_refused_and_stores_nothing(api: RawApi) -> None:
     for ttl in ("0", "-1", "abc", "nan", "1209601"):
         status, answer, _ = await api.request("POST", "/v1/queues/keep/messages", b"x", query={"ttl_s": ttl})
         assert status == 400 and error_code(answer) == "E_INVALID_OPTION", ttl
+    for delay in ("-1", "901", "soon", "inf"):
+        status, answer, _ = await api.request("POST", "/v1/queues/keep/messages", b"x", query={"delay_s": delay})
+        assert status == 400 and error_code(answer) == "E_INVALID_OPTION", delay
     for ttl in (-1, "60", True, 1_209_601):
         status, answer, _ = await api.request("PUT", "/v1/queues/timed", {"message_ttl_s": ttl})
         assert status == 400 and error_code(answer) == "E_INVALID_OPTION", ttl
@@ -301,6 +304,9 @@ async def test_a_bad_time_to_live_is_refused_and_stores_nothing(api: RawApi) -> 
             assert isinstance(item, ErrorReply) and item.code == "E_BAD_FRAME" and item.request_id == request_id
             [item] = await ws_exchange(ws, msgpack.packb([1, [[9, request_id, "keep", 4, [b"x"], None, ttl_ms]]]))
             assert isinstance(item, ErrorReply) and item.code == "E_BAD_FRAME"
+        for request_id, delay_ms in ((4, -1), (5, 900_001), (6, 1.5)):
+            [item] = await ws_exchange(ws, msgpack.packb([1, [[1, request_id, "keep", b"x", 4, None, 0, delay_ms]]]))
+            assert isinstance(item, ErrorReply) and item.code == "E_BAD_FRAME" and item.request_id == request_id
     finally:
         await ws.close()
     status, stats, _ = await api.request("GET", "/v1/queues/keep")

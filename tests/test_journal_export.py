@@ -144,7 +144,7 @@ def test_the_files_hold_what_the_journal_holds_and_audit_clean(storage: Storage,
     report = audit_records(records)
     assert report["verdict"] == "clean", report["violations"]
     assert report["total_queue"] == {"lost": 0, "unexpected": 0, "duplicated": 0, "recovered": 0, "enqueued": 5,
-                                     "acked": 1, "dead_lettered": 0, "purged": 0, "queued": 4}
+                                     "acked": 1, "dead_lettered": 0, "purged": 0, "expired": 0, "queued": 4}
 
 
 def test_a_restarted_exporter_continues_after_the_last_segment_it_finds(storage: Storage, tmp_path: Path) -> None:
@@ -304,10 +304,10 @@ def test_a_snapshots_rows_are_journaled_as_runs_and_exported_one_row_per_message
     batches; the export gives the same rows as one record per message would: `snapshot` or
     `snapshot_lease`, no ordering index, the message id, each with the checksum of its fields."""
     lease = [b"r", NOW_MS + 60_000, NOW_MS]
-    rows = [[ROW_MESSAGE, index, 4, NOW_MS, f"d{index}", "p", f"m{index}".encode(), 0, None, 0] for index in range(1, 6)]
-    rows += [[ROW_MESSAGE, 6, 4, NOW_MS, None, "other", b"m6", 0, None, 0],          # another client
-             [ROW_MESSAGE, 7, 4, NOW_MS, None, "other", b"m7", 1, lease, 0],         # leased
-             [ROW_MESSAGE, 9, 4, NOW_MS, None, "other", b"m9", 0, None, 0]]          # not consecutive
+    rows = [[ROW_MESSAGE, index, 4, NOW_MS, f"d{index}", "p", f"m{index}".encode(), 0, None, 0, 0] for index in range(1, 6)]
+    rows += [[ROW_MESSAGE, 6, 4, NOW_MS, None, "other", b"m6", 0, None, 0, 0],          # another client
+             [ROW_MESSAGE, 7, 4, NOW_MS, None, "other", b"m7", 1, lease, 0, 0],         # leased
+             [ROW_MESSAGE, 9, 4, NOW_MS, None, "other", b"m9", 0, None, 0, 0]]          # not consecutive
     storage.commit(SealedBatch(snapshot_rows=[(1, None, rows)], queue_records={"q1": {"queue_id": 1, "epoch": 3}}))
     source = JournalSource.from_storage(storage)
     with source.env.begin(db=source.journal_db) as txn:

@@ -96,6 +96,9 @@ class CountingReader:
     def ttl_rows(self, queue_id: int) -> list[tuple[int, int, int]]:
         return self.inner.ttl_rows(queue_id)
 
+    def delayed_rows(self, queue_id: int) -> list[tuple[int, int, int]]:
+        return self.inner.delayed_rows(queue_id)
+
 
 class Driver:
     """One queue and its dead-letter queue. Commands stage operations; `commit` seals,

@@ -18,7 +18,7 @@ import msgpack
 import pytest
 
 from qserver.storage import JOURNAL_FIELDS, MapGrowthNeeded, SealedBatch, Storage, StorageFull
-from replication.operations import Acked, DeadLettered, Enqueued, Expired, Leased, Operation, Released
+from replication.operations import Acked, DeadLettered, Enqueued, Expired, Leased, Matured, Operation, Purged, Released
 from replication.options import QueueOptions
 from replication.queue_core import InvariantViolation, QueueCore, QueueRecord
 from replication.store import MemoryStore, StoredLease
@@ -38,6 +38,7 @@ class Backend(Protocol):
     def leases(self, queue_id: int) -> list[StoredLease]: ...
     def payload(self, queue_id: int, index: int) -> bytes | None: ...
     def ttl_rows(self, queue_id: int) -> list[tuple[int, int, int]]: ...
+    def delayed_rows(self, queue_id: int) -> list[tuple[int, int, int]]: ...
 
 
 class MemoryBackend:
@@ -65,6 +66,9 @@ class MemoryBackend:
 
     def ttl_rows(self, queue_id: int) -> list[tuple[int, int, int]]:
         return self.store.ttl_rows(queue_id)
+
+    def delayed_rows(self, queue_id: int) -> list[tuple[int, int, int]]:
+        return self.store.delayed_rows(queue_id)
 
     def close(self) -> None:
         pass
@@ -97,6 +101,9 @@ class LmdbBackend:
 
     def ttl_rows(self, queue_id: int) -> list[tuple[int, int, int]]:
         return self.storage.ttl_rows(queue_id)
+
+    def delayed_rows(self, queue_id: int) -> list[tuple[int, int, int]]:
+        return self.storage.delayed_rows(queue_id)
 
     def close(self) -> None:
         self.storage.close()
@@ -209,6 +216,17 @@ def test_messages_with_a_time_to_live_are_listed_until_they_leave_however_they_l
     assert store.payload(OTHER, 2) == b"m4" and whole(store, OTHER, 4) == [(1, 0), (2, 0)]
     with pytest.raises(InvariantViolation):
         store.commit([Expired(QUEUE, 7, 4, True, AT_MS, True)])       # not leased
+
+
+def test_a_delayed_message_is_not_ready_until_it_matures_and_a_purge_takes_it(store: Backend) -> None:
+    store.commit([Enqueued(QUEUE, 1, 4, AT_MS, None, "producer", b"d1", 0, 5_000),
+                  Enqueued(QUEUE, 2, 6, AT_MS, None, "producer", b"d2", 0, 7_000), enqueued(3)])
+    assert store.delayed_rows(QUEUE) == [(1, 4, 5_000), (2, 6, 7_000)] and whole(store, QUEUE, 4) == [(3, 0)]
+    store.commit([Matured(QUEUE, 1, 4, AT_MS), Purged(QUEUE, 2, 6, False, AT_MS, True, 0, True)])
+    assert store.delayed_rows(QUEUE) == [] and whole(store, QUEUE, 4) == [(1, 0), (3, 0)] and whole(store, QUEUE, 6) == []
+    assert store.payload(QUEUE, 1) == b"d1" and store.payload(QUEUE, 2) is None
+    with pytest.raises(InvariantViolation):
+        store.commit([Matured(QUEUE, 3, 4, AT_MS)])       # not delayed
 
 
 def test_a_dedupe_id_names_the_latest_enqueue_that_used_it_within_its_queue(store: Backend) -> None:

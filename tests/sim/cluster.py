@@ -378,7 +378,7 @@ class SimNode:
         current = record["queue_id"] == self.queue_id      # not a batch of an instance since reset
         for order in discards:
             if self.queue_id in self.store.queues:
-                _discard_stored(self.store, self.queue_id, order)
+                self.store.discard_after(self.queue_id, order)
             self.oplog.discard_after(self.queue_id, order)
         if current:
             self.store.put_snapshot_rows(self.queue_id, None, rows)
@@ -599,13 +599,3 @@ class Simulation:
     def held(self, node: SimNode) -> set[int]:
         queue = node.store.queues.get(node.queue_id)
         return set() if queue is None else set(queue.messages)
-
-
-def _discard_stored(store: MemoryStore, queue_id: int, order: int) -> None:
-    """Erase a queue's messages past `order` (ready and dedupe entries too), as Storage does."""
-    queue = store.queues[queue_id]
-    for index in [index for index in queue.messages if index > order]:
-        message = queue.messages.pop(index)
-        queue.ready[message.priority] = [row for row in queue.ready.get(message.priority, []) if row[0] != index]
-        if message.dedupe_id is not None and queue.dedupe.get(message.dedupe_id, (0, 0))[0] == index:
-            del queue.dedupe[message.dedupe_id]

@@ -107,6 +107,8 @@ class History:
     two_acknowledging: list[tuple[int, tuple[str, ...]]] = field(default_factory=list)
     acks_checked: int = 0                                  # acknowledgements the check above ran at
     with_ttl: set[bytes] = field(default_factory=set)      # payloads enqueued with a time to live (each is unique)
+    delayed: dict[bytes, tuple[int, int]] = field(default_factory=dict)   # payload -> (enqueue sent, delay ms)
+    answered_at: list[tuple[bytes, int]] = field(default_factory=list)     # each delivery: payload, ms answered
 
     def failed(self, error: BaseException | str) -> None:
         code = error if isinstance(error, str) else error.code if isinstance(error, QueueError) \
@@ -340,7 +342,7 @@ class EngineSimulation:
         # The share of enqueues given a time to live, drawn from a stream of their own (with
         # none, a seed's run is the run it was before messages could expire).
         self.ttl_share = ttl_share
-        self.ttls = random.Random(seed ^ 0x7711)
+        self.ttls = random.Random(seed ^ 0x7711)      # and their delivery delays
         # The clocks come from a stream of their own: a seed's run without drift is the run it
         # was before clocks drifted (the regression seeds replay what they found).
         clocks = random.Random(seed ^ 0xC10C)
@@ -639,6 +641,7 @@ class EngineSimulation:
         if node is None:
             return
         ttl_ms = self.ttls.choice([150, 1_500]) if self.ttls.random() < self.ttl_share else 0
+        delay_ms = self.ttls.choice([100, 800]) if self.ttls.random() < self.ttl_share else 0
         if self.rng.random() < 0.5:
             [payload] = self._payloads(1)
 
@@ -647,7 +650,10 @@ class EngineSimulation:
                 self._check_at_acknowledgement()
             if ttl_ms:
                 history.with_ttl.add(payload)
-            node.call(lambda r: c.Enqueue(QUEUE, payload, 4, None, "producer", r, ttl_ms=ttl_ms), answered)
+            node.call(lambda r: c.Enqueue(QUEUE, payload, 4, None, "producer", r, ttl_ms=ttl_ms, delay_ms=delay_ms),
+                      answered)
+            if delay_ms:
+                history.delayed[payload] = (self.now_ms(), delay_ms)
             return
         payloads = self._payloads(self.rng.randint(1, 4))
 
@@ -659,7 +665,9 @@ class EngineSimulation:
         if ttl_ms:
             history.with_ttl.update(payloads)
         node.call(lambda r: c.EnqueueMany(QUEUE, self.rng.randint(0, 9), payloads, None, "producer", r,
-                                          ttl_ms=ttl_ms), placed)
+                                          ttl_ms=ttl_ms, delay_ms=delay_ms), placed)
+        if delay_ms:
+            history.delayed.update((payload, (self.now_ms(), delay_ms)) for payload in payloads)
 
     def _check_at_acknowledgement(self) -> None:
         self.history.acks_checked += 1
@@ -675,6 +683,7 @@ class EngineSimulation:
         def got(messages: Any) -> None:
             for message in messages:
                 history.delivered.append((message.message_id, message.payload))
+                history.answered_at.append((message.payload, self.now_ms()))
                 history.leases.append((message.message_id, sent_ms, self.now_ms(), visibility_ms))
             if messages:
                 self.loop.call_later(self.rng.uniform(0.001, 0.02), self._ack, node, messages)

@@ -88,6 +88,9 @@ class MemoryStorage:
     def ttl_rows(self, queue_id: int) -> list[tuple[int, int, int]]:
         return self.store.ttl_rows(queue_id)
 
+    def delayed_rows(self, queue_id: int) -> list[tuple[int, int, int]]:
+        return self.store.delayed_rows(queue_id)
+
     def message_status(self, queue_id: int, index: int) -> tuple[str, int, bytes | None] | None:
         queue = self.store.queues.get(queue_id)
         if queue is None:
@@ -97,6 +100,8 @@ class MemoryStorage:
             return state, 0, reply
         if index in queue.leases:
             return "delivered", queue.leases[index].deliveries, None
+        if index in queue.delayed:
+            return "delayed", 0, None
         if index in queue.messages:
             return "queued", 0, None
         return None
@@ -171,14 +176,7 @@ class MemoryStorage:
     def _truncate(self, queue_id: int, order: int) -> None:
         """Erase the queue's messages (ready and dedupe entries too) and op-log rows past
         `order`, as `Storage._truncate` does."""
-        queue = self.store.queues.get(queue_id)
-        if queue is not None:
-            for index in [index for index in queue.messages if index > order]:
-                message = queue.messages.pop(index)
-                queue.ready[message.priority] = [row for row in queue.ready.get(message.priority, [])
-                                                 if row[0] != index]
-                if message.dedupe_id is not None and queue.dedupe.get(message.dedupe_id, (0, 0))[0] == index:
-                    del queue.dedupe[message.dedupe_id]
+        self.store.discard_after(queue_id, order)
         self.oplog.discard_after(queue_id, order)
         self.history.discard_after(queue_id, order)
         taken = self.installed.get(queue_id, {})
