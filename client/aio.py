@@ -31,7 +31,7 @@ import itertools
 import os
 import random
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -103,7 +103,7 @@ class Message:
     """A leased message; `ack()` deletes it and `release()` gives it back, through the client
     that received it."""
 
-    __slots__ = ("_client", "deliveries", "id", "payload", "priority", "queue", "receipt")
+    __slots__ = ("_client", "deliveries", "headers", "id", "payload", "priority", "queue", "receipt")
 
     def __init__(self, client: AsyncClient, queue: str, delivered: DeliveredMessage) -> None:
         self.id = delivered.message_id
@@ -111,6 +111,7 @@ class Message:
         self.priority = delivered.priority
         self.deliveries = delivered.deliveries
         self.payload = delivered.payload
+        self.headers: dict[str, str] = dict(delivered.headers or {})
         self.queue = queue
         self._client = client
 
@@ -267,6 +268,13 @@ def _ttl_ms(ttl_s: float | None) -> int:
     return max(1, int(ttl_s * 1000))
 
 
+_Headers = tuple[tuple[str, str], ...]      # a message's headers as a batch key (hashable)
+
+
+def _headers_key(headers: Mapping[str, str] | None) -> _Headers:
+    return tuple(sorted(headers.items())) if headers else ()
+
+
 def _delay_ms(delay_s: float | None) -> int:
     """A message's delivery delay as the protocol carries it (0: ready at once)."""
     if delay_s is None:
@@ -358,8 +366,8 @@ class AsyncClient:
         # uuid4 hex (same 32 hex characters) for a fraction of the cost per message.
         self._dedupe_prefix = os.urandom(10).hex()
         self._dedupe_counter = itertools.count(1)
-        # (queue, priority, ttl_ms, delay_ms) -> the calls of this turn to put in one batch op
-        self._open_enqueues: dict[tuple[str, int, int, int], _EnqueueBatch] = {}
+        # (queue, priority, ttl_ms, delay_ms, headers) -> the calls of this turn to put in one batch op
+        self._open_enqueues: dict[tuple[str, int, int, int, _Headers], _EnqueueBatch] = {}
         self._open_acks: dict[str, _AckBatch] = {}
         self._flush_scheduled = False
         self._calls_in_flight = 0  # futures handed out and not yet answered
@@ -466,8 +474,8 @@ class AsyncClient:
         self._flush_scheduled = False
         if self._open_enqueues:
             batches, self._open_enqueues = self._open_enqueues, {}
-            for (queue, priority, ttl_ms, delay_ms), batch in batches.items():
-                self._queue_enqueue_batch(queue, priority, ttl_ms, delay_ms, batch)
+            for (queue, priority, ttl_ms, delay_ms, headers), batch in batches.items():
+                self._queue_enqueue_batch(queue, priority, ttl_ms, delay_ms, dict(headers) if headers else None, batch)
         if self._open_acks:
             acks, self._open_acks = self._open_acks, {}
             for queue, ack_batch in acks.items():
@@ -484,19 +492,19 @@ class AsyncClient:
                 waiter.set_result(None)
 
     def _queue_enqueue_batch(self, queue: str, priority: int, ttl_ms: int, delay_ms: int,
-                             batch: _EnqueueBatch) -> None:
+                             headers: dict[str, str] | None, batch: _EnqueueBatch) -> None:
         """One op for the batch, or several when it passes the item or byte limit."""
         payloads, count = batch.payloads, len(batch.payloads)
         if count <= BATCH_ITEMS_MAX and batch.size_bytes <= self._frame_bytes_max:
             op = EnqueueBatchOp(next(self._ids), queue, priority, tuple(payloads), tuple(batch.dedupe_ids), ttl_ms,
-                                delay_ms)
+                                delay_ms, headers)
             self._pending[op.request_id] = (batch.futures, op)
             self._track(op)
             self._outgoing.append(op)
             return
         for start, end in _batch_bounds(payloads, self._frame_bytes_max):
             op = EnqueueBatchOp(next(self._ids), queue, priority, tuple(payloads[start:end]),
-                                tuple(batch.dedupe_ids[start:end]), ttl_ms, delay_ms)
+                                tuple(batch.dedupe_ids[start:end]), ttl_ms, delay_ms, headers)
             self._pending[op.request_id] = (batch.futures[start:end], op)
             self._track(op)
             self._outgoing.append(op)
@@ -552,8 +560,8 @@ class AsyncClient:
         return f"{self._dedupe_prefix}{next(self._dedupe_counter):012x}"
 
     def _join_enqueue(self, queue: str, priority: int, payload: bytes, dedupe_id: str,
-                      ttl_ms: int = 0, delay_ms: int = 0) -> asyncio.Future[Any]:
-        key = (queue, priority, ttl_ms, delay_ms)
+                      ttl_ms: int = 0, delay_ms: int = 0, headers: _Headers = ()) -> asyncio.Future[Any]:
+        key = (queue, priority, ttl_ms, delay_ms, headers)
         batch = self._open_enqueues.get(key)
         if batch is None:
             batch = self._open_enqueues[key] = _EnqueueBatch()
@@ -753,7 +761,7 @@ class AsyncClient:
     # --- messages -----------------------------------------------------------------------------
     async def enqueue(self, queue: str, payload: bytes, priority: int = 4,
                       dedupe_id: str | None = None, *, ttl_s: float | None = None,
-                      delay_s: float | None = None) -> int:
+                      delay_s: float | None = None, headers: Mapping[str, str] | None = None) -> int:
         """Enqueue one message and return its id once it is durable on every copy the queue's
         strength asks for. Except on a `one_way` queue (seed 004 One_Way): there the answer comes
         as soon as the master accepted the message, before it is durable, and a failure of the
@@ -761,17 +769,19 @@ class AsyncClient:
         (the default) where an answer must mean stored. `ttl_s`: the message's time to live
         (default: the queue's `message_ttl_s`); once it has passed the message is never
         delivered (dead-lettered if the queue has a dead-letter queue, else dropped).
-        `delay_s` (at most 900): the message is delivered no sooner than that."""
+        `delay_s` (at most 900): the message is delivered no sooner than that. `headers`: a
+        small map of names to strings (at most 16, 4,096 characters in all) that the consumer
+        gets with the message (`Message.headers`)."""
         if type(payload) is not bytes:
             payload = _as_bytes(payload)
         dedupe_id = dedupe_id or self._new_dedupe_id()
-        ttl_ms, delay_ms = _ttl_ms(ttl_s), _delay_ms(delay_s)
+        ttl_ms, delay_ms, named = _ttl_ms(ttl_s), _delay_ms(delay_s), _headers_key(headers)
         if self._masters:
-            return await self._watched_enqueue(queue, payload, priority, dedupe_id, ttl_ms, delay_ms)
-        return await self._enqueue_here(queue, payload, priority, dedupe_id, ttl_ms, delay_ms)
+            return await self._watched_enqueue(queue, payload, priority, dedupe_id, ttl_ms, delay_ms, named)
+        return await self._enqueue_here(queue, payload, priority, dedupe_id, ttl_ms, delay_ms, named)
 
     async def _watched_enqueue(self, queue: str, payload: bytes, priority: int, dedupe_id: str,
-                               ttl_ms: int, delay_ms: int) -> int:
+                               ttl_ms: int, delay_ms: int, headers: _Headers) -> int:
         """An enqueue at the queue's master, watched as `_hedged` watches a call, but without a
         task and a timed wait per call (they cost a map-aware client about a quarter of its
         throughput: bench/RESULTS.md): the call joins its node's batch at once, and a sweep
@@ -780,11 +790,11 @@ class AsyncClient:
         target = self._route(queue)
 
         def attempt(node: AsyncClient) -> Coroutine[Any, Any, int]:
-            return node._enqueue_here(queue, payload, priority, dedupe_id, ttl_ms, delay_ms)
+            return node._enqueue_here(queue, payload, priority, dedupe_id, ttl_ms, delay_ms, headers)
         if target._calls_in_flight >= target._in_flight_max:      # it must wait for room: a task
             return await self._hedged(queue, attempt)
         loop = self._bound_loop()
-        first = target._join_enqueue(queue, priority, payload, dedupe_id, ttl_ms, delay_ms)
+        first = target._join_enqueue(queue, priority, payload, dedupe_id, ttl_ms, delay_ms, headers)
         watch = _Watch(queue, attempt, target, loop.create_future(), loop.time())
         first.add_done_callback(watch.settle)
         self._watches.append(watch)
@@ -833,10 +843,10 @@ class AsyncClient:
             task.add_done_callback(watch.settle)
 
     async def _enqueue_here(self, queue: str, payload: bytes, priority: int, dedupe_id: str, ttl_ms: int = 0,
-                            delay_ms: int = 0) -> int:
+                            delay_ms: int = 0, headers: _Headers = ()) -> int:
         if self._calls_in_flight >= self._in_flight_max:
             await self._wait_for_room()
-        future = self._join_enqueue(queue, priority, payload, dedupe_id, ttl_ms, delay_ms)
+        future = self._join_enqueue(queue, priority, payload, dedupe_id, ttl_ms, delay_ms, headers)
         try:
             return await future  # type: ignore[no-any-return]
         except QueueError as error:
@@ -844,34 +854,34 @@ class AsyncClient:
             if master is None:
                 raise
             return await _retried_once(error, master._enqueue_here(queue, payload, priority, dedupe_id, ttl_ms,
-                                                                   delay_ms))
+                                                                   delay_ms, headers))
 
     async def enqueue_many(self, queue: str, payloads: Iterable[bytes], priority: int = 4, *,
                            dedupe_ids: Sequence[str] | None = None, ttl_s: float | None = None,
-                           delay_s: float | None = None) -> list[int]:
+                           delay_s: float | None = None, headers: Mapping[str, str] | None = None) -> list[int]:
         """Enqueue many messages in one batch; returns their ids in order. On an error the
         first one is raised after every answer is in (the others may be stored: pass
-        `dedupe_ids` to make a retry of the whole call safe). `ttl_s`, `delay_s`: as for
-        `enqueue`, for every message."""
+        `dedupe_ids` to make a retry of the whole call safe). `ttl_s`, `delay_s`, `headers`: as
+        for `enqueue`, for every message."""
         items = [_as_bytes(p) for p in payloads]
         if dedupe_ids is not None and len(dedupe_ids) != len(items):
             raise ValueError("dedupe_ids must have one id per payload")
         ids = list(dedupe_ids) if dedupe_ids is not None else [self._new_dedupe_id() for _ in items]
-        ttl_ms, delay_ms = _ttl_ms(ttl_s), _delay_ms(delay_s)
+        ttl_ms, delay_ms, named = _ttl_ms(ttl_s), _delay_ms(delay_s), dict(headers) if headers else None
         if self._masters:
             return await self._hedged(queue, lambda node: node._enqueue_many_here(queue, items, priority, ids, ttl_ms,
-                                                                                  delay_ms))
-        return await self._enqueue_many_here(queue, items, priority, ids, ttl_ms, delay_ms)
+                                                                                  delay_ms, named))
+        return await self._enqueue_many_here(queue, items, priority, ids, ttl_ms, delay_ms, named)
 
     async def _enqueue_many_here(self, queue: str, items: list[bytes], priority: int, ids: list[str],
-                                 ttl_ms: int = 0, delay_ms: int = 0) -> list[int]:
+                                 ttl_ms: int = 0, delay_ms: int = 0, headers: dict[str, str] | None = None) -> list[int]:
         if self._calls_in_flight >= self._in_flight_max:
             await self._wait_for_room()
         # The call is its own batch with one future for all its answers: no future per message.
         futures = []
         for start, end in _batch_bounds(items, self._frame_bytes_max):
             op = EnqueueBatchOp(next(self._ids), queue, priority, tuple(items[start:end]), tuple(ids[start:end]), ttl_ms,
-                                delay_ms)
+                                delay_ms, headers)
             futures.append(self._submit(op))
         try:
             outcomes = [outcome for part in await asyncio.gather(*futures) for outcome in part[1]]
@@ -879,7 +889,8 @@ class AsyncClient:
             master = await self._rerouted(queue, error)
             if master is None:
                 raise
-            return await _retried_once(error, master._enqueue_many_here(queue, items, priority, ids, ttl_ms, delay_ms))
+            return await _retried_once(error, master._enqueue_many_here(queue, items, priority, ids, ttl_ms, delay_ms,
+                                                                        headers))
         for outcome in outcomes:
             if type(outcome) is not int:
                 raise _item_error(outcome)

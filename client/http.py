@@ -237,17 +237,19 @@ class HttpClient:
     # --- messages ---------------------------------------------------------------------------
     async def enqueue_http(self, queue: str, payload: bytes, priority: int = 4,
                            dedupe_id: str | None = None, *, ttl_s: float | None = None,
-                           delay_s: float | None = None) -> int:
+                           delay_s: float | None = None, headers: Mapping[str, str] | None = None) -> int:
         """Enqueue one message; returns its id (once durable; on a `one_way` queue, 202 before
         it is). A dedupe id is always sent so a caller that retries after `outcome_unknown` can
         pass the same one and not store twice. `ttl_s`: the message's time to live; `delay_s`:
-        its delivery delay."""
-        headers = {"X-Priority": str(priority), "X-Dedupe-Id": dedupe_id or uuid.uuid4().hex,
-                   "Content-Type": "application/octet-stream"}
+        its delivery delay; `headers`: a small map of names to strings delivered with it."""
+        fields = {"X-Priority": str(priority), "X-Dedupe-Id": dedupe_id or uuid.uuid4().hex,
+                  "Content-Type": "application/octet-stream"}
+        if headers:
+            fields["X-Headers"] = json.dumps(dict(headers), ensure_ascii=True)
         query = [(name, query_number(value)) for name, value in (("ttl_s", ttl_s), ("delay_s", delay_s))
                  if value is not None]
         answer = await self.request("POST", queue_path(queue, "messages"), body=payload, query=query,
-                                    headers=headers, idempotent=False)
+                                    headers=fields, idempotent=False)
         return int(answer.json()["id"])
 
     async def receive_http(self, queue: str, wait_s: float = 0.0,
@@ -262,10 +264,12 @@ class HttpClient:
             return None
         headers = answer.headers
         try:
+            named = headers.get("X-Headers")
             return DeliveredMessage(int(headers["X-Message-Id"]), headers["X-Receipt"],
                                     int(headers.get("X-Priority", "4")),
-                                    int(headers.get("X-Deliveries", "1")), answer.body)
-        except (KeyError, ValueError):
+                                    int(headers.get("X-Deliveries", "1")), answer.body,
+                                    None if named is None else dict(json.loads(named)))
+        except (KeyError, ValueError, TypeError):
             raise QueueError(E_INTERNAL, "a receive answer lacks its message headers") from None
 
     async def ack_http(self, queue: str, message_id: int, receipt: str) -> None:

@@ -36,6 +36,7 @@ class EnqueueOp:
     dedupe_id: str | None = None
     ttl_ms: int = 0          # the message's time to live; 0: the queue's message_ttl_s
     delay_ms: int = 0        # the message's delivery delay; 0: ready at once
+    headers: dict[str, str] | None = None    # a small map delivered with it (limits: replication/options.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +111,7 @@ class EnqueueBatchOp:
     dedupe_ids: tuple[str | None, ...] | None = None
     ttl_ms: int = 0          # every message's time to live; 0: the queue's message_ttl_s
     delay_ms: int = 0        # every message's delivery delay; 0: ready at once
+    headers: dict[str, str] | None = None    # every message's
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +147,7 @@ class DeliveredMessage:
     priority: int
     deliveries: int
     payload: bytes
+    headers: dict[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,7 +198,8 @@ ServerItem = (OkReply | ErrorReply | Delivery | Closing | SubscriptionEnded)
 
 # --- encoding --------------------------------------------------------------------------------
 def _message_row(m: DeliveredMessage) -> list[Any]:
-    return [m.message_id, m.receipt, m.priority, m.deliveries, m.payload]
+    row = [m.message_id, m.receipt, m.priority, m.deliveries, m.payload]
+    return row if m.headers is None else [*row, m.headers]
 
 
 def _encode_item(item: ClientOp | ServerItem) -> list[Any]:
@@ -208,7 +212,7 @@ def _encode_item(item: ClientOp | ServerItem) -> list[Any]:
         return [item.TAG, item.subscription_id, [_message_row(m) for m in item.messages]]
     if isinstance(item, EnqueueBatchOp):
         return [item.TAG, item.request_id, item.queue, item.priority, list(item.payloads),
-                None if item.dedupe_ids is None else list(item.dedupe_ids), item.ttl_ms, item.delay_ms]
+                None if item.dedupe_ids is None else list(item.dedupe_ids), item.ttl_ms, item.delay_ms, item.headers]
     if isinstance(item, AckBatchOp):
         return [item.TAG, item.request_id, item.queue, [list(pair) for pair in item.items]]
     return [item.TAG, *(getattr(item, name) for name in item.__slots__)]  # type: ignore[union-attr]
@@ -251,8 +255,15 @@ def _str(value: Any, name: str, request_id: int, *, optional: bool = False) -> A
 INT64_MAX = 2**63 - 1
 TTL_MS_MAX = 1_209_600_000      # 14 days (replication.options.TTL_MAX_S)
 DELAY_MS_MAX = 900_000          # 15 minutes (replication.options.DELAY_MAX_S)
-_OP_ARITY = {1: (5, 8), 2: (3, 6), 3: (5, 5), 4: (5, 5), 5: (4, 5), 6: (4, 4), 7: (3, 3), 8: (2, 2),
-             9: (5, 8), 10: (4, 4), 11: (6, 6)}
+_OP_ARITY = {1: (5, 9), 2: (3, 6), 3: (5, 5), 4: (5, 5), 5: (4, 5), 6: (4, 4), 7: (3, 3), 8: (2, 2),
+             9: (5, 9), 10: (4, 4), 11: (6, 6)}
+
+
+def _headers(value: Any, request_id: int) -> dict[str, str] | None:
+    """The shape only (a map or nil): the node checks names, values and limits (E_INVALID_OPTION)."""
+    if value is not None and not isinstance(value, dict):
+        raise FrameError("headers must be a map of names to strings, or nil", request_id)
+    return value
 
 
 def _decode_op(row: Any) -> ClientOp:
@@ -274,7 +285,8 @@ def _decode_op(row: Any) -> ClientOp:
         ttl_ms = _int(args[4], "ttl_ms", 0, TTL_MS_MAX, request_id) if len(args) > 4 else 0
         delay_ms = _int(args[5], "delay_ms", 0, DELAY_MS_MAX, request_id) if len(args) > 5 else 0
         return EnqueueOp(request_id, _str(args[0], "queue", request_id), bytes(payload),
-                         _int(args[2], "priority", 0, 9, request_id), dedupe, ttl_ms, delay_ms)
+                         _int(args[2], "priority", 0, 9, request_id), dedupe, ttl_ms, delay_ms,
+                         _headers(args[6] if len(args) > 6 else None, request_id))
     if tag == ReceiveOp.TAG:
         padded = args + [None] * (4 - len(args))
         visibility = padded[3]
@@ -313,6 +325,7 @@ def _decode_enqueue_batch(request_id: int, args: list[Any]) -> EnqueueBatchOp:
     payloads, dedupe_ids = args[2], args[3] if len(args) > 3 else None
     ttl_ms = _int(args[4], "ttl_ms", 0, TTL_MS_MAX, request_id) if len(args) > 4 else 0
     delay_ms = _int(args[5], "delay_ms", 0, DELAY_MS_MAX, request_id) if len(args) > 5 else 0
+    headers = _headers(args[6] if len(args) > 6 else None, request_id)
     if not isinstance(payloads, list) or not 0 < len(payloads) <= BATCH_ITEMS_MAX:
         raise FrameError(f"payloads must be a list of 1..{BATCH_ITEMS_MAX}", request_id)
     if not all(isinstance(p, (bytes, bytearray)) for p in payloads):
@@ -324,7 +337,7 @@ def _decode_enqueue_batch(request_id: int, args: list[Any]) -> EnqueueBatchOp:
             raise FrameError("dedupe ids must be strings or nil", request_id)
         dedupe_ids = tuple(dedupe_ids)
     return EnqueueBatchOp(request_id, queue, priority, tuple(bytes(p) for p in payloads), dedupe_ids, ttl_ms,
-                          delay_ms)
+                          delay_ms, headers)
 
 
 def _decode_ack_batch(request_id: int, args: list[Any]) -> AckBatchOp:
@@ -353,9 +366,10 @@ def decode_client_frame(data: bytes) -> list[ClientOp | FrameError]:
 
 
 def _decode_message(row: Any) -> DeliveredMessage:
-    if not isinstance(row, list) or len(row) != 5:
-        raise FrameError("a message is [id, receipt, priority, deliveries, payload]")
-    return DeliveredMessage(int(row[0]), str(row[1]), int(row[2]), int(row[3]), bytes(row[4]))
+    if not isinstance(row, list) or len(row) not in (5, 6) or (len(row) == 6 and not isinstance(row[5], dict)):
+        raise FrameError("a message is [id, receipt, priority, deliveries, payload, headers?]")
+    return DeliveredMessage(int(row[0]), str(row[1]), int(row[2]), int(row[3]), bytes(row[4]),
+                            {str(k): str(v) for k, v in row[5].items()} if len(row) == 6 else None)
 
 
 def decode_server_frame(data: bytes) -> list[ServerItem]:

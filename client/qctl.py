@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from client.credentials import Credentials, load_credentials, save_credentials
-from client.errors import QueueError
+from client.errors import E_INVALID_OPTION, QueueError
 from client.http import HttpClient
 from client.signing import new_private_key, private_key_to_text, public_key_text
 
@@ -220,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     put.add_argument("--dedupe-id")
     put.add_argument("--ttl-s", type=float, help="the message's time to live (default: the queue's)")
     put.add_argument("--delay-s", type=float, help="deliver it no sooner than this (at most 900)")
+    put.add_argument("--header", action="append", default=[], metavar="NAME=VALUE",
+                     help="a header delivered with the message (repeat for more)")
     get = command(commands, "get", cmd_get, "lease (and with --ack delete) the next message")
     get.add_argument("queue")
     get.add_argument("--wait-s", type=float, default=0.0)
@@ -375,8 +377,19 @@ def _each_member(answer: dict[str, Any]) -> str:
 async def cmd_put(http: HttpClient, args: argparse.Namespace) -> Outcome:
     payload = sys.stdin.buffer.read() if args.data == "-" else args.data.encode()
     message_id = await http.enqueue_http(args.queue, payload, args.priority, args.dedupe_id, ttl_s=args.ttl_s,
-                                         delay_s=args.delay_s)
+                                         delay_s=args.delay_s, headers=_headers(args.header))
     return Outcome({"queue": args.queue, "id": message_id}, f"id: {message_id}")
+
+
+def _headers(given: list[str]) -> dict[str, str] | None:
+    """--header NAME=VALUE, repeated."""
+    headers = {}
+    for item in given:
+        name, equals, value = item.partition("=")
+        if not equals or not name:
+            raise QueueError(E_INVALID_OPTION, f"--header takes NAME=VALUE, not {item!r}")
+        headers[name] = value
+    return headers or None
 
 
 async def cmd_get(http: HttpClient, args: argparse.Namespace) -> Outcome:
@@ -387,7 +400,7 @@ async def cmd_get(http: HttpClient, args: argparse.Namespace) -> Outcome:
         await http.ack_http(args.queue, message.message_id, message.receipt)
     document = {"queue": args.queue, "id": message.message_id, "receipt": message.receipt,
                 "priority": message.priority, "deliveries": message.deliveries,
-                "acked": bool(args.ack), **payload_fields(message.payload)}
+                "headers": message.headers or {}, "acked": bool(args.ack), **payload_fields(message.payload)}
     shown = {key: value for key, value in document.items() if key not in ("payload", "payload_b64")}
     shown["payload"] = message.payload.decode(errors="backslashreplace")
     return Outcome(document, format_fields(shown))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Iterable, Iterator, Sequence
+from collections.abc import Coroutine, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Self, TypeVar
 
 from client.aio import AsyncClient, Consumer, CredentialsArg, LeaseKeeper, Message
@@ -21,10 +21,11 @@ T = TypeVar("T")
 class SyncMessage:
     """A leased message received through a `Client`; `ack()`, `release()` and `extend()` block."""
 
-    __slots__ = ("_client", "_message", "deliveries", "id", "payload", "priority", "queue", "receipt")
+    __slots__ = ("_client", "_message", "deliveries", "headers", "id", "payload", "priority", "queue", "receipt")
 
     def __init__(self, client: Client, message: Message) -> None:
         self._message = message
+        self.headers = message.headers
         self.id = message.id
         self.receipt = message.receipt
         self.priority = message.priority
@@ -162,16 +163,19 @@ class Client:
 
     # --- messages -----------------------------------------------------------------------------
     def enqueue(self, queue: str, payload: bytes, priority: int = 4, dedupe_id: str | None = None, *,
-                ttl_s: float | None = None, delay_s: float | None = None) -> int:
+                ttl_s: float | None = None, delay_s: float | None = None,
+                headers: Mapping[str, str] | None = None) -> int:
         """As AsyncClient.enqueue: the id once durable, except on a `one_way` queue (answered
-        before it is durable); `ttl_s` the message's time to live, `delay_s` its delivery delay."""
-        return self._run(self._async.enqueue(queue, payload, priority, dedupe_id, ttl_s=ttl_s, delay_s=delay_s))
+        before it is durable); `ttl_s` the message's time to live, `delay_s` its delivery delay,
+        `headers` a small map delivered with it."""
+        return self._run(self._async.enqueue(queue, payload, priority, dedupe_id, ttl_s=ttl_s, delay_s=delay_s,
+                                             headers=headers))
 
     def enqueue_many(self, queue: str, payloads: Iterable[bytes], priority: int = 4, *,
                      dedupe_ids: Sequence[str] | None = None, ttl_s: float | None = None,
-                     delay_s: float | None = None) -> list[int]:
+                     delay_s: float | None = None, headers: Mapping[str, str] | None = None) -> list[int]:
         return self._run(self._async.enqueue_many(queue, list(payloads), priority, dedupe_ids=dedupe_ids,
-                                                  ttl_s=ttl_s, delay_s=delay_s))
+                                                  ttl_s=ttl_s, delay_s=delay_s, headers=headers))
 
     def receive(self, queue: str, max_messages: int = 1, wait_s: float = 0.0,
                 visibility_timeout_s: float | None = None) -> list[SyncMessage]:

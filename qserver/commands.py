@@ -46,6 +46,7 @@ class Enqueue:
     request_id: int = 0
     ttl_ms: int = 0         # the message's time to live; 0: the queue's message_ttl_s
     delay_ms: int = 0       # its delivery delay; 0: ready at once
+    headers: dict[str, str] | None = None
 
 
 @dataclass(slots=True)
@@ -60,6 +61,7 @@ class EnqueueMany:
     request_id: int = 0
     ttl_ms: int = 0         # every message's time to live; 0: the queue's message_ttl_s
     delay_ms: int = 0       # every message's delivery delay; 0: ready at once
+    headers: dict[str, str] | None = None    # every message's
 
 
 @dataclass(slots=True)

@@ -67,10 +67,12 @@ from replication.master import ReplicationLimits
 from replication.operations import DeadLettered, Leased, Operation
 from replication.options import (
     DEAD_LETTER_SUFFIX,
+    OptionError,
     QueueOptions,
     QueueState,
     QueueType,
     Strength,
+    checked_headers,
     dead_letter_name,
     is_valid_queue_name,
     mismatched_options,
@@ -611,7 +613,8 @@ class Engine:
         core = self._core(command.queue)
         batch = self._open
         index, _ = core.enqueue(command.payload, command.priority, command.dedupe_id, command.client,
-                                now_ms, batch.sealed.operations, command.ttl_ms, command.delay_ms)
+                                now_ms, batch.sealed.operations, command.ttl_ms, command.delay_ms,
+                                _headers(command.headers))
         batch.touched[core.name] = core
         result = [index, core.record.epoch]
         if core.options.type is QueueType.ONE_WAY:
@@ -638,7 +641,8 @@ class Engine:
             else:
                 placed.append(position)
         results = core.enqueue_many([payloads[p] for p in placed], command.priority, [dedupe_ids[p] for p in placed],
-                                    command.client, now_ms, batch.sealed.operations, command.ttl_ms, command.delay_ms)
+                                    command.client, now_ms, batch.sealed.operations, command.ttl_ms, command.delay_ms,
+                                    _headers(command.headers))
         for position, outcome in zip(placed, results, strict=True):
             outcomes[position] = [outcome.code, outcome.message] if type(outcome) is QueueError else outcome
         batch.touched[core.name] = core
@@ -1201,7 +1205,7 @@ class Engine:
                                     [(queue_id, order) for queue_id, order, _ in batch.sealed.snapshot_installs])
         finally:
             self.storage.end_read()
-        self._release(batch, result.payloads)
+        self._release(batch, result.payloads, result.headers)
         self._wake.set()
 
     def _grow_and_retry(self, batch: OpenBatch) -> None:
@@ -1239,20 +1243,20 @@ class Engine:
         self._to_serve.update(self.cores)
         self._wake.set()
 
-    def _release(self, batch: OpenBatch, payloads: list[bytes | None]) -> None:
+    def _release(self, batch: OpenBatch, payloads: list[bytes | None], headers: list[dict[str, str] | None]) -> None:
         """Answer what this batch decided. Answers about replicated operations of a pair wait
         until the queue's commit point passes them (DESIGN.md 3.1): the pair driver holds
         those and releases them when the replica's acknowledgement arrives."""
         holds, hold = batch.holds, self.pairs.hold
         for position, (replier, request_id, result) in enumerate(batch.replies):
             if type(result) is _Messages:
-                result = self._messages(result.leased, payloads, result.first)
+                result = self._messages(result.leased, payloads, headers, result.first)
             held = holds.get(position) if holds else None
             if held is None or not hold(held[0], held[1], functools.partial(replier.reply, request_id, result),
                                         functools.partial(replier.fail, request_id)):
                 replier.reply(request_id, result)
         for position, (subscription, first, leased) in enumerate(batch.pushes):
-            messages = self._messages(leased, payloads, first)
+            messages = self._messages(leased, payloads, headers, first)
             push = functools.partial(subscription.connection.push, subscription.subscription_id, messages)
             held = batch.push_holds.get(position)
             if held is None or not hold(held[0], held[1], push):
@@ -1263,13 +1267,15 @@ class Engine:
             self._wake_status_waiters(batch.sealed.operations)
 
     @staticmethod
-    def _messages(leased: list[Leased], payloads: list[bytes | None], first: int) -> list[DeliveredMessage]:
+    def _messages(leased: list[Leased], payloads: list[bytes | None], headers: list[dict[str, str] | None],
+                  first: int) -> list[DeliveredMessage]:
         out = []
         for position, op in enumerate(leased, first):
             payload = payloads[position]
             if payload is None:
                 raise InvariantViolation(f"leased message {op.queue_id}/{op.index} has no payload")
-            out.append(DeliveredMessage(op.index, op.receipt, op.priority, op.deliveries, payload))
+            out.append(DeliveredMessage(op.index, op.receipt, op.priority, op.deliveries, payload,
+                                        headers[position] if headers else None))
         return out
 
     # --- message status (seed 004 CheckMsgCompletion) --------------------------------------
@@ -1330,6 +1336,13 @@ class Engine:
 
     def pending_commands(self) -> int:
         return len(self._inbox)
+
+
+def _headers(headers: Any) -> dict[str, str] | None:
+    try:
+        return checked_headers(headers)
+    except OptionError as error:
+        raise QueueError(E_INVALID_OPTION, str(error)) from None
 
 
 def _dead_letter_options(options: QueueOptions) -> QueueOptions:

@@ -24,11 +24,11 @@ def forwarded_request(command: Any) -> list[Any]:
     kind = type(command)
     if kind is c.Enqueue:
         return ["enqueue", command.priority, [command.payload], [command.dedupe_id], command.client,
-                command.ttl_ms, command.delay_ms]
+                command.ttl_ms, command.delay_ms, command.headers]
     if kind is c.EnqueueMany:
         return ["enqueue", command.priority, list(command.payloads),
                 None if command.dedupe_ids is None else list(command.dedupe_ids), command.client, command.ttl_ms,
-                command.delay_ms]
+                command.delay_ms, command.headers]
     if kind is c.Receive:
         return ["receive", command.max_messages, command.wait_ms, command.visibility_ms, command.client]
     if kind is c.AckMany:
@@ -52,7 +52,7 @@ class ForwardReplier:
 
     def reply(self, request_id: int, result: Any) -> None:
         if isinstance(result, list) and result and isinstance(result[0], DeliveredMessage):
-            result = [[m.message_id, m.receipt, m.priority, m.deliveries, m.payload] for m in result]
+            result = [[m.message_id, m.receipt, m.priority, m.deliveries, m.payload, m.headers] for m in result]
         self._answer(result)
 
     def fail(self, request_id: int, error: QueueError) -> None:
@@ -68,9 +68,9 @@ def command_from_forward(request: Any, replier: Any) -> c.Command:
     kind, *args = request.request
     name = request.queue
     if kind == "enqueue":
-        priority, payloads, dedupe_ids, client, ttl_ms, delay_ms = args
+        priority, payloads, dedupe_ids, client, ttl_ms, delay_ms, headers = args
         return c.EnqueueMany(name, priority, tuple(payloads), None if dedupe_ids is None else tuple(dedupe_ids),
-                             client, replier, ttl_ms=int(ttl_ms), delay_ms=int(delay_ms))
+                             client, replier, ttl_ms=int(ttl_ms), delay_ms=int(delay_ms), headers=headers)
     if kind == "receive":
         max_messages, wait_ms, visibility_ms, client = args
         return c.Receive(name, max_messages, wait_ms, visibility_ms, client, replier)

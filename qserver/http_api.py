@@ -32,6 +32,7 @@ from replication.options import (
     PRIORITY_DEFAULT,
     TTL_MAX_S,
     OptionError,
+    checked_headers,
     is_valid_queue_name,
     parse_options,
     valid_dedupe_id,
@@ -283,14 +284,26 @@ async def enqueue(request: web.Request) -> web.Response:
         raise QueueError(e.E_INVALID_OPTION, "X-Dedupe-Id must be 1-128 printable UTF-8 characters")
     ttl_ms = int(number_param(request, "ttl_s", 0.0, 0.001, TTL_MAX_S) * 1000)   # 0: the queue's default
     delay_ms = int(number_param(request, "delay_s", 0.0, 0.0, DELAY_MAX_S) * 1000)
+    headers = _message_headers(request)
     payload = await request.read()
     engine = request.app[NODE].engine
     client = principal(request).client_id
     message_index, epoch = await call(
         engine, lambda r: c.Enqueue(name, payload, int(raw_priority), dedupe_id, client, r, ttl_ms=ttl_ms,
-                                    delay_ms=delay_ms), may_have_applied=True)
+                                    delay_ms=delay_ms, headers=headers), may_have_applied=True)
     one_way = engine.cores[name].options.type.value == "one_way" if name in engine.cores else False
     return web.json_response({"id": message_index, "epoch": epoch}, status=202 if one_way else 201)
+
+
+def _message_headers(request: web.Request) -> dict[str, str] | None:
+    """A message's headers from `X-Headers`, a JSON object of names to strings."""
+    raw = request.headers.get("X-Headers")
+    if raw is None:
+        return None
+    try:
+        return checked_headers(json.loads(raw))
+    except (ValueError, OptionError) as error:
+        raise QueueError(e.E_INVALID_OPTION, f"X-Headers must be a JSON object of names to strings: {error}") from None
 
 
 async def receive(request: web.Request) -> web.Response:
@@ -306,9 +319,11 @@ async def receive(request: web.Request) -> web.Response:
     if not messages:
         return web.Response(status=204)
     message = messages[0]
-    return web.Response(status=200, body=message.payload, content_type="application/octet-stream", headers={
-        "X-Message-Id": str(message.message_id), "X-Receipt": message.receipt,
-        "X-Priority": str(message.priority), "X-Deliveries": str(message.deliveries)})
+    headers = {"X-Message-Id": str(message.message_id), "X-Receipt": message.receipt,
+               "X-Priority": str(message.priority), "X-Deliveries": str(message.deliveries)}
+    if message.headers:
+        headers["X-Headers"] = json.dumps(message.headers, ensure_ascii=True)
+    return web.Response(status=200, body=message.payload, content_type="application/octet-stream", headers=headers)
 
 
 async def ack(request: web.Request) -> web.Response:

@@ -49,12 +49,15 @@ async def redrive(engine: Any, queue: str, limit: int | None, client: str,
         incarnation = _incarnation(engine, dead)
         kept: list[tuple[int, str]] = []
         give_back: list[tuple[int, str]] = []
-        for priority in sorted({m.priority for m in leased}, reverse=True):
-            group = [m for m in leased if m.priority == priority]
+        # One batch per priority and headers (the messages keep both), highest priority first.
+        groups: dict[tuple[int, tuple[tuple[str, str], ...]], list[Any]] = {}
+        for message in leased:
+            groups.setdefault((message.priority, tuple(sorted((message.headers or {}).items()))), []).append(message)
+        for (priority, headers), group in sorted(groups.items(), key=lambda item: -item[0][0]):
             payloads = tuple(m.payload for m in group)
             ids = tuple(f"{DEDUPE_PREFIX}{incarnation}:{m.message_id}" for m in group)
-            _, outcomes = await call(engine, lambda r, p=payloads, i=ids, priority=priority: c.EnqueueMany(
-                queue, priority, p, i, client, r))
+            _, outcomes = await call(engine, lambda r, p=payloads, i=ids, priority=priority, h=headers: c.EnqueueMany(
+                queue, priority, p, i, client, r, headers=dict(h) or None))
             for message, outcome in zip(group, outcomes, strict=True):
                 if isinstance(outcome, list):          # [code, message]: not stored (the queue is full...)
                     stopped = stopped or outcome[0]

@@ -18,6 +18,7 @@ Key layout (big-endian integers so LMDB's byte order is numeric order):
     ttl       queue_id:8 index:8                  -> priority:1 ttl_ms:8   (live messages with a time to live)
     delayed   queue_id:8 index:8                  -> priority:1 delay_ms:8 (messages not ready until they mature:
                                                      no ready row meanwhile)
+    headers   queue_id:8 index:8                  -> msgpack {name: value}  (messages that have headers)
     expiry    kind:1 at_ms:8 queue_id:8 index:8   -> ""   (completion statuses to prune, oldest first)
     doomed    queue_id:8                          -> ""   (deleted incarnations still being erased)
     epochs    name                                -> epoch:8
@@ -98,7 +99,8 @@ from replication.store import StoredLease
 # 6: a lease row (and a Leased operation in the op log) holds the lease's duration, not a
 #    wall-clock deadline; no reader of 5.
 # 7: messages with a time to live have a row in ttl (operations.Enqueued.ttl_ms), delayed ones a row
-#    in delayed and none in ready until they mature; no reader of 6.
+#    in delayed and none in ready until they mature, messages with headers a row in headers; no
+#    reader of 6.
 SCHEMA_VERSION = 7
 _QI = struct.Struct(">QQ")
 _QPI = struct.Struct(">QBQ")
@@ -108,7 +110,7 @@ _EXPIRY = struct.Struct(">BQQ")
 _TTL = struct.Struct(">BQ")
 EXPIRY_STATUS = 1
 DB_NAMES = ("queues", "messages", "ready", "leases", "status", "dedupe", "expiry", "doomed",
-            "epochs", "journal", "clients", "meta", "oplog", "raft_state", "raft_log", "ttl", "delayed")
+            "epochs", "journal", "clients", "meta", "oplog", "raft_state", "raft_log", "ttl", "delayed", "headers")
 ERASE_KEYS_PER_BATCH_MAX = 5_000
 PRUNE_KEYS_PER_BATCH_MAX = 5_000
 TRUNCATE_RECORDS_PER_BATCH_MAX = 20_000     # op-log records deleted per batch (the rest follow)
@@ -165,6 +167,7 @@ class CommitResult:
     payloads: list[bytes | None]
     commit_seconds: float
     operations: int
+    headers: list[dict[str, str] | None] = field(default_factory=list)    # beside payloads, where any
 
 
 def _queue_prefix(queue_id: int) -> bytes:
@@ -426,16 +429,17 @@ class Storage:
         floors, moved = dict(self._floors), self.moved_payloads
         try:
             with self.env.begin(write=True) as txn:
-                payloads = self._write(txn, batch)
+                payloads, headers = self._write(txn, batch)
         except BaseException as error:
             self._floors, self.moved_payloads = floors, moved
             self._kept, self._kept_bytes, self._examined = {}, {}, {}     # looked at again
             if isinstance(error, lmdb.MapFullError):
                 raise MapGrowthNeeded() from None
             raise
-        return CommitResult(payloads, time.perf_counter() - started, len(batch.operations))
+        return CommitResult(payloads, time.perf_counter() - started, len(batch.operations), headers)
 
-    def _write(self, txn: lmdb.Transaction, batch: SealedBatch) -> list[bytes | None]:
+    def _write(self, txn: lmdb.Transaction, batch: SealedBatch) -> tuple[list[bytes | None],
+                                                                          list[dict[str, str] | None]]:
         db = self.db
         self._payloads = _EntryPayloads(txn, db["oplog"])     # this transaction's reads of payloads
         # Suffixes erased and snapshots installed replace rows: their kept records are looked at.
@@ -504,7 +508,12 @@ class Storage:
         for queue_id, index in batch.payload_reads:
             raw = txn.get(_QI.pack(queue_id, index), db=messages)
             payloads.append(None if raw is None else resolve(queue_id, index, msgpack.unpackb(raw)[4]))
-        return payloads
+        headers: list[dict[str, str] | None] = []
+        if batch.payload_reads and txn.stat(db["headers"])["entries"]:
+            found = dict(txn.cursor(db=db["headers"]).getmulti([_QI.pack(q, i) for q, i in batch.payload_reads]))
+            headers = [None if (raw := found.get(_QI.pack(q, i))) is None else msgpack.unpackb(raw)
+                       for q, i in batch.payload_reads]
+        return payloads, headers
 
     def _journal_mark(self, txn: lmdb.Transaction, mark: list[Any]) -> None:
         record = self._pack(mark)
@@ -523,6 +532,7 @@ class Storage:
         dedupe: list[tuple[bytes, bytes]] = []
         ttls: list[tuple[bytes, bytes]] = []
         delays: list[tuple[bytes, bytes]] = []
+        headers: list[tuple[bytes, bytes]] = []
         pack, qi, qpi, q, crc32 = self._pack, _QI.pack, _QPI.pack, _Q.pack, zlib.crc32
         journaled = journal is not None
         runs: list[list[Any]] = []      # as _put_journal_runs takes them
@@ -558,6 +568,8 @@ class Storage:
                 dedupe.append((q(op.queue_id) + op.dedupe_id.encode(), qi(op.index, op.enqueued_ms)))
             if op.ttl_ms:
                 ttls.append((qi(op.queue_id, op.index), _TTL.pack(op.priority, op.ttl_ms)))
+            if op.headers:
+                headers.append((qi(op.queue_id, op.index), pack(op.headers)))
             if journaled:
                 size, crc = len(payload), crc32(payload)
                 if current is not None:
@@ -591,6 +603,8 @@ class Storage:
             txn.cursor(db=self.db["ttl"]).putmulti(ttls)
         if delays:
             txn.cursor(db=self.db["delayed"]).putmulti(delays)
+        if headers:
+            txn.cursor(db=self.db["headers"]).putmulti(headers)
         if runs:
             self._put_journal_runs(txn, runs)
         return end
@@ -635,8 +649,7 @@ class Storage:
         if not removed:
             raise InvariantViolation(f"purged message {op.queue_id}/{op.index} was not "
                                      f"{'delayed' if op.delayed else 'leased' if op.leased else 'ready'}")
-        txn.delete(key, db=self.db["messages"])
-        txn.delete(key, db=self.db["ttl"])
+        self._forget_message(txn, key)
         if op.track_status:
             self._put_status(txn, op.queue_id, op.index, "purged", op.at_ms, None)
 
@@ -655,8 +668,7 @@ class Storage:
         if not removed:
             raise InvariantViolation(f"expired message {op.queue_id}/{op.index} was not "
                                      f"{'leased' if op.leased else 'ready'}")
-        txn.delete(key, db=self.db["messages"])
-        txn.delete(key, db=self.db["ttl"])
+        self._forget_message(txn, key)
         if op.track_status:
             self._put_status(txn, op.queue_id, op.index, "expired", op.at_ms, None)
 
@@ -664,11 +676,16 @@ class Storage:
         self._consumed.add(op.queue_id)
         key = _QI.pack(op.queue_id, op.index)
         txn.delete(key, db=self.db["leases"])
-        txn.delete(key, db=self.db["messages"])
-        txn.delete(key, db=self.db["ttl"])
+        self._forget_message(txn, key)
         if op.track_status:
             self._put_status(txn, op.queue_id, op.index, "replied" if op.reply is not None else "acked",
                              op.acked_ms, op.reply)
+
+    def _forget_message(self, txn: lmdb.Transaction, key: bytes) -> None:
+        """A message leaves for good: its row and the rows that only describe it."""
+        txn.delete(key, db=self.db["messages"])
+        txn.delete(key, db=self.db["ttl"])
+        txn.delete(key, db=self.db["headers"])
 
     def _apply_released(self, txn: lmdb.Transaction, op: Released) -> None:
         txn.delete(_QI.pack(op.queue_id, op.index), db=self.db["leases"])
@@ -690,6 +707,9 @@ class Storage:
         txn.put(_QI.pack(op.dead_letter_queue_id, op.dead_letter_index),
                 self._pack([priority, op.at_ms, None, client, payload]), db=self.db["messages"])
         txn.put(_QPI.pack(op.dead_letter_queue_id, priority, op.dead_letter_index), b"", db=self.db["ready"])
+        headers = txn.pop(key, db=self.db["headers"])
+        if headers is not None:             # they go with the message
+            txn.put(_QI.pack(op.dead_letter_queue_id, op.dead_letter_index), headers, db=self.db["headers"])
         if op.track_status:
             self._put_status(txn, op.queue_id, op.index, "dead_lettered", op.at_ms, None)
 
@@ -706,6 +726,7 @@ class Storage:
             txn.delete(_QPI.pack(queue_id, priority, index), db=db["ready"])
             txn.delete(key, db=db["ttl"])
             txn.delete(key, db=db["delayed"])
+            txn.delete(key, db=db["headers"])
             if dedupe_id is not None:
                 dedupe_key = _Q.pack(queue_id) + dedupe_id.encode()
                 kept = txn.get(dedupe_key, db=db["dedupe"])
@@ -731,6 +752,7 @@ class Storage:
         dedupe: list[tuple[bytes, bytes]] = []
         ttls: list[tuple[bytes, bytes]] = []
         delays: list[tuple[bytes, bytes]] = []
+        headers: list[tuple[bytes, bytes]] = []
         runs: list[list[Any]] = []
         run: list[Any] | None = None
         for row in rows:
@@ -740,8 +762,10 @@ class Storage:
             owner = queue_id if row[0] == ROW_MESSAGE else dead_letter_queue_id
             if owner is None:
                 raise InvariantViolation(f"snapshot of queue {queue_id} has dead letters but no dead-letter queue")
-            _, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease, ttl_ms, delay_ms = row
+            _, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease, ttl_ms, delay_ms, named = row
             messages.append((qi(owner, index), pack([priority, enqueued_ms, dedupe_id, client, payload])))
+            if named:
+                headers.append((qi(owner, index), pack(named)))
             if ttl_ms:
                 ttls.append((qi(owner, index), _TTL.pack(priority, ttl_ms)))
             if lease is None and delay_ms:
@@ -775,7 +799,7 @@ class Storage:
                     run = None
         ready.sort()
         for name, puts in (("messages", messages), ("ready", ready), ("leases", leases), ("dedupe", dedupe),
-                           ("ttl", ttls), ("delayed", delays)):
+                           ("ttl", ttls), ("delayed", delays), ("headers", headers)):
             if puts:
                 _put_in_order(txn.cursor(db=db[name]), puts)
         if runs:
@@ -969,7 +993,7 @@ class Storage:
         queue_id = _Q.unpack(doomed.key())[0]
         prefix = _queue_prefix(queue_id)
         budget = ERASE_KEYS_PER_BATCH_MAX
-        for name in ("messages", "ready", "leases", "status", "dedupe", "oplog", "ttl", "delayed"):
+        for name in ("messages", "ready", "leases", "status", "dedupe", "oplog", "ttl", "delayed", "headers"):
             cursor = txn.cursor(db=self.db[name])
             if not cursor.set_range(prefix):
                 continue
@@ -1071,6 +1095,27 @@ JOURNAL_FIELDS = ("at_ms", "queue", "queue_id", "epoch", "index", "op", "message
                   "priority", "payload_size", "payload_crc32", "role", "node", "client")
 
 
+class _Beside:
+    """A database keyed like the messages (queue_id, index), read beside a walk over the
+    messages in key order: a cursor step per row it holds instead of a lookup per message."""
+    __slots__ = ("_cursor", "_next")
+
+    def __init__(self, txn: lmdb.Transaction, db: Any, start: bytes) -> None:
+        self._cursor = txn.cursor(db=db)
+        self._next: bytes | None = bytes(self._cursor.key()) if self._cursor.set_range(start) else None
+
+    def at(self, key: bytes) -> bytes | None:
+        """The value at `key` (the walk's next message), or None; keys only grow."""
+        cursor = self._cursor
+        while self._next is not None and self._next < key:      # a row without its message
+            self._next = bytes(cursor.key()) if cursor.next() else None
+        if self._next != key:
+            return None
+        value = bytes(cursor.value())
+        self._next = bytes(cursor.key()) if cursor.next() else None
+        return value
+
+
 class _EntryPayloads:
     """Payloads whose one copy is their enqueue's op-log entry: a message row holds the
     entry's last order (an int) instead of the bytes. Each entry is decoded once per use
@@ -1159,8 +1204,9 @@ class LmdbSnapshotView:
                       bytes_max: int) -> tuple[list[list[Any]], bytes | None, int]:
         """Message rows from `start` on, about `bytes_max` of payload: (rows, where the next
         call resumes or None at the queue's end, the bytes counted). Per message, on the
-        master's loop during a transfer: the leases come from a second cursor walked beside
-        the messages' (both in (queue, index) order; few messages are leased), not a lookup."""
+        master's loop during a transfer: the leases (and times to live, delays, headers) come
+        from cursors walked beside the messages' (all in (queue, index) order; few messages
+        have such rows), not a lookup each."""
         rows: list[list[Any]] = []
         size = 0
         txn, unpack_row, unpack_key = self._txn, msgpack.unpackb, _QI.unpack
@@ -1171,12 +1217,8 @@ class LmdbSnapshotView:
         consumption = self._consumption
         if consumption:
             ready_db, ready_key = self._db["ready"], _QPI.pack
-            leases = txn.cursor(db=self._db["leases"])
-            next_lease = bytes(leases.key()) if leases.set_range(start) else None
-        ttls = txn.cursor(db=self._db["ttl"])          # walked beside the messages as the leases are
-        next_ttl = bytes(ttls.key()) if ttls.set_range(start) else None
-        delays = txn.cursor(db=self._db["delayed"])
-        next_delay = bytes(delays.key()) if delays.set_range(start) else None
+            leases = _Beside(txn, self._db["leases"], start)
+        ttls, delays, named = (_Beside(txn, self._db[name], start) for name in ("ttl", "delayed", "headers"))
         # The view's transaction has buffers off: keys and values are bytes.
         for key, value in cast("Iterator[tuple[bytes, bytes]]", cursor):
             owner, index = unpack_key(key)
@@ -1188,30 +1230,17 @@ class LmdbSnapshotView:
             payload = held if type(held) is bytes else resolve(owner, index, held)
             deliveries, lease = 0, None
             if consumption:
-                while next_lease is not None and next_lease < key:     # a lease without its message
-                    next_lease = bytes(leases.key()) if leases.next() else None
-                if next_lease == key:
-                    _, receipt, visibility_ms, deliveries, leased_ms = unpack_row(leases.value())
+                if (raw_lease := leases.at(key)) is not None:
+                    _, receipt, visibility_ms, deliveries, leased_ms = unpack_row(raw_lease)
                     lease = [receipt, visibility_ms, leased_ms]
-                    next_lease = bytes(leases.key()) if leases.next() else None
                 else:
                     raw_ready = txn.get(ready_key(queue_id, priority, index), db=ready_db)
                     deliveries = _U32.unpack(raw_ready)[0] if raw_ready else 0
-            delay_ms = 0
-            while next_delay is not None and next_delay < key:
-                next_delay = bytes(delays.key()) if delays.next() else None
-            if next_delay == key:
-                delay_ms = _TTL.unpack(delays.value())[1]
-                next_delay = bytes(delays.key()) if delays.next() else None
-            ttl_ms = 0
-            while next_ttl is not None and next_ttl < key:
-                next_ttl = bytes(ttls.key()) if ttls.next() else None
-            if next_ttl == key:
-                ttl_ms = _TTL.unpack(ttls.value())[1]
-                next_ttl = bytes(ttls.key()) if ttls.next() else None
+            ttl, delay, headers = ttls.at(key), delays.at(key), named.at(key)
             # As replication.snapshot.message_row lays it out.
-            rows.append([kind, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease, ttl_ms,
-                         delay_ms])
+            rows.append([kind, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease,
+                         0 if ttl is None else _TTL.unpack(ttl)[1], 0 if delay is None else _TTL.unpack(delay)[1],
+                         None if headers is None else unpack_row(headers)])
             size += len(payload) + 64
         return rows, None, size
 

@@ -173,14 +173,14 @@ class ClientConnection:
             if op.queue not in self.queues_produced:
                 self.queues_produced.add(self._queue(op.queue, "post", op.request_id))
             return c.Enqueue(op.queue, op.payload, op.priority, op.dedupe_id, client, self, op.request_id, op.ttl_ms,
-                             op.delay_ms)
+                             op.delay_ms, op.headers)
         if kind is EnqueueBatchOp:
             # Oversized payloads and bad dedupe ids fail only their own item (engine step):
             # the batch coalesces many callers' messages.
             if op.queue not in self.queues_produced:
                 self.queues_produced.add(self._queue(op.queue, "post", op.request_id))
             return c.EnqueueMany(op.queue, op.priority, op.payloads, op.dedupe_ids, client, self, op.request_id,
-                                 op.ttl_ms, op.delay_ms)
+                                 op.ttl_ms, op.delay_ms, op.headers)
         if kind is AckBatchOp:
             self._queue(op.queue, "delete", op.request_id)
             return c.AckMany(op.queue, op.items, client, self, op.request_id)

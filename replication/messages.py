@@ -42,7 +42,8 @@ _OPERATION_FIELDS = {tag: tuple(f.name for f in fields(kind)) for tag, kind in O
 # What each field of an operation may hold when it comes from a peer (bool is an int too, and
 # msgpack gives bools where ints were sent only if a bool was sent).
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "bool": (bool,), "str": (str,), "bytes": (bytes,),
-                                             "str | None": (str, type(None)), "bytes | None": (bytes, type(None))}
+                                             "str | None": (str, type(None)), "bytes | None": (bytes, type(None)),
+                                             "dict[str, str] | None": (dict, type(None))}
 # Every shape a well-formed row may have, as the tuple of its values' types: one C-level
 # lookup per operation on the replica's hot path instead of a check per field.
 _OPERATION_SHAPES = {tag: frozenset((int, *shape) for shape in itertools.product(

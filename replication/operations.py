@@ -29,6 +29,7 @@ class Enqueued:
     # Delivery delay (0: ready at once), a duration timed the same way: the message waits,
     # not ready, until a `Matured` operation makes it so (each member, under `producer`).
     delay_ms: int = 0
+    headers: dict[str, str] | None = None     # a small map the producer gave it, delivered with it
 
     @property
     def order(self) -> int:

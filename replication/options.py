@@ -24,6 +24,9 @@ PRIORITY_MAX = 9
 PRIORITY_DEFAULT = 4
 TTL_MAX_S = 1_209_600.0     # a message's time to live: at most 14 days (SQS's longest retention)
 DELAY_MAX_S = 900.0         # a message's delivery delay: at most 15 minutes (as SQS)
+HEADERS_MAX = 16             # a message's headers: at most this many names,
+HEADER_NAME_CHARS_MAX = 64   # each name 1-64 printable characters,
+HEADERS_CHARS_MAX = 4_096    # and all names and values together at most this many characters
 
 
 class QueueType(enum.StrEnum):
@@ -169,6 +172,25 @@ def options_from_json(raw: dict[str, Any]) -> QueueOptions:
 
 def mismatched_options(existing: QueueOptions, given: dict[str, Any]) -> list[str]:
     return sorted(name for name, value in given.items() if getattr(existing, name) != value)
+
+
+def checked_headers(headers: Any) -> dict[str, str] | None:
+    """A message's headers as given (a small map of printable names to strings, within the
+    limits above; empty: None), or OptionError naming what is wrong."""
+    if headers is None or headers == {}:
+        return None
+    if not isinstance(headers, dict) or len(headers) > HEADERS_MAX:
+        raise OptionError(f"headers are a map of at most {HEADERS_MAX} names to strings")
+    total = 0
+    for name, value in headers.items():
+        if not isinstance(name, str) or not 0 < len(name) <= HEADER_NAME_CHARS_MAX or not name.isprintable():
+            raise OptionError(f"a header name is 1-{HEADER_NAME_CHARS_MAX} printable characters")
+        if not isinstance(value, str) or not value.isprintable():
+            raise OptionError(f"header {name!r} must be a string of printable characters")
+        total += len(name) + len(value)
+    if total > HEADERS_CHARS_MAX:
+        raise OptionError(f"headers hold at most {HEADERS_CHARS_MAX} characters")
+    return dict(headers)
 
 
 def is_valid_queue_name(name: str) -> bool:

@@ -181,18 +181,21 @@ class QueueCore:
 
     # --- commands --------------------------------------------------------------------------
     def enqueue(self, payload: bytes, priority: int, dedupe_id: str | None, client: str,
-                now_ms: int, out: list[Operation], ttl_ms: int = 0, delay_ms: int = 0) -> tuple[int, bool]:
+                now_ms: int, out: list[Operation], ttl_ms: int = 0, delay_ms: int = 0,
+                headers: dict[str, str] | None = None) -> tuple[int, bool]:
         """Place a message; returns (message id, True if it repeats a kept dedupe id).
         `ttl_ms`: its time to live (0: the queue's `message_ttl_s`, which may be none);
-        `delay_ms`: how long it waits before it is ready (0: ready at once)."""
+        `delay_ms`: how long it waits before it is ready (0: ready at once); `headers`: a
+        small map delivered with it (checked by the caller: replication.options.checked_headers)."""
         if dedupe_id is not None:
             earlier = self._find_dedupe(dedupe_id, now_ms)
             if earlier is not None:
                 return earlier, True
-        return self._place(payload, priority, dedupe_id, client, now_ms, out, ttl_ms, delay_ms), False
+        return self._place(payload, priority, dedupe_id, client, now_ms, out, ttl_ms, delay_ms, headers), False
 
     def enqueue_many(self, payloads: list[bytes], priority: int, dedupe_ids: list[str | None], client: str,
-                     now_ms: int, out: list[Operation], ttl_ms: int = 0, delay_ms: int = 0) -> list[int | QueueError]:
+                     now_ms: int, out: list[Operation], ttl_ms: int = 0, delay_ms: int = 0,
+                     headers: dict[str, str] | None = None) -> list[int | QueueError]:
         """A batch in one step: each message's id (a kept dedupe id's earlier one), or the
         error that refused it. The committed dedupe ids are looked up in one read."""
         staged, sealed = self._dedupe.staged, self._dedupe.sealed
@@ -205,20 +208,21 @@ class QueueCore:
                 outcomes.append(earlier)
                 continue
             try:
-                outcomes.append(place(payload, priority, dedupe_id, client, now_ms, out, ttl_ms, delay_ms))
+                outcomes.append(place(payload, priority, dedupe_id, client, now_ms, out, ttl_ms, delay_ms, headers))
             except QueueError as error:
                 outcomes.append(error)
         return outcomes
 
     def _place(self, payload: bytes, priority: int, dedupe_id: str | None, client: str, now_ms: int,
-               out: list[Operation], ttl_ms: int = 0, delay_ms: int = 0) -> int:
+               out: list[Operation], ttl_ms: int = 0, delay_ms: int = 0, headers: dict[str, str] | None = None) -> int:
         record = self.record
         if self.depth >= record.options.max_depth:
             raise QueueError(E_QUEUE_FULL, f"queue {record.name} holds {record.options.max_depth} messages")
         index = record.next_index
         record.next_index = index + 1
         ttl_ms = ttl_ms or record.options.message_ttl_ms
-        out.append(Enqueued(record.queue_id, index, priority, now_ms, dedupe_id, client, payload, ttl_ms, delay_ms))
+        out.append(Enqueued(record.queue_id, index, priority, now_ms, dedupe_id, client, payload, ttl_ms, delay_ms,
+                            headers))
         if ttl_ms:
             self._live_for(index, priority, ttl_ms)
         if delay_ms:

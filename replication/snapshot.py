@@ -8,13 +8,15 @@ as rows in bounded chunks; the last chunk carries the digest at that order and a
 hash of every row sent, which the replica checks before anything of it counts.
 
 Rows (msgpack lists, in this order within a view):
-    [ROW_MESSAGE, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease, ttl_ms, delay_ms]
+    [ROW_MESSAGE, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease, ttl_ms, delay_ms,
+     headers]
     [ROW_DEDUPE, dedupe_id, index, enqueued_ms]            the dedupe window's entries
-    [ROW_DEAD_LETTER, index, priority, enqueued_ms, None, client, payload, deliveries, lease, 0, 0]
+    [ROW_DEAD_LETTER, index, priority, enqueued_ms, None, client, payload, deliveries, lease, 0, 0, headers]
 `lease` is [receipt, visibility_ms, leased_ms] or None (a duration: the taker times it from
 when it takes the queue over, see operations.Leased); `ttl_ms` the message's time to live
 (0: none), timed likewise from the install, and `delay_ms` a delay it still waits for (0: it
-is ready or leased), timed again in full from the install. Under `full` the snapshot is the whole
+is ready or leased), timed again in full from the install; `headers` the message's
+({name: value}) or None. Under `full` the snapshot is the whole
 state: deliveries, leases in flight and the dead-letter queue's messages (its stream follows
 on from the dead-letter order the last chunk names). Under `producer` it carries the live
 messages and the dedupe window only (never the master's consumption state), and only those
@@ -37,7 +39,7 @@ ROW_DEDUPE = 1
 ROW_DEAD_LETTER = 2
 STATE_HASH_BYTES = 16
 EMPTY_STATE_HASH = bytes(STATE_HASH_BYTES)
-_MESSAGE_ROW_FIELDS = 11
+_MESSAGE_ROW_FIELDS = 12
 _DEDUPE_ROW_FIELDS = 4
 
 
@@ -90,8 +92,9 @@ def decode_rows(encoded_rows: Any) -> list[list[Any]]:
 
 def message_row(kind: int, index: int, priority: int, enqueued_ms: int, dedupe_id: str | None, client: str,
                 payload: bytes, deliveries: int, lease: list[Any] | None, ttl_ms: int = 0,
-                delay_ms: int = 0) -> list[Any]:
-    return [kind, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease, ttl_ms, delay_ms]
+                delay_ms: int = 0, headers: dict[str, str] | None = None) -> list[Any]:
+    return [kind, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease, ttl_ms, delay_ms,
+            headers]
 
 
 def check_rows(rows: Any) -> list[list[Any]]:
@@ -104,7 +107,7 @@ def check_rows(rows: Any) -> list[list[Any]]:
         if row[0] in (ROW_MESSAGE, ROW_DEAD_LETTER):
             if len(row) != _MESSAGE_ROW_FIELDS or type(row[1]) is not int or type(row[2]) is not int \
                     or not isinstance(row[6], bytes) or type(row[7]) is not int or type(row[9]) is not int \
-                    or type(row[10]) is not int:
+                    or type(row[10]) is not int or not (row[11] is None or isinstance(row[11], dict)):
                 raise MessageError("a snapshot message row is malformed")
             lease = row[8]
             if lease is not None and (not isinstance(lease, list) or len(lease) != 3
@@ -197,7 +200,7 @@ def memory_rows(store: Any, queue_id: int, *, consumption: bool, after_index: in
             deliveries, lease_row = 0, None
         rows.append(message_row(kind, index, message.priority, message.enqueued_ms, message.dedupe_id,
                                 message.client, message.payload, deliveries, lease_row, message.ttl_ms,
-                                message.delay_ms if index in queue.delayed else 0))
+                                message.delay_ms if index in queue.delayed else 0, message.headers))
     if with_dedupe:
         for dedupe_id, (index, enqueued_ms) in sorted(queue.dedupe.items()):
             if index > after_index:

@@ -110,6 +110,10 @@ class MemoryStore:
         message = self._queue(queue_id).messages.get(index)
         return None if message is None else message.payload
 
+    def headers(self, queue_id: int, index: int) -> dict[str, str] | None:
+        message = self._queue(queue_id).messages.get(index)
+        return None if message is None else message.headers
+
     # --- writes ----------------------------------------------------------------------------
     def apply(self, operations: list[Operation]) -> None:
         for op in operations:
@@ -125,9 +129,9 @@ class MemoryStore:
             if target is None:
                 raise InvariantViolation(f"snapshot of queue {queue_id} has dead letters but no dead-letter queue")
             queue = self._queue(target)
-            _, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease, ttl_ms, delay_ms = row
+            _, index, priority, enqueued_ms, dedupe_id, client, payload, deliveries, lease, ttl_ms, delay_ms, headers = row
             queue.messages[index] = Enqueued(target, index, priority, enqueued_ms, dedupe_id, client, payload, ttl_ms,
-                                             delay_ms if lease is None else 0)
+                                             delay_ms if lease is None else 0, headers)
             if lease is None and delay_ms:
                 queue.delayed.add(index)
             elif lease is None:
@@ -226,7 +230,7 @@ class MemoryStore:
         dead = self._queue(op.dead_letter_queue_id)
         dead.messages[op.dead_letter_index] = Enqueued(op.dead_letter_queue_id, op.dead_letter_index,
                                                        op.priority, op.at_ms, None, message.client,
-                                                       message.payload)
+                                                       message.payload, headers=message.headers)
         self._set_ready(dead, op.priority, op.dead_letter_index, 0)
         if op.track_status:
             queue.status[op.index] = ("dead_lettered", None)

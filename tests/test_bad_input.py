@@ -313,6 +313,24 @@ async def test_a_bad_time_to_live_or_delay_is_refused_and_stores_nothing(api: Ra
     assert status == 200 and stats["depth"] == 3 and stats["total_expired"] == 0
 
 
+async def test_bad_headers_are_refused_with_a_clear_code_and_store_nothing(api: RawApi) -> None:
+    for raw in ("not json", '["a"]', '{"n": 1}', '{"' + "x" * 65 + '": "v"}'):
+        status, answer, _ = await api.request("POST", "/v1/queues/keep/messages", b"x", headers={"X-Headers": raw})
+        assert status == 400 and error_code(answer) == "E_INVALID_OPTION", raw
+    ws = await api.ws()
+    try:
+        [item] = await ws_exchange(ws, msgpack.packb([1, [[1, 1, "keep", b"x", 4, None, 0, 0, ["n", "v"]]]]))
+        assert isinstance(item, ErrorReply) and item.code == "E_BAD_FRAME"
+        [item] = await ws_exchange(ws, msgpack.packb([1, [[1, 2, "keep", b"x", 4, None, 0, 0, {"n": 5}]]]))
+        assert isinstance(item, ErrorReply) and item.code == "E_INVALID_OPTION"
+        [item] = await ws_exchange(ws, msgpack.packb([1, [[9, 3, "keep", 4, [b"x"], None, 0, 0, {"": "v"}]]]))
+        assert isinstance(item, ErrorReply) and item.code == "E_INVALID_OPTION"
+    finally:
+        await ws.close()
+    status, stats, _ = await api.request("GET", "/v1/queues/keep")
+    assert status == 200 and stats["depth"] == 3
+
+
 async def test_removing_a_client_closes_its_websocket(api: RawApi) -> None:
     consumer = await client_with(api, [{"pattern": "keep", "privileges": ["get"]}])
     ws = await consumer.ws()

@@ -28,7 +28,7 @@ from qserver.storage import JOURNAL_FIELDS as STORAGE_FIELDS
 from qserver.storage import SealedBatch, Storage
 from replication import audit_checks as checks
 from replication.operations import Acked, Enqueued, Leased
-from replication.snapshot import ROW_MESSAGE
+from replication.snapshot import ROW_MESSAGE, message_row
 
 NOW_MS = 1_790_000_000_000
 
@@ -304,10 +304,11 @@ def test_a_snapshots_rows_are_journaled_as_runs_and_exported_one_row_per_message
     batches; the export gives the same rows as one record per message would: `snapshot` or
     `snapshot_lease`, no ordering index, the message id, each with the checksum of its fields."""
     lease = [b"r", NOW_MS + 60_000, NOW_MS]
-    rows = [[ROW_MESSAGE, index, 4, NOW_MS, f"d{index}", "p", f"m{index}".encode(), 0, None, 0, 0] for index in range(1, 6)]
-    rows += [[ROW_MESSAGE, 6, 4, NOW_MS, None, "other", b"m6", 0, None, 0, 0],          # another client
-             [ROW_MESSAGE, 7, 4, NOW_MS, None, "other", b"m7", 1, lease, 0, 0],         # leased
-             [ROW_MESSAGE, 9, 4, NOW_MS, None, "other", b"m9", 0, None, 0, 0]]          # not consecutive
+    rows = [message_row(ROW_MESSAGE, index, 4, NOW_MS, f"d{index}", "p", f"m{index}".encode(), 0, None)
+            for index in range(1, 6)]
+    rows += [message_row(ROW_MESSAGE, 6, 4, NOW_MS, None, "other", b"m6", 0, None),         # another client
+             message_row(ROW_MESSAGE, 7, 4, NOW_MS, None, "other", b"m7", 1, lease),        # leased
+             message_row(ROW_MESSAGE, 9, 4, NOW_MS, None, "other", b"m9", 0, None)]         # not consecutive
     storage.commit(SealedBatch(snapshot_rows=[(1, None, rows)], queue_records={"q1": {"queue_id": 1, "epoch": 3}}))
     source = JournalSource.from_storage(storage)
     with source.env.begin(db=source.journal_db) as txn:

@@ -151,6 +151,7 @@ class MemoryStorage:
         self.store.apply(batch.operations)
         # Read before a deleted queue goes: LMDB only marks it doomed in this transaction.
         payloads = [self.store.payload(queue_id, index) for queue_id, index in batch.payload_reads]
+        headers = [self.store.headers(queue_id, index) for queue_id, index in batch.payload_reads]
         for name, queue_id in batch.deleted_queues:
             self.records.pop(name, None)
             self.epochs.pop(name, None)
@@ -171,7 +172,7 @@ class MemoryStorage:
         if batch.next_queue_id is not None:
             self._next_queue_id = batch.next_queue_id
         self.commits += 1
-        return CommitResult(payloads, 0.0, len(batch.operations))
+        return CommitResult(payloads, 0.0, len(batch.operations), headers)
 
     def _truncate(self, queue_id: int, order: int) -> None:
         """Erase the queue's messages (ready and dedupe entries too) and op-log rows past
