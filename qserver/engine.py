@@ -344,7 +344,7 @@ class Engine:
                     self.coordinator.tick(mono_ms)
                     self.pairs.tick(mono_ms)
                     self._next_replication_tick_ms = mono_ms + REPLICATION_TICK_MS
-                self._expire_leases(now_ms, mono_ms)
+                self._run_timed_steps(now_ms, mono_ms)
                 self._serve(now_ms)
                 self._expire_waiters(mono_ms)
             finally:
@@ -1019,39 +1019,35 @@ class Engine:
         one index of one epoch)."""
         return self.coordinator is None or self.coordinator.lease_valid()
 
-    def _expire_leases(self, now_ms: int, mono_ms: int) -> None:
+    def _run_timed_steps(self, now_ms: int, mono_ms: int) -> None:
+        """The timed steps whose time has come: leases run out, delayed messages mature,
+        messages past their time to live expire (each queue this node decides them for)."""
         operations = self._open.sealed.operations
-        masters, clustered = self.pairs.masters, self.pairs.clustered
         may_decide = self._full_master_may_decide()
-        replicas = self.pairs.replicas
         for core in self.cores.values():
-            if clustered and core.options.strength.value == "full" and (core.name not in masters or not may_decide):
-                # Under `full` the master decides expiry and replicates it. A core with no role
-                # yet (the map not replayed after a restart) must not decide one either: it
-                # would take ordering indices outside the stream.
-                continue
-            if clustered and core.name not in masters and core.name not in replicas:
-                # Under `producer` too, a core with no role yet waits for it: its expiries would
-                # be journaled under no member's role (a restarted replica's, as its master's).
-                continue
-            expires_messages = self._expires_messages(core)
-            deadline = core.next_deadline(ttl=expires_messages)
-            mark = len(operations)
+            deadline = core.next_deadline() if self._decides_time(core, may_decide) else None
             if deadline is None or deadline > mono_ms:
                 continue
+            mark = len(operations)
             ended = core.expire_leases(now_ms, operations)
-            if expires_messages:
-                ended += core.mature_messages(now_ms, operations) + core.expire_messages(now_ms, operations)
+            ended += core.mature_messages(now_ms, operations) + core.expire_messages(now_ms, operations)
             if ended:
                 self._decided(core, operations[mark:])
 
-    def _expires_messages(self, core: QueueCore) -> bool:
-        """Whether this node decides the queue's time-to-live expiries and delays: the master; under
-        `producer` the replica too, for its own copy (it serves its own consumers); under `full`
-        the replica applies the master's decisions."""
+    def _decides_time(self, core: QueueCore, may_decide: bool) -> bool:
+        """Whether this node decides the queue's timed steps: under `full` the master, while it
+        may decide (see _full_master_may_decide), and the replica applies its decisions; under
+        `producer` each member for its own copy (each serves its own consumers). A core with no
+        role yet (the map not replayed after a restart) decides nothing: under `full` it would
+        take ordering indices outside the stream, under `producer` its steps would be journaled
+        under no member's role. Nor does its timer wake for them (a replica's inherited leases
+        past their deadline would wake a node every millisecond while its master is cut off)."""
         pairs = self.pairs
-        return not pairs.clustered or core.name in pairs.masters or (
-            core.name in pairs.replicas and core.options.strength is Strength.PRODUCER)
+        if not pairs.clustered:
+            return True
+        if core.options.strength is Strength.FULL:
+            return may_decide and core.name in pairs.masters
+        return core.name in pairs.masters or core.name in pairs.replicas
 
     def _serve(self, now_ms: int) -> None:
         """Hand ready messages to waiting receives, then to subscriptions with credit. In a
@@ -1120,8 +1116,9 @@ class Engine:
         deadlines = [self._next_housekeeping_ms]
         if self.pairs.clustered:
             deadlines.append(self._next_replication_tick_ms)
-        deadlines.extend(d for d in (core.next_deadline(ttl=self._expires_messages(core))
-                                     for core in self.cores.values()) if d is not None)
+        may_decide = self._full_master_may_decide()
+        deadlines.extend(d for d in (core.next_deadline() for core in self.cores.values()
+                                     if self._decides_time(core, may_decide)) if d is not None)
         deadlines.extend(w.deadline_ms for ws in self._waiters.values() for w in ws)
         deadlines.extend(w.deadline_ms for ws in self._status_waiters.values() for w in ws)
         delay_s = max(0.0, (min(deadlines) - now_ms) / 1000) + 0.001

@@ -638,39 +638,32 @@ class Storage:
         txn.put(key, self._pack([priority, receipt, op.visibility_ms, deliveries, leased_ms]), db=self.db["leases"])
 
     def _apply_purged(self, txn: lmdb.Transaction, op: Purged) -> None:
+        self._take_out(txn, op, "purged", delayed=op.delayed)
+
+    def _apply_expired(self, txn: lmdb.Transaction, op: Expired) -> None:
+        self._take_out(txn, op, "expired")
+
+    def _take_out(self, txn: lmdb.Transaction, op: Purged | Expired, state: str, *, delayed: bool = False) -> None:
+        """An operator's purge or an expiry: the message leaves for good from where it waits."""
         self._consumed.add(op.queue_id)
         key = _QI.pack(op.queue_id, op.index)
-        if op.delayed:
+        if delayed:
             removed = txn.delete(key, db=self.db["delayed"])
         elif op.leased:
             removed = txn.delete(key, db=self.db["leases"])
         else:
             removed = txn.delete(_QPI.pack(op.queue_id, op.priority, op.index), db=self.db["ready"])
         if not removed:
-            raise InvariantViolation(f"purged message {op.queue_id}/{op.index} was not "
-                                     f"{'delayed' if op.delayed else 'leased' if op.leased else 'ready'}")
+            raise InvariantViolation(f"{state} message {op.queue_id}/{op.index} was not "
+                                     f"{'delayed' if delayed else 'leased' if op.leased else 'ready'}")
         self._forget_message(txn, key)
         if op.track_status:
-            self._put_status(txn, op.queue_id, op.index, "purged", op.at_ms, None)
+            self._put_status(txn, op.queue_id, op.index, state, op.at_ms, None)
 
     def _apply_matured(self, txn: lmdb.Transaction, op: Matured) -> None:
         if not txn.delete(_QI.pack(op.queue_id, op.index), db=self.db["delayed"]):
             raise InvariantViolation(f"matured message {op.queue_id}/{op.index} was not delayed")
         txn.put(_QPI.pack(op.queue_id, op.priority, op.index), b"", db=self.db["ready"])
-
-    def _apply_expired(self, txn: lmdb.Transaction, op: Expired) -> None:
-        self._consumed.add(op.queue_id)
-        key = _QI.pack(op.queue_id, op.index)
-        if op.leased:
-            removed = txn.delete(key, db=self.db["leases"])
-        else:
-            removed = txn.delete(_QPI.pack(op.queue_id, op.priority, op.index), db=self.db["ready"])
-        if not removed:
-            raise InvariantViolation(f"expired message {op.queue_id}/{op.index} was not "
-                                     f"{'leased' if op.leased else 'ready'}")
-        self._forget_message(txn, key)
-        if op.track_status:
-            self._put_status(txn, op.queue_id, op.index, "expired", op.at_ms, None)
 
     def _apply_acked(self, txn: lmdb.Transaction, op: Acked) -> None:
         self._consumed.add(op.queue_id)

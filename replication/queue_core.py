@@ -392,11 +392,9 @@ class QueueCore:
                 heapq.heappush(self._ttl_deadlines, (live[0], index))    # the sweep skipped it while delayed
         return matured
 
-    def next_deadline(self, *, ttl: bool = True) -> int | None:
-        """The earliest lease deadline, and time-to-live and delay deadline if `ttl` (a member
-        that decides expiries and maturities), on the lease clock."""
-        heaps = (self._lease_deadlines, self._ttl_deadlines, self._due) if ttl else (self._lease_deadlines,)
-        deadlines = [heap[0][0] for heap in heaps if heap]
+    def next_deadline(self) -> int | None:
+        """The earliest deadline of a lease, a time to live or a delay, on the lease clock."""
+        deadlines = [heap[0][0] for heap in (self._lease_deadlines, self._ttl_deadlines, self._due) if heap]
         return min(deadlines) if deadlines else None
 
     def inherit_leases(self) -> None:

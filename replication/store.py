@@ -181,30 +181,25 @@ class MemoryStore:
         self._set_ready(queue, op.priority, op.index, 0)
 
     def _apply_Purged(self, op: Purged) -> None:
+        self._take_out(op, "purged", delayed=op.delayed)
+
+    def _apply_Expired(self, op: Expired) -> None:
+        self._take_out(op, "expired")
+
+    def _take_out(self, op: Purged | Expired, state: str, *, delayed: bool = False) -> None:
         queue = self._queue(op.queue_id)
-        if op.delayed:
+        if delayed:
             if op.index not in queue.delayed:
-                raise InvariantViolation(f"purged message {op.queue_id}/{op.index} was not delayed")
+                raise InvariantViolation(f"{state} message {op.queue_id}/{op.index} was not delayed")
             queue.delayed.discard(op.index)
         elif op.leased:
             if queue.leases.pop(op.index, None) is None:
-                raise InvariantViolation(f"purged message {op.queue_id}/{op.index} was not leased")
+                raise InvariantViolation(f"{state} message {op.queue_id}/{op.index} was not leased")
         elif not self._drop_ready(queue, op.priority, op.index):
-            raise InvariantViolation(f"purged message {op.queue_id}/{op.index} was not ready")
+            raise InvariantViolation(f"{state} message {op.queue_id}/{op.index} was not ready")
         queue.messages.pop(op.index, None)
         if op.track_status:
-            queue.status[op.index] = ("purged", None)
-
-    def _apply_Expired(self, op: Expired) -> None:
-        queue = self._queue(op.queue_id)
-        if op.leased:
-            if queue.leases.pop(op.index, None) is None:
-                raise InvariantViolation(f"expired message {op.queue_id}/{op.index} was not leased")
-        elif not self._drop_ready(queue, op.priority, op.index):
-            raise InvariantViolation(f"expired message {op.queue_id}/{op.index} was not ready")
-        queue.messages.pop(op.index, None)
-        if op.track_status:
-            queue.status[op.index] = ("expired", None)
+            queue.status[op.index] = (state, None)
 
     def _apply_Acked(self, op: Acked) -> None:
         queue = self._queue(op.queue_id)

@@ -301,10 +301,10 @@ def test_a_core_without_a_role_yet_expires_no_lease_until_the_map_gives_it_one()
     engine._to_serve = set()
     engine.pairs = SimpleNamespace(masters={}, replicas={}, clustered=True,   # type: ignore[assignment]
                                    note_decided=lambda core, ops: None)
-    engine._expire_leases(AT_MS + 60_000, lease_clock[0])
+    engine._run_timed_steps(AT_MS + 60_000, lease_clock[0])
     assert engine._open.sealed.operations == []               # restarted, no role yet: wait
     engine.pairs.replicas["events"] = object()     # type: ignore[assignment]
-    engine._expire_leases(AT_MS + 60_000, lease_clock[0])
+    engine._run_timed_steps(AT_MS + 60_000, lease_clock[0])
     assert [type(op).__name__ for op in engine._open.sealed.operations] == ["Released"]
 
 
