@@ -54,6 +54,10 @@ from replication.options import (
 from replication.store import StoredLease, StoreReader
 
 READY_PAGE_SIZE = 1024
+# A deadline heap (leases, times to live, delays) is rebuilt from what is live once its stale
+# entries pass this many and the live ones: a member that applies the master's decisions
+# never pops them (only the deciding member's timed steps do), so they would grow for ever.
+STALE_DEADLINES_MAX = 1024
 PRIORITIES_HIGH_FIRST = tuple(range(PRIORITY_MAX, -1, -1))
 
 
@@ -441,12 +445,18 @@ class QueueCore:
         deadline = self._lease_clock() + ttl_ms
         self._ttl[index] = (deadline, priority)
         heapq.heappush(self._ttl_deadlines, (deadline, index))
+        if len(self._ttl_deadlines) > 2 * len(self._ttl) + STALE_DEADLINES_MAX:
+            self._ttl_deadlines = [(deadline, i) for i, (deadline, _) in self._ttl.items()]
+            heapq.heapify(self._ttl_deadlines)
 
     def _delay(self, index: int, priority: int, delay_ms: int) -> None:
         """The message waits `delay_ms` from now on this member's clock before it is ready."""
         due = self._lease_clock() + delay_ms
         self._delayed[index] = (due, priority)
         heapq.heappush(self._due, (due, index))
+        if len(self._due) > 2 * len(self._delayed) + STALE_DEADLINES_MAX:
+            self._due = [(due, i) for i, (due, _) in self._delayed.items()]
+            heapq.heapify(self._due)
         self.record.delayed_count += 1
 
     def _load_timed(self) -> None:
@@ -724,6 +734,9 @@ class QueueCore:
     def _add_lease(self, index: int, lease: _Lease) -> None:
         self._leases[index] = lease
         heapq.heappush(self._lease_deadlines, (lease.deadline, index, lease.receipt))
+        if len(self._lease_deadlines) > 2 * len(self._leases) + STALE_DEADLINES_MAX:
+            self._lease_deadlines = [(live.deadline, i, live.receipt) for i, live in self._leases.items()]
+            heapq.heapify(self._lease_deadlines)
 
     def _inherit(self, index: int, priority: int, receipt: str, visibility_ms: int, deliveries: int,
                  leased_ms: int) -> None:

@@ -225,3 +225,24 @@ def test_qctl_puts_with_a_time_to_live_and_shows_what_expired(qnode: Any) -> Non
     _, stats, _ = run_qctl(qnode, "queue", "stats", "prices")
     assert stats["total_expired"] == 1 and stats["options"]["message_ttl_s"] == 30 and stats["depth"] == 0
     assert run_qctl(qnode, "put", "prices", "x", "--ttl-s", "0")[0] == 1      # E_INVALID_OPTION, nothing stored
+
+
+def test_a_replica_that_only_applies_keeps_its_deadline_heaps_bounded() -> None:
+    """A member applying the master's decisions never pops its deadline heaps (the deciding
+    member's timed steps do): before the heaps were rebuilt from what is live, a `full`
+    replica kept an entry for every lease it ever applied, and its engine's timer saw their
+    past deadlines and woke every millisecond."""
+    from replication.queue_core import STALE_DEADLINES_MAX
+    master_store, replica_store, clock, ops = MemoryStore(), MemoryStore(), [0], []
+    master, replica = core_on(master_store, clock), core_on(replica_store, clock)
+    for round_number in range(3 * STALE_DEADLINES_MAX):
+        master.enqueue(b"m", 4, None, "p", 0, ops, ttl_ms=60_000, delay_ms=1 if round_number % 2 else 0)
+        clock[0] += 1
+        master.mature_messages(0, ops)
+        for leased in master.lease(1, 30_000, "c", 0, ops):
+            master.ack(leased.index, leased.receipt, "c", 0, ops)
+        for op in commit(master, master_store, ops):
+            replica.apply(op)
+    assert replica.depth == master.depth <= 1
+    for heap in (replica._lease_deadlines, replica._ttl_deadlines, replica._due):
+        assert len(heap) <= 2 * STALE_DEADLINES_MAX + 2
