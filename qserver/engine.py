@@ -1040,8 +1040,9 @@ class Engine:
         `producer` each member for its own copy (each serves its own consumers). A core with no
         role yet (the map not replayed after a restart) decides nothing: under `full` it would
         take ordering indices outside the stream, under `producer` its steps would be journaled
-        under no member's role. Nor does its timer wake for them (a replica's inherited leases
-        past their deadline would wake a node every millisecond while its master is cut off)."""
+        under no member's role. Nor does its timer wake for them: a `full` replica's applied
+        leases left deadlines in its heap that nothing popped, and once the first had passed its
+        node woke every millisecond for good (0.06 of a core on an idle cluster against 0.02)."""
         pairs = self.pairs
         if not pairs.clustered:
             return True
