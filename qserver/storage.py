@@ -1069,19 +1069,16 @@ def _journal_fields(op: Operation, name: str, epoch: int, node: str, role: str) 
     if isinstance(op, Released):
         return [op.at_ms, name, op.queue_id, epoch, op.order, "expire" if op.expired else "release", op.index,
                 None, op.priority, 0, 0, role, node, ""]
-    if isinstance(op, Purged):
-        return [op.at_ms, name, op.queue_id, epoch, op.order, "purge", op.index, None, op.priority,
-                0, 0, role, node, ""]
-    if isinstance(op, DeadLettered):
-        return [op.at_ms, name, op.queue_id, epoch, op.order, "dead_letter", op.index, None, op.priority,
-                0, 0, role, node, ""]
-    if isinstance(op, Expired):
-        return [op.at_ms, name, op.queue_id, epoch, op.order, "ttl_expire", op.index, None, op.priority,
-                0, 0, role, node, ""]
-    if isinstance(op, Matured):
-        return [op.at_ms, name, op.queue_id, epoch, op.order, "mature", op.index, None, op.priority,
-                0, 0, role, node, ""]
-    raise InvariantViolation(f"no journal form for {type(op).__name__}")
+    journal_op = _UNCLIENTED_JOURNAL_OPS.get(type(op))
+    if journal_op is None:
+        raise InvariantViolation(f"no journal form for {type(op).__name__}")
+    return [op.at_ms, name, op.queue_id, epoch, op.order, journal_op, op.index, None,  # type: ignore[union-attr]
+            op.priority, 0, 0, role, node, ""]
+
+
+# Steps the node decides on its own (an operator's purge, timed steps): no client in the record.
+_UNCLIENTED_JOURNAL_OPS: dict[type, str] = {Purged: "purge", DeadLettered: "dead_letter", Expired: "ttl_expire",
+                                            Matured: "mature"}
 
 
 JOURNAL_FIELDS = ("at_ms", "queue", "queue_id", "epoch", "index", "op", "message_id", "dedupe_id",

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -361,14 +361,10 @@ class QueueCore:
         A leased one is left to its consumer: if its lease ends without an ack, it goes then
         (`_end_lease`). Under `full` only the master decides (its operations are replicated)."""
         expired = 0
-        heap, ttl = self._ttl_deadlines, self._ttl
-        lease_now = self._lease_clock()
-        while heap and heap[0][0] <= lease_now:
-            deadline, index = heapq.heappop(heap)
-            live = ttl.get(index)
-            if live is None or live[0] != deadline or index in self._leases or index in self._delayed:
-                continue        # gone, moved, leased (see _end_lease) or delayed (see mature_messages)
-            self._expire_ready(index, live[1], now_ms, out, popped=False)
+        for index, (_, priority) in self._pop_due(self._ttl_deadlines, self._ttl):
+            if index in self._leases or index in self._delayed:
+                continue        # leased (see _end_lease) or delayed (see mature_messages)
+            self._expire_ready(index, priority, now_ms, out, popped=False)
             expired += 1
         return expired
 
@@ -376,15 +372,9 @@ class QueueCore:
         """Make every delayed message whose delay has run out on the lease clock ready
         (`Matured`); returns how many. One past its time to live too is expired at once."""
         matured = 0
-        heap, delayed = self._due, self._delayed
         lease_now = self._lease_clock()
-        while heap and heap[0][0] <= lease_now:
-            due, index = heapq.heappop(heap)
-            waiting = delayed.get(index)
-            if waiting is None or waiting[0] != due:
-                continue
-            del delayed[index]
-            priority = waiting[1]
+        for index, (_, priority) in self._pop_due(self._due, self._delayed):
+            del self._delayed[index]
             self.record.delayed_count -= 1
             out.append(Matured(self.queue_id, index, priority, now_ms, self._consumption_order()))
             self._make_ready(index, priority, 0)
@@ -395,6 +385,17 @@ class QueueCore:
             elif live is not None:
                 heapq.heappush(self._ttl_deadlines, (live[0], index))    # the sweep skipped it while delayed
         return matured
+
+    def _pop_due(self, heap: list[tuple[int, int]],
+                 live: dict[int, tuple[int, int]]) -> Iterator[tuple[int, tuple[int, int]]]:
+        """(index, its live entry) for each entry of a deadline heap whose time has come on the
+        lease clock; stale entries (the message gone, or given another deadline) are dropped."""
+        lease_now = self._lease_clock()
+        while heap and heap[0][0] <= lease_now:
+            deadline, index = heapq.heappop(heap)
+            entry = live.get(index)
+            if entry is not None and entry[0] == deadline:
+                yield index, entry
 
     def next_deadline(self) -> int | None:
         """The earliest deadline of a lease, a time to live or a delay, on the lease clock."""
@@ -445,18 +446,14 @@ class QueueCore:
         deadline = self._lease_clock() + ttl_ms
         self._ttl[index] = (deadline, priority)
         heapq.heappush(self._ttl_deadlines, (deadline, index))
-        if len(self._ttl_deadlines) > 2 * len(self._ttl) + STALE_DEADLINES_MAX:
-            self._ttl_deadlines = [(deadline, i) for i, (deadline, _) in self._ttl.items()]
-            heapq.heapify(self._ttl_deadlines)
+        self._ttl_deadlines = _bounded(self._ttl_deadlines, self._ttl, lambda i, entry: (entry[0], i))
 
     def _delay(self, index: int, priority: int, delay_ms: int) -> None:
         """The message waits `delay_ms` from now on this member's clock before it is ready."""
         due = self._lease_clock() + delay_ms
         self._delayed[index] = (due, priority)
         heapq.heappush(self._due, (due, index))
-        if len(self._due) > 2 * len(self._delayed) + STALE_DEADLINES_MAX:
-            self._due = [(due, i) for i, (due, _) in self._delayed.items()]
-            heapq.heapify(self._due)
+        self._due = _bounded(self._due, self._delayed, lambda i, entry: (entry[0], i))
         self.record.delayed_count += 1
 
     def _load_timed(self) -> None:
@@ -734,9 +731,8 @@ class QueueCore:
     def _add_lease(self, index: int, lease: _Lease) -> None:
         self._leases[index] = lease
         heapq.heappush(self._lease_deadlines, (lease.deadline, index, lease.receipt))
-        if len(self._lease_deadlines) > 2 * len(self._leases) + STALE_DEADLINES_MAX:
-            self._lease_deadlines = [(live.deadline, i, live.receipt) for i, live in self._leases.items()]
-            heapq.heapify(self._lease_deadlines)
+        self._lease_deadlines = _bounded(self._lease_deadlines, self._leases,
+                                         lambda i, live: (live.deadline, i, live.receipt))
 
     def _inherit(self, index: int, priority: int, receipt: str, visibility_ms: int, deliveries: int,
                  leased_ms: int) -> None:
@@ -781,3 +777,13 @@ class QueueCore:
         self._make_ready(index, priority, lease.deliveries)
         out.append(Released(record.queue_id, index, priority, lease.deliveries, expired, now_ms,
                             self._consumption_order()))
+
+
+def _bounded(heap: list[Any], live: dict[int, Any], entry: Callable[[int, Any], Any]) -> list[Any]:
+    """The deadline heap as it is, or rebuilt from `live` (index -> what it times) once its stale
+    entries pass STALE_DEADLINES_MAX and the live ones."""
+    if len(heap) <= 2 * len(live) + STALE_DEADLINES_MAX:
+        return heap
+    rebuilt = [entry(index, value) for index, value in live.items()]
+    heapq.heapify(rebuilt)
+    return rebuilt
