@@ -42,14 +42,17 @@ from client.credentials import Credentials, load_credentials
 from client.errors import (
     E_BAD_FRAME,
     E_INTERNAL,
+    E_MACRO_QUEUE,
     E_NOT_MASTER,
     E_QUEUE_UNAVAILABLE,
     E_REPLAYED_REQUEST,
     E_TIMEOUT,
     E_UNAVAILABLE,
+    E_UNKNOWN_MACRO,
     QueueError,
 )
 from client.http import Grant, HttpClient, error_from_status
+from client.macro import MacroConsumer, MacroQueue
 from client.protocol import (
     BATCH_ITEMS_MAX,
     DELAY_MS_MAX,
@@ -333,6 +336,7 @@ class AsyncClient:
         self._node_urls: list[str] = []            # the other nodes' URLs in it
         self._master_urls: dict[str, str] = {}    # queue -> its master's node
         self._others: dict[str, AsyncClient] = {}
+        self._macros: dict[str, MacroQueue] = {}  # macro queues in the map (client/macro.py)
         self.url = (url or creds.url).rstrip("/")
         self.client_id = creds.client_id
         self._signer = creds.signer()
@@ -615,6 +619,7 @@ class AsyncClient:
         # nothing of ours, so each node is asked).
         others = await asyncio.gather(*(self._map_at(self._route_to(url)) for url in self._node_urls))
         maps = [first] + [cluster_map for cluster_map in others if cluster_map is not None]
+        self._learn_macros(max(maps, key=lambda cluster_map: cluster_map.get("version", 0)).get("macros", {}))
         newest: dict[str, dict[str, Any]] = {}
         for cluster_map in maps:        # nodes may lag behind the membership layer: newest epoch wins
             for queue, pair in cluster_map.get("queues", {}).items():
@@ -630,6 +635,34 @@ class AsyncClient:
             for name in (queue, queue + DEAD_LETTER_SUFFIX):
                 self._masters[name] = self.url if self.url in members else urls[pair["master"]]
                 self._master_urls[name] = urls[pair["master"]]
+
+    def _learn_macros(self, definitions: Mapping[str, Any]) -> None:
+        for name in [name for name in self._macros if name not in definitions]:
+            del self._macros[name]
+        for name, definition in definitions.items():
+            if name in self._macros:
+                self._macros[name].update(definition)
+            else:
+                self._macros[name] = MacroQueue(self, definition)
+
+    async def macro(self, name: str) -> MacroQueue:
+        """The macro queue `name` as the cluster map defines it now (read again here)."""
+        await self.refresh_placement()
+        found = self._macros.get(name)
+        if found is None:
+            raise QueueError(E_UNKNOWN_MACRO, f"no macro queue named {name!r}")
+        return found
+
+    async def _as_macro(self, name: str, error: QueueError) -> MacroQueue:
+        """After E_MACRO_QUEUE: the name is a macro queue this client did not know yet."""
+        if error.code != E_MACRO_QUEUE.code:
+            raise error
+        with contextlib.suppress(QueueError):
+            await self.refresh_placement()
+        found = self._macros.get(name)
+        if found is None:
+            raise error
+        return found
 
     def _node_client(self, url: str) -> AsyncClient:
         """A client of another node of the cluster. It gives up on an unreachable node soon
@@ -775,10 +808,17 @@ class AsyncClient:
         if type(payload) is not bytes:
             payload = _as_bytes(payload)
         dedupe_id = dedupe_id or self._new_dedupe_id()
+        macro = self._macros.get(queue)
+        if macro is not None:
+            return await macro.enqueue(payload, priority, dedupe_id, ttl_s=ttl_s, delay_s=delay_s, headers=headers)
         ttl_ms, delay_ms, named = _ttl_ms(ttl_s), _delay_ms(delay_s), _headers_key(headers)
-        if self._masters:
-            return await self._watched_enqueue(queue, payload, priority, dedupe_id, ttl_ms, delay_ms, named)
-        return await self._enqueue_here(queue, payload, priority, dedupe_id, ttl_ms, delay_ms, named)
+        try:
+            if self._masters:
+                return await self._watched_enqueue(queue, payload, priority, dedupe_id, ttl_ms, delay_ms, named)
+            return await self._enqueue_here(queue, payload, priority, dedupe_id, ttl_ms, delay_ms, named)
+        except QueueError as error:
+            macro = await self._as_macro(queue, error)
+        return await macro.enqueue(payload, priority, dedupe_id, ttl_s=ttl_s, delay_s=delay_s, headers=headers)
 
     async def _watched_enqueue(self, queue: str, payload: bytes, priority: int, dedupe_id: str,
                                ttl_ms: int, delay_ms: int, headers: _Headers) -> int:
@@ -867,6 +907,10 @@ class AsyncClient:
         if dedupe_ids is not None and len(dedupe_ids) != len(items):
             raise ValueError("dedupe_ids must have one id per payload")
         ids = list(dedupe_ids) if dedupe_ids is not None else [self._new_dedupe_id() for _ in items]
+        if queue in self._macros:     # each message by the producer policy
+            return list(await asyncio.gather(*(self.enqueue(queue, item, priority, dedupe_id, ttl_s=ttl_s,
+                                                            delay_s=delay_s, headers=headers)
+                                               for item, dedupe_id in zip(items, ids, strict=True))))
         ttl_ms, delay_ms, named = _ttl_ms(ttl_s), _delay_ms(delay_s), dict(headers) if headers else None
         if self._masters:
             return await self._hedged(queue, lambda node: node._enqueue_many_here(queue, items, priority, ids, ttl_ms,
@@ -898,9 +942,22 @@ class AsyncClient:
 
     async def receive(self, queue: str, max_messages: int = 1, wait_s: float = 0.0,
                       visibility_timeout_s: float | None = None) -> list[Message]:
-        """Lease up to `max_messages`, waiting up to `wait_s` for the first; [] if none came."""
+        """Lease up to `max_messages`, waiting up to `wait_s` for the first; [] if none came.
+        On a macro queue, from the member its consumer policy chooses (`Message.queue` names
+        it; `Message.ack()` acks there)."""
+        macro = self._macros.get(queue)
+        if macro is not None:
+            return await macro.receive(max_messages, wait_s, visibility_timeout_s)
+        try:
+            return await self._receive(queue, max_messages, wait_s, visibility_timeout_s)
+        except QueueError as error:
+            macro = await self._as_macro(queue, error)
+        return await macro.receive(max_messages, wait_s, visibility_timeout_s)
+
+    async def _receive(self, queue: str, max_messages: int, wait_s: float,
+                       visibility_timeout_s: float | None) -> list[Message]:
         if self._masters and (target := self._route(queue)) is not self:
-            return await self._via(queue, target, "receive", queue, max_messages, wait_s, visibility_timeout_s)
+            return await self._via(queue, target, "_receive", queue, max_messages, wait_s, visibility_timeout_s)
         if self._calls_in_flight >= self._in_flight_max:
             await self._wait_for_room()
         op = ReceiveOp(next(self._ids), queue, max_messages, int(wait_s * 1000),
@@ -911,7 +968,7 @@ class AsyncClient:
             master = await self._rerouted(queue, error)
             if master is None:
                 raise
-            return await _retried_once(error, master.receive(queue, max_messages, wait_s, visibility_timeout_s))
+            return await _retried_once(error, master._receive(queue, max_messages, wait_s, visibility_timeout_s))
         try:
             return [Message(self, queue, m) for m in messages_from_result(result)]
         except FrameError as exc:
@@ -965,11 +1022,15 @@ class AsyncClient:
         await self._submit(PingOp(next(self._ids)))
 
     def consume(self, queue: str, prefetch: int = 100,
-                visibility_timeout_s: float | None = None) -> Consumer:
+                visibility_timeout_s: float | None = None) -> Consumer | MacroConsumer:
         """Messages pushed by the server as an async iterator; at most `prefetch` are leased
-        and not yet taken at any time. Use `async with client.consume(q) as messages:`."""
+        and not yet taken at any time. Use `async with client.consume(q) as messages:`. On a
+        macro queue this client knows (after any call on it, or `await client.macro(name)`),
+        messages of all its members by its consumer policy (client/macro.py)."""
         if not 1 <= prefetch <= 100_000:
             raise ValueError("prefetch must be in [1, 100000]")
+        if queue in self._macros:
+            return MacroConsumer(self._macros[queue], prefetch, visibility_timeout_s)
         consumer = Consumer(self._consume_target(queue), queue, prefetch, _milliseconds(visibility_timeout_s),
                             router=self)
         consumer._attach(consumer._client)
@@ -1000,6 +1061,37 @@ class AsyncClient:
 
     async def list_queues(self) -> list[dict[str, Any]]:
         return await self.http.list_queues()
+
+    async def create_macro(self, name: str, producer: str = "round_robin", consumer: str = "prioritized",
+                           fastest_by: str = "response_time") -> dict[str, Any]:
+        """Define a macro queue (admin; client/macro.py says what the policies do); add its
+        members with `add_macro_member`. Enqueue, receive and consume on it as on a queue."""
+        return await self._changed_macro(self.http.create_macro(name, producer, consumer, fastest_by))
+
+    async def delete_macro(self, name: str) -> dict[str, Any]:
+        """Forget a macro queue; its members and their messages stay."""
+        return await self._changed_macro(self.http.delete_macro(name))
+
+    async def add_macro_member(self, name: str, queue: str, priority: int = 0, weight: int = 1) -> dict[str, Any]:
+        """Add a queue to a macro queue (or set its `priority`, 0-9, for the `prioritized`
+        consumer policy, and its `weight`, 1-100, for the `round_robin` producer policy)."""
+        return await self._changed_macro(self.http.add_macro_member(name, queue, priority, weight))
+
+    async def remove_macro_member(self, name: str, queue: str) -> dict[str, Any]:
+        return await self._changed_macro(self.http.remove_macro_member(name, queue))
+
+    async def list_macros(self) -> list[dict[str, Any]]:
+        return await self.http.list_macros()
+
+    async def describe_macro(self, name: str) -> dict[str, Any]:
+        """A macro queue's definition, each member with its pair (master, replica, epoch)."""
+        return await self.http.macro(name)
+
+    async def _changed_macro(self, change: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
+        result = await change
+        with contextlib.suppress(QueueError):     # this client's own calls see the change at once
+            await self.refresh_placement()
+        return result
 
     async def queue_stats(self, name: str) -> dict[str, Any]:
         return await self.http.queue_stats(name)

@@ -101,6 +101,10 @@ def queue_path(queue: str, *rest: str | int) -> str:
     return "/v1/queues/" + "/".join([_segment(queue), *(_segment(part) for part in rest)])
 
 
+def macro_path(name: str, *rest: str | int) -> str:
+    return "/v1/macros/" + "/".join([_segment(name), *(_segment(part) for part in rest)])
+
+
 class HttpClient:
     """Signed REST calls to one node. Share an aiohttp session by passing `session`;
     otherwise one is created on first use and closed by `close()`."""
@@ -234,6 +238,31 @@ class HttpClient:
     async def queue_stats(self, name: str) -> dict[str, Any]:
         return dict(await self._json("GET", queue_path(name)))
 
+    # --- macro queues (seed 004; the policies run in client/macro.py) -----------------------------
+    async def create_macro(self, name: str, producer: str = "round_robin", consumer: str = "prioritized",
+                           fastest_by: str = "response_time") -> dict[str, Any]:
+        """Define a macro queue (admin); the same definition again is a no-op."""
+        document = {"producer": producer, "consumer": consumer, "fastest_by": fastest_by}
+        return dict(await self._json("PUT", macro_path(name), document=document))
+
+    async def delete_macro(self, name: str) -> dict[str, Any]:
+        return dict(await self._json("DELETE", macro_path(name), idempotent=False))
+
+    async def list_macros(self) -> list[dict[str, Any]]:
+        return list((await self._json("GET", "/v1/macros"))["macros"])
+
+    async def macro(self, name: str) -> dict[str, Any]:
+        """A macro queue's definition, each member with its pair."""
+        return dict(await self._json("GET", macro_path(name)))
+
+    async def add_macro_member(self, name: str, queue: str, priority: int = 0, weight: int = 1) -> dict[str, Any]:
+        """Add a member queue (or set its priority, 0-9, and weight, 1-100)."""
+        return dict(await self._json("PUT", macro_path(name, "members", queue),
+                                     document={"priority": priority, "weight": weight}))
+
+    async def remove_macro_member(self, name: str, queue: str) -> dict[str, Any]:
+        return dict(await self._json("DELETE", macro_path(name, "members", queue)))
+
     # --- messages ---------------------------------------------------------------------------
     async def enqueue_http(self, queue: str, payload: bytes, priority: int = 4,
                            dedupe_id: str | None = None, *, ttl_s: float | None = None,
@@ -284,6 +313,13 @@ class HttpClient:
         await self.request("POST", queue_path(queue, "messages", message_id, "extend"),
                            query=[("receipt", receipt), ("visibility_timeout_s", f"{visibility_timeout_s:g}")],
                            idempotent=True)
+
+    async def head(self, queue: str, wait_s: float = 0.0) -> dict[str, Any] | None:
+        """The message a receive would lease next, leased by no one: `{"id", "priority",
+        "enqueued_ms"}`, or None when none came within `wait_s`."""
+        answer = await self.request("GET", queue_path(queue, "head"), query=[("wait_s", query_number(wait_s))],
+                                    wait_s=wait_s)
+        return None if answer.status == 204 else dict(answer.json())
 
     async def reply(self, queue: str, message_id: int, receipt: str, body: bytes) -> None:
         await self.request("POST", queue_path(queue, "messages", message_id, "reply"),

@@ -21,9 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from client.aio import AsyncClient
 from client.credentials import Credentials, load_credentials, save_credentials
-from client.errors import E_INVALID_OPTION, QueueError
+from client.errors import E_INVALID_OPTION, E_MACRO_QUEUE, QueueError
 from client.http import HttpClient
+from client.macro import CONSUMER_POLICIES, FASTEST_BY, PRODUCER_POLICIES
+from client.protocol import DeliveredMessage
 from client.signing import new_private_key, private_key_to_text, public_key_text
 
 PRIVILEGES = ("post", "get", "delete", "admin")
@@ -213,6 +216,30 @@ def build_parser() -> argparse.ArgumentParser:
     move.add_argument("--member", choices=("master", "replica"), required=True)
     move.add_argument("--to", required=True, metavar="NODE")
 
+    macro = commands.add_parser("macro", help="macro queues: one name over member queues (put and get use them "
+                                              "as queues)")
+    macro_commands = macro.add_subparsers(dest="macro_command", required=True, metavar="ACTION")
+    macro_create = command(macro_commands, "create", cmd_macro_create, "define a macro queue and its policies")
+    macro_create.add_argument("name")
+    macro_create.add_argument("--producer", choices=PRODUCER_POLICIES, default="round_robin",
+                              help="where an enqueue goes (default round_robin)")
+    macro_create.add_argument("--consumer", choices=CONSUMER_POLICIES, default="prioritized",
+                              help="where a receive leases from (default prioritized)")
+    macro_create.add_argument("--fastest-by", choices=FASTEST_BY, default="response_time",
+                              help="what the fastest producer policy compares")
+    command(macro_commands, "list", cmd_macro_list, "every macro queue with its members")
+    command(macro_commands, "describe", cmd_macro_describe, "one macro queue: policies, members, their pairs"
+            ).add_argument("name")
+    command(macro_commands, "delete", cmd_macro_delete, "forget a macro queue (its members stay)").add_argument("name")
+    macro_add = command(macro_commands, "add", cmd_macro_add, "add a member queue, or set its priority and weight")
+    macro_add.add_argument("name")
+    macro_add.add_argument("queue")
+    macro_add.add_argument("--priority", type=_priority, default=0, help="prioritized consumers drain 9 first")
+    macro_add.add_argument("--weight", type=int, default=1, help="round_robin producers give it this many turns")
+    macro_remove = command(macro_commands, "remove", cmd_macro_remove, "take a member queue out of a macro queue")
+    macro_remove.add_argument("name")
+    macro_remove.add_argument("queue")
+
     put = command(commands, "put", cmd_put, "enqueue one message")
     put.add_argument("queue")
     put.add_argument("data", nargs="?", default="-", help="the payload, or - (default) to read stdin")
@@ -376,9 +403,39 @@ def _each_member(answer: dict[str, Any]) -> str:
 
 async def cmd_put(http: HttpClient, args: argparse.Namespace) -> Outcome:
     payload = sys.stdin.buffer.read() if args.data == "-" else args.data.encode()
-    message_id = await http.enqueue_http(args.queue, payload, args.priority, args.dedupe_id, ttl_s=args.ttl_s,
-                                         delay_s=args.delay_s, headers=_headers(args.header))
+    try:
+        message_id = await http.enqueue_http(args.queue, payload, args.priority, args.dedupe_id, ttl_s=args.ttl_s,
+                                             delay_s=args.delay_s, headers=_headers(args.header))
+    except QueueError as error:
+        if error.code != E_MACRO_QUEUE.code:
+            raise
+        async with _policy_client(http, args) as client:       # a macro queue: its policy picks the member
+            answer = await client.enqueue(args.queue, payload, args.priority, args.dedupe_id, ttl_s=args.ttl_s,
+                                          delay_s=args.delay_s, headers=_headers(args.header))
+        member = getattr(answer, "queue", args.queue)
+        copies = getattr(answer, "copies", {member: int(answer)})
+        return Outcome({"queue": member, "id": int(answer), "macro": args.queue, "copies": copies},
+                       f"id: {int(answer)} in {member}" + (f" (copies: {copies})" if len(copies) > 1 else ""))
     return Outcome({"queue": args.queue, "id": message_id}, f"id: {message_id}")
+
+
+def _policy_client(http: HttpClient, args: argparse.Namespace) -> AsyncClient:
+    """The client library, which runs macro queues' policies (qctl's own calls are plain REST)."""
+    return AsyncClient(http.url, load_credentials(args.credentials), ca_file=args.ca_file)
+
+
+async def _macro_get(http: HttpClient, args: argparse.Namespace) -> DeliveredMessage | None:
+    """`qctl get` on a macro queue: the consumer policy picks the member (returned in `queue`)."""
+    async with _policy_client(http, args) as client:
+        messages = await client.receive(args.queue, 1, args.wait_s, args.visibility_timeout_s)
+        if not messages:
+            return None
+        [message] = messages
+        if args.ack:
+            await message.ack()
+    args.member = message.queue
+    return DeliveredMessage(message.id, message.receipt, message.priority, message.deliveries, message.payload,
+                            message.headers)
 
 
 def _headers(given: list[str]) -> dict[str, str] | None:
@@ -393,12 +450,19 @@ def _headers(given: list[str]) -> dict[str, str] | None:
 
 
 async def cmd_get(http: HttpClient, args: argparse.Namespace) -> Outcome:
-    message = await http.receive_http(args.queue, args.wait_s, args.visibility_timeout_s)
+    args.member = args.queue
+    try:
+        message = await http.receive_http(args.queue, args.wait_s, args.visibility_timeout_s)
+    except QueueError as error:
+        if error.code != E_MACRO_QUEUE.code:
+            raise
+        message = await _macro_get(http, args)
+    else:
+        if message is not None and args.ack:
+            await http.ack_http(args.queue, message.message_id, message.receipt)
     if message is None:
         return Outcome(None, "no message")
-    if args.ack:
-        await http.ack_http(args.queue, message.message_id, message.receipt)
-    document = {"queue": args.queue, "id": message.message_id, "receipt": message.receipt,
+    document = {"queue": args.member, "id": message.message_id, "receipt": message.receipt,
                 "priority": message.priority, "deliveries": message.deliveries,
                 "headers": message.headers or {}, "acked": bool(args.ack), **payload_fields(message.payload)}
     shown = {key: value for key, value in document.items() if key not in ("payload", "payload_b64")}
@@ -415,6 +479,46 @@ async def cmd_extend(http: HttpClient, args: argparse.Namespace) -> Outcome:
     await http.extend_http(args.queue, args.message_id, args.receipt, args.visibility_timeout_s)
     return Outcome({"queue": args.queue, "extended": args.message_id, "visibility_timeout_s": args.visibility_timeout_s},
                    f"extended {args.message_id} by {args.visibility_timeout_s:g} s from now")
+
+
+async def cmd_macro_create(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    answer = await http.create_macro(args.name, args.producer, args.consumer, args.fastest_by)
+    return Outcome(answer, _macro_text(answer))
+
+
+async def cmd_macro_list(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    macros = await http.list_macros()
+    return Outcome({"macros": macros}, "\n\n".join(_macro_text(m) for m in macros) or "no macro queues")
+
+
+async def cmd_macro_describe(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    answer = await http.macro(args.name)
+    return Outcome(answer, _macro_text(answer))
+
+
+async def cmd_macro_delete(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    answer = await http.delete_macro(args.name)
+    return Outcome(answer, f"deleted macro queue {args.name} (its members stay)")
+
+
+async def cmd_macro_add(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    answer = await http.add_macro_member(args.name, args.queue, args.priority, args.weight)
+    return Outcome(answer, _macro_text(answer))
+
+
+async def cmd_macro_remove(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    answer = await http.remove_macro_member(args.name, args.queue)
+    return Outcome(answer, _macro_text(answer))
+
+
+def _macro_text(macro: dict[str, Any]) -> str:
+    lines = [f"{macro['name']}: producer {macro['producer']}"
+             + (f" by {macro['fastest_by']}" if macro["producer"] == "fastest" else "")
+             + f", consumer {macro['consumer']}"]
+    for member in macro.get("members", []):
+        lines.append(f"  {member['queue']}: priority {member['priority']}, weight {member['weight']}, "
+                     f"master {member.get('master', '?')}, replica {member.get('replica', '?')}")
+    return "\n".join(lines)
 
 
 async def cmd_queue_redrive(http: HttpClient, args: argparse.Namespace) -> Outcome:

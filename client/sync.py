@@ -14,6 +14,7 @@ from typing import Any, Self, TypeVar
 
 from client.aio import AsyncClient, Consumer, CredentialsArg, LeaseKeeper, Message
 from client.http import Grant
+from client.macro import MacroConsumer
 
 T = TypeVar("T")
 
@@ -75,7 +76,7 @@ class SyncLeaseKeeper:
 class SyncConsumer:
     """Iterator over a subscription's messages; close it (or use `with`) to unsubscribe."""
 
-    def __init__(self, client: Client, consumer: Consumer) -> None:
+    def __init__(self, client: Client, consumer: Consumer | MacroConsumer) -> None:
         self._client = client
         self._consumer = consumer
 
@@ -98,7 +99,7 @@ class SyncConsumer:
         self.close()
 
 
-async def _next_or_none(consumer: Consumer) -> Message | None:
+async def _next_or_none(consumer: Consumer | MacroConsumer) -> Message | None:
     try:
         return await consumer.__anext__()
     except StopAsyncIteration:
@@ -197,7 +198,7 @@ class Client:
 
     def consume(self, queue: str, prefetch: int = 100,
                 visibility_timeout_s: float | None = None) -> SyncConsumer:
-        async def subscribe() -> Consumer:
+        async def subscribe() -> Consumer | MacroConsumer:
             return self._async.consume(queue, prefetch, visibility_timeout_s)
         return SyncConsumer(self, self._run(subscribe()))
 
@@ -216,6 +217,25 @@ class Client:
 
     def list_queues(self) -> list[dict[str, Any]]:
         return self._run(self._async.list_queues())
+
+    def create_macro(self, name: str, producer: str = "round_robin", consumer: str = "prioritized",
+                     fastest_by: str = "response_time") -> dict[str, Any]:
+        return self._run(self._async.create_macro(name, producer, consumer, fastest_by))
+
+    def delete_macro(self, name: str) -> dict[str, Any]:
+        return self._run(self._async.delete_macro(name))
+
+    def add_macro_member(self, name: str, queue: str, priority: int = 0, weight: int = 1) -> dict[str, Any]:
+        return self._run(self._async.add_macro_member(name, queue, priority, weight))
+
+    def remove_macro_member(self, name: str, queue: str) -> dict[str, Any]:
+        return self._run(self._async.remove_macro_member(name, queue))
+
+    def list_macros(self) -> list[dict[str, Any]]:
+        return self._run(self._async.list_macros())
+
+    def describe_macro(self, name: str) -> dict[str, Any]:
+        return self._run(self._async.describe_macro(name))
 
     def queue_stats(self, name: str) -> dict[str, Any]:
         return self._run(self._async.queue_stats(name))

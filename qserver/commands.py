@@ -85,6 +85,16 @@ class Receive:
 
 
 @dataclass(slots=True)
+class Head:
+    """Look at the message a receive would lease next, without leasing it; wait up to
+    `wait_ms` for one (the consumer side of a macro queue)."""
+    queue: str
+    wait_ms: int
+    replier: Replier
+    request_id: int = 0
+
+
+@dataclass(slots=True)
 class Ack:
     queue: str
     message_id: int

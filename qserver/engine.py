@@ -30,6 +30,8 @@ from client.errors import (
     E_INTERNAL,
     E_INVALID_NAME,
     E_INVALID_OPTION,
+    E_MACRO_QUEUE,
+    E_MACRO_REFUSED,
     E_MASTER_EXISTS,
     E_NOT_MASTER,
     E_OPTIONS_MISMATCH,
@@ -102,9 +104,9 @@ def monotonic_clock_ms() -> int:
 
 @dataclass(slots=True)
 class Waiter:
-    """A receive that found nothing and waits for a message until `deadline_ms` (the
-    engine's monotonic clock, as every deadline below)."""
-    command: c.Receive
+    """A receive (or a look at the head) that found nothing and waits for a message until
+    `deadline_ms` (the engine's monotonic clock, as every deadline below)."""
+    command: c.Receive | c.Head
     deadline_ms: int
 
 
@@ -603,6 +605,9 @@ class Engine:
             entry = self.pairs.view.entry(name)
             if entry is not None and entry.master != self.config.node_id:
                 raise QueueError(E_NOT_MASTER, f"queue {name} is held by {self.pairs.masters_hint(name)}")
+            if self.pairs.clustered and name in self.pairs.view.cluster_map.macros:
+                raise QueueError(E_MACRO_QUEUE, f"{name} is a macro queue: its policies run in the client library, "
+                                                "which sends each message to a member")
             raise QueueError(E_UNKNOWN_QUEUE, f"no queue named {name!r}")
         return core
 
@@ -677,6 +682,43 @@ class Engine:
                 Waiter(command, self.monotonic_ms() + command.wait_ms))
         else:
             command.replier.reply(command.request_id, [])
+
+    def _step_head(self, command: c.Head, now_ms: int) -> None:
+        """The message a receive here would lease next, leased by no one: `[]` when none (after
+        `wait_ms`), else `[{"id", "priority", "enqueued_ms"}]`. Where a receive would be
+        forwarded (a `full` queue's replica) or a node holds no member, the master answers."""
+        pairs = self.pairs
+        if pairs.clustered:
+            if command.queue in pairs.replicas and self.cores[command.queue].options.strength.value == "full":
+                entry = pairs.view.entry(command.queue)
+                if entry is not None:
+                    raise Redirect(entry.master, f"queue {command.queue} is served by its master {entry.master}")
+            pairs.refuse_if_not_master(command.queue)
+        core = self._core(command.queue)
+        if not self._answer_head(core, command, now_ms):
+            if command.wait_ms > 0:
+                self._waiters.setdefault(core.name, collections.deque()).append(
+                    Waiter(command, self.monotonic_ms() + command.wait_ms))
+            else:
+                command.replier.reply(command.request_id, [])
+
+    def _answer_head(self, core: QueueCore, command: c.Head, now_ms: int) -> bool:
+        head = core.head()
+        if head is None:
+            return False
+        index, priority = head
+        with_read = not self.storage.reading
+        if with_read:
+            self.storage.begin_read()
+        try:
+            enqueued_ms = self.storage.enqueued_ms(core.queue_id, index)
+        finally:
+            if with_read:
+                self.storage.end_read()
+        # Not stored yet: enqueued in the batch now going to disk (answers wait for it).
+        found = {"id": index, "priority": priority, "enqueued_ms": now_ms if enqueued_ms is None else enqueued_ms}
+        self._open.replies.append((command.replier, command.request_id, [found]))
+        return True
 
     def _lease(self, core: QueueCore, max_messages: int, visibility_ms: int | None, client: str,
                now_ms: int) -> list[Leased]:
@@ -795,6 +837,8 @@ class Engine:
         `replica` options, else spread evenly), and the master proposes it. A node that is
         not the chosen master passes the request on (E_NOT_MASTER with the node to ask)."""
         cluster = self.pairs.view.cluster_map
+        if command.name in cluster.macros:
+            raise QueueError(E_MACRO_REFUSED, f"{command.name} is a macro queue")
         preferred = self.config.placement.get(command.name, [None, None])
         wanted = (command.placement.get("master", preferred[0]), command.placement.get("replica", preferred[1]))
         pair = choose_pair(cluster, wanted)
@@ -1007,7 +1051,7 @@ class Engine:
         c.Subscribe: _step_subscribe, c.Credit: _step_credit, c.Unsubscribe: _step_unsubscribe,
         c.CreateQueue: _step_create, c.DeleteQueue: _step_delete, c.MessageStatus: _step_status,
         c.PutClient: _step_put_client, c.PeerMessage: _step_peer_message, c.LinkChange: _step_link_change,
-        c.Invoke: _step_invoke, c.Purge: _step_purge,
+        c.Invoke: _step_invoke, c.Purge: _step_purge, c.Head: _step_head,
     }
 
     # --- time-driven work ------------------------------------------------------------------
@@ -1070,6 +1114,11 @@ class Engine:
             waiters = self._waiters.get(name)
             while waiters:
                 command = waiters[0].command
+                if type(command) is c.Head:
+                    if not self._answer_head(core, command, now_ms):
+                        break
+                    waiters.popleft()
+                    continue
                 leased = self._lease(core, command.max_messages, command.visibility_ms, command.client, now_ms)
                 if not leased:
                     break       # nothing visible yet: the waiter keeps waiting

@@ -488,6 +488,7 @@ async def cluster(request: web.Request) -> web.Response:
     if engine.coordinator is not None:
         status = engine.coordinator.status()
         status["queues"] = {name: entry for name, entry in status["queues"].items() if who.may_see(name)}
+        status["macros"] = {name: macro for name, macro in status["macros"].items() if who.may_see(name)}
         for name, entry in status["queues"].items():
             role = engine.pairs.masters.get(name)
             if role is not None:

@@ -23,6 +23,7 @@ from client import errors as e
 from client.errors import QueueError
 from client.http import signed_session
 from qserver import commands as c
+from qserver import macro_api
 from qserver.auth import Authenticator
 from qserver.config import NodeConfig
 from qserver.engine import Engine
@@ -356,6 +357,7 @@ class Node:
         app = web.Application(middlewares=[errors_and_auth], client_max_size=self.config.body_bytes_max + 4096)
         app[NODE] = self
         add_routes(app)
+        macro_api.add_routes(app)
         app.router.add_get("/v1/ws", websocket)
         if self.peers is not None:
             app.router.add_get(PEER_PATH, self.peers.handle)

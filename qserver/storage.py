@@ -380,6 +380,11 @@ class Storage:
             return "queued", 0, None
         return None
 
+    def enqueued_ms(self, queue_id: int, index: int) -> int | None:
+        """When a stored message was enqueued (the master's wall clock), None if not stored."""
+        raw = self._reader().get(_QI.pack(queue_id, index), db=self.db["messages"])
+        return None if raw is None else int(msgpack.unpackb(raw)[1])
+
     # --- the op log, as the replication roles read it (OpLogReader) -----------------------
     def read(self, queue_id: int, after_order: int, limit: int, bytes_max: int = 1 << 62) -> list[tuple[int, int, bytes]]:
         out: list[tuple[int, int, bytes]] = []

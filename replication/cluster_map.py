@@ -5,7 +5,8 @@ in-memory twin in the simulations) applies the same commands in the same order t
 so `apply` must be deterministic: no clock, no randomness, no I/O. Reads are local.
 
 Writes are rare commands: creating or deleting a queue, node state changes, client records,
-and changes of a queue's pair. A pair change is a compare-and-set: it names the
+changes of a queue's pair, and the definitions of macro queues (one name over member queues,
+seed 004; each member stays an ordinary queue with its own pair). A pair change is a compare-and-set: it names the
 (epoch, master, replica, in_sync) it expects and is refused when applied against anything
 else, so a late or repeated proposal never undoes a newer one (DESIGN.md 4.1). A change of
 master or replica raises the epoch by exactly one; an in-sync flip keeps it.
@@ -79,6 +80,56 @@ class QueueEntry:
         return asdict(self)
 
 
+class ProducerPolicy(enum.StrEnum):
+    """Which member(s) an enqueue on a macro queue goes to (seed 004 SetProducerOptions)."""
+    ALL = "all"                          # a copy to every member
+    ROUND_ROBIN = "round_robin"          # the members in turn, `weight` turns each per cycle
+    FIRST_AVAILABLE = "first_available"  # the first member, in member order, that takes it
+    FASTEST = "fastest"                  # by `fastest_by`
+
+
+class ConsumerPolicy(enum.StrEnum):
+    """Which member a receive on a macro queue leases from (seed 004 SetConsumerOptions)."""
+    PRIORITIZED = "prioritized"          # the highest-priority member that has a message
+    CHRONOLOGICAL = "chronological"      # the member whose head was enqueued first
+    ROUND_ROBIN = "round_robin"          # the members in turn, skipping empty ones
+
+
+class FastestBy(enum.StrEnum):
+    """What `fastest` compares (seed 004: response time, number queued, average service time)."""
+    RESPONSE_TIME = "response_time"
+    QUEUE_LENGTH = "queue_length"
+    SERVICE_TIME = "service_time"
+
+
+MACRO_MEMBERS_MAX = 64
+MACRO_MEMBER_WEIGHT_MAX = 100
+
+
+@dataclass(slots=True)
+class MacroMember:
+    queue: str
+    priority: int = 0       # prioritized consumer policy: the highest drains first (0-9)
+    weight: int = 1         # round_robin producer policy: turns per cycle (1-100)
+
+
+@dataclass(slots=True)
+class MacroEntry:
+    """A macro queue: routing only. It holds no message; every message lives in a member."""
+    name: str
+    producer: str
+    consumer: str
+    fastest_by: str
+    members: list[MacroMember] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "producer": self.producer, "consumer": self.consumer,
+                "fastest_by": self.fastest_by, "members": [asdict(member) for member in self.members]}
+
+    def member(self, queue: str) -> MacroMember | None:
+        return next((member for member in self.members if member.queue == queue), None)
+
+
 # --- commands --------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class AddNode:
@@ -149,9 +200,46 @@ class SetAlternatives:
     alternatives: tuple[str, ...]
 
 
-Command = AddNode | SetNodeState | CreateQueue | DeleteQueue | ChangePair | ChangePairs | PutClient | SetAlternatives
+@dataclass(frozen=True, slots=True)
+class CreateMacro:
+    """Define a macro queue; again with the same policies it is a no-op, with others refused."""
+    TAG = 9
+    name: str
+    producer: str
+    consumer: str
+    fastest_by: str = FastestBy.RESPONSE_TIME.value
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteMacro:
+    """Forget a macro queue; its members and their messages stay as they are."""
+    TAG = 10
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class PutMacroMember:
+    """Add a member queue to a macro queue, or set a member's priority and weight."""
+    TAG = 11
+    name: str
+    queue: str
+    priority: int = 0
+    weight: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class RemoveMacroMember:
+    TAG = 12
+    name: str
+    queue: str
+
+
+Command = (AddNode | SetNodeState | CreateQueue | DeleteQueue | ChangePair | ChangePairs | PutClient | SetAlternatives
+           | CreateMacro | DeleteMacro | PutMacroMember | RemoveMacroMember)
 COMMAND_TYPES: dict[int, type] = {kind.TAG: kind for kind in (AddNode, SetNodeState, CreateQueue, DeleteQueue,
-                                                              ChangePair, ChangePairs, PutClient, SetAlternatives)}
+                                                              ChangePair, ChangePairs, PutClient, SetAlternatives,
+                                                              CreateMacro, DeleteMacro, PutMacroMember,
+                                                              RemoveMacroMember)}
 
 
 class CommandError(ValueError):
@@ -213,6 +301,7 @@ class ClusterMap:
     queues: dict[str, QueueEntry] = field(default_factory=dict)
     clients: dict[str, dict[str, Any]] = field(default_factory=dict)
     alternatives: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    macros: dict[str, MacroEntry] = field(default_factory=dict)
     version: int = 0          # commands applied; every copy agrees at the same version
 
     def copy(self) -> ClusterMap:
@@ -242,7 +331,8 @@ class ClusterMap:
         return {"version": self.version,
                 "nodes": [{"id": n.node_id, "url": n.url, "state": n.state.value, "voter": n.voter}
                           for n in sorted(self.nodes.values(), key=lambda n: n.node_id)],
-                "queues": {name: entry.to_json() for name, entry in sorted(self.queues.items())}}
+                "queues": {name: entry.to_json() for name, entry in sorted(self.queues.items())},
+                "macros": {name: entry.to_json() for name, entry in sorted(self.macros.items())}}
 
     # --- the state machine ----------------------------------------------------------------
     def apply(self, command: Command) -> list[Outcome]:
@@ -258,6 +348,8 @@ class ClusterMap:
             if entry is None or entry.incarnation != command.incarnation:
                 return [Outcome(command.name, False, "no such incarnation")]
             del self.queues[command.name]
+            for macro in self.macros.values():       # a deleted queue is no macro's member any more
+                macro.members = [member for member in macro.members if member.queue != command.name]
             return [Outcome(command.name, True)]
         if isinstance(command, AddNode):
             existing = self.nodes.get(command.node_id)
@@ -284,6 +376,8 @@ class ClusterMap:
         if isinstance(command, SetAlternatives):
             self.alternatives[command.recipient] = tuple(command.alternatives)
             return [Outcome(command.recipient, True)]
+        if isinstance(command, CreateMacro | DeleteMacro | PutMacroMember | RemoveMacroMember):
+            return [self._macro(command)]
         return [Outcome("", False, f"unknown command {type(command).__name__}")]
 
     def _forget_data_of(self, node: str) -> list[Outcome]:
@@ -308,6 +402,8 @@ class ClusterMap:
     def _create(self, command: CreateQueue) -> Outcome:
         if command.name in self.queues:
             return Outcome(command.name, False, "exists")
+        if command.name in self.macros:
+            return Outcome(command.name, False, "a macro queue has this name")
         for member in (command.master, command.replica):
             entry = self.nodes.get(member)
             if entry is None or entry.state is not NodeState.UP:
@@ -317,6 +413,61 @@ class ClusterMap:
         self.queues[command.name] = QueueEntry(command.name, dict(command.options), command.master, command.replica,
                                                1, True, command.incarnation)
         return Outcome(command.name, True)
+
+    def _macro(self, command: CreateMacro | DeleteMacro | PutMacroMember | RemoveMacroMember) -> Outcome:
+        name = command.name
+        if isinstance(command, CreateMacro):
+            problem = macro_policy_problem(command.producer, command.consumer, command.fastest_by)
+            if problem:
+                return Outcome(name, False, problem)
+            if name in self.queues:
+                return Outcome(name, False, "a queue has this name")
+            existing = self.macros.get(name)
+            if existing is not None:
+                same = (existing.producer, existing.consumer, existing.fastest_by) == \
+                    (command.producer, command.consumer, command.fastest_by)
+                return Outcome(name, same, "exists" if same else "exists with other policies")
+            self.macros[name] = MacroEntry(name, command.producer, command.consumer, command.fastest_by)
+            return Outcome(name, True, "created")
+        macro = self.macros.get(name)
+        if macro is None:
+            return Outcome(name, False, "no such macro queue")
+        if isinstance(command, DeleteMacro):
+            del self.macros[name]
+            return Outcome(name, True)
+        if isinstance(command, RemoveMacroMember):
+            if macro.member(command.queue) is None:
+                return Outcome(name, False, f"{command.queue} is not a member")
+            macro.members = [member for member in macro.members if member.queue != command.queue]
+            return Outcome(name, True)
+        problem = self._member_problem(macro, command)
+        if problem:
+            return Outcome(name, False, problem)
+        existing_member = macro.member(command.queue)
+        if existing_member is not None:
+            existing_member.priority, existing_member.weight = command.priority, command.weight
+        else:
+            macro.members.append(MacroMember(command.queue, command.priority, command.weight))
+        return Outcome(name, True)
+
+    def _member_problem(self, macro: MacroEntry, command: PutMacroMember) -> str:
+        """Seed 004's validation routine: a member must be compatible with the others."""
+        if command.queue in self.macros:
+            return "a macro queue cannot be a member (members are queues)"
+        entry = self.queues.get(command.queue)
+        if entry is None:
+            return f"no queue named {command.queue}"
+        if not 0 <= command.priority <= 9 or not 1 <= command.weight <= MACRO_MEMBER_WEIGHT_MAX:
+            return f"priority is 0-9 and weight 1-{MACRO_MEMBER_WEIGHT_MAX}"
+        if macro.member(command.queue) is None and len(macro.members) >= MACRO_MEMBERS_MAX:
+            return f"at most {MACRO_MEMBERS_MAX} members"
+        kind = entry.options.get("type")
+        for member in macro.members:
+            other = self.queues.get(member.queue)
+            if member.queue != command.queue and other is not None and other.options.get("type") != kind:
+                return (f"{command.queue} is a {kind} queue but {member.queue} is {other.options.get('type')}: "
+                        "a macro queue's members answer the same way")
+        return ""
 
     def _change_pair(self, change: ChangePair) -> Outcome:
         entry = self.queues.get(change.name)
@@ -421,6 +572,14 @@ def plan_rebalance(cluster: ClusterMap) -> list[str]:
     return chosen
 
 
+def macro_policy_problem(producer: str, consumer: str, fastest_by: str) -> str:
+    for value, kind in ((producer, ProducerPolicy), (consumer, ConsumerPolicy), (fastest_by, FastestBy)):
+        allowed = [member.value for member in kind]
+        if value not in allowed:
+            return f"{value!r} is not one of {', '.join(allowed)}"
+    return ""
+
+
 def astuple(pair: PairState) -> tuple[int, str, str, bool]:
     return (pair.epoch, pair.master, pair.replica, pair.in_sync)
 
@@ -431,7 +590,9 @@ def encode_map(cluster: ClusterMap) -> bytes:
     queues = [[q.name, q.options, q.master, q.replica, q.epoch, q.in_sync, q.incarnation, q.unclean_promotions,
                q.last_reason] for q in cluster.queues.values()]
     alternatives = {recipient: list(names) for recipient, names in cluster.alternatives.items()}
-    return msgpack.packb([cluster.version, nodes, queues, cluster.clients, alternatives], use_bin_type=True)
+    macros = [[m.name, m.producer, m.consumer, m.fastest_by, [[x.queue, x.priority, x.weight] for x in m.members]]
+              for m in cluster.macros.values()]
+    return msgpack.packb([cluster.version, nodes, queues, cluster.clients, alternatives, macros], use_bin_type=True)
 
 
 def decode_map(data: bytes) -> ClusterMap:
@@ -439,11 +600,13 @@ def decode_map(data: bytes) -> ClusterMap:
     if not data:
         return ClusterMap()
     try:
-        version, nodes, queues, clients, alternatives = msgpack.unpackb(data, raw=False)
+        version, nodes, queues, clients, alternatives, *rest = msgpack.unpackb(data, raw=False)
+        macros = rest[0] if rest else []        # a snapshot from before macro queues has none
         return ClusterMap(
             nodes={row[0]: NodeEntry(row[0], row[1], NodeState(row[2]), row[3], row[4]) for row in nodes},
             queues={row[0]: QueueEntry(*row) for row in queues},
             clients=clients, alternatives={recipient: tuple(names) for recipient, names in alternatives.items()},
+            macros={row[0]: MacroEntry(*row[:4], [MacroMember(*member) for member in row[4]]) for row in macros},
             version=version)
     except Exception as exc:  # msgpack and the constructors raise several unrelated types
         raise CommandError(f"not a cluster map snapshot: {type(exc).__name__}: {exc}") from None

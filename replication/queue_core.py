@@ -273,6 +273,20 @@ class QueueCore:
                 break
         return leased
 
+    def head(self) -> tuple[int, int] | None:
+        """(index, priority) of the message the next lease would take, without leasing it: a
+        macro queue's consumer policies look at their members' heads before they lease from
+        one (leasing and releasing the others would raise their delivery counts)."""
+        if self.record.ready_count == 0:
+            return None
+        visible_upto = self.visible_upto
+        for priority in PRIORITIES_HIGH_FIRST:
+            if self._fill_head(priority):
+                index = self._ready[priority][0]
+                if visible_upto is None or index <= visible_upto:
+                    return index, priority
+        return None
+
     def ack(self, index: int, receipt: str, client: str, now_ms: int, out: list[Operation],
             reply: bytes | None = None) -> None:
         lease = self._valid_lease(index, receipt, now_ms, out)

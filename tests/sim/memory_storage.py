@@ -106,6 +106,11 @@ class MemoryStorage:
             return "queued", 0, None
         return None
 
+    def enqueued_ms(self, queue_id: int, index: int) -> int | None:
+        queue = self.store.queues.get(queue_id)
+        message = None if queue is None else queue.messages.get(index)
+        return None if message is None else message.enqueued_ms
+
     # --- the op log (OpLogReader) ----------------------------------------------------------
     def read(self, queue_id: int, after_order: int, limit: int, bytes_max: int = 1 << 62) -> list[tuple[int, int, bytes]]:
         return self.oplog.read(queue_id, after_order, limit, bytes_max)
