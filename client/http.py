@@ -271,6 +271,15 @@ class HttpClient:
         it is). A dedupe id is always sent so a caller that retries after `outcome_unknown` can
         pass the same one and not store twice. `ttl_s`: the message's time to live; `delay_s`:
         its delivery delay; `headers`: a small map of names to strings delivered with it."""
+        answer = await self.enqueue_answer(queue, payload, priority, dedupe_id, ttl_s=ttl_s, delay_s=delay_s,
+                                           headers=headers)
+        return int(answer["id"])
+
+    async def enqueue_answer(self, queue: str, payload: bytes, priority: int = 4,
+                             dedupe_id: str | None = None, *, ttl_s: float | None = None,
+                             delay_s: float | None = None, headers: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """As `enqueue_http`, the whole answer: `{"id", "epoch"}`, or on a macro queue `{"id",
+        "queue", "copies", "macro"}` (the member it landed in, and under `all` every copy)."""
         fields = {"X-Priority": str(priority), "X-Dedupe-Id": dedupe_id or uuid.uuid4().hex,
                   "Content-Type": "application/octet-stream"}
         if headers:
@@ -279,11 +288,18 @@ class HttpClient:
                  if value is not None]
         answer = await self.request("POST", queue_path(queue, "messages"), body=payload, query=query,
                                     headers=fields, idempotent=False)
-        return int(answer.json()["id"])
+        return dict(answer.json())
 
     async def receive_http(self, queue: str, wait_s: float = 0.0,
                            visibility_timeout_s: float | None = None) -> DeliveredMessage | None:
         """Lease the next message, or None when none arrived within `wait_s`."""
+        found = await self.receive_from(queue, wait_s, visibility_timeout_s)
+        return None if found is None else found[1]
+
+    async def receive_from(self, queue: str, wait_s: float = 0.0, visibility_timeout_s: float | None = None
+                           ) -> tuple[str, DeliveredMessage] | None:
+        """As `receive_http`, with the queue the message is in: on a macro queue, the member its
+        consumer policy chose (ack, release and extend it there)."""
         query = [("wait_s", query_number(wait_s))]
         if visibility_timeout_s is not None:
             query.append(("visibility_timeout_s", query_number(visibility_timeout_s)))
@@ -294,10 +310,9 @@ class HttpClient:
         headers = answer.headers
         try:
             named = headers.get("X-Headers")
-            return DeliveredMessage(int(headers["X-Message-Id"]), headers["X-Receipt"],
-                                    int(headers.get("X-Priority", "4")),
-                                    int(headers.get("X-Deliveries", "1")), answer.body,
-                                    None if named is None else dict(json.loads(named)))
+            return headers.get("X-Queue", queue), DeliveredMessage(
+                int(headers["X-Message-Id"]), headers["X-Receipt"], int(headers.get("X-Priority", "4")),
+                int(headers.get("X-Deliveries", "1")), answer.body, None if named is None else dict(json.loads(named)))
         except (KeyError, ValueError, TypeError):
             raise QueueError(E_INTERNAL, "a receive answer lacks its message headers") from None
 

@@ -21,12 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from client.aio import AsyncClient
 from client.credentials import Credentials, load_credentials, save_credentials
-from client.errors import E_INVALID_OPTION, E_MACRO_QUEUE, QueueError
+from client.errors import E_INVALID_OPTION, QueueError
 from client.http import HttpClient
 from client.macro import CONSUMER_POLICIES, FASTEST_BY, PRODUCER_POLICIES
-from client.protocol import DeliveredMessage
 from client.signing import new_private_key, private_key_to_text, public_key_text
 
 PRIVILEGES = ("post", "get", "delete", "admin")
@@ -403,39 +401,13 @@ def _each_member(answer: dict[str, Any]) -> str:
 
 async def cmd_put(http: HttpClient, args: argparse.Namespace) -> Outcome:
     payload = sys.stdin.buffer.read() if args.data == "-" else args.data.encode()
-    try:
-        message_id = await http.enqueue_http(args.queue, payload, args.priority, args.dedupe_id, ttl_s=args.ttl_s,
-                                             delay_s=args.delay_s, headers=_headers(args.header))
-    except QueueError as error:
-        if error.code != E_MACRO_QUEUE.code:
-            raise
-        async with _policy_client(http, args) as client:       # a macro queue: its policy picks the member
-            answer = await client.enqueue(args.queue, payload, args.priority, args.dedupe_id, ttl_s=args.ttl_s,
-                                          delay_s=args.delay_s, headers=_headers(args.header))
-        member = getattr(answer, "queue", args.queue)
-        copies = getattr(answer, "copies", {member: int(answer)})
-        return Outcome({"queue": member, "id": int(answer), "macro": args.queue, "copies": copies},
-                       f"id: {int(answer)} in {member}" + (f" (copies: {copies})" if len(copies) > 1 else ""))
-    return Outcome({"queue": args.queue, "id": message_id}, f"id: {message_id}")
-
-
-def _policy_client(http: HttpClient, args: argparse.Namespace) -> AsyncClient:
-    """The client library, which runs macro queues' policies (qctl's own calls are plain REST)."""
-    return AsyncClient(http.url, load_credentials(args.credentials), ca_file=args.ca_file)
-
-
-async def _macro_get(http: HttpClient, args: argparse.Namespace) -> DeliveredMessage | None:
-    """`qctl get` on a macro queue: the consumer policy picks the member (returned in `queue`)."""
-    async with _policy_client(http, args) as client:
-        messages = await client.receive(args.queue, 1, args.wait_s, args.visibility_timeout_s)
-        if not messages:
-            return None
-        [message] = messages
-        if args.ack:
-            await message.ack()
-    args.member = message.queue
-    return DeliveredMessage(message.id, message.receipt, message.priority, message.deliveries, message.payload,
-                            message.headers)
+    answer = await http.enqueue_answer(args.queue, payload, args.priority, args.dedupe_id, ttl_s=args.ttl_s,
+                                       delay_s=args.delay_s, headers=_headers(args.header))
+    if "macro" not in answer:
+        return Outcome({"queue": args.queue, "id": answer["id"]}, f"id: {answer['id']}")
+    copies = answer["copies"]          # a macro queue: its producer policy chose the member(s)
+    return Outcome(answer, f"id: {answer['id']} in {answer['queue']}" + (f" (copies: {copies})" if len(copies) > 1
+                                                                          else ""))
 
 
 def _headers(given: list[str]) -> dict[str, str] | None:
@@ -450,19 +422,13 @@ def _headers(given: list[str]) -> dict[str, str] | None:
 
 
 async def cmd_get(http: HttpClient, args: argparse.Namespace) -> Outcome:
-    args.member = args.queue
-    try:
-        message = await http.receive_http(args.queue, args.wait_s, args.visibility_timeout_s)
-    except QueueError as error:
-        if error.code != E_MACRO_QUEUE.code:
-            raise
-        message = await _macro_get(http, args)
-    else:
-        if message is not None and args.ack:
-            await http.ack_http(args.queue, message.message_id, message.receipt)
-    if message is None:
+    found = await http.receive_from(args.queue, args.wait_s, args.visibility_timeout_s)
+    if found is None:
         return Outcome(None, "no message")
-    document = {"queue": args.member, "id": message.message_id, "receipt": message.receipt,
+    queue, message = found          # on a macro queue, the member its consumer policy chose
+    if args.ack:
+        await http.ack_http(queue, message.message_id, message.receipt)
+    document = {"queue": queue, "id": message.message_id, "receipt": message.receipt,
                 "priority": message.priority, "deliveries": message.deliveries,
                 "headers": message.headers or {}, "acked": bool(args.ack), **payload_fields(message.payload)}
     shown = {key: value for key, value in document.items() if key not in ("payload", "payload_b64")}

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import collections
 import fnmatch
+import hashlib
+import hmac
 import json
 import os
 import time
@@ -43,6 +45,16 @@ from client.signing import (
     public_key_from_text,
     verify,
 )
+
+DELEGATED_PREFIX = "node:"      # X-Signature of a node acting for a client (see delegated_signature)
+
+
+def delegated_signature(secret: bytes, message: bytes) -> str:
+    """A node serving a client's call on a macro queue makes the member calls in that client's
+    name (qserver/macro_service.py): it signs them with the cluster secret, which every node
+    holds and no client does. Such a call has exactly the client's grants."""
+    return DELEGATED_PREFIX + hmac.new(secret, b"QD1\n" + message, hashlib.sha256).hexdigest()
+
 
 PRIVILEGES = frozenset({"post", "get", "delete", "admin"})
 ADMIN_GRANTS = [{"pattern": "*", "privileges": sorted(PRIVILEGES)}]
@@ -102,6 +114,7 @@ class Authenticator:
         self.not_before_ms = not_before_ms  # requests signed earlier are refused (see the module)
         self.enabled = enabled
         self._keys: dict[str, tuple[str, Ed25519PublicKey]] = {}
+        self.cluster_secret = b""         # set in a cluster: accepts delegated signatures
         self._nonces: collections.OrderedDict[str, int] = collections.OrderedDict()
         self.failures = collections.Counter[str]()
 
@@ -132,8 +145,12 @@ class Authenticator:
         record = self._clients.get(client_id)
         if record is None:
             raise QueueError(E_UNAUTHENTICATED, "unknown client or bad signature")
-        key = self._public_key(client_id, record)
-        if not verify(key, signature, canonical_string(method, path, query, timestamp_ms, nonce, body)):
+        message = canonical_string(method, path, query, timestamp_ms, nonce, body)
+        if signature.startswith(DELEGATED_PREFIX):
+            if not self.cluster_secret or not hmac.compare_digest(signature.encode(), delegated_signature(
+                    self.cluster_secret, message).encode()):
+                raise QueueError(E_UNAUTHENTICATED, "unknown client or bad signature")
+        elif not verify(self._public_key(client_id, record), signature, message):
             raise QueueError(E_UNAUTHENTICATED, "unknown client or bad signature")
         self._remember_nonce(client_id + ":" + nonce, now_ms)
         return Principal(client_id, record["grants"])

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -20,6 +21,7 @@ from aiohttp import web
 
 from client import errors as e
 from client.errors import QueueError
+from client.protocol import DeliveredMessage
 from client.signing import new_private_key, private_key_to_text, public_key_from_text, public_key_text
 from qserver import commands as c
 from qserver.auth import Principal, validate_grants
@@ -286,8 +288,16 @@ async def enqueue(request: web.Request) -> web.Response:
     delay_ms = int(number_param(request, "delay_s", 0.0, 0.0, DELAY_MAX_S) * 1000)
     headers = _message_headers(request)
     payload = await request.read()
-    engine = request.app[NODE].engine
+    node = request.app[NODE]
+    engine = node.engine
     client = principal(request).client_id
+    if node.macros.is_macro(name):
+        # Its producer policy picks the member(s); each copy keeps its member's guarantees.
+        answer = await node.macros.enqueue(client, name, payload, int(raw_priority), dedupe_id or uuid.uuid4().hex,
+                                           ttl_s=ttl_ms / 1000 or None, delay_s=delay_ms / 1000 or None,
+                                           headers=headers)
+        return web.json_response({"id": int(answer), "queue": answer.queue, "copies": answer.copies, "macro": name},
+                                 status=201)
     message_index, epoch = await call(
         engine, lambda r: c.Enqueue(name, payload, int(raw_priority), dedupe_id, client, r, ttl_ms=ttl_ms,
                                     delay_ms=delay_ms, headers=headers), may_have_applied=True)
@@ -314,12 +324,21 @@ async def receive(request: web.Request) -> web.Response:
         "visibility_timeout_s" in request.rel_url.query else None
     visibility_ms = None if visibility_s is None else int(visibility_s * 1000)
     client = principal(request).client_id
-    messages = await call(node.engine, lambda r: c.Receive(name, 1, int(wait_s * 1000), visibility_ms, client, r),
-                          wait_s)
+    member = name
+    if node.macros.is_macro(name):
+        # Its consumer policy picks the member; X-Queue names it (ack, release, extend go there).
+        leased = await node.macros.receive(client, name, wait_s, visibility_s)
+        if leased:
+            member = leased[0].queue
+        messages = [DeliveredMessage(m.id, m.receipt, m.priority, m.deliveries, m.payload, m.headers or None)
+                    for m in leased]
+    else:
+        messages = await call(node.engine, lambda r: c.Receive(name, 1, int(wait_s * 1000), visibility_ms, client,
+                                                               r), wait_s)
     if not messages:
         return web.Response(status=204)
     message = messages[0]
-    headers = {"X-Message-Id": str(message.message_id), "X-Receipt": message.receipt,
+    headers = {"X-Message-Id": str(message.message_id), "X-Receipt": message.receipt, "X-Queue": member,
                "X-Priority": str(message.priority), "X-Deliveries": str(message.deliveries)}
     if message.headers:
         headers["X-Headers"] = json.dumps(message.headers, ensure_ascii=True)

@@ -31,6 +31,7 @@ from qserver.failstop import loop_exception_handler, stop_process
 from qserver.http_api import NODE, add_routes, errors_and_auth
 from qserver.http_errors import EnvelopeAppRunner
 from qserver.journal_export import ExportSettings, JournalExporter, JournalSource, exit_with_parent, export_in_process
+from qserver.macro_service import MacroService
 from qserver.membership import RaftMembership, raft_limits, tick_ms
 from qserver.metrics import LoopLag, render_family
 from qserver.peers import PEER_PATH, PeerTransport
@@ -60,6 +61,11 @@ class Node:
         self.peers = self._peer_transport()
         self.auth = Authenticator(self.engine.clients, skew_max_s=config.signature_skew_max_s,
                                   enabled=config.auth_enabled)
+        secret = b""
+        if len(config.cluster_nodes) >= 2:
+            secret = (Path(config.data_dir) / "cluster.secret").read_text().strip().encode()
+            self.auth.cluster_secret = secret      # nodes call members in a client's name (macro queues)
+        self.macros = MacroService(self, secret)
         self.connections: set[ClientConnection] = set()
         self.bad_frames = 0
         self._http_session: aiohttp.ClientSession | None = None
@@ -213,6 +219,7 @@ class Node:
             self._export_pool.shutdown(wait=False, cancel_futures=True)
         for connection in list(self.connections):
             await connection.close_with(QueueError(e.E_SHUTTING_DOWN, "the node is stopping"))
+        await self.macros.close()
         if self.peers is not None:
             await self.peers.stop()
         if self.membership_peers is not None:

@@ -6,14 +6,18 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import time
 from typing import Any
 
+import aiohttp
 import pytest
 
 from client import AsyncClient, Client
 from client.errors import QueueError
 from client.macro import MacroEnqueued, MacroEnqueueError, MacroQueue, member_dedupe_id
+from client.protocol import EnqueueOp, ErrorReply, decode_server_frame, encode_frame
+from qserver.macro_service import DelegatedSigner
 from replication.cluster_map import (
     AddNode,
     ClusterMap,
@@ -28,6 +32,7 @@ from replication.cluster_map import (
     encode_command,
     encode_map,
 )
+from tests.support import RawApi, error_code
 from tests.test_client_integration import drain, run_qctl
 
 # a on n1, b on n2, c on n3: every member's master on its own node.
@@ -272,6 +277,37 @@ async def test_a_member_whose_master_is_killed_mid_stream_loses_and_doubles_noth
                 assert payload in held[answer.queue]
 
 
+@pytest.mark.asyncio
+async def test_rest_callers_use_a_macro_queue_through_the_node_with_their_own_grants(qcluster_factory: Any) -> None:
+    cluster = qcluster_factory(3, PLACEMENT)
+    async with AsyncClient(cluster.urls["n2"], cluster.credentials_path) as admin:
+        await _members(admin, "rest", "all", "chronological")
+        await admin.enqueue("b", b"older")
+        answer = await admin.http.enqueue_answer("rest", b"everywhere", dedupe_id="r-1")
+        assert answer["macro"] == "rest" and set(answer["copies"]) == {"a", "b", "c"}
+        assert await admin.http.enqueue_answer("rest", b"everywhere", dedupe_id="r-1") == answer    # a retry
+        queue, message = await admin.http.receive_from("rest", wait_s=1.0)
+        assert (queue, message.payload, message.deliveries) == ("b", b"older", 1)      # the oldest head
+        await admin.http.ack_http(queue, message.message_id, message.receipt)         # at the member
+        seen = []
+        while found := await admin.http.receive_from("rest", wait_s=0.2):
+            seen.append(found[0])
+            await admin.http.ack_http(found[0], found[1].message_id, found[1].receipt)
+        assert sorted(seen) == ["a", "b", "c"]
+        # A client allowed the macro's name but not a member's: the node acts in its name.
+        limited = await admin.register_client("limited", [{"pattern": "rest", "privileges": ["post", "get"]},
+                                                          {"pattern": "a", "privileges": ["post"]}])
+        creds_path = cluster.root / "limited.json"
+        creds_path.write_text(json.dumps({"client_id": limited["id"], "private_key": limited["private_key"],
+                                          "url": cluster.urls["n3"]}))
+        async with aiohttp.ClientSession() as session:
+            raw = RawApi.for_credentials(session, creds_path)
+            status, body, _ = await raw.request("POST", "/v1/queues/rest/messages", b"x")
+            assert status == 403 and error_code(body) == "E_FORBIDDEN"
+        for member in PLACEMENT:          # refused copies are not stored; a's may be (its grant allows it)
+            assert (await admin.queue_stats(member))["depth"] <= (1 if member == "a" else 0)
+
+
 def test_qctl_and_the_sync_client_manage_and_use_a_macro_queue(qcluster_factory: Any) -> None:
     cluster = qcluster_factory(3, PLACEMENT)
     node = cluster          # qctl reads its credentials (n1 first, then the map)
@@ -324,9 +360,19 @@ async def test_bad_macro_requests_get_stable_codes_and_change_nothing(qcluster_f
         assert await code_of(client.add_macro_member("none", "a")) == "E_UNKNOWN_MACRO"
         assert await code_of(client.describe_macro("none")) == "E_UNKNOWN_MACRO"
         assert await code_of(client.create_queue("m")) == "E_MACRO_REFUSED"
-        # A caller that does not run the policies (REST, a raw WebSocket) is told what the name is.
-        assert await code_of(client.http.enqueue_http("m", b"x")) == "E_MACRO_QUEUE"
-        assert await code_of(client.http.receive_http("m")) == "E_MACRO_QUEUE"
+        async with aiohttp.ClientSession() as session:
+            raw = RawApi.for_credentials(session, cluster.credentials_path)
+            # A raw WebSocket does not run the policies: a macro name there is a clear error.
+            ws = await raw.ws()
+            await ws.send_bytes(encode_frame([EnqueueOp(7, "m", b"x", 4, None)]))
+            [reply] = decode_server_frame(await ws.receive_bytes())
+            assert isinstance(reply, ErrorReply) and (reply.request_id, reply.code) == (7, "E_MACRO_QUEUE")
+            await ws.close()
+            # A delegated signature (node to node) made without the cluster secret is refused.
+            forged = DelegatedSigner(raw.signer.client_id, b"not the secret")      # type: ignore[union-attr]
+            status, body, _ = await raw.request("GET", "/v1/macros", signed_headers=forged.headers(
+                "GET", "/v1/macros", {}, b""))
+            assert status == 401 and error_code(body) == "E_UNAUTHENTICATED"
         assert await client.describe_macro("m") == before
         for queue in PLACEMENT:
             assert (await client.queue_stats(queue))["depth"] == 0

@@ -1,0 +1,97 @@
+"""Macro queues for callers that do not run their policies: REST (and so `curl`).
+
+The client library runs a macro queue's policies itself and calls the members' masters
+directly (client/macro.py). A plain REST call on a macro queue's name is served here, by the
+same code: the node keeps a client library instance per calling client and makes the member
+calls in that client's name, signed with the cluster secret (qserver/auth.py,
+`delegated_signature`), so they carry exactly the caller's grants and every member call keeps
+its own guarantees (dedupe ids, acknowledgement after commit, failover handling). The answer
+names the member: acks, releases and extensions go to the member's own path.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from client.aio import AsyncClient, Message
+from client.credentials import Credentials
+from client.macro import MacroEnqueued
+from client.signing import HEADER_CLIENT, HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP, canonical_string
+from qserver.auth import delegated_signature
+
+log = logging.getLogger("qserver.macro")
+CLIENTS_MAX = 32                # callers with a client library instance kept here (least recently used go)
+
+
+class DelegatedSigner:
+    """Signs as client `client_id` with the cluster secret (see qserver/auth.py)."""
+
+    def __init__(self, client_id: str, secret: bytes) -> None:
+        self.client_id = client_id
+        self._secret = secret
+
+    def headers(self, method: str, path: str, query: Mapping[str, str] | Iterable[tuple[str, str]],
+                body: bytes = b"", *, timestamp_ms: int | None = None) -> dict[str, str]:
+        pairs = list(query.items()) if isinstance(query, Mapping) else list(query)
+        stamp = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
+        nonce = os.urandom(16).hex()
+        signature = delegated_signature(self._secret, canonical_string(method, path, pairs, stamp, nonce, body))
+        return {HEADER_CLIENT: self.client_id, HEADER_TIMESTAMP: str(stamp), HEADER_NONCE: nonce,
+                HEADER_SIGNATURE: signature}
+
+
+@dataclass(frozen=True, slots=True)
+class DelegatedCredentials(Credentials):
+    secret: bytes = b""
+
+    def signer(self) -> DelegatedSigner:  # type: ignore[override]
+        return DelegatedSigner(self.client_id, self.secret)
+
+
+class MacroService:
+    def __init__(self, node: Any, secret: bytes) -> None:
+        self._node = node
+        self._secret = secret
+        self._clients: OrderedDict[str, AsyncClient] = OrderedDict()
+
+    def is_macro(self, name: str) -> bool:
+        coordinator = self._node.engine.coordinator
+        return coordinator is not None and name in coordinator.membership.cluster_map.macros
+
+    def _client(self, client_id: str) -> AsyncClient:
+        client = self._clients.get(client_id)
+        if client is not None and (client._fatal is not None or client._closed):
+            del self._clients[client_id]         # its grants changed or it was removed: start afresh
+            client = None
+        if client is None:
+            tls = self._node.config.tls_files()
+            credentials = DelegatedCredentials(client_id, "", self._node.url, tls[2] if tls else "", self._secret)
+            client = self._clients[client_id] = AsyncClient(self._node.url, credentials)
+            while len(self._clients) > CLIENTS_MAX:
+                _, oldest = self._clients.popitem(last=False)
+                asyncio.get_running_loop().create_task(oldest.close())
+        self._clients.move_to_end(client_id)
+        return client
+
+    async def enqueue(self, client_id: str, name: str, payload: bytes, priority: int, dedupe_id: str, **extra: Any
+                      ) -> MacroEnqueued:
+        answer = await self._client(client_id).enqueue(name, payload, priority, dedupe_id, **extra)
+        return answer if isinstance(answer, MacroEnqueued) else MacroEnqueued(answer, name)
+
+    async def receive(self, client_id: str, name: str, wait_s: float, visibility_timeout_s: float | None
+                      ) -> list[Message]:
+        return await self._client(client_id).receive(name, 1, wait_s, visibility_timeout_s)
+
+    async def close(self) -> None:
+        clients, self._clients = list(self._clients.values()), OrderedDict()
+        for client in clients:
+            try:
+                await client.close()
+            except Exception:   # closing is best effort at shutdown
+                log.exception("closing a macro client")
