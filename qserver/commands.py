@@ -202,4 +202,4 @@ class Invoke:
     request_id: int = 0
 
 
-Command = (Enqueue | EnqueueMany | AckMany | Receive | Ack | Purge | Subscribe | Credit | Unsubscribe | CreateQueue | DeleteQueue | MessageStatus | PutClient | PeerMessage | LinkChange | Invoke)
+Command = (Enqueue | EnqueueMany | AckMany | Receive | Head | Ack | Purge | Subscribe | Credit | Unsubscribe | CreateQueue | DeleteQueue | MessageStatus | PutClient | PeerMessage | LinkChange | Invoke)

@@ -1114,7 +1114,7 @@ class Engine:
             waiters = self._waiters.get(name)
             while waiters:
                 command = waiters[0].command
-                if type(command) is c.Head:
+                if not isinstance(command, c.Receive):        # a look at the head (c.Head)
                     if not self._answer_head(core, command, now_ms):
                         break
                     waiters.popleft()

@@ -606,7 +606,8 @@ def decode_map(data: bytes) -> ClusterMap:
             nodes={row[0]: NodeEntry(row[0], row[1], NodeState(row[2]), row[3], row[4]) for row in nodes},
             queues={row[0]: QueueEntry(*row) for row in queues},
             clients=clients, alternatives={recipient: tuple(names) for recipient, names in alternatives.items()},
-            macros={row[0]: MacroEntry(*row[:4], [MacroMember(*member) for member in row[4]]) for row in macros},
+            macros={row[0]: MacroEntry(row[0], row[1], row[2], row[3], [MacroMember(*member) for member in row[4]])
+                    for row in macros},
             version=version)
     except Exception as exc:  # msgpack and the constructors raise several unrelated types
         raise CommandError(f"not a cluster map snapshot: {type(exc).__name__}: {exc}") from None
