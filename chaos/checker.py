@@ -37,6 +37,11 @@ from every node's cluster map during the run. The rules:
 * **order** (violation): an enqueue that completed before another was invoked got the lower
   id; and under `full`, a consumer was not given a message of a lower id and the same or a
   higher priority that was committed and ready (see `_first_delivery_order`).
+* **macro copies**: an enqueue through a macro queue under `all` is recorded as one enqueue per
+  member (the copy's own dedupe id, which the journals hold, and the payload's tag, which the
+  consumers of that member see), each completed with that member's outcome, so every rule above
+  judges each copy in its member; `macros` counts the calls by how many copies were
+  acknowledged.
 * **two masters** (violation): two nodes named master of one queue in one epoch, in any
   node's cluster map at any sample (`replication.invariants.epochs_with_two_masters`).
 """
@@ -99,8 +104,8 @@ def gather(history: Iterable[Mapping[str, Any]]) -> dict[str, QueueFacts]:
         if not queue:
             continue
         source, dead = source_queue(queue)
-        if entry["op"] == "enqueue":
-            facts[source].enqueues[entry["dedupe_id"]] = dict(entry)
+        if entry["op"] == "enqueue":      # a macro queue's copy: its payload's tag, its own dedupe id
+            facts[source].enqueues[entry.get("tag") or entry["dedupe_id"]] = dict(entry)
         elif entry["op"] == "receive" and entry["status"] == "ok":
             for message in entry.get("messages", []):
                 facts[source].deliveries.append(Delivery(
@@ -151,7 +156,24 @@ def check(history: Iterable[Mapping[str, Any]], strengths: Mapping[str, str],
     return {"valid": not violation_counts, "counts": counts, "duplicates_explained": dict(sorted(explained.items())),
             "violation_counts": violation_counts,
             "violations": {kind: items[:LISTED_MAX] for kind, items in sorted(findings.violations.items())},
-            "queues": per_queue, "epochs_observed": masters}
+            "queues": per_queue, "macros": _macro_copies(facts), "epochs_observed": masters}
+
+
+def _macro_copies(facts: Mapping[str, QueueFacts]) -> dict[str, dict[str, int]]:
+    """Per macro queue, its calls by how many members acknowledged their copy (under `all`
+    the call succeeds only when every one did; each copy is judged in its member above)."""
+    copies: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for queue_facts in facts.values():
+        for tag, entry in queue_facts.enqueues.items():
+            if entry.get("macro"):
+                copies[(entry["macro"], tag)].append(entry["status"])
+    summary: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "every_copy_ok": 0, "some_copies_ok": 0,
+                                                              "no_copy_ok": 0})
+    for (macro, _), statuses in sorted(copies.items()):
+        oks = statuses.count("ok")
+        summary[macro]["calls"] += 1
+        summary[macro]["every_copy_ok" if oks == len(statuses) else "some_copies_ok" if oks else "no_copy_ok"] += 1
+    return dict(summary)
 
 
 def _check_queue(queue: str, facts: QueueFacts, strength: str, findings: Findings,

@@ -77,7 +77,8 @@ async def run_scenario(scenario: Scenario, run_dir: Path, *, engine: str = "pyth
 async def _run_on(scenario: Scenario, cluster: ChaosCluster, schedule: list[Any], rng: random.Random, run_dir: Path,
                   engine: str, progress: Progress) -> dict[str, Any]:
     history = History(history_path(run_dir))
-    workload = Workload(cluster, history, list(scenario.queues), scenario.seed, scenario.op_timeout_s)
+    workload = Workload(cluster, history, list(scenario.queues), scenario.seed, scenario.op_timeout_s,
+                        list(scenario.macros))
     observer = Observer(cluster, history)
     admin_clients: dict[str, Any] = {}
 
@@ -191,7 +192,7 @@ def verdict(scenario: Scenario, run_dir: Path, judged: dict[str, Any], audit: di
                   "flags": len(audit.get("flags", []))},
         "crashes": [{k: v for k, v in crash.items() if k != "log_tail"} for crash in facts["crashes"]],
         "restart_failures": len(facts["restart_failures"]), "client_errors": facts["client_errors"][:10],
-        "history_violations": judged["violations"], "queues": judged["queues"],
+        "history_violations": judged["violations"], "queues": judged["queues"], "macros": judged["macros"],
         "run_dir": str(run_dir), "date": datetime.date.today().isoformat(),
     }
 
@@ -209,6 +210,9 @@ def summary(result: dict[str, Any]) -> str:
                      f"{queue['duplicated']:>6}{queue['recovered']:>7}")
     explained = ", ".join(f"{why} {count}" for why, count in result["duplicates_explained"].items()) or "none"
     audit = result["audit"]
+    for name, calls in result.get("macros", {}).items():
+        lines.append(f"macro {name}: {calls['calls']} calls, every copy acknowledged {calls['every_copy_ok']}, "
+                     f"some {calls['some_copies_ok']}, none {calls['no_copy_ok']}")
     lines += [f"duplicates explained: {explained}",
               f"epochs observed: {result['epochs_observed']} ({result['observer_samples']} map samples); "
               f"settled: {result['settle']['settled']} in {result['settle']['settle_s']} s; "

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from chaos.nemesis import FAULT_KINDS, MODES, RING_NODES_MIN, TARGETS, Fault, FaultSpec, ScheduledFault
-from chaos.workload import QueueSpec
+from chaos.workload import MacroSpec, QueueSpec
 from replication.options import QueueType
 
 SCENARIO_DIRECTORY = Path(__file__).resolve().parent / "scenarios"
@@ -68,6 +68,7 @@ class Scenario:
     op_timeout_s: float = 8.0
     settings: dict[str, str] = field(default_factory=dict)
     queues: tuple[QueueSpec, ...] = ()
+    macros: tuple[MacroSpec, ...] = ()
     nemesis: FaultSpec = FaultSpec()
 
     def strengths(self) -> dict[str, str]:
@@ -106,13 +107,14 @@ def parse_scenario(name: str, raw: dict[str, Any]) -> Scenario:
     if unknown:
         raise ValueError(f"scenario {name}: unknown keys {sorted(unknown)}")
     queues = tuple(_queue(entry) for entry in raw.get("queues", []))
+    macros = tuple(_macro(entry) for entry in raw.get("macros", []))
     scenario = Scenario(
         name=name, description=str(raw.get("description", "")), nodes=int(raw.get("nodes", 3)),
         time_s=float(raw.get("time_s", 60.0)), seed=int(raw.get("seed", 1)),
         recovery_s=float(raw.get("recovery_s", 8.0)), settle_timeout_s=float(raw.get("settle_timeout_s", 60.0)),
         drain_timeout_s=float(raw.get("drain_timeout_s", 60.0)), op_timeout_s=float(raw.get("op_timeout_s", 8.0)),
         settings={key: _toml_literal(value) for key, value in raw.get("settings", {}).items()},
-        queues=queues, nemesis=_nemesis(raw.get("nemesis", {})))
+        queues=queues, macros=macros, nemesis=_nemesis(raw.get("nemesis", {})))
     check_scenario(scenario)
     return scenario
 
@@ -137,6 +139,12 @@ def check_scenario(scenario: Scenario) -> None:
             problems.append(f"{queue.name}: placement names two different nodes of {sorted(ids)}")
         if max(queue.producers, queue.consumers, queue.push_consumers) > WORKERS_PER_QUEUE_MAX or queue.rate <= 0:
             problems.append(f"{queue.name}: at most {WORKERS_PER_QUEUE_MAX} workers of a kind, a positive rate")
+    names = {queue.name for queue in scenario.queues}
+    for macro in scenario.macros:
+        if macro.producer != "all" or not macro.members or not set(macro.members) <= names or macro.name in names:
+            problems.append(f"macro {macro.name}: producer all, over queues of the scenario, a name of its own")
+        if not 0 < macro.producers <= WORKERS_PER_QUEUE_MAX or macro.rate <= 0:
+            problems.append(f"macro {macro.name}: 1 to {WORKERS_PER_QUEUE_MAX} producers, a positive rate")
     kinds = set(scenario.nemesis.kinds) | {step.fault.kind for step in scenario.nemesis.steps}
     if "majority-ring" in kinds and scenario.nodes < RING_NODES_MIN:
         problems.append(f"majority-ring needs {RING_NODES_MIN} nodes")
@@ -155,6 +163,18 @@ def _queue(entry: dict[str, Any]) -> QueueSpec:
     if "priorities" in values:
         values["priorities"] = tuple(int(p) for p in values["priorities"])
     return QueueSpec(**values)
+
+
+def _macro(entry: dict[str, Any]) -> MacroSpec:
+    known = {f.name for f in fields(MacroSpec)}
+    unknown = set(entry) - known
+    if unknown:
+        raise ValueError(f"macro {entry.get('name')}: unknown keys {sorted(unknown)}")
+    values = dict(entry)
+    for key in ("members", "priorities"):
+        if key in values:
+            values[key] = tuple(values[key])
+    return MacroSpec(**values)
 
 
 def _pair(value: Any, cast: type) -> Any:

@@ -35,6 +35,7 @@ from chaos.history import History, Operation, crc32, payload_for, tag_of
 from client import AsyncClient, Message, QueueError
 from client.credentials import load_credentials
 from client.http import HttpClient
+from client.macro import MacroEnqueueError, member_dedupe_id
 
 log = logging.getLogger("chaos.workload")
 
@@ -78,6 +79,20 @@ class QueueSpec:
     def options(self) -> dict[str, Any]:
         return {"strength": self.strength, "type": self.type, "visibility_timeout_s": self.visibility_timeout_s,
                 "max_deliveries": self.max_deliveries, "dead_letter": self.dead_letter}
+
+
+@dataclass(frozen=True)
+class MacroSpec:
+    """A macro queue over queues of the scenario: its producers enqueue through it (each call a
+    copy into every member under `all`); the members' own consumers take the copies, and the
+    checker judges each member as the queue it is (its copies recorded as its enqueues)."""
+    name: str
+    members: tuple[str, ...]
+    producer: str = "all"
+    producers: int = 1
+    rate: float = 10.0
+    priorities: tuple[int, ...] = (4,)
+    payload_bytes: int = 64
 
 
 def _error_text(error: BaseException) -> str:
@@ -146,6 +161,7 @@ class Workload:
     queues: list[QueueSpec]
     seed: int
     op_timeout_s: float = 8.0
+    macros: list[MacroSpec] = field(default_factory=list)
     clients: list[AsyncClient] = field(default_factory=list)
     node_of_url: dict[str, str] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
@@ -169,6 +185,10 @@ class Workload:
         async with AsyncClient(self.cluster.client_urls[self.cluster.ids[0]], self.cluster.credentials_path) as admin:
             for spec in self.queues:
                 await admin.create_queue(spec.name, **spec.options())
+            for macro in self.macros:
+                await admin.create_macro(macro.name, macro.producer, "prioritized")
+                for member in macro.members:
+                    await admin.add_macro_member(macro.name, member)
 
     # --- workers -------------------------------------------------------------------------------
     def start(self, stop: asyncio.Event) -> list[asyncio.Task[None]]:
@@ -187,6 +207,10 @@ class Workload:
                 slot += 1
             if spec.purge_every_s > 0:
                 tasks.append(asyncio.create_task(self._purge_now_and_then(spec, ids[slot % len(ids)], stop)))
+                slot += 1
+        for macro in self.macros:
+            for worker in range(macro.producers):
+                tasks.append(asyncio.create_task(self._produce_through_macro(macro, worker, ids[slot % len(ids)], stop)))
                 slot += 1
         return tasks
 
@@ -212,6 +236,49 @@ class Workload:
                                                                   ttl_s=ttl_s, delay_s=delay_s),
                                         lambda message_id: {"id": message_id})
             await asyncio.sleep(rng.expovariate(spec.rate) if ok else ERROR_PAUSE_S * (1 + rng.random()))
+
+    async def _produce_through_macro(self, spec: MacroSpec, worker: int, node: str, stop: asyncio.Event) -> None:
+        """Enqueues through a macro queue: one call, recorded as one enqueue per member (the
+        copy's dedupe id, which the journals hold, and the payload's tag, which consumers see),
+        each completed with that member's outcome."""
+        rng = self._rng("produce", spec.name, worker)
+        client = self.client(node)
+        process = f"p-{spec.name}-{worker}@{node}"
+        sequence = 0
+        while not stop.is_set():
+            sequence += 1
+            tag = f"{spec.name}.{worker}.{sequence}"
+            payload = payload_for(tag, spec.payload_bytes)
+            priority = rng.choice(spec.priorities)
+            operations = {member: self.history.invoke(process, "enqueue", member, dedupe_id=member_dedupe_id(tag, member),
+                                                      tag=tag, macro=spec.name, payload_crc32=crc32(payload),
+                                                      priority=priority, node=node)
+                          for member in spec.members}
+            ok = await self._copies_outcome(operations, client.enqueue(spec.name, payload, priority, dedupe_id=tag))
+            await asyncio.sleep(rng.expovariate(spec.rate) if ok else ERROR_PAUSE_S * (1 + rng.random()))
+
+    async def _copies_outcome(self, operations: dict[str, Operation], call: Awaitable[Any]) -> bool:
+        try:
+            answer = await asyncio.wait_for(call, self.op_timeout_s)
+        except MacroEnqueueError as error:          # some members acknowledged their copy, some not
+            for member, outcome in error.outcomes.items():
+                if isinstance(outcome, QueueError):
+                    self.history.complete(operations[member], "unknown" if outcome.outcome_unknown else "fail",
+                                          error=_error_text(outcome))
+                else:
+                    self.history.complete(operations[member], "ok", id=int(outcome))
+            return False
+        except Exception as error:       # TimeoutError, a QueueError for every member, or a client bug
+            unknown = not isinstance(error, QueueError) or error.outcome_unknown
+            if not isinstance(error, QueueError | TimeoutError):
+                self.errors.append(_error_text(error))
+                log.exception("unexpected client error")
+            for operation in operations.values():
+                self.history.complete(operation, "unknown" if unknown else "fail", error=_error_text(error))
+            return False
+        for member, operation in operations.items():
+            self.history.complete(operation, "ok", id=int(answer.copies[member]))
+        return True
 
     async def _purge_now_and_then(self, spec: QueueSpec, node: str, stop: asyncio.Event) -> None:
         """An operator purging the queue at random moments; the answer's `upto` tells the

@@ -59,6 +59,7 @@ STATS_MAX_AGE_S = 1.0           # `fastest` by queue length or service time: how
 RESPONSE_EWMA_WEIGHT = 0.2      # `fastest` by response time: the weight of the newest sample
 DEDUPE_MEMORY_MAX = 100_000     # dedupe id -> member chosen, so that a retry goes where the first try went
 HEAD_WAIT_SLICE_S = 20.0        # one round of waiting on every member's head (a receive waits in rounds)
+CONSUME_BATCH_MAX = 1000       # a macro consumer's receive takes at most this many (and at most its prefetch)
 DEFINITION_MAX_AGE_S = 5.0      # the definition is read again from the map (in the background) this often
 
 
@@ -335,7 +336,7 @@ class MacroQueue:
 @dataclass
 class MacroConsumer:
     """`client.consume(macro)`: messages of every member, chosen by the consumer policy, as an
-    async iterator. It receives at most `prefetch` at a time with a long wait, so it blocks
+    async iterator. It receives at most `prefetch` (≤ CONSUME_BATCH_MAX) at a time with a long wait, so it blocks
     across all members as a receive does; what it took and was not handed out when it closes
     is released, so others get it now rather than after its visibility timeout."""
     macro: MacroQueue
@@ -352,7 +353,7 @@ class MacroConsumer:
         while not self._buffer:
             if self.closed:
                 raise StopAsyncIteration
-            self._buffer.extend(await self.macro.receive(min(self.prefetch, 100), self.wait_s,
+            self._buffer.extend(await self.macro.receive(min(self.prefetch, CONSUME_BATCH_MAX), self.wait_s,
                                                          self.visibility_timeout_s))
         return self._buffer.popleft()
 

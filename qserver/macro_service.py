@@ -11,6 +11,7 @@ names the member: acks, releases and extensions go to the member's own path.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import time
@@ -21,9 +22,11 @@ from typing import Any
 
 from client.aio import AsyncClient, Message
 from client.credentials import Credentials
+from client.errors import QueueError
 from client.macro import MacroEnqueued
 from client.signing import HEADER_CLIENT, HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP, canonical_string
 from qserver.auth import delegated_signature
+from qserver.metrics import render_family
 
 log = logging.getLogger("qserver.macro")
 CLIENTS_MAX = 32                # callers with a client library instance kept here (least recently used go)
@@ -59,6 +62,7 @@ class MacroService:
         self._node = node
         self._secret = secret
         self._clients: OrderedDict[str, AsyncClient] = OrderedDict()
+        self.calls: collections.Counter[str] = collections.Counter()    # REST calls served, by outcome
 
     def is_macro(self, name: str) -> bool:
         coordinator = self._node.engine.coordinator
@@ -81,12 +85,36 @@ class MacroService:
 
     async def enqueue(self, client_id: str, name: str, payload: bytes, priority: int, dedupe_id: str, **extra: Any
                       ) -> MacroEnqueued:
-        answer = await self._client(client_id).enqueue(name, payload, priority, dedupe_id, **extra)
+        try:
+            answer = await self._client(client_id).enqueue(name, payload, priority, dedupe_id, **extra)
+        except QueueError as error:
+            self.calls[f"enqueue {error.code}"] += 1
+            raise
+        self.calls["enqueue ok"] += 1
         return answer if isinstance(answer, MacroEnqueued) else MacroEnqueued(answer, name)
 
     async def receive(self, client_id: str, name: str, wait_s: float, visibility_timeout_s: float | None
                       ) -> list[Message]:
-        return await self._client(client_id).receive(name, 1, wait_s, visibility_timeout_s)
+        try:
+            messages = await self._client(client_id).receive(name, 1, wait_s, visibility_timeout_s)
+        except QueueError as error:
+            self.calls[f"receive {error.code}"] += 1
+            raise
+        self.calls["receive ok"] += 1
+        return messages
+
+    def render_metrics(self) -> list[str]:
+        coordinator = self._node.engine.coordinator
+        macros = coordinator.membership.cluster_map.macros if coordinator is not None else {}
+        calls = [({"op": key.split()[0], "outcome": key.split()[1]}, count) for key, count in sorted(self.calls.items())]
+        return (render_family("qserver_macro_queues", "gauge", "macro queues in the cluster map", [({}, len(macros))])
+                + render_family("qserver_macro_members", "gauge", "member queues per macro queue",
+                                [({"macro": name}, len(macro.members)) for name, macro in sorted(macros.items())])
+                + render_family("qserver_macro_rest_calls_total", "counter",
+                                "REST calls on macro queues this node served, by outcome", calls)
+                + render_family("qserver_macro_delegating_clients", "gauge",
+                                "callers with a client library instance here (REST on macro queues)",
+                                [({}, len(self._clients))]))
 
     async def close(self) -> None:
         clients, self._clients = list(self._clients.values()), OrderedDict()

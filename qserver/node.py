@@ -321,6 +321,7 @@ class Node:
                                + [({"code": "E_BAD_FRAME"}, self.bad_frames)]
                                + [({"code": "E_OVERLOADED"}, engine.rejected["overloaded"])])
         lines += render_family("qserver_storage_map_bytes", "gauge", "LMDB map size", [({}, self.storage.map_size())])
+        lines += self.macros.render_metrics()
         lines += self._replication_metrics()
         if self.membership is not None:
             lines += self.membership.render_metrics()

@@ -278,3 +278,21 @@ def test_a_bad_scenario_is_refused_with_a_reason() -> None:
         parse_scenario("typo", {"queues": [{"name": "q", "produsers": 2}]})
     with pytest.raises(ValueError, match="unknown fault kind"):
         Fault("meteor", 1.0)
+
+
+def test_macro_copies_are_judged_in_their_members_and_counted_per_call() -> None:
+    """Under `all`, one call is one enqueue per member: the copy's dedupe id (tag@member, as the
+    journals hold it) and the payload's tag (as the member's consumers see it)."""
+    history = Recorder()
+    for tag, outcomes in (("m.0.1", {"a": ("ok", 1), "b": ("ok", 1)}), ("m.0.2", {"a": ("ok", 2), "b": ("fail", None)})):
+        for member, (status, message_id) in outcomes.items():
+            history.enqueue(f"{tag}@{member}", status, (0, 1), message_id, queue=member)
+            history.entries[-1].update(tag=tag, macro="m")
+    history.receive([(1, "m.0.1", 1), (2, "m.0.2", 1)], (2, 3), queue="a")
+    history.receive([(1, "m.0.1", 1)], (2, 3), queue="b")
+    result = checker.check(history.entries, {"a": "full", "b": "full"})
+    assert result["valid"], result["violations"]
+    assert result["macros"] == {"m": {"calls": 2, "every_copy_ok": 1, "some_copies_ok": 1, "no_copy_ok": 0}}
+    history.entries.pop()                                     # b's copy of the first call never delivered
+    lost = checker.check(history.entries, {"a": "full", "b": "full"})
+    assert lost["violation_counts"] == {"lost": 1} and lost["violations"]["lost"][0]["queue"] == "b"

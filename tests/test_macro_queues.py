@@ -294,6 +294,11 @@ async def test_rest_callers_use_a_macro_queue_through_the_node_with_their_own_gr
             seen.append(found[0])
             await admin.http.ack_http(found[0], found[1].message_id, found[1].receipt)
         assert sorted(seen) == ["a", "b", "c"]
+        async with aiohttp.ClientSession() as session, session.get(cluster.urls["n2"] + "/metrics") as answer:
+            metrics = await answer.text()
+        assert "qserver_macro_queues 1" in metrics and 'qserver_macro_members{macro="rest"} 3' in metrics
+        assert 'qserver_macro_rest_calls_total{op="enqueue",outcome="ok"} 2' in metrics
+        assert 'qserver_macro_rest_calls_total{op="receive",outcome="ok"} 5' in metrics
         # A client allowed the macro's name but not a member's: the node acts in its name.
         limited = await admin.register_client("limited", [{"pattern": "rest", "privileges": ["post", "get"]},
                                                           {"pattern": "a", "privileges": ["post"]}])
