@@ -9,6 +9,11 @@ queue is mastered on n1. Both are `full`. The client talks to n1 and, being map-
 each member's traffic to its master. Runs alternate macro / plain so both see the same noise.
 One JSON line per workload and run, then per workload the median and [min, max] of the runs
 and the macro/plain ratio of the medians.
+
+Then what a node-side fan-out would cost (why the policies run in the client library): REST
+enqueues one at a time of 1 KiB into m2 (mastered on n2) sent to n2 itself, sent to n1 (which
+passes the request on to n2), and sent to n1 on a macro queue whose one member is m2 (n1's
+macro service runs the policy and enqueues at n2): p50 and p99 of each.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.bench import produce_in_flight, produce_one_at_a_time  # noqa: E402
+from bench.bench import percentile, produce_in_flight, produce_one_at_a_time  # noqa: E402
 from client import AsyncClient  # noqa: E402
 from qserver.devcluster import LocalCluster  # noqa: E402
 
@@ -60,6 +65,28 @@ async def one_round(client: AsyncClient, queue: str, seconds: float) -> list[dic
     return results
 
 
+async def rest_latency(client: AsyncClient, url: str, queue: str, seconds: float) -> dict[str, Any]:
+    http = client._route_to(url).http
+    latencies = []
+    stop_at = time.perf_counter() + seconds
+    while time.perf_counter() < stop_at:
+        started = time.perf_counter()
+        await http.enqueue_http(queue, b"x" * 1024)
+        latencies.append((time.perf_counter() - started) * 1000)
+    return {"p50_ms": round(percentile(latencies, 0.5), 3), "p99_ms": round(percentile(latencies, 0.99), 3),
+            "messages": len(latencies)}
+
+
+async def hop_cost(cluster: LocalCluster, client: AsyncClient, seconds: float) -> None:
+    await client.create_macro("solo", "round_robin", "prioritized")
+    await client.add_macro_member("solo", "m2")
+    for _ in range(2):          # twice, interleaved
+        for name, url, queue in (("rest_at_the_master", cluster.urls["n2"], "m2"),
+                                 ("rest_passed_on_by_another_node", cluster.urls["n1"], "m2"),
+                                 ("rest_macro_served_by_another_node", cluster.urls["n1"], "solo")):
+            print(json.dumps({"workload": name, **await rest_latency(client, url, queue, seconds)}), flush=True)
+
+
 async def total_depth(client: AsyncClient, queue: str) -> int:
     names = list(MEMBERS) if queue == "macro" else [queue]
     return sum([(await client.queue_stats(name))["depth"] for name in names])
@@ -85,6 +112,7 @@ async def main_async(runs: int, seconds: float) -> None:
                             print(json.dumps(result), flush=True)
                             collected.setdefault((result["workload"], queue), []).append(result)
                 summarize(collected)
+                await hop_cost(cluster, client, seconds)
         finally:
             for node in list(cluster.processes):
                 cluster.kill(node)

@@ -23,6 +23,13 @@
     rate = 20
     priorities = [4, 7]
 
+    [[macros]]                   # chaos.workload.MacroSpec: enqueues through a macro queue
+    name = "ledger"
+    members = ["orders", "audit"]  # queues above (their own consumers take the copies)
+    producer = "all"             # the only policy judged: a copy in every member
+    producers = 1
+    rate = 10
+
     [nemesis]                    # chaos.nemesis.FaultSpec: faults drawn from the seed ...
     kinds = ["partition-master-replica", "kill"]
     duration_s = [3, 10]
