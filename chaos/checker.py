@@ -37,6 +37,9 @@ from every node's cluster map during the run. The rules:
 * **order** (violation): an enqueue that completed before another was invoked got the lower
   id; and under `full`, a consumer was not given a message of a lower id and the same or a
   higher priority that was committed and ready (see `_first_delivery_order`).
+* **redriven**: a redrive (an operator's, in the workload) moves dead letters back into their
+  queue as new messages; the ids its answer lists are acknowledged messages of their own, judged
+  by every rule above (lost if nobody is given one); see `_fold_redrives`.
 * **macro copies**: an enqueue through a macro queue under `all` is recorded as one enqueue per
   member (the copy's own dedupe id, which the journals hold, and the payload's tag, which the
   consumers of that member see), each completed with that member's outcome, so every rule above
@@ -80,6 +83,9 @@ class QueueFacts:
     deliveries: list[Delivery] = field(default_factory=list)
     acks: list[dict[str, Any]] = field(default_factory=list)
     purges: list[dict[str, Any]] = field(default_factory=list)     # an operator's purges
+    redrives: list[dict[str, Any]] = field(default_factory=list)   # an operator's redrives
+    # tag -> the keys of the messages a redrive made of it (see _fold_redrives)
+    redriven: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
 
 
 @dataclass
@@ -116,7 +122,52 @@ def gather(history: Iterable[Mapping[str, Any]]) -> dict[str, QueueFacts]:
             facts[source].acks.append(dict(entry))
         elif entry["op"] == "purge" and not dead:
             facts[source].purges.append(dict(entry))
+        elif entry["op"] == "redrive" and not dead:
+            facts[source].redrives.append(dict(entry))
     return facts
+
+
+def _fold_redrives(facts: QueueFacts) -> None:
+    """A redrive moves dead letters back into their queue as new messages: new ids, the same
+    payload, so the same tag. Each becomes an enqueue of its own, keyed `<tag>~<new id>`,
+    acknowledged when a redrive's answer listed the id (invoked and completed with that redrive),
+    so it must be delivered like any acknowledged message; when a redrive's answer was lost,
+    a delivery of an acknowledged tag under another id is taken as such a message (outcome
+    unknown). A listed id nobody was given is lost. A dead-letter delivery of a tag counts for
+    every message made of it (which of them the drain took, the tag cannot say)."""
+    listed: dict[int, dict[str, Any]] = {}
+    answers_lost = False
+    for redrive in facts.redrives:
+        if redrive["status"] == "ok":
+            answers_lost |= bool(redrive.get("ids_truncated"))
+            for new_id in redrive.get("ids", []):
+                listed.setdefault(new_id, redrive)
+        elif redrive["status"] == "unknown":
+            answers_lost = True
+    if not listed and not answers_lost:
+        return
+    made: set[int] = set()
+    for delivery in facts.deliveries:
+        original = facts.enqueues.get(delivery.tag or "")
+        if delivery.dead_letter or original is None or delivery.message_id == original.get("id"):
+            continue
+        answered = listed.get(delivery.message_id)
+        if answered is None and (not answers_lost or original.get("id") is None):
+            continue                   # judged as it is (an id mismatch, or one enqueue stored twice)
+        key = f"{delivery.tag}~{delivery.message_id}"
+        if key not in facts.enqueues:
+            facts.enqueues[key] = {"op": "enqueue", "dedupe_id": key, "id": delivery.message_id, "redriven": True,
+                                   "status": "ok" if answered else "unknown", "priority": delivery.priority,
+                                   "t_invoke": (answered or {}).get("t_invoke", delivery.t_invoke),
+                                   "t_complete": (answered or {}).get("t_complete", delivery.t_invoke)}
+            facts.redriven[delivery.tag or ""].append(key)
+        made.add(delivery.message_id)
+        delivery.tag = key
+    for new_id, redrive in listed.items():
+        if new_id not in made:         # never delivered: judged as an acknowledged message nobody got
+            facts.enqueues[f"~{new_id}"] = {"op": "enqueue", "dedupe_id": f"~{new_id}", "id": new_id, "redriven": True,
+                                           "status": "ok", "priority": 0, "t_invoke": redrive["t_invoke"],
+                                           "t_complete": redrive["t_complete"]}
 
 
 def check(history: Iterable[Mapping[str, Any]], strengths: Mapping[str, str],
@@ -178,6 +229,7 @@ def _macro_copies(facts: Mapping[str, QueueFacts]) -> dict[str, dict[str, int]]:
 
 def _check_queue(queue: str, facts: QueueFacts, strength: str, findings: Findings,
                  departures: Departures) -> dict[str, Any]:
+    _fold_redrives(facts)
     statuses: dict[str, int] = defaultdict(int)
     for entry in facts.enqueues.values():
         statuses[entry["status"]] += 1
@@ -186,6 +238,8 @@ def _check_queue(queue: str, facts: QueueFacts, strength: str, findings: Finding
     ids_of_tag = _ids_of_tags(queue, facts, acknowledged, findings)
     _check_unexpected(queue, facts, findings)
     delivered_ids = {ids_of_tag[d.tag] for d in facts.deliveries if d.tag in ids_of_tag}
+    delivered_ids |= {ids_of_tag[key] for d in facts.deliveries if d.dead_letter
+                      for key in facts.redriven.get(d.tag or "", ()) if key in ids_of_tag}
     purged = _purged(queue, facts, acknowledged, findings) - delivered_ids
     expired = {acknowledged[tag] for tag, entry in facts.enqueues.items()
                if tag in acknowledged and entry.get("ttl_s")} - delivered_ids - purged
@@ -209,6 +263,7 @@ def _check_queue(queue: str, facts: QueueFacts, strength: str, findings: Finding
             "unexpected": sum(1 for t in delivered_tags if t not in facts.enqueues
                               or facts.enqueues[t]["status"] == "fail"),
             "duplicated": repeated, "duplicates_explained": explained, "recovered": len(recovered),
+            "redriven": sum(1 for entry in facts.enqueues.values() if entry.get("redriven")),
             "acks_ok": sum(1 for a in facts.acks if a["status"] == "ok")}
 
 

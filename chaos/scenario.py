@@ -22,6 +22,8 @@
     push_consumers = 1
     rate = 20
     priorities = [4, 7]
+    purge_every_s = 60           # an operator's purge now and then (full only)
+    redrive_every_s = 30         # ... and a redrive of the dead letters (full, with dead_letter)
 
     [[macros]]                   # chaos.workload.MacroSpec: enqueues through a macro queue
     name = "ledger"
@@ -142,6 +144,8 @@ def check_scenario(scenario: Scenario) -> None:
             problems.append(f"{queue.name}: type is one of {', '.join(QueueType)}")
         if queue.purge_every_s and queue.strength != "full":
             problems.append(f"{queue.name}: purges in the workload need strength full (ids are the pair's)")
+        if queue.redrive_every_s and (queue.strength != "full" or not queue.dead_letter):
+            problems.append(f"{queue.name}: redrives in the workload need strength full and a dead-letter queue")
         if queue.placement and (len(set(queue.placement)) != 2 or not set(queue.placement) <= ids):
             problems.append(f"{queue.name}: placement names two different nodes of {sorted(ids)}")
         if max(queue.producers, queue.consumers, queue.push_consumers) > WORKERS_PER_QUEUE_MAX or queue.rate <= 0:

@@ -47,6 +47,7 @@ PUSH_IDLE_S = 3.0
 PUSH_PREFETCH = 10
 ERROR_PAUSE_S = 0.2
 DRAIN_BATCH = 200
+REDRIVE_LIMIT = 1000             # dead letters one redrive of the workload moves at most
 SETTLE_POLL_S = 0.5
 WORKER_STOP_GRACE_S = 5.0
 
@@ -70,6 +71,7 @@ class QueueSpec:
     abandon_fraction: float = 0.01
     extend_fraction: float = 0.02    # extend the lease (a replicated step under full), then ack
     purge_every_s: float = 0.0       # an operator purges the queue about this often (0: never; `full` only)
+    redrive_every_s: float = 0.0     # an operator redrives its dead letters about this often (`full`, dead_letter)
     ttl_fraction: float = 0.0        # enqueues with a time to live of ttl_s (expired ones are dead-lettered
     ttl_s: float = 2.0               # when the queue has a dead-letter queue, else dropped)
     delay_fraction: float = 0.0      # enqueues delivered no sooner than delay_s after them
@@ -208,6 +210,9 @@ class Workload:
             if spec.purge_every_s > 0:
                 tasks.append(asyncio.create_task(self._purge_now_and_then(spec, ids[slot % len(ids)], stop)))
                 slot += 1
+            if spec.redrive_every_s > 0:
+                tasks.append(asyncio.create_task(self._redrive_now_and_then(spec, ids[slot % len(ids)], stop)))
+                slot += 1
         for macro in self.macros:
             for worker in range(macro.producers):
                 tasks.append(asyncio.create_task(self._produce_through_macro(macro, worker, ids[slot % len(ids)], stop)))
@@ -294,6 +299,22 @@ class Workload:
             operation = self.history.invoke(process, "purge", spec.name, node=node)
             await self._outcome(operation, client.purge(spec.name),
                                 lambda answer: {"upto": answer["upto"], "purged": answer["purged"]})
+
+    async def _redrive_now_and_then(self, spec: QueueSpec, node: str, stop: asyncio.Event) -> None:
+        """An operator sending dead letters back at random moments; the answer's `ids` are the
+        new messages the checker then expects to be delivered (chaos/checker.py `_fold_redrives`)."""
+        rng = self._rng("redrive", spec.name)
+        client = self.client(node)
+        process = f"o-redrive-{spec.name}@{node}"
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), spec.redrive_every_s * rng.uniform(0.5, 1.5))
+            if stop.is_set():
+                return
+            operation = self.history.invoke(process, "redrive", spec.name, node=node)
+            await self._outcome(operation, client.redrive(spec.name, REDRIVE_LIMIT),
+                                lambda answer: {"redriven": answer["redriven"], "ids": answer["ids"],
+                                                "ids_truncated": bool(answer.get("ids_truncated"))})
 
     async def _outcome(self, operation: Operation, call: Awaitable[Any], fields: Any,
                        timeout_s: float | None = None) -> tuple[bool, Any]:

@@ -21,6 +21,7 @@ from qserver import commands as c
 from replication.options import dead_letter_name
 
 ROUND_MESSAGES_MAX = 500         # leased from the dead-letter queue per round
+IDS_LISTED_MAX = 10_000          # new ids listed in the answer (the count covers them all)
 LEASE_MS = 60_000                # the dead letters' lease while their copies are enqueued
 DEDUPE_PREFIX = "redrive:"
 
@@ -37,6 +38,8 @@ async def redrive(engine: Any, queue: str, limit: int | None, client: str,
     dead = dead_letter_name(queue)
     budget: int | None = limit
     moved, stopped = 0, None
+    new_ids: list[int] = []
+    truncated = False
     while budget is None or moved < budget:
         want = ROUND_MESSAGES_MAX if budget is None else min(ROUND_MESSAGES_MAX, budget - moved)
         leased = await call(engine, lambda r, want=want: c.Receive(dead, want, 0, LEASE_MS, client, r))
@@ -64,6 +67,10 @@ async def redrive(engine: Any, queue: str, limit: int | None, client: str,
                     give_back.append((message.message_id, message.receipt))
                 else:
                     kept.append((message.message_id, message.receipt))
+                    if len(new_ids) < IDS_LISTED_MAX:
+                        new_ids.append(int(outcome))
+                    else:
+                        truncated = True
         if kept:
             outcomes = await call(engine, lambda r, items=tuple(kept): c.AckMany(dead, items, client, r))
             moved += sum(1 for outcome in outcomes if outcome is None)
@@ -74,7 +81,10 @@ async def redrive(engine: Any, queue: str, limit: int | None, client: str,
                 pass          # its lease runs out instead: it is a dead letter again either way
         if stopped:
             break
-    result: dict[str, Any] = {"queue": queue, "redriven": moved}
+    # The new messages' ids in the source queue (a redriven message is a new message there).
+    result: dict[str, Any] = {"queue": queue, "redriven": moved, "ids": new_ids}
+    if truncated:
+        result["ids_truncated"] = True
     if stopped:
         result["stopped"] = stopped
     return result

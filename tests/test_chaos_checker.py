@@ -296,3 +296,30 @@ def test_macro_copies_are_judged_in_their_members_and_counted_per_call() -> None
     history.entries.pop()                                     # b's copy of the first call never delivered
     lost = checker.check(history.entries, {"a": "full", "b": "full"})
     assert lost["violation_counts"] == {"lost": 1} and lost["violations"]["lost"][0]["queue"] == "b"
+
+
+def test_redriven_messages_are_new_messages_that_must_be_delivered() -> None:
+    """A dead letter redriven into its queue comes back under a new id with its old tag."""
+    history = Recorder()
+    history.enqueue("a", "ok", (0, 1), 1)
+    history.enqueue("b", "ok", (0, 1), 2)
+    history.receive([(1, "a", 1), (2, "b", 1)], (1, 2))          # both leased, never acked: dead-lettered
+    history.entries.append({"op": "redrive", "queue": "q", "status": "ok", "ids": [3, 4], "t_invoke": 5,
+                            "t_complete": 6})
+    history.receive([(3, "a", 1), (4, "b", 1)], (7, 8))
+    history.ack(3, "ok", (8, 9))
+    history.ack(4, "ok", (8, 9))
+    result = verdict(history)
+    assert result["valid"], result["violations"]
+    assert result["queues"]["q"]["redriven"] == 2 and result["counts"]["lost"] == 0
+    history.entries.pop()
+    history.entries.pop()
+    history.entries.pop()
+    history.receive([(3, "a", 1)], (7, 8))                       # 4 was never given to anyone
+    assert verdict(history)["violation_counts"] == {"lost": 1}
+    history.entries[3]["status"] = "unknown"                     # the redrive's answer was lost
+    history.entries[3].pop("ids")
+    assert verdict(history)["valid"]                             # 3 is taken as made by it
+    history.entries[3]["status"] = "ok"
+    history.entries[3]["ids"] = []                                # answered, and 3 is not in it
+    assert "id_mismatch" in verdict(history)["violation_counts"]
