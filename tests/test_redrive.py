@@ -28,13 +28,13 @@ async def test_dead_letters_go_back_at_their_priorities_once_each_and_a_limit_bo
             await client.enqueue("jobs", b"job %d" % number, priority=priority)
         await dead_letter_all(client, "jobs", 5)
         assert (await client.queue_stats("jobs.dlq"))["depth"] == 5
-        assert await client.redrive("jobs", limit=2) == {"queue": "jobs", "redriven": 2, "ids": [6, 7]}
-        assert await client.redrive("jobs") == {"queue": "jobs", "redriven": 3, "ids": [8, 9, 10]}
+        first, second = await client.redrive("jobs", limit=2), await client.redrive("jobs")
+        assert (first["redriven"], len(first["ids"]), second["redriven"], len(second["ids"])) == (2, 2, 3, 3)
         assert await client.redrive("jobs") == {"queue": "jobs", "redriven": 0, "ids": []}
         back = await client.receive("jobs", max_messages=10, wait_s=2.0)
         assert sorted(m.payload for m in back) == [b"job %d" % n for n in range(5)]
         assert [m.priority for m in back] == [7, 7, 5, 2, 2] and all(m.deliveries == 1 for m in back)
-        assert sorted(m.id for m in back) == [6, 7, 8, 9, 10]           # new messages, under the ids answered
+        assert sorted(m.id for m in back) == first["ids"] + second["ids"]     # new messages, under the ids answered
         for message in back:
             await message.ack()
         await client.handoff("jobs")                       # the replica holds the same
@@ -51,8 +51,8 @@ def test_qctl_redrives_with_json_and_a_queue_without_dead_letters_is_refused(qno
         async with AsyncClient(credentials=str(qnode.credentials_path)) as client:
             await dead_letter_all(client, "mail", 2)
     asyncio.run(dead_letter())
-    assert run_qctl(qnode, "queue", "redrive", "mail", "--limit", "5") == (
-        0, {"queue": "mail", "redriven": 2, "ids": [3, 4]}, "")
+    code, answer, _ = run_qctl(qnode, "queue", "redrive", "mail", "--limit", "5")
+    assert code == 0 and answer["redriven"] == 2 and len(answer["ids"]) == 2
     assert run_qctl(qnode, "queue", "stats", "mail")[1]["depth"] == 2
     assert run_qctl(qnode, "queue", "create", "plain", "--no-dead-letter")[0] == 0
     code, document, _ = run_qctl(qnode, "queue", "redrive", "plain")
