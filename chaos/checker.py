@@ -25,7 +25,9 @@ from every node's cluster map during the run. The rules:
 * **purged**: an acknowledged message an operator's purge took (ids up to an answered purge's
   `upto`, or acknowledged before a purge whose answer was lost): not lost. A message delivered
   from a receive invoked after a purge answered, at an id up to its `upto`, is a violation
-  (**delivered_after_purge**).
+  (**delivered_after_purge**); a pushed one is not judged (it may have been leased before the
+  purge and taken from the consumer's buffer after it: the purge ends its lease, and its ack
+  answers E_LEASE_EXPIRED).
 * **expired**: an acknowledged message enqueued with a time to live (`ttl_s`) that no
   consumer was given: its time ran out in a queue without a dead-letter queue (with one, the
   drain takes it from there and it counts as delivered): not lost. (When it expired is the
@@ -287,7 +289,10 @@ def _purged(queue: str, facts: QueueFacts, acknowledged: Mapping[str, int], find
             upto = purge["upto"]
             covered.update(message_id for message_id in acknowledged.values() if message_id <= upto)
             for delivery in facts.deliveries:
-                if not delivery.dead_letter and delivery.t_invoke > purge["t_complete"] and delivery.message_id <= upto:
+                # A pushed message's lease may predate the purge (taken later from the consumer's
+                # buffer): only a polled receive's invocation bounds when the message was leased.
+                if delivery.polled and not delivery.dead_letter and delivery.t_invoke > purge["t_complete"] \
+                        and delivery.message_id <= upto:
                     findings.add("delivered_after_purge", queue=queue, id=delivery.message_id, upto=upto,
                                  at=round(delivery.t_invoke, 3))
         elif purge["status"] == "unknown":

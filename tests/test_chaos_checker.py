@@ -99,6 +99,10 @@ def test_a_purge_explains_what_it_took_and_a_message_it_covered_delivered_after_
     result = verdict(history)
     assert result["valid"], result["violations"]
     assert (result["counts"]["purged"], result["counts"]["lost"]) == (3, 0)
+    pushed = Recorder()
+    pushed.entries = list(history.entries)
+    pushed.receive([(2, "m2", 1)], (7, 8), via="push")  # leased before the purge, taken from the buffer after
+    assert verdict(pushed)["valid"]
     history.receive([(2, "m2", 1)], (7, 8))             # id 2 outlived the answered purge
     result = verdict(history)
     assert result["violation_counts"] == {"delivered_after_purge": 1}
