@@ -38,11 +38,13 @@ from typing import Any, Self
 import aiohttp
 from yarl import URL
 
+from client.channels import ChannelDelivery, ChannelInbox, channel_queue
 from client.credentials import Credentials, load_credentials
 from client.errors import (
     E_BAD_FRAME,
     E_INTERNAL,
     E_MACRO_QUEUE,
+    E_NOT_ADVERTISED,
     E_NOT_MASTER,
     E_QUEUE_UNAVAILABLE,
     E_REPLAYED_REQUEST,
@@ -59,6 +61,9 @@ from client.protocol import (
     FRAME_ITEMS_MAX,
     TTL_MS_MAX,
     AckBatchOp,
+    AdvertiseOp,
+    ChannelEnded,
+    ChannelMessage,
     ClientOp,
     Closing,
     CreditOp,
@@ -70,8 +75,10 @@ from client.protocol import (
     FrameError,
     OkReply,
     PingOp,
+    PublishOp,
     ReceiveOp,
     ReleaseOp,
+    ReportOp,
     SubscribeOp,
     SubscriptionEnded,
     UnsubscribeOp,
@@ -337,6 +344,14 @@ class AsyncClient:
         self._master_urls: dict[str, str] = {}    # queue -> its master's node
         self._others: dict[str, AsyncClient] = {}
         self._macros: dict[str, MacroQueue] = {}  # macro queues in the map (client/macro.py)
+        # Channels (client/channels.py): the inbox of a client the application uses; on each
+        # node's client, the channels subscribed and advertised through its socket.
+        self._channel_inbox: ChannelInbox | None = None
+        self._channels_here: set[str] = set()
+        self._advertised_here: set[str] = set()
+        self._advertised: set[str] = set()
+        self._channel_classes: dict[str, str] = {}
+        self._sessions = 0
         self.url = (url or creds.url).rstrip("/")
         self.client_id = creds.client_id
         self._signer = creds.signer()
@@ -426,6 +441,8 @@ class AsyncClient:
             return
         for consumer in list(self._consumers):
             await consumer.close()
+        if self._channel_inbox is not None:
+            self._channel_inbox.close()
         self._closed = True
         if self._supervisor is not None:
             self._supervisor.cancel()
@@ -619,7 +636,10 @@ class AsyncClient:
         # nothing of ours, so each node is asked).
         others = await asyncio.gather(*(self._map_at(self._route_to(url)) for url in self._node_urls))
         maps = [first] + [cluster_map for cluster_map in others if cluster_map is not None]
-        self._learn_macros(max(maps, key=lambda cluster_map: cluster_map.get("version", 0)).get("macros", {}))
+        newest_map = max(maps, key=lambda cluster_map: cluster_map.get("version", 0))
+        self._learn_macros(newest_map.get("macros", {}))
+        self._channel_classes = {name: channel.get("class", "latest")
+                                 for name, channel in newest_map.get("channels", {}).items()}
         newest: dict[str, dict[str, Any]] = {}
         for cluster_map in maps:        # nodes may lag behind the membership layer: newest epoch wins
             for queue, pair in cluster_map.get("queues", {}).items():
@@ -1017,6 +1037,114 @@ class AsyncClient:
             await self._wait_for_room()
         await self._submit(ExtendOp(next(self._ids), queue, message_id, receipt, round(visibility_timeout_s * 1000)))
 
+    async def _call(self, op: ClientOp) -> Any:
+        """One op on this node's socket, answered."""
+        if self._calls_in_flight >= self._in_flight_max:
+            await self._wait_for_room()
+        return await self._submit(op)
+
+    # --- channels (seed 002; client/channels.py) ----------------------------------------------
+    @property
+    def _inbox(self) -> ChannelInbox:
+        if self._channel_inbox is None:
+            self._channel_inbox = ChannelInbox(self)
+        return self._channel_inbox
+
+    async def subscribe(self, *channels: str) -> dict[str, int | None]:
+        """Subscribe to channels, all or none, idempotently; returns each new one's last id (None:
+        nothing published yet). Their last values, then every new message, wait to be read with
+        `poll`/`read` or `channel_messages()`."""
+        if not channels:
+            raise ValueError("name at least one channel")
+        return await self._inbox.subscribe(channels)
+
+    async def unsubscribe(self, *channels: str) -> None:
+        await self._inbox.unsubscribe(channels)
+
+    def poll(self) -> list[str]:
+        """Subscribed channels with unread messages."""
+        return self._inbox.poll()
+
+    def read(self, channel: str) -> ChannelDelivery | None:
+        """The next unread message of a channel (under `latest`, its newest value), or None."""
+        return self._inbox.read(channel)
+
+    async def next_channel_message(self) -> ChannelDelivery:
+        """The first unread message across the subscribed channels, waiting for one."""
+        return await self._inbox.next()
+
+    async def advertise(self, *channels: str) -> None:
+        """Declare that this client publishes to these channels (seed 002: a publish to a
+        channel not advertised is refused, E_NOT_ADVERTISED). Several producers may."""
+        self._advertised.update(channels)
+        for channel in channels:
+            target = self._route(channel_queue(channel))
+            await self._advertise_at(target, channel)
+
+    async def unadvertise(self, *channels: str) -> None:
+        self._advertised.difference_update(channels)
+        for channel in channels:
+            target = self._route(channel_queue(channel))
+            target._advertised_here.discard(channel)
+            with contextlib.suppress(QueueError):
+                await target._call(AdvertiseOp(next(target._ids), (channel,), False))
+
+    async def _advertise_at(self, node: AsyncClient, channel: str) -> None:
+        await node._call(AdvertiseOp(next(node._ids), (channel,), True))
+        node._advertised_here.add(channel)
+
+    async def publish(self, channel: str, payload: bytes, dedupe_id: str | None = None) -> int:
+        """Publish one message to an advertised channel; returns its id once it is committed
+        (and sent to the channel's subscribers). A dedupe id makes a retry publish it once."""
+        dedupe_id = dedupe_id or self._new_dedupe_id()
+        queue = channel_queue(channel)
+        target = self._route(queue)
+        try:
+            return await self._publish_at(target, channel, payload, dedupe_id)
+        except QueueError as error:
+            other = await self._rerouted(queue, error, failed=target) if error.code != E_NOT_ADVERTISED.code \
+                else None
+            if other is None:
+                raise
+            return await _retried_once(error, self._publish_at(other, channel, payload, dedupe_id))
+
+    async def _publish_at(self, node: AsyncClient, channel: str, payload: bytes, dedupe_id: str) -> int:
+        if channel in self._advertised and channel not in node._advertised_here:
+            await self._advertise_at(node, channel)      # the channel's master is this node now
+        result = await node._call(PublishOp(next(node._ids), channel, _as_bytes(payload), dedupe_id))
+        return int(result[0])
+
+    async def report(self, channel: str, message_id: int) -> dict[str, Any]:
+        """What became of a published message: `state` queued, delivered (to every subscriber;
+        under `acked`, acknowledged by all), pending_ack or failed (a subscriber left without
+        acknowledging), with the counts."""
+        queue = channel_queue(channel)
+        return dict(await self._via(queue, self._route(queue), "_call", ReportOp(next(self._ids), channel,
+                                                                                 message_id)))
+
+    async def create_channel(self, name: str, delivery_class: str = "latest",
+                             resend_interval_s: float = 0.0) -> dict[str, Any]:
+        """Define a channel (admin): `latest` or `acked`; `resend_interval_s` > 0 sends the last
+        value again after that long without a publish."""
+        return await self._changed_map(self.http.put_channel(name, delivery_class, resend_interval_s))
+
+    async def characterize(self, name: str, delivery_class: str) -> dict[str, Any]:
+        """Change a channel's delivery class (from its next publish)."""
+        return await self._changed_map(self.http.put_channel(name, delivery_class))
+
+    async def set_resend_interval(self, name: str, seconds: float) -> dict[str, Any]:
+        return await self._changed_map(self.http.put_channel(name, resend_interval_s=seconds))
+
+    async def typeof(self, name: str) -> dict[str, Any]:
+        """A channel's delivery class, resend interval and where it is served."""
+        return await self.http.channel(name)
+
+    async def delete_channel(self, name: str) -> dict[str, Any]:
+        return await self._changed_map(self.http.delete_channel(name))
+
+    async def list_channels(self) -> list[dict[str, Any]]:
+        return await self.http.list_channels()
+
     async def ping(self) -> None:
         """One round trip over the WebSocket (connecting first if needed)."""
         await self._submit(PingOp(next(self._ids)))
@@ -1066,19 +1194,19 @@ class AsyncClient:
                            fastest_by: str = "response_time") -> dict[str, Any]:
         """Define a macro queue (admin; client/macro.py says what the policies do); add its
         members with `add_macro_member`. Enqueue, receive and consume on it as on a queue."""
-        return await self._changed_macro(self.http.create_macro(name, producer, consumer, fastest_by))
+        return await self._changed_map(self.http.create_macro(name, producer, consumer, fastest_by))
 
     async def delete_macro(self, name: str) -> dict[str, Any]:
         """Forget a macro queue; its members and their messages stay."""
-        return await self._changed_macro(self.http.delete_macro(name))
+        return await self._changed_map(self.http.delete_macro(name))
 
     async def add_macro_member(self, name: str, queue: str, priority: int = 0, weight: int = 1) -> dict[str, Any]:
         """Add a queue to a macro queue (or set its `priority`, 0-9, for the `prioritized`
         consumer policy, and its `weight`, 1-100, for the `round_robin` producer policy)."""
-        return await self._changed_macro(self.http.add_macro_member(name, queue, priority, weight))
+        return await self._changed_map(self.http.add_macro_member(name, queue, priority, weight))
 
     async def remove_macro_member(self, name: str, queue: str) -> dict[str, Any]:
-        return await self._changed_macro(self.http.remove_macro_member(name, queue))
+        return await self._changed_map(self.http.remove_macro_member(name, queue))
 
     async def list_macros(self) -> list[dict[str, Any]]:
         return await self.http.list_macros()
@@ -1087,7 +1215,7 @@ class AsyncClient:
         """A macro queue's definition, each member with its pair (master, replica, epoch)."""
         return await self.http.macro(name)
 
-    async def _changed_macro(self, change: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
+    async def _changed_map(self, change: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
         result = await change
         with contextlib.suppress(QueueError):     # this client's own calls see the change at once
             await self.refresh_placement()
@@ -1186,8 +1314,13 @@ class AsyncClient:
         """Run the reader and the writer until either ends; return why the socket is done."""
         loop = self._bound_loop()
         self._ws = ws
+        self._sessions += 1
         for consumer in list(self._consumers):
             consumer._subscribe()
+        if self._advertised_here:          # a new socket: the node knows nothing of the old one's
+            self._submit_quietly(AdvertiseOp(next(self._ids), tuple(sorted(self._advertised_here)), True))
+        if self._sessions > 1 and self._channel_inbox is not None and self._channels_here:
+            self._channel_inbox.reconnected(self)
         reader = loop.create_task(self._read_loop(ws))
         writer = loop.create_task(self._write_loop(ws))
         try:
@@ -1294,6 +1427,12 @@ class AsyncClient:
                 self._end_subscription(item.subscription_id, QueueError(item.code, item.message))
             elif kind is Delivery:
                 self._on_delivery(item)
+            elif kind is ChannelMessage:
+                if self._channel_inbox is not None:
+                    self._channel_inbox.deliver(item, self)
+            elif kind is ChannelEnded:
+                if self._channel_inbox is not None:
+                    self._channel_inbox.ended(item, self)
             elif kind is Closing:
                 return QueueError(item.code, item.message, outcome_unknown=True)
         if self._retry_deadline:
@@ -1404,6 +1543,8 @@ class AsyncClient:
         self._consumers_by_subscription.clear()
         for consumer in self._consumers:
             consumer._on_connection_lost()
+        if self._channel_inbox is not None and self._channels_here:
+            self._channel_inbox.reconnected(self)
         self._wake_room()
 
     def _may_retry(self, request_id: int, loop_time: float) -> bool:

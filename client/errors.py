@@ -56,13 +56,15 @@ E_QUEUE_FULL = _kind("E_QUEUE_FULL", 507, True, "the queue holds max_depth messa
 E_UNKNOWN_MESSAGE = _kind("E_UNKNOWN_MESSAGE", 404, False, "no such message in this queue")
 E_LEASE_EXPIRED = _kind("E_LEASE_EXPIRED", 409, False, "the receipt is stale: the lease expired or the message was redelivered")
 E_WRONG_QUEUE_TYPE = _kind("E_WRONG_QUEUE_TYPE", 409, False, "the operation needs another queue type (replies need two_way)")
-E_RESERVED_NAME = _kind("E_RESERVED_NAME", 409, False, "dead-letter queues are created and deleted with their queue")
+E_RESERVED_NAME = _kind("E_RESERVED_NAME", 409, False, "dead-letter queues and channels' queues come and go with their queue or channel")
 E_UNKNOWN_MACRO = _kind("E_UNKNOWN_MACRO", 404, False, "no such macro queue")
 E_MACRO_REFUSED = _kind("E_MACRO_REFUSED", 409, False,
                         "the macro queue change was refused: the name is taken, the member is incompatible, "
                         "or the macro exists with other policies")
 E_MACRO_QUEUE = _kind("E_MACRO_QUEUE", 409, False,
                       "the name is a macro queue: the client library and REST serve it, not this call")
+E_UNKNOWN_CHANNEL = _kind("E_UNKNOWN_CHANNEL", 404, False, "no such channel")
+E_NOT_ADVERTISED = _kind("E_NOT_ADVERTISED", 409, False, "publish to a channel this connection has advertised")
 E_MACRO_EMPTY = _kind("E_MACRO_EMPTY", 409, False, "the macro queue has no member that could take the message")
 # --- node and cluster ---------------------------------------------------------------------------
 E_STORAGE_FULL = _kind("E_STORAGE_FULL", 507, True, "the node's storage is full; nothing was stored")

@@ -101,6 +101,10 @@ def queue_path(queue: str, *rest: str | int) -> str:
     return "/v1/queues/" + "/".join([_segment(queue), *(_segment(part) for part in rest)])
 
 
+def channel_path(name: str, *rest: str | int) -> str:
+    return "/v1/channels/" + "/".join([_segment(name), *(_segment(part) for part in rest)])
+
+
 def macro_path(name: str, *rest: str | int) -> str:
     return "/v1/macros/" + "/".join([_segment(name), *(_segment(part) for part in rest)])
 
@@ -262,6 +266,30 @@ class HttpClient:
 
     async def remove_macro_member(self, name: str, queue: str) -> dict[str, Any]:
         return dict(await self._json("DELETE", macro_path(name, "members", queue)))
+
+    # --- channels (seed 002; subscribing and publishing are on the WebSocket: client/channels.py) ---
+    async def put_channel(self, name: str, delivery_class: str | None = None,
+                          resend_interval_s: float | None = None) -> dict[str, Any]:
+        """Create a channel, or change what is named (admin)."""
+        document = {key: value for key, value in (("class", delivery_class), ("resend_interval_s", resend_interval_s))
+                    if value is not None}
+        return dict(await self._json("PUT", channel_path(name), document=document))
+
+    async def channel(self, name: str) -> dict[str, Any]:
+        return dict(await self._json("GET", channel_path(name)))
+
+    async def list_channels(self) -> list[dict[str, Any]]:
+        return list((await self._json("GET", "/v1/channels"))["channels"])
+
+    async def delete_channel(self, name: str) -> dict[str, Any]:
+        return dict(await self._json("DELETE", channel_path(name), idempotent=False))
+
+    async def publish_http(self, name: str, payload: bytes, dedupe_id: str | None = None) -> dict[str, Any]:
+        """Publish one message: `{"channel", "id", "epoch"}` once it is committed."""
+        answer = await self.request("POST", channel_path(name, "messages"), body=payload, idempotent=False,
+                                    headers={"X-Dedupe-Id": dedupe_id or uuid.uuid4().hex,
+                                             "Content-Type": "application/octet-stream"})
+        return dict(answer.json())
 
     # --- messages ---------------------------------------------------------------------------
     async def enqueue_http(self, queue: str, payload: bytes, priority: int = 4,

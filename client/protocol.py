@@ -134,8 +134,58 @@ class ExtendOp:
     visibility_ms: int
 
 
+# --- channels (seed 002; docs/PROTOCOL.md "Channels") ---
+@dataclass(frozen=True, slots=True)
+class ChannelSubscribeOp:
+    """Subscribe to (or with `subscribe` false, unsubscribe from) several channels at once, all
+    or none, idempotently. The result maps each channel to the id of its last value (nil:
+    none), and those last values follow as ChannelMessage items."""
+    TAG: ClassVar[int] = 12
+    request_id: int
+    channels: tuple[str, ...]
+    subscribe: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelAckOp:
+    """An `acked` channel's subscriber acknowledges a message it was given."""
+    TAG: ClassVar[int] = 13
+    request_id: int
+    channel: str
+    message_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class PublishOp:
+    """Publish to a channel this connection advertises; the result is [message_id, epoch]."""
+    TAG: ClassVar[int] = 14
+    request_id: int
+    channel: str
+    payload: bytes
+    dedupe_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AdvertiseOp:
+    """Declare (or with `advertise` false, withdraw) that this connection publishes to channels."""
+    TAG: ClassVar[int] = 15
+    request_id: int
+    channels: tuple[str, ...]
+    advertise: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class ReportOp:
+    """A published message's state: {"state", "subscribers", "delivered", "acked"}."""
+    TAG: ClassVar[int] = 16
+    request_id: int
+    channel: str
+    message_id: int
+
+
 ClientOp = (EnqueueOp | ReceiveOp | AckOp | ReleaseOp | SubscribeOp | CreditOp | UnsubscribeOp | PingOp | EnqueueBatchOp
-            | AckBatchOp | ExtendOp)
+            | AckBatchOp | ExtendOp | ChannelSubscribeOp | ChannelAckOp | PublishOp | AdvertiseOp | ReportOp)
+CHANNELS_PER_CALL_MAX = 1_000
 BATCH_ITEMS_MAX = 10_000
 
 
@@ -193,7 +243,28 @@ class SubscriptionEnded:
     message: str
 
 
-ServerItem = (OkReply | ErrorReply | Delivery | Closing | SubscriptionEnded)
+@dataclass(frozen=True, slots=True)
+class ChannelMessage:
+    """A message published to a channel this connection subscribes to (`resent`: the last value
+    sent again at the channel's resend interval, or on subscribing)."""
+    TAG: ClassVar[int] = 106
+    channel: str
+    message_id: int
+    payload: bytes
+    resent: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelEnded:
+    """The server stopped serving this connection's subscription to a channel (the channel's
+    master moved, or the channel was deleted): subscribe again where the map says."""
+    TAG: ClassVar[int] = 107
+    channel: str
+    code: str
+    message: str
+
+
+ServerItem = (OkReply | ErrorReply | Delivery | Closing | SubscriptionEnded | ChannelMessage | ChannelEnded)
 
 
 # --- encoding --------------------------------------------------------------------------------
@@ -215,6 +286,9 @@ def _encode_item(item: ClientOp | ServerItem) -> list[Any]:
                 None if item.dedupe_ids is None else list(item.dedupe_ids), item.ttl_ms, item.delay_ms, item.headers]
     if isinstance(item, AckBatchOp):
         return [item.TAG, item.request_id, item.queue, [list(pair) for pair in item.items]]
+    if isinstance(item, ChannelSubscribeOp | AdvertiseOp):
+        return [item.TAG, item.request_id, list(item.channels),
+                item.subscribe if isinstance(item, ChannelSubscribeOp) else item.advertise]
     return [item.TAG, *(getattr(item, name) for name in item.__slots__)]  # type: ignore[union-attr]
 
 
@@ -256,7 +330,7 @@ INT64_MAX = 2**63 - 1
 TTL_MS_MAX = 1_209_600_000      # 14 days (replication.options.TTL_MAX_S)
 DELAY_MS_MAX = 900_000          # 15 minutes (replication.options.DELAY_MAX_S)
 _OP_ARITY = {1: (5, 9), 2: (3, 6), 3: (5, 5), 4: (5, 5), 5: (4, 5), 6: (4, 4), 7: (3, 3), 8: (2, 2),
-             9: (5, 9), 10: (4, 4), 11: (6, 6)}
+             9: (5, 9), 10: (4, 4), 11: (6, 6), 12: (4, 4), 13: (4, 4), 14: (4, 5), 15: (4, 4), 16: (4, 4)}
 
 
 def _headers(value: Any, request_id: int) -> dict[str, str] | None:
@@ -316,6 +390,24 @@ def _decode_op(row: Any) -> ClientOp:
         return _decode_ack_batch(request_id, args)
     if tag == UnsubscribeOp.TAG:
         return UnsubscribeOp(request_id, _int(args[0], "subscription_id", 1, INT64_MAX, request_id))
+    if tag in (ChannelSubscribeOp.TAG, AdvertiseOp.TAG):
+        channels, on = args[0], args[1]
+        if not isinstance(channels, list) or not 0 < len(channels) <= CHANNELS_PER_CALL_MAX or \
+                not all(isinstance(name, str) for name in channels) or type(on) is not bool:
+            raise FrameError(f"channels must be a list of 1..{CHANNELS_PER_CALL_MAX} names, then true or false",
+                             request_id)
+        if tag == ChannelSubscribeOp.TAG:
+            return ChannelSubscribeOp(request_id, tuple(channels), on)
+        return AdvertiseOp(request_id, tuple(channels), on)
+    if tag in (ChannelAckOp.TAG, ReportOp.TAG):
+        kind = ChannelAckOp if tag == ChannelAckOp.TAG else ReportOp
+        return kind(request_id, _str(args[0], "channel", request_id),
+                    _int(args[1], "message_id", 1, INT64_MAX, request_id))
+    if tag == PublishOp.TAG:
+        if not isinstance(args[1], (bytes, bytearray)):
+            raise FrameError("payload must be binary", request_id)
+        return PublishOp(request_id, _str(args[0], "channel", request_id), bytes(args[1]),
+                         _str(args[2], "dedupe_id", request_id, optional=True) if len(args) > 2 else None)
     return PingOp(request_id)
 
 
@@ -398,6 +490,10 @@ def _decode_server_items(rows: list[Any]) -> list[ServerItem]:
             out.append(Closing(str(row[1]), str(row[2])))
         elif tag == SubscriptionEnded.TAG:
             out.append(SubscriptionEnded(int(row[1]), str(row[2]), str(row[3])))
+        elif tag == ChannelMessage.TAG:
+            out.append(ChannelMessage(str(row[1]), int(row[2]), bytes(row[3]), bool(row[4])))
+        elif tag == ChannelEnded.TAG:
+            out.append(ChannelEnded(str(row[1]), str(row[2]), str(row[3])))
         else:
             raise FrameError(f"unknown server item tag {tag!r}")
     return out

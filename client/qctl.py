@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from client.aio import AsyncClient
 from client.credentials import Credentials, load_credentials, save_credentials
 from client.errors import E_INVALID_OPTION, QueueError
 from client.http import HttpClient
@@ -238,6 +239,28 @@ def build_parser() -> argparse.ArgumentParser:
     macro_remove.add_argument("name")
     macro_remove.add_argument("queue")
 
+    channel = commands.add_parser("channel", help="publish/subscribe channels: define, publish, listen")
+    channel_commands = channel.add_subparsers(dest="channel_command", required=True, metavar="ACTION")
+    channel_create = command(channel_commands, "create", cmd_channel_create,
+                             "define a channel, or change its class or resend interval")
+    channel_create.add_argument("name")
+    channel_create.add_argument("--class", dest="delivery_class", choices=("latest", "acked"),
+                                help="latest (default): the last value, best effort; acked: subscribers acknowledge")
+    channel_create.add_argument("--resend-interval-s", type=float,
+                                help="send the last value again after this long without a publish (0: never)")
+    command(channel_commands, "list", cmd_channel_list, "every channel")
+    command(channel_commands, "typeof", cmd_channel_typeof, "a channel's class, resend interval and master"
+            ).add_argument("name")
+    command(channel_commands, "delete", cmd_channel_delete, "delete a channel").add_argument("name")
+    channel_publish = command(channel_commands, "publish", cmd_channel_publish, "publish one message")
+    channel_publish.add_argument("name")
+    channel_publish.add_argument("data", nargs="?", default="-", help="the payload, or - (default) to read stdin")
+    channel_listen = command(channel_commands, "listen", cmd_channel_listen,
+                             "subscribe and print what arrives (the last value first)")
+    channel_listen.add_argument("names", nargs="+", metavar="name")
+    channel_listen.add_argument("--count", type=int, default=1, help="stop after this many messages (default 1)")
+    channel_listen.add_argument("--wait-s", type=float, default=10.0, help="stop after this long without one")
+
     put = command(commands, "put", cmd_put, "enqueue one message")
     put.add_argument("queue")
     put.add_argument("data", nargs="?", default="-", help="the payload, or - (default) to read stdin")
@@ -445,6 +468,54 @@ async def cmd_extend(http: HttpClient, args: argparse.Namespace) -> Outcome:
     await http.extend_http(args.queue, args.message_id, args.receipt, args.visibility_timeout_s)
     return Outcome({"queue": args.queue, "extended": args.message_id, "visibility_timeout_s": args.visibility_timeout_s},
                    f"extended {args.message_id} by {args.visibility_timeout_s:g} s from now")
+
+
+async def cmd_channel_create(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    answer = await http.put_channel(args.name, args.delivery_class, args.resend_interval_s)
+    return Outcome(answer, _channel_text(answer))
+
+
+async def cmd_channel_list(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    channels = await http.list_channels()
+    return Outcome({"channels": channels}, "\n".join(_channel_text(c) for c in channels) or "no channels")
+
+
+async def cmd_channel_typeof(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    answer = await http.channel(args.name)
+    return Outcome(answer, _channel_text(answer))
+
+
+async def cmd_channel_delete(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    return Outcome(await http.delete_channel(args.name), f"deleted channel {args.name}")
+
+
+async def cmd_channel_publish(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    payload = sys.stdin.buffer.read() if args.data == "-" else args.data.encode()
+    answer = await http.publish_http(args.name, payload)
+    return Outcome(answer, f"id: {answer['id']}")
+
+
+async def cmd_channel_listen(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    """A subscriber through the client library (subscribing is on the WebSocket)."""
+    received: list[dict[str, Any]] = []
+    async with AsyncClient(http.url, load_credentials(args.credentials), ca_file=args.ca_file) as client:
+        await client.subscribe(*args.names)
+        while len(received) < args.count:
+            try:
+                message = await asyncio.wait_for(client.next_channel_message(), args.wait_s)
+            except TimeoutError:
+                break
+            received.append({"channel": message.channel, "id": message.id, "resent": message.resent,
+                             **payload_fields(message.payload)})
+    lines = [f"{m['channel']} {m['id']}{' (resent)' if m['resent'] else ''}: "
+             + (m.get("payload") or m.get("payload_b64", "")) for m in received]
+    return Outcome({"messages": received}, "\n".join(lines) or "no message")
+
+
+def _channel_text(channel: dict[str, Any]) -> str:
+    resend = f", resent every {channel['resend_interval_s']:g} s" if channel.get("resend_interval_s") else ""
+    return (f"{channel['name']}: {channel['class']}{resend}, master {channel.get('master', '?')}, "
+            f"replica {channel.get('replica', '?')}")
 
 
 async def cmd_macro_create(http: HttpClient, args: argparse.Namespace) -> Outcome:

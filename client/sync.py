@@ -13,6 +13,7 @@ from collections.abc import Coroutine, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Self, TypeVar
 
 from client.aio import AsyncClient, Consumer, CredentialsArg, LeaseKeeper, Message
+from client.channels import ChannelDelivery
 from client.http import Grant
 from client.macro import MacroConsumer
 
@@ -236,6 +237,67 @@ class Client:
 
     def describe_macro(self, name: str) -> dict[str, Any]:
         return self._run(self._async.describe_macro(name))
+
+    # --- channels (seed 002) --------------------------------------------------------------------
+    def create_channel(self, name: str, delivery_class: str = "latest", resend_interval_s: float = 0.0
+                       ) -> dict[str, Any]:
+        return self._run(self._async.create_channel(name, delivery_class, resend_interval_s))
+
+    def characterize(self, name: str, delivery_class: str) -> dict[str, Any]:
+        return self._run(self._async.characterize(name, delivery_class))
+
+    def set_resend_interval(self, name: str, seconds: float) -> dict[str, Any]:
+        return self._run(self._async.set_resend_interval(name, seconds))
+
+    def typeof(self, name: str) -> dict[str, Any]:
+        return self._run(self._async.typeof(name))
+
+    def delete_channel(self, name: str) -> dict[str, Any]:
+        return self._run(self._async.delete_channel(name))
+
+    def list_channels(self) -> list[dict[str, Any]]:
+        return self._run(self._async.list_channels())
+
+    def advertise(self, *channels: str) -> None:
+        self._run(self._async.advertise(*channels))
+
+    def unadvertise(self, *channels: str) -> None:
+        self._run(self._async.unadvertise(*channels))
+
+    def publish(self, channel: str, payload: bytes, dedupe_id: str | None = None) -> int:
+        return self._run(self._async.publish(channel, payload, dedupe_id))
+
+    def report(self, channel: str, message_id: int) -> dict[str, Any]:
+        return self._run(self._async.report(channel, message_id))
+
+    def subscribe(self, *channels: str) -> dict[str, int | None]:
+        return self._run(self._async.subscribe(*channels))
+
+    def unsubscribe(self, *channels: str) -> None:
+        self._run(self._async.unsubscribe(*channels))
+
+    def poll(self) -> list[str]:
+        async def poll() -> list[str]:
+            return self._async.poll()
+        return self._run(poll())
+
+    def read(self, channel: str) -> ChannelDelivery | None:
+        """The next unread message of a channel (its `ack()` is a coroutine: use `ack_channel`)."""
+        async def read() -> ChannelDelivery | None:
+            return self._async.read(channel)
+        return self._run(read())
+
+    def next_channel_message(self, timeout_s: float | None = None) -> ChannelDelivery | None:
+        """The first unread message across the subscribed channels; None after `timeout_s`."""
+        async def wait() -> ChannelDelivery | None:
+            try:
+                return await asyncio.wait_for(self._async.next_channel_message(), timeout_s)
+            except TimeoutError:
+                return None
+        return self._run(wait())
+
+    def ack_channel(self, message: ChannelDelivery) -> None:
+        self._run(message.ack())
 
     def queue_stats(self, name: str) -> dict[str, Any]:
         return self._run(self._async.queue_stats(name))

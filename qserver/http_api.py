@@ -28,7 +28,7 @@ from qserver.auth import Principal, validate_grants
 from qserver.engine import TERMINAL_STATES, Engine
 from qserver.http_errors import error_response
 from qserver.redrive import redrive as redrive_dead_letters
-from replication.cluster_map import AddNode, ChangePair, NodeState, Reason, SetNodeState, astuple
+from replication.cluster_map import CHANNEL_PREFIX, AddNode, ChangePair, NodeState, Reason, SetNodeState, astuple
 from replication.options import (
     DELAY_MAX_S,
     PRIORITY_DEFAULT,
@@ -152,6 +152,8 @@ def queue_name(request: web.Request, privilege: str) -> str:
     name = request.match_info["q"]
     if not is_valid_queue_name(name):
         raise QueueError(e.E_INVALID_NAME, "queue names are 1-200 of A-Z a-z 0-9 . _ : - starting alphanumeric")
+    if name.startswith(CHANNEL_PREFIX):
+        raise QueueError(e.E_RESERVED_NAME, f"{name} holds a channel's messages: use /v1/channels")
     principal(request).require(privilege, name)
     return name
 

@@ -22,9 +22,10 @@ from aiohttp import web
 from client import errors as e
 from client.errors import QueueError
 from client.http import signed_session
+from qserver import channel_api, macro_api
 from qserver import commands as c
-from qserver import macro_api
 from qserver.auth import Authenticator
+from qserver.channels import ChannelHub
 from qserver.config import NodeConfig
 from qserver.engine import Engine
 from qserver.failstop import loop_exception_handler, stop_process
@@ -66,6 +67,7 @@ class Node:
             secret = (Path(config.data_dir) / "cluster.secret").read_text().strip().encode()
             self.auth.cluster_secret = secret      # nodes call members in a client's name (macro queues)
         self.macros = MacroService(self, secret)
+        self.channels = ChannelHub(self)
         self.connections: set[ClientConnection] = set()
         self.bad_frames = 0
         self._http_session: aiohttp.ClientSession | None = None
@@ -220,6 +222,7 @@ class Node:
         for connection in list(self.connections):
             await connection.close_with(QueueError(e.E_SHUTTING_DOWN, "the node is stopping"))
         await self.macros.close()
+        await self.channels.stop()
         if self.peers is not None:
             await self.peers.stop()
         if self.membership_peers is not None:
@@ -322,6 +325,7 @@ class Node:
                                + [({"code": "E_OVERLOADED"}, engine.rejected["overloaded"])])
         lines += render_family("qserver_storage_map_bytes", "gauge", "LMDB map size", [({}, self.storage.map_size())])
         lines += self.macros.render_metrics()
+        lines += self.channels.render_metrics()
         lines += self._replication_metrics()
         if self.membership is not None:
             lines += self.membership.render_metrics()
@@ -366,6 +370,7 @@ class Node:
         app[NODE] = self
         add_routes(app)
         macro_api.add_routes(app)
+        channel_api.add_routes(app)
         app.router.add_get("/v1/ws", websocket)
         if self.peers is not None:
             app.router.add_get(PEER_PATH, self.peers.handle)

@@ -29,11 +29,14 @@ from replication.cluster_map import (
     ClusterMap,
     Command,
     CreateQueue,
+    DeleteChannel,
     DeleteQueue,
     Outcome,
+    PutChannel,
     PutClient,
     QueueEntry,
     Reason,
+    channel_queue,
 )
 from replication.digest import EMPTY_DIGEST
 from replication.invariants import InvariantViolation
@@ -867,6 +870,10 @@ class PairDriver:
         if isinstance(command, (CreateQueue, DeleteQueue)):
             if outcomes and outcomes[0].applied:
                 self.reconcile(command.name, deleted=isinstance(command, DeleteQueue))
+            return
+        if isinstance(command, (PutChannel, DeleteChannel)):      # a channel's queue goes with it
+            if outcomes and outcomes[0].applied and outcomes[0].reason != "changed":
+                self.reconcile(channel_queue(command.name), deleted=isinstance(command, DeleteChannel))
             return
         names = [o.name for o in outcomes if o.applied and o.name in self.view.cluster_map.queues]
         if not outcomes:        # a snapshot replaced the whole map

@@ -380,6 +380,21 @@ class Storage:
             return "queued", 0, None
         return None
 
+    def newest_message(self, queue_id: int) -> tuple[int, bytes] | None:
+        """(id, payload) of the queue's stored message with the highest id (a channel's last
+        value), None when it holds none."""
+        txn = self._reader()
+        cursor = txn.cursor(db=self.db["messages"])
+        found = cursor.set_range(_QI.pack(queue_id + 1, 0)) and cursor.prev() or cursor.last()
+        if not found:
+            return None
+        owner, index = _QI.unpack(bytes(cursor.key()))
+        if owner != queue_id:
+            return None
+        held = msgpack.unpackb(cursor.value())[4]
+        payload = held if type(held) is bytes else _EntryPayloads(txn, self.db["oplog"]).resolve(queue_id, index, held)
+        return index, bytes(payload)
+
     def enqueued_ms(self, queue_id: int, index: int) -> int | None:
         """When a stored message was enqueued (the master's wall clock), None if not stored."""
         raw = self._reader().get(_QI.pack(queue_id, index), db=self.db["messages"])

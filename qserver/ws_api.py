@@ -19,6 +19,9 @@ from client.errors import QueueError
 from client.protocol import (
     AckBatchOp,
     AckOp,
+    AdvertiseOp,
+    ChannelAckOp,
+    ChannelSubscribeOp,
     Closing,
     CreditOp,
     DeliveredMessage,
@@ -30,8 +33,10 @@ from client.protocol import (
     FrameError,
     OkReply,
     PingOp,
+    PublishOp,
     ReceiveOp,
     ReleaseOp,
+    ReportOp,
     SubscribeOp,
     SubscriptionEnded,
     UnsubscribeOp,
@@ -41,9 +46,11 @@ from client.protocol import (
 from qserver import commands as c
 from qserver.auth import Principal
 from qserver.http_api import NODE
+from replication.cluster_map import CHANNEL_PREFIX
 from replication.options import is_valid_queue_name, valid_dedupe_id
 
 log = logging.getLogger("qserver.ws")
+CHANNEL_OPS = frozenset({PublishOp, ChannelSubscribeOp, ChannelAckOp, AdvertiseOp, ReportOp})
 
 
 class ClientConnection:
@@ -63,6 +70,8 @@ class ClientConnection:
         self.subscriptions: set[int] = set()
         self.queues_produced: set[str] = set()
         self.queues_consumed: set[str] = set()
+        self.channels: set[str] = set()          # channels subscribed on this connection (qserver/channels.py)
+        self.advertised: set[str] = set()        # channels it may publish to
         self._loop = asyncio.get_running_loop()
 
     # --- Replier ---------------------------------------------------------------------------
@@ -81,6 +90,10 @@ class ClientConnection:
     def subscription_ended(self, subscription_id: int, error: QueueError) -> None:
         self.subscriptions.discard(subscription_id)
         self._emit(SubscriptionEnded(subscription_id, error.code, error.message))
+
+    def emit(self, item: Any) -> None:
+        """Send a server item in this connection's next frame (channel messages)."""
+        self._emit(item)
 
     def _emit(self, item: Any) -> None:
         if self._closed:
@@ -132,6 +145,7 @@ class ClientConnection:
         self._closed = True
         for subscription_id in list(self.subscriptions):
             self.engine.submit(c.Unsubscribe(subscription_id, None))
+        self.node.channels.connection_closed(self)
 
     def _handle_frame(self, data: bytes) -> None:
         try:
@@ -146,7 +160,9 @@ class ClientConnection:
                 self.reply(item.request_id, None)
                 continue
             try:
-                submit(self._command(item))
+                command = self._command(item)
+                if command is not None:
+                    submit(command)
             except QueueError as error:
                 self.fail(item.request_id, error)
             except FrameError as error:
@@ -156,14 +172,19 @@ class ClientConnection:
     def _queue(self, name: str, privilege: str, request_id: int) -> str:
         if not is_valid_queue_name(name):
             raise QueueError(e.E_INVALID_NAME, f"invalid queue name {name[:40]!r}")
+        if name.startswith(CHANNEL_PREFIX):
+            raise QueueError(e.E_RESERVED_NAME, f"{name} holds a channel's messages: publish and subscribe instead")
         if not self.principal.allows(privilege, name):
             raise QueueError(e.E_FORBIDDEN, f"client {self.principal.client_id} may not {privilege} on {name}")
         return name
 
-    def _command(self, op: Any) -> c.Command:
+    def _command(self, op: Any) -> c.Command | None:
+        """The engine command for an operation; None when it was answered here (channels)."""
         if isinstance(op, FrameError):
             raise op
         kind = type(op)
+        if kind in CHANNEL_OPS:
+            return self._channel_op(op)
         client = self.principal.client_id
         if kind is EnqueueOp:
             if len(op.payload) > self._body_bytes_max:
@@ -206,6 +227,33 @@ class ClientConnection:
             self.subscriptions.discard(op.subscription_id)
             return c.Unsubscribe(op.subscription_id, self, op.request_id)
         raise QueueError(e.E_BAD_FRAME, f"unsupported operation {kind.__name__}")
+
+    def _channel_op(self, op: Any) -> c.Command | None:
+        hub = self.node.channels
+        kind = type(op)
+        if kind is PublishOp:
+            if len(op.payload) > self._body_bytes_max:
+                raise QueueError(e.E_PAYLOAD_TOO_LARGE, f"message over {self._body_bytes_max} bytes")
+            if op.dedupe_id is not None and not valid_dedupe_id(op.dedupe_id):
+                raise QueueError(e.E_INVALID_OPTION, "dedupe ids are 1-128 printable characters")
+            return hub.publish_command(self, op.channel, op.payload, op.dedupe_id, op.request_id)
+        if kind is ChannelSubscribeOp:
+            if op.subscribe:
+                answer, lasts = hub.subscribe(self, op.channels)
+                self.reply(op.request_id, answer)
+                for item in lasts:
+                    self._emit(item)
+                return None
+            hub.unsubscribe(self, op.channels)
+        elif kind is AdvertiseOp:
+            hub.advertise(self, op.channels, op.advertise)
+        elif kind is ChannelAckOp:
+            hub.ack(self, op.channel, op.message_id)
+        else:
+            self.reply(op.request_id, hub.report(op.channel, op.message_id))
+            return None
+        self.reply(op.request_id, None)
+        return None
 
     def _own_subscription(self, subscription_id: int) -> None:
         if subscription_id not in self.subscriptions:

@@ -130,6 +130,38 @@ class MacroEntry:
         return next((member for member in self.members if member.queue == queue), None)
 
 
+class DeliveryClass(enum.StrEnum):
+    """A channel's delivery class (seed 002 UDP / UDP_ACK / UDP_ACK_RETRY, in our terms)."""
+    LATEST = "latest"        # best effort: the last value on subscribe, then each new one; no backlog
+    ACKED = "acked"          # each subscriber acknowledges; what is not acknowledged is reported, not resent
+    DURABLE = "durable"      # a replicated backlog per durable subscriber, resent until acknowledged
+
+
+CHANNEL_PREFIX = "channel:"      # a channel's messages live in the queue `channel:<name>` (its pair)
+CHANNEL_RESEND_MAX_S = 86_400
+
+
+def channel_queue(channel: str) -> str:
+    return CHANNEL_PREFIX + channel
+
+
+@dataclass(slots=True)
+class ChannelEntry:
+    """A publish/subscribe channel (seed 002). Its last values live in the queue
+    `channel:<name>`, an ordinary `full` pair created and deleted with it: the channel's master
+    is that queue's master, where publishes are ordered and subscribers are served."""
+    name: str
+    delivery_class: str
+    resend_interval_s: float = 0.0      # `latest`: the last value is sent again after this long without a publish
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "class": self.delivery_class, "resend_interval_s": self.resend_interval_s,
+                "queue": channel_queue(self.name)}
+
+
+CHANNEL_QUEUE_OPTIONS = {"strength": "full", "dead_letter": False, "type": "queued_ack", "max_depth": 100_000}
+
+
 # --- commands --------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class AddNode:
@@ -234,12 +266,32 @@ class RemoveMacroMember:
     queue: str
 
 
+@dataclass(frozen=True, slots=True)
+class PutChannel:
+    """Create a channel (with its queue, on the nodes the proposer chose) or change its delivery
+    class and resend interval (a change applies from the next publish)."""
+    TAG = 13
+    name: str
+    delivery_class: str
+    resend_interval_s: float
+    master: str
+    replica: str
+    incarnation: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteChannel:
+    """Forget a channel and delete its queue."""
+    TAG = 14
+    name: str
+
+
 Command = (AddNode | SetNodeState | CreateQueue | DeleteQueue | ChangePair | ChangePairs | PutClient | SetAlternatives
-           | CreateMacro | DeleteMacro | PutMacroMember | RemoveMacroMember)
+           | CreateMacro | DeleteMacro | PutMacroMember | RemoveMacroMember | PutChannel | DeleteChannel)
 COMMAND_TYPES: dict[int, type] = {kind.TAG: kind for kind in (AddNode, SetNodeState, CreateQueue, DeleteQueue,
                                                               ChangePair, ChangePairs, PutClient, SetAlternatives,
                                                               CreateMacro, DeleteMacro, PutMacroMember,
-                                                              RemoveMacroMember)}
+                                                              RemoveMacroMember, PutChannel, DeleteChannel)}
 
 
 class CommandError(ValueError):
@@ -302,6 +354,7 @@ class ClusterMap:
     clients: dict[str, dict[str, Any]] = field(default_factory=dict)
     alternatives: dict[str, tuple[str, ...]] = field(default_factory=dict)
     macros: dict[str, MacroEntry] = field(default_factory=dict)
+    channels: dict[str, ChannelEntry] = field(default_factory=dict)
     version: int = 0          # commands applied; every copy agrees at the same version
 
     def copy(self) -> ClusterMap:
@@ -332,7 +385,8 @@ class ClusterMap:
                 "nodes": [{"id": n.node_id, "url": n.url, "state": n.state.value, "voter": n.voter}
                           for n in sorted(self.nodes.values(), key=lambda n: n.node_id)],
                 "queues": {name: entry.to_json() for name, entry in sorted(self.queues.items())},
-                "macros": {name: entry.to_json() for name, entry in sorted(self.macros.items())}}
+                "macros": {name: entry.to_json() for name, entry in sorted(self.macros.items())},
+                "channels": {name: entry.to_json() for name, entry in sorted(self.channels.items())}}
 
     # --- the state machine ----------------------------------------------------------------
     def apply(self, command: Command) -> list[Outcome]:
@@ -378,6 +432,13 @@ class ClusterMap:
             return [Outcome(command.recipient, True)]
         if isinstance(command, CreateMacro | DeleteMacro | PutMacroMember | RemoveMacroMember):
             return [self._macro(command)]
+        if isinstance(command, PutChannel):
+            return [self._put_channel(command)]
+        if isinstance(command, DeleteChannel):
+            if self.channels.pop(command.name, None) is None:
+                return [Outcome(command.name, False, "no such channel")]
+            self.queues.pop(channel_queue(command.name), None)
+            return [Outcome(command.name, True)]
         return [Outcome("", False, f"unknown command {type(command).__name__}")]
 
     def _forget_data_of(self, node: str) -> list[Outcome]:
@@ -449,6 +510,22 @@ class ClusterMap:
         else:
             macro.members.append(MacroMember(command.queue, command.priority, command.weight))
         return Outcome(name, True)
+
+    def _put_channel(self, command: PutChannel) -> Outcome:
+        if command.delivery_class not in [kind.value for kind in DeliveryClass] or \
+                not 0 <= command.resend_interval_s <= CHANNEL_RESEND_MAX_S:
+            return Outcome(command.name, False, f"the class is one of {', '.join(k.value for k in DeliveryClass)}, "
+                                                f"the resend interval 0-{CHANNEL_RESEND_MAX_S} s")
+        existing = self.channels.get(command.name)
+        if existing is not None:
+            existing.delivery_class, existing.resend_interval_s = command.delivery_class, command.resend_interval_s
+            return Outcome(command.name, True, "changed")
+        created = self._create(CreateQueue(channel_queue(command.name), dict(CHANNEL_QUEUE_OPTIONS), command.master,
+                                           command.replica, command.incarnation))
+        if not created.applied:
+            return Outcome(command.name, False, created.reason)
+        self.channels[command.name] = ChannelEntry(command.name, command.delivery_class, command.resend_interval_s)
+        return Outcome(command.name, True, "created")
 
     def _member_problem(self, macro: MacroEntry, command: PutMacroMember) -> str:
         """Seed 004's validation routine: a member must be compatible with the others."""
@@ -592,7 +669,9 @@ def encode_map(cluster: ClusterMap) -> bytes:
     alternatives = {recipient: list(names) for recipient, names in cluster.alternatives.items()}
     macros = [[m.name, m.producer, m.consumer, m.fastest_by, [[x.queue, x.priority, x.weight] for x in m.members]]
               for m in cluster.macros.values()]
-    return msgpack.packb([cluster.version, nodes, queues, cluster.clients, alternatives, macros], use_bin_type=True)
+    channels = [[c.name, c.delivery_class, c.resend_interval_s] for c in cluster.channels.values()]
+    return msgpack.packb([cluster.version, nodes, queues, cluster.clients, alternatives, macros, channels],
+                         use_bin_type=True)
 
 
 def decode_map(data: bytes) -> ClusterMap:
@@ -602,12 +681,14 @@ def decode_map(data: bytes) -> ClusterMap:
     try:
         version, nodes, queues, clients, alternatives, *rest = msgpack.unpackb(data, raw=False)
         macros = rest[0] if rest else []        # a snapshot from before macro queues has none
+        channels = rest[1] if len(rest) > 1 else []
         return ClusterMap(
             nodes={row[0]: NodeEntry(row[0], row[1], NodeState(row[2]), row[3], row[4]) for row in nodes},
             queues={row[0]: QueueEntry(*row) for row in queues},
             clients=clients, alternatives={recipient: tuple(names) for recipient, names in alternatives.items()},
             macros={row[0]: MacroEntry(row[0], row[1], row[2], row[3], [MacroMember(*member) for member in row[4]])
                     for row in macros},
+            channels={row[0]: ChannelEntry(row[0], row[1], row[2]) for row in channels},
             version=version)
     except Exception as exc:  # msgpack and the constructors raise several unrelated types
         raise CommandError(f"not a cluster map snapshot: {type(exc).__name__}: {exc}") from None

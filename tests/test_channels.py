@@ -1,0 +1,175 @@
+"""Publish/subscribe channels (issue 15, items 1-2: the `latest` and `acked` classes; seed 002)
+on a real 3-node cluster through the client library, REST and qctl."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+import msgpack
+import pytest
+
+from client import AsyncClient, Client
+from client.errors import QueueError
+from client.protocol import ChannelSubscribeOp, ErrorReply, decode_server_frame, encode_frame
+from tests.support import RawApi
+from tests.test_client_integration import run_qctl
+
+
+async def code_of(call: Any) -> str:
+    with pytest.raises(QueueError) as raised:
+        await call
+    return raised.value.code
+
+
+async def wait_for_message(client: AsyncClient, timeout_s: float = 5.0) -> Any:
+    return await asyncio.wait_for(client.next_channel_message(), timeout_s)
+
+
+@pytest.mark.asyncio
+async def test_latest_gives_the_last_value_on_subscribe_then_only_the_newest(qcluster_factory: Any) -> None:
+    cluster = qcluster_factory(3)
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as admin, \
+            AsyncClient(cluster.urls["n2"], cluster.credentials_path) as producer, \
+            AsyncClient(cluster.urls["n3"], cluster.credentials_path) as reader:
+        created = await admin.create_channel("prices")
+        assert (created["class"], created["queue"]) == ("latest", "channel:prices")
+        await admin.create_channel("news")
+        assert await code_of(producer.publish("prices", b"9.99")) == "E_NOT_ADVERTISED"
+        await producer.advertise("prices", "news")
+        first = await producer.publish("prices", b"10.00")
+        answer = await reader.subscribe("prices", "news")              # several at once
+        assert answer == {"prices": first, "news": None}
+        last = await wait_for_message(reader)
+        assert (last.channel, last.id, last.payload, last.resent) == ("prices", first, b"10.00", True)
+        ids = [await producer.publish("prices", b"%d" % n) for n in range(5)]
+        await asyncio.sleep(0.5)                                       # a slow reader
+        assert reader.poll() == ["prices"]
+        newest = reader.read("prices")
+        assert (newest.id, newest.payload) == (ids[-1], b"4") and reader.read("prices") is None
+        await producer.publish("news", b"headline")
+        got = await wait_for_message(reader)
+        assert (got.channel, got.payload) == ("news", b"headline")
+        assert await code_of(reader.subscribe("prices", "nothing")) == "E_UNKNOWN_CHANNEL"   # all or none
+        await reader.unsubscribe("prices")
+        assert await code_of(reader.subscribe("news", "nothing")) == "E_UNKNOWN_CHANNEL"
+        await producer.publish("prices", b"unseen")
+        await asyncio.sleep(0.3)
+        assert reader.poll() == []                                     # no longer subscribed to prices
+        rest = await admin.http.publish_http("news", b"by rest")       # REST: the request is the declaration
+        assert (await wait_for_message(reader)).id == rest["id"]
+
+
+@pytest.mark.asyncio
+async def test_acked_reports_who_acknowledged_and_a_subscriber_that_left_fails_it(qcluster_factory: Any) -> None:
+    cluster = qcluster_factory(3)
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as admin, \
+            AsyncClient(cluster.urls["n1"], cluster.credentials_path) as first, \
+            AsyncClient(cluster.urls["n2"], cluster.credentials_path) as second:
+        await admin.create_channel("orders", "acked")
+        assert (await admin.typeof("orders"))["class"] == "acked"
+        await first.subscribe("orders")
+        await second.subscribe("orders")
+        await admin.advertise("orders")
+        ids = [await admin.publish("orders", b"o%d" % n) for n in range(3)]
+        for reader in (first, second):
+            got = [await wait_for_message(reader) for _ in ids]
+            assert [m.id for m in got] == ids                          # every message, in order
+            if reader is first:
+                for message in got:
+                    await message.ack()
+        assert (await admin.report("orders", ids[0]))["state"] == "pending_ack"
+        for message in [m for m in got]:
+            await message.ack()
+        report = await admin.report("orders", ids[0])
+        assert (report["state"], report["subscribers"], report["acked"]) == ("delivered", 2, 2)
+        later = await admin.publish("orders", b"late")
+        await wait_for_message(second)
+        await second.close()                                           # leaves without acking
+        await asyncio.sleep(0.3)
+        assert (await admin.report("orders", later))["state"] == "failed"
+        await admin.characterize("orders", "latest")                   # from the next publish on
+        newest = await admin.publish("orders", b"now latest")
+        assert (await admin.report("orders", newest))["state"] == "delivered"
+
+
+@pytest.mark.asyncio
+async def test_the_last_value_survives_a_failover_and_subscribers_follow_the_channel(qcluster_factory: Any) -> None:
+    cluster = qcluster_factory(3)
+    async with AsyncClient(cluster.urls["n3"], cluster.credentials_path) as admin:
+        await admin.create_channel("state", resend_interval_s=1.0)
+        master = (await admin.typeof("state"))["master"]
+        other = next(n for n in cluster.urls if n != master)
+        async with AsyncClient(cluster.urls[other], cluster.credentials_path) as producer, \
+                AsyncClient(cluster.urls[other], cluster.credentials_path) as reader:
+            await producer.advertise("state")
+            await reader.subscribe("state")
+            kept = await producer.publish("state", b"v1")
+            assert (await wait_for_message(reader)).id == kept
+            started = time.monotonic()
+            resent = await wait_for_message(reader, 3.0)                # the resend interval
+            assert (resent.id, resent.resent) == (kept, True) and time.monotonic() - started >= 0.5
+            cluster.kill(master)
+            deadline = time.monotonic() + 30
+            while (await admin.typeof("state"))["master"] == master and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            async with AsyncClient(cluster.urls[other], cluster.credentials_path) as newcomer:
+                assert await newcomer.subscribe("state") == {"state": kept}      # the last value survived
+                assert (await wait_for_message(newcomer)).payload == b"v1"
+            newer = await producer.publish("state", b"v2")             # follows the new master
+            message = await wait_for_message(reader, 15.0)
+            while message.id != newer:
+                message = await wait_for_message(reader, 15.0)
+            assert message.payload == b"v2"
+            cluster.start(master)
+
+
+def test_qctl_and_the_sync_client_run_a_channel(qcluster_factory: Any) -> None:
+    cluster = qcluster_factory(3)
+    code, created, _ = run_qctl(cluster, "channel", "create", "alerts", "--class", "latest")
+    assert code == 0 and created["class"] == "latest"
+    assert run_qctl(cluster, "channel", "publish", "alerts", "disk full")[0] == 0
+    code, heard, _ = run_qctl(cluster, "channel", "listen", "alerts", "--count", "1", "--wait-s", "5")
+    assert code == 0 and heard["messages"][0]["payload"] == "disk full" and heard["messages"][0]["resent"]
+    with Client(cluster.urls["n2"], cluster.credentials_path) as client:
+        client.subscribe("alerts")
+        client.next_channel_message(5.0)                              # the last value
+        client.advertise("alerts")
+        sent = client.publish("alerts", b"cpu hot")
+        got = client.next_channel_message(5.0)
+        assert got is not None and (got.id, got.payload) == (sent, b"cpu hot")
+        assert [c["name"] for c in client.list_channels()] == ["alerts"]
+    code, typed, _ = run_qctl(cluster, "channel", "typeof", "alerts")
+    assert code == 0 and typed["queue"] == "channel:alerts"
+    assert run_qctl(cluster, "channel", "delete", "alerts")[0] == 0
+    code, document, _ = run_qctl(cluster, "channel", "typeof", "alerts")
+    assert code == 1 and document["error"]["code"] == "E_UNKNOWN_CHANNEL"
+
+
+@pytest.mark.asyncio
+async def test_bad_channel_requests_get_stable_codes_and_change_nothing(qcluster_factory: Any) -> None:
+    cluster = qcluster_factory(3)
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as admin:
+        await admin.create_channel("c1")
+        assert await code_of(admin.create_channel("c2", "durable")) == "E_NOT_IMPLEMENTED"
+        assert await code_of(admin.create_channel("c2", "sometimes")) == "E_INVALID_OPTION"
+        assert await code_of(admin.create_channel("c2", "latest", -1)) == "E_INVALID_OPTION"
+        assert await code_of(admin.typeof("c2")) == "E_UNKNOWN_CHANNEL"
+        assert await code_of(admin.http.publish_http("c2", b"x")) == "E_UNKNOWN_CHANNEL"
+        assert await code_of(admin.advertise("c2")) == "E_UNKNOWN_CHANNEL"
+        assert await code_of(admin.create_queue("channel:c1")) == "E_RESERVED_NAME"
+        assert await code_of(admin.enqueue("channel:c1", b"sneaked")) == "E_RESERVED_NAME"
+        assert await code_of(admin.delete_queue("channel:c1")) == "E_RESERVED_NAME"
+        async with aiohttp.ClientSession() as session:
+            raw = RawApi.for_credentials(session, cluster.credentials_path)
+            ws = await raw.ws()
+            await ws.send_bytes(encode_frame([ChannelSubscribeOp(3, ("c1", "nothing"), True)]))
+            [reply] = decode_server_frame(await ws.receive_bytes())
+            assert isinstance(reply, ErrorReply) and reply.code == "E_UNKNOWN_CHANNEL"
+            await ws.send_bytes(msgpack.packb([1, [[12, 4, "not a list", True]]]))
+            [reply] = decode_server_frame(await ws.receive_bytes())
+            assert isinstance(reply, ErrorReply) and reply.code == "E_BAD_FRAME"
+            await ws.close()
+        assert (await admin.typeof("c1"))["subscribers_here"] == 0
+        assert (await admin.queue_stats("channel:c1"))["depth"] == 0
