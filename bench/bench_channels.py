@@ -1,0 +1,98 @@
+"""Fan-out of a `latest` channel to 1, 100 and 1,000 subscribers on a local 3-node cluster
+(issue 15, item 3; run by hand, not in CI; loopback only; each round bounded in time).
+
+    .venv/bin/python bench/bench_channels.py [--seconds 5] [--subscribers 1,100,1000]
+
+Each subscriber is its own client with its own WebSocket to the channel's master (the
+subscribers run in this one process, next to the publisher, on the same 2 cores as the
+nodes). A publisher keeps 10 publishes of 100 bytes in flight for the round. Recorded per
+round: publishes/s (acknowledged: committed on both members), deliveries/s (channel messages
+the master's node sent, from its metrics), and how many subscribers ended on the last value.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from client import AsyncClient  # noqa: E402
+from qserver.devcluster import LocalCluster  # noqa: E402
+
+PUBLISHERS_IN_FLIGHT = 10
+
+
+def metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as answer:
+        text = answer.read().decode()
+    found = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+async def one_round(cluster: LocalCluster, subscribers: int, seconds: float) -> dict[str, Any]:
+    channel = f"fanout{subscribers}"
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as admin:
+        created = await admin.create_channel(channel)
+        master_url = cluster.urls[created["master"]]
+        readers = [AsyncClient(master_url, cluster.credentials_path) for _ in range(subscribers)]
+        try:
+            for start in range(0, subscribers, 100):
+                await asyncio.gather(*(r.subscribe(channel) for r in readers[start:start + 100]))
+            async with AsyncClient(master_url, cluster.credentials_path) as publisher:
+                await publisher.advertise(channel)
+                delivered_before = metric(master_url, "qserver_channel_deliveries_total")
+                published, last = 0, 0
+                stop_at = time.perf_counter() + seconds
+
+                async def publish() -> None:
+                    nonlocal published, last
+                    while time.perf_counter() < stop_at:
+                        last = max(last, await publisher.publish(channel, b"p" * 100))
+                        published += 1
+                started = time.perf_counter()
+                await asyncio.gather(*(publish() for _ in range(PUBLISHERS_IN_FLIGHT)))
+                elapsed = time.perf_counter() - started
+                delivered = metric(master_url, "qserver_channel_deliveries_total") - delivered_before
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline and any(r._channel_inbox._seen.get(channel) != last  # type: ignore[union-attr]
+                                                          for r in readers):
+                    await asyncio.sleep(0.1)
+                caught_up = sum(r._channel_inbox._seen.get(channel) == last for r in readers)  # type: ignore[union-attr]
+        finally:
+            await asyncio.gather(*(r.close() for r in readers), return_exceptions=True)
+        await admin.delete_channel(channel)
+    return {"workload": f"latest_fanout_{subscribers}", "subscribers": subscribers,
+            "publishes_per_s": round(published / elapsed, 1), "deliveries_per_s": round(delivered / elapsed, 1),
+            "deliveries_per_publish": round(delivered / max(1, published), 1),
+            "subscribers_on_the_last_value": caught_up}
+
+
+async def main_async(seconds: float, counts: list[int]) -> None:
+    with tempfile.TemporaryDirectory(prefix="qbench-channels-") as root:
+        cluster = LocalCluster(Path(root), 3)
+        cluster.start_all()
+        try:
+            for count in counts:
+                print(json.dumps(await one_round(cluster, count, seconds)), flush=True)
+        finally:
+            for node in list(cluster.processes):
+                cluster.kill(node)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--subscribers", default="1,100,1000")
+    args = parser.parse_args()
+    asyncio.run(main_async(args.seconds, [int(n) for n in args.subscribers.split(",")]))
+
+
+if __name__ == "__main__":
+    main()
