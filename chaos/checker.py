@@ -47,6 +47,10 @@ from every node's cluster map during the run. The rules:
   consumers of that member see), each completed with that member's outcome, so every rule above
   judges each copy in its member; `macros` counts the calls by how many copies were
   acknowledged.
+* **channels** (`latest`): a subscriber handed a value older than one it had seen
+  (**older_value**), a value no publish made or one under another id than its publish was
+  answered with (**unexpected_value**), or a subscriber that does not reach the newest
+  acknowledged value within the catch-up after the heal (**stale_at_end**); see `_check_channels`.
 * **two masters** (violation): two nodes named master of one queue in one epoch, in any
   node's cluster map at any sample (`replication.invariants.epochs_with_two_masters`).
 """
@@ -184,6 +188,7 @@ def check(history: Iterable[Mapping[str, Any]], strengths: Mapping[str, str],
     `lost` if the message is gone; `recovered` when it is delivered), its id included (a
     master that failed before storing it gave the id to nothing, and its successor may give it
     to another message)."""
+    history = list(history)
     facts = gather(history)
     for queue in one_way:
         for tag, entry in facts[queue].enqueues.items():
@@ -198,6 +203,7 @@ def check(history: Iterable[Mapping[str, Any]], strengths: Mapping[str, str],
         per_queue[queue] = _check_queue(queue, facts[queue], strengths.get(queue, "full"), findings,
                                         Departures(members.get(queue, ())))
     masters = _check_masters(observations, findings)
+    channels = _check_channels(history, findings)
     counts = {name: sum(q[name] for q in per_queue.values()) for name in
               ("enqueue_ok", "enqueue_fail", "enqueue_unknown", "delivered", "delivered_messages", "lost",
                "purged", "expired", "unexpected", "duplicated", "recovered")}
@@ -209,7 +215,42 @@ def check(history: Iterable[Mapping[str, Any]], strengths: Mapping[str, str],
     return {"valid": not violation_counts, "counts": counts, "duplicates_explained": dict(sorted(explained.items())),
             "violation_counts": violation_counts,
             "violations": {kind: items[:LISTED_MAX] for kind, items in sorted(findings.violations.items())},
-            "queues": per_queue, "macros": _macro_copies(facts), "epochs_observed": masters}
+            "queues": per_queue, "macros": _macro_copies(facts), "channels": channels, "epochs_observed": masters}
+
+
+def _check_channels(history: list[Mapping[str, Any]], findings: Findings) -> dict[str, dict[str, int]]:
+    """`latest` channels: each subscriber is handed values never older than one it has seen
+    (**older_value**), each one published by a publish that did not fail definitely, under the
+    id that publish was answered with (**unexpected_value**), and after the heal it reaches
+    the newest acknowledged value (**stale_at_end**)."""
+    published: dict[tuple[str, str], Mapping[str, Any]] = {}
+    for entry in history:
+        if entry.get("op") == "publish":
+            published[(entry["channel"], entry["tag"])] = entry
+    summary: dict[str, dict[str, int]] = defaultdict(lambda: {"published_ok": 0, "published_unknown": 0,
+                                                              "published_fail": 0, "values_seen": 0,
+                                                              "subscribers_at_end": 0})
+    for (channel, _), entry in published.items():
+        summary[channel][f"published_{entry['status']}"] += 1
+    highest: dict[tuple[str, str], int] = {}
+    for entry in sorted((e for e in history if e.get("op") == "channel_value"), key=lambda e: e["t_invoke"]):
+        channel, process, message_id = entry["channel"], entry["process"], entry["id"]
+        summary[channel]["values_seen"] += 1
+        before = highest.get((channel, process), 0)
+        if message_id < before:
+            findings.add("older_value", channel=channel, subscriber=process, id=message_id, after=before)
+        highest[(channel, process)] = max(before, message_id)
+        source = published.get((channel, entry.get("tag") or ""))
+        if source is None or source["status"] == "fail" or (source["status"] == "ok" and source["id"] != message_id):
+            findings.add("unexpected_value", channel=channel, subscriber=process, id=message_id, tag=entry.get("tag"),
+                         publish=None if source is None else source["status"])
+    for entry in history:
+        if entry.get("op") == "channel_end":
+            summary[entry["channel"]]["subscribers_at_end"] += 1
+            if entry["last_id"] < entry["last_published"]:
+                findings.add("stale_at_end", channel=entry["channel"], subscriber=entry["process"],
+                             last_seen=entry["last_id"], last_published=entry["last_published"])
+    return dict(summary)
 
 
 def _macro_copies(facts: Mapping[str, QueueFacts]) -> dict[str, dict[str, int]]:

@@ -78,7 +78,7 @@ async def _run_on(scenario: Scenario, cluster: ChaosCluster, schedule: list[Any]
                   engine: str, progress: Progress) -> dict[str, Any]:
     history = History(history_path(run_dir))
     workload = Workload(cluster, history, list(scenario.queues), scenario.seed, scenario.op_timeout_s,
-                        list(scenario.macros))
+                        list(scenario.macros), list(scenario.channels))
     observer = Observer(cluster, history)
     admin_clients: dict[str, Any] = {}
 
@@ -86,7 +86,7 @@ async def _run_on(scenario: Scenario, cluster: ChaosCluster, schedule: list[Any]
         if node not in admin_clients:
             admin_clients[node] = workload.client(node)
         return admin_clients[node]
-    nemesis = Nemesis(cluster, history, rng, observer.newest_map, admin, [q.name for q in scenario.queues])
+    nemesis = Nemesis(cluster, history, rng, observer.newest_map, admin, scenario.fault_targets())
     stop_observer, stop_workers = asyncio.Event(), asyncio.Event()
     try:
         await workload.create_queues()
@@ -193,6 +193,7 @@ def verdict(scenario: Scenario, run_dir: Path, judged: dict[str, Any], audit: di
         "crashes": [{k: v for k, v in crash.items() if k != "log_tail"} for crash in facts["crashes"]],
         "restart_failures": len(facts["restart_failures"]), "client_errors": facts["client_errors"][:10],
         "history_violations": judged["violations"], "queues": judged["queues"], "macros": judged["macros"],
+        "channels": judged["channels"],
         "run_dir": str(run_dir), "date": datetime.date.today().isoformat(),
     }
 
@@ -210,6 +211,10 @@ def summary(result: dict[str, Any]) -> str:
                      f"{queue['duplicated']:>6}{queue['recovered']:>7}")
     explained = ", ".join(f"{why} {count}" for why, count in result["duplicates_explained"].items()) or "none"
     audit = result["audit"]
+    for name, seen in result.get("channels", {}).items():
+        lines.append(f"channel {name}: published {seen['published_ok']} ok / {seen['published_unknown']} unknown / "
+                     f"{seen['published_fail']} failed, {seen['values_seen']} values seen by subscribers, "
+                     f"{seen['subscribers_at_end']} subscribers recorded at the end")
     for name, calls in result.get("macros", {}).items():
         lines.append(f"macro {name}: {calls['calls']} calls, every copy acknowledged {calls['every_copy_ok']}, "
                      f"some {calls['some_copies_ok']}, none {calls['no_copy_ok']}")

@@ -32,6 +32,12 @@
     producers = 1
     rate = 10
 
+    [[channels]]                 # chaos.workload.ChannelSpec: a `latest` channel
+    name = "prices"
+    publishers = 1
+    subscribers = 2
+    rate = 10
+
     [nemesis]                    # chaos.nemesis.FaultSpec: faults drawn from the seed ...
     kinds = ["partition-master-replica", "kill"]
     duration_s = [3, 10]
@@ -55,7 +61,8 @@ from pathlib import Path
 from typing import Any
 
 from chaos.nemesis import FAULT_KINDS, MODES, RING_NODES_MIN, TARGETS, Fault, FaultSpec, ScheduledFault
-from chaos.workload import MacroSpec, QueueSpec
+from chaos.workload import ChannelSpec, MacroSpec, QueueSpec
+from replication.cluster_map import CHANNEL_PREFIX
 from replication.options import QueueType
 
 SCENARIO_DIRECTORY = Path(__file__).resolve().parent / "scenarios"
@@ -78,6 +85,7 @@ class Scenario:
     settings: dict[str, str] = field(default_factory=dict)
     queues: tuple[QueueSpec, ...] = ()
     macros: tuple[MacroSpec, ...] = ()
+    channels: tuple[ChannelSpec, ...] = ()
     nemesis: FaultSpec = FaultSpec()
 
     def strengths(self) -> dict[str, str]:
@@ -85,6 +93,10 @@ class Scenario:
 
     def one_way_queues(self) -> list[str]:
         return [queue.name for queue in self.queues if queue.type == QueueType.ONE_WAY]
+
+    def fault_targets(self) -> list[str]:
+        """The queues whose members the nemesis may aim at (a channel's is its queue)."""
+        return [queue.name for queue in self.queues] + [CHANNEL_PREFIX + channel.name for channel in self.channels]
 
     def placement(self) -> dict[str, list[str]]:
         return {queue.name: list(queue.placement) for queue in self.queues if queue.placement}
@@ -117,13 +129,14 @@ def parse_scenario(name: str, raw: dict[str, Any]) -> Scenario:
         raise ValueError(f"scenario {name}: unknown keys {sorted(unknown)}")
     queues = tuple(_queue(entry) for entry in raw.get("queues", []))
     macros = tuple(_macro(entry) for entry in raw.get("macros", []))
+    channels = tuple(_channel(entry) for entry in raw.get("channels", []))
     scenario = Scenario(
         name=name, description=str(raw.get("description", "")), nodes=int(raw.get("nodes", 3)),
         time_s=float(raw.get("time_s", 60.0)), seed=int(raw.get("seed", 1)),
         recovery_s=float(raw.get("recovery_s", 8.0)), settle_timeout_s=float(raw.get("settle_timeout_s", 60.0)),
         drain_timeout_s=float(raw.get("drain_timeout_s", 60.0)), op_timeout_s=float(raw.get("op_timeout_s", 8.0)),
         settings={key: _toml_literal(value) for key, value in raw.get("settings", {}).items()},
-        queues=queues, macros=macros, nemesis=_nemesis(raw.get("nemesis", {})))
+        queues=queues, macros=macros, channels=channels, nemesis=_nemesis(raw.get("nemesis", {})))
     check_scenario(scenario)
     return scenario
 
@@ -174,6 +187,18 @@ def _queue(entry: dict[str, Any]) -> QueueSpec:
     if "priorities" in values:
         values["priorities"] = tuple(int(p) for p in values["priorities"])
     return QueueSpec(**values)
+
+
+def _channel(entry: dict[str, Any]) -> ChannelSpec:
+    known = {f.name for f in fields(ChannelSpec)}
+    unknown = set(entry) - known
+    if unknown:
+        raise ValueError(f"channel {entry.get('name')}: unknown keys {sorted(unknown)}")
+    spec = ChannelSpec(**entry)
+    if not 0 < spec.publishers <= WORKERS_PER_QUEUE_MAX or not 0 < spec.subscribers <= WORKERS_PER_QUEUE_MAX \
+            or spec.rate <= 0:
+        raise ValueError(f"channel {spec.name}: 1 to {WORKERS_PER_QUEUE_MAX} publishers and subscribers, a positive rate")
+    return spec
 
 
 def _macro(entry: dict[str, Any]) -> MacroSpec:

@@ -97,6 +97,21 @@ class MacroSpec:
     payload_bytes: int = 64
 
 
+@dataclass(frozen=True)
+class ChannelSpec:
+    """A `latest` channel: publishers at a steady rate, subscribers that read as fast as values
+    come. The checker holds each subscriber to "never older than a value already seen", every
+    value one that was published, and the last acknowledged value reached after the heal."""
+    name: str
+    publishers: int = 1
+    subscribers: int = 2
+    rate: float = 10.0
+    payload_bytes: int = 64
+
+
+CHANNEL_CATCH_UP_S = 15.0        # after the stop, a subscriber waits this long at most for the last value
+
+
 def _error_text(error: BaseException) -> str:
     if isinstance(error, QueueError):
         return f"{error.code}: {error.message}"[:300]
@@ -164,7 +179,9 @@ class Workload:
     seed: int
     op_timeout_s: float = 8.0
     macros: list[MacroSpec] = field(default_factory=list)
+    channels: list[ChannelSpec] = field(default_factory=list)
     clients: list[AsyncClient] = field(default_factory=list)
+    last_published: dict[str, int] = field(default_factory=dict)    # channel -> highest acknowledged id
     node_of_url: dict[str, str] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
 
@@ -187,6 +204,8 @@ class Workload:
         async with AsyncClient(self.cluster.client_urls[self.cluster.ids[0]], self.cluster.credentials_path) as admin:
             for spec in self.queues:
                 await admin.create_queue(spec.name, **spec.options())
+            for channel in self.channels:
+                await admin.create_channel(channel.name, "latest")
             for macro in self.macros:
                 await admin.create_macro(macro.name, macro.producer, "prioritized")
                 for member in macro.members:
@@ -216,6 +235,13 @@ class Workload:
         for macro in self.macros:
             for worker in range(macro.producers):
                 tasks.append(asyncio.create_task(self._produce_through_macro(macro, worker, ids[slot % len(ids)], stop)))
+                slot += 1
+        for channel in self.channels:
+            for worker in range(channel.publishers):
+                tasks.append(asyncio.create_task(self._publish(channel, worker, ids[slot % len(ids)], stop)))
+                slot += 1
+            for worker in range(channel.subscribers):
+                tasks.append(asyncio.create_task(self._listen(channel, worker, ids[slot % len(ids)], stop)))
                 slot += 1
         return tasks
 
@@ -261,6 +287,59 @@ class Workload:
                           for member in spec.members}
             ok = await self._copies_outcome(operations, client.enqueue(spec.name, payload, priority, dedupe_id=tag))
             await asyncio.sleep(rng.expovariate(spec.rate) if ok else ERROR_PAUSE_S * (1 + rng.random()))
+
+    async def _publish(self, spec: ChannelSpec, worker: int, node: str, stop: asyncio.Event) -> None:
+        rng = self._rng("publish", spec.name, worker)
+        client = self.client(node)
+        process = f"pub-{spec.name}-{worker}@{node}"
+        sequence = 0
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(client.advertise(spec.name), self.op_timeout_s)
+                break
+            except (QueueError, TimeoutError) as error:
+                self.history.info(process, "advertise", channel=spec.name, error=_error_text(error))
+                await asyncio.sleep(ERROR_PAUSE_S)
+        while not stop.is_set():
+            sequence += 1
+            tag = f"{spec.name}.{worker}.{sequence}"
+            payload = payload_for(tag, spec.payload_bytes)
+            operation = self.history.invoke(process, "publish", None, channel=spec.name, tag=tag, node=node)
+            ok, message_id = await self._outcome(operation, client.publish(spec.name, payload, dedupe_id=tag),
+                                                 lambda answer: {"id": answer})
+            if ok:
+                self.last_published[spec.name] = max(self.last_published.get(spec.name, 0), message_id)
+            await asyncio.sleep(rng.expovariate(spec.rate) if ok else ERROR_PAUSE_S * (1 + rng.random()))
+
+    async def _listen(self, spec: ChannelSpec, worker: int, node: str, stop: asyncio.Event) -> None:
+        """Subscribe (again until it works), then record every value handed out, in order; after
+        the stop, wait (bounded) for the last acknowledged value, and record where it ended."""
+        client = self.client(node)
+        process = f"sub-{spec.name}-{worker}@{node}"
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(client.subscribe(spec.name), self.op_timeout_s)
+                break
+            except (QueueError, TimeoutError) as error:
+                self.history.info(process, "subscribe", channel=spec.name, error=_error_text(error))
+                await asyncio.sleep(ERROR_PAUSE_S)
+        seen = 0
+        stopped_at: float | None = None
+        while True:
+            if stop.is_set():
+                stopped_at = stopped_at or self.history.now()
+                if seen >= self.last_published.get(spec.name, 0) or \
+                        self.history.now() - stopped_at > CHANNEL_CATCH_UP_S:
+                    break
+            try:
+                message = await asyncio.wait_for(client.next_channel_message(), 1.0)
+            except TimeoutError:
+                continue
+            seen = max(seen, message.id)
+            self.history.info(process, "channel_value", channel=spec.name, id=message.id,
+                              tag=tag_of(message.payload), resent=message.resent)
+        self.history.info(process, "channel_end", channel=spec.name, last_id=seen,
+                          last_published=self.last_published.get(spec.name, 0))
 
     async def _copies_outcome(self, operations: dict[str, Operation], call: Awaitable[Any]) -> bool:
         try:

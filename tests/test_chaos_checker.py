@@ -327,3 +327,25 @@ def test_redriven_messages_are_new_messages_that_must_be_delivered() -> None:
     history.entries[3]["status"] = "ok"
     history.entries[3]["ids"] = []                                # answered, and 3 is not in it
     assert "id_mismatch" in verdict(history)["violation_counts"]
+
+
+def test_a_latest_channel_is_judged_per_subscriber() -> None:
+    history: list[dict[str, Any]] = [
+        {"op": "publish", "channel": "p", "tag": "p.0.1", "status": "ok", "id": 3, "t_invoke": 0, "t_complete": 1},
+        {"op": "publish", "channel": "p", "tag": "p.0.2", "status": "unknown", "t_invoke": 1, "t_complete": 2},
+        {"op": "publish", "channel": "p", "tag": "p.0.3", "status": "ok", "id": 9, "t_invoke": 2, "t_complete": 3}]
+
+    def value(t: float, message_id: int, tag: str, subscriber: str = "s1") -> dict[str, Any]:
+        return {"op": "channel_value", "channel": "p", "process": subscriber, "id": message_id, "tag": tag,
+                "t_invoke": t, "t_complete": t}
+    history += [value(1.5, 3, "p.0.1"), value(2.5, 6, "p.0.2"), value(3.5, 9, "p.0.3"), value(4, 9, "p.0.3"),
+                {"op": "channel_end", "channel": "p", "process": "s1", "last_id": 9, "last_published": 9,
+                 "t_invoke": 5, "t_complete": 5}]
+    result = checker.check(history, {})
+    assert result["valid"], result["violations"]
+    assert result["channels"]["p"]["values_seen"] == 4 and result["channels"]["p"]["published_unknown"] == 1
+    bad = history + [value(6, 3, "p.0.1"), value(7, 7, "p.0.9", "s2"),
+                     {"op": "channel_end", "channel": "p", "process": "s2", "last_id": 7, "last_published": 9,
+                      "t_invoke": 8, "t_complete": 8}]
+    assert checker.check(bad, {})["violation_counts"] == {"older_value": 1, "stale_at_end": 1,
+                                                          "unexpected_value": 1}
