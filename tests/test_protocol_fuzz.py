@@ -149,6 +149,13 @@ CLIENT_OP_STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     CreditOp: st.builds(CreditOp, ids, ids, credits),
     UnsubscribeOp: st.builds(UnsubscribeOp, ids, ids),
     PingOp: st.builds(PingOp, ids),
+    protocol.ChannelSubscribeOp: st.builds(protocol.ChannelSubscribeOp, ids,
+                                           st.lists(names, min_size=1, max_size=4).map(tuple), st.booleans()),
+    protocol.AdvertiseOp: st.builds(protocol.AdvertiseOp, ids, st.lists(names, min_size=1, max_size=4).map(tuple),
+                                    st.booleans()),
+    protocol.ChannelAckOp: st.builds(protocol.ChannelAckOp, ids, names, ids),
+    protocol.ReportOp: st.builds(protocol.ReportOp, ids, names, ids),
+    protocol.PublishOp: st.builds(protocol.PublishOp, ids, names, st.binary(max_size=64), st.none() | names),
 }
 # The batch operations (tags 9 and 10) are newer than the rest; cover them where they exist.
 if hasattr(protocol, "EnqueueBatchOp"):
@@ -180,7 +187,9 @@ server_items = st.one_of(
     st.builds(ErrorReply, st.integers(0, INT64_MAX), st.sampled_from(["E_BAD_FRAME", "E_QUEUE_FULL"]), names,
               st.booleans()),
     st.builds(Delivery, ids, st.lists(delivered_messages, max_size=5).map(tuple)),
-    st.builds(Closing, st.sampled_from(["E_SHUTTING_DOWN", "E_FORBIDDEN"]), names))
+    st.builds(Closing, st.sampled_from(["E_SHUTTING_DOWN", "E_FORBIDDEN"]), names),
+    st.builds(protocol.ChannelMessage, names, ids, st.binary(max_size=64), st.booleans()),
+    st.builds(protocol.ChannelEnded, names, st.sampled_from(["E_NOT_MASTER", "E_UNKNOWN_CHANNEL"]), names))
 
 
 @pytest.mark.parametrize("op", [EnqueueOp(1, "q", b"x"), EnqueueOp(2, "q", b"", 9, "d"), ReceiveOp(3, "q"),
