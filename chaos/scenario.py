@@ -58,13 +58,14 @@ from __future__ import annotations
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from chaos.nemesis import FAULT_KINDS, MODES, RING_NODES_MIN, TARGETS, Fault, FaultSpec, ScheduledFault
 from chaos.workload import ChannelSpec, MacroSpec, QueueSpec
 from replication.cluster_map import CHANNEL_PREFIX
 from replication.options import QueueType
 
+Spec = TypeVar("Spec", QueueSpec, MacroSpec, ChannelSpec)
 SCENARIO_DIRECTORY = Path(__file__).resolve().parent / "scenarios"
 TIME_MAX_S = 3_600.0          # a run is bounded
 QUEUES_MAX = 16
@@ -127,9 +128,9 @@ def parse_scenario(name: str, raw: dict[str, Any]) -> Scenario:
     unknown = set(raw) - known
     if unknown:
         raise ValueError(f"scenario {name}: unknown keys {sorted(unknown)}")
-    queues = tuple(_queue(entry) for entry in raw.get("queues", []))
-    macros = tuple(_macro(entry) for entry in raw.get("macros", []))
-    channels = tuple(_channel(entry) for entry in raw.get("channels", []))
+    queues = tuple(_spec(QueueSpec, "queue", entry) for entry in raw.get("queues", []))
+    macros = tuple(_spec(MacroSpec, "macro", entry) for entry in raw.get("macros", []))
+    channels = tuple(_spec(ChannelSpec, "channel", entry) for entry in raw.get("channels", []))
     scenario = Scenario(
         name=name, description=str(raw.get("description", "")), nodes=int(raw.get("nodes", 3)),
         time_s=float(raw.get("time_s", 60.0)), seed=int(raw.get("seed", 1)),
@@ -169,6 +170,11 @@ def check_scenario(scenario: Scenario) -> None:
             problems.append(f"macro {macro.name}: producer all, over queues of the scenario, a name of its own")
         if not 0 < macro.producers <= WORKERS_PER_QUEUE_MAX or macro.rate <= 0:
             problems.append(f"macro {macro.name}: 1 to {WORKERS_PER_QUEUE_MAX} producers, a positive rate")
+    for channel in scenario.channels:
+        if not 0 < channel.publishers <= WORKERS_PER_QUEUE_MAX or not 0 < channel.subscribers <= WORKERS_PER_QUEUE_MAX \
+                or channel.rate <= 0:
+            problems.append(f"channel {channel.name}: 1 to {WORKERS_PER_QUEUE_MAX} publishers and subscribers, "
+                            "a positive rate")
     kinds = set(scenario.nemesis.kinds) | {step.fault.kind for step in scenario.nemesis.steps}
     if "majority-ring" in kinds and scenario.nodes < RING_NODES_MIN:
         problems.append(f"majority-ring needs {RING_NODES_MIN} nodes")
@@ -176,41 +182,16 @@ def check_scenario(scenario: Scenario) -> None:
         raise ValueError(f"scenario {scenario.name}: " + "; ".join(problems))
 
 
-def _queue(entry: dict[str, Any]) -> QueueSpec:
-    known = {f.name for f in fields(QueueSpec)}
+def _spec(kind: type[Spec], label: str, entry: dict[str, Any]) -> Spec:
+    """A `[[queues]]`, `[[macros]]` or `[[channels]]` table as its spec; lists become tuples."""
+    known = {f.name for f in fields(kind)}  # type: ignore[arg-type]
     unknown = set(entry) - known
     if unknown:
-        raise ValueError(f"queue {entry.get('name')}: unknown keys {sorted(unknown)}")
-    values = dict(entry)
-    if "placement" in values:
-        values["placement"] = tuple(values["placement"])
+        raise ValueError(f"{label} {entry.get('name')}: unknown keys {sorted(unknown)}")
+    values: dict[str, Any] = {key: tuple(value) if isinstance(value, list) else value for key, value in entry.items()}
     if "priorities" in values:
         values["priorities"] = tuple(int(p) for p in values["priorities"])
-    return QueueSpec(**values)
-
-
-def _channel(entry: dict[str, Any]) -> ChannelSpec:
-    known = {f.name for f in fields(ChannelSpec)}
-    unknown = set(entry) - known
-    if unknown:
-        raise ValueError(f"channel {entry.get('name')}: unknown keys {sorted(unknown)}")
-    spec = ChannelSpec(**entry)
-    if not 0 < spec.publishers <= WORKERS_PER_QUEUE_MAX or not 0 < spec.subscribers <= WORKERS_PER_QUEUE_MAX \
-            or spec.rate <= 0:
-        raise ValueError(f"channel {spec.name}: 1 to {WORKERS_PER_QUEUE_MAX} publishers and subscribers, a positive rate")
-    return spec
-
-
-def _macro(entry: dict[str, Any]) -> MacroSpec:
-    known = {f.name for f in fields(MacroSpec)}
-    unknown = set(entry) - known
-    if unknown:
-        raise ValueError(f"macro {entry.get('name')}: unknown keys {sorted(unknown)}")
-    values = dict(entry)
-    for key in ("members", "priorities"):
-        if key in values:
-            values[key] = tuple(values[key])
-    return MacroSpec(**values)
+    return kind(**values)
 
 
 def _pair(value: Any, cast: type) -> Any:

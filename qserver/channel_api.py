@@ -11,7 +11,7 @@ from client import errors as e
 from client.errors import QueueError
 from qserver import commands as c
 from qserver.channels import PublishReplier
-from qserver.http_api import FORWARDED_BY, NODE, call, coordinator_of, in_engine, json_body, principal, proxy_to
+from qserver.http_api import FORWARDED_BY, NODE, call, coordinator_of, json_body, principal, propose, proxy_to
 from replication.cluster_map import (
     CHANNEL_RESEND_MAX_S,
     DeleteChannel,
@@ -71,11 +71,10 @@ async def put_channel(request: web.Request) -> web.Response:
         raise QueueError(e.E_QUEUE_UNAVAILABLE, f"no two live nodes for channel {name}")
     incarnation = request.app[NODE].engine.random_bits(62) | 1
     command = PutChannel(name, str(delivery_class), float(resend), pair[0], pair[1], incarnation)
-    outcomes = await in_engine(request.app[NODE].engine,
-                               lambda finish: coordinator.propose_checked(command, finish, lambda o: o))
-    if not outcomes[0].applied:
-        raise QueueError(e.E_INVALID_OPTION, f"channel {name}: {outcomes[0].reason}")
-    return web.json_response(describe(request, name), status=201 if outcomes[0].reason == "created" else 200)
+    outcome = await propose(request, command)
+    if not outcome.applied:
+        raise QueueError(e.E_INVALID_OPTION, f"channel {name}: {outcome.reason}")
+    return web.json_response(describe(request, name), status=201 if outcome.reason == "created" else 200)
 
 
 async def list_channels(request: web.Request) -> web.Response:
@@ -94,10 +93,7 @@ async def get_channel(request: web.Request) -> web.Response:
 
 async def delete_channel(request: web.Request) -> web.Response:
     name = channel_name(request, "admin")
-    coordinator = coordinator_of(request)
-    outcomes = await in_engine(request.app[NODE].engine,
-                               lambda finish: coordinator.propose_checked(DeleteChannel(name), finish, lambda o: o))
-    if not outcomes[0].applied:
+    if not (await propose(request, DeleteChannel(name))).applied:
         raise QueueError(e.E_UNKNOWN_CHANNEL, f"no channel named {name!r}")
     return web.json_response({"channel": name, "deleted": True})
 

@@ -662,11 +662,18 @@ async def remove_node(request: web.Request) -> web.Response:
 
 
 async def node_command(request: web.Request, coordinator: Any, command: Any) -> web.Response:
+    outcome = await propose(request, command)
+    if not outcome.applied:
+        raise QueueError(e.E_INVALID_OPTION, f"refused: {outcome.reason}")
+    return web.json_response({"node": outcome.name, "done": True})
+
+
+async def propose(request: web.Request, command: Any) -> Any:
+    """Propose a map command through the membership layer; its (first) Outcome once applied here."""
+    coordinator = coordinator_of(request)
     outcomes = await in_engine(request.app[NODE].engine,
                                lambda finish: coordinator.propose_checked(command, finish, lambda o: o))
-    if not outcomes[0].applied:
-        raise QueueError(e.E_INVALID_OPTION, f"refused: {outcomes[0].reason}")
-    return web.json_response({"node": outcomes[0].name, "done": True})
+    return outcomes[0]
 
 
 async def healthz(request: web.Request) -> web.Response:

@@ -18,7 +18,7 @@ from aiohttp import web
 from client import errors as e
 from client.errors import QueueError
 from qserver import commands as c
-from qserver.http_api import NODE, call, coordinator_of, in_engine, json_body, number_param, principal, queue_name
+from qserver.http_api import NODE, call, coordinator_of, json_body, number_param, principal, propose, queue_name
 from replication.cluster_map import (
     CreateMacro,
     DeleteMacro,
@@ -58,14 +58,12 @@ def describe(request: web.Request, name: str) -> dict[str, Any]:
     return described
 
 
-async def _propose(request: web.Request, command: Any, refused: e.ErrorKind = e.E_MACRO_REFUSED) -> Any:
-    coordinator = coordinator_of(request)
-    outcomes = await in_engine(request.app[NODE].engine,
-                               lambda finish: coordinator.propose_checked(command, finish, lambda o: o))
-    if not outcomes[0].applied:
-        kind = e.E_UNKNOWN_MACRO if outcomes[0].reason == "no such macro queue" else refused
-        raise QueueError(kind, f"{type(command).__name__} {command.name}: {outcomes[0].reason}")
-    return outcomes[0]
+async def _propose(request: web.Request, command: Any) -> Any:
+    outcome = await propose(request, command)
+    if not outcome.applied:
+        kind = e.E_UNKNOWN_MACRO if outcome.reason == "no such macro queue" else e.E_MACRO_REFUSED
+        raise QueueError(kind, f"{type(command).__name__} {command.name}: {outcome.reason}")
+    return outcome
 
 
 async def put_macro(request: web.Request) -> web.Response:
