@@ -1145,6 +1145,13 @@ class AsyncClient:
     async def list_channels(self) -> list[dict[str, Any]]:
         return await self.http.list_channels()
 
+    async def set_alternatives(self, recipient: str, alternatives: Sequence[str]) -> dict[str, Any]:
+        """A push recipient's ordered chain of alternative recipients (seed 001; admin)."""
+        return await self.http.set_alternatives(recipient, alternatives)
+
+    async def alternatives(self, recipient: str) -> list[str]:
+        return await self.http.alternatives(recipient)
+
     async def ping(self) -> None:
         """One round trip over the WebSocket (connecting first if needed)."""
         await self._submit(PingOp(next(self._ids)))

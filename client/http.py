@@ -291,6 +291,20 @@ class HttpClient:
                                              "Content-Type": "application/octet-stream"})
         return dict(answer.json())
 
+    # --- alternative recipients (seed 001) ------------------------------------------------------
+    async def set_alternatives(self, recipient: str, alternatives: Sequence[str]) -> dict[str, Any]:
+        """The ordered chain of recipients that take over while `recipient` is in fault (admin);
+        an empty one clears it."""
+        path = "/v1/recipients/" + _segment(recipient) + "/alternatives"
+        return dict(await self._json("PUT", path, document={"alternatives": list(alternatives)}))
+
+    async def alternatives(self, recipient: str) -> list[str]:
+        path = "/v1/recipients/" + _segment(recipient) + "/alternatives"
+        return list((await self._json("GET", path))["alternatives"])
+
+    async def list_alternatives(self) -> list[dict[str, Any]]:
+        return list((await self._json("GET", "/v1/recipients"))["recipients"])
+
     # --- messages ---------------------------------------------------------------------------
     async def enqueue_http(self, queue: str, payload: bytes, priority: int = 4,
                            dedupe_id: str | None = None, *, ttl_s: float | None = None,

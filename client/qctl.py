@@ -261,6 +261,15 @@ def build_parser() -> argparse.ArgumentParser:
     channel_listen.add_argument("--count", type=int, default=1, help="stop after this many messages (default 1)")
     channel_listen.add_argument("--wait-s", type=float, default=10.0, help="stop after this long without one")
 
+    recipient = commands.add_parser("recipient", help="push recipients' alternatives (fault surveillance)")
+    recipient_commands = recipient.add_subparsers(dest="recipient_command", required=True, metavar="ACTION")
+    alternatives = command(recipient_commands, "alternatives", cmd_recipient_alternatives,
+                           "show a recipient's chain of alternatives, or set it (--set, in order; --clear)")
+    alternatives.add_argument("name")
+    alternatives.add_argument("--set", nargs="+", metavar="ALTERNATIVE", dest="chain")
+    alternatives.add_argument("--clear", action="store_true")
+    command(recipient_commands, "list", cmd_recipient_list, "every recipient with alternatives")
+
     put = command(commands, "put", cmd_put, "enqueue one message")
     put.add_argument("queue")
     put.add_argument("data", nargs="?", default="-", help="the payload, or - (default) to read stdin")
@@ -468,6 +477,20 @@ async def cmd_extend(http: HttpClient, args: argparse.Namespace) -> Outcome:
     await http.extend_http(args.queue, args.message_id, args.receipt, args.visibility_timeout_s)
     return Outcome({"queue": args.queue, "extended": args.message_id, "visibility_timeout_s": args.visibility_timeout_s},
                    f"extended {args.message_id} by {args.visibility_timeout_s:g} s from now")
+
+
+async def cmd_recipient_alternatives(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    if args.clear or args.chain:
+        answer = await http.set_alternatives(args.name, [] if args.clear else args.chain)
+    else:
+        answer = {"recipient": args.name, "alternatives": await http.alternatives(args.name)}
+    return Outcome(answer, f"{args.name}: " + (" -> ".join(answer["alternatives"]) or "no alternatives"))
+
+
+async def cmd_recipient_list(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    chains = await http.list_alternatives()
+    return Outcome({"recipients": chains}, "\n".join(f"{c['recipient']}: " + " -> ".join(c["alternatives"])
+                                                     for c in chains) or "no alternatives set")
 
 
 async def cmd_channel_create(http: HttpClient, args: argparse.Namespace) -> Outcome:

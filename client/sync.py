@@ -296,6 +296,12 @@ class Client:
                 return None
         return self._run(wait())
 
+    def set_alternatives(self, recipient: str, alternatives: Sequence[str]) -> dict[str, Any]:
+        return self._run(self._async.set_alternatives(recipient, alternatives))
+
+    def alternatives(self, recipient: str) -> list[str]:
+        return self._run(self._async.alternatives(recipient))
+
     def ack_channel(self, message: ChannelDelivery) -> None:
         self._run(message.ack())
 

@@ -22,7 +22,7 @@ from aiohttp import web
 from client import errors as e
 from client.errors import QueueError
 from client.http import signed_session
-from qserver import channel_api, macro_api
+from qserver import channel_api, macro_api, recipient_api
 from qserver import commands as c
 from qserver.auth import Authenticator
 from qserver.channels import ChannelHub
@@ -371,6 +371,7 @@ class Node:
         add_routes(app)
         macro_api.add_routes(app)
         channel_api.add_routes(app)
+        recipient_api.add_routes(app)
         app.router.add_get("/v1/ws", websocket)
         if self.peers is not None:
             app.router.add_get(PEER_PATH, self.peers.handle)

@@ -224,9 +224,13 @@ class PutClient:
     record: dict[str, Any] | None       # None removes it
 
 
+ALTERNATIVES_MAX = 16
+
+
 @dataclass(frozen=True, slots=True)
 class SetAlternatives:
-    """Alternative recipients of a push recipient (seed 001 fault surveillance)."""
+    """Alternative recipients of a push recipient, an ordered chain (seed 001 fault
+    surveillance: a recipient in the fault state has its messages tried at each in turn)."""
     TAG = 8
     recipient: str
     alternatives: tuple[str, ...]
@@ -386,6 +390,7 @@ class ClusterMap:
                           for n in sorted(self.nodes.values(), key=lambda n: n.node_id)],
                 "queues": {name: entry.to_json() for name, entry in sorted(self.queues.items())},
                 "macros": {name: entry.to_json() for name, entry in sorted(self.macros.items())},
+                "alternatives": {name: list(chain) for name, chain in sorted(self.alternatives.items())},
                 "channels": {name: entry.to_json() for name, entry in sorted(self.channels.items())}}
 
     # --- the state machine ----------------------------------------------------------------
@@ -428,7 +433,10 @@ class ClusterMap:
                 self.clients[command.client_id] = dict(command.record)
             return [Outcome(command.client_id, True)]
         if isinstance(command, SetAlternatives):
-            self.alternatives[command.recipient] = tuple(command.alternatives)
+            if command.alternatives:
+                self.alternatives[command.recipient] = tuple(command.alternatives)
+            else:                                   # an empty chain: none any more
+                self.alternatives.pop(command.recipient, None)
             return [Outcome(command.recipient, True)]
         if isinstance(command, CreateMacro | DeleteMacro | PutMacroMember | RemoveMacroMember):
             return [self._macro(command)]

@@ -307,6 +307,13 @@ async def test_rest_callers_use_a_macro_queue_through_the_node_with_their_own_gr
                                           "url": cluster.urls["n3"]}))
         async with aiohttp.ClientSession() as session:
             raw = RawApi.for_credentials(session, creds_path)
+            # A registration reaches the other nodes with the map, a moment later: the node serving
+            # the call, and those of the members it calls in the client's name, must know it.
+            deadline = time.monotonic() + 10
+            for url in cluster.urls.values():
+                known = RawApi(session, url, raw.signer)
+                while (await known.request("GET", "/v1/cluster"))[0] != 200 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
             status, body, _ = await raw.request("POST", "/v1/queues/rest/messages", b"x")
             assert status == 403 and error_code(body) == "E_FORBIDDEN"
         for member in PLACEMENT:          # refused copies are not stored; a's may be (its grant allows it)

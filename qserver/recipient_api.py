@@ -1,0 +1,56 @@
+"""Alternative recipients (seed 001, fault surveillance) in the REST API: the ordered chain of
+recipients that take over a push recipient's messages while it is in the fault state. The
+chain lives in the cluster map (`SetAlternatives`), so every node follows the same one."""
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from client import errors as e
+from client.errors import QueueError
+from qserver.http_api import coordinator_of, json_body, principal, propose
+from replication.cluster_map import ALTERNATIVES_MAX, SetAlternatives
+from replication.options import is_valid_queue_name
+
+
+def recipient_name(request: web.Request) -> str:
+    name = request.match_info["r"]
+    if not is_valid_queue_name(name):
+        raise QueueError(e.E_INVALID_NAME, "recipient names are 1-200 of A-Z a-z 0-9 . _ : - starting alphanumeric")
+    return name
+
+
+async def put_alternatives(request: web.Request) -> web.Response:
+    """Set (or with an empty list, clear) a recipient's chain of alternatives (admin)."""
+    principal(request).require("admin", "*")
+    name = recipient_name(request)
+    body = await json_body(request)
+    chain = body.get("alternatives") if isinstance(body, dict) else None
+    if not isinstance(chain, list) or len(chain) > ALTERNATIVES_MAX or not all(
+            isinstance(other, str) and is_valid_queue_name(other) for other in chain):
+        raise QueueError(e.E_INVALID_OPTION, f'the body is {{"alternatives": [recipient, ...]}}, at most '
+                                             f'{ALTERNATIVES_MAX} valid names')
+    if name in chain or len(set(chain)) != len(chain):
+        raise QueueError(e.E_INVALID_OPTION, "a chain names each alternative once, and not the recipient itself")
+    await propose(request, SetAlternatives(name, tuple(chain)))
+    return web.json_response({"recipient": name, "alternatives": chain})
+
+
+async def get_alternatives(request: web.Request) -> web.Response:
+    name = recipient_name(request)
+    chain = coordinator_of(request).membership.cluster_map.alternatives.get(name, ())
+    return web.json_response({"recipient": name, "alternatives": list(chain)})
+
+
+async def list_alternatives(request: web.Request) -> web.Response:
+    chains: dict[str, Any] = coordinator_of(request).membership.cluster_map.alternatives
+    return web.json_response({"recipients": [{"recipient": name, "alternatives": list(chain)}
+                                             for name, chain in sorted(chains.items())]})
+
+
+def add_routes(app: web.Application) -> None:
+    r = app.router
+    r.add_get("/v1/recipients", list_alternatives)
+    r.add_get("/v1/recipients/{r}/alternatives", get_alternatives)
+    r.add_put("/v1/recipients/{r}/alternatives", put_alternatives)
