@@ -349,6 +349,16 @@ async def cmd_status(http: HttpClient, args: argparse.Namespace) -> Outcome:
     queue_text = format_table(["QUEUE", "STRENGTH", "MASTER", "REPLICA", "EPOCH", "IN_SYNC", "LAG", "LAST_CHANGE",
                                "UNCLEAN"], queue_rows) if queue_rows else "no queues"
     human = f"membership leader: {leader or 'none'} (term {cluster.get('term')})\n\n{node_table}\n\n{queue_text}"
+    macros = cluster.get("macros", {})
+    if macros:
+        human += "\n\n" + format_table(["MACRO", "PRODUCER", "CONSUMER", "MEMBERS"], [
+            [name, m["producer"] + (f" ({m['fastest_by']})" if m["producer"] == "fastest" else ""), m["consumer"],
+             ", ".join(member["queue"] for member in m["members"]) or "-"] for name, m in sorted(macros.items())])
+    channels = cluster.get("channels", {})
+    if channels:
+        human += "\n\n" + format_table(["CHANNEL", "CLASS", "RESEND_S", "MASTER"], [
+            [name, c["class"], c.get("resend_interval_s") or "", queues.get(c["queue"], {}).get("master")]
+            for name, c in sorted(channels.items())])
     return Outcome(cluster, human)
 
 

@@ -3,6 +3,8 @@ on a real 3-node cluster through the client library, REST and qctl."""
 from __future__ import annotations
 
 import asyncio
+import io
+import re
 import time
 from typing import Any
 
@@ -13,6 +15,7 @@ import pytest
 from client import AsyncClient, Client
 from client.errors import QueueError
 from client.protocol import ChannelSubscribeOp, ErrorReply, decode_server_frame, encode_frame
+from client.qctl import main as qctl
 from tests.support import RawApi
 from tests.test_client_integration import run_qctl
 
@@ -140,6 +143,9 @@ def test_qctl_and_the_sync_client_run_a_channel(qcluster_factory: Any) -> None:
         got = client.next_channel_message(5.0)
         assert got is not None and (got.id, got.payload) == (sent, b"cpu hot")
         assert [c["name"] for c in client.list_channels()] == ["alerts"]
+    shown = io.StringIO()
+    assert qctl(["--credentials", str(cluster.credentials_path), "status"], stdout=shown, stderr=io.StringIO()) == 0
+    assert re.search(r"^alerts +latest", shown.getvalue(), re.M), shown.getvalue()     # qctl status lists channels
     code, typed, _ = run_qctl(cluster, "channel", "typeof", "alerts")
     assert code == 0 and typed["queue"] == "channel:alerts"
     assert run_qctl(cluster, "channel", "delete", "alerts")[0] == 0

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import io
 import json
+import re
 import time
 from typing import Any
 
@@ -17,6 +19,7 @@ from client import AsyncClient, Client
 from client.errors import QueueError
 from client.macro import MacroEnqueued, MacroEnqueueError, MacroQueue, member_dedupe_id
 from client.protocol import EnqueueOp, ErrorReply, decode_server_frame, encode_frame
+from client.qctl import main as qctl
 from qserver.macro_service import DelegatedSigner
 from replication.cluster_map import (
     AddNode,
@@ -342,6 +345,9 @@ def test_qctl_and_the_sync_client_manage_and_use_a_macro_queue(qcluster_factory:
         assert (message.queue, message.id) == (answer.queue, int(answer))
         message.ack()
         assert [m["name"] for m in client.list_macros()] == ["jobs"]
+    shown = io.StringIO()
+    assert qctl(["--credentials", str(cluster.credentials_path), "status"], stdout=shown, stderr=io.StringIO()) == 0
+    assert re.search(r"^jobs +round_robin +prioritized +a, b", shown.getvalue(), re.M), shown.getvalue()
     code, listed, _ = run_qctl(node, "macro", "list")
     assert code == 0 and [m["name"] for m in listed["macros"]] == ["jobs"]
     assert run_qctl(node, "macro", "remove", "jobs", "b")[1]["members"][0]["queue"] == "a"
