@@ -422,6 +422,11 @@ class AsyncClient:
     def connected(self) -> bool:
         return self._ws is not None
 
+    @property
+    def usable(self) -> bool:
+        """Not closed, and not stopped by a fatal error (its credentials were refused)."""
+        return not self._closed and self._fatal is None
+
     async def connect(self) -> None:
         """Open the WebSocket now rather than on the first call; raises the first attempt's
         error (reconnecting goes on in the background unless the error is fatal)."""

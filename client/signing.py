@@ -84,9 +84,12 @@ class Signer:
         pairs = list(query.items()) if isinstance(query, Mapping) else list(query)
         stamp = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
         nonce = os.urandom(16).hex()
-        signature = self._key.sign(canonical_string(method, path, pairs, stamp, nonce, body))
+        signature = self.signature(canonical_string(method, path, pairs, stamp, nonce, body))
         return {HEADER_CLIENT: self.client_id, HEADER_TIMESTAMP: str(stamp), HEADER_NONCE: nonce,
-                HEADER_SIGNATURE: base64.b64encode(signature).decode()}
+                HEADER_SIGNATURE: signature}
+
+    def signature(self, message: bytes) -> str:
+        return base64.b64encode(self._key.sign(message)).decode()
 
 
 def verify(public_key: Ed25519PublicKey, signature_b64: str, message: bytes) -> bool:

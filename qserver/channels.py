@@ -282,7 +282,8 @@ class ChannelHub:
         for connection in list(self.subscribers.get(channel, ())):
             self._drop(connection, channel)
             connection.emit(ChannelEnded(channel, error.code, error.message))
-        self._last.pop(channel, None)
+        for kept in (self._last, self._last_sent_at, self._reports):
+            kept.pop(channel, None)
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -13,10 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import os
-import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +21,7 @@ from client.aio import AsyncClient, Message
 from client.credentials import Credentials
 from client.errors import QueueError
 from client.macro import MacroEnqueued
-from client.signing import HEADER_CLIENT, HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP, canonical_string
+from client.signing import Signer
 from qserver.auth import delegated_signature
 from qserver.metrics import render_family
 
@@ -32,28 +29,22 @@ log = logging.getLogger("qserver.macro")
 CLIENTS_MAX = 32                # callers with a client library instance kept here (least recently used go)
 
 
-class DelegatedSigner:
+class DelegatedSigner(Signer):
     """Signs as client `client_id` with the cluster secret (see qserver/auth.py)."""
 
     def __init__(self, client_id: str, secret: bytes) -> None:
         self.client_id = client_id
         self._secret = secret
 
-    def headers(self, method: str, path: str, query: Mapping[str, str] | Iterable[tuple[str, str]],
-                body: bytes = b"", *, timestamp_ms: int | None = None) -> dict[str, str]:
-        pairs = list(query.items()) if isinstance(query, Mapping) else list(query)
-        stamp = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
-        nonce = os.urandom(16).hex()
-        signature = delegated_signature(self._secret, canonical_string(method, path, pairs, stamp, nonce, body))
-        return {HEADER_CLIENT: self.client_id, HEADER_TIMESTAMP: str(stamp), HEADER_NONCE: nonce,
-                HEADER_SIGNATURE: signature}
+    def signature(self, message: bytes) -> str:
+        return delegated_signature(self._secret, message)
 
 
 @dataclass(frozen=True, slots=True)
 class DelegatedCredentials(Credentials):
     secret: bytes = b""
 
-    def signer(self) -> DelegatedSigner:  # type: ignore[override]
+    def signer(self) -> DelegatedSigner:
         return DelegatedSigner(self.client_id, self.secret)
 
 
@@ -70,7 +61,7 @@ class MacroService:
 
     def _client(self, client_id: str) -> AsyncClient:
         client = self._clients.get(client_id)
-        if client is not None and (client._fatal is not None or client._closed):
+        if client is not None and not client.usable:
             del self._clients[client_id]         # its grants changed or it was removed: start afresh
             client = None
         if client is None:

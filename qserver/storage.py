@@ -385,7 +385,8 @@ class Storage:
         value), None when it holds none."""
         txn = self._reader()
         cursor = txn.cursor(db=self.db["messages"])
-        found = cursor.set_range(_QI.pack(queue_id + 1, 0)) and cursor.prev() or cursor.last()
+        # The key just before the next queue's first: this queue's last, if it has any.
+        found = cursor.prev() if cursor.set_range(_QI.pack(queue_id + 1, 0)) else cursor.last()
         if not found:
             return None
         owner, index = _QI.unpack(bytes(cursor.key()))

@@ -183,8 +183,6 @@ class ClientConnection:
         if isinstance(op, FrameError):
             raise op
         kind = type(op)
-        if kind in CHANNEL_OPS:
-            return self._channel_op(op)
         client = self.principal.client_id
         if kind is EnqueueOp:
             if len(op.payload) > self._body_bytes_max:
@@ -226,6 +224,8 @@ class ClientConnection:
             self._own_subscription(op.subscription_id)
             self.subscriptions.discard(op.subscription_id)
             return c.Unsubscribe(op.subscription_id, self, op.request_id)
+        if kind in CHANNEL_OPS:
+            return self._channel_op(op)
         raise QueueError(e.E_BAD_FRAME, f"unsupported operation {kind.__name__}")
 
     def _channel_op(self, op: Any) -> c.Command | None:
