@@ -1055,13 +1055,16 @@ class AsyncClient:
             self._channel_inbox = ChannelInbox(self)
         return self._channel_inbox
 
-    async def subscribe(self, *channels: str) -> dict[str, int | None]:
+    async def subscribe(self, *channels: str, durable: str | None = None) -> dict[str, int | None]:
         """Subscribe to channels, all or none, idempotently; returns each new one's last id (None:
         nothing published yet). Their last values, then every new message, wait to be read with
-        `poll`/`read` or `channel_messages()`."""
+        `poll`/`read` or `channel_messages()`. `durable`: read (and open, the first time) the
+        durable subscription of that name on each channel (all of class `durable`): its backlog
+        of every message published since it was opened and not acknowledged, kept while no one
+        reads it; the answer is then each subscription's floor (acknowledged up to there)."""
         if not channels:
             raise ValueError("name at least one channel")
-        return await self._inbox.subscribe(channels)
+        return await self._inbox.subscribe(channels, durable)
 
     async def unsubscribe(self, *channels: str) -> None:
         await self._inbox.unsubscribe(channels)
@@ -1149,6 +1152,15 @@ class AsyncClient:
 
     async def list_channels(self) -> list[dict[str, Any]]:
         return await self.http.list_channels()
+
+    async def subscriptions(self, channel: str) -> list[dict[str, Any]]:
+        """A durable channel's subscriptions: each one's `floor`, the messages `waiting` for it,
+        whether a reader is `attached` and how many it holds `unacknowledged`."""
+        return await self.http.subscriptions(channel)
+
+    async def drop_subscription(self, channel: str, name: str) -> dict[str, Any]:
+        """End a durable subscription for good (admin): its backlog is no longer kept."""
+        return await self.http.drop_subscription(channel, name)
 
     async def set_alternatives(self, recipient: str, alternatives: Sequence[str]) -> dict[str, Any]:
         """A push recipient's ordered chain of alternative recipients (seed 001; admin)."""

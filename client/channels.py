@@ -12,6 +12,11 @@ unread value (a slow reader skips to it, never a backlog), under `acked` every m
 order (up to ACKED_BUFFER_MAX; acknowledge each with `ChannelDelivery.ack()`). No message
 older than one already seen on its channel is handed out (ids are the channel queue's ordering
 indices, which only grow, across failovers too).
+
+Under `durable` the client reads a durable subscription by its name: the node sends its
+backlog a window at a time and resends what stays unacknowledged, so a message may come again
+(after a resend, a failover, a subscribe again) until `ack()` is answered — at least once, in
+id order apart from such repeats; one already waiting unread is not queued twice.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from client.errors import E_NOT_MASTER, E_UNAVAILABLE, QueueError
+from client.errors import E_NOT_MASTER, E_SUBSCRIPTION_TAKEN, E_UNAVAILABLE, E_UNKNOWN_SUBSCRIPTION, QueueError
 from client.protocol import ChannelAckOp, ChannelEnded, ChannelMessage, ChannelSubscribeOp
 
 if TYPE_CHECKING:
@@ -48,10 +53,13 @@ class ChannelDelivery:
     payload: bytes
     resent: bool
     _node: Any = field(repr=False, default=None)
+    _inbox: Any = field(repr=False, default=None)
 
     async def ack(self) -> None:
-        """Acknowledge it (an `acked` channel's report counts it); at the node that sent it."""
-        await self._node._call(ChannelAckOp(next(self._node._ids), self.channel, self.id))
+        """Acknowledge it: an `acked` channel's report counts it (at the node that sent it); a
+        durable subscription's backlog loses it once this returns (at the node reading the
+        subscription now; after a failover the message may come again first)."""
+        await self._inbox.ack(self)
 
 
 class ChannelInbox:
@@ -66,16 +74,22 @@ class ChannelInbox:
         self._arrivals = itertools.count()
         self._waiters: list[asyncio.Future[None]] = []
         self._following: dict[str, asyncio.Task[None]] = {}
+        self._durable: dict[str, str] = {}               # channel -> the durable subscription read
 
     @property
     def channels(self) -> list[str]:
         return sorted(self._wanted)
 
     # --- subscribing ----------------------------------------------------------------------------
-    async def subscribe(self, channels: Iterable[str]) -> dict[str, int | None]:
+    async def subscribe(self, channels: Iterable[str], durable: str | None = None) -> dict[str, int | None]:
         wanted = [name for name in dict.fromkeys(channels) if name not in self._wanted]
         if not wanted:
             return {}
+        for name in wanted:
+            if durable is not None:
+                self._durable[name] = durable
+            else:
+                self._durable.pop(name, None)
         groups = await self._by_node(wanted)
         done: list[tuple[AsyncClient, list[str]]] = []
         answer: dict[str, int | None] = {}
@@ -88,6 +102,8 @@ class ChannelInbox:
                 self._unregister(names)
                 with contextlib.suppress(QueueError):
                     await node._call(ChannelSubscribeOp(next(node._ids), tuple(names), False))
+            for name in wanted:
+                self._durable.pop(name, None)
             raise
         self._wanted.update(wanted)
         return answer
@@ -109,8 +125,11 @@ class ChannelInbox:
         for name in names:            # registered first: the last values follow the answer at once
             self._serving[name] = node
             node._channels_here.add(name)
+        durable = {self._durable.get(name) for name in names}
+        if len(durable) > 1:
+            raise ValueError("subscribe to durable and live channels in separate calls")
         try:
-            answer = await node._call(ChannelSubscribeOp(next(node._ids), tuple(names), True))
+            answer = await node._call(ChannelSubscribeOp(next(node._ids), tuple(names), True, durable.pop()))
         except BaseException as error:
             self._unregister(names)
             if not isinstance(error, QueueError):
@@ -136,6 +155,7 @@ class ChannelInbox:
         by_node: dict[AsyncClient, list[str]] = {}
         for name in dict.fromkeys(channels):
             self._wanted.discard(name)
+            self._durable.pop(name, None)
             node = self._serving.get(name)
             self._unregister([name])
             self._unread.pop(name, None)
@@ -150,8 +170,13 @@ class ChannelInbox:
 
     # --- what the nodes send ------------------------------------------------------------------
     def deliver(self, item: ChannelMessage, node: AsyncClient) -> None:
-        if self._serving.get(item.channel) is not node or item.message_id < self._seen.get(item.channel, 0):
-            return                          # not ours (any more), or older than what was seen
+        if self._serving.get(item.channel) is not node:
+            return                          # not ours (any more)
+        if item.channel in self._durable:
+            self._deliver_durable(item, node)
+            return
+        if item.message_id < self._seen.get(item.channel, 0):
+            return                          # older than what was seen
         # The same id again is the last value resent (at the resend interval, or on subscribing
         # again after a failover): handed out again, as the channel asks.
         self._seen[item.channel] = item.message_id
@@ -161,7 +186,28 @@ class ChannelInbox:
         elif len(unread) >= ACKED_BUFFER_MAX:
             unread.popleft()
         unread.append((next(self._arrivals), ChannelDelivery(item.channel, item.message_id, item.payload,
-                                                             item.resent, node)))
+                                                             item.resent, node, self)))
+        self._wake()
+
+    def _deliver_durable(self, item: ChannelMessage, node: AsyncClient) -> None:
+        """Every message of the backlog, once while it waits unread (the node resends what is
+        not acknowledged; the window it sends is bounded, so is this)."""
+        unread = self._unread.setdefault(item.channel, deque())
+        if any(waiting.id == item.message_id for _, waiting in unread):
+            return
+        self._seen[item.channel] = max(item.message_id, self._seen.get(item.channel, 0))
+        unread.append((next(self._arrivals), ChannelDelivery(item.channel, item.message_id, item.payload,
+                                                             item.resent, node, self)))
+        self._wake()
+
+    async def ack(self, delivery: ChannelDelivery) -> None:
+        node = self._serving.get(delivery.channel) if delivery.channel in self._durable else delivery._node
+        if node is None:
+            raise QueueError(E_UNAVAILABLE, f"channel {delivery.channel} is being subscribed again: the message "
+                                            "comes again, acknowledge it then")
+        await node._call(ChannelAckOp(next(node._ids), delivery.channel, delivery.id))
+
+    def _wake(self) -> None:
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
             if not waiter.done():
@@ -170,8 +216,16 @@ class ChannelInbox:
     def ended(self, item: ChannelEnded, node: AsyncClient) -> None:
         """The node no longer serves the channel: subscribe again where the map says."""
         node._channels_here.discard(item.channel)
-        if self._serving.get(item.channel) is node:
-            self._follow(item.channel)
+        if self._serving.get(item.channel) is not node:
+            return
+        if item.code in (E_SUBSCRIPTION_TAKEN.code, E_UNKNOWN_SUBSCRIPTION.code):
+            # Another connection reads the durable subscription now, or it was dropped: not
+            # followed (two readers of one name would take it from each other for ever).
+            self._wanted.discard(item.channel)
+            self._durable.pop(item.channel, None)
+            self._unregister([item.channel])
+            return
+        self._follow(item.channel)
 
     def reconnected(self, node: AsyncClient) -> None:
         """The node's socket dropped or came back (a node forgets a socket's subscriptions):
@@ -203,6 +257,7 @@ class ChannelInbox:
     def close(self) -> None:
         """The client closes: nothing is followed any more."""
         self._wanted.clear()
+        self._durable.clear()
         for task in self._following.values():
             task.cancel()
         self._following.clear()

@@ -64,6 +64,10 @@ E_MACRO_REFUSED = _kind("E_MACRO_REFUSED", 409, False,
 E_MACRO_QUEUE = _kind("E_MACRO_QUEUE", 409, False,
                       "the name is a macro queue: the client library and REST serve it, not this call")
 E_UNKNOWN_CHANNEL = _kind("E_UNKNOWN_CHANNEL", 404, False, "no such channel")
+E_UNKNOWN_SUBSCRIPTION = _kind("E_UNKNOWN_SUBSCRIPTION", 404, False, "no durable subscription of that name on the channel")
+E_SUBSCRIPTIONS_FULL = _kind("E_SUBSCRIPTIONS_FULL", 409, False, "the channel has the most durable subscriptions it may have")
+E_SUBSCRIPTION_TAKEN = _kind("E_SUBSCRIPTION_TAKEN", 409, False,
+                             "another connection subscribed under this durable subscription's name")
 E_NOT_ADVERTISED = _kind("E_NOT_ADVERTISED", 409, False, "publish to a channel this connection has advertised")
 E_MACRO_EMPTY = _kind("E_MACRO_EMPTY", 409, False, "the macro queue has no member that could take the message")
 # --- node and cluster ---------------------------------------------------------------------------

@@ -284,6 +284,12 @@ class HttpClient:
     async def delete_channel(self, name: str) -> dict[str, Any]:
         return dict(await self._json("DELETE", channel_path(name), idempotent=False))
 
+    async def subscriptions(self, name: str) -> list[dict[str, Any]]:
+        return list((await self._json("GET", channel_path(name, "subscriptions")))["subscriptions"])
+
+    async def drop_subscription(self, name: str, subscription: str) -> dict[str, Any]:
+        return dict(await self._json("DELETE", channel_path(name, "subscriptions", subscription), idempotent=False))
+
     async def publish_http(self, name: str, payload: bytes, dedupe_id: str | None = None) -> dict[str, Any]:
         """Publish one message: `{"channel", "id", "epoch"}` once it is committed."""
         answer = await self.request("POST", channel_path(name, "messages"), body=payload, idempotent=False,

@@ -144,6 +144,9 @@ class ChannelSubscribeOp:
     request_id: int
     channels: tuple[str, ...]
     subscribe: bool = True
+    # A durable subscription's name: the `durable` channels among `channels` are read from the
+    # backlog kept under this name (replicated, resent until acknowledged); nil: live only.
+    durable: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,6 +289,8 @@ def _encode_item(item: ClientOp | ServerItem) -> list[Any]:
                 None if item.dedupe_ids is None else list(item.dedupe_ids), item.ttl_ms, item.delay_ms, item.headers]
     if isinstance(item, AckBatchOp):
         return [item.TAG, item.request_id, item.queue, [list(pair) for pair in item.items]]
+    if isinstance(item, ChannelSubscribeOp) and item.durable is not None:
+        return [item.TAG, item.request_id, list(item.channels), item.subscribe, item.durable]
     if isinstance(item, ChannelSubscribeOp | AdvertiseOp):
         return [item.TAG, item.request_id, list(item.channels),
                 item.subscribe if isinstance(item, ChannelSubscribeOp) else item.advertise]
@@ -330,7 +335,7 @@ INT64_MAX = 2**63 - 1
 TTL_MS_MAX = 1_209_600_000      # 14 days (replication.options.TTL_MAX_S)
 DELAY_MS_MAX = 900_000          # 15 minutes (replication.options.DELAY_MAX_S)
 _OP_ARITY = {1: (5, 9), 2: (3, 6), 3: (5, 5), 4: (5, 5), 5: (4, 5), 6: (4, 4), 7: (3, 3), 8: (2, 2),
-             9: (5, 9), 10: (4, 4), 11: (6, 6), 12: (4, 4), 13: (4, 4), 14: (4, 5), 15: (4, 4), 16: (4, 4)}
+             9: (5, 9), 10: (4, 4), 11: (6, 6), 12: (4, 5), 13: (4, 4), 14: (4, 5), 15: (4, 4), 16: (4, 4)}
 
 
 def _headers(value: Any, request_id: int) -> dict[str, str] | None:
@@ -397,7 +402,8 @@ def _decode_op(row: Any) -> ClientOp:
             raise FrameError(f"channels must be a list of 1..{CHANNELS_PER_CALL_MAX} names, then true or false",
                              request_id)
         if tag == ChannelSubscribeOp.TAG:
-            return ChannelSubscribeOp(request_id, tuple(channels), on)
+            durable = _str(args[2], "durable", request_id, optional=True) if len(args) > 2 else None
+            return ChannelSubscribeOp(request_id, tuple(channels), on, durable)
         return AdvertiseOp(request_id, tuple(channels), on)
     if tag in (ChannelAckOp.TAG, ReportOp.TAG):
         kind = ChannelAckOp if tag == ChannelAckOp.TAG else ReportOp

@@ -270,8 +270,14 @@ class Client:
     def report(self, channel: str, message_id: int) -> dict[str, Any]:
         return self._run(self._async.report(channel, message_id))
 
-    def subscribe(self, *channels: str) -> dict[str, int | None]:
-        return self._run(self._async.subscribe(*channels))
+    def subscribe(self, *channels: str, durable: str | None = None) -> dict[str, int | None]:
+        return self._run(self._async.subscribe(*channels, durable=durable))
+
+    def subscriptions(self, channel: str) -> list[dict[str, Any]]:
+        return self._run(self._async.subscriptions(channel))
+
+    def drop_subscription(self, channel: str, name: str) -> dict[str, Any]:
+        return self._run(self._async.drop_subscription(channel, name))
 
     def unsubscribe(self, *channels: str) -> None:
         self._run(self._async.unsubscribe(*channels))

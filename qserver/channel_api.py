@@ -53,17 +53,16 @@ async def put_channel(request: web.Request) -> web.Response:
     coordinator = coordinator_of(request)
     body = await json_body(request)
     if not isinstance(body, dict) or set(body) - {"class", "resend_interval_s"}:
-        raise QueueError(e.E_INVALID_OPTION, 'the body is {"class": "latest"|"acked", "resend_interval_s": seconds}')
+        raise QueueError(e.E_INVALID_OPTION, 'the body is {"class": "latest"|"acked"|"durable", '
+                                             '"resend_interval_s": seconds}')
     cluster = coordinator.membership.cluster_map
     existing = cluster.channels.get(name)
     delivery_class = body.get("class", existing.delivery_class if existing else DeliveryClass.LATEST.value)
     resend = body.get("resend_interval_s", existing.resend_interval_s if existing else 0.0)
-    if delivery_class == DeliveryClass.DURABLE:
-        raise QueueError(e.E_NOT_IMPLEMENTED, "the durable class (a replicated backlog per subscriber) is not built "
-                                              "yet; latest and acked are")
-    if delivery_class not in (DeliveryClass.LATEST, DeliveryClass.ACKED) or type(resend) not in (int, float) \
+    if delivery_class not in set(DeliveryClass) or type(resend) not in (int, float) \
             or not 0 <= resend <= CHANNEL_RESEND_MAX_S:
-        raise QueueError(e.E_INVALID_OPTION, f"class is latest or acked, resend_interval_s 0-{CHANNEL_RESEND_MAX_S}")
+        raise QueueError(e.E_INVALID_OPTION, f"class is latest, acked or durable, resend_interval_s "
+                                             f"0-{CHANNEL_RESEND_MAX_S}")
     if existing is None and channel_queue(name) in cluster.queues:
         raise QueueError(e.E_RESERVED_NAME, f"{channel_queue(name)} exists")
     pair = choose_pair(cluster) if existing is None else ("", "")
@@ -121,6 +120,42 @@ async def publish(request: web.Request) -> web.Response:
     return web.json_response({"channel": name, "id": message_id, "epoch": epoch}, status=201)
 
 
+async def _at_master(request: web.Request, name: str) -> web.Response | None:
+    """The channel's master answers about its durable subscriptions: a proxied answer from it,
+    or None when this node is the master."""
+    node = request.app[NODE]
+    node.channels.entry(name)
+    entry = node.engine.pairs.view.entry(channel_queue(name))
+    if entry is not None and entry.master != node.config.node_id and FORWARDED_BY not in request.headers:
+        return await proxy_to(request, node, entry.master)
+    return None
+
+
+async def list_subscriptions(request: web.Request) -> web.Response:
+    """A durable channel's subscriptions, as its master holds them."""
+    name = channel_name(request, "get")
+    proxied = await _at_master(request, name)
+    if proxied is not None:
+        return proxied
+    return web.json_response({"channel": name, "subscriptions": request.app[NODE].channels.durable_subscriptions(name)})
+
+
+async def drop_subscription(request: web.Request) -> web.Response:
+    """End a durable subscription for good (a replicated step on the channel's queue)."""
+    name = channel_name(request, "admin")
+    subscription = request.match_info["s"]
+    if not is_valid_queue_name(subscription):
+        raise QueueError(e.E_INVALID_NAME, "a durable subscription's name is a queue name")
+    proxied = await _at_master(request, name)
+    if proxied is not None:
+        return proxied
+    node = request.app[NODE]
+    client = principal(request).client_id
+    answer = await call(node.engine, lambda replier: node.channels.drop_subscription_command(
+        name, subscription, client, replier), may_have_applied=True)
+    return web.json_response(answer)
+
+
 def add_routes(app: web.Application) -> None:
     r = app.router
     r.add_get("/v1/channels", list_channels)
@@ -128,3 +163,5 @@ def add_routes(app: web.Application) -> None:
     r.add_get("/v1/channels/{c}", get_channel)
     r.add_delete("/v1/channels/{c}", delete_channel)
     r.add_post("/v1/channels/{c}/messages", publish)
+    r.add_get("/v1/channels/{c}/subscriptions", list_subscriptions)
+    r.add_delete("/v1/channels/{c}/subscriptions/{s}", drop_subscription)

@@ -118,6 +118,19 @@ class Purge:
 
 
 @dataclass(slots=True)
+class DurableSubscription:
+    """A durable subscription's replicated step on a channel's queue: `open` it (idempotent),
+    `ack` message `message_id` of its backlog, or `drop` it for good (qserver/channels.py)."""
+    queue: str
+    action: str
+    subscription: str
+    message_id: int
+    client: str
+    replier: Replier
+    request_id: int = 0
+
+
+@dataclass(slots=True)
 class Subscribe:
     queue: str
     credit: int
@@ -202,4 +215,4 @@ class Invoke:
     request_id: int = 0
 
 
-Command = (Enqueue | EnqueueMany | AckMany | Receive | Head | Ack | Purge | Subscribe | Credit | Unsubscribe | CreateQueue | DeleteQueue | MessageStatus | PutClient | PeerMessage | LinkChange | Invoke)
+Command = (Enqueue | EnqueueMany | AckMany | Receive | Head | Ack | Purge | DurableSubscription | Subscribe | Credit | Unsubscribe | CreateQueue | DeleteQueue | MessageStatus | PutClient | PeerMessage | LinkChange | Invoke)

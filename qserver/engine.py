@@ -66,7 +66,7 @@ from replication.cluster_map import CreateQueue, DeleteQueue, QueueEntry, choose
 from replication.cluster_map import PutClient as MapPutClient
 from replication.invariants import InvariantViolation
 from replication.master import ReplicationLimits
-from replication.operations import DeadLettered, Leased, Operation
+from replication.operations import DeadLettered, Leased, Operation, SubscriptionDropped, SubscriptionOpened
 from replication.options import (
     DEAD_LETTER_SUFFIX,
     OptionError,
@@ -416,9 +416,10 @@ class Engine:
         decided = batch.sealed.operations[op_mark:]
         pairs.note_decided(master.core, decided)
         required = pairs.replicated_order(master.core, decided)
-        if type(command) in WRITES or type(command) is c.Purge:
+        if type(command) in WRITES or type(command) is c.Purge or type(command) is c.DurableSubscription:
             # A repeated dedupe id answers with an earlier id, which may not be committed yet;
-            # a purge's last step answers for the operations of its earlier steps too.
+            # a purge's last step answers for the operations of its earlier steps too; a
+            # repeated subscription step for one decided a moment ago, maybe uncommitted.
             required = max(required, master.core.record.next_index - 1)
         if required:
             for position in range(reply_mark, len(batch.replies)):
@@ -938,6 +939,19 @@ class Engine:
         else:
             asyncio.get_running_loop().call_soon(self._continue, command)
 
+    def _step_durable_subscription(self, command: c.DurableSubscription, now_ms: int) -> None:
+        core = self._core(command.queue)
+        operations = self._open.sealed.operations
+        if command.action == "open":
+            result: Any = core.open_subscription(command.subscription, command.client, now_ms, operations)
+        elif command.action == "ack":
+            result = core.subscriber_ack(command.subscription, command.message_id, command.client, now_ms, operations)
+        else:
+            core.drop_subscription(command.subscription, command.client, now_ms, operations)
+            result = None
+        self._touch(core)
+        self._open.replies.append((command.replier, command.request_id, result))
+
     def _continue(self, command: c.Command) -> None:
         """A command's next step, in the engine's next turn."""
         if self._stopping or self.failed is not None:
@@ -1052,6 +1066,7 @@ class Engine:
         c.CreateQueue: _step_create, c.DeleteQueue: _step_delete, c.MessageStatus: _step_status,
         c.PutClient: _step_put_client, c.PeerMessage: _step_peer_message, c.LinkChange: _step_link_change,
         c.Invoke: _step_invoke, c.Purge: _step_purge, c.Head: _step_head,
+        c.DurableSubscription: _step_durable_subscription,
     }
 
     # --- time-driven work ------------------------------------------------------------------
@@ -1347,6 +1362,8 @@ class Engine:
 
     def _wake_status_waiters(self, operations: list[Operation]) -> None:
         for op in operations:
+            if isinstance(op, SubscriptionOpened | SubscriptionDropped):
+                continue                 # a subscription's step names no message
             waiters = self._status_waiters.pop((op.queue_id, op.index), None)
             for waiter in waiters or ():
                 self._check_status(waiter, final=False)

@@ -15,7 +15,8 @@ from client.errors import E_BAD_REQUEST, E_NOT_MASTER, E_TIMEOUT, QueueError
 from client.protocol import DeliveredMessage
 from qserver import commands as c
 
-QUEUE_TRAFFIC = frozenset({c.Enqueue, c.EnqueueMany, c.Receive, c.Ack, c.AckMany, c.Purge, c.Subscribe})
+QUEUE_TRAFFIC = frozenset({c.Enqueue, c.EnqueueMany, c.Receive, c.Ack, c.AckMany, c.Purge, c.Subscribe,
+                           c.DurableSubscription})
 WRITES = frozenset({c.Enqueue, c.EnqueueMany})
 
 

@@ -86,6 +86,9 @@ from replication.operations import (
     Operation,
     Purged,
     Released,
+    SubscriberAcked,
+    SubscriptionDropped,
+    SubscriptionOpened,
 )
 from replication.queue_core import QueueRecord
 from replication.snapshot import ROW_DEAD_LETTER, ROW_DEDUPE, ROW_MESSAGE
@@ -395,6 +398,26 @@ class Storage:
         held = msgpack.unpackb(cursor.value())[4]
         payload = held if type(held) is bytes else _EntryPayloads(txn, self.db["oplog"]).resolve(queue_id, index, held)
         return index, bytes(payload)
+
+    def messages_after(self, queue_id: int, after_index: int, limit: int) -> list[tuple[int, bytes]]:
+        """(id, payload) of the queue's stored messages with id > after_index, lowest first, at
+        most `limit` (a durable subscription's backlog, read a window at a time)."""
+        txn = self._reader()
+        cursor = txn.cursor(db=self.db["messages"])
+        out: list[tuple[int, bytes]] = []
+        if not cursor.set_range(_QI.pack(queue_id, after_index + 1)):
+            return out
+        payloads = None
+        for key, value in cursor:
+            owner, index = _QI.unpack(key)
+            if owner != queue_id or len(out) >= limit:
+                break
+            held = msgpack.unpackb(value)[4]
+            if type(held) is not bytes:
+                payloads = payloads or _EntryPayloads(txn, self.db["oplog"])
+                held = payloads.resolve(queue_id, index, held)
+            out.append((index, bytes(held)))
+        return out
 
     def enqueued_ms(self, queue_id: int, index: int) -> int | None:
         """When a stored message was enqueued (the master's wall clock), None if not stored."""
@@ -941,9 +964,14 @@ class Storage:
             txn.abort()
             return None
 
+    def _apply_in_record(self, txn: lmdb.Transaction, op: Operation) -> None:
+        """Durable subscriptions are queue state in the queue's record, written with the batch."""
+
     _APPLY = {Leased: _apply_leased, Extended: _apply_extended, Acked: _apply_acked, Purged: _apply_purged,
               Expired: _apply_expired, Matured: _apply_matured,
-              Released: _apply_released, DeadLettered: _apply_dead_lettered}
+              Released: _apply_released, DeadLettered: _apply_dead_lettered,
+              SubscriptionOpened: _apply_in_record, SubscriberAcked: _apply_in_record,
+              SubscriptionDropped: _apply_in_record}
 
     def _put_status(self, txn: lmdb.Transaction, queue_id: int, index: int, state: str, at_ms: int,
                     reply: bytes | None) -> None:
@@ -1090,6 +1118,10 @@ def _journal_fields(op: Operation, name: str, epoch: int, node: str, role: str) 
     if isinstance(op, Released):
         return [op.at_ms, name, op.queue_id, epoch, op.order, "expire" if op.expired else "release", op.index,
                 None, op.priority, 0, 0, role, node, ""]
+    if isinstance(op, SubscriberAcked | SubscriptionOpened | SubscriptionDropped):
+        # The subscription's name rides in the dedupe id's column; an ack names its message.
+        return [op.at_ms, name, op.queue_id, epoch, op.order, _SUBSCRIPTION_JOURNAL_OPS[type(op)],
+                op.index if isinstance(op, SubscriberAcked) else 0, op.subscription, 0, 0, 0, role, node, op.client]
     journal_op = _UNCLIENTED_JOURNAL_OPS.get(type(op))
     if journal_op is None:
         raise InvariantViolation(f"no journal form for {type(op).__name__}")
@@ -1101,6 +1133,9 @@ def _journal_fields(op: Operation, name: str, epoch: int, node: str, role: str) 
 _UNCLIENTED_JOURNAL_OPS: dict[type, str] = {Purged: "purge", DeadLettered: "dead_letter", Expired: "ttl_expire",
                                             Matured: "mature"}
 
+
+_SUBSCRIPTION_JOURNAL_OPS: dict[type, str] = {SubscriptionOpened: "subscribe", SubscriberAcked: "subscriber_ack",
+                                              SubscriptionDropped: "unsubscribe"}
 
 JOURNAL_FIELDS = ("at_ms", "queue", "queue_id", "epoch", "index", "op", "message_id", "dedupe_id",
                   "priority", "payload_size", "payload_crc32", "role", "node", "client")

@@ -72,7 +72,12 @@ class ClientConnection:
         self.queues_consumed: set[str] = set()
         self.channels: set[str] = set()          # channels subscribed on this connection (qserver/channels.py)
         self.advertised: set[str] = set()        # channels it may publish to
+        self.durable: dict[str, str] = {}        # channel -> the durable subscription read on this connection
         self._loop = asyncio.get_running_loop()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     # --- Replier ---------------------------------------------------------------------------
     def reply(self, request_id: int, result: Any) -> None:
@@ -238,6 +243,9 @@ class ClientConnection:
                 raise QueueError(e.E_INVALID_OPTION, "dedupe ids are 1-128 printable characters")
             return hub.publish_command(self, op.channel, op.payload, op.dedupe_id, op.request_id)
         if kind is ChannelSubscribeOp:
+            if op.subscribe and op.durable is not None:
+                hub.subscribe_durable(self, op.channels, op.durable, op.request_id)
+                return None
             if op.subscribe:
                 answer, lasts = hub.subscribe(self, op.channels)
                 self.reply(op.request_id, answer)
@@ -248,7 +256,7 @@ class ClientConnection:
         elif kind is AdvertiseOp:
             hub.advertise(self, op.channels, op.advertise)
         elif kind is ChannelAckOp:
-            hub.ack(self, op.channel, op.message_id)
+            return hub.ack(self, op.channel, op.message_id, op.request_id)
         else:
             self.reply(op.request_id, hub.report(op.channel, op.message_id))
             return None

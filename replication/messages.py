@@ -31,7 +31,8 @@ import msgpack
 
 from replication.operations import OPERATION_TYPES, Operation
 
-PROTOCOL_VERSION = 7       # 7: Enqueued.ttl_ms, Expired, DeadLettered.expired and .leased, a snapshot message row's ttl_ms.
+PROTOCOL_VERSION = 8       # 8: durable subscriptions' operations (SubscriptionOpened, SubscriberAcked, SubscriptionDropped)
+                           # 7: Enqueued.ttl_ms, Expired, DeadLettered.expired and .leased, a snapshot message row's ttl_ms.
 # 2: snapshots (SyncBegin.snapshot, SnapshotChunk, SnapshotAck), Open.committed_order
                            # 3: a snapshot resumed after a broken link (Open.snapshot_*, SyncBegin.resume_after)
                            # 4: Append carries log entries (runs of operations), not single operations

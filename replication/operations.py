@@ -155,9 +155,52 @@ class Matured:
     order: int = 0
 
 
+@dataclass(slots=True)
+class SubscriptionOpened:
+    """A durable subscription of a channel's queue begins (seed 002's UDP_ACK_RETRY class): its
+    backlog is every message enqueued after this operation (index > `order`) that it has not
+    acknowledged. The subscriptions are queue state kept in the queue's record, so they travel
+    with it through storage, restarts and snapshots; these operations are how they change."""
+    TAG: ClassVar[int] = 10
+    queue_id: int
+    subscription: str
+    client: str
+    at_ms: int
+    order: int = 0
+
+
+@dataclass(slots=True)
+class SubscriberAcked:
+    """A durable subscription acknowledged message `index`; `floor` is what the master computed
+    from it: every message of the subscription's backlog up to `floor` is acknowledged (the
+    replica applies it as decided, it never walks the messages itself)."""
+    TAG: ClassVar[int] = 11
+    queue_id: int
+    subscription: str
+    index: int
+    floor: int
+    client: str
+    at_ms: int
+    order: int = 0
+
+
+@dataclass(slots=True)
+class SubscriptionDropped:
+    """A durable subscription ends for good: its backlog is no longer kept for it."""
+    TAG: ClassVar[int] = 12
+    queue_id: int
+    subscription: str
+    client: str
+    at_ms: int
+    order: int = 0
+
+
 OPERATION_TYPES: dict[int, type] = {}   # filled below: tag -> class, for the codec
 
-Operation = (Enqueued | Leased | Acked | Released | DeadLettered | Extended | Purged | Expired | Matured)
+Operation = (Enqueued | Leased | Acked | Released | DeadLettered | Extended | Purged | Expired | Matured
+             | SubscriptionOpened | SubscriberAcked | SubscriptionDropped)
+SUBSCRIPTION_OPERATIONS = (SubscriptionOpened, SubscriberAcked, SubscriptionDropped)
 
-for _kind in (Enqueued, Leased, Acked, Released, DeadLettered, Extended, Purged, Expired, Matured):
+for _kind in (Enqueued, Leased, Acked, Released, DeadLettered, Extended, Purged, Expired, Matured,
+              *SUBSCRIPTION_OPERATIONS):
     OPERATION_TYPES[_kind.TAG] = _kind

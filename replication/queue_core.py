@@ -28,7 +28,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from client.errors import E_LEASE_EXPIRED, E_QUEUE_FULL, E_UNKNOWN_MESSAGE, E_WRONG_QUEUE_TYPE, QueueError
+from client.errors import (
+    E_INVALID_OPTION,
+    E_LEASE_EXPIRED,
+    E_QUEUE_FULL,
+    E_SUBSCRIPTIONS_FULL,
+    E_UNKNOWN_MESSAGE,
+    E_UNKNOWN_SUBSCRIPTION,
+    E_WRONG_QUEUE_TYPE,
+    QueueError,
+)
 from replication.invariants import InvariantViolation
 from replication.operations import (
     Acked,
@@ -41,6 +50,9 @@ from replication.operations import (
     Operation,
     Purged,
     Released,
+    SubscriberAcked,
+    SubscriptionDropped,
+    SubscriptionOpened,
 )
 from replication.options import (
     PRIORITY_MAX,
@@ -54,6 +66,8 @@ from replication.options import (
 from replication.store import StoredLease, StoreReader
 
 READY_PAGE_SIZE = 1024
+SUBSCRIPTIONS_MAX = 64        # durable subscriptions of one queue (a channel's)
+SUBSCRIPTION_PRIORITY = 4     # durable subscriptions follow the messages of this priority (every publish's)
 # A deadline heap (leases, times to live, delays) is rebuilt from what is live once its stale
 # entries pass this many and the live ones: a member that applies the master's decisions
 # never pops them (only the deciding member's timed steps do), so they would grow for ever.
@@ -89,6 +103,11 @@ class QueueRecord:
     # every batch that touches the queue, so it covers every message consumed here): a member
     # restarted after a crash drops what it holds past it (discard_after). 0: not known.
     commit_order: int = 0
+    # Durable subscriptions of a channel's queue: name -> [floor, acked]. Every message of the
+    # subscription's backlog with index <= floor is acknowledged (it began at floor, its
+    # SubscriptionOpened's ordering index); `acked` lists those above the floor acknowledged out
+    # of order. Queue state, so it travels with the record: every batch, restart and snapshot.
+    subscriptions: dict[str, list[Any]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         # Written with every batch that touches the queue: a plain copy of the fields, not
@@ -96,6 +115,8 @@ class QueueRecord:
         out = {name: getattr(self, name) for name in self.__slots__}
         out["options"] = self.options.to_json()
         out["state"] = self.state.value
+        if self.subscriptions:      # packed later, off the engine's task: a copy, not the live lists
+            out["subscriptions"] = {name: [floor, list(acked)] for name, (floor, acked) in self.subscriptions.items()}
         return out
 
     @classmethod
@@ -322,11 +343,72 @@ class QueueCore:
         out.append(Extended(self.queue_id, index, lease.priority, receipt, visibility_ms, client, now_ms,
                             self._consumption_order()))
 
+    # --- durable subscriptions (a channel's queue; qserver/channels.py serves them) ---------
+    def open_subscription(self, name: str, client: str, now_ms: int, out: list[Operation]) -> bool:
+        """Begin a durable subscription (its backlog: every message enqueued from now on);
+        False when it exists already (subscribing again is idempotent)."""
+        if name in self.record.subscriptions:
+            return False
+        if self.options.strength is not Strength.FULL:
+            raise QueueError(E_INVALID_OPTION, f"queue {self.name}: durable subscriptions need strength full")
+        if len(self.record.subscriptions) >= SUBSCRIPTIONS_MAX:
+            raise QueueError(E_SUBSCRIPTIONS_FULL, f"{self.name} has {SUBSCRIPTIONS_MAX} durable subscriptions")
+        op = SubscriptionOpened(self.queue_id, name, client, now_ms, self._consumption_order())
+        self.record.subscriptions[name] = [op.order, []]
+        out.append(op)
+        return True
+
+    def drop_subscription(self, name: str, client: str, now_ms: int, out: list[Operation]) -> None:
+        if self.record.subscriptions.pop(name, None) is None:
+            raise QueueError(E_UNKNOWN_SUBSCRIPTION, f"{self.name} has no durable subscription {name!r}")
+        out.append(SubscriptionDropped(self.queue_id, name, client, now_ms, self._consumption_order()))
+
+    def subscriber_ack(self, name: str, index: int, client: str, now_ms: int, out: list[Operation]) -> bool:
+        """A durable subscription acknowledges message `index` of its backlog; False when it
+        had already (an ack repeated after a lost answer). The floor moves over every
+        acknowledged message it now has below it, walking the stored messages above it."""
+        state = self.record.subscriptions.get(name)
+        if state is None:
+            raise QueueError(E_UNKNOWN_SUBSCRIPTION, f"{self.name} has no durable subscription {name!r}")
+        floor, acked = state
+        if index <= floor or index in acked:
+            return False
+        if not self._reader.ready_page(self.queue_id, SUBSCRIPTION_PRIORITY, index - 1, index + 1, 1):
+            raise QueueError(E_UNKNOWN_MESSAGE, f"{self.name}: no message {index} in subscription {name}'s backlog")
+        done = {index, *acked}
+        rows = self._reader.ready_page(self.queue_id, SUBSCRIPTION_PRIORITY, floor, 2**63, len(done) + 1)
+        for stored, _ in rows:
+            if stored not in done:
+                break
+            floor = stored
+        op = SubscriberAcked(self.queue_id, name, index, floor, client, now_ms, self._consumption_order())
+        self._apply_subscriber_ack(op)
+        out.append(op)
+        return True
+
+    def subscription_floor(self) -> int | None:
+        """The lowest floor of the durable subscriptions (None: there are none): no message
+        above it may leave the queue, some subscription still waits for it."""
+        subscriptions = self.record.subscriptions
+        return min(floor for floor, _ in subscriptions.values()) if subscriptions else None
+
+    def _apply_subscriber_ack(self, op: SubscriberAcked) -> None:
+        state = self.record.subscriptions.get(op.subscription)
+        if state is None:
+            raise InvariantViolation(f"queue {self.name}: ack of unknown subscription {op.subscription}")
+        floor = max(state[0], op.floor)
+        state[0] = floor
+        state[1] = sorted(i for i in {op.index, *state[1]} if i > floor)
+
     def purge(self, upto: int, limit: int, now_ms: int, out: list[Operation]) -> tuple[int, bool]:
         """Take up to `limit` messages with index <= `upto` out of the queue, leased ones
         first, then ready ones in delivery order; returns (how many, whether none is left).
         An operator's purge runs this in bounded steps (Engine._step_purge) with `upto` fixed
-        at its start, so what is enqueued meanwhile stays."""
+        at its start, so what is enqueued meanwhile stays. A message a durable subscription
+        has not acknowledged stays too: `upto` stops below the lowest floor."""
+        floor = self.subscription_floor()
+        if floor is not None:
+            upto = min(upto, floor)
         record, purged = self.record, 0
         track = record.options.tracks_status
         for index in sorted(i for i in self._leases if i <= upto)[:limit]:
@@ -605,6 +687,9 @@ class QueueCore:
             self._take_ready(op.priority, op.index)
             self._inherit(op.index, op.priority, op.receipt, op.visibility_ms, op.deliveries, op.leased_ms)
             return
+        if isinstance(op, SubscriptionOpened | SubscriberAcked | SubscriptionDropped):
+            self._apply_subscription_step(op)
+            return
         if type(op) is Matured:
             if self._delayed.pop(op.index, None) is None:
                 raise InvariantViolation(f"queue {self.name}: message {op.index} matured but was not delayed")
@@ -619,6 +704,10 @@ class QueueCore:
             self.record.delayed_count -= 1
             return
         if type(op) is Purged or type(op) is Expired:
+            floor = self.subscription_floor()
+            if floor is not None and op.index > floor:
+                raise InvariantViolation(f"queue {self.name}: message {op.index} left before every durable "
+                                         f"subscription acknowledged it (lowest floor {floor})")
             self._ttl.pop(op.index, None)
             if type(op) is Purged:
                 self.record.total_purged += 1
@@ -658,6 +747,17 @@ class QueueCore:
             if self.dead_letter_core is None:
                 raise InvariantViolation(f"queue {self.name} has no dead-letter queue")
             self.dead_letter_core.accept_dead_letter(op.priority, 0, index=op.dead_letter_index)
+
+    def _apply_subscription_step(self, op: SubscriptionOpened | SubscriberAcked | SubscriptionDropped) -> None:
+        subscriptions = self.record.subscriptions
+        if type(op) is SubscriberAcked:
+            self._apply_subscriber_ack(op)
+        elif type(op) is SubscriptionOpened:
+            if op.subscription in subscriptions:
+                raise InvariantViolation(f"queue {self.name}: subscription {op.subscription} opened twice")
+            subscriptions[op.subscription] = [op.order, []]
+        elif subscriptions.pop(op.subscription, None) is None:
+            raise InvariantViolation(f"queue {self.name}: drop of unknown subscription {op.subscription}")
 
     def _apply_enqueued(self, op: Enqueued) -> None:
         record = self.record

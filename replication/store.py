@@ -24,6 +24,9 @@ from replication.operations import (
     Operation,
     Purged,
     Released,
+    SubscriberAcked,
+    SubscriptionDropped,
+    SubscriptionOpened,
 )
 from replication.snapshot import ROW_DEDUPE, ROW_MESSAGE
 
@@ -200,6 +203,16 @@ class MemoryStore:
         queue.messages.pop(op.index, None)
         if op.track_status:
             queue.status[op.index] = (state, None)
+
+    # Durable subscriptions are queue state in the queue's record (QueueCore): nothing to store.
+    def _apply_SubscriptionOpened(self, op: SubscriptionOpened) -> None:
+        pass
+
+    def _apply_SubscriberAcked(self, op: SubscriberAcked) -> None:
+        pass
+
+    def _apply_SubscriptionDropped(self, op: SubscriptionDropped) -> None:
+        pass
 
     def _apply_Acked(self, op: Acked) -> None:
         queue = self._queue(op.queue_id)
