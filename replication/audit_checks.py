@@ -102,6 +102,9 @@ DEAD_LETTER_SUFFIX = ".dlq"
 PRIORITIES = 10
 CONSUMPTION_OPS = frozenset({"lease", "extend", "ack", "reply", "release", "expire", "dead_letter", "purge",
                              "ttl_expire", "delay", "mature"})
+# A channel's durable subscriptions (qserver/channels.py): the subscription's name rides in the
+# record's dedupe_id column; an ack names its message.
+SUBSCRIPTION_OPS = frozenset({"subscribe", "subscriber_ack", "unsubscribe"})
 HISTORY_OP = "history"            # a client-side history entry travelling with the records
 ARRIVAL_OP = "dead_letter_arrival"   # derived, never stored
 EPOCH_OP = "epoch"
@@ -139,6 +142,8 @@ VIOLATION_KINDS = (RECORD_CHECKSUM, SEQUENCE_GAP, SEQUENCE_REPEATED, INDEX_GAP, 
 # Flags are reported, never fail the audit by themselves.
 UNCLEAN_PROMOTION = "unclean_promotion"
 DISCARDED_SUFFIX = "discarded_suffix"
+DURABLE_SKIPPED = "durable_skipped"          # a message left the queue before a durable subscription acknowledged it
+DURABLE_UNKNOWN = "durable_unknown_message"  # a durable subscription acknowledged what is not in its backlog
 
 REDELIVERY_CAUSES = ("release", "expire", "change_of_master")
 LINK_HEAD_RECORDS = 16      # linking streams looks at each stream's first replicated records ...
@@ -338,6 +343,9 @@ class StreamReplay:
     redeliveries: list[tuple[int, str]] = field(default_factory=list)   # (at_ms, cause)
     consumed_times: list[int] = field(default_factory=list)             # acks and dead-letterings
     epoch_records: list[JournalRecord] = field(default_factory=list)
+    # A channel queue's durable subscriptions: name -> [the index it opened at (None: opened
+    # before this stream began, e.g. in a snapshot's state), message ids it acknowledged].
+    subscriptions: dict[str, list[Any]] = field(default_factory=dict)
     # epoch -> [first at_ms, records, first record written as master (or None), reason of an epoch record]
     epochs: dict[int, list[Any]] = field(default_factory=dict)
     found: list[dict[str, Any]] = field(default_factory=list)
@@ -508,6 +516,8 @@ def replay_stream(key: StreamKey, records: Sequence[JournalRecord], *, complete:
                 consumed_times.append(record.at_ms)
             else:
                 consumer.consume(record)
+        elif op in SUBSCRIPTION_OPS:
+            consumer.subscription_step(record)
         if op == ARRIVAL_OP:
             continue
         if record.epoch != current_epoch:
@@ -634,6 +644,8 @@ class _Consumption:
             else:
                 self._refuse(record, state)
         elif record.op in _TAKING_OPS:
+            if self.replay.subscriptions:
+                self._check_backlogs(record, message_id)    # type: ignore[arg-type]
             if state in (_LEASED, _READY, _DELAYED):
                 if state == _READY:
                     self.ready_count[self.priority[message_id]] -= 1    # type: ignore[index]
@@ -641,6 +653,38 @@ class _Consumption:
                 self.replay.consumed_times.append(record.at_ms)
             else:
                 self._refuse(record, state)
+
+    def subscription_step(self, record: JournalRecord) -> None:
+        """A durable subscription opened, acknowledged a message of its backlog, or dropped."""
+        subscriptions, name = self.replay.subscriptions, str(record.dedupe_id)
+        if record.op == "subscribe":
+            subscriptions[name] = [record.index, set()]
+        elif record.op == "unsubscribe":
+            subscriptions.pop(name, None)
+        else:
+            opened, acked = subscriptions.setdefault(name, [None, set()])
+            message_id = record.message_id
+            if message_id is None:
+                return
+            state = self.replay.states.get(message_id)
+            if (opened is not None and message_id <= opened) or (state is not None and state >= _ACKED) or \
+                    (state is None and self.replay.complete):
+                self.replay.found.append(violation(
+                    DURABLE_UNKNOWN, self.replay.queue, f"durable subscription {name} acknowledged message "
+                    f"{message_id}, which is not in its backlog", node=self.replay.node, index=record.index or None,
+                    message_id=message_id, records=[record], settings=self.settings))
+            acked.add(message_id)
+
+    def _check_backlogs(self, record: JournalRecord, message_id: int) -> None:
+        """A message leaves a channel's queue (a trim) only once every durable subscription
+        whose backlog holds it (opened before it) has acknowledged it."""
+        for name, (opened, acked) in self.replay.subscriptions.items():
+            if opened is not None and message_id > opened and message_id not in acked:
+                self.replay.found.append(violation(
+                    DURABLE_SKIPPED, self.replay.queue, f"message {message_id} left the queue ({record.op}) before "
+                    f"durable subscription {name} acknowledged it", node=self.replay.node,
+                    index=record.index or None, message_id=message_id,
+                    records=[self.replay.enqueued.get(message_id, record), record], settings=self.settings))
 
     def _lease(self, record: JournalRecord, message_id: int, state: int) -> None:
         replay = self.replay
@@ -1011,7 +1055,27 @@ def _check_queue(queue: str, keys: list[StreamKey], replays: Mapping[StreamKey, 
                "members": [_member_summary(member) for member in members],
                "counts": {**_history_counts(final, members), **_redelivery_counts(final)},
                "series": _series(final, settings)}
+    if final.subscriptions:
+        summary["durable"] = durable_summary(final)
     return summary, found
+
+
+def durable_summary(final: StreamReplay) -> dict[str, dict[str, int | None]]:
+    """Each durable subscription as the final master's journal shows it: its backlog (messages
+    enqueued after it opened), how many of them it acknowledged and how many still wait for it
+    in the queue. backlog == acknowledged + waiting is the proof that every publish reached it
+    (what left the queue unacknowledged is a durable_skipped violation)."""
+    out: dict[str, dict[str, int | None]] = {}
+    held, _ = final.held()
+    for name, (opened, acked) in sorted(final.subscriptions.items()):
+        if opened is None:        # opened before the stream began: its backlog's start is not journaled here
+            out[name] = {"opened_at": None, "backlog": None, "acknowledged": len(acked), "waiting": None}
+            continue
+        backlog = [message_id for message_id in final.enqueued if message_id > opened]
+        out[name] = {"opened_at": opened, "backlog": len(backlog),
+                     "acknowledged": sum(1 for message_id in backlog if message_id in acked),
+                     "waiting": sum(1 for message_id in backlog if message_id in held and message_id not in acked)}
+    return out
 
 
 def _history_counts(final: StreamReplay, members: list[StreamReplay]) -> dict[str, int]:

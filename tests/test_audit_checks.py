@@ -190,3 +190,20 @@ def test_a_member_that_took_the_queue_over_by_snapshot_counts_what_was_consumed_
     assert queue["final_master"] == "n2"
     assert {key: queue["counts"][key] for key in ("enqueued", "acked", "queued")} == {"enqueued": 4, "acked": 1, "queued": 3}
     assert report["total_queue"]["enqueued"] == 4
+
+
+def test_a_channel_message_trimmed_before_a_durable_subscription_acknowledged_it_is_skipped() -> None:
+    """Messages enqueued after a subscription opened are its backlog: acknowledged, then they
+    may be trimmed; one trimmed unacknowledged is named, and the summary proves the rest."""
+    queue = "channel:c"
+    good = Journal("n1").enqueue(1, queue=queue).add("subscribe", 2, 0, queue=queue, dedupe_id="s") \
+        .enqueue(3, 4, 5, queue=queue).add("subscriber_ack", 6, 3, queue=queue, dedupe_id="s") \
+        .add("purge", 7, 1, queue=queue).add("purge", 8, 3, queue=queue)
+    report = audit(good)
+    assert report["verdict"] == "clean", report["violations"]
+    [summary] = report["incarnations"][0]["queues"]
+    assert summary["durable"] == {"s": {"opened_at": 2, "backlog": 3, "acknowledged": 1, "waiting": 2}}
+    skipped = Journal("n1").enqueue(1, queue=queue).add("subscribe", 2, 0, queue=queue, dedupe_id="s") \
+        .enqueue(3, queue=queue).add("purge", 4, 3, queue=queue).add("subscriber_ack", 5, 1, queue=queue,
+                                                                      dedupe_id="s")
+    assert kinds(audit(skipped)) == {checks.DURABLE_SKIPPED: 1, checks.DURABLE_UNKNOWN: 1}

@@ -16,7 +16,10 @@ import pytest
 from client import AsyncClient, Client
 from client.errors import QueueError
 from client.protocol import ChannelSubscribeOp, ErrorReply, decode_server_frame, encode_frame
+from audit.inputs import read_records
+from audit.local import audit_records
 from client.qctl import main as qctl
+from qserver.journal_export import export_environment
 from tests.support import RawApi
 from tests.test_client_integration import run_qctl
 
@@ -268,6 +271,16 @@ async def test_a_durable_subscription_survives_its_masters_death_and_is_read_by_
                 await asyncio.sleep(0.3)
                 assert reader.poll() == []
             cluster.start(master)
+    # The journals prove it: every message of the subscription's backlog was acknowledged by it
+    # or still waits for it, none trimmed before (durable_skipped), on every member.
+    journals = cluster.root / "journals"
+    for node in cluster.ids:
+        export_environment(cluster.root / node / "lmdb", str(journals))
+    report = audit_records(read_records([str(journals)]), [])
+    assert report["verdict"] == "clean", report["violations"]
+    [summary] = [q for i in report["incarnations"] for q in i["queues"] if q["queue"] == "channel:events"]
+    durable = summary["durable"]["indexer"]
+    assert durable["backlog"] == 21 and durable["acknowledged"] + durable["waiting"] == 21, durable
 
 
 @pytest.mark.asyncio
