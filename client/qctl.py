@@ -244,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     channel_create = command(channel_commands, "create", cmd_channel_create,
                              "define a channel, or change its class or resend interval")
     channel_create.add_argument("name")
-    channel_create.add_argument("--class", dest="delivery_class", choices=("latest", "acked"),
+    channel_create.add_argument("--class", dest="delivery_class", choices=("latest", "acked", "durable"),
                                 help="latest (default): the last value, best effort; acked: subscribers acknowledge")
     channel_create.add_argument("--resend-interval-s", type=float,
                                 help="send the last value again after this long without a publish (0: never)")
@@ -258,8 +258,16 @@ def build_parser() -> argparse.ArgumentParser:
     channel_listen = command(channel_commands, "listen", cmd_channel_listen,
                              "subscribe and print what arrives (the last value first)")
     channel_listen.add_argument("names", nargs="+", metavar="name")
+    channel_listen.add_argument("--durable", metavar="SUBSCRIPTION",
+                                help="read this durable subscription (opened the first time), acknowledging "
+                                     "each message once printed")
     channel_listen.add_argument("--count", type=int, default=1, help="stop after this many messages (default 1)")
     channel_listen.add_argument("--wait-s", type=float, default=10.0, help="stop after this long without one")
+    command(channel_commands, "subscriptions", cmd_channel_subscriptions,
+            "a durable channel's subscriptions: floor, messages waiting, reader").add_argument("name")
+    channel_drop = command(channel_commands, "drop", cmd_channel_drop, "end a durable subscription for good")
+    channel_drop.add_argument("name")
+    channel_drop.add_argument("subscription")
 
     recipient = commands.add_parser("recipient", help="push recipients' alternatives (fault surveillance)")
     recipient_commands = recipient.add_subparsers(dest="recipient_command", required=True, metavar="ACTION")
@@ -532,7 +540,7 @@ async def cmd_channel_listen(http: HttpClient, args: argparse.Namespace) -> Outc
     """A subscriber through the client library (subscribing is on the WebSocket)."""
     received: list[dict[str, Any]] = []
     async with AsyncClient(http.url, load_credentials(args.credentials), ca_file=args.ca_file) as client:
-        await client.subscribe(*args.names)
+        await client.subscribe(*args.names, durable=args.durable)
         while len(received) < args.count:
             try:
                 message = await asyncio.wait_for(client.next_channel_message(), args.wait_s)
@@ -540,9 +548,24 @@ async def cmd_channel_listen(http: HttpClient, args: argparse.Namespace) -> Outc
                 break
             received.append({"channel": message.channel, "id": message.id, "resent": message.resent,
                              **payload_fields(message.payload)})
+            if args.durable is not None:
+                await message.ack()
     lines = [f"{m['channel']} {m['id']}{' (resent)' if m['resent'] else ''}: "
              + (m.get("payload") or m.get("payload_b64", "")) for m in received]
     return Outcome({"messages": received}, "\n".join(lines) or "no message")
+
+
+async def cmd_channel_subscriptions(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    listed = await http.subscriptions(args.name)
+    lines = [f"{s['name']}: {s['waiting']} waiting, acknowledged up to {s['floor']}, "
+             + (f"read here ({s['unacknowledged']} unacknowledged)" if s["attached"] else "no reader")
+             for s in listed]
+    return Outcome({"channel": args.name, "subscriptions": listed}, "\n".join(lines) or "no durable subscription")
+
+
+async def cmd_channel_drop(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    answer = await http.drop_subscription(args.name, args.subscription)
+    return Outcome(answer, f"dropped durable subscription {args.subscription} of {args.name}")
 
 
 def _channel_text(channel: dict[str, Any]) -> str:

@@ -152,6 +152,23 @@ def test_qctl_and_the_sync_client_run_a_channel(qcluster_factory: Any) -> None:
     assert re.search(r"^alerts +latest", shown.getvalue(), re.M), shown.getvalue()     # qctl status lists channels
     code, typed, _ = run_qctl(cluster, "channel", "typeof", "alerts")
     assert code == 0 and typed["queue"] == "channel:alerts"
+    code, kept, _ = run_qctl(cluster, "channel", "create", "jobs", "--class", "durable")
+    assert code == 0 and kept["class"] == "durable"
+    code, first, _ = run_qctl(cluster, "channel", "listen", "jobs", "--durable", "worker", "--count", "1",
+                              "--wait-s", "0.5")
+    assert code == 0 and first["messages"] == []                      # opened: the backlog starts now
+    for text in ("one", "two"):
+        assert run_qctl(cluster, "channel", "publish", "jobs", text)[0] == 0
+    code, listed, _ = run_qctl(cluster, "channel", "subscriptions", "jobs")
+    assert code == 0 and [(s["name"], s["waiting"], s["attached"]) for s in listed["subscriptions"]] == \
+        [("worker", 2, False)]
+    code, heard, _ = run_qctl(cluster, "channel", "listen", "jobs", "--durable", "worker", "--count", "2")
+    assert code == 0 and [m["payload"] for m in heard["messages"]] == ["one", "two"]
+    code, listed, _ = run_qctl(cluster, "channel", "subscriptions", "jobs")
+    assert listed["subscriptions"][0]["waiting"] == 0                  # qctl acknowledged what it printed
+    assert run_qctl(cluster, "channel", "drop", "jobs", "worker")[0] == 0
+    code, document, _ = run_qctl(cluster, "channel", "drop", "jobs", "worker")
+    assert code == 1 and document["error"]["code"] == "E_UNKNOWN_SUBSCRIPTION"
     assert run_qctl(cluster, "channel", "delete", "alerts")[0] == 0
     code, document, _ = run_qctl(cluster, "channel", "typeof", "alerts")
     assert code == 1 and document["error"]["code"] == "E_UNKNOWN_CHANNEL"
