@@ -557,6 +557,9 @@ class Engine:
                             "total_redelivered", "highest_depth", "service_ms_total", "service_count"):
                 setattr(record, counter, int(install.record.get(counter, 0)))
             record.ready_count = received.ready_count
+            # Durable subscriptions are queue state in the record (QueueRecord.subscriptions).
+            record.subscriptions = {str(name): [int(floor), [int(i) for i in acked]]
+                                    for name, (floor, acked) in install.record.get("subscriptions", {}).items()}
         else:
             record.ready_count = received.ready_count
             record.total_enqueued = messages

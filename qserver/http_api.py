@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import aiohttp
+import yarl
 from aiohttp import web
 
 from client import errors as e
@@ -119,7 +120,9 @@ async def proxy_to(request: web.Request, node: Any, target: str, placement: tupl
     headers.update(extra or {})
     if placement is not None:     # the passing node placed a new queue: its choice stands
         headers[PLACEMENT] = ",".join(placement)
-    url = node.engine.pairs.view.url(master) + request.raw_path
+    # Exactly the path the client signed: a URL built from a string is normalized (yarl
+    # decodes %3A in `channel%3Aname` to `:`), and the master would check another path.
+    url = yarl.URL(node.engine.pairs.view.url(master) + request.raw_path, encoded=True)
     try:
         async with node.http_session().request(request.method, url, data=await request.read(), headers=headers,
                                                timeout=aiohttp.ClientTimeout(total=PROXY_TIMEOUT_S)) as answer:

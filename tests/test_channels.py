@@ -13,11 +13,11 @@ import aiohttp
 import msgpack
 import pytest
 
+from audit.inputs import read_records
+from audit.local import audit_records
 from client import AsyncClient, Client
 from client.errors import QueueError
 from client.protocol import ChannelSubscribeOp, ErrorReply, decode_server_frame, encode_frame
-from audit.inputs import read_records
-from audit.local import audit_records
 from client.qctl import main as qctl
 from qserver.journal_export import export_environment
 from tests.support import RawApi
@@ -311,3 +311,48 @@ async def test_bad_durable_requests_get_stable_codes(qcluster_factory: Any) -> N
         assert await code_of(admin.drop_subscription("kept", "nobody")) == "E_UNKNOWN_SUBSCRIPTION"
         assert await admin.subscriptions("kept") == []
         assert await code_of(admin.subscriptions("nothing")) == "E_UNKNOWN_CHANNEL"
+
+
+@pytest.mark.asyncio
+async def test_durable_subscriptions_reach_a_rebuilt_replica_in_its_snapshot(qcluster_factory: Any) -> None:
+    """The subscriptions are queue state in the channel queue's record: a replica that lost its
+    disk takes them over by snapshot, floors and out-of-order acknowledgements included, and
+    serves them once it is master."""
+    cluster = qcluster_factory(3)
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as admin:
+        await admin.create_channel("feed", "durable", resend_interval_s=60)
+        described = await admin.typeof("feed")
+        master, replica = described["master"], described["replica"]
+        third = next(n for n in cluster.urls if n not in (master, replica))
+        async with AsyncClient(cluster.urls[third], cluster.credentials_path) as producer, \
+                AsyncClient(cluster.urls[third], cluster.credentials_path) as reader:
+            await producer.advertise("feed")
+            await reader.subscribe("feed", durable="a")
+            ids = [await producer.publish("feed", b"f%d" % n) for n in range(10)]
+            got = await take(reader, 10)
+            cluster.wipe(replica)
+            for message in got[:4] + got[6:7]:                    # a floor, and one acked out of order
+                await message.ack()
+            await reader.unsubscribe("feed")
+            cluster.start(replica)
+
+            async def in_sync() -> bool:
+                try:
+                    return (await producer.queue_stats("channel:feed"))["replication_state"] == "in_sync"
+                except QueueError:       # the rebuilt node learns the clients with the map, a moment later
+                    return False
+            deadline = time.monotonic() + 30
+            while not await in_sync() and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            assert (await producer.queue_stats("channel:feed"))["snapshots_sent"] >= 1
+            cluster.kill(master)
+            deadline = time.monotonic() + 30
+            while (await producer.typeof("feed"))["master"] != replica and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            async with AsyncClient(cluster.urls[third], cluster.credentials_path) as again:
+                await again.subscribe("feed", durable="a")
+                rest = await take(again, 5, 15.0)
+                assert [m.id for m in rest] == ids[4:6] + ids[7:]
+                [listed] = await again.subscriptions("feed")
+                assert (listed["floor"], listed["waiting"]) == (ids[3], 5)
+            cluster.start(master)

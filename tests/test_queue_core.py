@@ -19,8 +19,8 @@ import pytest
 
 from client.errors import E_LEASE_EXPIRED, E_QUEUE_FULL, E_UNKNOWN_MESSAGE, E_WRONG_QUEUE_TYPE, QueueError
 from replication import queue_core
-from replication.operations import Acked, DeadLettered, Enqueued, Leased, Operation, Released
-from replication.options import QUEUE_STATE_TRANSITIONS, QueueOptions, QueueState, QueueType
+from replication.operations import Acked, DeadLettered, Enqueued, Leased, Operation, Purged, Released
+from replication.options import QUEUE_STATE_TRANSITIONS, QueueOptions, QueueState, QueueType, Strength
 from replication.queue_core import InvariantViolation, QueueCore, QueueRecord
 from replication.store import MemoryStore, StoreReader
 
@@ -908,3 +908,42 @@ def test_random_commands_keep_order_and_lose_or_duplicate_nothing(seed: int, pag
     except BaseException as failure:
         failure.add_note(f"replay: seed={seed} page_size={page_size}; last steps: {' '.join(run.trace[-25:])}")
         raise
+
+
+# --- durable subscriptions (a channel's queue) ------------------------------------------------
+def test_durable_subscriptions_keep_their_backlogs_and_a_replica_applies_the_same_floors() -> None:
+    """A subscription's backlog is what was enqueued after it opened and it has not acked;
+    the floor moves over acknowledged messages only, out-of-order acks wait above it; a purge
+    stops below the lowest floor; a replica applying the master's operations holds the same
+    state, and a restart (the record) keeps it."""
+    master = Driver(QueueOptions(strength=Strength.FULL), with_dead_letter_queue=False)
+    before = master.enqueue(b"before")
+    assert master._run(lambda out: master.core.open_subscription("s", "c", master.now_ms, out), True)
+    assert not master._run(lambda out: master.core.open_subscription("s", "c", master.now_ms, out), True)
+    opened = master.core.record.subscriptions["s"][0]
+    ids = [master.enqueue(b"m%d" % n) for n in range(4)]
+
+    def ack(index: int) -> bool:
+        return master._run(lambda out: master.core.subscriber_ack("s", index, "c", master.now_ms, out), True)
+    assert ack(ids[1]) and master.core.record.subscriptions["s"] == [opened, [ids[1]]]     # out of order
+    assert ack(ids[0]) and master.core.record.subscriptions["s"] == [ids[1], []]           # the floor moves over both
+    assert not ack(ids[0])                                                                 # again: nothing to do
+    assert not ack(before)                                # below the floor (not in the backlog): nothing to do
+    assert error_code(lambda: master._run(lambda out: master.core.subscriber_ack(
+        "s", ids[-1] + 100, "c", master.now_ms, out), True)) == E_UNKNOWN_MESSAGE.code
+    assert error_code(lambda: master._run(lambda out: master.core.subscriber_ack(
+        "nobody", ids[2], "c", master.now_ms, out), True)) == "E_UNKNOWN_SUBSCRIPTION"
+    purged, _ = master._run(lambda out: master.core.purge(ids[-1], 100, master.now_ms, out), True)
+    assert purged == 3                                    # `before`, ids[0], ids[1]: nothing past the floor
+    replica = Driver(QueueOptions(strength=Strength.FULL), with_dead_letter_queue=False)
+    for op in master.committed:
+        replica.core.apply(op)
+        replica.staged.append(op)
+    replica.commit()
+    assert replica.core.record.subscriptions == master.core.record.subscriptions
+    master.restart()
+    assert master.core.record.subscriptions == {"s": [ids[1], []]}
+    with pytest.raises(InvariantViolation):               # a replica never takes a message some backlog holds
+        replica.core.apply(Purged(QUEUE_ID, ids[2], 4, False, master.now_ms, False, replica.core.record.next_index))
+    master._run(lambda out: master.core.drop_subscription("s", "c", master.now_ms, out), True)
+    assert master._run(lambda out: master.core.purge(ids[-1], 100, master.now_ms, out), True)[0] == 2
