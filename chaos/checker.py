@@ -51,6 +51,10 @@ from every node's cluster map during the run. The rules:
   (**older_value**), a value no publish made or one under another id than its publish was
   answered with (**unexpected_value**), or a subscriber that does not reach the newest
   acknowledged value within the catch-up after the heal (**stale_at_end**); see `_check_channels`.
+  `durable`: per durable subscription, the total-queue terms: an acknowledged publish it was
+  never given (**durable_lost**), a value no publish made (**unexpected_value**), a message
+  given again after its ack was answered (**durable_redelivered_after_ack**); repeats before
+  that are at-least-once delivery, counted; see `_check_durable`.
 * **two masters** (violation): two nodes named master of one queue in one epoch, in any
   node's cluster map at any sample (`replication.invariants.epochs_with_two_masters`).
 """
@@ -237,7 +241,7 @@ def _check_channels(history: list[Mapping[str, Any]], findings: Findings) -> dic
         channel, process, message_id = entry["channel"], entry["process"], entry["id"]
         summary[channel]["values_seen"] += 1
         before = highest.get((channel, process), 0)
-        if message_id < before:
+        if message_id < before and not entry.get("subscription"):     # a durable backlog repeats: at least once
             findings.add("older_value", channel=channel, subscriber=process, id=message_id, after=before)
         highest[(channel, process)] = max(before, message_id)
         source = published.get((channel, entry.get("tag") or ""))
@@ -247,10 +251,45 @@ def _check_channels(history: list[Mapping[str, Any]], findings: Findings) -> dic
     for entry in history:
         if entry.get("op") == "channel_end":
             summary[entry["channel"]]["subscribers_at_end"] += 1
-            if entry["last_id"] < entry["last_published"]:
+            if not entry.get("subscription") and entry["last_id"] < entry["last_published"]:
                 findings.add("stale_at_end", channel=entry["channel"], subscriber=entry["process"],
                              last_seen=entry["last_id"], last_published=entry["last_published"])
+    durable = _check_durable(history, published, findings)
+    for channel, subscriptions in durable.items():
+        summary[channel]["durable"] = subscriptions      # type: ignore[assignment]
     return dict(summary)
+
+
+def _check_durable(history: list[Mapping[str, Any]], published: Mapping[tuple[str, str], Mapping[str, Any]],
+                   findings: Findings) -> dict[str, dict[str, dict[str, int]]]:
+    """Durable subscriptions (opened before the first publish), each as a total queue: every
+    acknowledged publish is given to it at least once by the end (**durable_lost**), and no
+    message is given again once its ack was answered (**durable_redelivered_after_ack**)."""
+    given: dict[tuple[str, str], list[Mapping[str, Any]]] = defaultdict(list)
+    acked_at: dict[tuple[str, str, int], float] = {}
+    for entry in history:
+        name = entry.get("subscription")
+        if not name:
+            continue
+        if entry.get("op") == "channel_value":
+            given[(entry["channel"], name)].append(entry)
+        elif entry.get("op") == "durable_ack" and entry.get("status") == "ok":
+            key = (entry["channel"], name, entry["id"])
+            acked_at[key] = min(acked_at.get(key, entry["t_complete"]), entry["t_complete"])
+    out: dict[str, dict[str, dict[str, int]]] = defaultdict(dict)
+    for (channel, name), values in sorted(given.items()):
+        ids = {entry["id"] for entry in values}
+        for (of, _), publish in published.items():
+            if of == channel and publish["status"] == "ok" and publish["id"] not in ids:
+                findings.add("durable_lost", channel=channel, subscription=name, id=publish["id"], tag=publish["tag"])
+        for entry in values:
+            answered = acked_at.get((channel, name, entry["id"]))
+            if answered is not None and entry["t_invoke"] > answered:
+                findings.add("durable_redelivered_after_ack", channel=channel, subscription=name, id=entry["id"])
+        out[channel][name] = {"given": len(values), "distinct": len(ids),
+                              "resent": sum(1 for entry in values if entry.get("resent")),
+                              "acknowledged": sum(1 for (c, n, _) in acked_at if (c, n) == (channel, name))}
+    return dict(out)
 
 
 def _macro_copies(facts: Mapping[str, QueueFacts]) -> dict[str, dict[str, int]]:

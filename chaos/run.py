@@ -215,6 +215,9 @@ def summary(result: dict[str, Any]) -> str:
         lines.append(f"channel {name}: published {seen['published_ok']} ok / {seen['published_unknown']} unknown / "
                      f"{seen['published_fail']} failed, {seen['values_seen']} values seen by subscribers, "
                      f"{seen['subscribers_at_end']} subscribers recorded at the end")
+        for subscription, counts in seen.get("durable", {}).items():
+            lines.append(f"  durable {subscription}: given {counts['given']} ({counts['distinct']} distinct, "
+                         f"{counts['resent']} resent), acknowledged {counts['acknowledged']}")
     for name, calls in result.get("macros", {}).items():
         lines.append(f"macro {name}: {calls['calls']} calls, every copy acknowledged {calls['every_copy_ok']}, "
                      f"some {calls['some_copies_ok']}, none {calls['no_copy_ok']}")

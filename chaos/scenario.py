@@ -37,6 +37,7 @@
     publishers = 1
     subscribers = 2
     rate = 10
+    delivery_class = "latest"    # or "durable": each subscriber reads a durable subscription of its own
 
     [nemesis]                    # chaos.nemesis.FaultSpec: faults drawn from the seed ...
     kinds = ["partition-master-replica", "kill"]
@@ -172,9 +173,9 @@ def check_scenario(scenario: Scenario) -> None:
             problems.append(f"macro {macro.name}: 1 to {WORKERS_PER_QUEUE_MAX} producers, a positive rate")
     for channel in scenario.channels:
         if not 0 < channel.publishers <= WORKERS_PER_QUEUE_MAX or not 0 < channel.subscribers <= WORKERS_PER_QUEUE_MAX \
-                or channel.rate <= 0:
+                or channel.rate <= 0 or channel.delivery_class not in ("latest", "durable"):
             problems.append(f"channel {channel.name}: 1 to {WORKERS_PER_QUEUE_MAX} publishers and subscribers, "
-                            "a positive rate")
+                            "a positive rate, delivery_class latest or durable")
     kinds = set(scenario.nemesis.kinds) | {step.fault.kind for step in scenario.nemesis.steps}
     if "majority-ring" in kinds and scenario.nodes < RING_NODES_MIN:
         problems.append(f"majority-ring needs {RING_NODES_MIN} nodes")

@@ -99,17 +99,27 @@ class MacroSpec:
 
 @dataclass(frozen=True)
 class ChannelSpec:
-    """A `latest` channel: publishers at a steady rate, subscribers that read as fast as values
-    come. The checker holds each subscriber to "never older than a value already seen", every
-    value one that was published, and the last acknowledged value reached after the heal."""
+    """A channel: publishers at a steady rate, subscribers that read as fast as values come.
+    `latest`: the checker holds each subscriber to "never older than a value already seen",
+    every value one that was published, and the last acknowledged value reached after the
+    heal. `durable`: each subscriber reads its own durable subscription (opened before anything
+    is published) and acknowledges what it takes; the checker holds every subscription to the
+    total-queue terms (every acknowledged publish delivered to it, nothing unexpected, nothing
+    delivered again once its ack was answered)."""
     name: str
     publishers: int = 1
     subscribers: int = 2
     rate: float = 10.0
     payload_bytes: int = 64
+    delivery_class: str = "latest"
+
+    def subscription(self, worker: int) -> str | None:
+        """The durable subscription subscriber `worker` reads (None: a live `latest` one)."""
+        return f"{self.name}-reader{worker}" if self.delivery_class == "durable" else None
 
 
 CHANNEL_CATCH_UP_S = 15.0        # after the stop, a subscriber waits this long at most for the last value
+DURABLE_QUIET_S = 5.0            # after the stop, a durable subscriber drains until this long without a message
 
 
 def _error_text(error: BaseException) -> str:
@@ -205,7 +215,12 @@ class Workload:
             for spec in self.queues:
                 await admin.create_queue(spec.name, **spec.options())
             for channel in self.channels:
-                await admin.create_channel(channel.name, "latest")
+                await admin.create_channel(channel.name, channel.delivery_class)
+                for worker in range(channel.subscribers):   # durable: opened before anything is published
+                    name = channel.subscription(worker)
+                    if name is not None:
+                        await admin.subscribe(channel.name, durable=name)
+                        await admin.unsubscribe(channel.name)
             for macro in self.macros:
                 await admin.create_macro(macro.name, macro.producer, "prioritized")
                 for member in macro.members:
@@ -316,6 +331,10 @@ class Workload:
         the stop, wait (bounded) for the last acknowledged value, and record where it ended."""
         client = self.client(node)
         process = f"sub-{spec.name}-{worker}@{node}"
+        durable = spec.subscription(worker)
+        if durable is not None:
+            await self._read_durable(spec, durable, client, process, stop)
+            return
         while not stop.is_set():
             try:
                 await asyncio.wait_for(client.subscribe(spec.name), self.op_timeout_s)
@@ -339,6 +358,38 @@ class Workload:
             self.history.info(process, "channel_value", channel=spec.name, id=message.id,
                               tag=tag_of(message.payload), resent=message.resent)
         self.history.info(process, "channel_end", channel=spec.name, last_id=seen,
+                          last_published=self.last_published.get(spec.name, 0))
+
+    async def _read_durable(self, spec: ChannelSpec, name: str, client: AsyncClient, process: str,
+                            stop: asyncio.Event) -> None:
+        """Read durable subscription `name`: record each message taken, acknowledge it and
+        record the answer; after the stop, drain (bounded) until the backlog stays empty."""
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(client.subscribe(spec.name, durable=name), self.op_timeout_s)
+                break
+            except (QueueError, TimeoutError) as error:
+                self.history.info(process, "subscribe", channel=spec.name, error=_error_text(error))
+                await asyncio.sleep(ERROR_PAUSE_S)
+        last_message = self.history.now()
+        stopped_at: float | None = None
+        while True:
+            now = self.history.now()
+            if stop.is_set():
+                stopped_at = stopped_at or now
+                if now - last_message > DURABLE_QUIET_S or now - stopped_at > 4 * CHANNEL_CATCH_UP_S:
+                    break
+            try:
+                message = await asyncio.wait_for(client.next_channel_message(), 1.0)
+            except TimeoutError:
+                continue
+            last_message = self.history.now()
+            self.history.info(process, "channel_value", channel=spec.name, id=message.id,
+                              tag=tag_of(message.payload), resent=message.resent, subscription=name)
+            operation = self.history.invoke(process, "durable_ack", None, channel=spec.name, subscription=name,
+                                            id=message.id)
+            await self._outcome(operation, message.ack(), lambda _: {})
+        self.history.info(process, "channel_end", channel=spec.name, subscription=name,
                           last_published=self.last_published.get(spec.name, 0))
 
     async def _copies_outcome(self, operations: dict[str, Operation], call: Awaitable[Any]) -> bool:

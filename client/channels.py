@@ -206,6 +206,13 @@ class ChannelInbox:
             raise QueueError(E_UNAVAILABLE, f"channel {delivery.channel} is being subscribed again: the message "
                                             "comes again, acknowledge it then")
         await node._call(ChannelAckOp(next(node._ids), delivery.channel, delivery.id))
+        unread = self._unread.get(delivery.channel)
+        if unread and delivery.channel in self._durable:
+            # A resend sent before the ack was committed arrived before its answer: acknowledged
+            # now, it is not handed out again.
+            kept = [(arrival, waiting) for arrival, waiting in unread if waiting.id != delivery.id]
+            if len(kept) != len(unread):
+                self._unread[delivery.channel] = deque(kept)
 
     def _wake(self) -> None:
         waiters, self._waiters = self._waiters, []
