@@ -154,6 +154,7 @@ BUCKET_WIDTHS_MS = (10, 20, 50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000, 30_0
 _READY, _LEASED, _DELAYED, _ACKED, _DEAD, _PURGED, _EXPIRED = 1, 2, 3, 4, 5, 6, 7     # from _ACKED on: consumed
 _CONSUMED_COUNTS = {_ACKED: "acked", _DEAD: "dead_lettered", _PURGED: "purged", _EXPIRED: "expired"}
 _TAKING_OPS = {"dead_letter": _DEAD, "purge": _PURGED, "ttl_expire": _EXPIRED}   # ready or leased -> gone
+_TAKEN_STATES = frozenset(_TAKING_OPS.values())
 
 
 class JournalRecord(NamedTuple):
@@ -1056,26 +1057,46 @@ def _check_queue(queue: str, keys: list[StreamKey], replays: Mapping[StreamKey, 
                "counts": {**_history_counts(final, members), **_redelivery_counts(final)},
                "series": _series(final, settings)}
     if final.subscriptions:
-        summary["durable"] = durable_summary(final)
+        durable, skipped = durable_summary(queue, final, members, settings)
+        summary["durable"] = durable
+        found += skipped
     return summary, found
 
 
-def durable_summary(final: StreamReplay) -> dict[str, dict[str, int | None]]:
-    """Each durable subscription as the final master's journal shows it: its backlog (messages
-    enqueued after it opened), how many of them it acknowledged and how many still wait for it
-    in the queue. backlog == acknowledged + waiting is the proof that every publish reached it
-    (what left the queue unacknowledged is a durable_skipped violation)."""
+def durable_summary(queue: str, final: StreamReplay, members: list[StreamReplay], settings: AuditSettings
+                    ) -> tuple[dict[str, dict[str, int | None]], list[dict[str, Any]]]:
+    """Each durable subscription the final master holds, from every member's journal (a member
+    that took the queue by snapshot did not journal the opening, or the acks before it): its
+    backlog (messages enqueued after it opened), how many it acknowledged and how many still
+    wait for it at the final master. backlog == acknowledged + waiting proves every publish
+    reached it. A member whose own journal cannot date the opening is judged here: a message
+    of the backlog it took out of the queue unacknowledged is durable_skipped."""
     out: dict[str, dict[str, int | None]] = {}
+    found: list[dict[str, Any]] = []
     held, _ = final.held()
-    for name, (opened, acked) in sorted(final.subscriptions.items()):
-        if opened is None:        # opened before the stream began: its backlog's start is not journaled here
+    enqueued = set().union(*(member.enqueued for member in members))
+    for name in sorted(final.subscriptions):
+        states = [member.subscriptions[name] for member in members if name in member.subscriptions]
+        opened = max((state[0] for state in states if state[0] is not None), default=None)
+        acked: set[int] = set().union(*(state[1] for state in states))
+        if opened is None:
             out[name] = {"opened_at": None, "backlog": None, "acknowledged": len(acked), "waiting": None}
             continue
-        backlog = [message_id for message_id in final.enqueued if message_id > opened]
+        backlog = [message_id for message_id in enqueued if message_id > opened]
         out[name] = {"opened_at": opened, "backlog": len(backlog),
                      "acknowledged": sum(1 for message_id in backlog if message_id in acked),
                      "waiting": sum(1 for message_id in backlog if message_id in held and message_id not in acked)}
-    return out
+        for member in members:
+            if name not in member.subscriptions or member.subscriptions[name][0] is not None:
+                continue          # its own replay judged its trims (Consumption._check_backlogs)
+            for message_id in sorted(backlog):
+                if member.states.get(message_id) in _TAKEN_STATES and message_id not in acked:
+                    found.append(violation(
+                        DURABLE_SKIPPED, queue, f"message {message_id} left the queue before durable subscription "
+                        f"{name} acknowledged it", node=member.node, message_id=message_id,
+                        records=[member.enqueued[message_id]] if message_id in member.enqueued else [],
+                        settings=settings))
+    return out, found
 
 
 def _history_counts(final: StreamReplay, members: list[StreamReplay]) -> dict[str, int]:
