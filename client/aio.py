@@ -1166,6 +1166,10 @@ class AsyncClient:
         """A push recipient's ordered chain of alternative recipients (seed 001; admin)."""
         return await self.http.set_alternatives(recipient, alternatives)
 
+    async def recipients(self) -> list[dict[str, Any]]:
+        """Every recipient with its queue, state (ok, fault, defunct) and alternatives."""
+        return await self.http.recipients()
+
     async def alternatives(self, recipient: str) -> list[str]:
         return await self.http.alternatives(recipient)
 
@@ -1173,18 +1177,20 @@ class AsyncClient:
         """One round trip over the WebSocket (connecting first if needed)."""
         await self._submit(PingOp(next(self._ids)))
 
-    def consume(self, queue: str, prefetch: int = 100,
-                visibility_timeout_s: float | None = None) -> Consumer | MacroConsumer:
+    def consume(self, queue: str, prefetch: int = 100, visibility_timeout_s: float | None = None, *,
+                recipient: str | None = None) -> Consumer | MacroConsumer:
         """Messages pushed by the server as an async iterator; at most `prefetch` are leased
         and not yet taken at any time. Use `async with client.consume(q) as messages:`. On a
         macro queue this client knows (after any call on it, or `await client.macro(name)`),
-        messages of all its members by its consumer policy (client/macro.py)."""
+        messages of all its members by its consumer policy (client/macro.py). `recipient`:
+        consume as a named recipient under the queue's fault surveillance (seed 001): one that
+        stops taking messages enters fault, and they fail over to its alternatives."""
         if not 1 <= prefetch <= 100_000:
             raise ValueError("prefetch must be in [1, 100000]")
         if queue in self._macros:
             return MacroConsumer(self._macros[queue], prefetch, visibility_timeout_s)
         consumer = Consumer(self._consume_target(queue), queue, prefetch, _milliseconds(visibility_timeout_s),
-                            router=self)
+                            router=self, recipient=recipient)
         consumer._attach(consumer._client)
         return consumer
 
@@ -1661,10 +1667,12 @@ class Consumer:
     """
 
     def __init__(self, client: AsyncClient, queue: str, prefetch: int, visibility_ms: int | None, *,
-                 router: AsyncClient | None = None) -> None:
+                 router: AsyncClient | None = None, recipient: str | None = None) -> None:
         """`router`: the client whose consume() made it; it knows the cluster map, so that the
-        consumer follows the queue's master to its new node after a handoff or failover."""
+        consumer follows the queue's master to its new node after a handoff or failover.
+        `recipient`: the name fault surveillance knows this consumer by (qserver/surveillance.py)."""
         self.queue = queue
+        self.recipient = recipient
         self._router = router
         self._following: asyncio.Task[None] | None = None
         self._follow_deadline: float | None = None   # set by the first E_NOT_MASTER, cleared once subscribed
@@ -1733,7 +1741,7 @@ class Consumer:
         credit = self.prefetch - len(self._buffer)
         if self.closed or self._subscribing or credit < 1:
             return
-        op = SubscribeOp(next(self._client._ids), self.queue, credit, self._visibility_ms)
+        op = SubscribeOp(next(self._client._ids), self.queue, credit, self._visibility_ms, self.recipient)
         self._subscribing = True
         self._taken = 0
         self._client._subscribing[op.request_id] = self

@@ -308,7 +308,9 @@ class HttpClient:
         path = "/v1/recipients/" + _segment(recipient) + "/alternatives"
         return list((await self._json("GET", path))["alternatives"])
 
-    async def list_alternatives(self) -> list[dict[str, Any]]:
+    async def recipients(self) -> list[dict[str, Any]]:
+        """Every recipient: `name`, `queue`, `state` (ok, fault, defunct), `since_ms`, `reason`,
+        `alternatives`."""
         return list((await self._json("GET", "/v1/recipients"))["recipients"])
 
     # --- messages ---------------------------------------------------------------------------

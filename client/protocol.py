@@ -75,6 +75,9 @@ class SubscribeOp:
     queue: str
     credit: int
     visibility_ms: int | None = None
+    # A recipient's name (fault surveillance, seed 001: the queue's fault, defunct and message
+    # intervals apply to it, and its messages fail over to its alternatives); nil: anonymous.
+    recipient: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,7 +337,7 @@ def _str(value: Any, name: str, request_id: int, *, optional: bool = False) -> A
 INT64_MAX = 2**63 - 1
 TTL_MS_MAX = 1_209_600_000      # 14 days (replication.options.TTL_MAX_S)
 DELAY_MS_MAX = 900_000          # 15 minutes (replication.options.DELAY_MAX_S)
-_OP_ARITY = {1: (5, 9), 2: (3, 6), 3: (5, 5), 4: (5, 5), 5: (4, 5), 6: (4, 4), 7: (3, 3), 8: (2, 2),
+_OP_ARITY = {1: (5, 9), 2: (3, 6), 3: (5, 5), 4: (5, 5), 5: (4, 6), 6: (4, 4), 7: (3, 3), 8: (2, 2),
              9: (5, 9), 10: (4, 4), 11: (6, 6), 12: (4, 5), 13: (4, 4), 14: (4, 5), 15: (4, 4), 16: (4, 4)}
 
 
@@ -383,9 +386,11 @@ def _decode_op(row: Any) -> ClientOp:
                         _int(args[3], "visibility_ms", 0, 43_200_000, request_id))
     if tag == SubscribeOp.TAG:
         visibility = args[2] if len(args) > 2 else None
+        recipient = _str(args[3], "recipient", request_id, optional=True) if len(args) > 3 else None
         return SubscribeOp(request_id, _str(args[0], "queue", request_id),
                            _int(args[1], "credit", 1, 100_000, request_id),
-                           None if visibility is None else _int(visibility, "visibility_ms", 0, 43_200_000, request_id))
+                           None if visibility is None else _int(visibility, "visibility_ms", 0, 43_200_000, request_id),
+                           recipient)
     if tag == CreditOp.TAG:
         return CreditOp(request_id, _int(args[0], "subscription_id", 1, INT64_MAX, request_id),
                         _int(args[1], "credit", 1, 100_000, request_id))

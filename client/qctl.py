@@ -269,14 +269,15 @@ def build_parser() -> argparse.ArgumentParser:
     channel_drop.add_argument("name")
     channel_drop.add_argument("subscription")
 
-    recipient = commands.add_parser("recipient", help="push recipients' alternatives (fault surveillance)")
+    recipient = commands.add_parser("recipient", help="push recipients: states and alternatives (fault surveillance)")
     recipient_commands = recipient.add_subparsers(dest="recipient_command", required=True, metavar="ACTION")
     alternatives = command(recipient_commands, "alternatives", cmd_recipient_alternatives,
                            "show a recipient's chain of alternatives, or set it (--set, in order; --clear)")
     alternatives.add_argument("name")
     alternatives.add_argument("--set", nargs="+", metavar="ALTERNATIVE", dest="chain")
     alternatives.add_argument("--clear", action="store_true")
-    command(recipient_commands, "list", cmd_recipient_list, "every recipient with alternatives")
+    command(recipient_commands, "list", cmd_recipient_list, "every recipient: its queue, state (ok, fault, "
+            "defunct) and alternatives")
 
     put = command(commands, "put", cmd_put, "enqueue one message")
     put.add_argument("queue")
@@ -506,9 +507,15 @@ async def cmd_recipient_alternatives(http: HttpClient, args: argparse.Namespace)
 
 
 async def cmd_recipient_list(http: HttpClient, args: argparse.Namespace) -> Outcome:
-    chains = await http.list_alternatives()
-    return Outcome({"recipients": chains}, "\n".join(f"{c['recipient']}: " + " -> ".join(c["alternatives"])
-                                                     for c in chains) or "no alternatives set")
+    recipients = await http.recipients()
+    return Outcome({"recipients": recipients}, "\n".join(_recipient_text(r) for r in recipients) or "no recipients")
+
+
+def _recipient_text(recipient: dict[str, Any]) -> str:
+    state = f"{recipient['state']} on {recipient['queue']}" if recipient.get("state") else "never subscribed"
+    why = f" ({recipient['reason']})" if recipient.get("reason") and recipient.get("state") != "ok" else ""
+    chain = " -> ".join(recipient["alternatives"])
+    return f"{recipient['recipient']}: {state}{why}" + (f", alternatives {chain}" if chain else "")
 
 
 async def cmd_channel_create(http: HttpClient, args: argparse.Namespace) -> Outcome:

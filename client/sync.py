@@ -197,10 +197,10 @@ class Client:
     def ping(self) -> None:
         self._run(self._async.ping())
 
-    def consume(self, queue: str, prefetch: int = 100,
-                visibility_timeout_s: float | None = None) -> SyncConsumer:
+    def consume(self, queue: str, prefetch: int = 100, visibility_timeout_s: float | None = None, *,
+                recipient: str | None = None) -> SyncConsumer:
         async def subscribe() -> Consumer | MacroConsumer:
-            return self._async.consume(queue, prefetch, visibility_timeout_s)
+            return self._async.consume(queue, prefetch, visibility_timeout_s, recipient=recipient)
         return SyncConsumer(self, self._run(subscribe()))
 
     # --- admin --------------------------------------------------------------------------------
@@ -307,6 +307,9 @@ class Client:
 
     def alternatives(self, recipient: str) -> list[str]:
         return self._run(self._async.alternatives(recipient))
+
+    def recipients(self) -> list[dict[str, Any]]:
+        return self._run(self._async.recipients())
 
     def ack_channel(self, message: ChannelDelivery) -> None:
         self._run(message.ack())

@@ -238,19 +238,6 @@ class ChannelHub:
         state = None if core is None else core.record.subscriptions.get(name)
         return None if state is None else int(state[0])
 
-    @contextlib.contextmanager
-    def _reading(self) -> Any:
-        """Storage reads from the hub's own task, or within an engine step that holds a read."""
-        storage = self._node.storage
-        if storage.reading:
-            yield storage
-            return
-        storage.begin_read()
-        try:
-            yield storage
-        finally:
-            storage.end_read()
-
     def _core(self, channel: str) -> QueueCore | None:
         return self._node.engine.cores.get(channel_queue(channel))  # type: ignore[no-any-return]
 
@@ -296,7 +283,7 @@ class ChannelHub:
         if room <= 0:
             return
         floor, acked = state
-        with self._reading() as storage:
+        with self._node.storage.reads() as storage:
             rows = storage.messages_after(core.queue_id, max(reader.cursor, floor), room + len(acked))
         visible, skip, now = core.visible_upto, set(acked), time.monotonic()
         reader.caught_up = len(rows) < room + len(acked)
@@ -366,7 +353,7 @@ class ChannelHub:
         if core is None:
             return []
         out = []
-        with self._reading() as storage:
+        with self._node.storage.reads() as storage:
             for name, (floor, acked) in sorted(core.record.subscriptions.items()):
                 waiting = len(storage.messages_after(core.queue_id, floor, core.depth + 1)) - len(acked)
                 reader = self.durable.get(channel, {}).get(name)
@@ -382,7 +369,7 @@ class ChannelHub:
         for reader in list(self.durable.get(entry.name, {}).values()):
             due = [index for index, sent_at in reader.sent.items() if now - sent_at >= interval]
             if due:
-                with self._reading() as storage:
+                with self._node.storage.reads() as storage:
                     payloads = [(index, storage.read_client_payload(core.queue_id, index)) for index in due]
                 for index, payload in payloads:
                     if payload is None:              # acknowledged meanwhile and trimmed
@@ -496,7 +483,7 @@ class ChannelHub:
         if last is None:
             core = self._core(channel)
             if core is not None:
-                with self._reading() as storage:
+                with self._node.storage.reads() as storage:
                     last = storage.newest_message(core.queue_id)
                 if last is not None:
                     self._last[channel] = last

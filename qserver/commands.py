@@ -138,6 +138,7 @@ class Subscribe:
     client: str
     replier: Any                   # the WebSocket connection (it receives pushes)
     request_id: int = 0
+    recipient: str | None = None   # a named push consumer under fault surveillance (qserver/surveillance.py)
 
 
 @dataclass(slots=True)

@@ -118,6 +118,11 @@ class Subscription:
     credit: int
     visibility_ms: int | None
     client: str
+    # A recipient (fault surveillance, qserver/surveillance.py): what it was pushed and has not
+    # taken (id -> receipt), and whether pushing to it is held (in fault).
+    recipient: str | None = None
+    pushed: dict[int, str] = field(default_factory=dict)
+    held: bool = False
 
 
 @dataclass(slots=True)
@@ -783,7 +788,7 @@ class Engine:
         core = self._core(command.queue)
         subscription = Subscription(self._next_subscription_id, core.name, command.replier,
                                     min(command.credit, self.config.subscription_credit_max),
-                                    command.visibility_ms, command.client)
+                                    command.visibility_ms, command.client, command.recipient)
         self._next_subscription_id += 1
         self._subscriptions.setdefault(core.name, []).append(subscription)
         self._subscriptions_by_id[subscription.subscription_id] = subscription
@@ -798,6 +803,25 @@ class Engine:
         subscription.credit = min(subscription.credit + command.credit, self.config.subscription_credit_max)
         self._to_serve.add(subscription.queue)
         command.replier.reply(command.request_id, None)
+
+    # --- recipients (fault surveillance: qserver/surveillance.py) ----------------------------
+    def recipient_subscriptions(self, queue: str, recipient: str) -> list[Subscription]:
+        return [s for s in self._subscriptions.get(queue, ()) if s.recipient == recipient]
+
+    def recipients_here(self) -> dict[tuple[str, str], list[Subscription]]:
+        """(queue, recipient) -> its subscriptions on this node."""
+        out: dict[tuple[str, str], list[Subscription]] = {}
+        for queue, subscriptions in self._subscriptions.items():
+            for subscription in subscriptions:
+                if subscription.recipient is not None:
+                    out.setdefault((queue, subscription.recipient), []).append(subscription)
+        return out
+
+    def end_subscription(self, subscription: Subscription, error: QueueError) -> None:
+        """Stop pushing to a subscription (a defunct recipient): its client is told."""
+        if self._subscriptions_by_id.pop(subscription.subscription_id, None) is not None:
+            self._subscriptions[subscription.queue].remove(subscription)
+            subscription.connection.subscription_ended(subscription.subscription_id, error)
 
     def _step_unsubscribe(self, command: c.Unsubscribe, now_ms: int) -> None:
         subscription = self._subscriptions_by_id.pop(command.subscription_id, None)
@@ -914,6 +938,19 @@ class Engine:
             self.clock_ms(), core.name, core.queue_id, core.record.epoch, index, "epoch", 0, reason, 0, 0, 0, role,
             self.config.node_id, ""]))
         self._touch(core)
+
+    def journal_event(self, core: QueueCore, op: str, subject: str, detail: str) -> None:
+        """A journal record of an event about the queue that is no operation on it (a
+        recipient's state change): at index 0, `subject` in the dedupe id's column."""
+        self._open.sealed.journal_marks.append((len(self._open.sealed.operations), [
+            self.clock_ms(), core.name, core.queue_id, core.record.epoch, 0, op, 0, subject, 0, 0, 0,
+            "master", self.config.node_id, detail[:200]]))
+        self._touch(core)
+
+    def serve_soon(self, queue: str) -> None:
+        """Look at the queue's waiting receives and subscriptions in this turn (one unheld)."""
+        self._to_serve.add(queue)
+        self._wake.set()
 
     def invoke(self, action: Callable[[int], None]) -> None:
         """Run action(now_ms) on the engine's task (from callbacks of the membership layer)."""
@@ -1143,12 +1180,14 @@ class Engine:
                 waiters.popleft()
                 self._answer_with_messages(core, command.replier, command.request_id, leased)
             for subscription in self._subscriptions.get(name, ()):
-                if subscription.credit > 0:
+                if subscription.credit > 0 and not subscription.held:
                     leased = self._lease(core, subscription.credit, subscription.visibility_ms, subscription.client,
                                          now_ms)
                     if not leased:
                         break
                     subscription.credit -= len(leased)
+                    if subscription.recipient is not None:
+                        subscription.pushed.update((op.index, op.receipt) for op in leased)
                     self._push(core, subscription, leased)
         if self._to_serve:
             self._wake.set()

@@ -59,7 +59,8 @@ class MacroService:
         coordinator = self._node.engine.coordinator
         return coordinator is not None and name in coordinator.membership.cluster_map.macros
 
-    def _client(self, client_id: str) -> AsyncClient:
+    def client_for(self, client_id: str) -> AsyncClient:
+        """A client library instance that calls in `client_id`'s name (delegated; qserver/auth.py)."""
         client = self._clients.get(client_id)
         if client is not None and not client.usable:
             del self._clients[client_id]         # its grants changed or it was removed: start afresh
@@ -77,7 +78,7 @@ class MacroService:
     async def enqueue(self, client_id: str, name: str, payload: bytes, priority: int, dedupe_id: str, **extra: Any
                       ) -> MacroEnqueued:
         try:
-            answer = await self._client(client_id).enqueue(name, payload, priority, dedupe_id, **extra)
+            answer = await self.client_for(client_id).enqueue(name, payload, priority, dedupe_id, **extra)
         except QueueError as error:
             self.calls[f"enqueue {error.code}"] += 1
             raise
@@ -87,7 +88,7 @@ class MacroService:
     async def receive(self, client_id: str, name: str, wait_s: float, visibility_timeout_s: float | None
                       ) -> list[Message]:
         try:
-            messages = await self._client(client_id).receive(name, 1, wait_s, visibility_timeout_s)
+            messages = await self.client_for(client_id).receive(name, 1, wait_s, visibility_timeout_s)
         except QueueError as error:
             self.calls[f"receive {error.code}"] += 1
             raise

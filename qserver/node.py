@@ -38,6 +38,7 @@ from qserver.metrics import LoopLag, render_family
 from qserver.peers import PEER_PATH, PeerTransport
 from qserver.raft_store import RaftStore
 from qserver.storage import Storage
+from qserver.surveillance import RecipientWatch
 from qserver.tls import client_context, server_context
 from qserver.ws_api import ClientConnection, websocket
 
@@ -68,6 +69,7 @@ class Node:
             self.auth.cluster_secret = secret      # nodes call members in a client's name (macro queues)
         self.macros = MacroService(self, secret)
         self.channels = ChannelHub(self)
+        self.surveillance = RecipientWatch(self)
         self.connections: set[ClientConnection] = set()
         self.bad_frames = 0
         self._http_session: aiohttp.ClientSession | None = None
@@ -205,6 +207,8 @@ class Node:
         if self.journal is not None:
             self._journal_task = asyncio.get_running_loop().create_task(self._export_journal_when_due())
         self._loop_lag_task = asyncio.get_running_loop().create_task(self.loop_lag.run())
+        if self.membership is not None:
+            self.surveillance.start()
         self.auth._clients = self.engine.clients   # the engine rebuilt its registry on load
         if not self.auth.load_nonces(self._nonces_path):
             self.auth.not_before_ms = int(time.time() * 1000)   # after a crash: see qserver/auth.py
@@ -223,6 +227,7 @@ class Node:
             await connection.close_with(QueueError(e.E_SHUTTING_DOWN, "the node is stopping"))
         await self.macros.close()
         await self.channels.stop()
+        await self.surveillance.stop()
         if self.peers is not None:
             await self.peers.stop()
         if self.membership_peers is not None:
@@ -326,6 +331,7 @@ class Node:
         lines += render_family("qserver_storage_map_bytes", "gauge", "LMDB map size", [({}, self.storage.map_size())])
         lines += self.macros.render_metrics()
         lines += self.channels.render_metrics()
+        lines += self.surveillance.render_metrics()
         lines += self._replication_metrics()
         if self.membership is not None:
             lines += self.membership.render_metrics()

@@ -1,6 +1,7 @@
-"""Alternative recipients (seed 001, fault surveillance) in the REST API: the ordered chain of
-recipients that take over a push recipient's messages while it is in the fault state. The
-chain lives in the cluster map (`SetAlternatives`), so every node follows the same one."""
+"""Recipients (seed 001, fault surveillance: qserver/surveillance.py) in the REST API: their
+states, and the ordered chain of alternative recipients that take over a recipient's messages
+while it is in the fault state. Both live in the cluster map (`PutRecipient`,
+`SetAlternatives`), so every node follows the same ones."""
 from __future__ import annotations
 
 from typing import Any
@@ -43,14 +44,22 @@ async def get_alternatives(request: web.Request) -> web.Response:
     return web.json_response({"recipient": name, "alternatives": list(chain)})
 
 
-async def list_alternatives(request: web.Request) -> web.Response:
-    chains: dict[str, Any] = coordinator_of(request).membership.cluster_map.alternatives
-    return web.json_response({"recipients": [{"recipient": name, "alternatives": list(chain)}
-                                             for name, chain in sorted(chains.items())]})
+async def list_recipients(request: web.Request) -> web.Response:
+    """Every recipient the map knows: its queue, state (ok, fault, defunct), since when and
+    why (fault surveillance, qserver/surveillance.py), and its chain of alternatives; a chain
+    may name recipients that never subscribed yet."""
+    cluster = coordinator_of(request).membership.cluster_map
+    chains: dict[str, Any] = cluster.alternatives
+    out = []
+    for name in sorted(set(chains) | set(cluster.recipients)):
+        entry = cluster.recipients.get(name)
+        known = entry.to_json() if entry is not None else {"name": name, "queue": None, "state": None}
+        out.append({**known, "recipient": name, "alternatives": list(chains.get(name, ()))})
+    return web.json_response({"recipients": out})
 
 
 def add_routes(app: web.Application) -> None:
     r = app.router
-    r.add_get("/v1/recipients", list_alternatives)
+    r.add_get("/v1/recipients", list_recipients)
     r.add_get("/v1/recipients/{r}/alternatives", get_alternatives)
     r.add_put("/v1/recipients/{r}/alternatives", put_alternatives)

@@ -56,6 +56,7 @@ a mark at its order (`snapshot_installs`).
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import json
 import os
@@ -308,6 +309,19 @@ class Storage:
         if self._read_txn is None:
             self._read_txn = self.env.begin()
 
+    @contextlib.contextmanager
+    def reads(self) -> Iterator[Storage]:
+        """Reads outside the engine's step (a read transaction of their own), or within one
+        that holds its read already."""
+        if self._read_txn is not None:
+            yield self
+            return
+        self.begin_read()
+        try:
+            yield self
+        finally:
+            self.end_read()
+
     @property
     def reading(self) -> bool:
         return self._read_txn is not None
@@ -423,6 +437,11 @@ class Storage:
         """When a stored message was enqueued (the master's wall clock), None if not stored."""
         raw = self._reader().get(_QI.pack(queue_id, index), db=self.db["messages"])
         return None if raw is None else int(msgpack.unpackb(raw)[1])
+
+    def producer(self, queue_id: int, index: int) -> str | None:
+        """The client that enqueued a stored message (its sender), None if not stored."""
+        raw = self._reader().get(_QI.pack(queue_id, index), db=self.db["messages"])
+        return None if raw is None else str(msgpack.unpackb(raw)[3])
 
     # --- the op log, as the replication roles read it (OpLogReader) -----------------------
     def read(self, queue_id: int, after_order: int, limit: int, bytes_max: int = 1 << 62) -> list[tuple[int, int, bytes]]:

@@ -73,6 +73,7 @@ class ClientConnection:
         self.channels: set[str] = set()          # channels subscribed on this connection (qserver/channels.py)
         self.advertised: set[str] = set()        # channels it may publish to
         self.durable: dict[str, str] = {}        # channel -> the durable subscription read on this connection
+        self.recipients: dict[str, str] = {}     # queue -> the recipient this connection consumes it as
         self._loop = asyncio.get_running_loop()
 
     @property
@@ -207,9 +208,13 @@ class ClientConnection:
                                  op.ttl_ms, op.delay_ms, op.headers)
         if kind is AckBatchOp:
             self._queue(op.queue, "delete", op.request_id)
+            if self.recipients:
+                self._took(op.queue, [message_id for message_id, _ in op.items])
             return c.AckMany(op.queue, op.items, client, self, op.request_id)
         if kind is AckOp or kind is ReleaseOp:
             self._queue(op.queue, "delete" if kind is AckOp else "get", op.request_id)
+            if self.recipients:
+                self._took(op.queue, [op.message_id])
             return c.Ack(op.queue, op.message_id, op.receipt, client, self, op.request_id, release=kind is ReleaseOp)
         if kind is ExtendOp:
             self._queue(op.queue, "get", op.request_id)        # like a release: it removes nothing
@@ -221,7 +226,13 @@ class ClientConnection:
             return c.Receive(op.queue, op.max_messages, wait_ms, op.visibility_ms, client, self, op.request_id)
         if kind is SubscribeOp:
             self.queues_consumed.add(self._queue(op.queue, "get", op.request_id))
-            return c.Subscribe(op.queue, op.credit, op.visibility_ms, client, self, op.request_id)
+            if op.recipient is not None:
+                if not is_valid_queue_name(op.recipient):
+                    raise QueueError(e.E_INVALID_NAME, "a recipient's name is a queue name")
+                self.node.surveillance.check_subscribe(op.queue, op.recipient)
+                self.recipients[op.queue] = op.recipient
+                self.node.surveillance.subscribed(op.queue, op.recipient)
+            return c.Subscribe(op.queue, op.credit, op.visibility_ms, client, self, op.request_id, op.recipient)
         if kind is CreditOp:
             self._own_subscription(op.subscription_id)
             return c.Credit(op.subscription_id, op.credit, self, op.request_id)
@@ -262,6 +273,12 @@ class ClientConnection:
             return None
         self.reply(op.request_id, None)
         return None
+
+    def _took(self, queue: str, message_ids: list[int]) -> None:
+        """A recipient answered for messages it was given (fault surveillance sees it alive)."""
+        recipient = self.recipients.get(queue)
+        if recipient is not None:
+            self.node.surveillance.took(queue, recipient, message_ids)
 
     def _own_subscription(self, subscription_id: int) -> None:
         if subscription_id not in self.subscriptions:

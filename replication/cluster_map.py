@@ -137,6 +137,7 @@ class DeliveryClass(enum.StrEnum):
     DURABLE = "durable"      # a replicated backlog per durable subscriber, resent until acknowledged
 
 
+RECIPIENTS_MAX = 10_000          # named push consumers in the map (fault surveillance)
 CHANNEL_PREFIX = "channel:"      # a channel's messages live in the queue `channel:<name>` (its pair)
 CHANNEL_RESEND_MAX_S = 86_400
 
@@ -290,12 +291,49 @@ class DeleteChannel:
     name: str
 
 
+class RecipientState(enum.StrEnum):
+    """Fault surveillance (seed 001): a recipient takes its messages (ok), took none for its
+    queue's fault interval while some waited (fault: its messages fail over), or stayed in
+    fault for the defunct interval (defunct: its subscriptions were ended)."""
+    OK = "ok"
+    FAULT = "fault"
+    DEFUNCT = "defunct"
+
+
+@dataclass(slots=True)
+class RecipientEntry:
+    """A named push consumer of a queue (qserver/surveillance.py) and its state, which every
+    node knows and which outlives a failover of the queue's master."""
+    name: str
+    queue: str
+    state: str = RecipientState.OK.value
+    since_ms: int = 0
+    reason: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "queue": self.queue, "state": self.state, "since_ms": self.since_ms,
+                "reason": self.reason}
+
+
+@dataclass(frozen=True, slots=True)
+class PutRecipient:
+    """Register a recipient of `queue`, or change its state (fault surveillance). A recipient
+    receives from one queue: naming another is refused."""
+    TAG = 15
+    name: str
+    queue: str
+    state: str
+    since_ms: int
+    reason: str = ""
+
+
 Command = (AddNode | SetNodeState | CreateQueue | DeleteQueue | ChangePair | ChangePairs | PutClient | SetAlternatives
-           | CreateMacro | DeleteMacro | PutMacroMember | RemoveMacroMember | PutChannel | DeleteChannel)
+           | CreateMacro | DeleteMacro | PutMacroMember | RemoveMacroMember | PutChannel | DeleteChannel | PutRecipient)
 COMMAND_TYPES: dict[int, type] = {kind.TAG: kind for kind in (AddNode, SetNodeState, CreateQueue, DeleteQueue,
                                                               ChangePair, ChangePairs, PutClient, SetAlternatives,
                                                               CreateMacro, DeleteMacro, PutMacroMember,
-                                                              RemoveMacroMember, PutChannel, DeleteChannel)}
+                                                              RemoveMacroMember, PutChannel, DeleteChannel,
+                                                              PutRecipient)}
 
 
 class CommandError(ValueError):
@@ -357,6 +395,7 @@ class ClusterMap:
     queues: dict[str, QueueEntry] = field(default_factory=dict)
     clients: dict[str, dict[str, Any]] = field(default_factory=dict)
     alternatives: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    recipients: dict[str, RecipientEntry] = field(default_factory=dict)
     macros: dict[str, MacroEntry] = field(default_factory=dict)
     channels: dict[str, ChannelEntry] = field(default_factory=dict)
     version: int = 0          # commands applied; every copy agrees at the same version
@@ -391,6 +430,7 @@ class ClusterMap:
                 "queues": {name: entry.to_json() for name, entry in sorted(self.queues.items())},
                 "macros": {name: entry.to_json() for name, entry in sorted(self.macros.items())},
                 "alternatives": {name: list(chain) for name, chain in sorted(self.alternatives.items())},
+                "recipients": {name: entry.to_json() for name, entry in sorted(self.recipients.items())},
                 "channels": {name: entry.to_json() for name, entry in sorted(self.channels.items())}}
 
     # --- the state machine ----------------------------------------------------------------
@@ -409,6 +449,8 @@ class ClusterMap:
             del self.queues[command.name]
             for macro in self.macros.values():       # a deleted queue is no macro's member any more
                 macro.members = [member for member in macro.members if member.queue != command.name]
+            for recipient in [r.name for r in self.recipients.values() if r.queue == command.name]:
+                del self.recipients[recipient]          # nor has it recipients
             return [Outcome(command.name, True)]
         if isinstance(command, AddNode):
             existing = self.nodes.get(command.node_id)
@@ -442,12 +484,28 @@ class ClusterMap:
             return [self._macro(command)]
         if isinstance(command, PutChannel):
             return [self._put_channel(command)]
+        if isinstance(command, PutRecipient):
+            return [self._put_recipient(command)]
         if isinstance(command, DeleteChannel):
             if self.channels.pop(command.name, None) is None:
                 return [Outcome(command.name, False, "no such channel")]
             self.queues.pop(channel_queue(command.name), None)
             return [Outcome(command.name, True)]
         return [Outcome("", False, f"unknown command {type(command).__name__}")]
+
+    def _put_recipient(self, command: PutRecipient) -> Outcome:
+        if command.state not in set(RecipientState) or command.queue not in self.queues:
+            return Outcome(command.name, False, f"no queue {command.queue}, or an unknown state {command.state}")
+        entry = self.recipients.get(command.name)
+        if entry is not None and entry.queue != command.queue:
+            return Outcome(command.name, False, f"recipient {command.name} receives from {entry.queue}")
+        if entry is None and len(self.recipients) >= RECIPIENTS_MAX:
+            return Outcome(command.name, False, f"the map holds {RECIPIENTS_MAX} recipients")
+        if entry is not None and entry.state == command.state:
+            return Outcome(command.name, False, "unchanged")
+        self.recipients[command.name] = RecipientEntry(command.name, command.queue, command.state, command.since_ms,
+                                                       command.reason)
+        return Outcome(command.name, True, command.state)
 
     def _forget_data_of(self, node: str) -> list[Outcome]:
         outcomes = []
@@ -678,8 +736,9 @@ def encode_map(cluster: ClusterMap) -> bytes:
     macros = [[m.name, m.producer, m.consumer, m.fastest_by, [[x.queue, x.priority, x.weight] for x in m.members]]
               for m in cluster.macros.values()]
     channels = [[c.name, c.delivery_class, c.resend_interval_s] for c in cluster.channels.values()]
-    return msgpack.packb([cluster.version, nodes, queues, cluster.clients, alternatives, macros, channels],
-                         use_bin_type=True)
+    recipients = [[r.name, r.queue, r.state, r.since_ms, r.reason] for r in cluster.recipients.values()]
+    return msgpack.packb([cluster.version, nodes, queues, cluster.clients, alternatives, macros, channels,
+                          recipients], use_bin_type=True)
 
 
 def decode_map(data: bytes) -> ClusterMap:
@@ -690,6 +749,7 @@ def decode_map(data: bytes) -> ClusterMap:
         version, nodes, queues, clients, alternatives, *rest = msgpack.unpackb(data, raw=False)
         macros = rest[0] if rest else []        # a snapshot from before macro queues has none
         channels = rest[1] if len(rest) > 1 else []
+        recipients = rest[2] if len(rest) > 2 else []
         return ClusterMap(
             nodes={row[0]: NodeEntry(row[0], row[1], NodeState(row[2]), row[3], row[4]) for row in nodes},
             queues={row[0]: QueueEntry(*row) for row in queues},
@@ -697,6 +757,7 @@ def decode_map(data: bytes) -> ClusterMap:
             macros={row[0]: MacroEntry(row[0], row[1], row[2], row[3], [MacroMember(*member) for member in row[4]])
                     for row in macros},
             channels={row[0]: ChannelEntry(row[0], row[1], row[2]) for row in channels},
+            recipients={row[0]: RecipientEntry(*row) for row in recipients},
             version=version)
     except Exception as exc:  # msgpack and the constructors raise several unrelated types
         raise CommandError(f"not a cluster map snapshot: {type(exc).__name__}: {exc}") from None

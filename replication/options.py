@@ -80,6 +80,10 @@ class QueueOptions:
     dead_letter: bool = True
     min_in_sync: int = 1
     message_ttl_s: float = 0.0     # each message's time to live unless its enqueue names one; 0: none
+    # Fault surveillance of the queue's recipients (named push consumers; seed 001), 0: off.
+    fault_interval_s: float = 0.0      # no message taken this long while some wait: the recipient is in fault
+    defunct_interval_s: float = 0.0    # in fault this long: its subscriptions end, it is defunct
+    message_interval_s: float = 0.0    # a message waiting this long fails over on its own
 
     def to_json(self) -> dict[str, Any]:
         out = {name: getattr(self, name) for name in self.__slots__}
@@ -104,6 +108,8 @@ class QueueOptions:
 
 
 OPTION_NAMES = frozenset(f.name for f in fields(QueueOptions))
+SURVEILLANCE_OPTIONS = frozenset({"fault_interval_s", "defunct_interval_s", "message_interval_s"})
+SURVEILLANCE_INTERVAL_MAX_S = 86_400.0
 # Placement options are requests about where the pair lives, not properties of the queue:
 # they are validated but never stored or compared (DESIGN.md 4.4, seed 004 MASTER_REQUIRED).
 PLACEMENT_OPTION_NAMES = frozenset({"master_required", "master", "replica"})
@@ -142,12 +148,17 @@ def parse_options(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
             given[name] = float(_number(raw, name, 0.0, 43_200.0, False))
         elif name == "message_ttl_s":
             given[name] = float(_number(raw, name, 0.0, TTL_MAX_S, False))
+        elif name in SURVEILLANCE_OPTIONS:
+            given[name] = float(_number(raw, name, 0.0, SURVEILLANCE_INTERVAL_MAX_S, False))
         elif name == "max_depth":
             given[name] = _number(raw, name, 1, 2**40, True)
         elif name == "max_deliveries":
             given[name] = _number(raw, name, 1, 1_000_000, True)
         else:  # min_in_sync
             given[name] = _number(raw, name, 1, 2, True)
+    fault, defunct = given.get("fault_interval_s", 0.0), given.get("defunct_interval_s", 0.0)
+    if defunct and not 0 < fault <= defunct:
+        raise OptionError("defunct_interval_s needs a fault_interval_s, and is at least as long")
     placement = {k: raw[k] for k in raw.keys() & PLACEMENT_OPTION_NAMES}
     if "master_required" in placement and not isinstance(placement["master_required"], bool):
         raise OptionError("master_required must be true or false")

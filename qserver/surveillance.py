@@ -1,0 +1,363 @@
+"""Fault surveillance of recipients, with alternative recipients and return to sender (seed 001).
+
+A **recipient** is a named push consumer of a queue (`consume(queue, recipient="billing-a")`);
+the name and its state live in the cluster map (`PutRecipient`), so every node knows them and
+a failover of the queue's master keeps them. The queue's options set the intervals (0: off):
+- `fault_interval_s`: a recipient that takes no message (acks or releases none) for that long
+  while messages wait enters the **fault** state. The node stops pushing to it; what it was
+  pushed and has not taken goes back to the queue, except the oldest, its **probe**;
+- `defunct_interval_s`: in fault that long, its subscriptions are ended (`E_RECIPIENT_DEFUNCT`):
+  **defunct** until it subscribes again;
+- `message_interval_s`: a message waiting that long fails over on its own, whatever the state.
+A recipient that subscribes again or takes a message (its probe) is **ok** again, and
+fail-over stops.
+
+While a recipient is in fault or defunct, the master of its queue **fails over** the messages
+waiting there, in order: each goes to the first recipient of its alternatives chain (the map's
+`SetAlternatives`, seed 001's directory) that is ok, enqueued into that recipient's queue by the
+cluster itself (signed with the cluster secret as `@cluster`: an administrator chose the
+chain), with a dedupe id made of the source queue's incarnation and the message id, so a move
+retried after a crash or a lost answer stores it once; the source message is acknowledged only
+after that enqueue was. When no alternative is ok, the message is **returned to its sender**:
+enqueued into the queue its `reply-to` header names (in the producer's own name: with its
+grants), or under `two_way` answered as its reply, each carrying the fault (`x-fault`); a
+message with neither waits. Every state change is an event: in the map (so in `qctl status`),
+in the metrics, in the journal of the recipient's queue (op `recipient`) and, when the channel
+`qcluster.events` exists, published to it.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import logging
+import time
+from typing import Any
+
+from client import errors as e
+from client.errors import QueueError
+from client.protocol import DeliveredMessage
+from qserver import commands as c
+from qserver.auth import CLUSTER_CLIENT
+from qserver.metrics import render_family
+from replication.cluster_map import PutRecipient, RecipientEntry, RecipientState
+from replication.options import QueueType
+
+log = logging.getLogger("qserver.surveillance")
+WATCH_INTERVAL_S = 0.2
+MOVE_BATCH = 50                   # messages leased for fail-over at a time
+MOVE_VISIBILITY_MS = 30_000       # their lease: a move retried after it runs out stores nothing twice (dedupe)
+MOVE_PAUSE_S = 1.0                # when nothing can take a message: look again after this long
+EVENTS_CHANNEL = "qcluster.events"
+REPLY_TO = "reply-to"             # the header naming a message's sender's reply queue
+FAILED_OVER_FROM = "x-failed-over-from"
+RETURNED_FROM = "x-returned-from"
+FAULT = "x-fault"
+
+
+class RecipientWatch:
+    def __init__(self, node: Any) -> None:
+        self._node = node
+        self._last_take: dict[tuple[str, str], float] = {}      # (queue, recipient) -> monotonic
+        self._proposing: dict[str, str] = {}                    # recipient -> state proposed, unanswered
+        self._movers: dict[str, asyncio.Task[None]] = {}
+        self._seen: dict[str, str] = {}                         # recipient -> the state events were made for
+        self.moved: collections.Counter[tuple[str, str]] = collections.Counter()     # (recipient, to)
+        self.returned: collections.Counter[str] = collections.Counter()
+        self.events: collections.Counter[tuple[str, str]] = collections.Counter()    # (recipient, state)
+        self._task: asyncio.Task[None] | None = None
+
+    # --- the map ----------------------------------------------------------------------------
+    def _map(self) -> Any:
+        coordinator = self._node.engine.coordinator
+        return None if coordinator is None else coordinator.membership.cluster_map
+
+    def entry(self, recipient: str) -> RecipientEntry | None:
+        cluster = self._map()
+        return None if cluster is None else cluster.recipients.get(recipient)  # type: ignore[no-any-return]
+
+    def _propose(self, recipient: str, queue: str, state: str, reason: str) -> None:
+        """Propose a state (once at a time per recipient); the map is the authority."""
+        engine = self._node.engine
+        if engine.coordinator is None or self._proposing.get(recipient) == state:
+            return
+        self._proposing[recipient] = state
+        command = PutRecipient(recipient, queue, state, int(time.time() * 1000), reason)
+
+        def finish(outcome: Any) -> None:
+            self._proposing.pop(recipient, None)
+            if isinstance(outcome, QueueError):
+                log.info("recipient %s: %s not recorded: %s", recipient, state, outcome)
+        engine.invoke(lambda _: engine.coordinator.propose_checked(command, finish, lambda outcomes: outcomes))
+
+    # --- what the recipients do (qserver/ws_api.py) --------------------------------------------
+    def check_subscribe(self, queue: str, recipient: str) -> None:
+        """Refuse a recipient name another queue's recipient has (the map binds it to one)."""
+        entry = self.entry(recipient)
+        if entry is not None and entry.queue != queue:
+            raise QueueError(e.E_INVALID_OPTION, f"recipient {recipient} receives from queue {entry.queue}")
+
+    def start(self) -> None:
+        """Watch from the node's start: a queue mastered here may have recipients in fault
+        (after a failover) whose messages fail over though none subscribes here."""
+        self._start()
+
+    def subscribed(self, queue: str, recipient: str) -> None:
+        self._last_take[(queue, recipient)] = time.monotonic()
+        entry = self.entry(recipient)
+        if entry is None or entry.state != RecipientState.OK:
+            self._propose(recipient, queue, RecipientState.OK, "subscribed")
+        self._start()
+
+    def took(self, queue: str, recipient: str, message_ids: list[int]) -> None:
+        """The recipient acknowledged or released messages: it is alive (its probe, in fault)."""
+        self._last_take[(queue, recipient)] = time.monotonic()
+        for subscription in self._node.engine.recipient_subscriptions(queue, recipient):
+            for message_id in message_ids:
+                subscription.pushed.pop(message_id, None)
+        entry = self.entry(recipient)
+        if entry is not None and entry.state != RecipientState.OK:
+            self._propose(recipient, queue, RecipientState.OK, "took a message")
+
+    # --- the watch --------------------------------------------------------------------------
+    def _start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            try:
+                self._check()
+            except Exception:      # a bug here must not end surveillance for good; it is logged
+                log.exception("fault surveillance")
+
+    def _check(self) -> None:
+        cluster = self._map()
+        if cluster is None:
+            return
+        engine = self._node.engine
+        masters = engine.pairs.masters
+        now, now_ms = time.monotonic(), int(time.time() * 1000)
+        for (queue, recipient), subscriptions in engine.recipients_here().items():
+            core = engine.cores.get(queue)
+            if core is None or queue not in masters:
+                continue
+            entry = cluster.recipients.get(recipient)
+            state = entry.state if entry is not None else None
+            self._apply(queue, state, subscriptions)
+            options = core.options
+            last = self._last_take.setdefault((queue, recipient), now)
+            if options.fault_interval_s and state in (None, RecipientState.OK) and core.depth > 0 \
+                    and now - last >= options.fault_interval_s:
+                self._propose(recipient, queue, RecipientState.FAULT,
+                              f"took no message for {options.fault_interval_s:g} s while {core.depth} waited")
+            if options.message_interval_s and state == RecipientState.OK:
+                head = core.head()
+                with self._node.storage.reads() as storage:
+                    enqueued = storage.enqueued_ms(core.queue_id, head[0]) if head else None
+                if enqueued is not None and now_ms - enqueued >= options.message_interval_s * 1000:
+                    self._ensure_mover(recipient, queue, overdue_only=True)
+        for entry in list(cluster.recipients.values()):
+            if entry.queue not in masters or entry.queue not in engine.cores:
+                continue
+            options = engine.cores[entry.queue].options
+            if entry.state == RecipientState.FAULT and options.defunct_interval_s \
+                    and now_ms - entry.since_ms >= options.defunct_interval_s * 1000:
+                self._propose(entry.name, entry.queue, RecipientState.DEFUNCT,
+                              f"in fault for {options.defunct_interval_s:g} s")
+            if entry.state != RecipientState.OK:
+                self._ensure_mover(entry.name, entry.queue, overdue_only=False)
+            if self._seen.get(entry.name) != entry.state:
+                self._event(entry)
+        for name in [name for name in self._seen if name not in cluster.recipients]:
+            del self._seen[name]
+
+    def _apply(self, queue: str, state: str | None, subscriptions: list[Any]) -> None:
+        """Make the recipient's subscriptions here match its state in the map."""
+        engine = self._node.engine
+        if state == RecipientState.DEFUNCT:
+            for subscription in subscriptions:
+                self._release(queue, subscription, keep_probe=False)
+                engine.end_subscription(subscription, QueueError(
+                    e.E_RECIPIENT_DEFUNCT, f"recipient {subscription.recipient} is defunct: subscribe again"))
+            return
+        held = state == RecipientState.FAULT
+        for subscription in subscriptions:
+            if held and not subscription.held:
+                subscription.held = True
+                self._release(queue, subscription, keep_probe=True)
+            elif not held and subscription.held:
+                subscription.held = False
+                engine.invoke(lambda _, q=queue: engine.serve_soon(q))
+
+    def _release(self, queue: str, subscription: Any, *, keep_probe: bool) -> None:
+        """What the recipient was pushed and has not taken goes back to the queue (to fail
+        over), the oldest excepted while in fault: its probe."""
+        pushed = sorted(subscription.pushed.items())
+        if keep_probe:
+            pushed = pushed[1:]
+        engine = self._node.engine
+        for message_id, receipt in pushed:
+            subscription.pushed.pop(message_id, None)
+            engine.submit(c.Ack(queue, message_id, receipt, CLUSTER_CLIENT, _Quiet(), release=True))
+
+    def _event(self, entry: RecipientEntry) -> None:
+        """A state change this node is to announce (it masters the recipient's queue)."""
+        self._seen[entry.name] = entry.state
+        self.events[(entry.name, entry.state)] += 1
+        log.warning("recipient %s of %s: %s (%s)", entry.name, entry.queue, entry.state, entry.reason)
+        engine = self._node.engine
+        core = engine.cores.get(entry.queue)
+        if core is not None:
+            engine.invoke(lambda _: engine.journal_event(core, "recipient", entry.name,
+                                                         f"{entry.state}: {entry.reason}"))
+        cluster = self._map()
+        if cluster is not None and EVENTS_CHANNEL in cluster.channels:
+            document = json.dumps({"event": "recipient_state", **entry.to_json()}).encode()
+            asyncio.get_running_loop().create_task(self._announce(document))
+
+    async def _announce(self, document: bytes) -> None:
+        with contextlib.suppress(QueueError, TimeoutError):
+            await asyncio.wait_for(self._cluster_client().http.publish_http(EVENTS_CHANNEL, document), 10.0)
+
+    # --- fail-over ----------------------------------------------------------------------------
+    def _ensure_mover(self, recipient: str, queue: str, *, overdue_only: bool) -> None:
+        if recipient not in self._movers:
+            self._movers[recipient] = asyncio.get_running_loop().create_task(
+                self._move(recipient, queue, overdue_only))
+
+    async def _move(self, recipient: str, queue: str, overdue_only: bool) -> None:
+        """Fail the queue's waiting messages over, in order, while the recipient is not ok
+        (or only those past the message interval) and this node masters its queue."""
+        engine = self._node.engine
+        count = 1 if overdue_only else MOVE_BATCH
+        try:
+            while True:
+                entry = self.entry(recipient)
+                core = engine.cores.get(queue)
+                if entry is None or core is None or queue not in engine.pairs.masters:
+                    return
+                if overdue_only == (entry.state != RecipientState.OK):
+                    return         # the overdue mover runs while ok; the other while not
+                messages: list[DeliveredMessage] = await engine.call(lambda r: c.Receive(
+                    queue, count, 0, MOVE_VISIBILITY_MS, CLUSTER_CLIENT, r))
+                if not messages:
+                    if overdue_only:
+                        return
+                    await asyncio.sleep(WATCH_INTERVAL_S)
+                    continue
+                for position, message in enumerate(messages):
+                    if overdue_only and not self._overdue(core, message):
+                        await self._settle(queue, message, release=True)
+                        return
+                    if not await self._fail_over(entry, core, message):
+                        for left in messages[position:]:
+                            await self._settle(queue, left, release=True)
+                        await asyncio.sleep(MOVE_PAUSE_S)
+                        break
+        except QueueError as error:
+            log.info("recipient %s: fail-over paused: %s", recipient, error)
+        finally:
+            self._movers.pop(recipient, None)
+
+    def _overdue(self, core: Any, message: DeliveredMessage) -> bool:
+        with self._node.storage.reads() as storage:
+            enqueued = storage.enqueued_ms(core.queue_id, message.message_id)
+        return enqueued is not None and \
+            int(time.time() * 1000) - enqueued >= core.options.message_interval_s * 1000
+
+    async def _fail_over(self, entry: RecipientEntry, core: Any, message: DeliveredMessage) -> bool:
+        """To the first ok alternative, else back to its sender; True once it left the queue."""
+        cluster = self._map()
+        dedupe = f"fo:{core.record.incarnation or core.queue_id}:{message.message_id}"
+        headers = {**(message.headers or {}), FAILED_OVER_FROM: entry.name}
+        for alternative in cluster.alternatives.get(entry.name, ()):
+            target = cluster.recipients.get(alternative)
+            if target is None or target.state != RecipientState.OK or target.queue == entry.queue:
+                continue
+            try:
+                await self._cluster_client().enqueue(target.queue, message.payload, message.priority, dedupe,
+                                                     headers=headers)
+            except QueueError as error:
+                log.info("recipient %s: alternative %s refused message %d: %s", entry.name, alternative,
+                         message.message_id, error)
+                continue
+            await self._settle(entry.queue, message)
+            self.moved[(entry.name, alternative)] += 1
+            return True
+        return await self._return_to_sender(entry, core, message, dedupe)
+
+    async def _return_to_sender(self, entry: RecipientEntry, core: Any, message: DeliveredMessage,
+                                dedupe: str) -> bool:
+        fault = f"recipient {entry.name} is {entry.state} and no alternative is ok"
+        reply_to = (message.headers or {}).get(REPLY_TO)
+        if reply_to:
+            with self._node.storage.reads() as storage:
+                producer = storage.producer(core.queue_id, message.message_id)
+            if producer is None:
+                return False
+            headers = {**(message.headers or {}), RETURNED_FROM: entry.name, FAULT: fault}
+            headers.pop(REPLY_TO, None)
+            try:
+                await self._node.macros.client_for(producer).enqueue(reply_to, message.payload, message.priority,
+                                                                     dedupe, headers=headers)
+            except QueueError as error:
+                log.info("recipient %s: returning message %d to %s refused: %s", entry.name, message.message_id,
+                         reply_to, error)
+                return False
+            await self._settle(entry.queue, message)
+        elif core.options.type is QueueType.TWO_WAY:
+            reply = json.dumps({"returned": True, "recipient": entry.name, "fault": fault}).encode()
+            await self._settle(entry.queue, message, reply=reply)
+        else:
+            return False
+        self.returned[entry.name] += 1
+        return True
+
+    async def _settle(self, queue: str, message: DeliveredMessage, *, release: bool = False,
+                      reply: bytes | None = None) -> None:
+        await self._node.engine.call(lambda r: c.Ack(queue, message.message_id, message.receipt, CLUSTER_CLIENT, r,
+                                                     release=release, reply_payload=reply))
+
+    def _cluster_client(self) -> Any:
+        return self._node.macros.client_for(CLUSTER_CLIENT)
+
+    # --- metrics and the end -------------------------------------------------------------------
+    def render_metrics(self) -> list[str]:
+        cluster = self._map()
+        recipients = cluster.recipients.values() if cluster is not None else []
+        return (render_family("qserver_recipient_state", "gauge", "recipients by state (1: in it), from the map",
+                              [({"recipient": r.name, "queue": r.queue, "state": state}, int(r.state == state))
+                               for r in sorted(recipients, key=lambda r: r.name) for state in RecipientState])
+                + render_family("qserver_recipient_events_total", "counter",
+                                "recipient state changes announced here", [
+                                    ({"recipient": name, "state": state}, count)
+                                    for (name, state), count in sorted(self.events.items())])
+                + render_family("qserver_recipient_failed_over_total", "counter",
+                                "messages failed over to an alternative recipient here", [
+                                    ({"recipient": name, "to": to}, count)
+                                    for (name, to), count in sorted(self.moved.items())])
+                + render_family("qserver_recipient_returned_total", "counter",
+                                "messages returned to their sender here", [
+                                    ({"recipient": name}, count) for name, count in sorted(self.returned.items())]))
+
+    async def stop(self) -> None:
+        tasks = [task for task in (self._task, *self._movers.values()) if task is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+class _Quiet:
+    """The replier of the watch's own releases (a lease already ended is fine)."""
+
+    def reply(self, request_id: int, result: Any) -> None:
+        pass
+
+    def fail(self, request_id: int, error: QueueError) -> None:
+        log.debug("releasing a recipient's message: %s", error)
+

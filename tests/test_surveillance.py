@@ -1,0 +1,207 @@
+"""Fault surveillance of recipients (issue 15, items 5-8; seed 001) on real processes: recipient
+applications run as processes of their own (tests/recipient_app.py), stopped with SIGSTOP like
+a hung service and resumed with SIGCONT."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from client import AsyncClient
+from qserver.devcluster import REPOSITORY, LocalCluster
+
+PLACEMENT = {"billing": ["n1", "n2"], "billing-b": ["n2", "n3"], "billing-c": ["n3", "n1"], "returns": ["n1", "n3"]}
+
+
+class Recipients:
+    """Recipient application processes, each appending what it acknowledged to a file."""
+
+    def __init__(self, cluster: LocalCluster, directory: Path) -> None:
+        self.cluster, self.directory = cluster, directory
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, name: str, queue: str, node: str = "n3") -> None:
+        self.processes[name] = subprocess.Popen(
+            [sys.executable, "-m", "tests.recipient_app", self.cluster.urls[node], str(self.cluster.credentials_path),
+             queue, name, str(self.directory / f"{name}.txt")], cwd=REPOSITORY)
+
+    def taken(self, name: str) -> list[str]:
+        """The payloads recipient `name` acknowledged, in the order it did."""
+        path = self.directory / f"{name}.txt"
+        return [line.split(" ", 1)[1] for line in path.read_text().splitlines()] if path.exists() else []
+
+    def signal(self, name: str, number: int) -> None:
+        self.processes[name].send_signal(number)
+
+    def stop_all(self) -> None:
+        for process in self.processes.values():
+            process.send_signal(signal.SIGCONT)
+            process.kill()
+            process.wait(timeout=10)
+
+
+@pytest.fixture
+def recipients_of(tmp_path: Path) -> Iterator[Callable[[LocalCluster], Recipients]]:
+    made: list[Recipients] = []
+
+    def make(cluster: LocalCluster) -> Recipients:
+        made.append(Recipients(cluster, tmp_path))
+        return made[-1]
+    yield make
+    for recipients in made:
+        recipients.stop_all()
+
+
+async def until(check: Callable[[], Awaitable[Any]], what: str, timeout_s: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = await check()
+        if found:
+            return found
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def states(client: AsyncClient) -> dict[str, str]:
+    return {r["recipient"]: r["state"] for r in await client.recipients()}
+
+
+def numbers(payloads: list[str]) -> list[int]:
+    return [int(payload[1:]) for payload in payloads]
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(180)
+async def test_a_stopped_recipient_fails_over_along_its_chain_then_back_to_its_sender_and_recovers(
+        qcluster_factory: Any, recipients_of: Any) -> None:
+    cluster: LocalCluster = qcluster_factory(3, PLACEMENT)
+    recipients = recipients_of(cluster)
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as admin:
+        await admin.create_queue("billing", strength="full", fault_interval_s=1.0, visibility_timeout_s=120)
+        await admin.create_queue("billing-b", strength="full", fault_interval_s=1.0, visibility_timeout_s=120)
+        await admin.create_queue("billing-c", strength="full", fault_interval_s=1.0, visibility_timeout_s=120)
+        await admin.create_queue("returns", strength="full")
+        await admin.set_alternatives("billing-a", ["billing-b", "billing-c"])
+        for name, queue in (("billing-a", "billing"), ("billing-b", "billing-b"), ("billing-c", "billing-c")):
+            recipients.start(name, queue)
+
+        async def all_ok() -> bool:
+            return await states(admin) == {"billing-a": "ok", "billing-b": "ok", "billing-c": "ok"}
+        await until(all_ok, "three recipients registered ok")
+        for n in range(10):
+            await admin.enqueue("billing", b"m%d" % n)
+        await until(lambda: asyncio.sleep(0, len(recipients.taken("billing-a")) == 10), "billing-a to take 10")
+
+        # billing-a hangs: it enters fault within its interval, and what waits for it, and what
+        # comes next, goes to billing-b in order; it keeps one message (its probe).
+        recipients.signal("billing-a", signal.SIGSTOP)
+        stopped = time.monotonic()
+        for n in range(10, 40):
+            await admin.enqueue("billing", b"m%d" % n)
+
+        async def a_in_fault() -> bool:
+            return (await states(admin))["billing-a"] == "fault"
+        await until(a_in_fault, "billing-a in fault")
+        assert time.monotonic() - stopped < 1.0 + 3.0
+
+        def moved_to_b() -> list[int]:
+            return numbers(recipients.taken("billing-b"))
+        await until(lambda: asyncio.sleep(0, len(moved_to_b()) >= 29), "29 of 30 at billing-b")
+        taken_a, taken_b = numbers(recipients.taken("billing-a")), moved_to_b()
+        assert taken_a == list(range(10)) and taken_b == sorted(taken_b), (taken_a, taken_b)   # in order
+        assert not set(taken_a) & set(taken_b)
+        [listed] = [r for r in await admin.recipients() if r["recipient"] == "billing-a"]
+        assert listed["alternatives"] == ["billing-b", "billing-c"] and "took no message" in listed["reason"]
+
+        # billing-b hangs too: the chain goes on to billing-c.
+        recipients.signal("billing-b", signal.SIGSTOP)
+        await admin.enqueue("billing-b", b"direct")            # something waits for it
+
+        async def b_in_fault() -> bool:
+            return (await states(admin))["billing-b"] == "fault"
+        await until(b_in_fault, "billing-b in fault")
+        for n in range(40, 45):
+            await admin.enqueue("billing", b"m%d" % n)
+        await until(lambda: asyncio.sleep(0, numbers(recipients.taken("billing-c")) == list(range(40, 45))),
+                    "m40..m44 at billing-c")
+
+        # Every alternative down: back to the sender, in its reply queue, with the fault.
+        recipients.signal("billing-c", signal.SIGSTOP)
+        await admin.enqueue("billing-c", b"direct")
+
+        async def c_in_fault() -> bool:
+            return (await states(admin))["billing-c"] == "fault"
+        await until(c_in_fault, "billing-c in fault")
+        await admin.enqueue("billing", b"m45", headers={"reply-to": "returns"})
+        [returned] = await until(lambda: admin.receive("returns", max_messages=5, wait_s=0.5), "m45 returned", 20)
+        assert returned.payload == b"m45" and returned.headers["x-returned-from"] == "billing-a"
+        assert "no alternative is ok" in returned.headers["x-fault"]
+        await returned.ack()
+
+        # billing-a resumes: it takes its probe, is ok again, and gets its messages again.
+        recipients.signal("billing-a", signal.SIGCONT)
+
+        async def a_ok() -> bool:
+            return (await states(admin))["billing-a"] == "ok"
+        await until(a_ok, "billing-a ok again")
+        await admin.enqueue("billing", b"m46")
+        await until(lambda: asyncio.sleep(0, "m46" in recipients.taken("billing-a")), "m46 at billing-a")
+        everything = numbers(recipients.taken("billing-a") + recipients.taken("billing-b")
+                             + recipients.taken("billing-c")) + [45]
+        assert sorted(everything) == list(range(47)), sorted(everything)      # none lost, none taken twice
+        stats = await admin.queue_stats("billing")
+        assert stats["depth"] == 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(180)
+async def test_states_survive_a_failover_and_a_defunct_recipient_is_dropped(qcluster_factory: Any,
+                                                                            recipients_of: Any) -> None:
+    """The state is in the map: the new master of the queue keeps failing its messages over;
+    past the defunct interval the recipient's subscription ends; two_way senders get the fault
+    as their reply when no alternative is ok."""
+    cluster: LocalCluster = qcluster_factory(3, {"quotes": ["n1", "n2"], "quotes-b": ["n2", "n3"]})
+    recipients = recipients_of(cluster)
+    async with AsyncClient(cluster.urls["n3"], cluster.credentials_path) as admin:
+        await admin.create_queue("quotes", strength="full", type="two_way", fault_interval_s=1.0,
+                                 defunct_interval_s=4.0, visibility_timeout_s=120)
+        await admin.create_queue("quotes-b", strength="full", fault_interval_s=1.0)
+        await admin.set_alternatives("quoter", ["quoter-b"])
+        recipients.start("quoter", "quotes")
+        recipients.start("quoter-b", "quotes-b")
+
+        async def registered() -> bool:
+            return await states(admin) == {"quoter": "ok", "quoter-b": "ok"}
+        await until(registered, "both registered")
+        recipients.signal("quoter", signal.SIGSTOP)
+        first = await admin.enqueue("quotes", b"q0")
+
+        async def quoter_in(state: str) -> bool:
+            return (await states(admin))["quoter"] == state
+        await until(lambda: quoter_in("fault"), "quoter in fault")
+        cluster.kill("n1")                                       # the master of quotes
+        assert (await states(admin))["quoter"] == "fault"
+        for n in range(1, 4):
+            await admin.enqueue("quotes", b"q%d" % n)
+        await until(lambda: asyncio.sleep(0, len(recipients.taken("quoter-b")) >= 3), "q1..q3 at quoter-b", 40)
+        await until(lambda: quoter_in("defunct"), "quoter defunct", 20)
+        recipients.signal("quoter-b", signal.SIGSTOP)            # no alternative ok any more
+        await admin.enqueue("quotes-b", b"direct")
+
+        async def b_in_fault() -> bool:
+            return (await states(admin))["quoter-b"] == "fault"
+        await until(b_in_fault, "quoter-b in fault")
+        last = await admin.enqueue("quotes", b"q4")
+        status = await admin.message_status("quotes", last, wait_s=20, until="replied")
+        assert status["state"] == "replied" and json.loads(base64.b64decode(status["reply_b64"]))["returned"] is True
+        assert first < last
+        cluster.start("n1")
