@@ -16,6 +16,7 @@ import base64
 import json
 import os
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -368,6 +369,12 @@ async def cmd_status(http: HttpClient, args: argparse.Namespace) -> Outcome:
         human += "\n\n" + format_table(["CHANNEL", "CLASS", "RESEND_S", "MASTER"], [
             [name, c["class"], c.get("resend_interval_s") or "", queues.get(c["queue"], {}).get("master")]
             for name, c in sorted(channels.items())])
+    recipients = cluster.get("recipients", {})
+    if recipients:
+        human += "\n\n" + format_table(["RECIPIENT", "QUEUE", "STATE", "SINCE", "REASON"], [
+            [name, r["queue"], r["state"].upper() if r["state"] != "ok" else "ok",
+             time.strftime("%H:%M:%S", time.localtime(r["since_ms"] / 1000)), r.get("reason") or ""]
+            for name, r in sorted(recipients.items())])
     return Outcome(cluster, human)
 
 

@@ -14,10 +14,15 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
+from audit.inputs import read_records
+from audit.local import audit_records
 from client import AsyncClient
 from qserver.devcluster import REPOSITORY, LocalCluster
+from qserver.journal_export import export_environment
+from tests.test_client_integration import run_qctl
 
 PLACEMENT = {"billing": ["n1", "n2"], "billing-b": ["n2", "n3"], "billing-c": ["n3", "n1"], "returns": ["n1", "n3"]}
 
@@ -71,6 +76,16 @@ async def until(check: Callable[[], Awaitable[Any]], what: str, timeout_s: float
     raise AssertionError(f"timed out waiting for {what}")
 
 
+async def next_event(client: AsyncClient, recipient: str, state: str) -> dict[str, Any] | None:
+    """The next state change published on qcluster.events for `recipient` into `state`, if any."""
+    while client.poll():
+        message = client.read("qcluster.events")
+        event = json.loads(message.payload) if message is not None else {}
+        if (event.get("name"), event.get("state")) == (recipient, state):
+            return dict(event)
+    return None
+
+
 async def states(client: AsyncClient) -> dict[str, str]:
     return {r["recipient"]: r["state"] for r in await client.recipients()}
 
@@ -91,6 +106,8 @@ async def test_a_stopped_recipient_fails_over_along_its_chain_then_back_to_its_s
         await admin.create_queue("billing-c", strength="full", fault_interval_s=1.0, visibility_timeout_s=120)
         await admin.create_queue("returns", strength="full")
         await admin.set_alternatives("billing-a", ["billing-b", "billing-c"])
+        await admin.create_channel("qcluster.events", "acked")      # the state changes are published there
+        await admin.subscribe("qcluster.events")
         for name, queue in (("billing-a", "billing"), ("billing-b", "billing-b"), ("billing-c", "billing-c")):
             recipients.start(name, queue)
 
@@ -121,6 +138,14 @@ async def test_a_stopped_recipient_fails_over_along_its_chain_then_back_to_its_s
         assert not set(taken_a) & set(taken_b)
         [listed] = [r for r in await admin.recipients() if r["recipient"] == "billing-a"]
         assert listed["alternatives"] == ["billing-b", "billing-c"] and "took no message" in listed["reason"]
+        event = await until(lambda: next_event(admin, "billing-a", "fault"), "the fault event on qcluster.events")
+        assert event["queue"] == "billing"
+        code, status, _ = await asyncio.to_thread(run_qctl, cluster, "status")
+        assert code == 0 and status["recipients"]["billing-a"]["state"] == "fault"
+        async with aiohttp.ClientSession() as session, \
+                session.get(cluster.urls["n1"] + "/metrics", ssl=cluster.ssl_context or True) as answer:
+            metrics = await answer.text()
+        assert 'qserver_recipient_state{recipient="billing-a",queue="billing",state="fault"} 1' in metrics
 
         # billing-b hangs too: the chain goes on to billing-c.
         recipients.signal("billing-b", signal.SIGSTOP)
@@ -205,3 +230,38 @@ async def test_states_survive_a_failover_and_a_defunct_recipient_is_dropped(qclu
         assert status["state"] == "replied" and json.loads(base64.b64decode(status["reply_b64"]))["returned"] is True
         assert first < last
         cluster.start("n1")
+    # The journals of the moves and state changes audit clean (the `recipient` records are events).
+    journals = cluster.root / "journals"
+    for node in cluster.ids:
+        export_environment(cluster.root / node / "lmdb", str(journals))
+    report = audit_records(read_records([str(journals)]), [])
+    assert report["verdict"] == "clean", report["violations"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_a_message_waiting_past_the_message_interval_fails_over_on_its_own(qcluster_factory: Any,
+                                                                                 recipients_of: Any) -> None:
+    """No fault interval here: the recipient holds what it was pushed (4) and is not judged;
+    the messages it leaves waiting fail over once each has waited the message interval."""
+    cluster: LocalCluster = qcluster_factory(3, {"mail": ["n1", "n2"], "mail-b": ["n2", "n3"]})
+    recipients = recipients_of(cluster)
+    async with AsyncClient(cluster.urls["n2"], cluster.credentials_path) as admin:
+        await admin.create_queue("mail", strength="full", message_interval_s=1.0, visibility_timeout_s=120)
+        await admin.create_queue("mail-b", strength="full")
+        await admin.set_alternatives("mailer", ["mailer-b"])
+        recipients.start("mailer", "mail")
+        recipients.start("mailer-b", "mail-b")
+
+        async def registered() -> bool:
+            return await states(admin) == {"mailer": "ok", "mailer-b": "ok"}
+        await until(registered, "both registered")
+        recipients.signal("mailer", signal.SIGSTOP)
+        for n in range(6):
+            await admin.enqueue("mail", b"m%d" % n)
+        started = time.monotonic()
+        await until(lambda: asyncio.sleep(0, numbers(recipients.taken("mailer-b")) == [4, 5]), "m4, m5 at mailer-b")
+        assert time.monotonic() - started >= 0.9
+        assert (await states(admin))["mailer"] == "ok"              # one slow message is no fault
+        recipients.signal("mailer", signal.SIGCONT)
+        await until(lambda: asyncio.sleep(0, numbers(recipients.taken("mailer")) == [0, 1, 2, 3]), "m0..m3 at mailer")
