@@ -203,6 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--dead-letter", action=argparse.BooleanOptionalAction, default=None)
     create.add_argument("--min-in-sync", type=int, choices=(1, 2))
     create.add_argument("--message-ttl-s", type=float, help="each message's time to live unless put with --ttl-s")
+    create.add_argument("--fault-interval-s", type=float,
+                        help="fault surveillance: a recipient that takes nothing this long while messages wait "
+                             "is in fault, and its messages fail over to its alternatives")
+    create.add_argument("--defunct-interval-s", type=float, help="in fault this long: its subscriptions end")
+    create.add_argument("--message-interval-s", type=float, help="a message waiting this long fails over on its own")
     command(queue_commands, "list", cmd_queue_list, "every queue with its statistics")
     command(queue_commands, "stats", cmd_queue_stats, "one queue's statistics").add_argument("name")
     command(queue_commands, "delete", cmd_queue_delete, "delete a queue and its messages").add_argument("name")
@@ -427,7 +432,9 @@ async def cmd_queue_create(http: HttpClient, args: argparse.Namespace) -> Outcom
     description = await http.create_queue(
         args.name, strength=args.strength, type=args.queue_type, max_depth=args.max_depth,
         visibility_timeout_s=args.visibility_timeout_s, max_deliveries=args.max_deliveries,
-        dead_letter=args.dead_letter, min_in_sync=args.min_in_sync, message_ttl_s=args.message_ttl_s)
+        dead_letter=args.dead_letter, min_in_sync=args.min_in_sync, message_ttl_s=args.message_ttl_s,
+        fault_interval_s=args.fault_interval_s, defunct_interval_s=args.defunct_interval_s,
+        message_interval_s=args.message_interval_s)
     return Outcome(description, format_fields(description))
 
 

@@ -1,5 +1,6 @@
-"""Alternative recipients in the cluster map (issue 15, item 6's directory; seed 001): set
-through the API and qctl, the same at every node, refused when malformed."""
+"""Recipients and their alternatives in the cluster map (issue 15, items 5-7's directory and
+states; seed 001): set through the API and qctl, the same at every node, refused when
+malformed. What fault surveillance does with them: tests/test_surveillance.py."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +11,16 @@ import pytest
 
 from client import AsyncClient
 from client.errors import QueueError
-from replication.cluster_map import ClusterMap, SetAlternatives, decode_map, encode_map
+from replication.cluster_map import (
+    AddNode,
+    ClusterMap,
+    CreateQueue,
+    DeleteQueue,
+    PutRecipient,
+    SetAlternatives,
+    decode_map,
+    encode_map,
+)
 from tests.test_client_integration import run_qctl
 
 
@@ -21,6 +31,24 @@ def test_the_map_keeps_a_chain_in_order_and_an_empty_one_clears_it() -> None:
     assert cluster.to_json()["alternatives"] == {"billing": ["billing-b", "billing-c"]}
     cluster.apply(SetAlternatives("billing", ()))
     assert cluster.alternatives == {}
+
+
+def test_a_recipient_receives_from_one_queue_and_its_state_changes_are_kept_in_snapshots() -> None:
+    cluster = ClusterMap()
+    for node in ("n1", "n2"):
+        cluster.apply(AddNode(node, f"http://{node}", True, node))
+    cluster.apply(CreateQueue("billing", {"strength": "full"}, "n1", "n2", 7))
+    [registered] = cluster.apply(PutRecipient("billing-a", "billing", "ok", 1_000, "subscribed"))
+    assert registered.applied
+    [faulted] = cluster.apply(PutRecipient("billing-a", "billing", "fault", 2_000, "took no message"))
+    assert faulted.applied and not cluster.apply(PutRecipient("billing-a", "billing", "fault", 3_000))[0].applied
+    assert not cluster.apply(PutRecipient("billing-a", "other", "ok", 3_000))[0].applied      # one queue
+    assert not cluster.apply(PutRecipient("billing-a", "billing", "asleep", 3_000))[0].applied
+    copy = decode_map(encode_map(cluster))
+    assert copy.recipients["billing-a"].to_json() == {"name": "billing-a", "queue": "billing", "state": "fault",
+                                                      "since_ms": 2_000, "reason": "took no message"}
+    cluster.apply(DeleteQueue("billing", 7))
+    assert cluster.recipients == {}                            # gone with its queue
 
 
 @pytest.mark.asyncio
