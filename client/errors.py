@@ -68,7 +68,7 @@ E_UNKNOWN_SUBSCRIPTION = _kind("E_UNKNOWN_SUBSCRIPTION", 404, False, "no durable
 E_SUBSCRIPTIONS_FULL = _kind("E_SUBSCRIPTIONS_FULL", 409, False, "the channel has the most durable subscriptions it may have")
 E_SUBSCRIPTION_TAKEN = _kind("E_SUBSCRIPTION_TAKEN", 409, False,
                              "another connection subscribed under this durable subscription's name")
-E_RECIPIENT_DEFUNCT = _kind("E_RECIPIENT_DEFUNCT", 409, False,
+E_RECIPIENT_DEFUNCT = _kind("E_RECIPIENT_DEFUNCT", 409, True,
                             "the recipient took no message for its queue's defunct interval: subscribe again")
 E_NOT_ADVERTISED = _kind("E_NOT_ADVERTISED", 409, False, "publish to a channel this connection has advertised")
 E_MACRO_EMPTY = _kind("E_MACRO_EMPTY", 409, False, "the macro queue has no member that could take the message")

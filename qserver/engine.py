@@ -1186,7 +1186,7 @@ class Engine:
                     if not leased:
                         break
                     subscription.credit -= len(leased)
-                    if subscription.recipient is not None:
+                    if subscription.recipient is not None and core.options.fault_interval_s:
                         subscription.pushed.update((op.index, op.receipt) for op in leased)
                     self._push(core, subscription, leased)
         if self._to_serve:

@@ -42,7 +42,7 @@ from qserver import commands as c
 from qserver.auth import CLUSTER_CLIENT
 from qserver.metrics import render_family
 from replication.cluster_map import PutRecipient, RecipientEntry, RecipientState
-from replication.options import QueueType
+from replication.options import QueueType, Strength
 
 log = logging.getLogger("qserver.surveillance")
 WATCH_INTERVAL_S = 0.2
@@ -140,7 +140,8 @@ class RecipientWatch:
         engine = self._node.engine
         masters = engine.pairs.masters
         now, now_ms = time.monotonic(), int(time.time() * 1000)
-        for (queue, recipient), subscriptions in engine.recipients_here().items():
+        here = engine.recipients_here()
+        for (queue, recipient), subscriptions in here.items():
             core = engine.cores.get(queue)
             if core is None or queue not in masters:
                 continue
@@ -162,15 +163,30 @@ class RecipientWatch:
         for entry in list(cluster.recipients.values()):
             if entry.queue not in masters or entry.queue not in engine.cores:
                 continue
-            options = engine.cores[entry.queue].options
+            core = engine.cores[entry.queue]
+            options = core.options
+            if entry.state == RecipientState.OK and options.fault_interval_s and options.strength is Strength.FULL \
+                    and (entry.queue, entry.name) not in here:
+                # Not subscribed at all (gone, or still on a master that died): it takes nothing.
+                # (Under `producer` a member serves its own consumers: it may be at the other.)
+                last = self._last_take.setdefault((entry.queue, entry.name), now)
+                if core.depth > 0 and now - last >= options.fault_interval_s:
+                    self._propose(entry.name, entry.queue, RecipientState.FAULT,
+                                  f"not subscribed for {options.fault_interval_s:g} s while {core.depth} waited")
             if entry.state == RecipientState.FAULT and options.defunct_interval_s \
                     and now_ms - entry.since_ms >= options.defunct_interval_s * 1000:
                 self._propose(entry.name, entry.queue, RecipientState.DEFUNCT,
                               f"in fault for {options.defunct_interval_s:g} s")
             if entry.state != RecipientState.OK:
                 self._ensure_mover(entry.name, entry.queue, overdue_only=False)
-            if self._seen.get(entry.name) != entry.state:
-                self._event(entry)
+        for entry in cluster.recipients.values():
+            seen = self._seen.get(entry.name)
+            if seen != entry.state:
+                # Announced by the master of its queue, once (every node follows the states);
+                # a node that starts announces the recipients it finds not ok.
+                if entry.queue in masters and (seen is not None or entry.state != RecipientState.OK):
+                    self._event(entry)
+                self._seen[entry.name] = entry.state
         for name in [name for name in self._seen if name not in cluster.recipients]:
             del self._seen[name]
 
@@ -205,7 +221,6 @@ class RecipientWatch:
 
     def _event(self, entry: RecipientEntry) -> None:
         """A state change this node is to announce (it masters the recipient's queue)."""
-        self._seen[entry.name] = entry.state
         self.events[(entry.name, entry.state)] += 1
         log.warning("recipient %s of %s: %s (%s)", entry.name, entry.queue, entry.state, entry.reason)
         engine = self._node.engine
