@@ -1,7 +1,8 @@
 """Fan-out of a `latest` channel to 1, 100 and 1,000 subscribers on a local 3-node cluster
-(issue 15, item 3; run by hand, not in CI; loopback only; each round bounded in time).
+(issue 15, item 3; run by hand, not in CI; loopback only; each round bounded in time), and of
+a `durable` channel to 1, 8 and 64 durable subscriptions, each acknowledging what it reads.
 
-    .venv/bin/python bench/bench_channels.py [--seconds 5] [--subscribers 1,100,1000]
+    .venv/bin/python bench/bench_channels.py [--seconds 5] [--subscribers 1,100,1000] [--durable 1,8,64]
 
 Each subscriber is its own client with its own WebSocket to the channel's master (the
 subscribers run in this one process, next to the publisher, on the same 2 cores as the
@@ -74,13 +75,67 @@ async def one_round(cluster: LocalCluster, subscribers: int, seconds: float) -> 
             "subscribers_on_the_last_value": caught_up}
 
 
-async def main_async(seconds: float, counts: list[int]) -> None:
+async def durable_round(cluster: LocalCluster, subscriptions: int, seconds: float) -> dict[str, Any]:
+    """One publish is one replicated write whatever the number of durable subscriptions; each
+    subscription's ack is one more (SubscriberAcked), so acks/s is what grows with them."""
+    channel = f"durable{subscriptions}"
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as admin:
+        created = await admin.create_channel(channel, "durable")
+        master_url = cluster.urls[created["master"]]
+        readers = [AsyncClient(master_url, cluster.credentials_path) for _ in range(subscriptions)]
+        acked = 0
+        stop = asyncio.Event()
+
+        async def read(reader: AsyncClient) -> None:
+            nonlocal acked
+            while not stop.is_set():
+                try:
+                    message = await asyncio.wait_for(reader.next_channel_message(), 0.5)
+                except TimeoutError:
+                    continue
+                await message.ack()
+                acked += 1
+        try:
+            for number, reader in enumerate(readers):
+                await reader.subscribe(channel, durable=f"s{number}")
+            tasks = [asyncio.create_task(read(reader)) for reader in readers]
+            async with AsyncClient(master_url, cluster.credentials_path) as publisher:
+                await publisher.advertise(channel)
+                published = 0
+                stop_at = time.perf_counter() + seconds
+
+                async def publish() -> None:
+                    nonlocal published
+                    while time.perf_counter() < stop_at:
+                        await publisher.publish(channel, b"p" * 100)
+                        published += 1
+                started = time.perf_counter()
+                await asyncio.gather(*(publish() for _ in range(PUBLISHERS_IN_FLIGHT)))
+                elapsed = time.perf_counter() - started
+                acked_in_round = acked
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and acked < published * subscriptions:
+                    await asyncio.sleep(0.1)
+                drained = acked >= published * subscriptions
+            stop.set()
+            await asyncio.gather(*tasks)
+        finally:
+            await asyncio.gather(*(r.close() for r in readers), return_exceptions=True)
+        await admin.delete_channel(channel)
+    return {"workload": f"durable_fanout_{subscriptions}", "subscriptions": subscriptions,
+            "publishes_per_s": round(published / elapsed, 1), "acks_per_s": round(acked_in_round / elapsed, 1),
+            "every_backlog_drained": drained}
+
+
+async def main_async(seconds: float, counts: list[int], durable: list[int]) -> None:
     with tempfile.TemporaryDirectory(prefix="qbench-channels-") as root:
         cluster = LocalCluster(Path(root), 3)
         cluster.start_all()
         try:
             for count in counts:
                 print(json.dumps(await one_round(cluster, count, seconds)), flush=True)
+            for count in durable:
+                print(json.dumps(await durable_round(cluster, count, seconds)), flush=True)
         finally:
             for node in list(cluster.processes):
                 cluster.kill(node)
@@ -89,9 +144,11 @@ async def main_async(seconds: float, counts: list[int]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--subscribers", default="1,100,1000")
+    parser.add_argument("--subscribers", default="1,100,1000", help="latest rounds ('' for none)")
+    parser.add_argument("--durable", default="1,8,64", help="durable rounds ('' for none)")
     args = parser.parse_args()
-    asyncio.run(main_async(args.seconds, [int(n) for n in args.subscribers.split(",")]))
+    asyncio.run(main_async(args.seconds, [int(n) for n in args.subscribers.split(",") if n],
+                           [int(n) for n in args.durable.split(",") if n]))
 
 
 if __name__ == "__main__":

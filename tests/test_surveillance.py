@@ -90,6 +90,14 @@ async def states(client: AsyncClient) -> dict[str, str]:
     return {r["recipient"]: r["state"] for r in await client.recipients()}
 
 
+async def until_state(client: AsyncClient, state: str, *names: str, timeout_s: float = 20.0) -> None:
+    """Wait until each recipient named is in `state` in the map."""
+    async def reached() -> bool:
+        known = await states(client)
+        return all(known.get(name) == state for name in names)
+    await until(reached, f"{', '.join(names)} {state}", timeout_s)
+
+
 def numbers(payloads: list[str]) -> list[int]:
     return [int(payload[1:]) for payload in payloads]
 
@@ -111,9 +119,7 @@ async def test_a_stopped_recipient_fails_over_along_its_chain_then_back_to_its_s
         for name, queue in (("billing-a", "billing"), ("billing-b", "billing-b"), ("billing-c", "billing-c")):
             recipients.start(name, queue)
 
-        async def all_ok() -> bool:
-            return await states(admin) == {"billing-a": "ok", "billing-b": "ok", "billing-c": "ok"}
-        await until(all_ok, "three recipients registered ok")
+        await until_state(admin, "ok", "billing-a", "billing-b", "billing-c")      # registered
         for n in range(10):
             await admin.enqueue("billing", b"m%d" % n)
         await until(lambda: asyncio.sleep(0, len(recipients.taken("billing-a")) == 10), "billing-a to take 10")
@@ -125,9 +131,7 @@ async def test_a_stopped_recipient_fails_over_along_its_chain_then_back_to_its_s
         for n in range(10, 40):
             await admin.enqueue("billing", b"m%d" % n)
 
-        async def a_in_fault() -> bool:
-            return (await states(admin))["billing-a"] == "fault"
-        await until(a_in_fault, "billing-a in fault")
+        await until_state(admin, "fault", "billing-a")
         assert time.monotonic() - stopped < 1.0 + 3.0
 
         def moved_to_b() -> list[int]:
@@ -151,9 +155,7 @@ async def test_a_stopped_recipient_fails_over_along_its_chain_then_back_to_its_s
         recipients.signal("billing-b", signal.SIGSTOP)
         await admin.enqueue("billing-b", b"direct")            # something waits for it
 
-        async def b_in_fault() -> bool:
-            return (await states(admin))["billing-b"] == "fault"
-        await until(b_in_fault, "billing-b in fault")
+        await until_state(admin, "fault", "billing-b")
         for n in range(40, 45):
             await admin.enqueue("billing", b"m%d" % n)
         await until(lambda: asyncio.sleep(0, numbers(recipients.taken("billing-c")) == list(range(40, 45))),
@@ -163,9 +165,7 @@ async def test_a_stopped_recipient_fails_over_along_its_chain_then_back_to_its_s
         recipients.signal("billing-c", signal.SIGSTOP)
         await admin.enqueue("billing-c", b"direct")
 
-        async def c_in_fault() -> bool:
-            return (await states(admin))["billing-c"] == "fault"
-        await until(c_in_fault, "billing-c in fault")
+        await until_state(admin, "fault", "billing-c")
         await admin.enqueue("billing", b"m45", headers={"reply-to": "returns"})
         [returned] = await until(lambda: admin.receive("returns", max_messages=5, wait_s=0.5), "m45 returned", 20)
         assert returned.payload == b"m45" and returned.headers["x-returned-from"] == "billing-a"
@@ -175,9 +175,7 @@ async def test_a_stopped_recipient_fails_over_along_its_chain_then_back_to_its_s
         # billing-a resumes: it takes its probe, is ok again, and gets its messages again.
         recipients.signal("billing-a", signal.SIGCONT)
 
-        async def a_ok() -> bool:
-            return (await states(admin))["billing-a"] == "ok"
-        await until(a_ok, "billing-a ok again")
+        await until_state(admin, "ok", "billing-a")
         await admin.enqueue("billing", b"m46")
         await until(lambda: asyncio.sleep(0, "m46" in recipients.taken("billing-a")), "m46 at billing-a")
         everything = numbers(recipients.taken("billing-a") + recipients.taken("billing-b")
@@ -204,27 +202,21 @@ async def test_states_survive_a_failover_and_a_defunct_recipient_is_dropped(qclu
         recipients.start("quoter", "quotes")
         recipients.start("quoter-b", "quotes-b")
 
-        async def registered() -> bool:
-            return await states(admin) == {"quoter": "ok", "quoter-b": "ok"}
-        await until(registered, "both registered")
+        await until_state(admin, "ok", "quoter", "quoter-b")
         recipients.signal("quoter", signal.SIGSTOP)
         first = await admin.enqueue("quotes", b"q0")
 
-        async def quoter_in(state: str) -> bool:
-            return (await states(admin))["quoter"] == state
-        await until(lambda: quoter_in("fault"), "quoter in fault")
+        await until_state(admin, "fault", "quoter")
         cluster.kill("n1")                                       # the master of quotes
         assert (await states(admin))["quoter"] == "fault"
         for n in range(1, 4):
             await admin.enqueue("quotes", b"q%d" % n)
         await until(lambda: asyncio.sleep(0, len(recipients.taken("quoter-b")) >= 3), "q1..q3 at quoter-b", 40)
-        await until(lambda: quoter_in("defunct"), "quoter defunct", 20)
+        await until_state(admin, "defunct", "quoter")
         recipients.signal("quoter-b", signal.SIGSTOP)            # no alternative ok any more
         await admin.enqueue("quotes-b", b"direct")
 
-        async def b_in_fault() -> bool:
-            return (await states(admin))["quoter-b"] == "fault"
-        await until(b_in_fault, "quoter-b in fault")
+        await until_state(admin, "fault", "quoter-b")
         last = await admin.enqueue("quotes", b"q4")
         status = await admin.message_status("quotes", last, wait_s=20, until="replied")
         assert status["state"] == "replied" and json.loads(base64.b64decode(status["reply_b64"]))["returned"] is True
@@ -253,9 +245,7 @@ async def test_a_message_waiting_past_the_message_interval_fails_over_on_its_own
         recipients.start("mailer", "mail")
         recipients.start("mailer-b", "mail-b")
 
-        async def registered() -> bool:
-            return await states(admin) == {"mailer": "ok", "mailer-b": "ok"}
-        await until(registered, "both registered")
+        await until_state(admin, "ok", "mailer", "mailer-b")
         recipients.signal("mailer", signal.SIGSTOP)
         for n in range(6):
             await admin.enqueue("mail", b"m%d" % n)
