@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from client import AsyncClient  # noqa: E402
+from client import AsyncClient, QueueError  # noqa: E402
 from qserver.devcluster import LocalCluster  # noqa: E402
 
 PUBLISHERS_IN_FLIGHT = 10
@@ -87,14 +87,31 @@ async def durable_round(cluster: LocalCluster, subscriptions: int, seconds: floa
         stop = asyncio.Event()
 
         async def read(reader: AsyncClient) -> None:
+            """Take each message and acknowledge it without waiting for the answer before the
+            next (up to the node's window of 256 unacknowledged), as a worker pool would."""
             nonlocal acked
+            window = asyncio.Semaphore(256)
+
+            async def ack(message: Any) -> None:
+                nonlocal acked
+                try:
+                    await message.ack()
+                    acked += 1
+                except QueueError:
+                    pass                    # sent again later (the round's drain counts it then)
+                finally:
+                    window.release()
+            acking: set[asyncio.Task[None]] = set()
             while not stop.is_set():
                 try:
                     message = await asyncio.wait_for(reader.next_channel_message(), 0.5)
                 except TimeoutError:
                     continue
-                await message.ack()
-                acked += 1
+                await window.acquire()
+                task = asyncio.create_task(ack(message))
+                acking.add(task)
+                task.add_done_callback(acking.discard)
+            await asyncio.gather(*acking, return_exceptions=True)
         try:
             for number, reader in enumerate(readers):
                 await reader.subscribe(channel, durable=f"s{number}")
