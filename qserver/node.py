@@ -24,7 +24,7 @@ from client.errors import QueueError
 from client.http import signed_session
 from qserver import channel_api, macro_api, recipient_api
 from qserver import commands as c
-from qserver.auth import Authenticator
+from qserver.auth import CLUSTER_CLIENT, Authenticator
 from qserver.channels import ChannelHub
 from qserver.config import NodeConfig
 from qserver.engine import Engine
@@ -276,6 +276,8 @@ class Node:
         """Close the sockets of removed clients and of clients that lost a grant."""
         self.auth._clients = self.engine.clients
         for connection in list(self.connections):
+            if connection.principal.client_id == CLUSTER_CLIENT:
+                continue                     # a node acting for the cluster: no registered client
             record = self.engine.clients.get(connection.principal.client_id)
             if record is None:
                 error = QueueError(e.E_UNAUTHENTICATED, "the client was removed")
