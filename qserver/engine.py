@@ -565,6 +565,8 @@ class Engine:
             # Durable subscriptions are queue state in the record (QueueRecord.subscriptions).
             record.subscriptions = {str(name): [int(floor), [int(i) for i in acked]]
                                     for name, (floor, acked) in install.record.get("subscriptions", {}).items()}
+            record.sequences = {str(key): [int(number), int(index)]
+                                for key, (number, index) in install.record.get("sequences", {}).items()}
         else:
             record.ready_count = received.ready_count
             record.total_enqueued = messages

@@ -67,6 +67,10 @@ from replication.store import StoredLease, StoreReader
 
 READY_PAGE_SIZE = 1024
 SUBSCRIPTIONS_MAX = 64        # durable subscriptions of one queue (a channel's)
+# A producer that sends an ordered stream (a forwarder: issue 16) names it and numbers its
+# messages in these headers; the queue stores each number once, however long between retries.
+SEQUENCE_KEY_HEADER, SEQUENCE_HEADER = "x-sequence-key", "x-sequence"
+SEQUENCE_KEYS_MAX = 1_000     # streams one queue keeps the highest stored number of
 SUBSCRIPTION_PRIORITY = 4     # durable subscriptions follow the messages of this priority (every publish's)
 # A deadline heap (leases, times to live, delays) is rebuilt from what is live once its stale
 # entries pass this many and the live ones: a member that applies the master's decisions
@@ -108,6 +112,9 @@ class QueueRecord:
     # SubscriptionOpened's ordering index); `acked` lists those above the floor acknowledged out
     # of order. Queue state, so it travels with the record: every batch, restart and snapshot.
     subscriptions: dict[str, list[Any]] = field(default_factory=dict)
+    # Ordered streams of producers (SEQUENCE_KEY_HEADER): key -> [the highest number stored,
+    # its message id]. A message numbered at or below it is a repeat, not stored again.
+    sequences: dict[str, list[int]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         # Written with every batch that touches the queue: a plain copy of the fields, not
@@ -117,6 +124,8 @@ class QueueRecord:
         out["state"] = self.state.value
         if self.subscriptions:      # packed later, off the engine's task: a copy, not the live lists
             out["subscriptions"] = {name: [floor, list(acked)] for name, (floor, acked) in self.subscriptions.items()}
+        if self.sequences:
+            out["sequences"] = {key: list(mark) for key, mark in self.sequences.items()}
         return out
 
     @classmethod
@@ -216,6 +225,10 @@ class QueueCore:
             earlier = self._find_dedupe(dedupe_id, now_ms)
             if earlier is not None:
                 return earlier, True
+        if headers is not None and SEQUENCE_HEADER in headers:
+            earlier = self._sequence_repeat(headers)
+            if earlier is not None:
+                return earlier, True
         return self._place(payload, priority, dedupe_id, client, now_ms, out, ttl_ms, delay_ms, headers), False
 
     def enqueue_many(self, payloads: list[bytes], priority: int, dedupe_ids: list[str | None], client: str,
@@ -228,6 +241,16 @@ class QueueCore:
         stored = self._reader.dedupe_lookup_many(self.queue_id, unknown) if unknown else {}
         find, place = self._find_dedupe, self._place
         outcomes: list[int | QueueError] = []
+        if headers is not None and SEQUENCE_HEADER in headers:
+            if len(payloads) != 1:       # one number names one message
+                return [QueueError(E_INVALID_OPTION, f"{SEQUENCE_HEADER} numbers one message: enqueue them one "
+                                                     "at a time")] * len(payloads)
+            try:
+                earlier = self._sequence_repeat(headers)
+            except QueueError as error:
+                return [error]
+            if earlier is not None:
+                return [earlier]
         for payload, dedupe_id in zip(payloads, dedupe_ids, strict=True):
             if dedupe_id is not None and (earlier := find(dedupe_id, now_ms, stored)) is not None:
                 outcomes.append(earlier)
@@ -248,6 +271,8 @@ class QueueCore:
         ttl_ms = ttl_ms or record.options.message_ttl_ms
         out.append(Enqueued(record.queue_id, index, priority, now_ms, dedupe_id, client, payload, ttl_ms, delay_ms,
                             headers))
+        if headers is not None and SEQUENCE_HEADER in headers:
+            self._note_sequence(headers, index)
         if ttl_ms:
             self._live_for(index, priority, ttl_ms)
         if delay_ms:
@@ -342,6 +367,24 @@ class QueueCore:
         heapq.heappush(self._lease_deadlines, (lease.deadline, index, receipt))
         out.append(Extended(self.queue_id, index, lease.priority, receipt, visibility_ms, client, now_ms,
                             self._consumption_order()))
+
+    # --- ordered streams (SEQUENCE_HEADER) --------------------------------------------------
+    def _sequence_repeat(self, headers: dict[str, str]) -> int | None:
+        """The message id to answer with when the message's number was stored already (the
+        stream's highest number's id), else None; refuses malformed numbers."""
+        key, number = _sequence_of(headers)
+        mark = self.record.sequences.get(key)
+        if mark is not None and number <= mark[0]:
+            return mark[1]
+        if mark is None and len(self.record.sequences) >= SEQUENCE_KEYS_MAX:
+            raise QueueError(E_INVALID_OPTION, f"queue {self.name} keeps {SEQUENCE_KEYS_MAX} streams' numbers")
+        return None
+
+    def _note_sequence(self, headers: dict[str, str], index: int) -> None:
+        key, number = _sequence_of(headers)
+        mark = self.record.sequences.get(key)
+        if mark is None or number > mark[0]:
+            self.record.sequences[key] = [number, index]
 
     # --- durable subscriptions (a channel's queue; qserver/channels.py serves them) ---------
     def open_subscription(self, name: str, client: str, now_ms: int, out: list[Operation]) -> bool:
@@ -639,6 +682,11 @@ class QueueCore:
         for overlay in (self._dedupe.staged, self._dedupe.sealed):
             for dedupe_id in [d for d, (index, _) in overlay.items() if index > order]:
                 del overlay[dedupe_id]
+        # A stream's mark set by a dropped message goes (its earlier mark is not known): its
+        # producer sends that number again, stored now; a number below would be stored twice,
+        # which an ordered producer, going on from its first unacknowledged message, never sends.
+        for key in [key for key, (_, index) in self.record.sequences.items() if index > order]:
+            del self.record.sequences[key]
         count = on_disk + sum(1 for _, index in dropped if index >= boundary)   # below it: counted on disk
         record = self.record
         record.ready_count -= count
@@ -764,6 +812,8 @@ class QueueCore:
         if op.index < record.next_index:
             raise InvariantViolation(f"queue {self.name}: enqueue at {op.index} below {record.next_index}")
         record.next_index = op.index + 1
+        if op.headers is not None and SEQUENCE_HEADER in op.headers:
+            self._note_sequence(op.headers, op.index)
         if op.delay_ms:
             self._delay(op.index, op.priority, op.delay_ms)
         else:
@@ -891,6 +941,15 @@ class QueueCore:
         self._make_ready(index, priority, lease.deliveries)
         out.append(Released(record.queue_id, index, priority, lease.deliveries, expired, now_ms,
                             self._consumption_order()))
+
+
+def _sequence_of(headers: dict[str, str]) -> tuple[str, int]:
+    """(stream key, number) of a numbered message, or E_INVALID_OPTION."""
+    key, raw = headers.get(SEQUENCE_KEY_HEADER), headers[SEQUENCE_HEADER]
+    if not key or not raw.isdigit() or not 0 < len(raw) <= 18 or int(raw) < 1:
+        raise QueueError(E_INVALID_OPTION, f"{SEQUENCE_HEADER} is a number from 1, with {SEQUENCE_KEY_HEADER} "
+                                           "naming the stream")
+    return key, int(raw)
 
 
 def _bounded(heap: list[Any], live: dict[int, Any], entry: Callable[[int, Any], Any]) -> list[Any]:

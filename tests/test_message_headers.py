@@ -9,7 +9,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from client import AsyncClient
+from client import AsyncClient, QueueError
 from client.protocol import DeliveredMessage, OkReply, decode_server_frame, encode_frame, messages_from_result
 from qserver.storage import SealedBatch, Storage
 from replication.operations import Acked, DeadLettered, Enqueued, Leased
@@ -96,3 +96,23 @@ def test_qctl_puts_headers_and_get_shows_them(qnode: Any) -> None:
     assert code == 0 and got["headers"] == {"to": "ops", "lang": "en"}
     assert run_qctl(qnode, "put", "mail", "x", "--header", "novalue")[0] == 1
     assert run_qctl(qnode, "queue", "stats", "mail")[1]["depth"] == 0
+
+
+@pytest.mark.asyncio
+async def test_a_numbered_stream_is_stored_once_through_the_websocket_rest_and_a_handoff(qcluster_factory: Any) -> None:
+    """x-sequence-key and x-sequence (the forwarder's exactly-once, issue 16): a number sent
+    again, under another dedupe id, after the master moved, is answered with the stored id."""
+    cluster = qcluster_factory(3, {"root": ["n1", "n2"]})
+    async with AsyncClient(cluster.urls["n3"], cluster.credentials_path) as client:
+        await client.create_queue("root", strength="full")
+
+        def numbered(number: int) -> dict[str, str]:
+            return {"x-sequence-key": "site-7@1", "x-sequence": str(number)}
+        ids = [await client.enqueue("root", b"r%d" % n, headers=numbered(n)) for n in (1, 2, 3)]
+        assert await client.enqueue("root", b"r2", headers=numbered(2)) == ids[2]     # the stream's last id
+        await client.handoff("root")                      # the replica kept the marks: it is master now
+        assert await client.http.enqueue_http("root", b"r3", headers=numbered(3)) == ids[2]
+        assert (await client.queue_stats("root"))["depth"] == 3
+        with pytest.raises(QueueError) as refused:
+            await client.enqueue("root", b"r?", headers={"x-sequence-key": "site-7@1", "x-sequence": "x"})
+        assert refused.value.code == "E_INVALID_OPTION"

@@ -947,3 +947,34 @@ def test_durable_subscriptions_keep_their_backlogs_and_a_replica_applies_the_sam
         replica.core.apply(Purged(QUEUE_ID, ids[2], 4, False, master.now_ms, False, replica.core.record.next_index))
     master._run(lambda out: master.core.drop_subscription("s", "c", master.now_ms, out), True)
     assert master._run(lambda out: master.core.purge(ids[-1], 100, master.now_ms, out), True)[0] == 2
+
+
+def test_a_numbered_stream_stores_each_number_once_however_long_after() -> None:
+    """x-sequence-key / x-sequence: a repeat (the same number or a lower one) answers with the
+    stream's last stored id and stores nothing, long past the dedupe window; a replica keeps
+    the same marks; a batch cannot share one number."""
+    master = Driver(QueueOptions(strength=Strength.FULL), with_dead_letter_queue=False, dedupe_window_ms=1_000)
+
+    def send(number: int, dedupe_id: str | None = None) -> tuple[int, bool]:
+        headers = {queue_core.SEQUENCE_KEY_HEADER: "fwd@7", queue_core.SEQUENCE_HEADER: str(number)}
+        return master._run(lambda out: master.core.enqueue(b"m%d" % number, 4, dedupe_id, "forwarder",
+                                                           master.now_ms, out, headers=headers), True)
+    first, repeated = send(1, "a")
+    assert not repeated
+    second, _ = send(2, "b")
+    master.tick(3_600_000)                                   # an hour: far past the dedupe window
+    assert send(2, "b") == (second, True) and send(1, "c") == (second, True)
+    third, repeated = send(3)
+    assert not repeated and master.core.depth == 3
+    assert master.core.record.sequences == {"fwd@7": [3, third]}
+    replica = Driver(QueueOptions(strength=Strength.FULL), with_dead_letter_queue=False)
+    for op in master.committed:
+        replica.core.apply(op)
+    assert replica.core.record.sequences == master.core.record.sequences
+    master.restart()
+    assert send(3) == (third, True)
+    assert error_code(lambda: send(0)) == "E_INVALID_OPTION"
+    outcomes = master._run(lambda out: master.core.enqueue_many(
+        [b"x", b"y"], 4, [None, None], "forwarder", master.now_ms, out,
+        headers={queue_core.SEQUENCE_KEY_HEADER: "fwd@7", queue_core.SEQUENCE_HEADER: "9"}), True)
+    assert all(isinstance(outcome, QueueError) for outcome in outcomes) and master.core.depth == 3
