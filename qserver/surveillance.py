@@ -245,37 +245,56 @@ class RecipientWatch:
 
     async def _move(self, recipient: str, queue: str, overdue_only: bool) -> None:
         """Fail the queue's waiting messages over, in order, while the recipient is not ok
-        (or only those past the message interval) and this node masters its queue."""
+        (or only those past the message interval) and this node masters its queue. A message
+        nothing can take now stays leased to the mover, its lease extended, and is tried again:
+        given back and leased anew at each try, its delivery count would grow to the queue's
+        max_deliveries and dead-letter it. What the mover holds when it stops goes back."""
         engine = self._node.engine
         count = 1 if overdue_only else MOVE_BATCH
+        held: list[DeliveredMessage] = []
+        leased_at = 0.0
         try:
             while True:
-                entry = self.entry(recipient)
-                core = engine.cores.get(queue)
-                if entry is None or core is None or queue not in engine.pairs.masters:
+                if not self._may_move(recipient, queue, overdue_only):
                     return
-                if overdue_only == (entry.state != RecipientState.OK):
-                    return         # the overdue mover runs while ok; the other while not
-                messages: list[DeliveredMessage] = await engine.call(lambda r: c.Receive(
-                    queue, count, 0, MOVE_VISIBILITY_MS, CLUSTER_CLIENT, r))
-                if not messages:
-                    if overdue_only:
-                        return
-                    await asyncio.sleep(WATCH_INTERVAL_S)
-                    continue
-                for position, message in enumerate(messages):
-                    if overdue_only and not self._overdue(core, message):
-                        await self._settle(queue, message, release=True)
-                        return
-                    if not await self._fail_over(entry, core, message):
-                        for left in messages[position:]:
-                            await self._settle(queue, left, release=True)
-                        await asyncio.sleep(MOVE_PAUSE_S)
-                        break
+                entry, core = self.entry(recipient), engine.cores[queue]
+                if not held:
+                    held = await engine.call(lambda r: c.Receive(queue, count, 0, MOVE_VISIBILITY_MS,
+                                                                 CLUSTER_CLIENT, r))
+                    leased_at = time.monotonic()
+                    if not held:
+                        if overdue_only:
+                            return
+                        await asyncio.sleep(WATCH_INTERVAL_S)
+                        continue
+                    if overdue_only and not self._overdue(core, held[0]):
+                        return        # given back below
+                while held and self._may_move(recipient, queue, overdue_only) \
+                        and await self._fail_over(entry, core, held[0]):     # type: ignore[arg-type]
+                    held.pop(0)
+                if held:              # nothing takes it now: hold on, and try again in a moment
+                    await asyncio.sleep(MOVE_PAUSE_S)
+                    if time.monotonic() - leased_at > MOVE_VISIBILITY_MS / 2000:
+                        for message in held:
+                            await engine.call(lambda r, m=message: c.Ack(
+                                queue, m.message_id, m.receipt, CLUSTER_CLIENT, r, extend_ms=MOVE_VISIBILITY_MS))
+                        leased_at = time.monotonic()
         except QueueError as error:
             log.info("recipient %s: fail-over paused: %s", recipient, error)
         finally:
             self._movers.pop(recipient, None)
+            for message in held:
+                with contextlib.suppress(QueueError, TimeoutError):
+                    await asyncio.wait_for(self._settle(queue, message, release=True), 2.0)
+
+    def _may_move(self, recipient: str, queue: str, overdue_only: bool) -> bool:
+        """The overdue mover runs while the recipient is ok, the other while it is not; both
+        only on the queue's master."""
+        entry = self.entry(recipient)
+        engine = self._node.engine
+        if entry is None or queue not in engine.cores or queue not in engine.pairs.masters:
+            return False
+        return overdue_only == (entry.state == RecipientState.OK)
 
     def _overdue(self, core: Any, message: DeliveredMessage) -> bool:
         with self._node.storage.reads() as storage:
@@ -298,7 +317,11 @@ class RecipientWatch:
             except QueueError as error:
                 log.info("recipient %s: alternative %s refused message %d: %s", entry.name, alternative,
                          message.message_id, error)
-                continue
+                if error.outcome_unknown or (error.retriable and error.code != e.E_QUEUE_FULL.code):
+                    # It may hold it (the next alternative would make two copies), or cannot
+                    # answer this moment: this alternative again, in a moment (same dedupe id).
+                    return False
+                continue              # it cannot take it: the next alternative
             await self._settle(entry.queue, message)
             self.moved[(entry.name, alternative)] += 1
             return True

@@ -255,3 +255,29 @@ async def test_a_message_waiting_past_the_message_interval_fails_over_on_its_own
         assert (await states(admin))["mailer"] == "ok"              # one slow message is no fault
         recipients.signal("mailer", signal.SIGCONT)
         await until(lambda: asyncio.sleep(0, numbers(recipients.taken("mailer")) == [0, 1, 2, 3]), "m0..m3 at mailer")
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_messages_nothing_can_take_wait_without_being_dead_lettered(qcluster_factory: Any,
+                                                                         recipients_of: Any) -> None:
+    """In fault with no alternative and no way back to the sender, messages wait: the mover
+    holds them (one delivery each) rather than taking and giving them back each second, which
+    would dead-letter them at max_deliveries; the recipient gets them once it runs again."""
+    cluster: LocalCluster = qcluster_factory(3, {"alerts": ["n1", "n2"]})
+    recipients = recipients_of(cluster)
+    async with AsyncClient(cluster.urls["n2"], cluster.credentials_path) as admin:
+        await admin.create_queue("alerts", strength="full", fault_interval_s=0.5, max_deliveries=3,
+                                 visibility_timeout_s=120)
+        recipients.start("pager", "alerts")
+        await until_state(admin, "ok", "pager")
+        recipients.signal("pager", signal.SIGSTOP)
+        for n in range(3):
+            await admin.enqueue("alerts", b"m%d" % n)
+        await until_state(admin, "fault", "pager")
+        await asyncio.sleep(5)                                   # five tries of the mover
+        stats = await admin.queue_stats("alerts")
+        assert (stats["depth"], stats["total_dead_lettered"]) == (3, 0), stats
+        recipients.signal("pager", signal.SIGCONT)
+        await until(lambda: asyncio.sleep(0, sorted(numbers(recipients.taken("pager"))) == [0, 1, 2]), "all three")
+        assert (await admin.queue_stats("alerts"))["total_dead_lettered"] == 0
