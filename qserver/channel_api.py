@@ -21,6 +21,7 @@ from replication.cluster_map import (
     choose_pair,
 )
 from replication.options import DEAD_LETTER_SUFFIX, is_valid_queue_name, valid_dedupe_id
+from replication.queue_core import SUBSCRIPTION_PRIORITY
 
 
 def channel_name(request: web.Request, privilege: str) -> str:
@@ -114,7 +115,7 @@ async def publish(request: web.Request) -> web.Response:
     client = principal(request).client_id
 
     def command(replier: c.FutureReplier) -> c.Enqueue:
-        return c.Enqueue(channel_queue(name), payload, 4, dedupe_id, client,
+        return c.Enqueue(channel_queue(name), payload, SUBSCRIPTION_PRIORITY, dedupe_id, client,
                          PublishReplier(hub, replier, name, payload))
     message_id, epoch = await call(node.engine, command, may_have_applied=True)
     return web.json_response({"channel": name, "id": message_id, "epoch": epoch}, status=201)

@@ -37,7 +37,7 @@ from qserver.metrics import render_family
 from qserver.pairs import Redirect
 from replication.cluster_map import ChannelEntry, DeliveryClass, channel_queue
 from replication.options import is_valid_queue_name
-from replication.queue_core import QueueCore
+from replication.queue_core import SUBSCRIPTION_PRIORITY, QueueCore
 
 log = logging.getLogger("qserver.channels")
 TRIM_ABOVE = 64                  # a channel's queue is trimmed to its newest message past this depth
@@ -355,7 +355,9 @@ class ChannelHub:
         out = []
         with self._node.storage.reads() as storage:
             for name, (floor, acked) in sorted(core.record.subscriptions.items()):
-                waiting = len(storage.messages_after(core.queue_id, floor, core.depth + 1)) - len(acked)
+                # Counted from the ready index (no payload read): every channel message is ready.
+                waiting = len(storage.ready_page(core.queue_id, SUBSCRIPTION_PRIORITY, floor, 2**63,
+                                                 core.depth + 1)) - len(acked)
                 reader = self.durable.get(channel, {}).get(name)
                 out.append({"name": name, "floor": floor, "waiting": waiting, "attached": reader is not None,
                             "unacknowledged": 0 if reader is None else len(reader.sent)})
@@ -398,7 +400,7 @@ class ChannelHub:
         if channel not in connection.advertised:
             raise QueueError(e.E_NOT_ADVERTISED, f"advertise channel {channel} on this connection before publishing")
         self._served_here(channel)
-        return c.Enqueue(channel_queue(channel), payload, 4, dedupe_id, connection.principal.client_id,
+        return c.Enqueue(channel_queue(channel), payload, SUBSCRIPTION_PRIORITY, dedupe_id, connection.principal.client_id,
                          PublishReplier(self, connection, channel, payload), request_id)
 
     def published(self, channel: str, message_id: int, payload: bytes) -> None:

@@ -110,6 +110,13 @@ class Waiter:
     deadline_ms: int
 
 
+# Commands whose answer waits for everything the queue decided so far, not only their own
+# operations: a repeated dedupe id answers with an earlier id, which may not be committed yet;
+# a purge's last step answers for the operations of its earlier steps too; a repeated
+# subscription step answers for one decided a moment ago, maybe uncommitted.
+ANSWERED_AFTER_EVERYTHING_DECIDED = frozenset({*WRITES, c.Purge, c.DurableSubscription})
+
+
 @dataclass(slots=True)
 class Subscription:
     subscription_id: int
@@ -421,10 +428,7 @@ class Engine:
         decided = batch.sealed.operations[op_mark:]
         pairs.note_decided(master.core, decided)
         required = pairs.replicated_order(master.core, decided)
-        if type(command) in WRITES or type(command) is c.Purge or type(command) is c.DurableSubscription:
-            # A repeated dedupe id answers with an earlier id, which may not be committed yet;
-            # a purge's last step answers for the operations of its earlier steps too; a
-            # repeated subscription step for one decided a moment ago, maybe uncommitted.
+        if type(command) in ANSWERED_AFTER_EVERYTHING_DECIDED:
             required = max(required, master.core.record.next_index - 1)
         if required:
             for position in range(reply_mark, len(batch.replies)):

@@ -189,6 +189,8 @@ class RecipientWatch:
                 self._seen[entry.name] = entry.state
         for name in [name for name in self._seen if name not in cluster.recipients]:
             del self._seen[name]
+        for key in [key for key in self._last_take if key[1] not in cluster.recipients and key not in here]:
+            del self._last_take[key]          # a recipient gone with its queue
 
     def _apply(self, queue: str, state: str | None, subscriptions: list[Any]) -> None:
         """Make the recipient's subscriptions here match its state in the map."""

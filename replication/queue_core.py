@@ -71,7 +71,7 @@ SUBSCRIPTIONS_MAX = 64        # durable subscriptions of one queue (a channel's)
 # messages in these headers; the queue stores each number once, however long between retries.
 SEQUENCE_KEY_HEADER, SEQUENCE_HEADER = "x-sequence-key", "x-sequence"
 SEQUENCE_KEYS_MAX = 1_000     # streams one queue keeps the highest stored number of
-SUBSCRIPTION_PRIORITY = 4     # durable subscriptions follow the messages of this priority (every publish's)
+SUBSCRIPTION_PRIORITY = 4     # every channel publish's priority, so durable subscriptions follow this one
 # A deadline heap (leases, times to live, delays) is rebuilt from what is live once its stale
 # entries pass this many and the live ones: a member that applies the master's decisions
 # never pops them (only the deciding member's timed steps do), so they would grow for ever.
