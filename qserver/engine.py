@@ -81,7 +81,7 @@ from replication.options import (
     options_from_json,
     valid_dedupe_id,
 )
-from replication.queue_core import QueueCore, QueueRecord
+from replication.queue_core import QueueCore, QueueRecord, sequences_from_json
 
 log = logging.getLogger("qserver.engine")
 TERMINAL_STATES = frozenset({"acked", "replied", "dead_lettered", "purged", "expired"})
@@ -569,8 +569,7 @@ class Engine:
             # Durable subscriptions are queue state in the record (QueueRecord.subscriptions).
             record.subscriptions = {str(name): [int(floor), [int(i) for i in acked]]
                                     for name, (floor, acked) in install.record.get("subscriptions", {}).items()}
-            record.sequences = {str(key): [int(number), int(index)]
-                                for key, (number, index) in install.record.get("sequences", {}).items()}
+            record.sequences = sequences_from_json(install.record.get("sequences", {}))
         else:
             record.ready_count = received.ready_count
             record.total_enqueued = messages

@@ -31,6 +31,7 @@ from typing import Any
 from client.errors import (
     E_INVALID_OPTION,
     E_LEASE_EXPIRED,
+    E_OVERLOADED,
     E_QUEUE_FULL,
     E_SUBSCRIPTIONS_FULL,
     E_UNKNOWN_MESSAGE,
@@ -70,7 +71,12 @@ SUBSCRIPTIONS_MAX = 64        # durable subscriptions of one queue (a channel's)
 # A producer that sends an ordered stream (a forwarder: issue 16) names it and numbers its
 # messages in these headers; the queue stores each number once, however long between retries.
 SEQUENCE_KEY_HEADER, SEQUENCE_HEADER = "x-sequence-key", "x-sequence"
-SEQUENCE_KEYS_MAX = 1_000     # streams one queue keeps the highest stored number of
+# A producer whose numbers do not arrive in order (a forwarder: its source's priorities, delays
+# and redeliveries reorder them) declares its floor: every number below it is settled (stored,
+# or never to be sent again). Without it a number is its own floor: an in-order stream.
+SEQUENCE_FLOOR_HEADER = "x-sequence-floor"
+SEQUENCE_KEYS_MAX = 1_000     # streams one queue keeps numbers of
+SEQUENCE_WINDOW_MAX = 4_096   # numbers a stream keeps at or above its floor (beyond: E_OVERLOADED)
 SUBSCRIPTION_PRIORITY = 4     # every channel publish's priority, so durable subscriptions follow this one
 # A deadline heap (leases, times to live, delays) is rebuilt from what is live once its stale
 # entries pass this many and the live ones: a member that applies the master's decisions
@@ -112,9 +118,10 @@ class QueueRecord:
     # SubscriptionOpened's ordering index); `acked` lists those above the floor acknowledged out
     # of order. Queue state, so it travels with the record: every batch, restart and snapshot.
     subscriptions: dict[str, list[Any]] = field(default_factory=dict)
-    # Ordered streams of producers (SEQUENCE_KEY_HEADER): key -> [the highest number stored,
-    # its message id]. A message numbered at or below it is a repeat, not stored again.
-    sequences: dict[str, list[int]] = field(default_factory=dict)
+    # Numbered streams of producers (SEQUENCE_KEY_HEADER): key -> [floor, [[number, message id],
+    # ...]]: every number below the floor is settled, and those listed (at or above it) are
+    # stored. A message whose number is either is a repeat, not stored again.
+    sequences: dict[str, list[Any]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         # Written with every batch that touches the queue: a plain copy of the fields, not
@@ -125,12 +132,25 @@ class QueueRecord:
         if self.subscriptions:      # packed later, off the engine's task: a copy, not the live lists
             out["subscriptions"] = {name: [floor, list(acked)] for name, (floor, acked) in self.subscriptions.items()}
         if self.sequences:
-            out["sequences"] = {key: list(mark) for key, mark in self.sequences.items()}
+            out["sequences"] = {key: [floor, [list(pair) for pair in stored]]
+                                for key, (floor, stored) in self.sequences.items()}
         return out
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> QueueRecord:
-        return cls(**{**raw, "options": options_from_json(raw["options"]), "state": QueueState(raw["state"])})
+        record = cls(**{**raw, "options": options_from_json(raw["options"]), "state": QueueState(raw["state"])})
+        record.sequences = sequences_from_json(raw.get("sequences", {}))
+        return record
+
+
+def sequences_from_json(raw: dict[str, Any]) -> dict[str, list[Any]]:
+    """Streams as stored; a record written before floors ([highest number, its id]) reads as
+    that number's floor with it stored."""
+    out: dict[str, list[Any]] = {}
+    for key, (floor, stored) in raw.items():
+        pairs = [[floor, stored]] if isinstance(stored, int) else [[int(n), int(i)] for n, i in stored]
+        out[str(key)] = [int(floor), pairs]
+    return out
 
 
 @dataclass(slots=True)
@@ -368,23 +388,37 @@ class QueueCore:
         out.append(Extended(self.queue_id, index, lease.priority, receipt, visibility_ms, client, now_ms,
                             self._consumption_order()))
 
-    # --- ordered streams (SEQUENCE_HEADER) --------------------------------------------------
+    # --- numbered streams (SEQUENCE_HEADER) -------------------------------------------------
     def _sequence_repeat(self, headers: dict[str, str]) -> int | None:
-        """The message id to answer with when the message's number was stored already (the
-        stream's highest number's id), else None; refuses malformed numbers."""
-        key, number = _sequence_of(headers)
-        mark = self.record.sequences.get(key)
-        if mark is not None and number <= mark[0]:
-            return mark[1]
-        if mark is None and len(self.record.sequences) >= SEQUENCE_KEYS_MAX:
-            raise QueueError(E_INVALID_OPTION, f"queue {self.name} keeps {SEQUENCE_KEYS_MAX} streams' numbers")
+        """The message id to answer with when the message's number is settled already (its own
+        id when the stream still lists it, else the stream's latest), else None; refuses
+        malformed numbers and a stream with no room."""
+        key, number, _ = _sequence_of(headers)
+        stream = self.record.sequences.get(key)
+        if stream is None:
+            if len(self.record.sequences) >= SEQUENCE_KEYS_MAX:
+                raise QueueError(E_INVALID_OPTION, f"queue {self.name} keeps {SEQUENCE_KEYS_MAX} streams' numbers")
+            return None
+        floor, stored = stream
+        for stored_number, index in stored:
+            if stored_number == number:
+                return index    # type: ignore[no-any-return]
+        if number < floor:
+            return stored[-1][1] if stored else 0     # type: ignore[no-any-return]
+        if len(stored) >= SEQUENCE_WINDOW_MAX:
+            raise QueueError(E_OVERLOADED, f"stream {key} of queue {self.name} holds {SEQUENCE_WINDOW_MAX} numbers "
+                                           f"above its floor {floor}: retry once its producer's floor moves")
         return None
 
     def _note_sequence(self, headers: dict[str, str], index: int) -> None:
-        key, number = _sequence_of(headers)
-        mark = self.record.sequences.get(key)
-        if mark is None or number > mark[0]:
-            self.record.sequences[key] = [number, index]
+        """Record a stored number and raise the floor to what its producer declared (the
+        master placing it and every member applying it do the same)."""
+        key, number, declared = _sequence_of(headers)
+        stream = self.record.sequences.setdefault(key, [0, []])
+        floor = stream[0] = max(stream[0], declared)
+        stream[1] = [pair for pair in stream[1] if pair[0] >= floor and pair[0] != number]
+        stream[1].append([number, index])
+        stream[1].sort()
 
     # --- durable subscriptions (a channel's queue; qserver/channels.py serves them) ---------
     def open_subscription(self, name: str, client: str, now_ms: int, out: list[Operation]) -> bool:
@@ -682,11 +716,11 @@ class QueueCore:
         for overlay in (self._dedupe.staged, self._dedupe.sealed):
             for dedupe_id in [d for d, (index, _) in overlay.items() if index > order]:
                 del overlay[dedupe_id]
-        # A stream's mark set by a dropped message goes (its earlier mark is not known): its
-        # producer sends that number again, stored now; a number below would be stored twice,
-        # which an ordered producer, going on from its first unacknowledged message, never sends.
-        for key in [key for key, (_, index) in self.record.sequences.items() if index > order]:
-            del self.record.sequences[key]
+        # A number stored by a dropped message is not stored any more: its producer, never
+        # answered, sends it again. The floor stays: it is the producer's word about numbers
+        # below it (a forwarder declares only what its source committed), not this queue's data.
+        for stream in self.record.sequences.values():
+            stream[1] = [pair for pair in stream[1] if pair[1] <= order]
         count = on_disk + sum(1 for _, index in dropped if index >= boundary)   # below it: counted on disk
         record = self.record
         record.ready_count -= count
@@ -943,13 +977,18 @@ class QueueCore:
                             self._consumption_order()))
 
 
-def _sequence_of(headers: dict[str, str]) -> tuple[str, int]:
-    """(stream key, number) of a numbered message, or E_INVALID_OPTION."""
+def _sequence_of(headers: dict[str, str]) -> tuple[str, int, int]:
+    """(stream key, number, declared floor) of a numbered message, or E_INVALID_OPTION."""
     key, raw = headers.get(SEQUENCE_KEY_HEADER), headers[SEQUENCE_HEADER]
-    if not key or not raw.isdigit() or not 0 < len(raw) <= 18 or int(raw) < 1:
+    raw_floor = headers.get(SEQUENCE_FLOOR_HEADER, raw)
+    if not key or not _is_number(raw) or not _is_number(raw_floor) or int(raw_floor) > int(raw):
         raise QueueError(E_INVALID_OPTION, f"{SEQUENCE_HEADER} is a number from 1, with {SEQUENCE_KEY_HEADER} "
-                                           "naming the stream")
-    return key, int(raw)
+                                           f"naming the stream (and {SEQUENCE_FLOOR_HEADER}, if any, at most it)")
+    return key, int(raw), int(raw_floor)
+
+
+def _is_number(raw: str) -> bool:
+    return raw.isdigit() and 0 < len(raw) <= 18 and int(raw) >= 1
 
 
 def _bounded(heap: list[Any], live: dict[int, Any], entry: Callable[[int, Any], Any]) -> list[Any]:

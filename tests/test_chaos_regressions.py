@@ -37,7 +37,7 @@ from replication.cluster_map import ClusterMap, PairState
 from replication.messages import encode_entry
 from replication.operations import Enqueued, Operation
 from replication.options import QueueOptions, Strength
-from replication.queue_core import QueueCore, QueueRecord
+from replication.queue_core import SEQUENCE_FLOOR_HEADER, SEQUENCE_HEADER, SEQUENCE_KEY_HEADER, QueueCore, QueueRecord
 from replication.store import MemoryStore
 
 AT_MS = 1_700_000_000_000
@@ -76,6 +76,20 @@ def test_a_deposed_producer_master_drops_its_uncommitted_suffix_and_keeps_what_i
     more: list[Operation] = []
     assert [op.index for op in core.lease(10, None, "c", AT_MS, more)] == [4, 5, 6]
     assert core.enqueue(b"new", 4, "fresh", "c", AT_MS, more) == (7, False)   # the stream goes on from 7
+
+
+def test_a_dropped_suffix_forgets_the_numbers_it_stored_but_keeps_the_floor() -> None:
+    store = MemoryStore()
+    core = producer_core(store)
+    out: list[Operation] = []
+    for number, index in ((3, 1), (4, 2), (5, 3)):
+        headers = {SEQUENCE_KEY_HEADER: "fw:b@1", SEQUENCE_HEADER: str(number),
+                   SEQUENCE_FLOOR_HEADER: str(number if number < 5 else 4)}
+        assert core.enqueue(b"x", 4, None, "f", AT_MS, out, headers=headers) == (index, False)
+    store.apply(out)
+    core.visible_upto = 2
+    assert core.discard_after(2) is not None
+    assert core.record.sequences["fw:b@1"] == [4, [[4, 2]]]           # 5 (index 3) dropped; the floor stays
 
 
 def test_a_suffix_is_not_dropped_under_full_strength_nor_past_a_lease() -> None:

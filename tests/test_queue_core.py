@@ -966,7 +966,7 @@ def test_a_numbered_stream_stores_each_number_once_however_long_after() -> None:
     assert send(2, "b") == (second, True) and send(1, "c") == (second, True)
     third, repeated = send(3)
     assert not repeated and master.core.depth == 3
-    assert master.core.record.sequences == {"fwd@7": [3, third]}
+    assert master.core.record.sequences == {"fwd@7": [3, [[3, third]]]}
     replica = Driver(QueueOptions(strength=Strength.FULL), with_dead_letter_queue=False)
     for op in master.committed:
         replica.core.apply(op)
@@ -978,3 +978,34 @@ def test_a_numbered_stream_stores_each_number_once_however_long_after() -> None:
         [b"x", b"y"], 4, [None, None], "forwarder", master.now_ms, out,
         headers={queue_core.SEQUENCE_KEY_HEADER: "fwd@7", queue_core.SEQUENCE_HEADER: "9"}), True)
     assert all(isinstance(outcome, QueueError) for outcome in outcomes) and master.core.depth == 3
+
+
+def test_a_stream_with_a_declared_floor_takes_numbers_out_of_order_and_each_once() -> None:
+    """x-sequence-floor (a forwarder's: its source's priorities and delays reorder the numbers):
+    any number at or above the floor not stored yet is stored, each once; below the floor is
+    settled; the stored numbers below a raised floor are forgotten (the window stays small)."""
+    master = Driver(QueueOptions(strength=Strength.FULL), with_dead_letter_queue=False, dedupe_window_ms=1_000)
+
+    def send(number: int, floor: int) -> tuple[int, bool]:
+        headers = {queue_core.SEQUENCE_KEY_HEADER: "fw:a@3", queue_core.SEQUENCE_HEADER: str(number),
+                   queue_core.SEQUENCE_FLOOR_HEADER: str(floor)}
+        return master._run(lambda out: master.core.enqueue(b"m%d" % number, 4, None, "forwarder", master.now_ms,
+                                                           out, headers=headers), True)
+    ids = {number: send(number, 5)[0] for number in (9, 7, 12)}        # 5, 6, 8 wait (delayed, say)
+    assert send(5, 5)[1] is False and send(8, 5)[1] is False
+    assert send(7, 5) == (ids[7], True) and send(12, 5) == (ids[12], True)
+    assert master.core.depth == 5
+    master.tick(3_600_000)
+    assert send(6, 6)[1] is False and send(6, 6)[1] is True
+    assert send(13, 10)[1] is False                                    # the floor rises to 10
+    assert [n for n, _ in master.core.record.sequences["fw:a@3"][1]] == [12, 13]
+    assert send(9, 9)[1] is True and send(11, 10)[1] is False          # below: settled; 11 was never stored
+    assert master.core.depth == 8
+    replica = Driver(QueueOptions(strength=Strength.FULL), with_dead_letter_queue=False)
+    for op in master.committed:
+        replica.core.apply(op)
+    assert replica.core.record.sequences == master.core.record.sequences
+    assert error_code(lambda: send(20, 21)) == "E_INVALID_OPTION"      # a floor above its own number
+    # An old record's [number, id] reads as that number's floor with it stored.
+    assert queue_core.sequences_from_json({"k": [4, 17]}) == {"k": [4, [[4, 17]]]}
+
