@@ -50,6 +50,7 @@ from client.errors import (
     E_REPLAYED_REQUEST,
     E_TIMEOUT,
     E_UNAVAILABLE,
+    E_UNKNOWN_FORWARD,
     E_UNKNOWN_MACRO,
     QueueError,
 )
@@ -72,6 +73,9 @@ from client.protocol import (
     EnqueueBatchOp,
     ErrorReply,
     ExtendOp,
+    ForwardDataOp,
+    ForwardRate,
+    ForwardSessionOp,
     FrameError,
     OkReply,
     PingOp,
@@ -343,6 +347,10 @@ class AsyncClient:
         self._node_urls: list[str] = []            # the other nodes' URLs in it
         self._master_urls: dict[str, str] = {}    # queue -> its master's node
         self._others: dict[str, AsyncClient] = {}
+        # (queue, forward) -> what to call with the rate a root sends (forward sessions; shared
+        # with this client's clients of other nodes, where the sessions are).
+        self._forward_rates: dict[tuple[str, str], Callable[[float | None], None]] = {}
+        self._forward_nodes: dict[tuple[str, str], AsyncClient] = {}     # the node each session is open at
         self._macros: dict[str, MacroQueue] = {}  # macro queues in the map (client/macro.py)
         # Channels (client/channels.py): the inbox of a client the application uses; on each
         # node's client, the channels subscribed and advertised through its socket.
@@ -694,7 +702,9 @@ class AsyncClient:
         (this client then asks the map where the queue went) instead of retrying for long."""
         limits: dict[str, Any] = {**self._limits, "enqueue_retry_time_s": min(
             float(self._limits["enqueue_retry_time_s"]), ROUTED_ENQUEUE_RETRY_S)}  # type: ignore[arg-type]
-        return AsyncClient(url, self._credentials, **limits)
+        node = AsyncClient(url, self._credentials, **limits)
+        node._forward_rates = self._forward_rates
+        return node
 
     async def _hedged(self, queue: str, attempt: Callable[[AsyncClient], Coroutine[Any, Any, Any]]) -> Any:
         """An enqueue at the queue's master, watched: while it is unanswered, every
@@ -1166,12 +1176,75 @@ class AsyncClient:
         """A push recipient's ordered chain of alternative recipients (seed 001; admin)."""
         return await self.http.set_alternatives(recipient, alternatives)
 
+    async def create_forward(self, name: str, source: str, destination: str, *, urls: Sequence[str] = (),
+                             credentials: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """Store-and-forward (seed 003; admin): the master of `source` (a `full` queue here)
+        moves its messages into `destination` of the cluster at `urls`, signed there with
+        `credentials` ({"client_id", "private_key"}); no urls: a queue of this cluster."""
+        return await self.http.create_forward(name, source, destination, urls=urls, credentials=credentials)
+
+    async def forwards(self) -> list[dict[str, Any]]:
+        return await self.http.forwards()
+
+    async def forward_stats(self, name: str) -> dict[str, Any]:
+        return await self.http.forward_stats(name)
+
+    async def delete_forward(self, name: str) -> dict[str, Any]:
+        return await self.http.delete_forward(name)
+
     async def recipients(self) -> list[dict[str, Any]]:
         """Every recipient with its queue, state (ok, fault, defunct) and alternatives."""
         return await self.http.recipients()
 
     async def alternatives(self, recipient: str) -> list[str]:
         return await self.http.alternatives(recipient)
+
+    # --- forward sessions (seed 003; the node's forwarder, qserver/forwarder.py, uses these) ----
+    async def forward_session(self, queue: str, forward: str, weight: int, *, open: bool,
+                              on_rate: Callable[[float | None], None] | None = None) -> Any:
+        """Open (or keep alive) forward `forward`'s session with the root, the master of
+        `queue` (opening finds it, as any routed call); `on_rate` is called with each rate the
+        root sends. Open answers the session's terms ({"rate", "interval_s", "bands", "mode",
+        "keepalive_s", "hold_s"}), a keepalive the current rate (messages/s; None: no control).
+        The session lives on the connection to the node that opened it: keepalives and data go
+        there (E_UNKNOWN_FORWARD once it is gone: open it again)."""
+        if on_rate is not None:
+            self._forward_rates[(queue, forward)] = on_rate
+        if not open:
+            return await self._forward_node(queue, forward)._forward_session_here(queue, forward, weight, False)
+        node = self._route(queue)
+        try:
+            terms = await node._forward_session_here(queue, forward, weight, True)
+        except QueueError as error:
+            other = await self._rerouted(queue, error, failed=node)
+            if other is None:
+                raise
+            node = other
+            terms = await _retried_once(error, node._forward_session_here(queue, forward, weight, True))
+        self._forward_nodes[(queue, forward)] = node
+        return terms
+
+    def _forward_node(self, queue: str, forward: str) -> AsyncClient:
+        node = self._forward_nodes.get((queue, forward))
+        if node is None:
+            raise QueueError(E_UNKNOWN_FORWARD, f"no session of forward {forward} open from this client")
+        return node
+
+    async def _forward_session_here(self, queue: str, forward: str, weight: int, open: bool) -> Any:
+        return await self._call(ForwardSessionOp(next(self._ids), queue, forward, weight, open))
+
+    async def forward_data(self, queue: str, forward: str, stream: str, weight: int, floor: int,
+                           items: Sequence[tuple[bytes, int, int, int, dict[str, str] | None]]) -> list[int | QueueError]:
+        """A data message of an open session: items (payload, priority, number, ttl_ms, headers)
+        numbered in `stream`, every number below `floor` settled. One outcome per item: the
+        message id (a number stored before counts as stored) or the error that refused it."""
+        node = self._forward_node(queue, forward)
+        outcomes = await node._call(ForwardDataOp(next(node._ids), queue, forward, stream, weight, floor, tuple(items)))
+        return [outcome if type(outcome) is int else _item_error(outcome) for outcome in outcomes]
+
+    def forget_forward(self, queue: str, forward: str) -> None:
+        self._forward_rates.pop((queue, forward), None)
+        self._forward_nodes.pop((queue, forward), None)
 
     async def ping(self) -> None:
         """One round trip over the WebSocket (connecting first if needed)."""
@@ -1463,6 +1536,10 @@ class AsyncClient:
             elif kind is ChannelEnded:
                 if self._channel_inbox is not None:
                     self._channel_inbox.ended(item, self)
+            elif kind is ForwardRate:
+                listener = self._forward_rates.get((item.queue, item.forward))
+                if listener is not None:
+                    listener(item.rate)
             elif kind is Closing:
                 return QueueError(item.code, item.message, outcome_unknown=True)
         if self._retry_deadline:

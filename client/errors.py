@@ -70,6 +70,11 @@ E_SUBSCRIPTION_TAKEN = _kind("E_SUBSCRIPTION_TAKEN", 409, False,
                              "another connection subscribed under this durable subscription's name")
 E_RECIPIENT_DEFUNCT = _kind("E_RECIPIENT_DEFUNCT", 409, True,
                             "the recipient took no message for its queue's defunct interval: subscribe again")
+E_UNKNOWN_FORWARD = _kind("E_UNKNOWN_FORWARD", 404, False,
+                          "no such forward, or no session of it here: open the session (again)")
+E_FORWARD_REFUSED = _kind("E_FORWARD_REFUSED", 409, False,
+                          "the forward was refused: the name is taken, the source is not a `full` queue, or is "
+                          "forwarded already")
 E_NOT_ADVERTISED = _kind("E_NOT_ADVERTISED", 409, False, "publish to a channel this connection has advertised")
 E_MACRO_EMPTY = _kind("E_MACRO_EMPTY", 409, False, "the macro queue has no member that could take the message")
 # --- node and cluster ---------------------------------------------------------------------------

@@ -313,6 +313,30 @@ class HttpClient:
         `alternatives`."""
         return list((await self._json("GET", "/v1/recipients"))["recipients"])
 
+    # --- forwards (seed 003 store-and-forward) ------------------------------------------------
+    async def create_forward(self, name: str, source: str, destination: str, *, urls: Sequence[str] = (),
+                             credentials: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """Forward `source` (a `full` queue of this cluster) into `destination`, a queue of the
+        cluster at `urls` signed there with `credentials` ({"client_id", "private_key"}), or of
+        this cluster when no urls are given (admin)."""
+        document: dict[str, Any] = {"name": name, "source": source, "destination": destination, "urls": list(urls)}
+        if credentials is not None:
+            document["credentials"] = {"client_id": credentials["client_id"],
+                                       "private_key": credentials["private_key"]}
+        return dict(await self._json("POST", "/v1/forwards", document=document, idempotent=False))
+
+    async def forwards(self) -> list[dict[str, Any]]:
+        """Every forward: name, source, destination, urls, client_id, and the node it runs on."""
+        return list((await self._json("GET", "/v1/forwards"))["forwards"])
+
+    async def forward_stats(self, name: str) -> dict[str, Any]:
+        """A forwarder's figures from where it runs: state, rate, weight, sent, stored, the
+        source's depth and overflows, the recent rate trace."""
+        return dict(await self._json("GET", "/v1/forwards/" + _segment(name)))
+
+    async def delete_forward(self, name: str) -> dict[str, Any]:
+        return dict(await self._json("DELETE", "/v1/forwards/" + _segment(name), idempotent=False))
+
     # --- messages ---------------------------------------------------------------------------
     async def enqueue_http(self, queue: str, payload: bytes, priority: int = 4,
                            dedupe_id: str | None = None, *, ttl_s: float | None = None,

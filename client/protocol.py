@@ -189,8 +189,41 @@ class ReportOp:
     message_id: int
 
 
+# --- forwards (seed 003 store-and-forward; docs/PROTOCOL.md "Forwards") ---
+@dataclass(frozen=True, slots=True)
+class ForwardSessionOp:
+    """A forwarder's session with the root, the master of the destination `queue` (seed 003
+    §3.2): `open` true begins (or begins again) the session of `forward` on this connection,
+    false keeps it alive. Both report the forwarder's `weight` (its fill band). The result:
+    {"rate": messages/s or nil (no control), "interval_s", "bands", "mode", "keepalive_s",
+    "hold_s"} on open, the current rate on a keepalive."""
+    TAG: ClassVar[int] = 17
+    request_id: int
+    queue: str
+    forward: str
+    weight: int
+    open: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardDataOp:
+    """A forwarder's data message: its weight, then messages numbered in its `stream` (the
+    source's ids; `floor`: every number below it is settled at the source). Each item is
+    [payload, priority, number, ttl_ms, headers or nil]; the result is one entry per item,
+    message id (also for a number stored before) or [code, message]."""
+    TAG: ClassVar[int] = 18
+    request_id: int
+    queue: str
+    forward: str
+    stream: str
+    weight: int
+    floor: int
+    items: tuple[tuple[bytes, int, int, int, dict[str, str] | None], ...]
+
+
 ClientOp = (EnqueueOp | ReceiveOp | AckOp | ReleaseOp | SubscribeOp | CreditOp | UnsubscribeOp | PingOp | EnqueueBatchOp
-            | AckBatchOp | ExtendOp | ChannelSubscribeOp | ChannelAckOp | PublishOp | AdvertiseOp | ReportOp)
+            | AckBatchOp | ExtendOp | ChannelSubscribeOp | ChannelAckOp | PublishOp | AdvertiseOp | ReportOp
+            | ForwardSessionOp | ForwardDataOp)
 CHANNELS_PER_CALL_MAX = 1_000
 BATCH_ITEMS_MAX = 10_000
 
@@ -270,7 +303,18 @@ class ChannelEnded:
     message: str
 
 
-ServerItem = (OkReply | ErrorReply | Delivery | Closing | SubscriptionEnded | ChannelMessage | ChannelEnded)
+@dataclass(frozen=True, slots=True)
+class ForwardRate:
+    """The root's rate for a forwarder's session, sent every interval T (seed 003 §3.3):
+    messages/s, or nil for no control."""
+    TAG: ClassVar[int] = 108
+    queue: str
+    forward: str
+    rate: float | None
+
+
+ServerItem = (OkReply | ErrorReply | Delivery | Closing | SubscriptionEnded | ChannelMessage | ChannelEnded
+              | ForwardRate)
 
 
 # --- encoding --------------------------------------------------------------------------------
@@ -292,6 +336,9 @@ def _encode_item(item: ClientOp | ServerItem) -> list[Any]:
                 None if item.dedupe_ids is None else list(item.dedupe_ids), item.ttl_ms, item.delay_ms, item.headers]
     if isinstance(item, AckBatchOp):
         return [item.TAG, item.request_id, item.queue, [list(pair) for pair in item.items]]
+    if isinstance(item, ForwardDataOp):
+        return [item.TAG, item.request_id, item.queue, item.forward, item.stream, item.weight, item.floor,
+                [list(row) for row in item.items]]
     if isinstance(item, ChannelSubscribeOp) and item.durable is not None:
         return [item.TAG, item.request_id, list(item.channels), item.subscribe, item.durable]
     if isinstance(item, ChannelSubscribeOp | AdvertiseOp):
@@ -338,7 +385,10 @@ INT64_MAX = 2**63 - 1
 TTL_MS_MAX = 1_209_600_000      # 14 days (replication.options.TTL_MAX_S)
 DELAY_MS_MAX = 900_000          # 15 minutes (replication.options.DELAY_MAX_S)
 _OP_ARITY = {1: (5, 9), 2: (3, 6), 3: (5, 5), 4: (5, 5), 5: (4, 6), 6: (4, 4), 7: (3, 3), 8: (2, 2),
-             9: (5, 9), 10: (4, 4), 11: (6, 6), 12: (4, 5), 13: (4, 4), 14: (4, 5), 15: (4, 4), 16: (4, 4)}
+             9: (5, 9), 10: (4, 4), 11: (6, 6), 12: (4, 5), 13: (4, 4), 14: (4, 5), 15: (4, 4), 16: (4, 4),
+             17: (6, 6), 18: (8, 8)}
+FORWARD_ITEMS_MAX = 1_000
+WEIGHT_MAX = 100
 
 
 def _headers(value: Any, request_id: int) -> dict[str, str] | None:
@@ -414,6 +464,13 @@ def _decode_op(row: Any) -> ClientOp:
         kind = ChannelAckOp if tag == ChannelAckOp.TAG else ReportOp
         return kind(request_id, _str(args[0], "channel", request_id),
                     _int(args[1], "message_id", 1, INT64_MAX, request_id))
+    if tag == ForwardSessionOp.TAG:
+        if type(args[3]) is not bool:
+            raise FrameError("open must be true or false", request_id)
+        return ForwardSessionOp(request_id, _str(args[0], "queue", request_id), _str(args[1], "forward", request_id),
+                                _int(args[2], "weight", 0, WEIGHT_MAX, request_id), args[3])
+    if tag == ForwardDataOp.TAG:
+        return _decode_forward_data(request_id, args)
     if tag == PublishOp.TAG:
         if not isinstance(args[1], (bytes, bytearray)):
             raise FrameError("payload must be binary", request_id)
@@ -441,6 +498,22 @@ def _decode_enqueue_batch(request_id: int, args: list[Any]) -> EnqueueBatchOp:
         dedupe_ids = tuple(dedupe_ids)
     return EnqueueBatchOp(request_id, queue, priority, tuple(bytes(p) for p in payloads), dedupe_ids, ttl_ms,
                           delay_ms, headers)
+
+
+def _decode_forward_data(request_id: int, args: list[Any]) -> ForwardDataOp:
+    rows = args[5]
+    if not isinstance(rows, list) or not 0 < len(rows) <= FORWARD_ITEMS_MAX:
+        raise FrameError(f"items must be a list of 1..{FORWARD_ITEMS_MAX}", request_id)
+    items = []
+    for row in rows:
+        if not isinstance(row, list) or len(row) != 5 or not isinstance(row[0], (bytes, bytearray)):
+            raise FrameError("a forwarded item is [payload, priority, number, ttl_ms, headers]", request_id)
+        items.append((bytes(row[0]), _int(row[1], "priority", 0, 9, request_id),
+                      _int(row[2], "number", 1, INT64_MAX, request_id), _int(row[3], "ttl_ms", 0, TTL_MS_MAX, request_id),
+                      _headers(row[4], request_id)))
+    return ForwardDataOp(request_id, _str(args[0], "queue", request_id), _str(args[1], "forward", request_id),
+                         _str(args[2], "stream", request_id), _int(args[3], "weight", 0, WEIGHT_MAX, request_id),
+                         _int(args[4], "floor", 1, INT64_MAX, request_id), tuple(items))
 
 
 def _decode_ack_batch(request_id: int, args: list[Any]) -> AckBatchOp:
@@ -505,6 +578,8 @@ def _decode_server_items(rows: list[Any]) -> list[ServerItem]:
             out.append(ChannelMessage(str(row[1]), int(row[2]), bytes(row[3]), bool(row[4])))
         elif tag == ChannelEnded.TAG:
             out.append(ChannelEnded(str(row[1]), str(row[2]), str(row[3])))
+        elif tag == ForwardRate.TAG:
+            out.append(ForwardRate(str(row[1]), str(row[2]), None if row[3] is None else float(row[3])))
         else:
             raise FrameError(f"unknown server item tag {tag!r}")
     return out

@@ -208,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "is in fault, and its messages fail over to its alternatives")
     create.add_argument("--defunct-interval-s", type=float, help="in fault this long: its subscriptions end")
     create.add_argument("--message-interval-s", type=float, help="a message waiting this long fails over on its own")
+    create.add_argument("--forward-rate", type=float,
+                        help="as the root of forwards (seed 003): the messages/s they share (0: no control)")
+    create.add_argument("--forward-interval-s", type=float, help="how often the root sends their rates (T, 2 s)")
+    create.add_argument("--forward-mode", choices=("adaptive", "static"),
+                        help="rates by the forwarders' fill levels (adaptive, the default) or R/n (static)")
+    create.add_argument("--forward-bands", type=int, help="the fill-level bands a weight counts (10)")
     command(queue_commands, "list", cmd_queue_list, "every queue with its statistics")
     command(queue_commands, "stats", cmd_queue_stats, "one queue's statistics").add_argument("name")
     command(queue_commands, "delete", cmd_queue_delete, "delete a queue and its messages").add_argument("name")
@@ -284,6 +290,24 @@ def build_parser() -> argparse.ArgumentParser:
     alternatives.add_argument("--clear", action="store_true")
     command(recipient_commands, "list", cmd_recipient_list, "every recipient: its queue, state (ok, fault, "
             "defunct) and alternatives")
+
+    forward = commands.add_parser("forward", help="store-and-forward into a queue of another cluster (seed 003)")
+    forward_commands = forward.add_subparsers(dest="forward_command", required=True, metavar="ACTION")
+    forward_create = command(forward_commands, "create", cmd_forward_create,
+                             "forward a `full` queue of this cluster into a queue of another cluster (or this one)")
+    forward_create.add_argument("name")
+    forward_create.add_argument("--source", required=True, help="the queue here whose messages are forwarded")
+    forward_create.add_argument("--destination", required=True, help="the queue they go to (the root)")
+    forward_create.add_argument("--remote-credentials", metavar="FILE",
+                                help="a credentials file of a client registered in the destination's cluster "
+                                     "(its url names that cluster); none: the destination is a queue of this cluster")
+    forward_create.add_argument("--remote-url", action="append", default=[], dest="urls",
+                                help="a node of the destination's cluster (repeat for more; default: the "
+                                     "credentials' url)")
+    command(forward_commands, "list", cmd_forward_list, "every forward and the node it runs on")
+    command(forward_commands, "stats", cmd_forward_stats,
+            "a forwarder's state, rate, weight and counts, from where it runs").add_argument("name")
+    command(forward_commands, "delete", cmd_forward_delete, "stop and forget a forward").add_argument("name")
 
     put = command(commands, "put", cmd_put, "enqueue one message")
     put.add_argument("queue")
@@ -434,7 +458,8 @@ async def cmd_queue_create(http: HttpClient, args: argparse.Namespace) -> Outcom
         visibility_timeout_s=args.visibility_timeout_s, max_deliveries=args.max_deliveries,
         dead_letter=args.dead_letter, min_in_sync=args.min_in_sync, message_ttl_s=args.message_ttl_s,
         fault_interval_s=args.fault_interval_s, defunct_interval_s=args.defunct_interval_s,
-        message_interval_s=args.message_interval_s)
+        message_interval_s=args.message_interval_s, forward_rate=args.forward_rate,
+        forward_interval_s=args.forward_interval_s, forward_mode=args.forward_mode, forward_bands=args.forward_bands)
     return Outcome(description, format_fields(description))
 
 
@@ -510,6 +535,34 @@ async def cmd_extend(http: HttpClient, args: argparse.Namespace) -> Outcome:
     await http.extend_http(args.queue, args.message_id, args.receipt, args.visibility_timeout_s)
     return Outcome({"queue": args.queue, "extended": args.message_id, "visibility_timeout_s": args.visibility_timeout_s},
                    f"extended {args.message_id} by {args.visibility_timeout_s:g} s from now")
+
+
+async def cmd_forward_create(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    urls, credentials = list(args.urls), None
+    if args.remote_credentials:
+        remote = load_credentials(args.remote_credentials)
+        credentials = {"client_id": remote.client_id, "private_key": remote.private_key_text}
+        urls = urls or [remote.url]
+    answer = await http.create_forward(args.name, args.source, args.destination, urls=urls, credentials=credentials)
+    where = f" at {', '.join(answer['urls'])} as {answer['client_id']}" if answer.get("urls") else ""
+    return Outcome(answer, f"forward {args.name}: {args.source} -> {args.destination}{where}")
+
+
+async def cmd_forward_list(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    forwards = await http.forwards()
+    lines = [f"{f['name']}: {f['source']} -> {f['destination']}"
+             + (f" at {', '.join(f['urls'])}" if f["urls"] else "") + f" (runs on {f['runs_on']})" for f in forwards]
+    return Outcome({"forwards": forwards}, "\n".join(lines) or "no forwards")
+
+
+async def cmd_forward_stats(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    stats = await http.forward_stats(args.name)
+    shown = {k: v for k, v in stats.items() if k not in ("rate_trace", "terms")}
+    return Outcome(stats, format_fields(shown))
+
+
+async def cmd_forward_delete(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    return Outcome(await http.delete_forward(args.name), f"forward {args.name} deleted")
 
 
 async def cmd_recipient_alternatives(http: HttpClient, args: argparse.Namespace) -> Outcome:

@@ -311,6 +311,19 @@ class Client:
     def recipients(self) -> list[dict[str, Any]]:
         return self._run(self._async.recipients())
 
+    def create_forward(self, name: str, source: str, destination: str, *, urls: Sequence[str] = (),
+                       credentials: Mapping[str, str] | None = None) -> dict[str, Any]:
+        return self._run(self._async.create_forward(name, source, destination, urls=urls, credentials=credentials))
+
+    def forwards(self) -> list[dict[str, Any]]:
+        return self._run(self._async.forwards())
+
+    def forward_stats(self, name: str) -> dict[str, Any]:
+        return self._run(self._async.forward_stats(name))
+
+    def delete_forward(self, name: str) -> dict[str, Any]:
+        return self._run(self._async.delete_forward(name))
+
     def ack_channel(self, message: ChannelDelivery) -> None:
         self._run(message.ack())
 

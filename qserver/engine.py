@@ -1441,6 +1441,7 @@ class Engine:
             "total_expired": record.total_expired,
             "total_redelivered": record.total_redelivered,
             "highest_depth": record.highest_depth, "configured_depth": record.options.max_depth,
+            "overflows": core.overflows,
             "average_service_ms": (record.service_ms_total / record.service_count) if record.service_count else 0.0,
             "next_index": record.next_index, "dead_letter_of": record.dead_letter_of,
         }, **replication}

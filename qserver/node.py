@@ -22,13 +22,15 @@ from aiohttp import web
 from client import errors as e
 from client.errors import QueueError
 from client.http import signed_session
-from qserver import channel_api, macro_api, recipient_api
+from qserver import channel_api, forward_api, macro_api, recipient_api
 from qserver import commands as c
 from qserver.auth import CLUSTER_CLIENT, Authenticator
 from qserver.channels import ChannelHub
 from qserver.config import NodeConfig
 from qserver.engine import Engine
 from qserver.failstop import loop_exception_handler, stop_process
+from qserver.forward_root import ForwardRoot
+from qserver.forwarder import Forwarders
 from qserver.http_api import NODE, add_routes, errors_and_auth
 from qserver.http_errors import EnvelopeAppRunner
 from qserver.journal_export import ExportSettings, JournalExporter, JournalSource, exit_with_parent, export_in_process
@@ -70,6 +72,8 @@ class Node:
         self.macros = MacroService(self, secret)
         self.channels = ChannelHub(self)
         self.surveillance = RecipientWatch(self)
+        self.forward_root = ForwardRoot(self)
+        self.forwarders = Forwarders(self)
         self.connections: set[ClientConnection] = set()
         self.bad_frames = 0
         self._http_session: aiohttp.ClientSession | None = None
@@ -209,6 +213,7 @@ class Node:
         self._loop_lag_task = asyncio.get_running_loop().create_task(self.loop_lag.run())
         if self.membership is not None:
             self.surveillance.start()
+            self.forwarders.start()
         self.auth._clients = self.engine.clients   # the engine rebuilt its registry on load
         if not self.auth.load_nonces(self._nonces_path):
             self.auth.not_before_ms = int(time.time() * 1000)   # after a crash: see qserver/auth.py
@@ -228,6 +233,8 @@ class Node:
         await self.macros.close()
         await self.channels.stop()
         await self.surveillance.stop()
+        await self.forwarders.stop()
+        await self.forward_root.stop()
         if self.peers is not None:
             await self.peers.stop()
         if self.membership_peers is not None:
@@ -298,7 +305,7 @@ class Node:
         engine = self.engine
         per_queue: dict[str, list[tuple[dict[str, str], float]]] = {
             "depth": [], "in_flight": [], "delayed": [], "enqueued": [], "acked": [], "dead_lettered": [], "purged": [],
-            "expired": [], "redelivered": []}
+            "expired": [], "redelivered": [], "overflows": []}
         for name, core in sorted(engine.cores.items()):
             labels = {"queue": name}
             record = core.record
@@ -311,6 +318,7 @@ class Node:
             per_queue["purged"].append((labels, record.total_purged))
             per_queue["expired"].append((labels, record.total_expired))
             per_queue["redelivered"].append((labels, record.total_redelivered))
+            per_queue["overflows"].append((labels, core.overflows))
         lines: list[str] = []
         lines += render_family("qserver_queue_depth", "gauge", "messages held (ready and in flight)", per_queue["depth"])
         lines += render_family("qserver_queue_in_flight", "gauge", "messages leased to consumers", per_queue["in_flight"])
@@ -319,6 +327,9 @@ class Node:
         for name in ("enqueued", "acked", "dead_lettered", "purged", "expired", "redelivered"):
             lines += render_family(f"qserver_queue_{name}_total", "counter", f"messages {name.replace('_', ' ')}",
                                    per_queue[name])
+        lines += render_family("qserver_queue_overflows_total", "counter",
+                               "enqueues refused at max_depth (E_QUEUE_FULL), decided here since the node started",
+                               per_queue["overflows"])
         lines += engine.commit_seconds.render()
         lines += self.loop_lag.render()
         lines += engine.batch_operations.render()
@@ -334,6 +345,8 @@ class Node:
         lines += self.macros.render_metrics()
         lines += self.channels.render_metrics()
         lines += self.surveillance.render_metrics()
+        lines += self.forward_root.render_metrics()
+        lines += self.forwarders.render_metrics()
         lines += self._replication_metrics()
         if self.membership is not None:
             lines += self.membership.render_metrics()
@@ -380,6 +393,7 @@ class Node:
         macro_api.add_routes(app)
         channel_api.add_routes(app)
         recipient_api.add_routes(app)
+        forward_api.add_routes(app)
         app.router.add_get("/v1/ws", websocket)
         if self.peers is not None:
             app.router.add_get(PEER_PATH, self.peers.handle)

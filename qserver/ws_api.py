@@ -30,6 +30,8 @@ from client.protocol import (
     EnqueueOp,
     ErrorReply,
     ExtendOp,
+    ForwardDataOp,
+    ForwardSessionOp,
     FrameError,
     OkReply,
     PingOp,
@@ -152,6 +154,7 @@ class ClientConnection:
         for subscription_id in list(self.subscriptions):
             self.engine.submit(c.Unsubscribe(subscription_id, None))
         self.node.channels.connection_closed(self)
+        self.node.forward_root.connection_closed(self)
 
     def _handle_frame(self, data: bytes) -> None:
         try:
@@ -242,6 +245,14 @@ class ClientConnection:
             return c.Unsubscribe(op.subscription_id, self, op.request_id)
         if kind in CHANNEL_OPS:
             return self._channel_op(op)
+        if kind is ForwardSessionOp:
+            self._queue(op.queue, "post", op.request_id)
+            self.reply(op.request_id, self.node.forward_root.session(self, op))
+            return None
+        if kind is ForwardDataOp:
+            self._queue(op.queue, "post", op.request_id)
+            self.node.forward_root.data(self, op)
+            return None
         raise QueueError(e.E_BAD_FRAME, f"unsupported operation {kind.__name__}")
 
     def _channel_op(self, op: Any) -> c.Command | None:

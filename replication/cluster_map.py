@@ -138,6 +138,7 @@ class DeliveryClass(enum.StrEnum):
 
 
 RECIPIENTS_MAX = 10_000          # named push consumers in the map (fault surveillance)
+FORWARDS_MAX = 256               # forwards in the map (store-and-forward, seed 003)
 CHANNEL_PREFIX = "channel:"      # a channel's messages live in the queue `channel:<name>` (its pair)
 CHANNEL_RESEND_MAX_S = 86_400
 
@@ -327,13 +328,53 @@ class PutRecipient:
     reason: str = ""
 
 
+@dataclass(slots=True)
+class ForwardEntry:
+    """A forward (seed 003 store-and-forward; qserver/forwarder.py): the master of `source`
+    moves its messages into `destination`, a queue of the cluster at `urls` (none: this
+    cluster), signed as `client_id` there. The secret stays in the map (like the clients'
+    secrets): it is never shown."""
+    name: str
+    source: str
+    destination: str
+    urls: tuple[str, ...] = ()
+    client_id: str = ""
+    secret: str = ""
+    created_ms: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "source": self.source, "destination": self.destination,
+                "urls": list(self.urls), "client_id": self.client_id, "created_ms": self.created_ms}
+
+
+@dataclass(frozen=True, slots=True)
+class PutForward:
+    """Create a forward (its source must be a `full` queue of this cluster: under `producer`
+    a replica's copy of a message would never be forwarded); one per source queue."""
+    TAG = 16
+    name: str
+    source: str
+    destination: str
+    urls: tuple[str, ...]
+    client_id: str
+    secret: str
+    created_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteForward:
+    TAG = 17
+    name: str
+
+
 Command = (AddNode | SetNodeState | CreateQueue | DeleteQueue | ChangePair | ChangePairs | PutClient | SetAlternatives
-           | CreateMacro | DeleteMacro | PutMacroMember | RemoveMacroMember | PutChannel | DeleteChannel | PutRecipient)
+           | CreateMacro | DeleteMacro | PutMacroMember | RemoveMacroMember | PutChannel | DeleteChannel | PutRecipient
+           | PutForward | DeleteForward)
 COMMAND_TYPES: dict[int, type] = {kind.TAG: kind for kind in (AddNode, SetNodeState, CreateQueue, DeleteQueue,
                                                               ChangePair, ChangePairs, PutClient, SetAlternatives,
                                                               CreateMacro, DeleteMacro, PutMacroMember,
                                                               RemoveMacroMember, PutChannel, DeleteChannel,
-                                                              PutRecipient)}
+                                                              PutRecipient, PutForward, DeleteForward)}
 
 
 class CommandError(ValueError):
@@ -352,6 +393,9 @@ def _row(command: Command) -> list[Any]:
         return [command.TAG, command.name, list(command.expected), list(command.new), command.reason]
     if isinstance(command, SetAlternatives):
         return [command.TAG, command.recipient, list(command.alternatives)]
+    if isinstance(command, PutForward):
+        return [command.TAG, command.name, command.source, command.destination, list(command.urls),
+                command.client_id, command.secret, command.created_ms]
     return [command.TAG, *(getattr(command, name) for name in command.__dataclass_fields__)]
 
 
@@ -375,6 +419,9 @@ def _from_row(row: Any) -> Command:
             return ChangePair(name, tuple(expected), tuple(new), reason)  # type: ignore[arg-type]
         if tag == SetAlternatives.TAG:
             return SetAlternatives(values[0], tuple(values[1]))
+        if tag == PutForward.TAG:
+            name, source, destination, urls, *rest = values
+            return PutForward(name, source, destination, tuple(urls), *rest)
         return COMMAND_TYPES[tag](*values)  # type: ignore[no-any-return]
     except (TypeError, ValueError) as exc:
         raise CommandError(str(exc)) from None
@@ -398,6 +445,7 @@ class ClusterMap:
     recipients: dict[str, RecipientEntry] = field(default_factory=dict)
     macros: dict[str, MacroEntry] = field(default_factory=dict)
     channels: dict[str, ChannelEntry] = field(default_factory=dict)
+    forwards: dict[str, ForwardEntry] = field(default_factory=dict)
     version: int = 0          # commands applied; every copy agrees at the same version
 
     def copy(self) -> ClusterMap:
@@ -431,7 +479,8 @@ class ClusterMap:
                 "macros": {name: entry.to_json() for name, entry in sorted(self.macros.items())},
                 "alternatives": {name: list(chain) for name, chain in sorted(self.alternatives.items())},
                 "recipients": {name: entry.to_json() for name, entry in sorted(self.recipients.items())},
-                "channels": {name: entry.to_json() for name, entry in sorted(self.channels.items())}}
+                "channels": {name: entry.to_json() for name, entry in sorted(self.channels.items())},
+                "forwards": {name: entry.to_json() for name, entry in sorted(self.forwards.items())}}
 
     # --- the state machine ----------------------------------------------------------------
     def apply(self, command: Command) -> list[Outcome]:
@@ -451,6 +500,8 @@ class ClusterMap:
                 macro.members = [member for member in macro.members if member.queue != command.name]
             for recipient in [r.name for r in self.recipients.values() if r.queue == command.name]:
                 del self.recipients[recipient]          # nor has it recipients
+            for forward in [f.name for f in self.forwards.values() if f.source == command.name]:
+                del self.forwards[forward]              # nor is it forwarded
             return [Outcome(command.name, True)]
         if isinstance(command, AddNode):
             existing = self.nodes.get(command.node_id)
@@ -486,6 +537,12 @@ class ClusterMap:
             return [self._put_channel(command)]
         if isinstance(command, PutRecipient):
             return [self._put_recipient(command)]
+        if isinstance(command, PutForward):
+            return [self._put_forward(command)]
+        if isinstance(command, DeleteForward):
+            if self.forwards.pop(command.name, None) is None:
+                return [Outcome(command.name, False, "no such forward")]
+            return [Outcome(command.name, True)]
         if isinstance(command, DeleteChannel):
             if self.channels.pop(command.name, None) is None:
                 return [Outcome(command.name, False, "no such channel")]
@@ -506,6 +563,26 @@ class ClusterMap:
         self.recipients[command.name] = RecipientEntry(command.name, command.queue, command.state, command.since_ms,
                                                        command.reason)
         return Outcome(command.name, True, command.state)
+
+    def _put_forward(self, command: PutForward) -> Outcome:
+        source = self.queues.get(command.source)
+        if command.name in self.forwards:
+            return Outcome(command.name, False, f"forward {command.name} exists")
+        if source is None:
+            return Outcome(command.name, False, f"no queue {command.source}")
+        if source.options.get("strength") != "full":
+            return Outcome(command.name, False, f"queue {command.source} is not `full`: under `producer` a "
+                                                "replica's copy of a message would never be forwarded")
+        if not command.urls and command.destination == command.source:
+            return Outcome(command.name, False, "a forward into its own source")
+        if any(f.source == command.source for f in self.forwards.values()):
+            return Outcome(command.name, False, f"queue {command.source} is forwarded already")
+        if len(self.forwards) >= FORWARDS_MAX:
+            return Outcome(command.name, False, f"the map holds {FORWARDS_MAX} forwards")
+        self.forwards[command.name] = ForwardEntry(command.name, command.source, command.destination,
+                                                   tuple(command.urls), command.client_id, command.secret,
+                                                   command.created_ms)
+        return Outcome(command.name, True)
 
     def _forget_data_of(self, node: str) -> list[Outcome]:
         outcomes = []
@@ -737,8 +814,10 @@ def encode_map(cluster: ClusterMap) -> bytes:
               for m in cluster.macros.values()]
     channels = [[c.name, c.delivery_class, c.resend_interval_s] for c in cluster.channels.values()]
     recipients = [[r.name, r.queue, r.state, r.since_ms, r.reason] for r in cluster.recipients.values()]
+    forwards = [[f.name, f.source, f.destination, list(f.urls), f.client_id, f.secret, f.created_ms]
+                for f in cluster.forwards.values()]
     return msgpack.packb([cluster.version, nodes, queues, cluster.clients, alternatives, macros, channels,
-                          recipients], use_bin_type=True)
+                          recipients, forwards], use_bin_type=True)
 
 
 def decode_map(data: bytes) -> ClusterMap:
@@ -750,6 +829,7 @@ def decode_map(data: bytes) -> ClusterMap:
         macros = rest[0] if rest else []        # a snapshot from before macro queues has none
         channels = rest[1] if len(rest) > 1 else []
         recipients = rest[2] if len(rest) > 2 else []
+        forwards = rest[3] if len(rest) > 3 else []
         return ClusterMap(
             nodes={row[0]: NodeEntry(row[0], row[1], NodeState(row[2]), row[3], row[4]) for row in nodes},
             queues={row[0]: QueueEntry(*row) for row in queues},
@@ -758,6 +838,7 @@ def decode_map(data: bytes) -> ClusterMap:
                     for row in macros},
             channels={row[0]: ChannelEntry(row[0], row[1], row[2]) for row in channels},
             recipients={row[0]: RecipientEntry(*row) for row in recipients},
+            forwards={row[0]: ForwardEntry(row[0], row[1], row[2], tuple(row[3]), *row[4:]) for row in forwards},
             version=version)
     except Exception as exc:  # msgpack and the constructors raise several unrelated types
         raise CommandError(f"not a cluster map snapshot: {type(exc).__name__}: {exc}") from None

@@ -84,6 +84,13 @@ class QueueOptions:
     fault_interval_s: float = 0.0      # no message taken this long while some wait: the recipient is in fault
     defunct_interval_s: float = 0.0    # in fault this long: its subscriptions end, it is defunct
     message_interval_s: float = 0.0    # a message waiting this long fails over on its own
+    # Rate control of the forwards into this queue, its root (seed 003; qserver/forward_root.py):
+    # R messages/s shared among them (0: no control, each sends as fast as it can), every T s,
+    # by the weights they report (their fill level in `forward_bands` bands), or R/n (static).
+    forward_rate: float = 0.0
+    forward_interval_s: float = 2.0
+    forward_mode: str = "adaptive"
+    forward_bands: int = 10
 
     def to_json(self) -> dict[str, Any]:
         out = {name: getattr(self, name) for name in self.__slots__}
@@ -110,6 +117,7 @@ class QueueOptions:
 OPTION_NAMES = frozenset(f.name for f in fields(QueueOptions))
 SURVEILLANCE_OPTIONS = frozenset({"fault_interval_s", "defunct_interval_s", "message_interval_s"})
 SURVEILLANCE_INTERVAL_MAX_S = 86_400.0
+FORWARD_MODES = ("adaptive", "static")
 # Placement options are requests about where the pair lives, not properties of the queue:
 # they are validated but never stored or compared (DESIGN.md 4.4, seed 004 MASTER_REQUIRED).
 PLACEMENT_OPTION_NAMES = frozenset({"master_required", "master", "replica"})
@@ -150,6 +158,16 @@ def parse_options(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
             given[name] = float(_number(raw, name, 0.0, TTL_MAX_S, False))
         elif name in SURVEILLANCE_OPTIONS:
             given[name] = float(_number(raw, name, 0.0, SURVEILLANCE_INTERVAL_MAX_S, False))
+        elif name == "forward_rate":
+            given[name] = float(_number(raw, name, 0.0, 1_000_000.0, False))
+        elif name == "forward_interval_s":
+            given[name] = float(_number(raw, name, 0.05, 3_600.0, False))
+        elif name == "forward_mode":
+            if raw[name] not in FORWARD_MODES:
+                raise OptionError(f"forward_mode must be one of {', '.join(FORWARD_MODES)}")
+            given[name] = raw[name]
+        elif name == "forward_bands":
+            given[name] = _number(raw, name, 2, 100, True)
         elif name == "max_depth":
             given[name] = _number(raw, name, 1, 2**40, True)
         elif name == "max_deliveries":

@@ -193,6 +193,9 @@ class QueueCore:
         # replicated queue (DESIGN.md 3.2: only committed operations are visible). None: all.
         self.visible_upto: int | None = None
         self._leases: dict[int, _Lease] = {}
+        # Enqueues refused because the queue was at max_depth, on this member since it started
+        # (seed 003's overflows: the master decides, so only the master's count grows).
+        self.overflows = 0
         self._lease_deadlines: list[tuple[int, int, str]] = []
         for stored in leases:      # from storage, after a restart: inherited now
             self._inherit(stored.index, stored.priority, stored.receipt, stored.visibility_ms,
@@ -285,6 +288,7 @@ class QueueCore:
                out: list[Operation], ttl_ms: int = 0, delay_ms: int = 0, headers: dict[str, str] | None = None) -> int:
         record = self.record
         if self.depth >= record.options.max_depth:
+            self.overflows += 1
             raise QueueError(E_QUEUE_FULL, f"queue {record.name} holds {record.options.max_depth} messages")
         index = record.next_index
         record.next_index = index + 1
@@ -352,6 +356,19 @@ class QueueCore:
                 if visible_upto is None or index <= visible_upto:
                     return index, priority
         return None
+
+    def lowest_index(self) -> int:
+        """The lowest index the queue holds (ready, leased or delayed), or the next one when
+        it holds none: every message below it has left the queue (a forwarder's floor)."""
+        lowest = self.record.next_index
+        for priority in PRIORITIES_HIGH_FIRST:
+            if self._fill_head(priority):
+                lowest = min(lowest, self._ready[priority][0])
+        if self._leases:
+            lowest = min(lowest, min(self._leases))
+        if self._delayed:
+            lowest = min(lowest, min(self._delayed))
+        return lowest
 
     def ack(self, index: int, receipt: str, client: str, now_ms: int, out: list[Operation],
             reply: bytes | None = None) -> None:

@@ -166,6 +166,12 @@ if hasattr(protocol, "EnqueueBatchOp"):
 if hasattr(protocol, "AckBatchOp"):
     CLIENT_OP_STRATEGIES[protocol.AckBatchOp] = st.builds(
         protocol.AckBatchOp, ids, names, st.lists(st.tuples(ids, names), min_size=1, max_size=8).map(tuple))
+CLIENT_OP_STRATEGIES[protocol.ForwardSessionOp] = st.builds(protocol.ForwardSessionOp, ids, names, names,
+                                                            st.integers(0, protocol.WEIGHT_MAX), st.booleans())
+CLIENT_OP_STRATEGIES[protocol.ForwardDataOp] = st.builds(
+    protocol.ForwardDataOp, ids, names, names, names, st.integers(0, protocol.WEIGHT_MAX), ids,
+    st.lists(st.tuples(st.binary(max_size=16), st.integers(0, 9), ids, st.integers(0, protocol.TTL_MS_MAX),
+                       st.none() | st.dictionaries(names, names, max_size=3)), min_size=1, max_size=4).map(tuple))
 
 
 def client_ops() -> st.SearchStrategy[Any]:
@@ -189,7 +195,8 @@ server_items = st.one_of(
     st.builds(Delivery, ids, st.lists(delivered_messages, max_size=5).map(tuple)),
     st.builds(Closing, st.sampled_from(["E_SHUTTING_DOWN", "E_FORBIDDEN"]), names),
     st.builds(protocol.ChannelMessage, names, ids, st.binary(max_size=64), st.booleans()),
-    st.builds(protocol.ChannelEnded, names, st.sampled_from(["E_NOT_MASTER", "E_UNKNOWN_CHANNEL"]), names))
+    st.builds(protocol.ChannelEnded, names, st.sampled_from(["E_NOT_MASTER", "E_UNKNOWN_CHANNEL"]), names),
+    st.builds(protocol.ForwardRate, names, names, st.none() | st.floats(0, 1e6)))
 
 
 @pytest.mark.parametrize("op", [EnqueueOp(1, "q", b"x"), EnqueueOp(2, "q", b"", 9, "d"), ReceiveOp(3, "q"),

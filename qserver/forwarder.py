@@ -1,0 +1,383 @@
+"""Forwarders: store-and-forward from a local queue into a queue of another cluster (seed 003).
+
+A forward (the map's `ForwardEntry`, made by `qctl forward create`) runs on the master of its
+source queue, and moves with it on handoff and failover: this node's `Forwarders` start one
+for each forward whose source it masters and stop it when it masters it no more.
+
+Each message crosses in the paper's three separate transactions (§3.1): the producer stored
+it in the source (1); the forwarder leases it, enqueues it at the destination, and acks it
+at the source only once the destination answered it stored (2); a consumer takes it at the
+destination (3). A crash, a partition or a failover between the enqueue and the ack sends it
+again: the destination stores it once, because each message is numbered in the forward's
+**stream** (`<forward>@<source incarnation>`, its number the source message id) and the
+destination keeps the stream's numbers (replication/queue_core.py `x-sequence-*`) however long
+the forward exists, not just a dedupe window. The numbers do not arrive in order (priorities,
+delays, redeliveries reorder the source), so each data message also carries the stream's
+**floor**: the lowest id the source still held when the forwarder last knew its acks committed
+(every number below it is settled), which bounds what the destination keeps.
+
+The **session** (§3.2): the forwarder opens it with the root (qserver/forward_root.py, the
+destination queue's master), keeps it alive, reports its weight (its source's fill level in
+the root's bands) in every data message and keepalive, and paces its sends to the rate the
+root assigns (§3.3) with a token bucket. A root silent for its hold time, or a session the
+root no longer knows, is opened again (at the queue's master of the moment). Messages the
+forwarder leased stay leased across sessions (their leases extended): released at every
+reconnection, their delivery counts would grow to max_deliveries and dead-letter them.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from client import errors as e
+from client.aio import AsyncClient
+from client.credentials import Credentials
+from client.errors import QueueError
+from client.protocol import DeliveredMessage
+from qserver import commands as c
+from qserver.auth import CLUSTER_CLIENT
+from qserver.metrics import render_family
+from replication.cluster_map import ForwardEntry
+
+log = logging.getLogger("qserver.forwarder")
+RECONCILE_INTERVAL_S = 0.5       # how often a node looks for forwards to start or stop
+BATCH_MAX = 100                  # messages in one data message
+RECEIVE_WAIT_MS = 500            # an idle source is waited on this long per receive
+VISIBILITY_MS = 10_000           # the forwarder's lease on what it sends; extended while held
+RETRY_PAUSE_S = 0.2              # after the destination could not take a message this moment
+BACKOFF_MAX_S = 5.0              # between attempts at a session
+BURST_S = 0.1                    # a token bucket holds at most this long's worth of its rate
+TRACE_MAX = 2_000                # rate changes kept per forwarder (stats)
+# Item errors that end the session (the whole forward cannot go on there) rather than the item.
+SESSION_ERRORS = frozenset({e.E_UNKNOWN_FORWARD.code, e.E_NOT_MASTER.code, e.E_FORBIDDEN.code,
+                            e.E_UNKNOWN_QUEUE.code, e.E_UNAUTHENTICATED.code})
+# Item errors that refuse the message for good: given back to the source (max_deliveries then
+# dead-letters it there), not retried without end.
+MESSAGE_ERRORS = frozenset({e.E_PAYLOAD_TOO_LARGE.code, e.E_INVALID_OPTION.code, e.E_WRONG_QUEUE_TYPE.code})
+
+
+class TokenBucket:
+    """Paces sends to `rate` messages/s (None: unpaced; 0: nothing until a rate is given),
+    holding at most BURST_S worth (at least one message)."""
+
+    def __init__(self, rate: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.rate = rate
+        self._tokens = 0.0
+        self._at = clock()
+
+    def _capacity(self) -> float:
+        return max(1.0, (self.rate or 0.0) * BURST_S)
+
+    def _refill(self) -> None:
+        now = self._clock()
+        if self.rate:
+            self._tokens = min(self._capacity(), self._tokens + (now - self._at) * self.rate)
+        self._at = now
+
+    def set_rate(self, rate: float | None) -> None:
+        self._refill()
+        self.rate = rate
+        self._tokens = min(self._tokens, self._capacity())
+
+    def take(self, most: int) -> int:
+        """Up to `most` whole tokens available now (all of `most` when unpaced)."""
+        if self.rate is None:
+            return most
+        self._refill()
+        count = min(most, int(self._tokens))
+        self._tokens -= count
+        return count
+
+    def give_back(self, count: int) -> None:
+        if self.rate is not None:
+            self._tokens = min(self._capacity(), self._tokens + count)
+
+    def wait_s(self) -> float:
+        """How long until a token is there (a moment, when no rate is given: it may come)."""
+        if self.rate is None:
+            return 0.0
+        if self.rate <= 0:
+            return 0.1
+        self._refill()
+        return max(0.0, (1.0 - self._tokens) / self.rate)
+
+    async def acquire(self, most: int) -> int:
+        while True:
+            count = self.take(most)
+            if count:
+                return count
+            await asyncio.sleep(min(0.1, max(0.001, self.wait_s())))
+
+
+def weight_of(depth: int, max_depth: int, bands: int) -> int:
+    """Seed 003 §4.2: fill level X·10% up to (X+1)·10% is weight X (with 10 bands)."""
+    return min(bands - 1, depth * bands // max(1, max_depth))
+
+
+class Forwarder:
+    """One forward's task on the master of its source queue."""
+
+    def __init__(self, node: Any, entry: ForwardEntry) -> None:
+        self._node = node
+        self.entry = entry
+        self.state = "starting"
+        self.error = ""
+        self.rate: float | None = None
+        self.terms: dict[str, Any] = {}
+        self.weight = 0
+        self.sent = self.stored = self.refused = self.sessions = 0
+        self.trace: collections.deque[tuple[float, float | None, int]] = collections.deque(maxlen=TRACE_MAX)
+        self._bucket = TokenBucket(0.0)
+        self._bands = 10
+        self._held: list[DeliveredMessage] = []      # leased at the source, not yet stored at the destination
+        self._leased_at = 0.0
+        self._floor = 1                              # declared: every source id below it settled (committed)
+        self._client: AsyncClient | None = None
+        self._url_turn = 0
+
+    # --- the source -------------------------------------------------------------------------
+    def _core(self) -> Any:
+        engine = self._node.engine
+        core = engine.cores.get(self.entry.source)
+        if core is None or self.entry.source not in engine.pairs.masters:
+            raise QueueError(e.E_NOT_MASTER, f"this node is not the master of {self.entry.source}")
+        return core
+
+    def _weight(self) -> int:
+        core = self._core()
+        self.weight = weight_of(core.depth, core.options.max_depth, self._bands)
+        return self.weight
+
+    def _set_rate(self, rate: float | None) -> None:
+        if rate != self.rate or not self.trace:
+            self.trace.append((time.time(), rate, self.weight))
+        self.rate = rate
+        self._bucket.set_rate(rate)
+
+    # --- the destination -----------------------------------------------------------------------
+    def _destination(self) -> AsyncClient:
+        if not self.entry.urls:          # a queue of this cluster: the cluster itself sends
+            return self._node.macros.client_for(CLUSTER_CLIENT)  # type: ignore[no-any-return]
+        if self._client is None:
+            url = self.entry.urls[self._url_turn % len(self.entry.urls)]
+            tls = self._node.config.tls_files()
+            credentials = Credentials(self.entry.client_id, self.entry.secret, url, tls[2] if tls else "")
+            self._client = AsyncClient(url, credentials, request_timeout_s=10.0)
+        return self._client
+
+    async def _drop_client(self) -> None:
+        """After a failed session: the next attempt starts afresh, at the next URL given."""
+        client, self._client = self._client, None
+        self._url_turn += 1
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await client.close()
+
+    # --- the task ---------------------------------------------------------------------------------
+    async def run(self) -> None:
+        backoff = 0.1
+        try:
+            while True:
+                try:
+                    await self._session()
+                except QueueError as error:
+                    self.error = f"{error.code}: {error.message}"
+                    log.info("forward %s: session ended: %s", self.entry.name, self.error)
+                except (OSError, TimeoutError) as error:
+                    self.error = f"{type(error).__name__}: {error}"
+                if self.state == "open":
+                    backoff = 0.1
+                self.state = "reconnecting"
+                self._set_rate(0.0)
+                await self._drop_client()
+                await asyncio.sleep(backoff)
+                backoff = min(BACKOFF_MAX_S, backoff * 2)
+        finally:
+            await self._give_back()
+            await self._drop_client()
+            client = self._destination() if not self.entry.urls else None
+            if client is not None:
+                client.forget_forward(self.entry.destination, self.entry.name)
+
+    async def _session(self) -> None:
+        client = self._destination()
+        entry = self.entry
+        terms = await client.forward_session(entry.destination, entry.name, self._weight(), open=True,
+                                             on_rate=self._set_rate)
+        self.terms = dict(terms)
+        self._bands = int(terms.get("bands") or 10)
+        self.sessions += 1
+        self.state, self.error = "open", ""
+        self._set_rate(terms.get("rate"))
+        log.info("forward %s: session open with the root of %s (rate %s)", entry.name, entry.destination, self.rate)
+        pump = asyncio.get_running_loop().create_task(self._pump(client))
+        keeper = asyncio.get_running_loop().create_task(
+            self._keepalive(client, float(terms.get("keepalive_s", 1.0)), float(terms.get("hold_s", 3.0))))
+        try:
+            done, _ = await asyncio.wait({pump, keeper}, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
+        finally:
+            for task in (pump, keeper):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, QueueError, OSError, TimeoutError):
+                    await task
+
+    async def _keepalive(self, client: AsyncClient, every_s: float, hold_s: float) -> None:
+        """Keep the session alive and the weight known; a root silent for the hold time is lost."""
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                rate = await asyncio.wait_for(client.forward_session(
+                    self.entry.destination, self.entry.name, self._weight(), open=False), hold_s)
+            except TimeoutError:
+                raise QueueError(e.E_UNAVAILABLE, f"the root did not answer for {hold_s:g} s") from None
+            self._set_rate(rate)
+
+    async def _pump(self, client: AsyncClient) -> None:
+        engine, entry = self._node.engine, self.entry
+        core = self._core()
+        stream = f"{entry.name}@{core.record.incarnation or core.queue_id}"
+        while True:
+            if not self._held:
+                wanted = await self._bucket.acquire(BATCH_MAX)
+                got = await engine.call(lambda r, n=wanted: c.Receive(entry.source, n, RECEIVE_WAIT_MS, VISIBILITY_MS,
+                                                                     CLUSTER_CLIENT, r))
+                self._bucket.give_back(wanted - len(got))
+                if not got:
+                    continue
+                self._held, self._leased_at = list(got), time.monotonic()
+            else:
+                await self._keep_leases()
+            # Read before the acks below: once they are committed, so is every removal before.
+            candidate = self._core().lowest_index()
+            held = self._held
+            items = [(m.payload, m.priority, m.message_id, 0, m.headers) for m in held]
+            self.sent += len(items)
+            outcomes = await client.forward_data(entry.destination, entry.name, stream, self._weight(), self._floor,
+                                                 items)
+            stored, kept, refused = [], [], []
+            failure: QueueError | None = None
+            for message, outcome in zip(held, outcomes, strict=True):
+                if not isinstance(outcome, QueueError):
+                    stored.append(message)
+                elif outcome.code in MESSAGE_ERRORS and not outcome.outcome_unknown:
+                    refused.append((message, outcome))
+                else:
+                    kept.append(message)
+                    if outcome.code in SESSION_ERRORS:
+                        failure = failure or outcome
+            if stored:
+                # An ack refused (its lease ran out) leaves the message to be sent again: a repeat there.
+                acks = tuple((m.message_id, m.receipt) for m in stored)
+                await engine.call(lambda r, a=acks: c.AckMany(entry.source, a, CLUSTER_CLIENT, r))
+                self.stored += len(stored)
+                self._floor = max(self._floor, candidate)
+            for message, error in refused:
+                log.warning("forward %s: the destination refused message %d: %s", entry.name, message.message_id, error)
+                self.refused += 1
+                with contextlib.suppress(QueueError):
+                    await engine.call(lambda r, m=message: c.Ack(entry.source, m.message_id, m.receipt, CLUSTER_CLIENT,
+                                                                 r, release=True))
+            self._held = kept
+            if failure is not None:
+                raise failure
+            if kept:
+                await asyncio.sleep(RETRY_PAUSE_S)
+
+    async def _keep_leases(self) -> None:
+        if time.monotonic() - self._leased_at < VISIBILITY_MS / 2000:
+            return
+        engine, source = self._node.engine, self.entry.source
+        for message in self._held:
+            await engine.call(lambda r, m=message: c.Ack(source, m.message_id, m.receipt, CLUSTER_CLIENT, r,
+                                                         extend_ms=VISIBILITY_MS))
+        self._leased_at = time.monotonic()
+
+    async def _give_back(self) -> None:
+        """The forwarder stops here (the source's master moved, the forward was deleted): what
+        it holds goes back to the source, for the next master's forwarder."""
+        held, self._held = self._held, []
+        for message in held:
+            with contextlib.suppress(QueueError, TimeoutError):
+                await asyncio.wait_for(self._node.engine.call(lambda r, m=message: c.Ack(
+                    self.entry.source, m.message_id, m.receipt, CLUSTER_CLIENT, r, release=True)), 2.0)
+
+    def stats(self) -> dict[str, Any]:
+        core = self._node.engine.cores.get(self.entry.source)
+        return {**self.entry.to_json(), "node": self._node.config.node_id, "state": self.state, "error": self.error,
+                "rate": self.rate, "weight": self.weight, "terms": self.terms, "sent": self.sent,
+                "stored": self.stored, "refused": self.refused, "sessions": self.sessions, "held": len(self._held),
+                "floor": self._floor,
+                "source_depth": core.depth if core is not None else None,
+                "source_max_depth": core.options.max_depth if core is not None else None,
+                "overflows": core.overflows if core is not None else None,
+                "rate_trace": [[round(at, 3), rate, weight] for at, rate, weight in list(self.trace)[-50:]]}
+
+
+class Forwarders:
+    """This node's forwarders: one per forward whose source queue it masters."""
+
+    def __init__(self, node: Any) -> None:
+        self._node = node
+        self.running: dict[str, tuple[Forwarder, asyncio.Task[None]]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                self._reconcile()
+            except Exception:         # a bug here must not end forwarding for good; it is logged
+                log.exception("forwarders")
+            await asyncio.sleep(RECONCILE_INTERVAL_S)
+
+    def _reconcile(self) -> None:
+        engine = self._node.engine
+        if engine.coordinator is None:
+            return
+        forwards = engine.coordinator.membership.cluster_map.forwards
+        wanted = {name: entry for name, entry in forwards.items()
+                  if entry.source in engine.pairs.masters and entry.source in engine.cores}
+        for name, (forwarder, task) in list(self.running.items()):
+            entry = wanted.get(name)
+            if entry is None or entry.created_ms != forwarder.entry.created_ms or task.done():
+                task.cancel()
+                del self.running[name]
+        for name, entry in wanted.items():
+            if name not in self.running:
+                forwarder = Forwarder(self._node, entry)
+                log.info("forward %s: starting here (%s -> %s)", name, entry.source, entry.destination)
+                self.running[name] = (forwarder, asyncio.get_running_loop().create_task(forwarder.run()))
+
+    def stats(self, name: str) -> dict[str, Any] | None:
+        running = self.running.get(name)
+        return None if running is None else running[0].stats()
+
+    def render_metrics(self) -> list[str]:
+        rows = [(name, forwarder) for name, (forwarder, _) in sorted(self.running.items())]
+        return (render_family("qserver_forward_rate", "gauge", "each forwarder's assigned rate (messages/s; -1: none)",
+                              [({"forward": n}, -1 if f.rate is None else f.rate) for n, f in rows])
+                + render_family("qserver_forward_weight", "gauge", "each forwarder's last reported weight",
+                                [({"forward": n}, f.weight) for n, f in rows])
+                + render_family("qserver_forward_stored_total", "counter",
+                                "messages each forwarder had stored at its destination and acked here",
+                                [({"forward": n}, f.stored) for n, f in rows])
+                + render_family("qserver_forward_sessions_total", "counter", "sessions each forwarder opened",
+                                [({"forward": n}, f.sessions) for n, f in rows]))
+
+    async def stop(self) -> None:
+        tasks = [task for task in (self._task, *(t for _, t in self.running.values())) if task is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
