@@ -75,7 +75,7 @@ def test_rates_follow_the_paper() -> None:
 def test_a_forward_lives_in_the_map_from_a_full_source_and_keeps_its_secret() -> None:
     cluster = ClusterMap()
     for node in ("n1", "n2"):
-        cluster.apply(AddNode(node, f"http://{node}", True, node))
+        cluster.apply(AddNode(node, f"http://{node}", True, 1))
     cluster.apply(CreateQueue("sensors", {"strength": "full"}, "n1", "n2", 7))
     cluster.apply(CreateQueue("loose", {"strength": "producer"}, "n1", "n2", 8))
     forward = PutForward("f1", "sensors", "collect", ("http://b1", "http://b2"), "fwd", "KEY", 5)
