@@ -55,6 +55,13 @@ from every node's cluster map during the run. The rules:
   never given (**durable_lost**), a value no publish made (**unexpected_value**), a message
   given again after its ack was answered (**durable_redelivered_after_ack**); repeats before
   that are at-least-once delivery, counted; see `_check_durable`.
+* **forwards** (seed 003): a forward's source is taken from by its forwarder only, its
+  destination fed by it only, so they are judged together (`check_forward`), by tag: an
+  acknowledged enqueue into the source whose message no consumer of the destination (or its
+  dead-letter queue) was given (**forward_lost**), a tag stored under two ids of the
+  destination (**forward_duplicated**: the forward stored one message twice), a delivered tag
+  whose enqueue was never invoked or failed (**forward_unexpected**). Redeliveries of one
+  destination message are its consumers' at-least-once, counted.
 * **two masters** (violation): two nodes named master of one queue in one epoch, in any
   node's cluster map at any sample (`replication.invariants.epochs_with_two_masters`).
 """
@@ -220,6 +227,44 @@ def check(history: Iterable[Mapping[str, Any]], strengths: Mapping[str, str],
             "violation_counts": violation_counts,
             "violations": {kind: items[:LISTED_MAX] for kind, items in sorted(findings.violations.items())},
             "queues": per_queue, "macros": _macro_copies(facts), "channels": channels, "epochs_observed": masters}
+
+
+def check_forward(history: Iterable[Mapping[str, Any]], name: str, source: str, destination: str) -> dict[str, Any]:
+    """One forward's verdict: counts, and violations by kind (see the module docstring)."""
+    enqueues: dict[str, Mapping[str, Any]] = {}
+    stored: dict[str, set[int]] = defaultdict(set)
+    deliveries = 0
+    for entry in history:
+        queue = entry.get("queue")
+        if queue == source and entry["op"] == "enqueue":
+            enqueues[entry.get("tag") or entry["dedupe_id"]] = entry
+        elif queue in (destination, destination + DEAD_LETTER_SUFFIX) and entry["op"] == "receive" \
+                and entry["status"] == "ok":
+            for message in entry.get("messages", []):
+                deliveries += 1
+                if queue == destination and message.get("tag") is not None:
+                    stored[message["tag"]].add(message["id"])
+                else:       # a dead letter of the destination: delivered, its id is the dead-letter queue's
+                    stored.setdefault(message.get("tag"), set())
+    findings = Findings()
+    statuses: dict[str, int] = defaultdict(int)
+    for tag, entry in enqueues.items():
+        statuses[entry["status"]] += 1
+        if entry["status"] == "ok" and tag not in stored:
+            findings.add("forward_lost", forward=name, tag=tag)
+    for tag, ids in sorted(stored.items(), key=lambda item: str(item[0])):
+        invoked = enqueues.get(tag or "")
+        if invoked is None or invoked["status"] == "fail":
+            findings.add("forward_unexpected", forward=name, tag=tag, ids=sorted(ids))
+        if len(ids) > 1:
+            findings.add("forward_duplicated", forward=name, tag=tag, ids=sorted(ids))
+    violation_counts = {kind: len(items) for kind, items in sorted(findings.violations.items())}
+    return {"valid": not violation_counts, "violation_counts": violation_counts,
+            "violations": {kind: items[:LISTED_MAX] for kind, items in sorted(findings.violations.items())},
+            "counts": {"enqueue_ok": statuses["ok"], "enqueue_fail": statuses["fail"],
+                       "enqueue_unknown": statuses["unknown"], "delivered": deliveries,
+                       "delivered_messages": len(stored),
+                       "recovered": sum(1 for t, e in enqueues.items() if e["status"] == "unknown" and t in stored)}}
 
 
 def _check_channels(history: list[Mapping[str, Any]], findings: Findings) -> dict[str, dict[str, int]]:

@@ -14,6 +14,8 @@ killed or crashed node started again). Faults act through the chaos cluster (cha
     kill                       kill -9 a node, start it again after the fault's duration
     pause                      SIGSTOP a node for longer than its lease, then SIGCONT
     handoff-storm              handoffs asked every fraction of a second, by either member
+    isolate-cluster            cut every client link of the cluster: nothing outside reaches it (a
+                               partition between clusters, for a forward into it)
 
 A cut is a toxic on both streams of each of the link's proxies: `timeout` (mode "drop": data
 vanishes, the connection stays: a black hole) or `reset_peer` (mode "reject": connections are
@@ -39,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from chaos.cluster import ChaosCluster
+from chaos.cluster import ChaosCluster, client_proxy
 from chaos.history import History
 from client import AsyncClient, QueueError
 
@@ -48,7 +50,7 @@ log = logging.getLogger("chaos.nemesis")
 NETWORK_KINDS = ("partition-master-replica", "isolate-node", "partition-halves", "majority-ring", "latency",
                  "bandwidth")
 PROCESS_KINDS = ("kill", "pause")
-FAULT_KINDS = (*NETWORK_KINDS, *PROCESS_KINDS, "handoff-storm")
+FAULT_KINDS = (*NETWORK_KINDS, *PROCESS_KINDS, "handoff-storm", "isolate-cluster")
 TARGETS = ("master", "replica", "leader", "random", "non-member")
 MODES = ("drop", "reject", "mixed")
 HANDOFF_TIMEOUT_S = 10.0
@@ -229,6 +231,9 @@ class Nemesis:
         kind = fault.kind
         if kind == "handoff-storm":
             return True
+        if kind == "isolate-cluster":
+            await asyncio.to_thread(self._cut_clients, active)
+            return True
         if kind in PROCESS_KINDS:
             node = self._target(fault, exclude=self._busy)
             active.detail["node"] = node
@@ -306,6 +311,12 @@ class Nemesis:
         for first, second in pairs:
             for proxy in self.cluster.links_between(first, second):
                 self._add(active, proxy, toxic, attributes)
+
+    def _cut_clients(self, active: _Active) -> None:
+        toxic, attributes = ("timeout", {"timeout": 0}) if active.fault.mode == "drop" else ("reset_peer", {"timeout": 0})
+        active.detail["mode"] = active.fault.mode
+        for node in self.cluster.ids:
+            self._add(active, client_proxy(node), toxic, attributes)
 
     def _slow_links(self, active: _Active, pairs: list[tuple[str, str]]) -> None:
         fault = active.fault

@@ -23,7 +23,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,8 @@ from chaos.nemesis import Nemesis, plan
 from chaos.scenario import Scenario, available, load_scenario
 from chaos.toxiproxy_server import start as start_toxiproxy
 from chaos.workload import Observer, Workload, history_path
+from client import AsyncClient
+from replication.cluster_map import CHANNEL_PREFIX
 
 EXIT_VALID, EXIT_VIOLATIONS, EXIT_ERROR = 0, 1, 2
 AUDIT_ENGINES = ("python", "spark")
@@ -58,80 +60,191 @@ async def run_scenario(scenario: Scenario, run_dir: Path, *, engine: str = "pyth
     schedule = plan(scenario.nemesis, scenario.time_s, rng)
     progress(f"{scenario.name}: seed {scenario.seed}, {scenario.time_s:g} s, {len(schedule)} faults, "
              f"{scenario.nodes} nodes; in {run_dir}")
-    toxiproxy = await asyncio.to_thread(start_toxiproxy, backend="auto" if shutil.which("toxiproxy-server")
-                                        else "subprocess", seed=scenario.seed, log_path=run_dir / "toxiproxy.log")
+    backend = "auto" if shutil.which("toxiproxy-server") else "subprocess"
+    toxiproxy = await asyncio.to_thread(start_toxiproxy, backend=backend, seed=scenario.seed,
+                                        log_path=run_dir / "toxiproxy.log")
+    remote_toxiproxy = None
     cluster: ChaosCluster | None = None
+    remote: ChaosCluster | None = None
     try:
         cluster = await asyncio.to_thread(ChaosCluster, run_dir / "cluster", scenario.nodes, toxiproxy,
                                           scenario.placement(), dict(scenario.settings))
         cluster.log_level = log_level
         await asyncio.to_thread(cluster.start_all)
         progress(f"cluster up ({toxiproxy.kind} Toxiproxy, {len(cluster.proxies)} proxies)")
-        return await _run_on(scenario, cluster, schedule, rng, run_dir, engine, progress)
+        if scenario.remote is not None:
+            # A second cluster, with a Toxiproxy of its own (proxy names are per cluster).
+            remote_toxiproxy = await asyncio.to_thread(start_toxiproxy, backend=backend, seed=scenario.seed + 1,
+                                                       log_path=run_dir / "remote-toxiproxy.log")
+            placement = {q.name: list(q.placement) for q in scenario.remote.queues if q.placement}
+            remote = await asyncio.to_thread(ChaosCluster, run_dir / "remote", scenario.remote.nodes,
+                                             remote_toxiproxy, placement, dict(scenario.settings))
+            remote.log_level = log_level
+            await asyncio.to_thread(remote.start_all)
+            progress(f"remote cluster up ({len(remote.proxies)} proxies)")
+        return await _run_on(scenario, cluster, schedule, rng, run_dir, engine, progress, remote)
     finally:
-        if cluster is not None:
-            await asyncio.to_thread(cluster.close)
-        await asyncio.to_thread(toxiproxy.stop)
+        for started in (remote, cluster):
+            if started is not None:
+                await asyncio.to_thread(started.close)
+        for proxy_server in (remote_toxiproxy, toxiproxy):
+            if proxy_server is not None:
+                await asyncio.to_thread(proxy_server.stop)
+
+
+@dataclass
+class Side:
+    """One cluster of the run with its workload, observer and nemesis (a forwarding scenario
+    has two: the forwards' sources here, their destinations in the remote one)."""
+    cluster: ChaosCluster
+    workload: Workload
+    observer: Observer
+    nemesis: Nemesis
+    schedule: list[Any]
+
+    @classmethod
+    def of(cls, cluster: ChaosCluster, history: History, queues: list[Any], seed: int, scenario: Scenario,
+           fault_spec: Any, rng: random.Random, **extra: Any) -> Side:
+        workload = Workload(cluster, history, queues, seed, scenario.op_timeout_s, forwarded=frozenset(
+            f.source for f in scenario.forwards), **extra)
+        observer = Observer(cluster, history)
+        admin_clients: dict[str, Any] = {}
+
+        def admin(node: str) -> Any:
+            if node not in admin_clients:
+                admin_clients[node] = workload.client(node)
+            return admin_clients[node]
+        targets = [q.name for q in queues] + [CHANNEL_PREFIX + c.name for c in extra.get("channels", [])]
+        nemesis = Nemesis(cluster, history, rng, observer.newest_map, admin, targets)
+        return cls(cluster, workload, observer, nemesis, plan(fault_spec, scenario.time_s, rng))
 
 
 async def _run_on(scenario: Scenario, cluster: ChaosCluster, schedule: list[Any], rng: random.Random, run_dir: Path,
-                  engine: str, progress: Progress) -> dict[str, Any]:
+                  engine: str, progress: Progress, remote_cluster: ChaosCluster | None = None) -> dict[str, Any]:
     history = History(history_path(run_dir))
-    workload = Workload(cluster, history, list(scenario.queues), scenario.seed, scenario.op_timeout_s,
-                        list(scenario.macros), list(scenario.channels))
-    observer = Observer(cluster, history)
-    admin_clients: dict[str, Any] = {}
-
-    def admin(node: str) -> Any:
-        if node not in admin_clients:
-            admin_clients[node] = workload.client(node)
-        return admin_clients[node]
-    nemesis = Nemesis(cluster, history, rng, observer.newest_map, admin, scenario.fault_targets())
+    main = Side.of(cluster, history, list(scenario.queues), scenario.seed, scenario, scenario.nemesis, rng,
+                   macros=list(scenario.macros), channels=list(scenario.channels))
+    main.schedule = schedule
+    sides = [main]
+    if remote_cluster is not None and scenario.remote is not None:
+        sides.append(Side.of(remote_cluster, history, list(scenario.remote.queues), scenario.seed + 1, scenario,
+                             scenario.remote.nemesis, random.Random(scenario.seed + 1)))
     stop_observer, stop_workers = asyncio.Event(), asyncio.Event()
+    workers: list[asyncio.Task[None]] = []
+    settled: dict[str, Any] = {}
+    drained: dict[str, Any] = {}
     try:
-        await workload.create_queues()
-        watching = asyncio.create_task(observer.run(stop_observer))
-        workers = workload.start(stop_workers)
-        progress(f"workload started: {len(workers)} workers on {len(scenario.queues)} queues")
-        faults = asyncio.create_task(nemesis.run(schedule, 0.0))
+        for side in sides:
+            await side.workload.create_queues()
+        if len(sides) > 1:
+            await _create_forwards(scenario, cluster, sides[1].cluster)
+        watching = [asyncio.create_task(side.observer.run(stop_observer)) for side in sides]
+        for side in sides:
+            workers += side.workload.start(stop_workers)
+        progress(f"workload started: {len(workers)} workers on {sum(len(s.workload.queues) for s in sides)} queues")
+        faults = [asyncio.create_task(side.nemesis.run(side.schedule, 0.0)) for side in sides]
         await asyncio.sleep(max(0.0, scenario.time_s - history.now()))
-        await faults
-        await nemesis.heal_all()
+        await asyncio.gather(*faults)
+        for side in sides:
+            await side.nemesis.heal_all()
         history.phase = "recovery"
-        progress(f"healed after {sum(nemesis.applied.values())} faults {nemesis.applied}; recovering")
+        applied = _applied(sides)
+        progress(f"healed after {sum(applied.values())} faults {applied}; recovering")
         await asyncio.sleep(scenario.recovery_s)
         stop_workers.set()
-        await workload.stop_workers(workers)
-        settled = await workload.settle(observer, scenario.settle_timeout_s)
+        await sides[0].workload.stop_workers(workers)
+        for number, side in enumerate(sides):
+            outcome = await side.workload.settle(side.observer, scenario.settle_timeout_s)
+            settled = outcome if number == 0 else {**settled, "remote": outcome,
+                                                   "settled": settled["settled"] and outcome["settled"]}
         progress(f"settle: {settled}")
-        drained = await workload.drain(observer.newest_map(), scenario.drain_timeout_s)
+        for number, side in enumerate(sides):    # sources first: their forwarders empty them into the remote
+            outcome = await side.workload.drain(side.observer.newest_map(), scenario.drain_timeout_s)
+            drained.update({(f"remote:{key}" if number else key): value for key, value in outcome.items()})
         progress(f"drained: {sum(d['taken'] for d in drained.values())} messages")
         stop_observer.set()
-        await watching
-        final_map = observer.newest_map()
+        await asyncio.gather(*watching)
+        final_map = main.observer.newest_map()
     finally:
         stop_workers.set()
         stop_observer.set()
-        await workload.close()
-        await observer.close()
+        for side in sides:
+            await side.workload.close()
+            await side.observer.close()
         history.close()
-    crashes = list(nemesis.crashes)
-    (run_dir / "observations.json").write_text(json.dumps({"masters": sorted(observer.observations),
-                                                            "pairs": observer.pair_history()}) + "\n")
-    await asyncio.to_thread(_kill_all, cluster)
-    judged = checker.check(history.completed, scenario.strengths(), observer.observations, observer.pair_history(),
+    crashes = [crash for side in sides for crash in side.nemesis.crashes]
+    observations = [o for side in sides for o in side.observer.observations]
+    pairs = [p for side in sides for p in side.observer.pair_history()]
+    (run_dir / "observations.json").write_text(json.dumps({"masters": sorted(observations), "pairs": pairs}) + "\n")
+    for side in sides:
+        await asyncio.to_thread(_kill_all, side.cluster)
+    forwarded = scenario.forwarded()
+    strengths = {**scenario.strengths(), **({q.name: q.strength for q in scenario.remote.queues}
+                                           if scenario.remote else {})}
+    judged = checker.check([e for e in history.completed if checker.source_queue(e.get("queue") or "")[0]
+                            not in forwarded],
+                           {q: s for q, s in strengths.items() if q not in forwarded}, observations, pairs,
                            scenario.one_way_queues())
+    judged["forwards"] = {}
+    for forward in scenario.forwards:
+        verdict_of = checker.check_forward(history.completed, forward.name, forward.source, forward.destination)
+        judged["forwards"][forward.name] = verdict_of["counts"]
+        for kind, count in verdict_of["violation_counts"].items():
+            judged["violation_counts"][kind] = judged["violation_counts"].get(kind, 0) + count
+            judged["violations"].setdefault(kind, []).extend(verdict_of["violations"][kind])
+    judged["valid"] = not judged["violation_counts"]
     progress(f"history judged: {'valid' if judged['valid'] else judged['violation_counts']}; auditing the journals")
+    audit = await _audit(cluster, run_dir, engine, history=True, progress=progress)
+    if len(sides) > 1:
+        # The remote cluster's journals alone: its enqueues are the forwarders', not in the history.
+        remote_audit = await _audit(sides[1].cluster, run_dir / "remote", engine, history=False, progress=progress)
+        audit = _joined_audits(audit, remote_audit)
+    return verdict(scenario, run_dir, judged, audit, nemesis=applied, settled=settled, drained=drained,
+                   crashes=crashes, restart_failures=[f for side in sides for f in side.nemesis.restart_failures],
+                   final_map=final_map, recovery=_recovery(history.completed, scenario),
+                   observer_samples=sum(side.observer.samples for side in sides),
+                   client_errors=[error for side in sides for error in side.workload.errors])
+
+
+def _applied(sides: list[Side]) -> dict[str, int]:
+    applied: dict[str, int] = {}
+    for number, side in enumerate(sides):
+        for kind, count in side.nemesis.applied.items():
+            key = f"remote:{kind}" if number else kind
+            applied[key] = applied.get(key, 0) + count
+    return applied
+
+
+async def _create_forwards(scenario: Scenario, cluster: ChaosCluster, remote: ChaosCluster) -> None:
+    """Each forward, signed at the remote with its admin's credentials, reaching it through its
+    client proxies (so `isolate-cluster` cuts the forwarders off)."""
+    document = json.loads(remote.credentials_path.read_text())
+    credentials = {"client_id": document["client_id"], "private_key": document["private_key"]}
+    async with AsyncClient(cluster.client_urls[cluster.ids[0]], cluster.credentials_path) as admin:
+        for forward in scenario.forwards:
+            await admin.create_forward(forward.name, forward.source, forward.destination,
+                                       urls=[remote.client_urls[node] for node in remote.ids], credentials=credentials)
+
+
+async def _audit(cluster: ChaosCluster, run_dir: Path, engine: str, *, history: bool,
+                 progress: Progress) -> dict[str, Any]:
     try:
-        audit = await asyncio.to_thread(run_audit, cluster, run_dir, engine)
+        return await asyncio.to_thread(run_audit, cluster, run_dir, engine, history)
     except Exception as error:     # the run's facts stand; an audit that cannot run is a finding
         progress(f"the audit could not run: {error!r}")
-        audit = {"verdict": "error", "violation_counts": {"audit_failed": 1}, "totals": {"records": 0},
-                 "error": repr(error)[:2000]}
-    return verdict(scenario, run_dir, judged, audit, nemesis=dict(nemesis.applied), settled=settled, drained=drained,
-                   crashes=crashes, restart_failures=nemesis.restart_failures, final_map=final_map,
-                   recovery=_recovery(history.completed, scenario), observer_samples=observer.samples,
-                   client_errors=workload.errors)
+        return {"verdict": "error", "violation_counts": {"audit_failed": 1}, "totals": {"records": 0},
+                "error": repr(error)[:2000]}
+
+
+def _joined_audits(main: dict[str, Any], remote: dict[str, Any]) -> dict[str, Any]:
+    """The main cluster's audit, with the remote's verdict, records and violations joined in."""
+    joined = dict(main)
+    joined["verdict"] = main["verdict"] if remote["verdict"] == "clean" else remote["verdict"]
+    joined["violation_counts"] = {**main["violation_counts"],
+                                  **{f"remote:{k}": v for k, v in remote["violation_counts"].items()}}
+    joined["totals"] = {**main.get("totals", {}), "records": main["totals"]["records"] + remote["totals"]["records"]}
+    joined["remote_total_queue"] = remote.get("total_queue", {})
+    return joined
 
 
 def _kill_all(cluster: ChaosCluster) -> None:
@@ -150,13 +263,13 @@ def _recovery(history: list[dict[str, Any]], scenario: Scenario) -> dict[str, in
     return counts
 
 
-def run_audit(cluster: ChaosCluster, run_dir: Path, engine: str) -> dict[str, Any]:
+def run_audit(cluster: ChaosCluster, run_dir: Path, engine: str, with_history: bool = True) -> dict[str, Any]:
     """qaudit over every node's journal (exported from its LMDB environment) with the history."""
     from audit.cli import parser, run, write_report
     out = run_dir / "audit"
-    arguments = parser().parse_args(["--journals", *(str(cluster.root / node) for node in cluster.ids),
-                                     "--history", str(history_path(run_dir)), "--out", str(out),
-                                     "--engine", engine, "--quiet", "--master", "local[2]"])
+    history = ["--history", str(history_path(run_dir))] if with_history else []
+    arguments = parser().parse_args(["--journals", *(str(cluster.root / node) for node in cluster.ids), *history,
+                                     "--out", str(out), "--engine", engine, "--quiet", "--master", "local[2]"])
     report = run(arguments)
     write_report(report, out)
     return report
@@ -193,7 +306,8 @@ def verdict(scenario: Scenario, run_dir: Path, judged: dict[str, Any], audit: di
         "crashes": [{k: v for k, v in crash.items() if k != "log_tail"} for crash in facts["crashes"]],
         "restart_failures": len(facts["restart_failures"]), "client_errors": facts["client_errors"][:10],
         "history_violations": judged["violations"], "queues": judged["queues"], "macros": judged["macros"],
-        "channels": judged["channels"],
+        "channels": judged["channels"], "forwards": judged.get("forwards", {}),
+        "remote_audit": audit.get("remote_total_queue"),
         "run_dir": str(run_dir), "date": datetime.date.today().isoformat(),
     }
 
@@ -218,6 +332,10 @@ def summary(result: dict[str, Any]) -> str:
         for subscription, counts in seen.get("durable", {}).items():
             lines.append(f"  durable {subscription}: given {counts['given']} ({counts['distinct']} distinct, "
                          f"{counts['resent']} resent), acknowledged {counts['acknowledged']}")
+    for name, counts in result.get("forwards", {}).items():
+        lines.append(f"forward {name}: enqueued {counts['enqueue_ok']} ok / {counts['enqueue_unknown']} unknown / "
+                     f"{counts['enqueue_fail']} failed, {counts['delivered_messages']} delivered at the destination "
+                     f"({counts['delivered']} deliveries), {counts['recovered']} recovered")
     for name, calls in result.get("macros", {}).items():
         lines.append(f"macro {name}: {calls['calls']} calls, every copy acknowledged {calls['every_copy_ok']}, "
                      f"some {calls['some_copies_ok']}, none {calls['no_copy_ok']}")
@@ -272,9 +390,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
     (run_dir / "verdict.json").write_text(json.dumps(result, indent=1) + "\n")
     if result["valid"] and not arguments.keep_data:
-        shutil.rmtree(run_dir / "cluster" / "data", ignore_errors=True)
-        for node in [f"n{i}" for i in range(1, scenario.nodes + 1)]:
-            shutil.rmtree(run_dir / "cluster" / node, ignore_errors=True)
+        for side, nodes in (("cluster", scenario.nodes), ("remote", scenario.remote.nodes if scenario.remote else 0)):
+            shutil.rmtree(run_dir / side / "data", ignore_errors=True)
+            for node in [f"n{i}" for i in range(1, nodes + 1)]:
+                shutil.rmtree(run_dir / side / node, ignore_errors=True)
         shutil.rmtree(run_dir / "audit" / "exported", ignore_errors=True)
     print(summary(result))
     compact = {k: v for k, v in result.items() if k not in ("history_violations", "queues")}

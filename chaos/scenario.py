@@ -39,6 +39,18 @@
     rate = 10
     delivery_class = "latest"    # or "durable": each subscriber reads a durable subscription of its own
 
+    [remote]                     # a second cluster (its own Toxiproxy, nemesis and workload) ...
+    nodes = 3
+    [[remote.queues]]            # its queues (a forward's destination: consumers only, a forward_rate)
+    name = "inbox"
+    producers = 0
+    forward_rate = 60
+    [remote.nemesis]             # its faults; kind isolate-cluster cuts it off from everything outside
+    kinds = ["kill", "isolate-cluster"]
+    [[forwards]]                 # ... and forwards from a queue here (producers only) into one there
+    name = "out-in"
+    source = "outbox"
+    destination = "inbox"
     [nemesis]                    # chaos.nemesis.FaultSpec: faults drawn from the seed ...
     kinds = ["partition-master-replica", "kill"]
     duration_s = [3, 10]
@@ -74,6 +86,22 @@ WORKERS_PER_QUEUE_MAX = 16
 
 
 @dataclass(frozen=True)
+class ForwardSpec:
+    """A forward (seed 003) from a queue of the scenario's cluster into a queue of its remote one."""
+    name: str
+    source: str
+    destination: str
+
+
+@dataclass(frozen=True)
+class RemoteSpec:
+    """The second cluster of a forwarding scenario: its size, queues and faults."""
+    nodes: int = 3
+    queues: tuple[QueueSpec, ...] = ()
+    nemesis: FaultSpec = FaultSpec()
+
+
+@dataclass(frozen=True)
 class Scenario:
     name: str
     description: str = ""
@@ -89,9 +117,16 @@ class Scenario:
     macros: tuple[MacroSpec, ...] = ()
     channels: tuple[ChannelSpec, ...] = ()
     nemesis: FaultSpec = FaultSpec()
+    remote: RemoteSpec | None = None
+    forwards: tuple[ForwardSpec, ...] = ()
 
     def strengths(self) -> dict[str, str]:
         return {queue.name: queue.strength for queue in self.queues}
+
+    def forwarded(self) -> set[str]:
+        """The queues a forward judges instead of the per-queue rules: its source (only the
+        forwarder takes from it) and its destination (only forwarded messages enter it)."""
+        return {q for forward in self.forwards for q in (forward.source, forward.destination)}
 
     def one_way_queues(self) -> list[str]:
         return [queue.name for queue in self.queues if queue.type == QueueType.ONE_WAY]
@@ -138,7 +173,10 @@ def parse_scenario(name: str, raw: dict[str, Any]) -> Scenario:
         recovery_s=float(raw.get("recovery_s", 8.0)), settle_timeout_s=float(raw.get("settle_timeout_s", 60.0)),
         drain_timeout_s=float(raw.get("drain_timeout_s", 60.0)), op_timeout_s=float(raw.get("op_timeout_s", 8.0)),
         settings={key: _toml_literal(value) for key, value in raw.get("settings", {}).items()},
-        queues=queues, macros=macros, channels=channels, nemesis=_nemesis(raw.get("nemesis", {})))
+        queues=queues, macros=macros, channels=channels, nemesis=_nemesis(raw.get("nemesis", {})),
+        remote=_remote(raw["remote"]) if "remote" in raw else None,
+        forwards=tuple(ForwardSpec(str(f["name"]), str(f["source"]), str(f["destination"]))
+                       for f in raw.get("forwards", [])))
     check_scenario(scenario)
     return scenario
 
@@ -176,11 +214,29 @@ def check_scenario(scenario: Scenario) -> None:
                 or channel.rate <= 0 or channel.delivery_class not in ("latest", "durable"):
             problems.append(f"channel {channel.name}: 1 to {WORKERS_PER_QUEUE_MAX} publishers and subscribers, "
                             "a positive rate, delivery_class latest or durable")
+    remote_names = {queue.name for queue in scenario.remote.queues} if scenario.remote else set()
+    if scenario.remote is not None and not 3 <= scenario.remote.nodes <= 5:
+        problems.append("the remote cluster has 3 to 5 nodes")
+    by_name = {queue.name: queue for queue in scenario.queues}
+    for forward in scenario.forwards:
+        source = by_name.get(forward.source)
+        if source is None or source.strength != "full" or source.consumers or source.push_consumers \
+                or forward.destination not in remote_names or remote_names & names:
+            problems.append(f"forward {forward.name}: from a full queue here without consumers (the forwarder "
+                            "is its consumer) into a queue of [remote], the two clusters' queue names apart")
     kinds = set(scenario.nemesis.kinds) | {step.fault.kind for step in scenario.nemesis.steps}
     if "majority-ring" in kinds and scenario.nodes < RING_NODES_MIN:
         problems.append(f"majority-ring needs {RING_NODES_MIN} nodes")
     if problems:
         raise ValueError(f"scenario {scenario.name}: " + "; ".join(problems))
+
+
+def _remote(raw: dict[str, Any]) -> RemoteSpec:
+    unknown = set(raw) - {"nodes", "queues", "nemesis"}
+    if unknown:
+        raise ValueError(f"[remote]: unknown keys {sorted(unknown)}")
+    return RemoteSpec(int(raw.get("nodes", 3)), tuple(_spec(QueueSpec, "queue", entry) for entry in raw.get("queues", [])),
+                      _nemesis(raw.get("nemesis", {})))
 
 
 def _spec(kind: type[Spec], label: str, entry: dict[str, Any]) -> Spec:

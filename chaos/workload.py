@@ -77,10 +77,18 @@ class QueueSpec:
     delay_fraction: float = 0.0      # enqueues delivered no sooner than delay_s after them
     delay_s: float = 1.0
     dead_letter: bool = True
+    max_depth: int = 0               # 0: the server's default
+    forward_rate: float = 0.0        # as a forward's root (seed 003): the messages/s its forwarders share
+    forward_interval_s: float = 2.0
 
     def options(self) -> dict[str, Any]:
-        return {"strength": self.strength, "type": self.type, "visibility_timeout_s": self.visibility_timeout_s,
-                "max_deliveries": self.max_deliveries, "dead_letter": self.dead_letter}
+        options = {"strength": self.strength, "type": self.type, "visibility_timeout_s": self.visibility_timeout_s,
+                   "max_deliveries": self.max_deliveries, "dead_letter": self.dead_letter}
+        if self.max_depth:
+            options["max_depth"] = self.max_depth
+        if self.forward_rate:
+            options.update(forward_rate=self.forward_rate, forward_interval_s=self.forward_interval_s)
+        return options
 
 
 @dataclass(frozen=True)
@@ -194,6 +202,7 @@ class Workload:
     last_published: dict[str, int] = field(default_factory=dict)    # channel -> highest acknowledged id
     node_of_url: dict[str, str] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    forwarded: frozenset[str] = frozenset()      # queues a forward empties (their own consumer): not drained here
 
     def __post_init__(self) -> None:
         self.node_of_url = {url.rstrip("/"): node for node, url in self.cluster.client_urls.items()}
@@ -612,9 +621,23 @@ class Workload:
             entry = final_map.get("queues", {}).get(spec.name, {})
             members = [entry.get("master")] + ([entry.get("replica")] if spec.strength == "producer" else [])
             for member in [m for m in members if m]:
+                if spec.name in self.forwarded:
+                    outcome[f"{spec.name}@{member}"] = await self._forwarded_away(spec.name, member, timeout_s)
+                    continue
                 for queue in (spec.name, spec.name + ".dlq") if spec.dead_letter else (spec.name,):
                     outcome[f"{queue}@{member}"] = await self._drain_one(queue, member, timeout_s)
         return outcome
+
+    async def _forwarded_away(self, queue: str, member: str, timeout_s: float) -> dict[str, Any]:
+        """A forward's source is emptied by its forwarder (taking from it here would take the
+        messages from the forward): done when its master reports it empty."""
+        started = self.history.now()
+        while self.history.now() - started < timeout_s:
+            with contextlib.suppress(QueueError, OSError, TimeoutError):
+                if int((await observer_stats(self.cluster, member, queue)).get("depth", -1)) == 0:
+                    return {"drained": True, "taken": 0}
+            await asyncio.sleep(ERROR_PAUSE_S)
+        return {"drained": False, "taken": 0}
 
     async def _drain_one(self, queue: str, member: str, timeout_s: float) -> dict[str, Any]:
         client = self.client(member)
