@@ -198,6 +198,8 @@ class Forwarder:
                 await self._drop_client()
                 await asyncio.sleep(backoff)
                 backoff = min(BACKOFF_MAX_S, backoff * 2)
+                with contextlib.suppress(QueueError):
+                    await self._keep_leases()
         finally:
             await self._give_back()
             await self._drop_client()
@@ -292,12 +294,23 @@ class Forwarder:
                 await asyncio.sleep(RETRY_PAUSE_S)
 
     async def _keep_leases(self) -> None:
-        if time.monotonic() - self._leased_at < VISIBILITY_MS / 2000:
+        """Extend the leases of what the forwarder holds (also between sessions: a partition
+        from the root may last long). A lease that ran out anyway (the forwarder was stopped
+        longer) has put its message back in the source: it is no longer held (sent again
+        later, a repeat at the destination if it got there)."""
+        if not self._held or time.monotonic() - self._leased_at < VISIBILITY_MS / 2000:
             return
         engine, source = self._node.engine, self.entry.source
+        kept = []
         for message in self._held:
-            await engine.call(lambda r, m=message: c.Ack(source, m.message_id, m.receipt, CLUSTER_CLIENT, r,
-                                                         extend_ms=VISIBILITY_MS))
+            try:
+                await engine.call(lambda r, m=message: c.Ack(source, m.message_id, m.receipt, CLUSTER_CLIENT, r,
+                                                             extend_ms=VISIBILITY_MS))
+                kept.append(message)
+            except QueueError as error:
+                if error.code != e.E_LEASE_EXPIRED.code:
+                    raise
+        self._held = kept
         self._leased_at = time.monotonic()
 
     async def _give_back(self) -> None:

@@ -272,6 +272,9 @@ async def get_queue(request: web.Request) -> web.Response:
         raise QueueError(e.E_UNKNOWN_QUEUE, f"no queue named {name!r}")
     stats = engine.describe(core)
     stats.update(request.app[NODE].client_counts(name))
+    sessions = request.app[NODE].forward_root.sessions_of(name)
+    if sessions:                  # the root of forwards (seed 003): their sessions here
+        stats["forward_sessions"] = sessions
     return web.json_response(stats)
 
 

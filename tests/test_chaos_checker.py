@@ -119,6 +119,22 @@ def test_a_delivered_message_whose_enqueue_failed_or_was_never_made_is_unexpecte
     assert verdict(history)["violation_counts"] == {"unexpected": 2}
 
 
+def test_a_forward_is_judged_by_tag_from_its_source_to_its_destination() -> None:
+    """Source ids and destination ids differ: a forward is judged by tag (check_forward)."""
+    history = Recorder()
+    for tag, status in (("a", "ok"), ("b", "ok"), ("c", "ok"), ("d", "unknown"), ("e", "fail")):
+        history.enqueue(tag, status, (0, 1), queue="outbox")
+    history.receive([(7, "a", 1), (7, "a", 2), (8, "b", 1), (9, "b", 1), (10, "d", 1), (11, "ghost", 1)], (2, 3),
+                    queue="inbox")
+    history.receive([(1, "c", 1)], (4, 5), queue="inbox.dlq")        # dead-lettered at the destination: delivered
+    judged = checker.check_forward(history.entries, "f", "outbox", "inbox")
+    assert judged["violation_counts"] == {"forward_duplicated": 1, "forward_unexpected": 1}
+    assert judged["violations"]["forward_duplicated"][0]["tag"] == "b"
+    assert judged["counts"]["recovered"] == 1 and judged["counts"]["delivered_messages"] == 5
+    history.enqueue("z", "ok", (6, 7), queue="outbox")
+    assert checker.check_forward(history.entries, "f", "outbox", "inbox")["violation_counts"]["forward_lost"] == 1
+
+
 def test_a_repeat_under_a_new_lease_is_explained_and_one_lease_given_twice_is_not() -> None:
     history = Recorder()
     history.enqueue("a", "ok", (0, 1), 1)
@@ -263,6 +279,19 @@ def test_every_shipped_scenario_loads_and_plans_within_its_time(name: str) -> No
     schedule = plan(scenario.nemesis, scenario.time_s, random.Random(scenario.seed))
     assert schedule, f"{name} injects no fault"
     assert all(item.at_s >= 0 and item.at_s + item.fault.duration_s <= scenario.time_s for item in schedule)
+    if scenario.remote is not None:
+        assert plan(scenario.remote.nemesis, scenario.time_s, random.Random(scenario.seed + 1))
+
+
+def test_a_forward_needs_a_consumerless_full_source_and_a_remote_destination() -> None:
+    raw = {"queues": [{"name": "outbox", "consumers": 0}], "remote": {"queues": [{"name": "inbox", "producers": 0}]},
+           "forwards": [{"name": "f", "source": "outbox", "destination": "inbox"}]}
+    assert parse_scenario("ok", raw).forwarded() == {"outbox", "inbox"}
+    for broken in ({**raw, "queues": [{"name": "outbox"}]},                      # consumers would steal from it
+                   {**raw, "forwards": [{"name": "f", "source": "outbox", "destination": "elsewhere"}]},
+                   {**raw, "remote": {"queues": [{"name": "outbox"}]}}):
+        with pytest.raises(ValueError):
+            parse_scenario("broken", broken)
 
 
 def test_a_schedule_is_the_same_for_the_same_seed_and_bounded() -> None:

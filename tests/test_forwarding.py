@@ -245,6 +245,10 @@ async def test_the_root_gives_the_fuller_source_the_larger_rate(qcluster_factory
             return (busy, quiet) if busy["rate"] > 30.0 and quiet["rate"] < 10.0 else None
         busy, quiet = await until(adaptive_split, "the busy source's larger rate")
         assert busy["weight"] >= 3 and busy["rate"] + quiet["rate"] == pytest.approx(40.0, abs=0.01)
+        master = (await client.cluster())["queues"]["root"]["master"]
+        async with AsyncClient(cluster.urls[master], cluster.credentials_path) as at_root:
+            sessions = {s["forward"]: s for s in (await at_root.queue_stats("root"))["forward_sessions"]}
+        assert set(sessions) == {"from-busy", "from-quiet"} and sessions["from-busy"]["received"] > 0
         await client.delete_forward("from-busy")
         await client.delete_forward("from-quiet")
         # The same through qctl, with a static root.
