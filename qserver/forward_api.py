@@ -11,7 +11,7 @@ from aiohttp import web
 from client import errors as e
 from client.errors import QueueError
 from client.signing import private_key_from_text
-from qserver.http_api import NODE, coordinator_of, json_body, principal, propose, proxy_to
+from qserver.http_api import NODE, coordinator_of, json_body, path_name, principal, propose, proxy_to
 from replication.cluster_map import DeleteForward, PutForward
 from replication.options import is_valid_queue_name
 
@@ -19,10 +19,7 @@ URLS_MAX = 16
 
 
 def forward_name(request: web.Request) -> str:
-    name = request.match_info["f"]
-    if not is_valid_queue_name(name):
-        raise QueueError(e.E_INVALID_NAME, "forward names are 1-200 of A-Z a-z 0-9 . _ : - starting alphanumeric")
-    return name
+    return path_name(request, "f", "forward")
 
 
 async def create_forward(request: web.Request) -> web.Response:

@@ -151,10 +151,16 @@ def principal(request: web.Request) -> Principal:
     return request["principal"]  # type: ignore[no-any-return]
 
 
-def queue_name(request: web.Request, privilege: str) -> str:
-    name = request.match_info["q"]
+def path_name(request: web.Request, key: str, what: str) -> str:
+    """A name in the path (a queue's, a recipient's, a forward's): queue-name rules."""
+    name = request.match_info[key]
     if not is_valid_queue_name(name):
-        raise QueueError(e.E_INVALID_NAME, "queue names are 1-200 of A-Z a-z 0-9 . _ : - starting alphanumeric")
+        raise QueueError(e.E_INVALID_NAME, f"{what} names are 1-200 of A-Z a-z 0-9 . _ : - starting alphanumeric")
+    return name
+
+
+def queue_name(request: web.Request, privilege: str) -> str:
+    name = path_name(request, "q", "queue")
     if name.startswith(CHANNEL_PREFIX):
         raise QueueError(e.E_RESERVED_NAME, f"{name} holds a channel's messages: use /v1/channels")
     principal(request).require(privilege, name)

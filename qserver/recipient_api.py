@@ -10,16 +10,13 @@ from aiohttp import web
 
 from client import errors as e
 from client.errors import QueueError
-from qserver.http_api import coordinator_of, json_body, principal, propose
+from qserver.http_api import coordinator_of, json_body, path_name, principal, propose
 from replication.cluster_map import ALTERNATIVES_MAX, SetAlternatives
 from replication.options import is_valid_queue_name
 
 
 def recipient_name(request: web.Request) -> str:
-    name = request.match_info["r"]
-    if not is_valid_queue_name(name):
-        raise QueueError(e.E_INVALID_NAME, "recipient names are 1-200 of A-Z a-z 0-9 . _ : - starting alphanumeric")
-    return name
+    return path_name(request, "r", "recipient")
 
 
 async def put_alternatives(request: web.Request) -> web.Response:

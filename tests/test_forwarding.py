@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -32,16 +31,7 @@ from replication.cluster_map import (
 )
 from tests.support import RawApi, error_code
 from tests.test_client_integration import run_qctl
-
-
-async def until(check: Callable[[], Awaitable[Any]], what: str, timeout_s: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = await check()
-        if found:
-            return found
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+from tests.test_surveillance import until
 
 
 async def drain(client: AsyncClient, queue: str, into: list[bytes], want: int, timeout_s: float = 60.0) -> None:
