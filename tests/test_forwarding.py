@@ -193,7 +193,14 @@ async def test_malformed_forwards_and_session_frames_are_refused_with_codes_and_
 
 
 async def _open_stats(client: AsyncClient, name: str) -> dict[str, Any] | None:
-    stats = await client.forward_stats(name)
+    """The forwarder's figures once its session is open (a node learns of a new forward when
+    the map change reaches it: until then it answers E_UNKNOWN_FORWARD)."""
+    try:
+        stats = await client.forward_stats(name)
+    except QueueError as error:
+        if error.code != "E_UNKNOWN_FORWARD":
+            raise
+        return None
     return stats if stats.get("state") == "open" else None
 
 
@@ -229,8 +236,9 @@ async def test_the_root_gives_the_fuller_source_the_larger_rate(qcluster_factory
             await client.create_forward(f"from-{name}", name, "root")
 
         async def adaptive_split() -> Any:
-            busy, quiet = (await client.forward_stats("from-busy"), await client.forward_stats("from-quiet"))
-            if busy.get("rate") is None or quiet.get("rate") is None or not busy["weight"]:
+            busy, quiet = await _open_stats(client, "from-busy"), await _open_stats(client, "from-quiet")
+            if busy is None or quiet is None or busy.get("rate") is None or quiet.get("rate") is None \
+                    or not busy["weight"]:
                 return None
             return (busy, quiet) if busy["rate"] > 30.0 and quiet["rate"] < 10.0 else None
         busy, quiet = await until(adaptive_split, "the busy source's larger rate")
