@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 from typing import Any
 
@@ -14,6 +15,8 @@ import pytest
 
 from client import AsyncClient
 from client.errors import QueueError
+from client.protocol import ForwardSessionOp
+from qserver import forward_root
 from qserver.devcluster import LocalCluster
 from qserver.forward_root import compute_rates
 from qserver.forwarder import TokenBucket, weight_of
@@ -146,6 +149,71 @@ async def test_a_forward_moves_each_message_once_across_a_kill_of_the_source_mas
         assert [(f["name"], f["runs_on"]) for f in listed] == [("f1", "n2")]
         await here.delete_forward("f1")
         assert await here.forwards() == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(180)
+async def test_a_forwarder_leaves_a_silent_root_and_opens_its_session_at_the_new_master(qcluster_factory: Any) -> None:
+    """SIGSTOP of the root's node (the socket stays open, nothing answers): the forwarder's
+    keepalive goes unanswered for the hold time, it lets that session go, and opens one at the
+    destination's new master once it failed over; every message arrives once."""
+    cluster: LocalCluster = qcluster_factory(3, {"src": ["n1", "n3"], "dst": ["n2", "n3"]})
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as client:
+        await client.create_queue("dst", strength="full", forward_rate=200.0, forward_interval_s=0.5)
+        await client.create_queue("src", strength="full")
+        await client.create_forward("watch", "src", "dst")
+        sent = [b"w%03d" % i for i in range(120)]
+        await client.enqueue_many("src", sent[:60])
+        first = await until(lambda: _open_stats(client, "watch"), "the session")
+        assert first["terms"]["hold_s"] == pytest.approx(3.0)
+        received: list[bytes] = []
+        await drain(client, "dst", received, 60)
+        cluster.processes["n2"].send_signal(signal.SIGSTOP)
+        try:
+            await client.enqueue_many("src", sent[60:])
+
+            async def reopened() -> dict[str, Any] | None:
+                stats = await _open_stats(client, "watch")
+                return stats if stats is not None and stats["sessions"] >= 2 else None
+            again = await until(reopened, "a session at the new master", timeout_s=60.0)
+            assert again["state"] == "open"
+            assert (await client.cluster())["queues"]["dst"]["master"] == "n3"
+            await drain(client, "dst", received, len(sent))
+        finally:
+            cluster.processes["n2"].send_signal(signal.SIGCONT)
+        assert sorted(received) == sorted(sent)
+
+
+def test_the_root_drops_a_session_it_has_not_heard_from_for_its_hold_time(monkeypatch: Any) -> None:
+    """The root's side of §3.2: a forwarder silent for the hold time leaves the weight table
+    (its share goes to the others); one that keeps alive stays."""
+    import types
+    now = [1_000.0]
+    monkeypatch.setattr(forward_root.time, "monotonic", lambda: now[0])
+    options = types.SimpleNamespace(forward_rate=30.0, forward_interval_s=2.0, forward_mode="adaptive",
+                                    forward_bands=10)
+    engine = types.SimpleNamespace(cores={"dst": types.SimpleNamespace(options=options)}, coordinator=None)
+    root = forward_root.ForwardRoot(types.SimpleNamespace(engine=engine))
+    sent: list[Any] = []
+    connection = types.SimpleNamespace(closed=False, emit=sent.append)
+    root._start = lambda: None      # type: ignore[method-assign]   # ticked by hand below
+    for name, weight in (("a", 2), ("b", 6)):
+        terms = root.session(connection, ForwardSessionOp(1, "dst", name, weight, True))
+    assert terms["keepalive_s"] == 1.0 and terms["hold_s"] == 3.0 and terms["rate"] == 15.0
+    now[0] += 2.5
+    assert root.session(connection, ForwardSessionOp(2, "dst", "b", 6, False)) == 15.0
+    root._check("dst")                                      # T passed: rates from the weights
+    assert [(r.forward, r.rate) for r in sent] == [("a", 7.5), ("b", 22.5)]
+    now[0] += 1.0                                           # a: silent 3.5 s > hold; b: 1 s
+    sent.clear()
+    root._check("dst")
+    assert [s["forward"] for s in root.sessions_of("dst")] == ["b"]
+    now[0] += 2.0
+    root._check("dst")
+    assert [(r.forward, r.rate) for r in sent] == [("b", 30.0)]      # its share is b's now
+    with pytest.raises(QueueError) as unknown:
+        root.session(connection, ForwardSessionOp(3, "dst", "a", 0, False))
+    assert unknown.value.code == "E_UNKNOWN_FORWARD"
 
 
 @pytest.mark.asyncio
