@@ -46,7 +46,8 @@ from replication.cluster_map import ForwardEntry
 
 log = logging.getLogger("qserver.forwarder")
 RECONCILE_INTERVAL_S = 0.5       # how often a node looks for forwards to start or stop
-BATCH_MAX = 100                  # messages in one data message
+BATCH_MAX = 100                  # messages received at a time (one data message per priority among them)
+HELD_MAX = 1_000                 # messages held while the destination's stream window is full
 RECEIVE_WAIT_MS = 500            # an idle source is waited on this long per receive
 VISIBILITY_MS = 10_000           # the forwarder's lease on what it sends; extended while held
 RETRY_PAUSE_S = 0.2              # after the destination could not take a message this moment
@@ -137,7 +138,10 @@ class Forwarder:
         self._bands = 10
         self._held: list[DeliveredMessage] = []      # leased at the source, not yet stored at the destination
         self._leased_at = 0.0
-        self._floor = 1                              # declared: every source id below it settled (committed)
+        # Per priority (each its own stream: the source hands out a priority in id order, so
+        # only delays and redeliveries reorder one): every id below it settled, and committed.
+        self._floors: dict[int, int] = {}
+        self._window_full = False
         self._client: AsyncClient | None = None
         self._url_turn = 0
 
@@ -190,6 +194,9 @@ class Forwarder:
                     self.error = f"{error.code}: {error.message}"
                     log.info("forward %s: session ended: %s", self.entry.name, self.error)
                 except (OSError, TimeoutError) as error:
+                    self.error = f"{type(error).__name__}: {error}"
+                except Exception as error:    # a bug: logged, and the forward goes on after the pause
+                    log.exception("forward %s", self.entry.name)
                     self.error = f"{type(error).__name__}: {error}"
                 if self.state == "open":
                     backoff = 0.1
@@ -245,42 +252,56 @@ class Forwarder:
     async def _pump(self, client: AsyncClient) -> None:
         engine, entry = self._node.engine, self.entry
         core = self._core()
-        stream = f"{entry.name}@{core.record.incarnation or core.queue_id}"
+        incarnation = core.record.incarnation or core.queue_id
         while True:
-            if not self._held:
+            if not self._held or (self._window_full and len(self._held) < HELD_MAX):
+                # Held messages the destination's stream window refused wait for their floor to
+                # rise: the message holding it down (delayed until now, say) is taken meanwhile.
                 wanted = await self._bucket.acquire(BATCH_MAX)
-                got = await engine.call(lambda r, n=wanted: c.Receive(entry.source, n, RECEIVE_WAIT_MS, VISIBILITY_MS,
-                                                                     CLUSTER_CLIENT, r))
+                wait_ms = 0 if self._held else RECEIVE_WAIT_MS
+                got = await engine.call(lambda r, n=wanted, w=wait_ms: c.Receive(entry.source, n, w, VISIBILITY_MS,
+                                                                                 CLUSTER_CLIENT, r))
                 self._bucket.give_back(wanted - len(got))
-                if not got:
+                if not got and not self._held:
                     continue
-                self._held, self._leased_at = list(got), time.monotonic()
+                if not self._held:
+                    self._leased_at = time.monotonic()
+                self._held = self._held + list(got)
             else:
                 await self._keep_leases()
-            # Read before the acks below: once they are committed, so is every removal before.
-            candidate = self._core().lowest_index()
             held = self._held
-            items = [(m.payload, m.priority, m.message_id, 0, m.headers) for m in held]
-            self.sent += len(items)
-            outcomes = await client.forward_data(entry.destination, entry.name, stream, self._weight(), self._floor,
-                                                 items)
+            by_priority: dict[int, list[DeliveredMessage]] = {}
+            for message in held:
+                by_priority.setdefault(message.priority, []).append(message)
+            # Read before the acks below: once they are committed, so is every removal before.
+            candidates = {priority: self._core().lowest_index(priority) for priority in by_priority}
+            weight = self._weight()
+            self.sent += len(held)
+            answers = await asyncio.gather(*(client.forward_data(
+                entry.destination, entry.name, f"{entry.name}@{incarnation}/p{priority}", weight,
+                self._floors.get(priority, 1), [(m.payload, m.priority, m.message_id, 0, m.headers) for m in messages])
+                for priority, messages in by_priority.items()))
             stored, kept, refused = [], [], []
             failure: QueueError | None = None
-            for message, outcome in zip(held, outcomes, strict=True):
-                if not isinstance(outcome, QueueError):
-                    stored.append(message)
-                elif outcome.code in MESSAGE_ERRORS and not outcome.outcome_unknown:
-                    refused.append((message, outcome))
-                else:
-                    kept.append(message)
-                    if outcome.code in SESSION_ERRORS:
-                        failure = failure or outcome
+            self._window_full = False
+            for messages, outcomes in zip(by_priority.values(), answers, strict=True):
+                for message, outcome in zip(messages, outcomes, strict=True):
+                    if not isinstance(outcome, QueueError):
+                        stored.append(message)
+                    elif outcome.code in MESSAGE_ERRORS and not outcome.outcome_unknown:
+                        refused.append((message, outcome))
+                    else:
+                        kept.append(message)
+                        self._window_full |= outcome.code == e.E_OVERLOADED.code
+                        if outcome.code in SESSION_ERRORS:
+                            failure = failure or outcome
             if stored:
                 # An ack refused (its lease ran out) leaves the message to be sent again: a repeat there.
                 acks = tuple((m.message_id, m.receipt) for m in stored)
                 await engine.call(lambda r, a=acks: c.AckMany(entry.source, a, CLUSTER_CLIENT, r))
                 self.stored += len(stored)
-                self._floor = max(self._floor, candidate)
+                for priority in {m.priority for m in stored}:
+                    self._floors[priority] = max(self._floors.get(priority, 1), candidates[priority])
             for message, error in refused:
                 log.warning("forward %s: the destination refused message %d: %s", entry.name, message.message_id, error)
                 self.refused += 1
@@ -327,7 +348,7 @@ class Forwarder:
         return {**self.entry.to_json(), "node": self._node.config.node_id, "state": self.state, "error": self.error,
                 "rate": self.rate, "weight": self.weight, "terms": self.terms, "sent": self.sent,
                 "stored": self.stored, "refused": self.refused, "sessions": self.sessions, "held": len(self._held),
-                "floor": self._floor,
+                "floors": {str(priority): floor for priority, floor in sorted(self._floors.items())},
                 "source_depth": core.depth if core is not None else None,
                 "source_max_depth": core.options.max_depth if core is not None else None,
                 "overflows": core.overflows if core is not None else None,

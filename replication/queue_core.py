@@ -357,18 +357,16 @@ class QueueCore:
                     return index, priority
         return None
 
-    def lowest_index(self) -> int:
-        """The lowest index the queue holds (ready, leased or delayed), or the next one when
-        it holds none: every message below it has left the queue (a forwarder's floor)."""
+    def lowest_index(self, priority: int) -> int:
+        """The lowest index of that priority the queue holds (ready, leased or delayed), or the
+        next index when it holds none: every such message below it has left the queue (a
+        forwarder's floor)."""
         lowest = self.record.next_index
-        for priority in PRIORITIES_HIGH_FIRST:
-            if self._fill_head(priority):
-                lowest = min(lowest, self._ready[priority][0])
-        if self._leases:
-            lowest = min(lowest, min(self._leases))
-        if self._delayed:
-            lowest = min(lowest, min(self._delayed))
-        return lowest
+        if self._fill_head(priority):
+            lowest = self._ready[priority][0]
+        leased = [index for index, lease in self._leases.items() if lease.priority == priority]
+        delayed = [index for index, (_, delayed_priority) in self._delayed.items() if delayed_priority == priority]
+        return min([lowest, *leased, *delayed])
 
     def ack(self, index: int, receipt: str, client: str, now_ms: int, out: list[Operation],
             reply: bytes | None = None) -> None:

@@ -980,6 +980,23 @@ def test_a_numbered_stream_stores_each_number_once_however_long_after() -> None:
     assert all(isinstance(outcome, QueueError) for outcome in outcomes) and master.core.depth == 3
 
 
+def test_the_lowest_index_of_a_priority_counts_ready_leased_and_delayed_messages() -> None:
+    """A forwarder's floor per priority: nothing of that priority below it is left."""
+    q = Driver(QueueOptions(strength=Strength.FULL), with_dead_letter_queue=False)
+    delayed = q._run(lambda out: q.core.enqueue(b"later", 4, None, "p", q.now_ms, out, delay_ms=60_000), False)[0]
+    first, second = q.enqueue(b"a", 4, commit=False), q.enqueue(b"b", 4, commit=False)
+    high = q.enqueue(b"h", 9, commit=False)
+    assert q.core.lowest_index(4) == delayed < first < second and q.core.lowest_index(9) == high
+    assert q.core.lowest_index(0) == q.core.record.next_index             # none of it: every id below settled
+    leased = q.lease(3, commit=False)
+    assert [lease.index for lease in leased] == [high, first, second]
+    q.ack(leased[0], commit=False)
+    assert q.core.lowest_index(9) == q.core.record.next_index
+    q.ack(leased[1], commit=False)
+    assert q.core.lowest_index(4) == delayed                              # still waiting for its delay
+    assert q.core.lowest_index(4) < leased[2].index
+
+
 def test_a_stream_with_a_declared_floor_takes_numbers_out_of_order_and_each_once() -> None:
     """x-sequence-floor (a forwarder's: its source's priorities and delays reorder the numbers):
     any number at or above the floor not stored yet is stored, each once; below the floor is
