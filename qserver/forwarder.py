@@ -254,6 +254,8 @@ class Forwarder:
         core = self._core()
         incarnation = core.record.incarnation or core.queue_id
         while True:
+            if self._window_full and len(self._held) >= HELD_MAX:
+                await self._make_room()
             if not self._held or (self._window_full and len(self._held) < HELD_MAX):
                 # Held messages the destination's stream window refused wait for their floor to
                 # rise: the message holding it down (delayed until now, say) is taken meanwhile.
@@ -313,6 +315,23 @@ class Forwarder:
                 raise failure
             if kept:
                 await asyncio.sleep(RETRY_PAUSE_S)
+
+    async def _make_room(self) -> None:
+        """As many held as may be, their streams' windows full: once the message holding a
+        stream's floor down is ready (its delay over) but cannot be taken for lack of room,
+        that priority's held messages go back to the source (each one delivery more, once per
+        such stall), so it comes next."""
+        core = self._core()
+        stuck = {m.priority for m in self._held
+                 if core.ready_head(m.priority) is not None and core.ready_head(m.priority) == core.lowest_index(m.priority)}
+        if not stuck:
+            return
+        back = [m for m in self._held if m.priority in stuck]
+        self._held = [m for m in self._held if m.priority not in stuck]
+        for message in back:
+            with contextlib.suppress(QueueError):
+                await self._node.engine.call(lambda r, m=message: c.Ack(
+                    self.entry.source, m.message_id, m.receipt, CLUSTER_CLIENT, r, release=True))
 
     async def _keep_leases(self) -> None:
         """Extend the leases of what the forwarder holds (also between sessions: a partition

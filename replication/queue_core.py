@@ -357,13 +357,16 @@ class QueueCore:
                     return index, priority
         return None
 
+    def ready_head(self, priority: int) -> int | None:
+        """The lowest ready index of that priority (what a lease of it would take), if any."""
+        return self._ready[priority][0] if self._fill_head(priority) else None
+
     def lowest_index(self, priority: int) -> int:
         """The lowest index of that priority the queue holds (ready, leased or delayed), or the
         next index when it holds none: every such message below it has left the queue (a
         forwarder's floor)."""
-        lowest = self.record.next_index
-        if self._fill_head(priority):
-            lowest = self._ready[priority][0]
+        head = self.ready_head(priority)
+        lowest = self.record.next_index if head is None else head
         leased = [index for index, lease in self._leases.items() if lease.priority == priority]
         delayed = [index for index, (_, delayed_priority) in self._delayed.items() if delayed_priority == priority]
         return min([lowest, *leased, *delayed])
