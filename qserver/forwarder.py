@@ -52,7 +52,8 @@ RECEIVE_WAIT_MS = 500            # an idle source is waited on this long per rec
 VISIBILITY_MS = 10_000           # the forwarder's lease on what it sends; extended while held
 RETRY_PAUSE_S = 0.2              # after the destination could not take a message this moment
 BACKOFF_MAX_S = 5.0              # between attempts at a session
-BURST_S = 0.1                    # a token bucket holds at most this long's worth of its rate
+BURST_S = 0.1                    # a token bucket holds at least this long's worth of its rate ...
+CYCLE_SPAN_MAX_S = 2.0           # ... and at most this long's (a send cycle's, when longer)
 TRACE_MAX = 2_000                # rate changes kept per forwarder (stats)
 # Item errors that end the session (the whole forward cannot go on there) rather than the item.
 SESSION_ERRORS = frozenset({e.E_UNKNOWN_FORWARD.code, e.E_NOT_MASTER.code, e.E_FORBIDDEN.code,
@@ -64,16 +65,20 @@ MESSAGE_ERRORS = frozenset({e.E_PAYLOAD_TOO_LARGE.code, e.E_INVALID_OPTION.code,
 
 class TokenBucket:
     """Paces sends to `rate` messages/s (None: unpaced; 0: nothing until a rate is given),
-    holding at most BURST_S worth (at least one message)."""
+    holding at most `span_s` worth (at least one message): BURST_S, or as long as one send
+    cycle of its forwarder takes (a cycle waits for two commits: over a slow link a bucket of
+    0.1 s would cap the forwarder below its rate)."""
 
     def __init__(self, rate: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self.rate = rate
+        self.span_s = BURST_S
         self._tokens = 0.0
         self._at = clock()
+        self._changed = asyncio.Event()
 
     def _capacity(self) -> float:
-        return max(1.0, (self.rate or 0.0) * BURST_S)
+        return max(1.0, (self.rate or 0.0) * self.span_s)
 
     def _refill(self) -> None:
         now = self._clock()
@@ -85,6 +90,7 @@ class TokenBucket:
         self._refill()
         self.rate = rate
         self._tokens = min(self._tokens, self._capacity())
+        self._changed.set()          # a waiting acquire looks again at once
 
     def take(self, most: int) -> int:
         """Up to `most` whole tokens available now (all of `most` when unpaced)."""
@@ -104,7 +110,7 @@ class TokenBucket:
         if self.rate is None:
             return 0.0
         if self.rate <= 0:
-            return 0.1
+            return 1.0
         self._refill()
         return max(0.0, (1.0 - self._tokens) / self.rate)
 
@@ -113,7 +119,9 @@ class TokenBucket:
             count = self.take(most)
             if count:
                 return count
-            await asyncio.sleep(min(0.1, max(0.001, self.wait_s())))
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), max(0.001, self.wait_s()))
 
 
 def weight_of(depth: int, max_depth: int, bands: int) -> int:
@@ -272,6 +280,7 @@ class Forwarder:
             else:
                 await self._keep_leases()
             held = self._held
+            cycle_started = time.monotonic()
             by_priority: dict[int, list[DeliveredMessage]] = {}
             for message in held:
                 by_priority.setdefault(message.priority, []).append(message)
@@ -311,6 +320,7 @@ class Forwarder:
                     await engine.call(lambda r, m=message: c.Ack(entry.source, m.message_id, m.receipt, CLUSTER_CLIENT,
                                                                  r, release=True))
             self._held = kept
+            self._bucket.span_s = min(CYCLE_SPAN_MAX_S, max(BURST_S, time.monotonic() - cycle_started))
             if failure is not None:
                 raise failure
             if kept:

@@ -100,8 +100,22 @@ def test_the_token_bucket_paces_to_its_rate_and_holds_no_long_burst() -> None:
     assert 49 <= sent <= 51
     bucket.give_back(3)
     assert bucket.take(100) == 3
+    bucket.span_s = 0.5                  # a send cycle of 0.5 s: what accrues over it is kept
+    now[0] += 0.5
+    assert bucket.take(100) == 25
     bucket.set_rate(None)                # no control: as much as asked
     assert bucket.take(100) == 100 and bucket.wait_s() == 0.0
+
+
+@pytest.mark.asyncio
+async def test_a_bucket_waiting_for_a_rate_wakes_when_it_is_given() -> None:
+    bucket = TokenBucket(0.0)
+    waiting = asyncio.get_running_loop().create_task(bucket.acquire(10))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    started = time.monotonic()
+    bucket.set_rate(None)
+    assert await asyncio.wait_for(waiting, 0.5) == 10 and time.monotonic() - started < 0.05
 
 
 # --- two clusters ---------------------------------------------------------------------------------
