@@ -4,6 +4,7 @@ its source queue, wherever that is, runs it; its figures are that master's (othe
 the request on)."""
 from __future__ import annotations
 
+import os
 import time
 
 from aiohttp import web
@@ -55,7 +56,7 @@ async def create_forward(request: web.Request) -> web.Response:
     elif source == destination:
         raise QueueError(e.E_INVALID_OPTION, "a forward into its own source")
     outcome = await propose(request, PutForward(name, source, destination, tuple(u.rstrip("/") for u in urls),
-                                                client_id, secret, int(time.time() * 1000)))
+                                                client_id, secret, int(time.time() * 1000), os.urandom(8).hex()))
     if not outcome.applied:
         if outcome.reason.startswith("no queue"):
             raise QueueError(e.E_UNKNOWN_QUEUE, outcome.reason)

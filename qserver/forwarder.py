@@ -220,12 +220,12 @@ class Forwarder:
             await self._drop_client()
             client = self._destination() if not self.entry.urls else None
             if client is not None:
-                client.forget_forward(self.entry.destination, self.entry.name)
+                client.forget_forward(self.entry.destination, self.entry.identity)
 
     async def _session(self) -> None:
         client = self._destination()
         entry = self.entry
-        terms = await client.forward_session(entry.destination, entry.name, self._weight(), open=True,
+        terms = await client.forward_session(entry.destination, entry.identity, self._weight(), open=True,
                                              on_rate=self._set_rate)
         self.terms = dict(terms)
         self._bands = int(terms.get("bands") or 10)
@@ -252,7 +252,7 @@ class Forwarder:
             await asyncio.sleep(every_s)
             try:
                 rate = await asyncio.wait_for(client.forward_session(
-                    self.entry.destination, self.entry.name, self._weight(), open=False), hold_s)
+                    self.entry.destination, self.entry.identity, self._weight(), open=False), hold_s)
             except TimeoutError:
                 raise QueueError(e.E_UNAVAILABLE, f"the root did not answer for {hold_s:g} s") from None
             self._set_rate(rate)
@@ -289,7 +289,7 @@ class Forwarder:
             weight = self._weight()
             self.sent += len(held)
             answers = await asyncio.gather(*(client.forward_data(
-                entry.destination, entry.name, f"{entry.name}@{incarnation}/p{priority}", weight,
+                entry.destination, entry.identity, f"{entry.identity}@{incarnation}/p{priority}", weight,
                 self._floors.get(priority, 1), [(m.payload, m.priority, m.message_id, 0, m.headers) for m in messages])
                 for priority, messages in by_priority.items()))
             stored, kept, refused = [], [], []

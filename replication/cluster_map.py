@@ -341,9 +341,16 @@ class ForwardEntry:
     client_id: str = ""
     secret: str = ""
     created_ms: int = 0
+    token: str = ""          # random, made at creation: with the name, unique across clusters
+
+    @property
+    def identity(self) -> str:
+        """What the destination knows the forward by (its session, its streams' keys): forwards
+        of several clusters into one root may share a name, never this."""
+        return f"{self.name}.{self.token}" if self.token else self.name
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "source": self.source, "destination": self.destination,
+        return {"name": self.name, "id": self.identity, "source": self.source, "destination": self.destination,
                 "urls": list(self.urls), "client_id": self.client_id, "created_ms": self.created_ms}
 
 
@@ -359,6 +366,7 @@ class PutForward:
     client_id: str
     secret: str
     created_ms: int
+    token: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -395,7 +403,7 @@ def _row(command: Command) -> list[Any]:
         return [command.TAG, command.recipient, list(command.alternatives)]
     if isinstance(command, PutForward):
         return [command.TAG, command.name, command.source, command.destination, list(command.urls),
-                command.client_id, command.secret, command.created_ms]
+                command.client_id, command.secret, command.created_ms, command.token]
     return [command.TAG, *(getattr(command, name) for name in command.__dataclass_fields__)]
 
 
@@ -581,7 +589,7 @@ class ClusterMap:
             return Outcome(command.name, False, f"the map holds {FORWARDS_MAX} forwards")
         self.forwards[command.name] = ForwardEntry(command.name, command.source, command.destination,
                                                    tuple(command.urls), command.client_id, command.secret,
-                                                   command.created_ms)
+                                                   command.created_ms, command.token)
         return Outcome(command.name, True)
 
     def _forget_data_of(self, node: str) -> list[Outcome]:
@@ -814,7 +822,7 @@ def encode_map(cluster: ClusterMap) -> bytes:
               for m in cluster.macros.values()]
     channels = [[c.name, c.delivery_class, c.resend_interval_s] for c in cluster.channels.values()]
     recipients = [[r.name, r.queue, r.state, r.since_ms, r.reason] for r in cluster.recipients.values()]
-    forwards = [[f.name, f.source, f.destination, list(f.urls), f.client_id, f.secret, f.created_ms]
+    forwards = [[f.name, f.source, f.destination, list(f.urls), f.client_id, f.secret, f.created_ms, f.token]
                 for f in cluster.forwards.values()]
     return msgpack.packb([cluster.version, nodes, queues, cluster.clients, alternatives, macros, channels,
                           recipients, forwards], use_bin_type=True)

@@ -71,7 +71,7 @@ def test_a_forward_lives_in_the_map_from_a_full_source_and_keeps_its_secret() ->
         cluster.apply(AddNode(node, f"http://{node}", True, 1))
     cluster.apply(CreateQueue("sensors", {"strength": "full"}, "n1", "n2", 7))
     cluster.apply(CreateQueue("loose", {"strength": "producer"}, "n1", "n2", 8))
-    forward = PutForward("f1", "sensors", "collect", ("http://b1", "http://b2"), "fwd", "KEY", 5)
+    forward = PutForward("f1", "sensors", "collect", ("http://b1", "http://b2"), "fwd", "KEY", 5, "9f3a")
     assert decode_command(encode_command(forward)) == forward
     assert cluster.apply(forward)[0].applied
     refused = [cluster.apply(PutForward(name, source, "collect", (), "", "", 6))[0]
@@ -79,6 +79,7 @@ def test_a_forward_lives_in_the_map_from_a_full_source_and_keeps_its_secret() ->
     assert [outcome.applied for outcome in refused] == [False] * 4      # taken, producer, no queue, forwarded
     copy = decode_map(encode_map(cluster))
     assert copy.forwards["f1"].secret == "KEY" and copy.forwards["f1"].urls == ("http://b1", "http://b2")
+    assert copy.forwards["f1"].identity == "f1.9f3a"
     assert "KEY" not in str(cluster.to_json())
     cluster.apply(DeleteQueue("sensors", 7))
     assert cluster.forwards == {}                                       # gone with its source
@@ -328,7 +329,8 @@ async def test_the_root_gives_the_fuller_source_the_larger_rate(qcluster_factory
         master = (await client.cluster())["queues"]["root"]["master"]
         async with AsyncClient(cluster.urls[master], cluster.credentials_path) as at_root:
             sessions = {s["forward"]: s for s in (await at_root.queue_stats("root"))["forward_sessions"]}
-        assert set(sessions) == {"from-busy", "from-quiet"} and sessions["from-busy"]["received"] > 0
+        assert {name.split(".")[0] for name in sessions} == {"from-busy", "from-quiet"}   # each its id: name.token
+        assert sessions[busy["id"]]["received"] > 0
         await client.delete_forward("from-busy")
         await client.delete_forward("from-quiet")
         # The same through qctl, with a static root.
