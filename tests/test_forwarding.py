@@ -134,9 +134,15 @@ async def test_a_forward_moves_each_message_once_across_a_kill_of_the_source_mas
             await here.create_forward("bad", "loose", "collect", urls=[root_cluster.urls["n1"]],
                                       credentials=remote_credentials(root_cluster))
         assert refused.value.code == "E_FORWARD_REFUSED"
-        made = await here.create_forward("f1", "sensors", "collect", urls=list(root_cluster.urls.values()),
-                                         credentials=remote_credentials(root_cluster))
-        assert made["source"] == "sensors" and "secret" not in json.dumps(made)
+        # Made through qctl, as an operator would: the other cluster's credentials file (its url
+        # names the cluster), and every node of it.
+        urls = [arg for node in root_cluster.ids for arg in ("--remote-url", root_cluster.urls[node])]
+        code, made, err = await asyncio.to_thread(
+            run_qctl, source_cluster, "--url", source_cluster.urls["n3"], "forward", "create", "f1", "--source",
+            "sensors", "--destination", "collect", "--remote-credentials", str(root_cluster.credentials_path), *urls)
+        assert code == 0 and made["source"] == "sensors" and made["urls"] == list(root_cluster.urls.values()), err
+        assert made["client_id"] == remote_credentials(root_cluster)["client_id"]
+        assert remote_credentials(root_cluster)["private_key"] not in json.dumps(made)
         sent = [b"s%04d" % i for i in range(400)]
         for i in range(0, 200, 50):
             await here.enqueue_many("sensors", sent[i:i + 50])
