@@ -41,6 +41,7 @@ KEEPALIVE_MAX_S = 1.0       # a forwarder keeps its session alive at least this 
 HOLD_INTERVALS = 3          # a session silent for this many keepalive intervals (at least HOLD_MIN_S) is dropped
 HOLD_MIN_S = 3.0
 TICK_MAX_S = 0.25           # the root looks at its sessions at least this often
+SESSIONS_MAX = 256          # forward sessions one root queue holds (the map's forwards of one cluster, at most)
 
 
 @dataclass(slots=True)
@@ -70,6 +71,8 @@ class ForwardRoot:
         sessions = self._sessions.setdefault(op.queue, {})
         session = sessions.get(op.forward)
         if op.open:
+            if session is None and len(sessions) >= SESSIONS_MAX:
+                raise QueueError(e.E_OVERLOADED, f"{op.queue} holds {SESSIONS_MAX} forward sessions")
             session = sessions[op.forward] = Session(op.queue, op.forward, connection, op.weight, now, now)
             log.info("forward %s opened a session into %s (weight %d)", op.forward, op.queue, op.weight)
             self._assign(op.queue, options, opening=session)
@@ -179,14 +182,8 @@ class ForwardRoot:
         if silent and options.forward_mode == "static":
             self._assign(queue, options, opening=None)
         due = self._computed.get(queue, 0.0) + options.forward_interval_s
-        if now >= due:
-            if options.forward_mode == "static":
-                # Never recomputed from weights: sent again only so a forwarder knows it is heard.
-                for name, session in sessions.items():
-                    session.connection.emit(ForwardRate(queue, name, session.rate))
-                self._computed[queue] = now
-            else:
-                self._assign(queue, options)
+        if now >= due:       # static: R/n again (n may have changed), so a forwarder knows it is heard
+            self._assign(queue, options)
             due = now + options.forward_interval_s
         return max(0.01, min(TICK_MAX_S, due - now))
 

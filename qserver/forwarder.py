@@ -317,8 +317,7 @@ class Forwarder:
                 log.warning("forward %s: the destination refused message %d: %s", entry.name, message.message_id, error)
                 self.refused += 1
                 with contextlib.suppress(QueueError):
-                    await engine.call(lambda r, m=message: c.Ack(entry.source, m.message_id, m.receipt, CLUSTER_CLIENT,
-                                                                 r, release=True))
+                    await self._release(message)
             self._held = kept
             self._bucket.span_s = min(CYCLE_SPAN_MAX_S, max(BURST_S, time.monotonic() - cycle_started))
             if failure is not None:
@@ -340,8 +339,12 @@ class Forwarder:
         self._held = [m for m in self._held if m.priority not in stuck]
         for message in back:
             with contextlib.suppress(QueueError):
-                await self._node.engine.call(lambda r, m=message: c.Ack(
-                    self.entry.source, m.message_id, m.receipt, CLUSTER_CLIENT, r, release=True))
+                await self._release(message)
+
+    async def _release(self, message: DeliveredMessage) -> None:
+        """Give a held message back to the source (one delivery more)."""
+        await self._node.engine.call(lambda r: c.Ack(self.entry.source, message.message_id, message.receipt,
+                                                     CLUSTER_CLIENT, r, release=True))
 
     async def _keep_leases(self) -> None:
         """Extend the leases of what the forwarder holds (also between sessions: a partition
@@ -369,8 +372,7 @@ class Forwarder:
         held, self._held = self._held, []
         for message in held:
             with contextlib.suppress(QueueError, TimeoutError):
-                await asyncio.wait_for(self._node.engine.call(lambda r, m=message: c.Ack(
-                    self.entry.source, m.message_id, m.receipt, CLUSTER_CLIENT, r, release=True)), 2.0)
+                await asyncio.wait_for(self._release(message), 2.0)
 
     def stats(self) -> dict[str, Any]:
         core = self._node.engine.cores.get(self.entry.source)

@@ -118,9 +118,9 @@ class QueueRecord:
     # SubscriptionOpened's ordering index); `acked` lists those above the floor acknowledged out
     # of order. Queue state, so it travels with the record: every batch, restart and snapshot.
     subscriptions: dict[str, list[Any]] = field(default_factory=dict)
-    # Numbered streams of producers (SEQUENCE_KEY_HEADER): key -> [floor, [[number, message id],
-    # ...]]: every number below the floor is settled, and those listed (at or above it) are
-    # stored. A message whose number is either is a repeat, not stored again.
+    # Numbered streams of producers (SEQUENCE_KEY_HEADER): key -> [floor, {number: message id}]:
+    # every number below the floor is settled, and those kept (at or above it) are stored. A
+    # message whose number is either is a repeat, not stored again.
     sequences: dict[str, list[Any]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -132,7 +132,7 @@ class QueueRecord:
         if self.subscriptions:      # packed later, off the engine's task: a copy, not the live lists
             out["subscriptions"] = {name: [floor, list(acked)] for name, (floor, acked) in self.subscriptions.items()}
         if self.sequences:
-            out["sequences"] = {key: [floor, [list(pair) for pair in stored]]
+            out["sequences"] = {key: [floor, [[number, index] for number, index in stored.items()]]
                                 for key, (floor, stored) in self.sequences.items()}
         return out
 
@@ -144,12 +144,12 @@ class QueueRecord:
 
 
 def sequences_from_json(raw: dict[str, Any]) -> dict[str, list[Any]]:
-    """Streams as stored; a record written before floors ([highest number, its id]) reads as
-    that number's floor with it stored."""
+    """Streams as stored ([floor, [[number, id], ...]]); a record written before floors
+    ([highest number, its id]) reads as that number's floor with it stored."""
     out: dict[str, list[Any]] = {}
     for key, (floor, stored) in raw.items():
-        pairs = [[floor, stored]] if isinstance(stored, int) else [[int(n), int(i)] for n, i in stored]
-        out[str(key)] = [int(floor), pairs]
+        pairs = [(floor, stored)] if isinstance(stored, int) else stored
+        out[str(key)] = [int(floor), {int(number): int(index) for number, index in pairs}]
     return out
 
 
@@ -418,11 +418,10 @@ class QueueCore:
                 raise QueueError(E_INVALID_OPTION, f"queue {self.name} keeps {SEQUENCE_KEYS_MAX} streams' numbers")
             return None
         floor, stored = stream
-        for stored_number, index in stored:
-            if stored_number == number:
-                return index    # type: ignore[no-any-return]
+        if number in stored:
+            return stored[number]    # type: ignore[no-any-return]
         if number < floor:
-            return stored[-1][1] if stored else 0     # type: ignore[no-any-return]
+            return max(stored.values(), default=0)
         if len(stored) >= SEQUENCE_WINDOW_MAX:
             raise QueueError(E_OVERLOADED, f"stream {key} of queue {self.name} holds {SEQUENCE_WINDOW_MAX} numbers "
                                            f"above its floor {floor}: retry once its producer's floor moves")
@@ -432,11 +431,11 @@ class QueueCore:
         """Record a stored number and raise the floor to what its producer declared (the
         master placing it and every member applying it do the same)."""
         key, number, declared = _sequence_of(headers)
-        stream = self.record.sequences.setdefault(key, [0, []])
-        floor = stream[0] = max(stream[0], declared)
-        stream[1] = [pair for pair in stream[1] if pair[0] >= floor and pair[0] != number]
-        stream[1].append([number, index])
-        stream[1].sort()
+        stream = self.record.sequences.setdefault(key, [0, {}])
+        if declared > stream[0]:      # numbers below a raised floor are settled: forgotten
+            stream[0] = declared
+            stream[1] = {n: i for n, i in stream[1].items() if n >= declared}
+        stream[1][number] = index
 
     # --- durable subscriptions (a channel's queue; qserver/channels.py serves them) ---------
     def open_subscription(self, name: str, client: str, now_ms: int, out: list[Operation]) -> bool:
@@ -738,7 +737,7 @@ class QueueCore:
         # answered, sends it again. The floor stays: it is the producer's word about numbers
         # below it (a forwarder declares only what its source committed), not this queue's data.
         for stream in self.record.sequences.values():
-            stream[1] = [pair for pair in stream[1] if pair[1] <= order]
+            stream[1] = {number: index for number, index in stream[1].items() if index <= order}
         count = on_disk + sum(1 for _, index in dropped if index >= boundary)   # below it: counted on disk
         record = self.record
         record.ready_count -= count

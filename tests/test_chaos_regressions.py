@@ -89,7 +89,7 @@ def test_a_dropped_suffix_forgets_the_numbers_it_stored_but_keeps_the_floor() ->
     store.apply(out)
     core.visible_upto = 2
     assert core.discard_after(2) is not None
-    assert core.record.sequences["fw:b@1"] == [4, [[4, 2]]]           # 5 (index 3) dropped; the floor stays
+    assert core.record.to_json()["sequences"]["fw:b@1"] == [4, [[4, 2]]]           # 5 (index 3) dropped; the floor stays
 
 
 def test_a_suffix_is_not_dropped_under_full_strength_nor_past_a_lease() -> None:

@@ -235,6 +235,12 @@ def test_the_root_drops_a_session_it_has_not_heard_from_for_its_hold_time(monkey
     with pytest.raises(QueueError) as unknown:
         root.session(connection, ForwardSessionOp(3, "dst", "a", 0, False))
     assert unknown.value.code == "E_UNKNOWN_FORWARD"
+    for number in range(forward_root.SESSIONS_MAX - 1):      # bounded: a client cannot open sessions without end
+        root.session(connection, ForwardSessionOp(4, "dst", f"f{number}", 0, True))
+    with pytest.raises(QueueError) as full:
+        root.session(connection, ForwardSessionOp(5, "dst", "one-more", 0, True))
+    assert full.value.code == "E_OVERLOADED" and len(root.sessions_of("dst")) == forward_root.SESSIONS_MAX
+    assert root.session(connection, ForwardSessionOp(6, "dst", "b", 6, True))["rate"] is not None   # reopening one
 
 
 @pytest.mark.asyncio

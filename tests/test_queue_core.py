@@ -966,7 +966,7 @@ def test_a_numbered_stream_stores_each_number_once_however_long_after() -> None:
     assert send(2, "b") == (second, True) and send(1, "c") == (second, True)
     third, repeated = send(3)
     assert not repeated and master.core.depth == 3
-    assert master.core.record.sequences == {"fwd@7": [3, [[3, third]]]}
+    assert master.core.record.to_json()["sequences"] == {"fwd@7": [3, [[3, third]]]}
     replica = Driver(QueueOptions(strength=Strength.FULL), with_dead_letter_queue=False)
     for op in master.committed:
         replica.core.apply(op)
@@ -1015,7 +1015,7 @@ def test_a_stream_with_a_declared_floor_takes_numbers_out_of_order_and_each_once
     master.tick(3_600_000)
     assert send(6, 6)[1] is False and send(6, 6)[1] is True
     assert send(13, 10)[1] is False                                    # the floor rises to 10
-    assert [n for n, _ in master.core.record.sequences["fw:a@3"][1]] == [12, 13]
+    assert sorted(master.core.record.sequences["fw:a@3"][1]) == [12, 13]
     assert send(9, 9)[1] is True and send(11, 10)[1] is False          # below: settled; 11 was never stored
     assert master.core.depth == 8
     replica = Driver(QueueOptions(strength=Strength.FULL), with_dead_letter_queue=False)
@@ -1024,5 +1024,5 @@ def test_a_stream_with_a_declared_floor_takes_numbers_out_of_order_and_each_once
     assert replica.core.record.sequences == master.core.record.sequences
     assert error_code(lambda: send(20, 21)) == "E_INVALID_OPTION"      # a floor above its own number
     # An old record's [number, id] reads as that number's floor with it stored.
-    assert queue_core.sequences_from_json({"k": [4, 17]}) == {"k": [4, [[4, 17]]]}
+    assert queue_core.sequences_from_json({"k": [4, 17]}) == {"k": [4, {4: 17}]}
 
