@@ -80,6 +80,11 @@ async def forward_stats(request: web.Request) -> web.StreamResponse:
     node = request.app[NODE]
     cluster = coordinator_of(request).membership.cluster_map
     entry = cluster.forwards.get(name)
+    if entry is None and "X-Forwarded-By" in request.headers:
+        # Passed on by a node that knows the forward: this one (its source's master) has not
+        # applied that map change yet, and will start it once it has.
+        return web.json_response({"name": name, "node": node.config.node_id, "state": "starting",
+                                  "error": "this node has not applied the forward yet"})
     if entry is None:
         raise QueueError(e.E_UNKNOWN_FORWARD, f"no forward {name}")
     stats = node.forwarders.stats(name)
