@@ -60,6 +60,7 @@ class RecipientWatch:
     def __init__(self, node: Any) -> None:
         self._node = node
         self._last_take: dict[tuple[str, str], float] = {}      # (queue, recipient) -> monotonic
+        self._waiting_since: dict[str, float] = {}               # queue -> monotonic, since seen not empty
         self._proposing: dict[str, str] = {}                    # recipient -> state proposed, unanswered
         self._movers: dict[str, asyncio.Task[None]] = {}
         self._seen: dict[str, str] = {}                         # recipient -> the state events were made for
@@ -149,9 +150,8 @@ class RecipientWatch:
             state = entry.state if entry is not None else None
             self._apply(queue, state, subscriptions)
             options = core.options
-            last = self._last_take.setdefault((queue, recipient), now)
-            if options.fault_interval_s and state in (None, RecipientState.OK) and core.depth > 0 \
-                    and now - last >= options.fault_interval_s:
+            if options.fault_interval_s and state in (None, RecipientState.OK) \
+                    and self._idle_while_waiting(core, recipient, now) >= options.fault_interval_s:
                 self._propose(recipient, queue, RecipientState.FAULT,
                               f"took no message for {options.fault_interval_s:g} s while {core.depth} waited")
             if options.message_interval_s and state == RecipientState.OK:
@@ -169,8 +169,7 @@ class RecipientWatch:
                     and (entry.queue, entry.name) not in here:
                 # Not subscribed at all (gone, or still on a master that died): it takes nothing.
                 # (Under `producer` a member serves its own consumers: it may be at the other.)
-                last = self._last_take.setdefault((entry.queue, entry.name), now)
-                if core.depth > 0 and now - last >= options.fault_interval_s:
+                if self._idle_while_waiting(core, entry.name, now) >= options.fault_interval_s:
                     self._propose(entry.name, entry.queue, RecipientState.FAULT,
                                   f"not subscribed for {options.fault_interval_s:g} s while {core.depth} waited")
             if entry.state == RecipientState.FAULT and options.defunct_interval_s \
@@ -191,6 +190,19 @@ class RecipientWatch:
             del self._seen[name]
         for key in [key for key in self._last_take if key[1] not in cluster.recipients and key not in here]:
             del self._last_take[key]          # a recipient gone with its queue
+        for queue in [queue for queue in self._waiting_since if queue not in masters]:
+            del self._waiting_since[queue]
+
+    def _idle_while_waiting(self, core: Any, recipient: str, now: float) -> float:
+        """How long the recipient has taken no message while its queue held some: counted
+        from its last take or from when the queue was last seen empty, whichever came later
+        (a recipient idle for an hour over an empty queue is not in fault the moment one
+        message arrives: it has its interval to take it)."""
+        if core.depth == 0:
+            self._waiting_since.pop(core.name, None)
+            return 0.0
+        waiting_since = self._waiting_since.setdefault(core.name, now)
+        return now - max(waiting_since, self._last_take.setdefault((core.name, recipient), now))
 
     def _apply(self, queue: str, state: str | None, subscriptions: list[Any]) -> None:
         """Make the recipient's subscriptions here match its state in the map."""

@@ -186,6 +186,32 @@ async def test_a_stopped_recipient_fails_over_along_its_chain_then_back_to_its_s
 
 
 @pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_recipient_idle_over_an_empty_queue_has_its_interval_to_take_what_arrives(
+        qcluster_factory: Any) -> None:
+    """The interval counts from the last take or from when messages began to wait, whichever
+    is later: an idle recipient is not in fault the moment a message arrives (it was, under
+    load, when the watch looked between the push and the ack: an alternative went into fault
+    as the first failed-over message reached it)."""
+    cluster: LocalCluster = qcluster_factory(3, {"orders": ["n1", "n2"]})
+    async with AsyncClient(cluster.urls["n3"], cluster.credentials_path) as admin:
+        await admin.create_queue("orders", strength="full", fault_interval_s=2.0)
+        async with admin.consume("orders", prefetch=1, recipient="packer") as messages:
+            await until_state(admin, "ok", "packer")
+            await asyncio.sleep(2.5)                             # idle over an empty queue
+            for n in range(2):
+                await admin.enqueue("orders", b"o%d" % n)
+                message = await anext(messages)
+                await asyncio.sleep(0.8)                         # slow, within its interval
+                await message.ack()
+        assert (await states(admin))["packer"] == "ok"
+    async with aiohttp.ClientSession() as session:
+        for node in cluster.ids:
+            async with session.get(cluster.urls[node] + "/metrics", ssl=cluster.ssl_context or True) as answer:
+                assert 'qserver_recipient_events_total{recipient="packer",state="fault"}' not in await answer.text()
+
+
+@pytest.mark.asyncio
 @pytest.mark.timeout(180)
 async def test_states_survive_a_failover_and_a_defunct_recipient_is_dropped(qcluster_factory: Any,
                                                                             recipients_of: Any) -> None:
