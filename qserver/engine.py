@@ -797,7 +797,7 @@ class Engine:
         self._next_subscription_id += 1
         self._subscriptions.setdefault(core.name, []).append(subscription)
         self._subscriptions_by_id[subscription.subscription_id] = subscription
-        command.replier.subscription_started(subscription.subscription_id)
+        command.replier.subscription_started(subscription)
         command.replier.reply(command.request_id, subscription.subscription_id)
         self._to_serve.add(core.name)
 

@@ -92,8 +92,12 @@ class ClientConnection:
     def push(self, subscription_id: int, messages: list[DeliveredMessage]) -> None:
         self._emit(Delivery(subscription_id, tuple(messages)))
 
-    def subscription_started(self, subscription_id: int) -> None:
-        self.subscriptions.add(subscription_id)
+    def subscription_started(self, subscription: Any) -> None:
+        self.subscriptions.add(subscription.subscription_id)
+        if subscription.recipient is not None:
+            # Only now, where the engine took it (under `full`, at the queue's master): a node
+            # that refused it with E_NOT_MASTER has not seen the recipient subscribe.
+            self.node.surveillance.subscribed(subscription.queue, subscription.recipient)
 
     def subscription_ended(self, subscription_id: int, error: QueueError) -> None:
         self.subscriptions.discard(subscription_id)
@@ -234,7 +238,6 @@ class ClientConnection:
                     raise QueueError(e.E_INVALID_NAME, "a recipient's name is a queue name")
                 self.node.surveillance.check_subscribe(op.queue, op.recipient)
                 self.recipients[op.queue] = op.recipient
-                self.node.surveillance.subscribed(op.queue, op.recipient)
             return c.Subscribe(op.queue, op.credit, op.visibility_ms, client, self, op.request_id, op.recipient)
         if kind is CreditOp:
             self._own_subscription(op.subscription_id)

@@ -20,6 +20,8 @@ import pytest
 from audit.inputs import read_records
 from audit.local import audit_records
 from client import AsyncClient
+from client.credentials import load_credentials
+from client.protocol import ErrorReply, SubscribeOp, decode_server_frame, encode_frame
 from qserver.devcluster import REPOSITORY, LocalCluster
 from qserver.journal_export import export_environment
 from tests.test_client_integration import run_qctl
@@ -209,6 +211,28 @@ async def test_a_recipient_idle_over_an_empty_queue_has_its_interval_to_take_wha
         for node in cluster.ids:
             async with session.get(cluster.urls[node] + "/metrics", ssl=cluster.ssl_context or True) as answer:
                 assert 'qserver_recipient_events_total{recipient="packer",state="fault"}' not in await answer.text()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_subscription_refused_at_a_replica_does_not_make_its_recipient_ok(qcluster_factory: Any) -> None:
+    """Only the node that took the subscription marks the recipient ok: the replica of a `full`
+    queue refuses it (E_NOT_MASTER) and must not (it did, and a test waiting for "ok" stopped
+    its recipient before it had subscribed at the master: nothing watched its messages)."""
+    cluster: LocalCluster = qcluster_factory(3, {"alerts": ["n1", "n2"]})
+    async with AsyncClient(cluster.urls["n3"], cluster.credentials_path) as admin:
+        await admin.create_queue("alerts", strength="full", fault_interval_s=1.0)
+        signer = load_credentials(cluster.credentials_path).signer()
+        async with aiohttp.ClientSession() as session, session.ws_connect(
+                cluster.urls["n2"] + "/v1/ws", headers=signer.headers("GET", "/v1/ws", {}, b""),
+                ssl=cluster.ssl_context or True) as ws:
+            await ws.send_bytes(encode_frame([SubscribeOp(1, "alerts", 4, None, "pager")]))
+            [reply] = decode_server_frame(await ws.receive_bytes())
+            assert isinstance(reply, ErrorReply) and reply.code == "E_NOT_MASTER", reply
+            await asyncio.sleep(1.0)                               # a proposal would have been decided
+        assert "pager" not in await states(admin)
+        async with admin.consume("alerts", recipient="pager"):     # at the master: ok
+            await until_state(admin, "ok", "pager")
 
 
 @pytest.mark.asyncio
