@@ -14,10 +14,14 @@ log line.
 Failures: the socket reconnects on its own with bounded exponential backoff. An enqueue
 batch that was in flight when the connection dropped is sent again with the SAME dedupe
 ids (every enqueue gets one), for a bounded time and number of attempts, so each message
-is stored once; any other in-flight op fails with `E_UNAVAILABLE` and
-`outcome_unknown=True`. A `Closing` item from the server fails pending ops with its code,
-and E_UNAUTHENTICATED or E_FORBIDDEN stops reconnecting for good. Subscriptions
-(`consume`) are re-made after a reconnect with the credit still owed.
+is stored once, and so is an ack batch (a repeat that finds its message gone is answered
+as acked); any other in-flight op fails with `E_UNAVAILABLE` and `outcome_unknown=True`.
+Enqueues and receives refused for a passing state of the cluster (RETRIED_CODES) are asked
+again with backoff until their deadline. A `Closing` item from the server fails pending ops
+with its code, and E_UNAUTHENTICATED or E_FORBIDDEN stops reconnecting for good.
+Subscriptions (`consume`) are re-made after any retriable failure (a reconnect, a refused
+or unanswered subscribe, a handoff) with the credit still owed, where the map names the
+queue's master: see `Consumer._resubscribe`.
 
 Admin calls go over signed REST (`client/http.py`) and share the client's aiohttp session.
 """
@@ -33,7 +37,7 @@ import random
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import aiohttp
 from yarl import URL
@@ -45,13 +49,17 @@ from client.errors import (
     E_INTERNAL,
     E_MACRO_QUEUE,
     E_NOT_ADVERTISED,
+    E_NOT_ENOUGH_REPLICAS,
     E_NOT_MASTER,
+    E_OVERLOADED,
     E_QUEUE_UNAVAILABLE,
     E_REPLAYED_REQUEST,
+    E_SHUTTING_DOWN,
     E_TIMEOUT,
     E_UNAVAILABLE,
     E_UNKNOWN_FORWARD,
     E_UNKNOWN_MACRO,
+    E_UNKNOWN_MESSAGE,
     QueueError,
 )
 from client.http import Grant, HttpClient, error_from_status
@@ -95,8 +103,12 @@ FATAL_CLOSING_CODES = frozenset({"E_UNAUTHENTICATED", "E_FORBIDDEN"})
 FRAME_BYTES_IN_MAX = 64 * 1024 * 1024
 CLEANUP_TIMEOUT_S = 2.0
 _SUBSCRIPTION_OPS = (SubscribeOp, CreditOp, UnsubscribeOp)
+# Sent again after a lost connection, for enqueue_retry_time_s: an enqueue batch is stored once by
+# its dedupe ids; an ack batch's repeat finds the messages it acked gone (see _resolve).
+_RESENT_OPS = (EnqueueBatchOp, AckBatchOp)
 
 CredentialsArg = Credentials | str | Path | None
+_T = TypeVar("_T")
 # What a pending op resolves: one future, or one per item of a batch op, in item order.
 Target = asyncio.Future[Any] | list[asyncio.Future[Any]]
 
@@ -312,6 +324,16 @@ ROUTED_ENQUEUE_RETRY_S = 0.5   # see AsyncClient._node_client
 FAILOVER_WAIT_S = 4.0          # how long a call waits for the map to name a reachable master
 DEAD_LETTER_SUFFIX = ".dlq"      # a queue's dead-letter queue: same pair (replication/options.py)
 FAILOVER_POLL_S = 0.1
+# A consumer without a subscription tries again after these delays, doubling (Consumer._resubscribe).
+RESUBSCRIBE_DELAY_INITIAL_S, RESUBSCRIBE_DELAY_MAX_S = 0.05, 0.5
+# A call refused for a passing state of the cluster (a node restarting or unreachable, a handoff
+# or failover under way, a restarted master waiting for its lease, a full inbox, a replica out of
+# sync under min_in_sync 2) is asked again after these delays, doubling, until its deadline
+# (AsyncClient._until_deadline). E_QUEUE_FULL and E_STORAGE_FULL come back at once: they are
+# back-pressure for the application to decide on; E_TIMEOUT has used the deadline up.
+CALL_RETRY_DELAY_INITIAL_S, CALL_RETRY_DELAY_MAX_S = 0.05, 0.5
+RETRIED_CODES = frozenset(kind.code for kind in (E_UNAVAILABLE, E_NOT_MASTER, E_QUEUE_UNAVAILABLE, E_OVERLOADED,
+                                                 E_SHUTTING_DOWN, E_NOT_ENOUGH_REPLICAS))
 STALL_CHECK_S = 0.25           # an enqueue unanswered this long reads the map again (AsyncClient._hedged)
 WATCH_SWEEP_S = STALL_CHECK_S / 4   # how often the watched enqueues are looked over (_sweep_watches)
 MAP_READ_TIMEOUT_S = 0.3       # a node's copy of the map not read in this long is passed over
@@ -326,7 +348,7 @@ class AsyncClient:
 
     def __init__(self, url: str | None = None, credentials: CredentialsArg = None, *,
                  request_timeout_s: float = 30.0, connect_timeout_s: float = 10.0,
-                 reconnect_delay_initial_s: float = 0.05, reconnect_delay_max_s: float = 2.0,
+                 reconnect_delay_initial_s: float = 0.05, reconnect_delay_max_s: float = 0.5,
                  enqueue_retry_time_s: float = 30.0, enqueue_attempts_max: int = 10,
                  in_flight_max: int = 50_000, frame_bytes_max: int = 1024 * 1024,
                  heartbeat_s: float = 10.0, ca_file: str | None = None) -> None:
@@ -806,8 +828,10 @@ class AsyncClient:
             target = self._route(queue)
             if error.code == E_NOT_MASTER.code:
                 break
-            if target is not failed or error.code == E_QUEUE_UNAVAILABLE.code:
-                if target is failed:      # the node is there but cannot serve for a moment
+            # The node asked is there (its socket is up) but could not serve for a moment: it
+            # waits for its lease, or lost its link to the master it forwards to.
+            if target is not failed or error.code == E_QUEUE_UNAVAILABLE.code or failed.connected:
+                if target is failed:
                     await asyncio.sleep(FAILOVER_POLL_S)
                 return target
             if loop.time() >= deadline:
@@ -847,10 +871,13 @@ class AsyncClient:
         if macro is not None:
             return await macro.enqueue(payload, priority, dedupe_id, ttl_s=ttl_s, delay_s=delay_s, headers=headers)
         ttl_ms, delay_ms, named = _ttl_ms(ttl_s), _delay_ms(delay_s), _headers_key(headers)
-        try:
+
+        def attempt() -> Awaitable[int]:
             if self._masters:
-                return await self._watched_enqueue(queue, payload, priority, dedupe_id, ttl_ms, delay_ms, named)
-            return await self._enqueue_here(queue, payload, priority, dedupe_id, ttl_ms, delay_ms, named)
+                return self._watched_enqueue(queue, payload, priority, dedupe_id, ttl_ms, delay_ms, named)
+            return self._enqueue_here(queue, payload, priority, dedupe_id, ttl_ms, delay_ms, named)
+        try:
+            return await self._until_deadline(attempt)
         except QueueError as error:
             macro = await self._as_macro(queue, error)
         return await macro.enqueue(payload, priority, dedupe_id, ttl_s=ttl_s, delay_s=delay_s, headers=headers)
@@ -947,10 +974,35 @@ class AsyncClient:
                                                             delay_s=delay_s, headers=headers)
                                                for item, dedupe_id in zip(items, ids, strict=True))))
         ttl_ms, delay_ms, named = _ttl_ms(ttl_s), _delay_ms(delay_s), dict(headers) if headers else None
-        if self._masters:
-            return await self._hedged(queue, lambda node: node._enqueue_many_here(queue, items, priority, ids, ttl_ms,
-                                                                                  delay_ms, named))
-        return await self._enqueue_many_here(queue, items, priority, ids, ttl_ms, delay_ms, named)
+
+        def attempt() -> Awaitable[list[int]]:
+            if self._masters:
+                return self._hedged(queue, lambda node: node._enqueue_many_here(queue, items, priority, ids, ttl_ms,
+                                                                                delay_ms, named))
+            return self._enqueue_many_here(queue, items, priority, ids, ttl_ms, delay_ms, named)
+        return await self._until_deadline(attempt)
+
+    async def _until_deadline(self, attempt: Callable[[], Awaitable[_T]]) -> _T:
+        """`attempt()`, asked again with backoff while it fails with one of RETRIED_CODES,
+        until the call's deadline (request_timeout_s from now); then its latest error, with
+        its outcome unknown when any attempt's was. Safe for the calls it wraps: an enqueue's
+        dedupe ids store it once, and a receive's leases of a lost answer run out."""
+        loop = self._bound_loop()
+        deadline = loop.time() + self._request_timeout_s
+        delay_s = CALL_RETRY_DELAY_INITIAL_S
+        outcome_unknown = False
+        while True:
+            try:
+                return await attempt()
+            except QueueError as error:
+                outcome_unknown = outcome_unknown or error.outcome_unknown
+                pause_s = delay_s * random.uniform(0.5, 1.0)
+                if error.code not in RETRIED_CODES or not self.usable or loop.time() + pause_s >= deadline:
+                    if outcome_unknown and not error.outcome_unknown:
+                        raise QueueError(error.kind, error.message, outcome_unknown=True) from error
+                    raise
+            await asyncio.sleep(pause_s)
+            delay_s = min(delay_s * 2, CALL_RETRY_DELAY_MAX_S)
 
     async def _enqueue_many_here(self, queue: str, items: list[bytes], priority: int, ids: list[str],
                                  ttl_ms: int = 0, delay_ms: int = 0, headers: dict[str, str] | None = None) -> list[int]:
@@ -984,7 +1036,7 @@ class AsyncClient:
         if macro is not None:
             return await macro.receive(max_messages, wait_s, visibility_timeout_s)
         try:
-            return await self._receive(queue, max_messages, wait_s, visibility_timeout_s)
+            return await self._until_deadline(lambda: self._receive(queue, max_messages, wait_s, visibility_timeout_s))
         except QueueError as error:
             macro = await self._as_macro(queue, error)
         return await macro.receive(max_messages, wait_s, visibility_timeout_s)
@@ -1560,11 +1612,16 @@ class AsyncClient:
                 self._fail_target(target, QueueError(E_INTERNAL, "a malformed batch answer", outcome_unknown=True))
                 return
             self._calls_in_flight -= len(futures)
+            # An ack sent again after a lost connection may have been applied the first time:
+            # then its message is gone, which is what the ack asked for.
+            acked_before = kind is AckBatchOp and op.request_id in self._retry_attempts
             for future, outcome in zip(futures, outcomes, strict=True):
                 if future.done():
                     continue
                 if outcome is None or type(outcome) is int:
                     future.set_result(outcome)
+                elif acked_before and _item_error(outcome).code == E_UNKNOWN_MESSAGE.code:
+                    future.set_result(None)
                 else:
                     future.set_exception(_item_error(outcome))
             return
@@ -1630,7 +1687,7 @@ class AsyncClient:
 
     # --- losing the connection --------------------------------------------------------------------
     def _on_connection_lost(self, cause: QueueError) -> None:
-        """Sent enqueue batches go out again with their dedupe ids; other sent ops fail with
+        """Sent enqueue and ack batches go out again (_RESENT_OPS); other sent ops fail with
         `cause`; ops never sent wait for the next connection."""
         loop_time = self._bound_loop().time()
         unsent = {op.request_id for op in self._outgoing}
@@ -1638,7 +1695,7 @@ class AsyncClient:
         for request_id, (_, op) in list(self._pending.items()):
             if request_id in unsent:
                 continue
-            if type(op) is EnqueueBatchOp and self._may_retry(request_id, loop_time):
+            if type(op) in _RESENT_OPS and self._may_retry(request_id, loop_time):
                 resend.append(op)
                 continue
             self._fail_op(request_id, QueueError(cause.kind, cause.message, outcome_unknown=True))
@@ -1665,7 +1722,7 @@ class AsyncClient:
         loop_time = self._bound_loop().time()
         for op in list(self._outgoing):
             request_id = op.request_id
-            if type(op) is EnqueueBatchOp:
+            if type(op) in _RESENT_OPS:
                 deadline = self._retry_deadline.setdefault(request_id, loop_time + self._enqueue_retry_time_s)
                 if loop_time < deadline:
                     continue
@@ -1751,8 +1808,12 @@ class Consumer:
         self.queue = queue
         self.recipient = recipient
         self._router = router
-        self._following: asyncio.Task[None] | None = None
-        self._follow_deadline: float | None = None   # set by the first E_NOT_MASTER, cleared once subscribed
+        # Without a subscription (a lost connection, a refused or unanswered subscribe, a
+        # subscription the server ended) one task subscribes again until it has one: see _recover.
+        self._recovering: asyncio.Task[None] | None = None
+        self._unsubscribed_since: float | None = None   # when this outage began (loop time)
+        self._last_failure: QueueError | None = None     # the latest retriable failure of this outage
+        self._outage_error: QueueError | None = None     # raised once by __anext__, see _resubscribe
         self.prefetch = prefetch
         self.closed = False
         self._client = client
@@ -1772,6 +1833,9 @@ class Consumer:
         while not self._buffer:
             if self._error is not None:
                 raise self._error
+            if self._outage_error is not None:
+                error, self._outage_error = self._outage_error, None
+                raise error
             if self.closed:
                 raise StopAsyncIteration
             waiter: asyncio.Future[None] = self._client._bound_loop().create_future()
@@ -1796,6 +1860,8 @@ class Consumer:
             return
         self.closed = True
         self._wake()
+        if self._recovering is not None:
+            self._recovering.cancel()
         client = self._client
         client._consumers.discard(self)
         if client._ws is None or client._closed:
@@ -1835,7 +1901,7 @@ class Consumer:
     def _on_subscribed(self, subscription_id: int) -> None:
         self._subscription_id = subscription_id
         self._subscribing = False
-        self._follow_deadline = None
+        self._unsubscribed_since = self._last_failure = self._outage_error = None
         if self.closed:
             self._client._submit_quietly(UnsubscribeOp(next(self._client._ids), subscription_id))
         elif self._taken >= self._credit_batch:
@@ -1843,11 +1909,7 @@ class Consumer:
 
     def _on_subscribe_failed(self, error: QueueError) -> None:
         self._subscribing = False
-        if error.code == E_NOT_MASTER.code:            # see _on_subscription_ended
-            self._follow_master(error)
-        elif not error.retriable:
-            self._error = error
-            self._wake()
+        self._on_unsubscribed(error)
 
     def _on_messages(self, messages: tuple[DeliveredMessage, ...]) -> None:
         client, queue, buffer = self._client, self.queue, self._buffer
@@ -1856,21 +1918,87 @@ class Consumer:
         self._wake()
 
     def _on_connection_lost(self) -> None:
+        """The socket is gone with the subscription. Its client subscribes again as soon as it
+        has reconnected; meanwhile the recovery task reads the map, so that a consumer whose
+        node died for good follows the queue to the promoted replica."""
         self._subscription_id = None
         self._subscribing = False
+        self._on_unsubscribed(QueueError(E_UNAVAILABLE, f"the connection to {self._client.url} was lost"))
 
     def _on_subscription_ended(self, error: QueueError) -> None:
-        """The server ended the subscription: surface a lasting reason, else subscribe again."""
         self._subscription_id = None
-        # E_NOT_MASTER: this node stopped mastering the queue (a handoff or failover); asking
-        # it again cannot help: the consumer goes where the map now says.
-        if error.code == E_NOT_MASTER.code:
-            self._follow_master(error)
-        elif error.retriable:
-            self._subscribe()
-        else:
+        self._on_unsubscribed(error)
+
+    def _on_unsubscribed(self, error: QueueError) -> None:
+        """No subscription any more, for `error`: a lasting reason ends the iteration, any
+        retriable one (E_NOT_MASTER after a handoff or failover, E_QUEUE_UNAVAILABLE while a
+        restarted master waits for its lease, E_OVERLOADED, E_TIMEOUT, a lost connection) is
+        recovered from. A consumer made by a node's own client (no router, so no map) cannot
+        follow a master elsewhere: E_NOT_MASTER ends it."""
+        if self.closed:
+            return
+        if not error.retriable or (error.code == E_NOT_MASTER.code and self._router is None):
             self._error = error
             self._wake()
+            return
+        self._recover(error)
+
+    def _recover(self, error: QueueError) -> None:
+        loop = self._client._bound_loop()
+        self._last_failure = error
+        if self._unsubscribed_since is None:
+            self._unsubscribed_since = loop.time()
+        if self._recovering is None:
+            self._recovering = loop.create_task(self._resubscribe())
+
+    def _needs_subscription(self) -> bool:
+        # A full buffer needs none: taking a message subscribes again (_grant).
+        return not self.closed and self._subscription_id is None and len(self._buffer) < self.prefetch
+
+    async def _resubscribe(self) -> None:
+        """Until subscribed: wait (backing off, RESUBSCRIBE_DELAY_*_S), read the map, and
+        subscribe where it names the master now: this node again once it is back or may serve
+        (a master restarted inside its lease), or the node that took the queue over. While no
+        subscription is made for the client's request timeout, the iteration raises the
+        latest retriable error once, then the consumer goes on trying: a caller is never left
+        waiting in silence, and one that goes on iterating gets the messages once they come.
+        Messages already buffered stay; their acks go to where they were leased."""
+        delay_s = RESUBSCRIBE_DELAY_INITIAL_S
+        try:
+            while self._needs_subscription():
+                await asyncio.sleep(delay_s * random.uniform(0.5, 1.0))
+                delay_s = min(delay_s * 2, RESUBSCRIBE_DELAY_MAX_S)
+                if not self._needs_subscription():
+                    break
+                self._report_long_outage()
+                if self._subscribing:          # an attempt is under way: its answer decides
+                    continue
+                await self._follow_map()
+                if self._needs_subscription() and not self._subscribing and self._client._ws is not None:
+                    self._subscribe()           # not connected: the client subscribes on reconnect
+        finally:
+            self._recovering = None
+
+    def _report_long_outage(self) -> None:
+        client = self._client
+        since = self._unsubscribed_since
+        now = client._bound_loop().time()
+        if since is not None and now - since >= client._request_timeout_s and self._last_failure is not None:
+            failure = self._last_failure
+            self._outage_error = QueueError(failure.kind, f"no subscription for {now - since:.1f} s: {failure.message}")
+            self._unsubscribed_since = now
+            self._wake()
+
+    async def _follow_map(self) -> None:
+        router = self._router
+        if router is None:
+            return
+        with contextlib.suppress(QueueError):
+            await router.refresh_placement()
+        target = router._consume_target(self.queue)
+        if target is not self._client and not self.closed:
+            self._client._consumers.discard(self)
+            self._attach(target)
 
     def _attach(self, client: AsyncClient) -> None:
         client._start()
@@ -1878,41 +2006,6 @@ class Consumer:
         client._consumers.add(self)
         if client._ws is not None:
             self._subscribe()
-
-    def _follow_master(self, error: QueueError) -> None:
-        """Subscribe again where the refreshed map names the queue's master. The iteration
-        sees E_NOT_MASTER only when no node serves the subscription within FAILOVER_WAIT_S of
-        the first refusal (or at once for a consumer made by a node's own client, which has
-        no map). Messages already buffered stay; their acks go to where they were leased,
-        which passes them on to the master."""
-        router = self._router
-        if router is None or self.closed:
-            self._error = error
-            self._wake()
-            return
-        loop = router._bound_loop()
-        if self._follow_deadline is None:
-            self._follow_deadline = loop.time() + FAILOVER_WAIT_S
-        elif loop.time() >= self._follow_deadline:
-            self._error = error
-            self._wake()
-            return
-        if self._following is None:
-            self._following = loop.create_task(self._move_to_master(router))
-
-    async def _move_to_master(self, router: AsyncClient) -> None:
-        old = self._client
-        try:
-            with contextlib.suppress(QueueError):
-                await router.refresh_placement()
-            target = router._consume_target(self.queue)
-            if target is old:                    # the map has not moved yet, or it came back
-                await asyncio.sleep(FAILOVER_POLL_S)
-            if not self.closed:
-                old._consumers.discard(self)
-                self._attach(target)
-        finally:
-            self._following = None
 
     def _on_fatal(self, error: QueueError) -> None:
         self._error = error

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from client.errors import E_BAD_REQUEST, E_NOT_MASTER, E_TIMEOUT, QueueError
+from client.errors import E_BAD_REQUEST, E_NOT_MASTER, E_TIMEOUT, E_UNAVAILABLE, QueueError
 from client.protocol import DeliveredMessage
 from qserver import commands as c
 
@@ -94,9 +94,12 @@ def forwarded_error(code: str, message: Any) -> QueueError:
     """The error a forwarded request was answered with. Its [code, message] form cannot say
     whether the operation was applied, and E_NOT_MASTER comes from a master deposed while the
     request was held, or from this node failing the forwards still in flight when it became
-    the master (qserver/pairs.py `_fail_forwards`), and E_TIMEOUT from a forward the master
-    never answered (`expire_waiting`): each may have been applied, so its outcome is unknown (the client retries with the same dedupe id, or reports it unknown)."""
-    return QueueError(code, str(message), outcome_unknown=code in (E_NOT_MASTER.code, E_TIMEOUT.code))
+    the master (qserver/pairs.py `_fail_forwards`), E_UNAVAILABLE from the link to the master
+    lost while the forward was in flight (`on_link_change`), and E_TIMEOUT from a forward the
+    master never answered (`expire_waiting`): each may have been applied, so its outcome is
+    unknown (the client retries with the same dedupe id, or reports it unknown)."""
+    return QueueError(code, str(message), outcome_unknown=code in (E_NOT_MASTER.code, E_TIMEOUT.code,
+                                                                   E_UNAVAILABLE.code))
 
 
 def answer_from_master(command: Any) -> Callable[[Any], None]:

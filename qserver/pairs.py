@@ -23,7 +23,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from client.errors import E_NOT_MASTER, E_QUEUE_UNAVAILABLE, E_TIMEOUT, E_UNKNOWN_QUEUE, QueueError
+from client.errors import E_NOT_MASTER, E_QUEUE_UNAVAILABLE, E_TIMEOUT, E_UNAVAILABLE, E_UNKNOWN_QUEUE, ErrorKind, QueueError
 from replication.cluster_map import (
     ChangePair,
     ClusterMap,
@@ -384,11 +384,11 @@ class PairDriver:
             # a push without refusal is dropped: its lease runs out and it is delivered again
         self.held[name] = kept
 
-    def _fail_forwards(self, name: str, why: str) -> None:
+    def _fail_forwards(self, name: str, why: str, kind: ErrorKind = E_NOT_MASTER) -> None:
         failed = [request_id for request_id, (queue, _) in self.forwards.items() if queue == name]
         for request_id in failed:
             _, answer = self.forwards.pop(request_id)
-            answer([E_NOT_MASTER.code, f"{why}; the outcome is unknown, retry (dedupe ids make it safe)"])
+            answer([kind.code, f"{why}; the outcome is unknown, retry (dedupe ids make it safe)"])
 
     def refuse_if_not_master(self, name: str) -> None:
         """Client commands for a queue this node neither masters nor holds go to its master."""
@@ -549,6 +549,11 @@ class PairDriver:
     def forward(self, name: str, request: list[Any], answer: Any) -> None:
         """Send a client's operation to the master; `answer(outcome)` once it is visible here."""
         role = self.replicas[name]
+        if not self.link_up(role.master_id):
+            # Sent now, it would be lost and answered only by expire_waiting: the client asks
+            # again (the link comes back, or the map names another master) instead.
+            answer([E_UNAVAILABLE.code, f"no link to the master {role.master_id} of {name} now"])
+            return
         request_id = self._next_forward
         self._next_forward += 1
         self.forwards[request_id] = (name, answer)
@@ -667,6 +672,10 @@ class PairDriver:
                 self._flush(replica)
             elif not up:
                 replica.link_down()
+                # A Forward on the lost link is answered by no one (a master killed and started
+                # again at once keeps its role, so no map change fails it either): its client
+                # asks again now, with the same dedupe ids, rather than after commit_wait_max_s.
+                self._fail_forwards(replica.core.name, f"the link to the master {peer} was lost", E_UNAVAILABLE)
 
     def confirm_restarted_masters(self) -> None:
         """With a lease, this node's map is as new as the leader's was when it granted: the

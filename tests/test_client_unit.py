@@ -34,6 +34,7 @@ from client.protocol import (
     Delivery,
     EnqueueBatchOp,
     ErrorReply,
+    ExtendOp,
     OkReply,
     ReceiveOp,
     ReleaseOp,
@@ -76,6 +77,9 @@ class FakeNode:
         self.connections = 0
         self.drop_next_frame_unanswered = False
         self.hold_receives = False
+        self.hold_extends = False
+        self.unknown_after_ack = False   # an ack of a message acked before answers E_UNKNOWN_MESSAGE
+        self.subscribe_refusals: list[str | None] = []   # codes the next subscribes answer (None: no answer)
         self.closing_on_next_frame: Closing | None = None
         self.not_master_answers = 0      # the next enqueue batches or receives answer E_NOT_MASTER, outcome unknown
         self._sockets: set[web.WebSocketResponse] = set()
@@ -172,8 +176,12 @@ class FakeNode:
                     outcomes.append(self.stored_by_dedupe.setdefault(dedupe_id or "", len(self.stored_by_dedupe) + 1))
             return [OkReply(op.request_id, [1, outcomes])]
         if isinstance(op, AckBatchOp):
+            outcomes = [["E_UNKNOWN_MESSAGE", "no such message"] if self.unknown_after_ack and message_id in self.acked
+                        else None for message_id, _ in op.items]
             self.acked.extend(message_id for message_id, _ in op.items)
-            return [OkReply(op.request_id, [None] * len(op.items))]
+            return [OkReply(op.request_id, outcomes)]
+        if isinstance(op, ExtendOp) and self.hold_extends:
+            return []
         if isinstance(op, ReceiveOp):
             if self.not_master_answers:
                 self.not_master_answers -= 1
@@ -183,6 +191,9 @@ class FakeNode:
             taken, self.ready = self.ready[:op.max_messages], self.ready[op.max_messages:]
             return [OkReply(op.request_id, taken)]
         if isinstance(op, SubscribeOp):
+            if self.subscribe_refusals:
+                code = self.subscribe_refusals.pop(0)
+                return [] if code is None else [ErrorReply(op.request_id, code, "refused by the fake node", False)]
             subscription_id = len(self._subscriptions) + 1
             self._subscriptions[subscription_id] = op.credit
             self.credit_given.append(op.credit)
@@ -503,29 +514,55 @@ async def test_a_retried_enqueue_after_reconnect_keeps_its_dedupe_id_and_is_stor
 @pytest.mark.asyncio
 async def test_other_pending_ops_fail_with_outcome_unknown_when_the_connection_drops(
         fake_node: FakeNode, client: AsyncClient) -> None:
-    fake_node.hold_receives = True
-    waiting = asyncio.ensure_future(client.receive("orders", wait_s=30))
-    await eventually(lambda: fake_node.ops_of(ReceiveOp))
+    fake_node.hold_extends = True
+    waiting = asyncio.ensure_future(client.extend("orders", 1, "r1", 30))
+    await eventually(lambda: fake_node.ops_of(ExtendOp))
     await fake_node.drop_connections()
     with pytest.raises(QueueError) as caught:
         await waiting
     assert caught.value.code == "E_UNAVAILABLE" and caught.value.outcome_unknown
     await eventually(lambda: client.connected)
-    fake_node.hold_receives = False
     assert await client.receive("orders") == []  # the client reconnected on its own
+
+
+@pytest.mark.asyncio
+async def test_a_receive_in_flight_when_the_connection_drops_is_asked_again_on_the_next_one(
+        fake_node: FakeNode, client: AsyncClient) -> None:
+    fake_node.hold_receives = True
+    waiting = asyncio.ensure_future(client.receive("orders", wait_s=30))
+    await eventually(lambda: fake_node.ops_of(ReceiveOp))
+    fake_node.hold_receives = False
+    fake_node.ready = ready_messages(1)
+    await fake_node.drop_connections()
+    [message] = await waiting
+    assert message.id == 1 and fake_node.connections == 2 and len(fake_node.ops_of(ReceiveOp)) == 2
+
+
+@pytest.mark.asyncio
+async def test_an_ack_in_flight_when_the_connection_drops_is_sent_again_and_a_gone_message_counts_as_acked(
+        fake_node: FakeNode, client: AsyncClient) -> None:
+    fake_node.drop_next_frame_unanswered = True       # applied, but the answer is lost
+    fake_node.unknown_after_ack = True                # the repeat finds the message gone
+    await client.ack("orders", 7, "r7")
+    assert [op.items for op in fake_node.ops_of(AckBatchOp)] == [((7, "r7"),), ((7, "r7"),)]
+    assert fake_node.connections == 2
 
 
 @pytest.mark.asyncio
 async def test_enqueues_wait_for_a_node_that_is_down_and_fail_after_their_retry_time(unused_tcp_port: int) -> None:
     creds = Credentials("c", private_key_to_text(new_private_key()), f"http://127.0.0.1:{unused_tcp_port}")
-    lonely = AsyncClient(credentials=creds, enqueue_retry_time_s=0.2, **FAST)  # type: ignore[arg-type]
-    started = asyncio.get_running_loop().time()
+    lonely = AsyncClient(credentials=creds, enqueue_retry_time_s=0.2, request_timeout_s=0.6,
+                         **FAST)  # type: ignore[arg-type]
+    loop = asyncio.get_running_loop()
+    started = loop.time()
     with pytest.raises(QueueError) as enqueue_error:
         await lonely.enqueue("orders", b"x")
-    assert asyncio.get_running_loop().time() - started >= 0.2
+    assert 0.2 <= loop.time() - started < 1.5       # asked again until the call's deadline
     assert enqueue_error.value.code == "E_UNAVAILABLE" and not enqueue_error.value.outcome_unknown
-    with pytest.raises(QueueError):
-        await lonely.receive("orders")  # not retried: fails at the next failed connect
+    started = loop.time()
+    with pytest.raises(QueueError) as receive_error:
+        await lonely.receive("orders")
+    assert loop.time() - started < 1.5 and receive_error.value.code == "E_UNAVAILABLE"
     await lonely.close()
 
 
@@ -543,12 +580,27 @@ async def test_an_enqueue_forwarded_by_a_replica_that_just_became_the_master_is_
         await client.refresh_placement()
         fake_node.not_master_answers = 1
         assert await client.enqueue_many("ledger", [b"a", b"b"], dedupe_ids=["d-a", "d-b"]) == [1, 2]
-        fake_node.not_master_answers = 5                 # it keeps saying so: one retry, then the error
+        fake_node.not_master_answers = 5                 # it says so a while: asked again with backoff
+        assert await client.enqueue("ledger", b"c", dedupe_id="d-c") == 3
+    assert [op.dedupe_ids for op in fake_node.ops_of(EnqueueBatchOp)] == [
+        ("d-a", "d-b"), ("d-a", "d-b")] + [("d-c",)] * 6
+
+
+@pytest.mark.asyncio
+async def test_an_enqueue_refused_until_its_deadline_fails_with_the_latest_error(
+        fake_node: FakeNode, unused_tcp_port: int) -> None:
+    fake_node.rest_answers[("GET", "/v1/cluster")] = _map_naming(fake_node, unused_tcp_port)
+    async with AsyncClient(credentials=fake_node.credentials, request_timeout_s=0.5,
+                           **FAST) as client:  # type: ignore[arg-type]
+        await client.refresh_placement()
+        fake_node.not_master_answers = 1000
+        started = asyncio.get_running_loop().time()
         with pytest.raises(QueueError) as caught:
             await client.enqueue("ledger", b"c", dedupe_id="d-c")
+        assert asyncio.get_running_loop().time() - started < 1.5
     assert caught.value.code == "E_NOT_MASTER" and caught.value.outcome_unknown
-    assert [op.dedupe_ids for op in fake_node.ops_of(EnqueueBatchOp)] == [
-        ("d-a", "d-b"), ("d-a", "d-b"), ("d-c",), ("d-c",)]
+    assert {op.dedupe_ids for op in fake_node.ops_of(EnqueueBatchOp)} == {("d-c",)}
+    assert len(fake_node.ops_of(EnqueueBatchOp)) >= 3
 
 
 @pytest.mark.asyncio
@@ -652,6 +704,76 @@ async def test_consume_resubscribes_after_reconnect_with_the_credit_still_owed(
         assert [(await messages.__anext__()).id for _ in range(3)] == [2, 3, 1]
     credits = [op.credit for op in fake_node.ops_of(SubscribeOp)]
     assert credits == [8, 6, 6]  # prefetch minus the two still buffered
+
+
+RETRIABLE_SUBSCRIBE_REFUSALS = ["E_QUEUE_UNAVAILABLE", "E_OVERLOADED", "E_NOT_MASTER", "E_UNAVAILABLE",
+                                "E_SHUTTING_DOWN", "E_TIMEOUT", "E_RECIPIENT_DEFUNCT", "E_NOT_ENOUGH_REPLICAS"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("code", RETRIABLE_SUBSCRIBE_REFUSALS)
+async def test_a_consumer_whose_subscribe_is_refused_for_a_passing_reason_subscribes_again(
+        fake_node: FakeNode, client: AsyncClient, code: str) -> None:
+    fake_node.subscribe_refusals = [code, code]
+    fake_node.ready = ready_messages(2)
+    async with client.consume("orders", prefetch=4) as messages:
+        async with asyncio.timeout(2):
+            assert [(await messages.__anext__()).id for _ in range(2)] == [1, 2]
+    assert len(fake_node.ops_of(SubscribeOp)) == 3
+
+
+@pytest.mark.asyncio
+async def test_a_consumer_whose_subscribe_is_never_answered_subscribes_again_after_the_request_timeout(
+        fake_node: FakeNode) -> None:
+    fake_node.subscribe_refusals = [None]
+    fake_node.ready = ready_messages(1)
+    async with AsyncClient(credentials=fake_node.credentials, request_timeout_s=0.5,
+                           **FAST) as client:  # type: ignore[arg-type]
+        async with client.consume("orders", prefetch=4) as messages:
+            async with asyncio.timeout(3):
+                assert (await messages.__anext__()).id == 1
+    assert len(fake_node.ops_of(SubscribeOp)) == 2
+
+
+@pytest.mark.asyncio
+async def test_a_consumer_refused_past_the_request_timeout_raises_the_error_once_then_goes_on(
+        fake_node: FakeNode) -> None:
+    fake_node.subscribe_refusals = ["E_QUEUE_UNAVAILABLE"] * 10_000
+    async with AsyncClient(credentials=fake_node.credentials, request_timeout_s=0.5,
+                           **FAST) as client:  # type: ignore[arg-type]
+        async with client.consume("orders", prefetch=4) as messages:
+            with pytest.raises(QueueError) as caught:
+                async with asyncio.timeout(3):
+                    await messages.__anext__()
+            assert caught.value.code == "E_QUEUE_UNAVAILABLE" and "no subscription for" in caught.value.message
+            fake_node.subscribe_refusals = []
+            fake_node.ready = ready_messages(1)
+            async with asyncio.timeout(3):
+                assert (await messages.__anext__()).id == 1
+
+
+@pytest.mark.asyncio
+async def test_a_consumer_with_a_full_window_takes_new_messages_after_its_connection_is_lost(
+        fake_node: FakeNode, client: AsyncClient) -> None:
+    fake_node.ready = ready_messages(4)
+    async with client.consume("orders", prefetch=4) as messages:
+        await eventually(lambda: len(messages._buffer) == 4)        # the window is full
+        fake_node.subscribe_refusals = ["E_QUEUE_UNAVAILABLE"]      # a master restarted inside its lease
+        await fake_node.drop_connections()
+        async with asyncio.timeout(3):
+            assert [(await messages.__anext__()).id for _ in range(4)] == [1, 2, 3, 4]
+            fake_node.ready = [DeliveredMessage(5, "r5", 4, 1, b"m5")]
+            assert (await messages.__anext__()).id == 5
+
+
+@pytest.mark.asyncio
+async def test_a_subscription_the_server_ends_for_a_lasting_reason_ends_the_iteration(
+        fake_node: FakeNode, client: AsyncClient) -> None:
+    fake_node.subscribe_refusals = ["E_FORBIDDEN"]
+    async with client.consume("orders", prefetch=4) as messages:
+        with pytest.raises(QueueError) as caught:
+            await messages.__anext__()
+    assert caught.value.code == "E_FORBIDDEN" and len(fake_node.ops_of(SubscribeOp)) == 1
 
 
 # --- the synchronous client ------------------------------------------------------------------------
