@@ -64,6 +64,10 @@ from every node's cluster map during the run. The rules:
   destination message are its consumers' at-least-once, counted.
 * **two masters** (violation): two nodes named master of one queue in one epoch, in any
   node's cluster map at any sample (`replication.invariants.epochs_with_two_masters`).
+* **liveness** (chaos/liveness.py): per client (producer or consumer) the longest time it
+  made no progress while it had work; a stall lasting more than `liveness_stall_max_s` outside
+  every fault window the nemesis recorded (after a heal, or in quiet time) is a violation
+  (**liveness_stall**).
 """
 from __future__ import annotations
 
@@ -73,6 +77,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from chaos.liveness import LIVENESS_STALL_MAX_S, judge
 from replication.invariants import epochs_with_two_masters, lost_acknowledged
 
 DEAD_LETTER_SUFFIX = ".dlq"
@@ -190,7 +195,7 @@ def _fold_redrives(facts: QueueFacts) -> None:
 def check(history: Iterable[Mapping[str, Any]], strengths: Mapping[str, str],
           observations: Iterable[tuple[str, int, str]] = (),
           pairs: Iterable[tuple[str, int, float, str, str | None]] = (),
-          one_way: Iterable[str] = ()) -> dict[str, Any]:
+          one_way: Iterable[str] = (), liveness_stall_max_s: float = LIVENESS_STALL_MAX_S) -> dict[str, Any]:
     """The verdict over a history: counts per queue, violations by kind (listed up to
     LISTED_MAX each, all counted), explained duplicates by explanation. `pairs`: (queue, epoch,
     when first seen, master, replica) as the observer saw the maps (see Departures).
@@ -198,8 +203,10 @@ def check(history: Iterable[Mapping[str, Any]], strengths: Mapping[str, str],
     004 One_Way): such an answer promises nothing, so it counts as an outcome unknown (never
     `lost` if the message is gone; `recovered` when it is delivered), its id included (a
     master that failed before storing it gave the id to nothing, and its successor may give it
-    to another message)."""
+    to another message). `liveness_stall_max_s`: the longest stall a client may have outside
+    every fault window (chaos/liveness.py)."""
     history = list(history)
+    one_way = list(one_way)
     facts = gather(history)
     for queue in one_way:
         for tag, entry in facts[queue].enqueues.items():
@@ -215,6 +222,9 @@ def check(history: Iterable[Mapping[str, Any]], strengths: Mapping[str, str],
                                         Departures(members.get(queue, ())))
     masters = _check_masters(observations, findings)
     channels = _check_channels(history, findings)
+    liveness = judge(history, liveness_stall_max_s, one_way)
+    for stall in liveness["invalidating"]:
+        findings.add("liveness_stall", **stall)
     counts = {name: sum(q[name] for q in per_queue.values()) for name in
               ("enqueue_ok", "enqueue_fail", "enqueue_unknown", "delivered", "delivered_messages", "lost",
                "purged", "expired", "unexpected", "duplicated", "recovered")}
@@ -226,7 +236,8 @@ def check(history: Iterable[Mapping[str, Any]], strengths: Mapping[str, str],
     return {"valid": not violation_counts, "counts": counts, "duplicates_explained": dict(sorted(explained.items())),
             "violation_counts": violation_counts,
             "violations": {kind: items[:LISTED_MAX] for kind, items in sorted(findings.violations.items())},
-            "queues": per_queue, "macros": _macro_copies(facts), "channels": channels, "epochs_observed": masters}
+            "queues": per_queue, "macros": _macro_copies(facts), "channels": channels, "epochs_observed": masters,
+            "liveness": liveness}
 
 
 def check_forward(history: Iterable[Mapping[str, Any]], name: str, source: str, destination: str) -> dict[str, Any]:

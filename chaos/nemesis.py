@@ -12,6 +12,9 @@ killed or crashed node started again). Faults act through the chaos cluster (cha
     latency                    delay (with jitter) on every link of a node, or of the whole cluster
     bandwidth                  a rate limit on every link of a node
     kill                       kill -9 a node, start it again after the fault's duration
+    kill-restart-now           kill -9 a node and start it again at once (after 0 to 0.5 s drawn
+                               from the seed), as systemd's Restart=always does: the fault's
+                               duration is that delay
     pause                      SIGSTOP a node for longer than its lease, then SIGCONT
     handoff-storm              handoffs asked every fraction of a second, by either member
     isolate-cluster            cut every client link of the cluster: nothing outside reaches it (a
@@ -26,6 +29,11 @@ Targets (a node) are resolved when the fault starts, from the newest cluster map
 has seen, with the run's seeded random generator. `plan` draws the schedule from the seed:
 faults of the scenario's kinds with durations and quiet gaps from its ranges, on one track
 or several overlapping ones (combinations), all ending before the run's end.
+
+Every fault is recorded in the history (status info, op `nemesis`): `start` (with `began_s`,
+when the nemesis began applying it), `error` (it could not start; it may have acted half-way)
+and `stop` (with `healed_s`, when undoing it had finished: a killed node answers again), each
+naming the fault; the liveness check (chaos/liveness.py) reads its fault windows from them.
 
 Everything blocking (toxiproxy-python, signals, starting a node) runs in a thread
 (`asyncio.to_thread`), never on the event loop.
@@ -49,7 +57,8 @@ log = logging.getLogger("chaos.nemesis")
 
 NETWORK_KINDS = ("partition-master-replica", "isolate-node", "partition-halves", "majority-ring", "latency",
                  "bandwidth")
-PROCESS_KINDS = ("kill", "pause")
+KILL_KINDS = ("kill", "kill-restart-now")
+PROCESS_KINDS = (*KILL_KINDS, "pause")
 FAULT_KINDS = (*NETWORK_KINDS, *PROCESS_KINDS, "handoff-storm", "isolate-cluster")
 TARGETS = ("master", "replica", "leader", "random", "non-member")
 MODES = ("drop", "reject", "mixed")
@@ -59,6 +68,7 @@ RESTART_PAUSE_S = 1.0
 WATCH_INTERVAL_S = 0.5
 FAULTS_MAX = 1_000            # a schedule never holds more (bounded runs)
 RING_NODES_MIN = 5
+RESTART_NOW_DELAY_MAX_S = 0.5  # kill-restart-now: systemd's Restart=always waits RestartSec (100 ms by default)
 
 MapSource = Callable[[], dict[str, Any]]
 ClientFactory = Callable[[str], AsyncClient]
@@ -82,7 +92,10 @@ class Fault:
             raise ValueError(f"unknown fault kind {self.kind!r} (known: {', '.join(FAULT_KINDS)})")
         if self.mode not in MODES:
             raise ValueError(f"unknown cut mode {self.mode!r}")
-        if self.duration_s <= 0:
+        if self.kind == "kill-restart-now":
+            if not 0 <= self.duration_s <= RESTART_NOW_DELAY_MAX_S:
+                raise ValueError(f"kill-restart-now starts the node again within {RESTART_NOW_DELAY_MAX_S} s")
+        elif self.duration_s <= 0:
             raise ValueError("a fault lasts a positive time")
 
 
@@ -127,18 +140,21 @@ def plan(spec: FaultSpec, time_s: float, rng: random.Random) -> list[ScheduledFa
             duration = round(rng.uniform(*spec.duration_s), 2)
             if at + duration > end:
                 break
-            schedule.append(ScheduledFault(round(at, 2), _draw_fault(spec, rng, duration), track))
-            at += duration + rng.uniform(*spec.quiet_s)
+            fault = _draw_fault(spec, rng, duration)
+            schedule.append(ScheduledFault(round(at, 2), fault, track))
+            at += fault.duration_s + rng.uniform(*spec.quiet_s)
     return sorted(schedule, key=lambda s: (s.at_s, s.track))
 
 
 def _draw_fault(spec: FaultSpec, rng: random.Random, duration_s: float) -> Fault:
     kind = rng.choice(spec.kinds)
     mode = rng.choice(("drop", "reject")) if spec.mode == "mixed" else spec.mode
-    return Fault(kind, duration_s, target=rng.choice(spec.targets), mode=mode,
-                 latency_ms=rng.randint(*spec.latency_ms), jitter_ms=rng.randint(*spec.jitter_ms),
-                 rate_kbs=rng.randint(*spec.rate_kbs), scope=rng.choice(spec.scopes),
-                 handoff_interval_s=spec.handoff_interval_s)
+    target, latency_ms, jitter_ms = rng.choice(spec.targets), rng.randint(*spec.latency_ms), rng.randint(*spec.jitter_ms)
+    rate_kbs, scope = rng.randint(*spec.rate_kbs), rng.choice(spec.scopes)
+    if kind == "kill-restart-now":     # drawn last, so schedules without this kind stay as they were
+        duration_s = round(rng.uniform(0.0, RESTART_NOW_DELAY_MAX_S), 3)
+    return Fault(kind, duration_s, target=target, mode=mode, latency_ms=latency_ms, jitter_ms=jitter_ms,
+                 rate_kbs=rate_kbs, scope=scope, handoff_interval_s=spec.handoff_interval_s)
 
 
 @dataclass
@@ -154,7 +170,9 @@ class _Active:
 
 class Nemesis:
     def __init__(self, cluster: ChaosCluster, history: History, rng: random.Random, current_map: MapSource,
-                 admin_client: ClientFactory, queues: list[str]) -> None:
+                 admin_client: ClientFactory, queues: list[str], fault_prefix: str = "f") -> None:
+        """`fault_prefix` starts the name of each fault it records: two nemeses writing one
+        history (a remote cluster's) keep their faults apart."""
         self.cluster = cluster
         self.history = history
         self.rng = rng
@@ -164,7 +182,7 @@ class Nemesis:
         self.applied: dict[str, int] = {}
         self.crashes: list[dict[str, Any]] = []     # nodes that exited by themselves
         self.restart_failures: list[dict[str, Any]] = []
-        self._names = itertools.count(1)
+        self._names = (f"{fault_prefix}{number}" for number in itertools.count(1))
         self._busy: set[str] = set()                 # nodes under a process fault
         self._active: list[_Active] = []
 
@@ -193,12 +211,14 @@ class Nemesis:
             await self.stop(active)
 
     async def start(self, fault: Fault) -> _Active | None:
-        active = _Active(fault, f"f{next(self._names)}")
+        active = _Active(fault, next(self._names))
+        began_s = round(self.history.now(), 6)     # the record follows the fault's first effect
         try:
             started = await self._start(active)
         except Exception as error:        # a fault that cannot start is recorded, the run goes on
             log.exception("fault %s could not start", fault.kind)
-            self.history.info("nemesis", "nemesis", event="error", kind=fault.kind, error=repr(error))
+            self.history.info("nemesis", "nemesis", event="error", kind=fault.kind, fault=active.name,
+                              began_s=began_s, error=repr(error))
             await self.stop(active)
             return None
         if not started:
@@ -207,7 +227,7 @@ class Nemesis:
         self.applied[fault.kind] = self.applied.get(fault.kind, 0) + 1
         self._active.append(active)
         self.history.info("nemesis", "nemesis", event="start", kind=fault.kind, fault=active.name,
-                          duration_s=fault.duration_s, **active.detail)
+                          began_s=began_s, duration_s=fault.duration_s, **active.detail)
         return active
 
     async def stop(self, active: _Active) -> None:
@@ -216,7 +236,8 @@ class Nemesis:
         finally:
             if active in self._active:
                 self._active.remove(active)
-        self.history.info("nemesis", "nemesis", event="stop", kind=active.fault.kind, fault=active.name)
+        self.history.info("nemesis", "nemesis", event="stop", kind=active.fault.kind, fault=active.name,
+                          healed_s=round(self.history.now(), 6))
 
     async def heal_all(self) -> None:
         """Undo every fault still on, then make sure every proxy is clean and every node runs."""
@@ -335,7 +356,7 @@ class Nemesis:
         self.cluster.add_toxic(proxy, toxic, attributes, name=active.name, streams=streams)
 
     def _process_fault(self, active: _Active, node: str) -> bool:
-        if active.fault.kind == "kill":
+        if active.fault.kind in KILL_KINDS:
             self.cluster.kill(node)
             active.killed = node
             return True

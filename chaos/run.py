@@ -104,7 +104,7 @@ class Side:
 
     @classmethod
     def of(cls, cluster: ChaosCluster, history: History, queues: list[Any], seed: int, scenario: Scenario,
-           fault_spec: Any, rng: random.Random, **extra: Any) -> Side:
+           fault_spec: Any, rng: random.Random, fault_prefix: str = "f", **extra: Any) -> Side:
         workload = Workload(cluster, history, queues, seed, scenario.op_timeout_s, forwarded=frozenset(
             f.source for f in scenario.forwards), **extra)
         observer = Observer(cluster, history)
@@ -115,7 +115,7 @@ class Side:
                 admin_clients[node] = workload.client(node)
             return admin_clients[node]
         targets = [q.name for q in queues] + [CHANNEL_PREFIX + c.name for c in extra.get("channels", [])]
-        nemesis = Nemesis(cluster, history, rng, observer.newest_map, admin, targets)
+        nemesis = Nemesis(cluster, history, rng, observer.newest_map, admin, targets, fault_prefix)
         return cls(cluster, workload, observer, nemesis, plan(fault_spec, scenario.time_s, rng))
 
 
@@ -128,7 +128,7 @@ async def _run_on(scenario: Scenario, cluster: ChaosCluster, schedule: list[Any]
     sides = [main]
     if remote_cluster is not None and scenario.remote is not None:
         sides.append(Side.of(remote_cluster, history, list(scenario.remote.queues), scenario.seed + 1, scenario,
-                             scenario.remote.nemesis, random.Random(scenario.seed + 1)))
+                             scenario.remote.nemesis, random.Random(scenario.seed + 1), fault_prefix="remote-f"))
     stop_observer, stop_workers = asyncio.Event(), asyncio.Event()
     workers: list[asyncio.Task[None]] = []
     settled: dict[str, Any] = {}
@@ -184,7 +184,7 @@ async def _run_on(scenario: Scenario, cluster: ChaosCluster, schedule: list[Any]
     judged = checker.check([e for e in history.completed if checker.source_queue(e.get("queue") or "")[0]
                             not in forwarded],
                            {q: s for q, s in strengths.items() if q not in forwarded}, observations, pairs,
-                           scenario.one_way_queues())
+                           scenario.one_way_queues(), scenario.liveness_stall_max_s)
     judged["forwards"] = {}
     for forward in scenario.forwards:
         verdict_of = checker.check_forward(history.completed, forward.name, forward.source, forward.destination)
@@ -276,7 +276,8 @@ def run_audit(cluster: ChaosCluster, run_dir: Path, engine: str, with_history: b
 
 
 def verdict(scenario: Scenario, run_dir: Path, judged: dict[str, Any], audit: dict[str, Any], **facts: Any) -> dict[str, Any]:
-    """Valid when the history shows no violation, the audit is clean, no node crashed, the
+    """Valid when the history shows no violation (its liveness included: no client stalled
+    longer than the scenario's limit outside faults), the audit is clean, no node crashed, the
     cluster served after the heal, settled and was drained."""
     violations = dict(judged["violation_counts"])
     for name, count in audit["violation_counts"].items():
@@ -306,7 +307,7 @@ def verdict(scenario: Scenario, run_dir: Path, judged: dict[str, Any], audit: di
         "crashes": [{k: v for k, v in crash.items() if k != "log_tail"} for crash in facts["crashes"]],
         "restart_failures": len(facts["restart_failures"]), "client_errors": facts["client_errors"][:10],
         "history_violations": judged["violations"], "queues": judged["queues"], "macros": judged["macros"],
-        "channels": judged["channels"], "forwards": judged.get("forwards", {}),
+        "channels": judged["channels"], "forwards": judged.get("forwards", {}), "liveness": judged["liveness"],
         "remote_audit": audit.get("remote_total_queue"),
         "run_dir": str(run_dir), "date": datetime.date.today().isoformat(),
     }
@@ -339,6 +340,7 @@ def summary(result: dict[str, Any]) -> str:
     for name, calls in result.get("macros", {}).items():
         lines.append(f"macro {name}: {calls['calls']} calls, every copy acknowledged {calls['every_copy_ok']}, "
                      f"some {calls['some_copies_ok']}, none {calls['no_copy_ok']}")
+    lines += liveness_summary(result["liveness"])
     lines += [f"duplicates explained: {explained}",
               f"epochs observed: {result['epochs_observed']} ({result['observer_samples']} map samples); "
               f"settled: {result['settle']['settled']} in {result['settle']['settle_s']} s; "
@@ -349,6 +351,25 @@ def summary(result: dict[str, Any]) -> str:
               "violations: " + (", ".join(f"{k} {v}" for k, v in result["violations"].items()) or "none"),
               f"VERDICT: {'VALID' if result['valid'] else 'INVALID'}   (run directory {result['run_dir']})"]
     return "\n".join(lines)
+
+
+def liveness_summary(liveness: dict[str, Any]) -> list[str]:
+    """Per client its longest stall (no progress while it had work) and the longest part of a
+    stall outside every fault window; then the stalls that invalidate the run."""
+    limit = liveness["stall_max_s"]
+    lines = [f"liveness: {len(liveness['fault_windows'])} fault windows; a stall outside them may last "
+             f"{limit:g} s at most",
+             f"  {'client':<30}{'role':<10}{'progress':>9}{'longest stall':>15}{'outside faults':>16}"]
+    for process, client in liveness["clients"].items():
+        lines.append(f"  {process:<30}{client['role']:<10}{client['progress']:>9}{client['longest_stall_s']:>13.2f} s"
+                     f"{client['longest_outside_faults_s']:>14.2f} s")
+    for stall in liveness["invalidating"]:
+        after = f"{stall['after_heal_at']:.2f} s (a heal)" if stall["after_heal_at"] is not None else \
+            f"{stall['outside_from']:.2f} s (quiet time)"
+        lines.append(f"  STALLED: {stall['process']} made no progress from {stall['stall_from']:.2f} to "
+                     f"{stall['stall_to']:.2f} s with work waiting, {stall['outside_faults_s']:.2f} s of it "
+                     f"outside faults, from {after}")
+    return lines
 
 
 def parser() -> argparse.ArgumentParser:

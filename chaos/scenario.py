@@ -8,6 +8,7 @@
     settle_timeout_s = 60        # then every pair must agree, be in sync and caught up within this
     drain_timeout_s = 60         # per queue and member
     op_timeout_s = 8             # a client call that takes longer is recorded unknown
+    liveness_stall_max_s = 5.0   # a client may go this long without progress, while it has work, outside faults
 
     [settings]                   # [node] keys for every node (deploy/node.toml lists them)
     replica_lag_max_ms = 1000
@@ -20,6 +21,8 @@
     producers = 2
     consumers = 2
     push_consumers = 1
+    push_hold_s = 0.25           # push consumers hold each message this long: slower than the producers, their
+                                 # prefetch window stays full (prefetch x hold under visibility_timeout_s)
     rate = 20
     priorities = [4, 7]
     purge_every_s = 60           # an operator's purge now and then (full only)
@@ -52,7 +55,7 @@
     source = "outbox"
     destination = "inbox"
     [nemesis]                    # chaos.nemesis.FaultSpec: faults drawn from the seed ...
-    kinds = ["partition-master-replica", "kill"]
+    kinds = ["partition-master-replica", "kill", "kill-restart-now"]
     duration_s = [3, 10]
     quiet_s = [2, 6]
     tracks = 1                   # 2+: overlapping faults (combinations)
@@ -73,8 +76,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
+from chaos.liveness import LIVENESS_STALL_MAX_S
 from chaos.nemesis import FAULT_KINDS, MODES, RING_NODES_MIN, TARGETS, Fault, FaultSpec, ScheduledFault
-from chaos.workload import ChannelSpec, MacroSpec, QueueSpec
+from chaos.workload import PUSH_PREFETCH, ChannelSpec, MacroSpec, QueueSpec
 from replication.cluster_map import CHANNEL_PREFIX
 from replication.options import QueueType
 
@@ -112,6 +116,7 @@ class Scenario:
     settle_timeout_s: float = 60.0
     drain_timeout_s: float = 60.0
     op_timeout_s: float = 8.0
+    liveness_stall_max_s: float = LIVENESS_STALL_MAX_S
     settings: dict[str, str] = field(default_factory=dict)
     queues: tuple[QueueSpec, ...] = ()
     macros: tuple[MacroSpec, ...] = ()
@@ -172,6 +177,7 @@ def parse_scenario(name: str, raw: dict[str, Any]) -> Scenario:
         time_s=float(raw.get("time_s", 60.0)), seed=int(raw.get("seed", 1)),
         recovery_s=float(raw.get("recovery_s", 8.0)), settle_timeout_s=float(raw.get("settle_timeout_s", 60.0)),
         drain_timeout_s=float(raw.get("drain_timeout_s", 60.0)), op_timeout_s=float(raw.get("op_timeout_s", 8.0)),
+        liveness_stall_max_s=float(raw.get("liveness_stall_max_s", LIVENESS_STALL_MAX_S)),
         settings={key: _toml_literal(value) for key, value in raw.get("settings", {}).items()},
         queues=queues, macros=macros, channels=channels, nemesis=_nemesis(raw.get("nemesis", {})),
         remote=_remote(raw["remote"]) if "remote" in raw else None,
@@ -189,6 +195,8 @@ def check_scenario(scenario: Scenario) -> None:
         problems.append(f"time_s must be in (0, {TIME_MAX_S}]")
     if not scenario.queues or len(scenario.queues) > QUEUES_MAX:
         problems.append(f"1 to {QUEUES_MAX} queues")
+    if scenario.liveness_stall_max_s <= 0:
+        problems.append("liveness_stall_max_s must be positive")
     ids = {f"n{i}" for i in range(1, scenario.nodes + 1)}
     for queue in scenario.queues:
         if queue.strength not in ("full", "producer"):
@@ -203,6 +211,12 @@ def check_scenario(scenario: Scenario) -> None:
             problems.append(f"{queue.name}: placement names two different nodes of {sorted(ids)}")
         if max(queue.producers, queue.consumers, queue.push_consumers) > WORKERS_PER_QUEUE_MAX or queue.rate <= 0:
             problems.append(f"{queue.name}: at most {WORKERS_PER_QUEUE_MAX} workers of a kind, a positive rate")
+        if queue.push_hold_s and not (queue.push_consumers and 0 < queue.push_hold_s * PUSH_PREFETCH
+                                      < queue.visibility_timeout_s):
+            # A message waits up to prefetch x hold in the consumer's buffer: past the visibility
+            # timeout its lease would expire there and every ack would fail.
+            problems.append(f"{queue.name}: push_hold_s needs push consumers, and {PUSH_PREFETCH} x push_hold_s "
+                            "under visibility_timeout_s")
     names = {queue.name for queue in scenario.queues}
     for macro in scenario.macros:
         if macro.producer != "all" or not macro.members or not set(macro.members) <= names or macro.name in names:

@@ -8,8 +8,15 @@ the client library gave it:
   the payload also carries (the *tag*);
 * polling consumers receive up to a few messages, then ack most of them, release a few and
   abandon a few (their leases expire and they come back with a higher delivery count);
-* push consumers (`consume`) take what the server pushes and ack it, subscribing again at the
-  queue's current master when nothing comes for a while.
+* push consumers (`consume`) take what the server pushes and ack it (after holding it
+  `push_hold_s`, for a consumer slower than its queue's producers). Each keeps one consumer for
+  its whole life: the client library subscribes again by itself after a failure, and an error
+  the consumer raises is recorded and iteration goes on. Replacing a consumer that was idle or
+  failed would hide a consumer that hangs (issue 40); the liveness check (chaos/liveness.py)
+  needs to see it.
+
+Every producer and consumer records a `worker` start and stop in the history: the liveness
+check judges each from one to the other (a consumer that hangs records nothing else).
 
 The observer reads every node's cluster map directly (not through the proxies) a few times a
 second: what each node believes about each queue's (epoch, master) feeds the one-master-per-
@@ -25,7 +32,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,9 +50,11 @@ OBSERVE_INTERVAL_S = 0.25
 OBSERVE_TIMEOUT_S = 1.0
 RECEIVE_WAIT_S = 0.5
 EXTEND_VISIBILITY_S = 10.0       # what an extension asks for before the message is acked
-PUSH_IDLE_S = 3.0
 PUSH_PREFETCH = 10
+STOP_CHECK_S = 1.0               # a push consumer waiting for a message looks at the stop this often
+CONSUMER_CLOSE_TIMEOUT_S = 3.0
 ERROR_PAUSE_S = 0.2
+PUSH_ERROR_PAUSE_MAX_S = 2.0     # the longest pause between errors a push consumer raises in a row
 DRAIN_BATCH = 200
 REDRIVE_LIMIT = 1000             # dead letters one redrive of the workload moves at most
 SETTLE_POLL_S = 0.5
@@ -61,6 +70,8 @@ class QueueSpec:
     producers: int = 2
     consumers: int = 2               # polling consumers
     push_consumers: int = 0
+    push_hold_s: float = 0.0         # a push consumer holds each message this long before its ack: slower than
+                                     # messages come, its prefetch window stays full (the server's credit used up)
     rate: float = 20.0               # enqueues per second per producer
     priorities: tuple[int, ...] = (4,)
     payload_bytes: int = 64
@@ -269,6 +280,15 @@ class Workload:
                 slot += 1
         return tasks
 
+    @contextlib.contextmanager
+    def _working(self, process: str, role: str, queue: str) -> Iterator[None]:
+        """A worker's life between two `worker` records (stop also when it is cancelled)."""
+        self.history.info(process, "worker", queue=queue, role=role, event="start")
+        try:
+            yield
+        finally:
+            self.history.info(process, "worker", queue=queue, role=role, event="stop")
+
     def _rng(self, *parts: object) -> random.Random:
         return random.Random(f"{self.seed}-" + "-".join(map(str, parts)))
 
@@ -277,20 +297,21 @@ class Workload:
         client = self.client(node)
         process = f"p-{spec.name}-{worker}@{node}"
         sequence = 0
-        while not stop.is_set():
-            sequence += 1
-            tag = f"{spec.name}.{worker}.{sequence}"
-            payload = payload_for(tag, spec.payload_bytes)
-            priority = rng.choice(spec.priorities)
-            ttl_s = spec.ttl_s if rng.random() < spec.ttl_fraction else None
-            delay_s = spec.delay_s if rng.random() < spec.delay_fraction else None
-            timing = {name: value for name, value in (("ttl_s", ttl_s), ("delay_s", delay_s)) if value is not None}
-            operation = self.history.invoke(process, "enqueue", spec.name, dedupe_id=tag, payload_crc32=crc32(payload),
-                                            priority=priority, node=node, **timing)
-            ok, _ = await self._outcome(operation, client.enqueue(spec.name, payload, priority, dedupe_id=tag,
-                                                                  ttl_s=ttl_s, delay_s=delay_s),
-                                        lambda message_id: {"id": message_id})
-            await asyncio.sleep(rng.expovariate(spec.rate) if ok else ERROR_PAUSE_S * (1 + rng.random()))
+        with self._working(process, "producer", spec.name):
+            while not stop.is_set():
+                sequence += 1
+                tag = f"{spec.name}.{worker}.{sequence}"
+                payload = payload_for(tag, spec.payload_bytes)
+                priority = rng.choice(spec.priorities)
+                ttl_s = spec.ttl_s if rng.random() < spec.ttl_fraction else None
+                delay_s = spec.delay_s if rng.random() < spec.delay_fraction else None
+                timing = {name: value for name, value in (("ttl_s", ttl_s), ("delay_s", delay_s)) if value is not None}
+                operation = self.history.invoke(process, "enqueue", spec.name, dedupe_id=tag, payload_crc32=crc32(payload),
+                                                priority=priority, node=node, **timing)
+                ok, _ = await self._outcome(operation, client.enqueue(spec.name, payload, priority, dedupe_id=tag,
+                                                                      ttl_s=ttl_s, delay_s=delay_s),
+                                            lambda message_id: {"id": message_id})
+                await asyncio.sleep(rng.expovariate(spec.rate) if ok else ERROR_PAUSE_S * (1 + rng.random()))
 
     async def _produce_through_macro(self, spec: MacroSpec, worker: int, node: str, stop: asyncio.Event) -> None:
         """Enqueues through a macro queue: one call, recorded as one enqueue per member (the
@@ -300,17 +321,18 @@ class Workload:
         client = self.client(node)
         process = f"p-{spec.name}-{worker}@{node}"
         sequence = 0
-        while not stop.is_set():
-            sequence += 1
-            tag = f"{spec.name}.{worker}.{sequence}"
-            payload = payload_for(tag, spec.payload_bytes)
-            priority = rng.choice(spec.priorities)
-            operations = {member: self.history.invoke(process, "enqueue", member, dedupe_id=member_dedupe_id(tag, member),
-                                                      tag=tag, macro=spec.name, payload_crc32=crc32(payload),
-                                                      priority=priority, node=node)
-                          for member in spec.members}
-            ok = await self._copies_outcome(operations, client.enqueue(spec.name, payload, priority, dedupe_id=tag))
-            await asyncio.sleep(rng.expovariate(spec.rate) if ok else ERROR_PAUSE_S * (1 + rng.random()))
+        with self._working(process, "producer", spec.name):
+            while not stop.is_set():
+                sequence += 1
+                tag = f"{spec.name}.{worker}.{sequence}"
+                payload = payload_for(tag, spec.payload_bytes)
+                priority = rng.choice(spec.priorities)
+                operations = {member: self.history.invoke(process, "enqueue", member, dedupe_id=member_dedupe_id(tag, member),
+                                                          tag=tag, macro=spec.name, payload_crc32=crc32(payload),
+                                                          priority=priority, node=node)
+                              for member in spec.members}
+                ok = await self._copies_outcome(operations, client.enqueue(spec.name, payload, priority, dedupe_id=tag))
+                await asyncio.sleep(rng.expovariate(spec.rate) if ok else ERROR_PAUSE_S * (1 + rng.random()))
 
     async def _publish(self, spec: ChannelSpec, worker: int, node: str, stop: asyncio.Event) -> None:
         rng = self._rng("publish", spec.name, worker)
@@ -487,15 +509,16 @@ class Workload:
         rng = self._rng("consume", spec.name, worker)
         client = self.client(node)
         process = f"c-{spec.name}-{worker}@{node}"
-        while not stop.is_set():
-            operation = self.history.invoke(process, "receive", spec.name, node=node)
-            ok, received = await self._outcome(
-                operation, client.receive(spec.name, rng.randint(1, spec.receive_max), wait_s=RECEIVE_WAIT_S),
-                self._received, self.op_timeout_s + RECEIVE_WAIT_S)
-            if not ok:
-                await asyncio.sleep(ERROR_PAUSE_S)
-                continue
-            await self._settle_messages(spec, process, received, rng)
+        with self._working(process, "consumer", spec.name):
+            while not stop.is_set():
+                operation = self.history.invoke(process, "receive", spec.name, node=node)
+                ok, received = await self._outcome(
+                    operation, client.receive(spec.name, rng.randint(1, spec.receive_max), wait_s=RECEIVE_WAIT_S),
+                    self._received, self.op_timeout_s + RECEIVE_WAIT_S)
+                if not ok:
+                    await asyncio.sleep(ERROR_PAUSE_S)
+                    continue
+                await self._settle_messages(spec, process, received, rng)
 
     async def _settle_messages(self, spec: QueueSpec, process: str, messages: list[Message],
                                rng: random.Random) -> None:
@@ -529,30 +552,72 @@ class Workload:
         return ok
 
     async def _consume_pushed(self, spec: QueueSpec, worker: int, node: str, stop: asyncio.Event) -> None:
+        """One consumer for the worker's whole life, so that a consumer that stops delivering
+        shows in the history as a stall (chaos/liveness.py) instead of being replaced by a new
+        one that works (issue 40: replacing an idle consumer hid consumers that hung). It is
+        replaced only when it has ended (a non-retriable error, or closed under the worker),
+        and the replacement is recorded."""
         client = self.client(node)
         process = f"s-{spec.name}-{worker}@{node}"
-        while not stop.is_set():
-            consumer = client.consume(spec.name, prefetch=PUSH_PREFETCH)
-            idle_s = 0.0
-            try:
-                while not stop.is_set() and idle_s < PUSH_IDLE_S:
-                    try:
-                        message = await asyncio.wait_for(consumer.__anext__(), 1.0)
-                    except TimeoutError:
-                        idle_s += 1.0
-                        continue
-                    idle_s = 0.0
-                    operation = self.history.invoke(process, "receive", spec.name, node=node)
-                    self.history.complete(operation, "ok", messages=[self._message_view(message, "push")])
-                    await self.finish(process, message, "ack")
-            except (QueueError, StopAsyncIteration) as error:
-                self.history.info(process, "subscription", queue=spec.name, error=_error_text(error))
+        with self._working(process, "consumer", spec.name):
+            while not stop.is_set():
+                consumer = client.consume(spec.name, prefetch=PUSH_PREFETCH)
+                try:
+                    ended = await self._take_pushed(spec, process, node, consumer, stop)
+                finally:
+                    with contextlib.suppress(QueueError, TimeoutError):
+                        await asyncio.wait_for(consumer.close(), CONSUMER_CLOSE_TIMEOUT_S)
+                if ended is None or stop.is_set():
+                    return
+                self.history.info(process, "consumer", queue=spec.name, event="replaced", why=ended)
                 await asyncio.sleep(ERROR_PAUSE_S)
-            finally:
-                with contextlib.suppress(QueueError, TimeoutError):
-                    await asyncio.wait_for(consumer.close(), 3.0)
-            with contextlib.suppress(QueueError, TimeoutError):     # follow the queue's master
-                await asyncio.wait_for(client.refresh_placement(), 3.0)
+                with contextlib.suppress(QueueError, TimeoutError):     # follow the queue's master
+                    await asyncio.wait_for(client.refresh_placement(), CONSUMER_CLOSE_TIMEOUT_S)
+
+    async def _take_pushed(self, spec: QueueSpec, process: str, node: str, consumer: AsyncIterator[Message],
+                           stop: asyncio.Event) -> str | None:
+        """Take each message, hold it `spec.push_hold_s`, ack it, until the stop (None) or
+        until the consumer ends (why). A retriable error is recorded and the same consumer is
+        iterated again: the client subscribes again by itself after one. Pauses between errors
+        grow (bounded), so a consumer that raises at once every time does not spin. The wait
+        for the next message is never cancelled to look at the stop (the iterator may be in
+        the middle of subscribing again), only when the worker ends."""
+        error_pause_s = ERROR_PAUSE_S
+        next_message: asyncio.Future[Message] | None = None
+        try:
+            while not stop.is_set():
+                if next_message is None:
+                    next_message = asyncio.ensure_future(anext(consumer))
+                if not (await asyncio.wait({next_message}, timeout=STOP_CHECK_S))[0]:
+                    continue
+                taken, next_message = next_message, None
+                try:
+                    message = taken.result()
+                except StopAsyncIteration:
+                    self.history.info(process, "subscription", queue=spec.name, error="the consumer was closed")
+                    return "the consumer was closed"
+                except QueueError as error:
+                    self.history.info(process, "subscription", queue=spec.name, error=_error_text(error),
+                                      retriable=error.retriable)
+                    if not error.retriable:
+                        return _error_text(error)
+                    await asyncio.sleep(error_pause_s)
+                    error_pause_s = min(2 * error_pause_s, PUSH_ERROR_PAUSE_MAX_S)
+                    continue
+                error_pause_s = ERROR_PAUSE_S
+                await self._take_one(spec, process, node, message)
+            return None
+        finally:
+            if next_message is not None:
+                next_message.cancel()
+                await asyncio.gather(next_message, return_exceptions=True)
+
+    async def _take_one(self, spec: QueueSpec, process: str, node: str, message: Message) -> None:
+        operation = self.history.invoke(process, "receive", spec.name, node=node)
+        self.history.complete(operation, "ok", messages=[self._message_view(message, "push")])
+        if spec.push_hold_s:
+            await asyncio.sleep(spec.push_hold_s)
+        await self.finish(process, message, "ack")
 
     async def stop_workers(self, tasks: list[asyncio.Task[None]]) -> None:
         """Workers finish the operation they are in (bounded), then stop."""

@@ -1,5 +1,5 @@
-"""The chaos runner's pure parts: the history checker on hand-made histories, the scenario
-files and the seeded fault schedule."""
+"""The chaos runner's pure parts: the history checker on hand-made histories (safety and
+liveness), the scenario files and the seeded fault schedule."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,8 @@ import pytest
 
 from chaos import checker
 from chaos.history import History, payload_for, tag_of
-from chaos.nemesis import FAULT_KINDS, Fault, FaultSpec, plan
+from chaos.liveness import LIVENESS_STALL_MAX_S
+from chaos.nemesis import FAULT_KINDS, RESTART_NOW_DELAY_MAX_S, Fault, FaultSpec, plan
 from chaos.scenario import available, load_scenario, parse_scenario
 
 
@@ -27,10 +28,12 @@ class Recorder:
                              "priority": priority, "t_invoke": t[0], "t_complete": t[1], "process": "p"})
 
     def receive(self, messages: list[tuple[int, str, int]], t: tuple[float, float], node: str = "n1",
-                queue: str = "q", priority: int = 4, via: str = "poll") -> None:
+                queue: str = "q", priority: int = 4, via: str = "poll", process: str | None = None) -> None:
         self.entries.append({"op": "receive", "queue": queue, "status": "ok", "t_invoke": t[0], "t_complete": t[1],
                              "messages": [{"id": i, "tag": tag, "deliveries": d, "priority": priority, "node": node,
                                            "via": via} for i, tag, d in messages]})
+        if process is not None:
+            self.entries[-1]["process"] = process
 
     def ack(self, message_id: int, status: str, t: tuple[float, float], node: str = "n1", queue: str = "q",
             deliveries: int | None = None) -> None:
@@ -378,3 +381,155 @@ def test_a_latest_channel_is_judged_per_subscriber() -> None:
                       "t_invoke": 8, "t_complete": 8}]
     assert checker.check(bad, {})["violation_counts"] == {"older_value": 1, "stale_at_end": 1,
                                                           "unexpected_value": 1}
+
+
+# --- liveness (chaos/liveness.py) ---------------------------------------------------------------------
+PRODUCE_EVERY_S = 0.5
+TAKE_AFTER_S = 0.1
+
+
+def info(op: str, process: str, t: float, **fields: Any) -> dict[str, Any]:
+    return {"op": op, "process": process, "status": "info", "t_invoke": t, "t_complete": t, **fields}
+
+
+def fault(began: float, healed: float, name: str) -> list[dict[str, Any]]:
+    """A fault as the nemesis records it: the start record follows its first effect."""
+    return [info("nemesis", "nemesis", began + 0.05, event="start", kind="kill-restart-now", fault=name,
+                 began_s=began),
+            info("nemesis", "nemesis", healed, event="stop", kind="kill-restart-now", fault=name, healed_s=healed)]
+
+
+def worker(process: str, role: str, start: float, stop: float) -> list[dict[str, Any]]:
+    return [info("worker", process, start, queue="q", role=role, event="start"),
+            info("worker", process, stop, queue="q", role=role, event="stop")]
+
+
+def steady_run(consumer_down: tuple[float, float] | None, faults: list[tuple[float, float]],
+               until_s: float = 40.0) -> Recorder:
+    """Producer `p` enqueues a message every PRODUCE_EVERY_S until `until_s`; push consumer `s`
+    takes each TAKE_AFTER_S after its enqueue, except while it is down: then it takes them when
+    it comes back, or never (the drain after the run takes them)."""
+    history = Recorder()
+    history.entries += worker("p", "producer", 0.0, until_s) + worker("s", "consumer", 0.0, until_s)
+    for number, (began, healed) in enumerate(faults):
+        history.entries += fault(began, healed, f"f{number}")
+    for number in range(int(until_s / PRODUCE_EVERY_S)):
+        enqueued = number * PRODUCE_EVERY_S
+        history.enqueue(f"m{number}", "ok", (enqueued, enqueued + 0.02), number + 1)
+        taken = enqueued + TAKE_AFTER_S
+        if consumer_down is not None and consumer_down[0] <= taken < consumer_down[1]:
+            taken = consumer_down[1] + number * 0.001
+        if taken < until_s:
+            history.receive([(number + 1, f"m{number}", 1)], (taken, taken), via="push", process="s")
+        else:
+            history.receive([(number + 1, f"m{number}", 1)], (until_s + 5, until_s + 5.1), process="drain")
+            history.entries[-1]["phase"] = "drain"
+    history.entries.sort(key=lambda entry: entry["t_complete"])
+    return history
+
+
+def test_a_consumer_that_stalls_after_a_fault_heals_makes_the_run_invalid() -> None:
+    history = steady_run(consumer_down=(10.0, 60.0), faults=[(10.0, 12.0)])
+    result = verdict(history)
+    assert result["violation_counts"] == {"liveness_stall": 1}, result["violations"]
+    stall = result["liveness"]["invalidating"][0]
+    assert (stall["process"], stall["role"], stall["after_heal_at"]) == ("s", "consumer", 12.0)
+    assert stall["stall_from"] == pytest.approx(10.0, abs=0.2) and stall["stall_to"] == 40.0
+    assert stall["outside_faults_s"] == pytest.approx(28.0)
+    clients = result["liveness"]["clients"]
+    assert clients["s"]["longest_stall_s"] == pytest.approx(30.0, abs=0.2)
+    assert clients["p"]["longest_stall_s"] < 1.0 and clients["p"]["role"] == "producer"
+    assert result["liveness"]["fault_windows"] == [[10.0, 12.0]]
+
+
+def test_a_stall_inside_a_fault_or_ending_within_the_limit_after_its_heal_is_fine() -> None:
+    inside = verdict(steady_run(consumer_down=(10.0, 19.0), faults=[(9.8, 19.5)]))
+    assert inside["valid"], inside["violations"]
+    assert inside["liveness"]["clients"]["s"]["longest_stall_s"] == pytest.approx(9.0, abs=0.3)
+    soon_after = steady_run(consumer_down=(10.0, 12.0 + LIVENESS_STALL_MAX_S - 1), faults=[(10.0, 12.0)])
+    assert verdict(soon_after)["valid"]
+    overlapping = steady_run(consumer_down=(10.0, 24.0), faults=[(10.0, 15.0), (14.0, 20.0)])
+    assert verdict(overlapping)["valid"]            # two faults, one window: 4 s after the last heal
+    too_late = steady_run(consumer_down=(10.0, 12.0 + LIVENESS_STALL_MAX_S + 1), faults=[(10.0, 12.0)])
+    assert verdict(too_late)["violation_counts"] == {"liveness_stall": 1}
+    quiet = steady_run(consumer_down=(20.0, 27.0), faults=[(5.0, 8.0)])
+    assert verdict(quiet)["liveness"]["invalidating"][0]["after_heal_at"] is None    # a stall in quiet time
+    relaxed = checker.check(quiet.entries, {"q": "full"}, liveness_stall_max_s=10.0)
+    assert relaxed["valid"], relaxed["violations"]
+
+
+def test_a_consumer_with_no_work_is_never_stalled() -> None:
+    """An idle queue is no stall; nor are messages another consumer takes at once: they were
+    never left waiting for this one."""
+    history = Recorder()
+    history.entries += worker("s", "consumer", 0.0, 60.0) + worker("c", "consumer", 0.0, 60.0)
+    history.enqueue("a", "ok", (0.0, 0.1), 1)
+    history.entries[-1]["process"] = "once"         # a producer that enqueued once
+    history.receive([(1, "a", 1)], (0.2, 0.2), via="push", process="s")
+    for number in range(2, 40):                     # from 20 s on, consumer c takes each at once
+        enqueued = 18.0 + number
+        history.enqueue(f"m{number}", "ok", (enqueued, enqueued + 0.05), number)
+        history.receive([(number, f"m{number}", 1)], (enqueued + 0.1, enqueued + 0.2), process="c")
+    result = verdict(history)
+    assert result["valid"], result["violations"]
+    assert result["liveness"]["clients"]["s"]["longest_stall_s"] < 0.2
+
+
+def test_a_message_pushed_to_another_consumer_is_no_work_for_this_one_but_its_own_buffer_is() -> None:
+    history = Recorder()
+    history.entries += worker("s1", "consumer", 0.0, 30.0) + worker("s2", "consumer", 0.0, 30.0)
+    history.enqueue("a", "ok", (0.0, 0.1), 1)
+    history.enqueue("b", "ok", (0.0, 0.1), 2)
+    history.receive([(1, "a", 1)], (20.0, 20.0), via="push", process="s1")     # in s1's buffer for 20 s
+    history.receive([(2, "b", 1)], (20.5, 20.5), via="push", process="s1")
+    clients = checker.check(history.entries, {"q": "full"})["liveness"]["clients"]
+    assert clients["s1"]["longest_stall_s"] == pytest.approx(19.9)
+    assert clients["s2"]["longest_stall_s"] == 0.0
+
+
+def test_a_producer_that_cannot_enqueue_long_after_a_heal_stalls() -> None:
+    history = Recorder()
+    history.entries += worker("p", "producer", 0.0, 40.0) + fault(10.0, 12.0, "f1")
+    for number in range(20):                         # every 0.5 s until 10 s
+        history.enqueue(f"m{number}", "ok", (number / 2, number / 2 + 0.01), number + 1)
+    for number, at in enumerate((10.0, 18.0, 26.0)):  # then each times out
+        history.enqueue(f"late{number}", "unknown", (at, at + 8.0))
+    result = verdict(history)
+    stall = result["liveness"]["invalidating"][0]
+    assert (stall["process"], stall["role"], stall["after_heal_at"]) == ("p", "producer", 12.0)
+    assert stall["stall_s"] == pytest.approx(30.49) and "liveness_stall" in result["violation_counts"]
+    history.enqueue("back", "ok", (15.0, 16.0), 21)   # enqueuing again 4 s after the heal
+    history.entries.append(info("worker", "p", 16.5, queue="q", role="producer", event="stop"))
+    history.entries = [e for e in history.entries if not (e["op"] == "worker" and e["t_complete"] == 40.0)]
+    assert "liveness_stall" not in verdict(history)["violation_counts"]
+
+
+def test_fault_windows_come_from_the_nemesis_records_and_an_unhealed_fault_ends_with_the_heal() -> None:
+    from chaos.liveness import fault_windows
+    entries = fault(5.0, 7.0, "f1") + [
+        info("nemesis", "nemesis", 10.0, event="error", kind="kill", fault="f2", began_s=9.5),
+        info("nemesis", "nemesis", 10.5, event="stop", kind="kill", fault="f2", healed_s=10.5),
+        info("nemesis", "nemesis", 20.0, event="start", kind="pause", fault="f3", began_s=19.9),
+        info("nemesis", "nemesis", 25.0, event="healed")]
+    assert fault_windows(entries) == [(5.0, 7.0), (9.5, 10.5), (19.9, 25.0)]
+
+
+def test_kill_restart_now_starts_the_node_again_within_half_a_second() -> None:
+    schedule = plan(FaultSpec(kinds=("kill-restart-now",), duration_s=(1, 20), quiet_s=(1, 2)), 60, random.Random(3))
+    assert schedule and all(0 <= item.fault.duration_s <= RESTART_NOW_DELAY_MAX_S for item in schedule)
+    assert Fault("kill-restart-now", 0.0).duration_s == 0.0
+    with pytest.raises(ValueError, match="within"):
+        Fault("kill-restart-now", 3.0)
+    for name in ("kill-restart", "combined"):
+        scenario = load_scenario(name)
+        assert "kill-restart-now" in scenario.nemesis.kinds
+        assert any(queue.push_hold_s and queue.push_consumers and not queue.consumers for queue in scenario.queues)
+
+
+def test_a_push_hold_needs_push_consumers_and_must_fit_in_the_lease() -> None:
+    held = {"name": "q", "push_consumers": 1, "push_hold_s": 0.25}
+    assert parse_scenario("ok", {"queues": [held]}).queues[0].push_hold_s == 0.25
+    for broken in ({**held, "push_consumers": 0}, {**held, "push_hold_s": 1.0}):
+        with pytest.raises(ValueError, match="push_hold_s"):
+            parse_scenario("broken", {"queues": [broken]})
+    assert parse_scenario("t", {"queues": [{"name": "q"}], "liveness_stall_max_s": 8}).liveness_stall_max_s == 8.0
