@@ -3,12 +3,16 @@
 Every node gets its own data directory under one root (the first is initialised with
 `qserver init`, the others `--join` it: same cluster secret and clients), a TOML file with the
 shared `[cluster]` tables, and a free port. Nothing here is used by a node itself.
+
+Every process a node had is remembered (`NodeRuns`) with whether the caller ended it, so a
+test's teardown can fail on a node that crashed or failed stop behind its clients' back.
 """
 from __future__ import annotations
 
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -17,6 +21,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +81,112 @@ def start_qserver(run_args: list[str], url: str, log_path: Path, timeout_s: floa
     raise RuntimeError(f"qserver did not start within {timeout_s}s (log: {log_path})")
 
 
+# What a node's log holds when something went wrong that its clients may never see: a Python
+# traceback (an error logged with its stack, or a crash), or a CRITICAL record, which only the
+# fail path writes (Engine.fail's "the engine failed", then qserver.failstop.stop_process's
+# "stopping the node:" before exit code 70).
+TRACEBACK_MARK = b"Traceback (most recent call last)"
+FAIL_STOP_MARK = b"stopping the node:"
+QUIET_LEVELS = (b"DEBUG", b"INFO")    # a stack logged on purpose (QSERVER_TEST_LOG_LEVEL=DEBUG) is no error
+LOG_RECORD_START = re.compile(rb"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ([A-Z]+) ", re.MULTILINE)
+LOG_EXCERPT_BYTES_MAX = 3000
+BAD_RECORDS_SHOWN_MAX = 3
+
+
+@dataclass(eq=False)
+class NodeRun:
+    """One process of a node: where its output begins in the node's log, whether the test
+    ended it on purpose and whether the test said it would end by itself."""
+    process: subprocess.Popen[bytes]
+    log_offset: int
+    ended_on_purpose: bool = False
+    exit_expected: bool = False
+
+
+class NodeRuns:
+    """Every process started for one node, so that teardown can tell a node the test killed or
+    stopped from one that died on its own (a crash or a fail-stop) and read each process's part
+    of the log: a test's clients talk to the nodes still up and would pass without noticing."""
+
+    def __init__(self, name: str, log_path: Path) -> None:
+        self.name, self.log_path = name, log_path
+        self.runs: list[NodeRun] = []
+
+    def start(self, run_args: list[str], url: str, ssl_context: ssl.SSLContext | None = None) -> subprocess.Popen[bytes]:
+        log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        process = start_qserver(run_args, url, self.log_path, ssl_context=ssl_context)
+        self.runs.append(NodeRun(process, log_offset))
+        return process
+
+    def end(self, process: subprocess.Popen[bytes], signal_number: int, timeout_s: float) -> int:
+        """Signal a process still running and wait for it; one that had already exited is
+        left as it was, exited by itself, and its code returned."""
+        if process.poll() is None:
+            for run in self.runs:
+                if run.process is process:
+                    run.ended_on_purpose = True
+            process.send_signal(signal_number)
+        return process.wait(timeout=timeout_s)
+
+    def expect_exit(self) -> None:
+        """The current process will exit by itself (a fail-stop the test provokes): its exit and
+        its fail path's records are not reported; the node's later processes still are."""
+        if not self.runs:
+            raise RuntimeError(f"{self.name} has no process to expect an exit of")
+        self.runs[-1].exit_expected = True
+
+    def problems(self) -> list[str]:
+        """One description per process that exited by itself and per log record holding a
+        traceback or a fail-stop (see _bad_records), except those the test expected."""
+        log = self.log_path.read_bytes() if self.log_path.exists() else b""
+        ends = [run.log_offset for run in self.runs[1:]] + [len(log)]
+        return [problem for run, end in zip(self.runs, ends, strict=True)
+                for problem in self._problems_of(run, log[run.log_offset:end])]
+
+    def _problems_of(self, run: NodeRun, log: bytes) -> list[str]:
+        """What went wrong in one process, given its part of the log; a burst of the same
+        error is summed up after the first few records (its first lines, once each)."""
+        name = f"{self.name} (pid {run.process.pid})"
+        found = []
+        code = run.process.poll()
+        if code is not None and not run.ended_on_purpose and not run.exit_expected:
+            found.append(f"{name} exited by itself with code {code}; the end of its log ({self.log_path}):\n"
+                         + _text(log[-LOG_EXCERPT_BYTES_MAX:]))
+        bad = _bad_records(log, fail_stop_expected=run.exit_expected)
+        found += [f"{name} logged {what} ({self.log_path}):\n{_text(record)}"
+                  for what, record in bad[:BAD_RECORDS_SHOWN_MAX]]
+        if len(bad) > BAD_RECORDS_SHOWN_MAX:
+            first_lines = dict.fromkeys(_text(LOG_RECORD_START.sub(rb"\1 ", record.split(b"\n", 1)[0]))
+                                        for _, record in bad)
+            found.append(f"{name} logged {len(bad) - BAD_RECORDS_SHOWN_MAX} more such records, among them:\n"
+                         + "\n".join(first_lines))
+        return found
+
+
+def _bad_records(log: bytes, *, fail_stop_expected: bool) -> list[tuple[str, bytes]]:
+    """The log records (a record runs to the start of the next) that are CRITICAL, or hold a
+    traceback and are not DEBUG or INFO (output outside logging, a crash's, has no level); the
+    fail path's CRITICAL records (their tracebacks included) pass when the test expected the
+    process to fail-stop."""
+    starts = [(match.start(), match.group(1)) for match in LOG_RECORD_START.finditer(log)]
+    if not starts or starts[0][0] != 0:
+        starts.insert(0, (0, b""))    # output before the first record (a crash before logging began)
+    found = []
+    for (start, level), end in zip(starts, [start for start, _ in starts[1:]] + [len(log)], strict=True):
+        record = log[start:end]
+        if level == b"CRITICAL":
+            if not fail_stop_expected:
+                what = "a fail-stop" if FAIL_STOP_MARK in record.split(b"\n", 1)[0] else "a critical error"
+                found.append((what, record[:LOG_EXCERPT_BYTES_MAX]))
+        elif TRACEBACK_MARK in record and level not in QUIET_LEVELS:
+            found.append(("a traceback", record[:LOG_EXCERPT_BYTES_MAX]))
+    return found
+
+
+def _text(data: bytes) -> str:
+    return data.decode(errors="replace")
+
+
 class LocalCluster:
     def __init__(self, root: Path, size: int, placement: dict[str, list[str]] | None = None,
                  settings: dict[str, object] | None = None, *, base_port: int | None = None,
@@ -97,6 +208,7 @@ class LocalCluster:
                                if voters is None or i <= voters}
         self.credentials_path = credentials_path or root / "admin-credentials.json"
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.runs = {node: NodeRuns(f"node {node}", root / f"{node}.log") for node in self.ids}
         self._restarts: dict[str, list[float]] = {}     # node -> when restart_exited started it
         self.left_down: set[str] = set()
         self.log_level = os.environ.get("QSERVER_TEST_LOG_LEVEL", "WARNING")
@@ -126,9 +238,9 @@ class LocalCluster:
     def start(self, node: str, *, wait: bool = True) -> None:
         """Start one node and wait for its /healthz (a node that exits raises with its log) and,
         unless `wait` is false, until it takes part in the cluster (see wait_ready)."""
-        self.processes[node] = start_qserver(
+        self.processes[node] = self.runs[node].start(
             ["--config", str(self.root / f"{node}.toml"), "--log-level", self.log_level], self.urls[node],
-            self.root / f"{node}.log", ssl_context=self.ssl_context)
+            ssl_context=self.ssl_context)
         if wait and len(self.processes) > len(self.ids) // 2:
             self.wait_ready([node])
 
@@ -194,9 +306,12 @@ class LocalCluster:
     def kill(self, node: str) -> None:
         """kill -9: nothing that was not committed survives."""
         process = self.processes.pop(node, None)
-        if process is not None and process.poll() is None:
-            process.send_signal(signal.SIGKILL)
-            process.wait(timeout=10)
+        if process is not None:
+            self.runs[node].end(process, signal.SIGKILL, timeout_s=10)
+
+    def stop(self, node: str) -> int:
+        """SIGTERM one node (an orderly stop: it hands its masters off first); its exit code."""
+        return self.runs[node].end(self.processes.pop(node), signal.SIGTERM, timeout_s=30)
 
     def wipe(self, node: str) -> None:
         """The node loses its disk: a fresh data directory that joins the same cluster."""
@@ -207,7 +322,17 @@ class LocalCluster:
     def stop_all(self) -> None:
         """SIGTERM every node (an orderly stop), then wait for each."""
         for node in list(self.processes):
-            process = self.processes.pop(node)
-            if process.poll() is None:
-                process.terminate()
-                process.wait(timeout=30)
+            self.stop(node)
+
+    def kill_all(self) -> None:
+        for node in list(self.processes):
+            self.kill(node)
+
+    def expect_exit(self, node: str) -> None:
+        """The node's current process will exit by itself: see NodeRuns.expect_exit."""
+        self.runs[node].expect_exit()
+
+    def problems(self) -> list[str]:
+        """Every node process that exited by itself, and every traceback or fail-stop in the
+        logs, that the test did not expect (see NodeRuns.problems)."""
+        return [problem for node in self.ids for problem in self.runs[node].problems()]

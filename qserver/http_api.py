@@ -85,6 +85,8 @@ async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamR
         raise
     except asyncio.CancelledError:
         raise
+    except ConnectionResetError:
+        raise       # the client hung up before its answer: aiohttp's handler logs one line (http_errors.py)
     except Exception:
         log.exception("unexpected error on %s %s", request.method, request.path)
         return error_response(QueueError(e.E_INTERNAL))

@@ -2,6 +2,7 @@
 including what aiohttp refuses itself before any handler runs."""
 from __future__ import annotations
 
+import logging
 from http import HTTPStatus
 
 from aiohttp import web
@@ -12,6 +13,7 @@ from aiohttp.web_response import StreamResponse
 from client.errors import E_BAD_REQUEST, E_INTERNAL, QueueError
 
 REASON_CHARS_MAX = 200
+log = logging.getLogger("qserver.http")
 
 
 def error_response(error: QueueError) -> web.Response:
@@ -26,7 +28,15 @@ class _EnvelopeRequestHandler(RequestHandler):
 
     def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> StreamResponse:
-        super().handle_error(request, status, exc, message)   # logs it; raises if an answer already began
+        if status < 500 or isinstance(exc, ConnectionResetError):
+            # A malformed request is bad input and a client that hung up (a node paused past its
+            # clients' patience answers them late) is an operating event: one line each, not
+            # the traceback aiohttp logs at ERROR, which any client could flood the log with.
+            log.info("refused a request from %s: %s", request.remote, message or exc or status)
+            if request.writer.output_size > 0:
+                raise ConnectionError("an answer had begun; the connection is dropped")
+        else:
+            super().handle_error(request, status, exc, message)   # logs it; raises if an answer already began
         reason = message or (str(exc) if exc is not None else "") or HTTPStatus(status).phrase
         error = QueueError(E_INTERNAL if status >= 500 else E_BAD_REQUEST, reason[:REASON_CHARS_MAX])
         response = error_response(error)

@@ -3,6 +3,13 @@
 `qnode` starts one node in a fresh data directory, initialised with `qserver init`, and
 gives its URL and the admin credentials file. It can be killed with SIGKILL and started
 again on the same data and port, which is how the restart tests crash it.
+
+Every fixture's teardown fails the test when one of its nodes exited by itself (a crash, or a
+fail-stop with code 70) or logged a traceback or a fail-stop, unless the test ended that
+process through these classes (kill, stop, wipe, stop_all) or said it expected the exit
+(`expect_exit`): the test's clients only talk to the nodes still up and would pass without
+noticing. These methods block (they wait for the process and poll /healthz): an async test
+calls them through `asyncio.to_thread`, so its clients see the node go down while it happens.
 """
 from __future__ import annotations
 
@@ -11,12 +18,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
 
-from qserver.devcluster import REPOSITORY, TEST_TLS_CA_ENV, TEST_TLS_ENV, LocalCluster, free_port, start_qserver
+from qserver.devcluster import REPOSITORY, TEST_TLS_CA_ENV, TEST_TLS_ENV, LocalCluster, NodeRuns, free_port
 from qserver.tls import make_tls_files
 
 TLS = os.environ.get(TEST_TLS_ENV) == "1"
@@ -40,35 +47,50 @@ class QNode:
         self.extra_args = extra_args or []
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path = data_dir / "qserver.log"
+        self.runs = NodeRuns(f"node {data_dir.name} at {self.url}", self.log_path)
         tls = ["--tls", "--tls-ca", os.environ[TEST_TLS_CA_ENV]] if TLS else []
         subprocess.run([sys.executable, "-m", "qserver", "init", "--data-dir", str(data_dir),
                         "--credentials", str(self.credentials_path), "--url", self.url, *tls],
                        check=True, capture_output=True, cwd=REPOSITORY)
 
     def start(self) -> None:
-        self.process = start_qserver(
+        self.process = self.runs.start(
             ["--data-dir", str(self.data_dir), "--port", str(self.port), "--log-level", "WARNING", *self.extra_args],
-            self.url, self.log_path)
+            self.url)
 
     def kill(self) -> None:
         """SIGKILL: no chance to flush anything that was not already committed."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(timeout=10)
+        if self.process is not None:
+            self.runs.end(self.process, signal.SIGKILL, timeout_s=10)
         self.process = None
 
     def stop(self) -> int:
         """SIGTERM: orderly shutdown; returns the exit code."""
         code = 0
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            code = self.process.wait(timeout=30)
+        if self.process is not None:
+            code = self.runs.end(self.process, signal.SIGTERM, timeout_s=30)
         self.process = None
         return code
 
     def restart(self) -> None:
         self.kill()
         self.start()
+
+    def expect_exit(self) -> None:
+        """The running process will exit by itself (a fail-stop the test provokes): teardown
+        does not report that exit or its fail-stop record (see NodeRuns.expect_exit)."""
+        self.runs.expect_exit()
+
+    def problems(self) -> list[str]:
+        return self.runs.problems()
+
+
+def fail_on_unexpected_ends(problems: Iterable[str]) -> None:
+    """Teardown's verdict: a node that died on its own or logged a traceback fails the test."""
+    found = list(problems)
+    if found:
+        pytest.fail("a node of this test exited by itself or logged an error:\n\n" + "\n\n".join(found),
+                    pytrace=False)
 
 
 @pytest.fixture
@@ -79,6 +101,7 @@ def qnode(tmp_path: Path) -> Iterator[QNode]:
         yield node
     finally:
         node.kill()
+    fail_on_unexpected_ends(node.problems())
 
 
 @pytest.fixture
@@ -95,6 +118,7 @@ def qnode_factory(tmp_path: Path) -> Iterator[object]:
     finally:
         for node in nodes:
             node.kill()
+    fail_on_unexpected_ends(problem for node in nodes for problem in node.problems())
 
 
 @pytest.fixture(autouse=True)
@@ -119,5 +143,5 @@ def qcluster_factory(tmp_path: Path) -> Iterator[object]:
         yield make
     finally:
         for cluster in clusters:
-            for node in list(cluster.processes):
-                cluster.kill(node)
+            cluster.kill_all()
+    fail_on_unexpected_ends(problem for cluster in clusters for problem in cluster.problems())

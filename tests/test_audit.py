@@ -35,6 +35,7 @@ from qserver.devcluster import REPOSITORY, LocalCluster, free_port
 from qserver.journal_export import columns_table, export_environment
 from replication import audit_checks as checks
 from replication.audit_checks import RECORD_COLUMNS, HistoryEnqueue, JournalRecord
+from tests.conftest import fail_on_unexpected_ends
 from tests.support import RawApi
 from tests.test_failover import wait_for
 
@@ -128,12 +129,12 @@ async def _scenario(cluster: LocalCluster, history: History) -> None:
             await message.ack()
         [dead] = await _until(lambda: client.receive("ledger.dlq", max_messages=5, wait_s=1))
         await dead.ack()
-        cluster.kill("n1")                        # master of orders: n2 is promoted
+        await asyncio.to_thread(cluster.kill, "n1")         # master of orders: n2 is promoted
         await _until(lambda: history.enqueue_raw(api["n2"], "orders", b"after-failover"))
     async with AsyncClient(cluster.urls["n2"], cluster.credentials_path) as promoted:
         for message in await promoted.receive("orders", max_messages=20, wait_s=2):
             await message.ack()
-        cluster.start("n1")                       # the old master returns as replica
+        await asyncio.to_thread(cluster.start, "n1")        # the old master returns as replica
         await history.enqueue(promoted, "orders", [f"after-return{i}".encode() for i in range(5)])
         await _converged(promoted, "orders")
 
@@ -167,8 +168,8 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealRun]:
         cluster.start_all()
         asyncio.run(_scenario(cluster, history))
     finally:
-        for node in list(cluster.processes):
-            cluster.kill(node)
+        cluster.kill_all()
+    fail_on_unexpected_ends(cluster.problems())
     journals = root / "journals"
     for node in cluster.ids:
         export_environment(root / "cluster" / node / "lmdb", str(journals))

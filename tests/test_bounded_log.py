@@ -100,11 +100,11 @@ async def test_a_dead_letter_taken_over_by_snapshot_is_served_by_the_new_master(
     async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as client:
         await client.create_queue("jobs", strength="full", max_deliveries=1)
         await client.enqueue_many("jobs", [b"poison", b"fine"])
-        cluster.wipe("n2")
+        await asyncio.to_thread(cluster.wipe, "n2")
         [poison] = await client.receive("jobs", max_messages=1, wait_s=1)
         assert poison.payload == b"poison"
         await poison.release()                    # its only delivery: dead-lettered
-        cluster.start("n2")
+        await asyncio.to_thread(cluster.start, "n2")
 
         async def in_sync() -> dict[str, Any] | None:
             stats = await client.queue_stats("jobs")
@@ -133,7 +133,7 @@ async def test_a_replica_killed_while_taking_a_snapshot_under_traffic_comes_back
             await client.enqueue_many("ledger", [payload] * 1000)
         # Consumed and acknowledged while the replica is away: its return is past the log's start.
         first = await client.receive("ledger", max_messages=1000, wait_s=1)
-        cluster.wipe("n2")
+        await asyncio.to_thread(cluster.wipe, "n2")
         await asyncio.gather(*(m.ack() for m in first))
         await client.enqueue_many("ledger", [payload] * 500)
         stop = asyncio.Event()
@@ -145,7 +145,7 @@ async def test_a_replica_killed_while_taking_a_snapshot_under_traffic_comes_back
                     await message.ack()
                 await asyncio.sleep(0.01)
         running = asyncio.create_task(traffic())
-        cluster.start("n2")
+        await asyncio.to_thread(cluster.start, "n2")
 
         async def receiving() -> bool:
             async with AsyncClient(cluster.urls["n2"], cluster.credentials_path) as replica:
@@ -154,9 +154,9 @@ async def test_a_replica_killed_while_taking_a_snapshot_under_traffic_comes_back
                 except Exception:
                     return False
         await wait_for(receiving, 30, "the returning replica to take a snapshot")
-        cluster.kill("n2")                                   # kill -9 in the middle of the transfer
+        await asyncio.to_thread(cluster.kill, "n2")          # kill -9 in the middle of the transfer
         await asyncio.sleep(0.5)
-        cluster.start("n2")
+        await asyncio.to_thread(cluster.start, "n2")
         await asyncio.sleep(2)
         stop.set()
         await running

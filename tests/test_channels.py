@@ -117,7 +117,7 @@ async def test_the_last_value_survives_a_failover_and_subscribers_follow_the_cha
             started = time.monotonic()
             resent = await wait_for_message(reader, 3.0)                # the resend interval
             assert (resent.id, resent.resent) == (kept, True) and time.monotonic() - started >= 0.5
-            cluster.kill(master)
+            await asyncio.to_thread(cluster.kill, master)
             deadline = time.monotonic() + 30
             while (await admin.typeof("state"))["master"] == master and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
@@ -129,7 +129,7 @@ async def test_the_last_value_survives_a_failover_and_subscribers_follow_the_cha
             while message.id != newer:
                 message = await wait_for_message(reader, 15.0)
             assert message.payload == b"v2"
-            cluster.start(master)
+            await asyncio.to_thread(cluster.start, master)
 
 
 def test_qctl_and_the_sync_client_run_a_channel(qcluster_factory: Any) -> None:
@@ -270,7 +270,7 @@ async def test_a_durable_subscription_survives_its_masters_death_and_is_read_by_
             got = await take(reader, 20)
             for message in got[:10]:
                 await message.ack()
-            cluster.kill(master)
+            await asyncio.to_thread(cluster.kill, master)
             # The unacknowledged half comes again from the new master (after the reader follows
             # the channel there); what was acknowledged does not.
             seen: list[int] = []
@@ -287,7 +287,7 @@ async def test_a_durable_subscription_survives_its_masters_death_and_is_read_by_
                 assert (await wait_for_message(thief)).id == published
                 await asyncio.sleep(0.3)
                 assert reader.poll() == []
-            cluster.start(master)
+            await asyncio.to_thread(cluster.start, master)
     # The journals prove it: every message of the subscription's backlog was acknowledged by it
     # or still waits for it, none trimmed before (durable_skipped), on every member.
     journals = cluster.root / "journals"
@@ -330,11 +330,11 @@ async def test_durable_subscriptions_reach_a_rebuilt_replica_in_its_snapshot(qcl
             await reader.subscribe("feed", durable="a")
             ids = [await producer.publish("feed", b"f%d" % n) for n in range(10)]
             got = await take(reader, 10)
-            cluster.wipe(replica)
+            await asyncio.to_thread(cluster.wipe, replica)
             for message in got[:4] + got[6:7]:                    # a floor, and one acked out of order
                 await message.ack()
             await reader.unsubscribe("feed")
-            cluster.start(replica)
+            await asyncio.to_thread(cluster.start, replica)
 
             async def in_sync() -> bool:
                 try:
@@ -345,7 +345,7 @@ async def test_durable_subscriptions_reach_a_rebuilt_replica_in_its_snapshot(qcl
             while not await in_sync() and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
             assert (await producer.queue_stats("channel:feed"))["snapshots_sent"] >= 1
-            cluster.kill(master)
+            await asyncio.to_thread(cluster.kill, master)
             deadline = time.monotonic() + 30
             while (await producer.typeof("feed"))["master"] != replica and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
@@ -355,4 +355,4 @@ async def test_durable_subscriptions_reach_a_rebuilt_replica_in_its_snapshot(qcl
                 assert [m.id for m in rest] == ids[4:6] + ids[7:]
                 [listed] = await again.subscriptions("feed")
                 assert (listed["floor"], listed["waiting"]) == (ids[3], 5)
-            cluster.start(master)
+            await asyncio.to_thread(cluster.start, master)

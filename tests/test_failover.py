@@ -75,7 +75,7 @@ async def test_killing_the_master_under_load_loses_no_acknowledged_message_and_e
         tasks = [asyncio.create_task(produce(w)) for w in range(8)] + [asyncio.create_task(watch_masters())]
         await asyncio.sleep(1.5)
         killed_at = time.monotonic()
-        cluster.kill("n1")
+        await asyncio.to_thread(cluster.kill, "n1")
         before = len(acknowledged)
 
         async def resumed() -> bool:
@@ -83,7 +83,7 @@ async def test_killing_the_master_under_load_loses_no_acknowledged_message_and_e
         await wait_for(resumed, 10.0, "writes on the new master")
         failover_s = time.monotonic() - killed_at
         await asyncio.sleep(1.0)
-        cluster.start("n1")                        # it rejoins as the replica
+        await asyncio.to_thread(cluster.start, "n1")          # it rejoins as the replica
         await asyncio.sleep(1.0)
         stop.set()
         await asyncio.gather(*tasks)
@@ -170,8 +170,8 @@ async def test_a_replica_asked_handoff_is_refused_when_the_master_does_not_accep
     # n1 refuses handoffs its replicas ask for; n2 accepts them.
     config = cluster.root / "n1.toml"
     config.write_text(config.read_text().replace("[node]\n", "[node]\naccept_replica_handoffs = false\n"))
-    cluster.kill("n1")
-    cluster.start("n1")
+    await asyncio.to_thread(cluster.kill, "n1")
+    await asyncio.to_thread(cluster.start, "n1")
     async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as client:
         await client.create_queue("strict")
         await client.create_queue("open")
@@ -308,7 +308,7 @@ async def test_draining_a_node_moves_everything_off_it_and_then_it_can_be_remove
             members = [(await map_of(cluster, node))["membership"] for node in ("n2", "n3")]
             return all(m["voters"] == ["n2", "n3"] and not m["learners"] for m in members)
         await wait_for(out_of_the_membership_layer, 10.0, "n1 removed from the Raft configuration")
-        cluster.kill("n1")
+        await asyncio.to_thread(cluster.kill, "n1")
         # The two voters left commit map changes on their own: a new queue, then a handoff.
         await client.create_queue("d", strength="full")
         handed = await client.handoff("c")
@@ -322,9 +322,7 @@ async def test_sigterm_hands_off_every_master_on_the_node_first(qcluster_factory
     async with AsyncClient(cluster.urls["n3"], cluster.credentials_path) as client:
         await client.create_queue("orders", strength="full")
         acknowledged = set(await client.enqueue_many("orders", [b"x"] * 50))
-        process = cluster.processes.pop("n1")
-        process.terminate()
-        process.wait(timeout=30)
+        await asyncio.to_thread(cluster.stop, "n1")
 
         async def handed_off() -> dict[str, Any] | None:      # n3's copy of the map follows soon
             entry: dict[str, Any] = (await map_of(cluster, "n3"))["queues"]["orders"]
@@ -344,13 +342,9 @@ async def test_the_last_node_of_a_stopping_cluster_does_not_wait_to_hand_off_to_
         await client.create_queue("orders", strength="full")
         await client.enqueue_many("orders", [b"x"] * 20)
     for node in ("n3", "n2"):
-        process = cluster.processes.pop(node)
-        process.terminate()
-        process.wait(timeout=30)
-    process = cluster.processes.pop("n1")
+        await asyncio.to_thread(cluster.stop, node)
     started = time.monotonic()
-    process.terminate()
-    assert process.wait(timeout=30) == 0
+    assert await asyncio.to_thread(cluster.stop, "n1") == 0
     assert time.monotonic() - started < 3.0
 
 
@@ -411,7 +405,7 @@ async def test_a_replica_node_down_longer_than_replica_replace_after_s_is_replac
     async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as client:
         await client.create_queue("orders", strength="full")
         acknowledged = set(await client.enqueue_many("orders", [b"x"] * 100))
-        cluster.kill("n2")
+        await asyncio.to_thread(cluster.kill, "n2")
         acknowledged |= set(await client.enqueue_many("orders", [b"y"] * 100))
 
         async def replaced() -> bool:
@@ -429,14 +423,14 @@ async def test_with_its_replica_out_of_sync_a_lost_master_leaves_the_queue_unava
     async with AsyncClient(cluster.urls["n3"], cluster.credentials_path) as client:
         await client.create_queue("orders", strength="full")
         await client.enqueue_many("orders", [b"both"] * 10)
-        cluster.kill("n2")
+        await asyncio.to_thread(cluster.kill, "n2")
         await client.enqueue_many("orders", [b"master only"] * 10)   # recorded out of sync first
 
         async def out_of_sync() -> bool:
             return not (await map_of(cluster, "n3"))["queues"]["orders"]["in_sync"]
         await wait_for(out_of_sync, 10.0, "the replica recorded out of sync")
-        cluster.kill("n1")
-        cluster.start("n2")
+        await asyncio.to_thread(cluster.kill, "n1")
+        await asyncio.to_thread(cluster.start, "n2")
         await asyncio.sleep(2.5)              # well past lease + margin: no failover happens
         entry = (await map_of(cluster, "n3"))["queues"]["orders"]
         assert entry["master"] == "n1" and entry["epoch"] == 1, entry
@@ -463,7 +457,8 @@ async def test_a_node_beyond_the_voters_follows_the_map_holds_members_and_takes_
         acknowledged = {name: set(await client.enqueue_many(name, [name.encode()] * 50)) for name in ("north", "south")}
         nodes = {n["id"]: n for n in (await map_of(cluster, "n4"))["nodes"]}
         assert nodes["n4"]["voter"] is False and nodes["n1"]["voter"] is True
-        cluster.kill("n1")           # a voter and south's master: two voters remain, south fails over to n4
+        # n1 is a voter and south's master: two voters remain, south fails over to n4
+        await asyncio.to_thread(cluster.kill, "n1")
 
         async def failed_over() -> bool:
             return (await map_of(cluster, "n4"))["queues"]["south"]["master"] == "n4"

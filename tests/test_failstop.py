@@ -44,6 +44,7 @@ def test_a_node_whose_storage_disagrees_with_its_memory_exits_with_code_70_and_r
     with SyncClient(qnode.url, qnode.credentials_path) as client:
         client.create_queue("jobs")
         client.enqueue("jobs", b"first")
+    qnode.expect_exit()                           # this process fail-stops; the next one must not
     env = lmdb.open(str(qnode.data_dir / "lmdb"), max_dbs=32, lock=True)   # LMDB's lock: a second writer
     try:
         assert delete_ready_rows(env) == 1
@@ -131,6 +132,7 @@ async def test_an_invariant_raised_in_a_commits_completion_stops_the_engine_inst
 
 def test_the_local_cluster_runner_starts_a_node_again_that_exited_by_itself(qcluster_factory: Any) -> None:
     cluster = qcluster_factory(3)
+    cluster.expect_exit("n3")                                  # killed behind the cluster's back
     cluster.processes["n3"].send_signal(signal.SIGKILL)       # as if it had failed stop
     cluster.processes["n3"].wait(timeout=10)
     assert cluster.restart_exited() == ["n3 exited with code -9: started again"]

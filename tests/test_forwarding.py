@@ -153,7 +153,7 @@ async def test_a_forward_moves_each_message_once_across_a_kill_of_the_source_mas
         # kill -9 of the source's master while messages cross: the forwarder restarts on n2
         producing = asyncio.get_running_loop().create_task(_produce(here, sent[200:]))
         await asyncio.sleep(0.3)
-        source_cluster.kill("n1")
+        await asyncio.to_thread(source_cluster.kill, "n1")
         await producing
         await drain(there, "collect", received, len(sent), timeout_s=90.0)
         stats = await until(lambda: _open_stats(here, "f1"), "the forwarder on the new master")

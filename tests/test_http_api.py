@@ -231,7 +231,7 @@ async def test_the_export_process_goes_when_its_node_is_killed(qnode, api: RawAp
     children = [int(pid) for pid in Path(f"/proc/{qnode.process.pid}/task/{qnode.process.pid}/children")
                 .read_text().split()]
     assert children, "the export ran in a child process"
-    qnode.kill()
+    await asyncio.to_thread(qnode.kill)
     deadline = time.monotonic() + 10
     while any(Path(f"/proc/{pid}").exists() and _state(pid) != "Z" for pid in children):
         assert time.monotonic() < deadline, f"export process {children} outlived its node"

@@ -263,9 +263,9 @@ async def test_a_member_whose_master_is_killed_mid_stream_loses_and_doubles_noth
         producer_task = asyncio.ensure_future(produce(300))
         while len(acknowledged) < 60:
             await asyncio.sleep(0.01)
-        cluster.kill("n1")                                     # the master of member a
+        await asyncio.to_thread(cluster.kill, "n1")          # the master of member a
         await asyncio.wait_for(producer_task, 120)
-        cluster.start("n1")
+        await asyncio.to_thread(cluster.start, "n1")
         assert not failed, failed[:3]
         held = {queue: collections.Counter(await drain(client, queue)) for queue in PLACEMENT}
         for queue, counts in held.items():

@@ -109,12 +109,12 @@ async def test_a_replica_killed_under_load_returns_through_state_transfer_identi
                     await asyncio.sleep(0.01)
         producers = [asyncio.create_task(produce()) for _ in range(4)]
         await asyncio.sleep(1.0)
-        cluster.kill("n2")
+        await asyncio.to_thread(cluster.kill, "n2")
         before_return = len(acknowledged)
         await asyncio.sleep(1.5)
         assert len(acknowledged) > before_return, "the master kept acknowledging alone (recorded out of sync)"
         assert (await stats(master, "orders"))["replication_state"] == "out_of_sync"
-        cluster.start("n2")
+        await asyncio.to_thread(cluster.start, "n2")
         await asyncio.sleep(1.0)
         stop.set()
         await asyncio.gather(*producers)
@@ -196,12 +196,12 @@ async def test_a_replica_that_lost_its_disk_takes_the_whole_queue_again(qcluster
         assert taken.payload == b"l0"
     # n2 loses its disk and, before it hears from n1 again, creates a queue of its own: its
     # local storage ids now differ from n1's, as they do between real nodes.
-    cluster.kill("n1")
-    cluster.wipe("n2")
-    cluster.start("n2")
+    await asyncio.to_thread(cluster.kill, "n1")
+    await asyncio.to_thread(cluster.wipe, "n2")
+    await asyncio.to_thread(cluster.start, "n2")
     async with AsyncClient(cluster.urls["n2"], cluster.credentials_path) as newcomer:
         await newcomer.create_queue("other")
-        cluster.start("n1")
+        await asyncio.to_thread(cluster.start, "n1")
         async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as master:
             await master.enqueue_many("ledger", [b"after"] * 10)
             # n1 restarted without a lease: the leader may fail its queues over to n2 as soon

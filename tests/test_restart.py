@@ -67,8 +67,8 @@ async def test_every_acknowledged_enqueue_survives_a_kill_9_and_none_is_stored_t
         tasks = [asyncio.create_task(producer(w)) for w in range(40)] + [asyncio.create_task(leaser())]
         await asyncio.sleep(1.5)
         before_kill = len(acknowledged)
-        qnode.kill()
-        qnode.start()
+        await asyncio.to_thread(qnode.kill)
+        await asyncio.to_thread(qnode.start)
         await asyncio.sleep(1.0)
         stop.set()
         await asyncio.wait_for(asyncio.gather(*tasks), 60)
@@ -88,8 +88,8 @@ async def test_leases_and_dedupe_ids_survive_a_restart(qnode) -> None:  # type: 
         await client.enqueue("durable", b"two")
         [leased] = await client.receive("durable", max_messages=1)
         assert leased.payload == b"once"
-        qnode.kill()
-        qnode.start()
+        await asyncio.to_thread(qnode.kill)
+        await asyncio.to_thread(qnode.start)
         assert await client.enqueue("durable", b"once", dedupe_id="order-1") == first
         [other] = await client.receive("durable", max_messages=5, wait_s=0.5)
         assert other.payload == b"two"
@@ -116,9 +116,9 @@ async def test_a_node_holding_a_million_messages_serves_right_after_restart(qnod
                 _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         await asyncio.gather(*pending)
         await client.enqueue("million", b"urgent", priority=9)
-        qnode.kill()
+        await asyncio.to_thread(qnode.kill)
         started = time.monotonic()
-        qnode.start()
+        await asyncio.to_thread(qnode.start)
         first = await receive_one_retrying(client, "million")
         serving_after_s = time.monotonic() - started
         assert first.payload == b"urgent"
@@ -139,8 +139,8 @@ async def test_a_message_dead_lettered_by_a_release_survives_a_restart(qnode) ->
         await client.enqueue_many("jobs", [b"poison", b"second"])
         [poison] = await client.receive("jobs", max_messages=1)
         await poison.release()                         # its only delivery: dead-lettered
-        qnode.kill()
-        qnode.start()
+        await asyncio.to_thread(qnode.kill)
+        await asyncio.to_thread(qnode.start)
         [dead] = (await receive_one_retrying(client, "jobs.dlq"),)
         assert dead.payload == b"poison"
         [second] = await client.receive("jobs", max_messages=1, wait_s=1)

@@ -1,6 +1,8 @@
 """A node whose storage cannot grow refuses writes with E_STORAGE_FULL and loses nothing."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from client import AsyncClient, QueueError
@@ -12,7 +14,7 @@ async def test_a_full_disk_refuses_enqueues_keeps_what_was_stored_and_goes_on_se
     config = tmp_path / "small.toml"
     config.write_text("[node]\nmap_size_bytes = 1048576\nmap_size_max_bytes = 2097152\nbody_bytes_max = 65536\n")
     node = qnode_factory("small", ["--config", str(config)])
-    node.start()
+    await asyncio.to_thread(node.start)
     async with AsyncClient(node.url, node.credentials_path) as client:
         await client.create_queue("big")
         stored: list[int] = []
@@ -31,8 +33,8 @@ async def test_a_full_disk_refuses_enqueues_keeps_what_was_stored_and_goes_on_se
             assert message.id == expected and message.payload == bytes([(expected - 1) % 256]) * 60_000
             await message.ack()
         assert (await client.queue_stats("big"))["depth"] == len(stored) - 5
-    node.kill()
-    node.start()
+    await asyncio.to_thread(node.kill)
+    await asyncio.to_thread(node.start)
     async with AsyncClient(node.url, node.credentials_path) as client:
         assert (await client.queue_stats("big"))["depth"] == len(stored) - 5
 

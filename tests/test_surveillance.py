@@ -257,7 +257,7 @@ async def test_states_survive_a_failover_and_a_defunct_recipient_is_dropped(qclu
         first = await admin.enqueue("quotes", b"q0")
 
         await until_state(admin, "fault", "quoter")
-        cluster.kill("n1")                                       # the master of quotes
+        await asyncio.to_thread(cluster.kill, "n1")          # the master of quotes
         assert (await states(admin))["quoter"] == "fault"
         for n in range(1, 4):
             await admin.enqueue("quotes", b"q%d" % n)
@@ -271,7 +271,7 @@ async def test_states_survive_a_failover_and_a_defunct_recipient_is_dropped(qclu
         status = await admin.message_status("quotes", last, wait_s=20, until="replied")
         assert status["state"] == "replied" and json.loads(base64.b64decode(status["reply_b64"]))["returned"] is True
         assert first < last
-        cluster.start("n1")
+        await asyncio.to_thread(cluster.start, "n1")
     # The journals of the moves and state changes audit clean (the `recipient` records are events).
     journals = cluster.root / "journals"
     for node in cluster.ids:

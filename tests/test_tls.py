@@ -18,6 +18,7 @@ from client.credentials import load_credentials
 from client.http import HttpClient
 from client.qctl import main as qctl
 from qserver.tls import make_tls_files
+from tests.conftest import fail_on_unexpected_ends
 
 pytestmark = pytest.mark.asyncio
 
@@ -30,8 +31,8 @@ def tls_cluster(tmp_path: Path) -> Any:
     try:
         yield cluster
     finally:
-        for node in list(cluster.processes):
-            cluster.kill(node)
+        cluster.kill_all()
+    fail_on_unexpected_ends(cluster.problems())
 
 
 async def test_a_tls_cluster_replicates_and_serves_its_clients_over_tls(tls_cluster: Any) -> None:
