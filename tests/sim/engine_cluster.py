@@ -247,9 +247,18 @@ class SimNode:
     async def crash(self) -> None:
         """kill -9: uncommitted batches and owed answers are gone; the peers see the links
         drop and the membership group goes on without this node."""
+        engine = self.kill()
+        if engine is not None:
+            await self.bury(engine)
+
+    def kill(self) -> Engine | None:
+        """The moment of kill -9, the synchronous first part of `crash`: from here the engine
+        runs no further step, its disk forgets what it was not done writing, and it sends
+        nothing more. A scenario that must kill at an exact point (between a batch's write and
+        the engine learning of it) calls this there, then awaits `bury`. None: not running."""
         engine, self.engine = self.engine, None
         if engine is None:
-            return
+            return None
         self.boots += 1         # what was on its way to the dead engine is dropped
         self._paused_wake = None
         engine.pairs.send = lambda peer, data: False
@@ -262,10 +271,15 @@ class SimNode:
             self.membership = None
         if engine._timer is not None:
             engine._timer.cancel()
-        task = engine._task
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        if engine._task is not None:
+            engine._task.cancel()
+        return engine
+
+    async def bury(self, engine: Engine) -> None:
+        """What follows a kill: the dead task ends, the answers it owed are never given, and
+        the peers see the links drop."""
+        if engine._task is not None:
+            await asyncio.gather(engine._task, return_exceptions=True)
         for future in self.outstanding:
             future.cancel()
         self.sim.history.unanswered += len(self.outstanding)
