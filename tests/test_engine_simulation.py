@@ -260,8 +260,19 @@ def test_the_check_of_one_acknowledging_master_catches_a_master_that_ignores_its
     """The check is not idle: a master that goes on past its lease (on clocks that drift) is
     seen acknowledging while the master promoted after it does too."""
     monkeypatch.setattr(Coordinator, "lease_valid", lambda self: True)
-    caught = [seed for seed in FIXED_SEEDS if EngineSimulation(seed, Strength.PRODUCER).run().history.two_acknowledging]
-    assert len(caught) >= 2, f"only seeds {caught} of {FIXED_SEEDS} caught it"
+    # Whether a seed's run catches it depends on the timing the hash seed gives set iteration
+    # (PYTHONHASHSEED 1 caught it in one of the first 12 seeds, in 23 of the first 60): seeds
+    # are tried until two caught it, within a bound.
+    caught: list[int] = []
+    for seed in range(SEEDS_TO_CATCH_MAX):
+        if EngineSimulation(seed, Strength.PRODUCER).run().history.two_acknowledging:
+            caught.append(seed)
+            if len(caught) == 2:
+                return
+    raise AssertionError(f"only seeds {caught} of the first {SEEDS_TO_CATCH_MAX} caught it")
+
+
+SEEDS_TO_CATCH_MAX = 40
 
 
 @pytest.mark.timeout(30)
