@@ -32,6 +32,10 @@ class NodeConfig:
     body_bytes_max: int = 1 << 20          # largest message or JSON body accepted
     map_size_bytes: int = 1 << 30          # initial LMDB map; grows by doubling
     map_size_max_bytes: int = 1 << 40
+    # Free disk kept for what must never be refused for lack of space: acknowledgements and
+    # deletes (they give space back), the membership layer's writes. Below it this node
+    # refuses new messages (E_STORAGE_FULL) and its replicas stop taking their masters' streams.
+    disk_reserve_bytes: int = 64 << 20
     inbox_commands_max: int = 200_000
     batch_operations_max: int = 20_000     # commands stepped per turn of the engine
     commit_early_operations: int = 256     # an idle writer takes a batch this big without waiting
@@ -91,6 +95,8 @@ class NodeConfig:
             problems.append("node_id must start with a letter (ids are logical, never addresses)")
         if self.map_size_bytes > self.map_size_max_bytes:
             problems.append("map_size_bytes exceeds map_size_max_bytes")
+        if self.disk_reserve_bytes < 0:
+            problems.append("disk_reserve_bytes must not be negative")
         if self.body_bytes_max * 4 > self.map_size_max_bytes:
             problems.append("map_size_max_bytes must hold at least four maximal messages")
         if self.batch_operations_max > self.inbox_commands_max:

@@ -61,12 +61,12 @@ from qserver.forwarding import (
 from qserver.membership import Membership
 from qserver.metrics import Histogram
 from qserver.pairs import OUTCOME_UNKNOWN, ClusterView, PairDriver, Redirect
-from qserver.storage import CommitResult, MapGrowthNeeded, SealedBatch, Storage, StorageFull
+from qserver.storage import CommitResult, MapGrowthNeeded, SealedBatch, Storage, StorageFull, StorageSpace
 from replication.cluster_map import CreateQueue, DeleteQueue, QueueEntry, choose_pair
 from replication.cluster_map import PutClient as MapPutClient
 from replication.invariants import InvariantViolation
 from replication.master import ReplicationLimits
-from replication.operations import DeadLettered, Leased, Operation, SubscriptionDropped, SubscriptionOpened
+from replication.operations import DeadLettered, Enqueued, Leased, Operation, SubscriptionDropped, SubscriptionOpened
 from replication.options import (
     DEAD_LETTER_SUFFIX,
     OptionError,
@@ -87,6 +87,17 @@ log = logging.getLogger("qserver.engine")
 TERMINAL_STATES = frozenset({"acked", "replied", "dead_lettered", "purged", "expired"})
 REPLICATION_TICK_MS = 50    # how often replication roles check lag, resends and retries
 PURGE_STEP_MAX = 5_000      # messages a purge takes out per engine turn (a few ms of work)
+SPACE_CHECK_INTERVAL_MS = 100   # how often the storage's room is looked at (a few stat calls)
+# Within this of the reserve, what each batch writes is counted against the room last measured,
+# so a fast producer does not run 100 ms of writes past the line (twice its payloads: rows,
+# indices and copied pages come with them).
+SPACE_COUNTED_BYTES = 256 << 20
+SPACE_RESUME_BYTES = 1 << 20    # room beyond the reserve before a full node takes new messages again
+# After a write found no room, the node takes new data again no sooner than this, doubling while
+# writes keep failing soon after it resumes (a replica whose disk cannot hold its master's state
+# would otherwise start over every few hundred milliseconds), and back to the first once none has
+# failed for FULL_HOLD_RESET_MS.
+FULL_HOLD_INITIAL_MS, FULL_HOLD_MAX_MS, FULL_HOLD_RESET_MS = 1_000, 30_000, 120_000
 
 
 def _refuse(command: c.Command, error: QueueError) -> None:
@@ -152,6 +163,7 @@ class OpenBatch:
     # position in replies / pushes -> (queue name, ordering index required).
     holds: dict[int, tuple[str, int]] = field(default_factory=dict)
     push_holds: dict[int, tuple[str, int]] = field(default_factory=dict)
+    write_holds: set[int] = field(default_factory=set)     # positions in replies of enqueues' answers
 
     def empty(self) -> bool:
         s = self.sealed
@@ -254,6 +266,17 @@ class Engine:
         self.batch_operations = Histogram("qserver_commit_batch_operations", "operations per commit",
                                           [1, 2, 5, 10, 50, 100, 500, 1000, 5000, 20000])
         self.rejected = collections.Counter[str]()
+        # Why new messages are refused with E_STORAGE_FULL (None: there is room; see _check_space).
+        self.storage_full: str | None = None
+        self.space: StorageSpace | None = None          # as last looked at
+        self._map_full = False                          # a write found the map at its limit
+        self._resume_bytes = SPACE_RESUME_BYTES         # room beyond the reserve to take messages again
+        self._next_space_check_ms = 0
+        self._written_since_measured = 0                # estimated bytes committed since `space`
+        self._full_until_ms = 0                         # no room before then (see FULL_HOLD_INITIAL_MS)
+        self._full_hold_ms = FULL_HOLD_INITIAL_MS
+        self._last_found_full_ms: int | None = None
+        self.batches_abandoned = 0
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -361,6 +384,7 @@ class Engine:
                 self._run_timed_steps(now_ms, mono_ms)
                 self._serve(now_ms)
                 self._expire_waiters(mono_ms)
+                self._check_space(mono_ms)
             finally:
                 self.storage.end_read()
             if mono_ms >= self._next_housekeeping_ms:
@@ -433,6 +457,8 @@ class Engine:
         if required:
             for position in range(reply_mark, len(batch.replies)):
                 batch.holds.setdefault(position, (queue, required))
+            if type(command) in WRITES:
+                batch.write_holds.update(range(reply_mark, len(batch.replies)))
         return True
 
     def _step_local(self, command: c.Command, now_ms: int) -> None:
@@ -458,6 +484,7 @@ class Engine:
             raise QueueError(E_NOT_MASTER, f"subscribe to {queue} at its master {self.pairs.masters_hint(queue)}")
         if type(command) not in WRITES and not full:
             return False
+        self.pairs.refuse_forward_when_full(queue)
         self.pairs.forward(queue, forwarded_request(command), answer_from_master(command))
         return True
 
@@ -628,7 +655,15 @@ class Engine:
     def _touch(self, core: QueueCore) -> None:
         self._open.touched[core.name] = core
 
+    def _refuse_when_full(self) -> None:
+        """New messages are refused before anything is decided while the storage is full: in a
+        pair nothing reaches the replica that this member might not store."""
+        if self.storage_full is not None:
+            raise QueueError(E_STORAGE_FULL, f"the storage of node {self.config.node_id} is full ({self.storage_full}); "
+                                             "nothing was stored")
+
     def _step_enqueue(self, command: c.Enqueue, now_ms: int) -> None:
+        self._refuse_when_full()
         core = self._core(command.queue)
         batch = self._open
         index, _ = core.enqueue(command.payload, command.priority, command.dedupe_id, command.client,
@@ -643,6 +678,7 @@ class Engine:
         self._to_serve.add(core.name)
 
     def _step_enqueue_many(self, command: c.EnqueueMany, now_ms: int) -> None:
+        self._refuse_when_full()
         core = self._core(command.queue)
         batch = self._open
         payloads, dedupe_ids = command.payloads, command.dedupe_ids or (None,) * len(command.payloads)
@@ -1248,6 +1284,7 @@ class Engine:
         sealed.dedupe_window_ms = int(self.config.dedupe_window_s * 1000)
         sealed.status_retention_ms = int(self.config.status_retention_s * 1000)
         self.pairs.before_commit(sealed.operations, sealed.oplog_rows, self.monotonic_ms())
+        self._count_written(sealed)
         sealed.log_floors = self.pairs.log_floors()
         sealed.replica_queue_ids = {role.core.queue_id for role in self.pairs.replicas.values()}
         for name, core in batch.touched.items():
@@ -1297,6 +1334,10 @@ class Engine:
             return
         except InvariantViolation:
             raise               # the writer found storage and memory apart: no retry, no rebuild
+        except StorageFull as error:    # an operating error: nothing was stored
+            self._committing = None
+            self._abandon(batch, error)
+            return
         except Exception as error:  # an LMDB failure (I/O): nothing was stored
             log.exception("commit failed")
             self._committing = None
@@ -1317,16 +1358,20 @@ class Engine:
         self._release(batch, result.payloads, result.headers)
         self._wake.set()
 
+    def grow_storage(self) -> None:
+        """Grow the LMDB map (loop thread), or raise StorageFull. Between two of the writer's
+        jobs: LMDB refuses to resize the map while a write transaction is active, and the
+        membership layer's writes and journal prunes share the writer with the commits (one of
+        them running here left a batch committing for ever: the engine answered nothing more
+        and could not stop). The membership layer calls it for a Raft write that found the map full."""
+        self.storage.end_read()
+        with self._writer.lock:
+            size = self.storage.grow_map()
+        log.info("storage map grown to %d bytes", size)
+
     def _grow_and_retry(self, batch: OpenBatch) -> None:
         try:
-            self.storage.end_read()
-            # Between two of the writer's jobs: LMDB refuses to resize the map while a write
-            # transaction is active, and the membership layer's writes and journal prunes share
-            # the writer with the commits (one of them running here left this batch committing
-            # for ever: the engine answered nothing more and could not stop).
-            with self._writer.lock:
-                size = self.storage.grow_map()
-            log.info("storage map grown to %d bytes", size)
+            self.grow_storage()
         except Exception as error:     # StorageFull, or LMDB's refusal: nothing was stored
             if not isinstance(error, StorageFull):
                 log.exception("growing the storage map failed")
@@ -1336,21 +1381,141 @@ class Engine:
         self._submit_commit(batch.sealed)
 
     def _abandon(self, batch: OpenBatch, error: Exception) -> None:
-        """A batch could not be stored. Its commands, and those stepped on top of it, fail;
-        the cores are rebuilt from storage, which still holds exactly what was committed."""
-        refusal = (QueueError(E_STORAGE_FULL, str(error)) if isinstance(error, StorageFull)
-                   else QueueError(E_INTERNAL, f"storage failure: {error}"))
+        """A batch could not be stored. Its commands, and those stepped on top of it, fail; the
+        queues they touched are rebuilt from storage, which still holds exactly what was
+        committed (the others, and their roles, go on as they are). Storage found full refuses
+        new messages from now on, until there is room again (_check_space)."""
+        self.batches_abandoned += 1
+        if isinstance(error, StorageFull):
+            self._found_full(batch, error)
         later, self._open = self._open, OpenBatch()
         for failed in (batch, later):
-            for replier, request_id, _ in failed.replies:
-                replier.fail(request_id, refusal)
+            for position, (replier, request_id, _) in enumerate(failed.replies):
+                # The lost batch's replicated operations went to the replicas, which may store them.
+                replier.fail(request_id, _refusal(error, streamed=failed is batch and position in failed.holds))
             for subscription, _, leased in failed.pushes:
                 subscription.credit += len(leased)
         if isinstance(error, InvariantViolation):
             raise error
-        self._load()
+        self._reload(batch, later)
         self._to_serve.update(self.cores)
         self._wake.set()
+
+    def _reload(self, *lost: OpenBatch) -> None:
+        """Rebuild from storage the queues the lost batches touched (records and leases, as at a
+        start, with their dead-letter partners), and give each its role again (PairDriver.reload)."""
+        names: set[str] = set()
+        reached: set[int] = set()           # queue ids whose op log, snapshot or suffix they wrote
+        for failed in lost:
+            sealed = failed.sealed
+            names.update(failed.touched)
+            names.update(name for name, _ in sealed.deleted_queues)
+            reached.update(row[0] for row in sealed.oplog_rows)
+            reached.update(row[0] for row in sealed.snapshot_rows)
+            reached.update(row[0] for row in sealed.snapshot_installs)
+            reached.update(queue_id for queue_id, _ in sealed.truncations)
+        names |= {dead_letter_name(base) for base in map(_base_name, names)} | set(map(_base_name, names))
+        stored = {record.name: record for record in self.storage.load_queue_records() if record.name in names}
+        for name in names:
+            old = self.cores.pop(name, None)
+            record = stored.get(name)
+            if record is not None:
+                self.cores[name] = self._new_core(record, self.storage.load_leases(record.queue_id))
+            elif old is not None:
+                self._drop_queue_listeners(name)         # created in the lost batch: never stored
+        for name in names:
+            core = self.cores.get(name)
+            if core is not None and not name.endswith(DEAD_LETTER_SUFFIX):
+                core.dead_letter_core = self.cores.get(dead_letter_name(name))
+        mono_ms = self.monotonic_ms()
+        for name in sorted(names):           # a queue before its dead-letter queue
+            self.pairs.reload(name, self.cores.get(name), reached, mono_ms)
+        self.pairs.release_committed()
+        self.storage.end_read()
+        self.clients = self.storage.load_clients()
+        self._next_queue_id = self.storage.next_queue_id()
+
+    # --- room in storage -------------------------------------------------------------------
+    def _found_full(self, batch: OpenBatch, error: StorageFull) -> None:
+        """A write found no room: refuse new messages now. Taken again once the disk has its
+        reserve free with this batch's size twice over to spare (it may come again), or the
+        map has room (it was at its limit), and the hold has passed (FULL_HOLD_INITIAL_MS)."""
+        sealed = batch.sealed
+        size = sum(len(row[4]) for row in sealed.oplog_rows) + sum(
+            len(op.payload) for op in sealed.operations if type(op) is Enqueued)
+        self._resume_bytes = SPACE_RESUME_BYTES + 2 * size
+        self._map_full = self._map_full or error.map_limit
+        mono_ms = self.monotonic_ms()
+        if self._last_found_full_ms is not None and mono_ms - self._last_found_full_ms > FULL_HOLD_RESET_MS:
+            self._full_hold_ms = FULL_HOLD_INITIAL_MS
+        self._last_found_full_ms = mono_ms
+        self._full_until_ms = mono_ms + self._full_hold_ms
+        self._full_hold_ms = min(2 * self._full_hold_ms, FULL_HOLD_MAX_MS)
+        self._set_storage_full(str(error), mono_ms)
+        self._next_space_check_ms = 0
+
+    def _count_written(self, sealed: SealedBatch) -> None:
+        """Near the reserve, what this batch will write counts against the room last measured
+        (without a reserve, writes go on to the disk's end and a full disk refuses them)."""
+        space, reserve = self.space, self.config.disk_reserve_bytes
+        if space is None or not reserve or space.disk_free_bytes - self._written_since_measured > \
+                reserve + SPACE_COUNTED_BYTES:
+            return
+        logged = sum(len(row[4]) for row in sealed.oplog_rows)    # in a pair the entries hold the payloads
+        payloads = logged or sum(len(op.payload) for op in sealed.operations if type(op) is Enqueued)
+        self._written_since_measured += 2 * payloads
+
+    def _check_space(self, mono_ms: int) -> None:
+        """Refuse new messages while the disk has less than its reserve free (acknowledgements,
+        deletes and the membership layer's writes may use the reserve), or once a write found
+        no room; take them again when there is room with some to spare, so a node at the edge
+        does not flip at every commit. Measured every SPACE_CHECK_INTERVAL_MS (a few stat
+        calls), and between two measurements less what the batches since wrote."""
+        if mono_ms >= self._next_space_check_ms:
+            self._next_space_check_ms = mono_ms + SPACE_CHECK_INTERVAL_MS
+            measure = getattr(self.storage, "space", None)   # an in-memory twin (tests/sim) has no disk to measure
+            measured = measure() if measure is not None else None
+            if measured is not None:
+                self.space, self._written_since_measured = measured, 0
+        space = self.space
+        if space is None:
+            return
+        disk_free = space.disk_free_bytes - self._written_since_measured
+        reserve = self.config.disk_reserve_bytes
+        slack = self._resume_bytes if self.storage_full is not None else 0
+        if self._map_full and space.map_free_bytes >= slack + min(SPACE_RESUME_BYTES, self.storage.map_size_max_bytes // 16):
+            self._map_full = False
+        why: str | None = None
+        if disk_free < reserve + slack:
+            why = f"{max(0, disk_free)} bytes free on its disk, {reserve} kept in reserve"
+        elif self._map_full:
+            why = f"its map is full at its limit of {self.storage.map_size_max_bytes} bytes"
+        elif mono_ms < self._full_until_ms:
+            why = self.storage_full       # a write found no room a moment ago
+        self._set_storage_full(why, mono_ms)
+
+    def _set_storage_full(self, why: str | None, mono_ms: int) -> None:
+        was_full = self.storage_full is not None
+        self.storage_full = why
+        if was_full == (why is not None):
+            return
+        if why is not None:
+            log.warning("storage full (%s): new messages are refused with E_STORAGE_FULL and this node's replicas "
+                        "stop following until there is room", why)
+        else:
+            log.warning("storage has room again: new messages are taken and this node's replicas catch up")
+            self._resume_bytes = SPACE_RESUME_BYTES
+        self.pairs.storage_full_changed(why is not None, mono_ms)
+        if why is None:
+            self._recreate_lost_masters()
+
+    def _recreate_lost_masters(self) -> None:
+        """Instances the map gives this node as master that a lost batch was creating."""
+        if not self.pairs.clustered:
+            return
+        for name, entry in self.pairs.view.cluster_map.queues.items():
+            if entry.master == self.config.node_id and name not in self.cores:
+                self.create_master_instance(entry)
 
     def _release(self, batch: OpenBatch, payloads: list[bytes | None], headers: list[dict[str, str] | None]) -> None:
         """Answer what this batch decided. Answers about replicated operations of a pair wait
@@ -1362,7 +1527,8 @@ class Engine:
                 result = self._messages(result.leased, payloads, headers, result.first)
             held = holds.get(position) if holds else None
             if held is None or not hold(held[0], held[1], functools.partial(replier.reply, request_id, result),
-                                        functools.partial(replier.fail, request_id)):
+                                        functools.partial(replier.fail, request_id),
+                                        write=position in batch.write_holds):
                 replier.reply(request_id, result)
         for position, (subscription, first, leased) in enumerate(batch.pushes):
             messages = self._messages(leased, payloads, headers, first)
@@ -1448,6 +1614,19 @@ class Engine:
 
     def pending_commands(self) -> int:
         return len(self._inbox)
+
+
+def _refusal(error: Exception, *, streamed: bool) -> QueueError:
+    """The answer to a command of a batch that could not be stored. `streamed`: its operations
+    went to the queue's replica, which may have stored them (they come back only if that
+    replica is promoted before it opens again): its outcome is unknown."""
+    if isinstance(error, StorageFull):
+        return QueueError(E_STORAGE_FULL, f"{error}; nothing was stored here", outcome_unknown=streamed)
+    return QueueError(E_INTERNAL, f"storage failure: {error}", outcome_unknown=streamed)
+
+
+def _base_name(queue: str) -> str:
+    return queue[:-len(DEAD_LETTER_SUFFIX)] if queue.endswith(DEAD_LETTER_SUFFIX) else queue
 
 
 def _headers(headers: Any) -> dict[str, str] | None:

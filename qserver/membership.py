@@ -33,6 +33,7 @@ from typing import Any, Protocol
 from qserver.failstop import stop_process
 from qserver.metrics import Histogram, render_family
 from qserver.raft_store import RaftStorage, storage_id_bytes
+from qserver.storage import MapGrowthNeeded, StorageFull
 from replication.cluster_map import (
     ClusterMap,
     Command,
@@ -91,6 +92,9 @@ RECONCILE_EVERY_TICKS = 4           # the leader looks for learners to promote a
 COMPACT_EVERY_ENTRIES = 1_000       # applied entries between two snapshots of the map
 INBOX_ITEMS_MAX = 10_000            # frames and proposals waiting for the core (more are dropped)
 PARKED_PROPOSALS_MAX = 1_000        # proposals waiting for a leader to be known
+# A Raft write refused for lack of space is tried again after these delays, doubling: the core
+# waits meanwhile (it takes no input between ready() and advance()), as behind a slow disk.
+PERSIST_RETRY_INITIAL_S, PERSIST_RETRY_MAX_S = 0.05, 1.0
 
 
 def tick_ms(heartbeat_ms: int) -> int:
@@ -144,7 +148,10 @@ class RaftMembership:
 
     def __init__(self, node_id: str, storage_id: int, store: RaftStorage, *, voters: set[str],
                  send: Callable[[str, bytes], bool], writer: Callable[[], Executor],
-                 loop: asyncio.AbstractEventLoop, limits: RaftLimits, tick_s: float, seed: int | None = None) -> None:
+                 loop: asyncio.AbstractEventLoop, limits: RaftLimits, tick_s: float, seed: int | None = None,
+                 grow_storage: Callable[[], None] | None = None) -> None:
+        """`grow_storage`: grows the node's LMDB map between two writer jobs (Engine.grow_storage;
+        raises StorageFull at its limit), for a Raft write that found the map full."""
         self.node_id = node_id
         self.cluster_map = ClusterMap()
         self.on_applied: OnApplied = _ignore_applied
@@ -153,6 +160,7 @@ class RaftMembership:
         self._voters = voters                 # the configured voters: who is promoted once caught up
         self._send = send
         self._writer = writer
+        self._grow_storage = grow_storage
         self._loop = loop
         self._limits = limits
         self._tick_s = tick_s
@@ -171,6 +179,7 @@ class RaftMembership:
         self._request_ids = itertools.count(1)
         self.frames_dropped = 0
         self.bad_frames = 0
+        self.persists_refused = 0           # Raft writes refused for lack of space (tried again)
         # The Raft write shares the node's one writer thread with queue commits: how long it
         # waits behind them (issue 12 bounds it at 10 ms), and how long it takes itself.
         self.persist_wait_seconds = Histogram(
@@ -259,6 +268,9 @@ class RaftMembership:
         lines += render_family("qserver_membership_frames_refused_total", "counter",
                                "membership frames dropped (inbox full) or refused (malformed, wrong sender)",
                                [({"why": "inbox_full"}, self.frames_dropped), ({"why": "bad"}, self.bad_frames)])
+        lines += render_family("qserver_membership_persists_refused_total", "counter",
+                               "Raft writes refused for lack of space (the same write is tried again)",
+                               [({}, self.persists_refused)])
         return lines + self.persist_wait_seconds.render() + self.persist_seconds.render()
 
     # --- inputs -----------------------------------------------------------------------------------
@@ -318,12 +330,44 @@ class RaftMembership:
             while core.has_ready():
                 ready = core.ready()
                 if ready.must_persist:
-                    await self._loop.run_in_executor(self._writer(), self._persist, ready, time.perf_counter())
+                    await self._persist_until_stored(ready)
                 for message in ready.messages:
                     self._send(message.recipient, encode_frame(message))
                 self._apply(ready)
                 core.advance(ready)
                 self._feed(core)
+
+    async def _persist_until_stored(self, ready: Ready) -> None:
+        """A full disk or map is an operating error, not a broken invariant: the node keeps
+        running and this member waits, unadvanced, as behind a stalled disk (its votes and
+        acknowledgements wait too; the other voters go on without it), and writes the same
+        Ready once there is room. Anything else LMDB raises still ends the task (see _task_ended)."""
+        delay_s = PERSIST_RETRY_INITIAL_S
+        refused = 0
+        while True:
+            try:
+                await self._loop.run_in_executor(self._writer(), self._persist, ready, time.perf_counter())
+                if refused:
+                    log.warning("membership: a Raft write refused %d time(s) for lack of space is stored now", refused)
+                return
+            except MapGrowthNeeded:
+                if self._grow_storage is not None and self._grew_storage():
+                    continue
+            except StorageFull as error:
+                if not refused:
+                    log.warning("membership: a Raft write was refused (%s); trying again until there is room", error)
+            refused += 1
+            self.persists_refused += 1
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, PERSIST_RETRY_MAX_S)
+
+    def _grew_storage(self) -> bool:
+        try:
+            self._grow_storage()  # type: ignore[misc]
+        except StorageFull as error:
+            log.warning("membership: a Raft write found the storage map full and it cannot grow (%s)", error)
+            return False
+        return True
 
     def _persist(self, ready: Ready, submitted: float) -> None:
         """On the writer thread."""

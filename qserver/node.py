@@ -58,7 +58,7 @@ class Node:
         self.server_tls = server_context(self.tls[0], self.tls[1]) if self.tls else None
         self.client_tls = client_context(self.tls[2]) if self.tls else None
         self.storage = Storage(Path(config.data_dir) / "lmdb", node_id=config.node_id, map_size_bytes=config.map_size_bytes,
-                               map_size_max_bytes=config.map_size_max_bytes,
+                               map_size_max_bytes=config.map_size_max_bytes, disk_reserve_bytes=config.disk_reserve_bytes,
                                journal_enabled=config.journal_enabled, payload_hold_bytes=config.payload_hold_bytes)
         self.membership, self.membership_peers = self._membership()
         self.engine = Engine(config, self.storage, membership=self.membership, on_fatal=on_fatal)
@@ -177,7 +177,7 @@ class Node:
             config.node_id, self.storage.storage_id, RaftStore(self.storage), voters=set(addresses),
             send=transport.send, writer=lambda: self.engine.writer, loop=asyncio.get_running_loop(),
             limits=raft_limits(config.election_timeout_ms, config.raft_heartbeat_ms),
-            tick_s=tick_ms(config.raft_heartbeat_ms) / 1000)
+            tick_s=tick_ms(config.raft_heartbeat_ms) / 1000, grow_storage=lambda: self.engine.grow_storage())
         return membership, transport
 
     def membership_application(self) -> web.Application | None:
@@ -342,6 +342,7 @@ class Node:
                                + [({"code": "E_BAD_FRAME"}, self.bad_frames)]
                                + [({"code": "E_OVERLOADED"}, engine.rejected["overloaded"])])
         lines += render_family("qserver_storage_map_bytes", "gauge", "LMDB map size", [({}, self.storage.map_size())])
+        lines += self._storage_space_metrics()
         lines += self.macros.render_metrics()
         lines += self.channels.render_metrics()
         lines += self.surveillance.render_metrics()
@@ -351,6 +352,20 @@ class Node:
         if self.membership is not None:
             lines += self.membership.render_metrics()
         return "\n".join(lines) + "\n"
+
+    def _storage_space_metrics(self) -> list[str]:
+        engine = self.engine
+        space = engine.space
+        lines = render_family("qserver_storage_full", "gauge",
+                              "1 while new messages are refused for lack of room (E_STORAGE_FULL) and replicas here "
+                              "follow no more", [({}, 1.0 if engine.storage_full is not None else 0.0)])
+        if space is not None:
+            lines += render_family("qserver_storage_free_bytes", "gauge",
+                                   "room left: on the disk (with pages free in the LMDB file) and in the map's limit",
+                                   [({"where": "disk"}, space.disk_free_bytes), ({"where": "map"}, space.map_free_bytes)])
+        return lines + render_family("qserver_commits_abandoned_total", "counter",
+                                     "batches that could not be stored (their commands failed, their queues were "
+                                     "rebuilt from storage)", [({}, engine.batches_abandoned)])
 
     def _replication_metrics(self) -> list[str]:
         pairs = self.engine.pairs
@@ -371,6 +386,13 @@ class Node:
         lines += render_family("qserver_payloads_moved_total", "counter",
                                "payloads moved from a kept op-log record into their message rows (a backlog)",
                                [({}, self.storage.moved_payloads)])
+        lines += render_family("qserver_replication_role_starts_total", "counter",
+                               "replication roles taken up (a new role object: creation, restart, change of "
+                               "role, or rebuilt after a batch could not be stored)",
+                               [({"role": role}, pairs.role_starts[role]) for role in ("master", "replica")])
+        lines += render_family("qserver_replica_opens_total", "counter",
+                               "Opens this node's replicas sent to their masters (each starts a catch-up)",
+                               [({}, pairs.opens_sent)])
         lines += render_family("qserver_snapshots_total", "counter", "state transfers by snapshot, by side",
                                [({"side": "sent"}, sum(r.snapshots_sent for r in pairs.masters.values())),
                                 ({"side": "installed"}, pairs.snapshots_installed),

@@ -23,7 +23,16 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from client.errors import E_NOT_MASTER, E_QUEUE_UNAVAILABLE, E_TIMEOUT, E_UNAVAILABLE, E_UNKNOWN_QUEUE, ErrorKind, QueueError
+from client.errors import (
+    E_NOT_ENOUGH_REPLICAS,
+    E_NOT_MASTER,
+    E_QUEUE_UNAVAILABLE,
+    E_TIMEOUT,
+    E_UNAVAILABLE,
+    E_UNKNOWN_QUEUE,
+    ErrorKind,
+    QueueError,
+)
 from replication.cluster_map import (
     ChangePair,
     ClusterMap,
@@ -52,6 +61,7 @@ from replication.messages import (
     LeaseRenew,
     Message,
     MessageError,
+    Open,
     decode_message,
     encode_message,
 )
@@ -70,6 +80,7 @@ log = logging.getLogger("qserver.pairs")
 OUTCOME_UNKNOWN = -1      # in place of a held answer's required order: see Engine.outcomes_unknown
 EARLY_MESSAGES_MAX = 10_000     # per queue; beyond it the protocol's resends recover
 ANNOUNCE_INTERVAL_MS = 1_000    # how often a master repeats Create to a replica that has not opened
+STORAGE_FULL_NOTICE_MS = 1_000  # how often a replica on a full node tells its master it follows no more
 
 
 
@@ -124,6 +135,7 @@ class HeldAnswer:
     release: Any              # a no-argument callable: answer
     refuse: Any = None        # callable(QueueError): the queue went away first, or the deadline passed
     deadline_ms: int = 0      # refused (outcome unknown) if still held then: see expire_waiting
+    write: bool = False       # an enqueue's answer (see refuse_unreplicated_writes)
 
 
 class PairDriver:
@@ -156,6 +168,11 @@ class PairDriver:
         self.snapshots_installed = 0
         self.snapshots_resumed = 0
         self._next_announce_ms = 0
+        # This node's storage is full (Engine._check_space): its replicas follow no more.
+        self.storage_full = False
+        self._next_full_notice_ms = 0
+        self.role_starts: collections.Counter[str] = collections.Counter()   # "master"/"replica" -> roles made
+        self.opens_sent = 0            # Opens this node's replicas sent (a role that keeps restarting shows here)
         # Unique per engine instance: an answer the master sends to a crashed predecessor of
         # this engine must never match one of our requests.
         self._next_forward = (engine.random_bits(40) << 20) + 1
@@ -179,7 +196,11 @@ class PairDriver:
         self._assume(core, entry, None, "create" if created else "restart")
 
     def _assume(self, core: QueueCore, entry: QueueEntry, previous: MasterRole | ReplicaRole | None,
-                first_reason: str = "restart") -> None:
+                first_reason: str = "restart", replica_holds: int = 0, commit_known: int = 0) -> None:
+        """`first_reason` when there is no previous role: "create", "restart", or "reload" (a
+        role rebuilt after a batch could not be stored: the same member in the same epoch, so
+        nothing is journaled); then what the role it replaces knew: as master, what the replica
+        holds durably (`replica_holds`), as replica, the master's commit point (`commit_known`)."""
         record = core.record
         if entry.epoch < record.epoch:
             log.info("queue %s: map epoch %d is older than the stored %d; waiting for the map", core.name,
@@ -188,7 +209,7 @@ class PairDriver:
         incarnation = record.incarnation or record.queue_id
         if previous is None:
             last_order, digest = self.engine.storage.last(core.queue_id)
-            durable, commit = last_order, 0
+            durable, commit = last_order, min(commit_known, last_order)
         elif isinstance(previous, MasterRole):
             last_order, digest, durable, commit = (previous.last_order, previous.digest, previous.local_durable,
                                                    self.commit_order(core.name) or 0)
@@ -202,7 +223,7 @@ class PairDriver:
                 core, self.engine.storage, node_id=self.node_id, replica_id=entry.replica, epoch=entry.epoch,
                 incarnation=incarnation, recorded_in_sync=entry.in_sync, last_order=last_order, digest=digest,
                 limits=self.limits, durable_order=durable,
-                replica_durable=commit if isinstance(previous, ReplicaRole) else 0,
+                replica_durable=commit if isinstance(previous, ReplicaRole) else min(replica_holds, last_order),
                 snapshots=self.engine.storage, log_start=log_start,
                 replica_returns_from=previous.master_recorded_commit if isinstance(previous, ReplicaRole) else None)
             self.received.pop(core.name, None)
@@ -244,7 +265,9 @@ class PairDriver:
             role_name = "replica"
         else:
             return
-        if record.epoch != entry.epoch or previous is None or role_name != _role_name(previous):
+        self.role_starts[role_name] += 1
+        changed = role_name != _role_name(previous) if previous is not None else first_reason != "reload"
+        if record.epoch != entry.epoch or changed:
             reason = entry.last_reason if previous is not None or record.epoch != entry.epoch else first_reason
             if record.epoch != entry.epoch:
                 record.epoch = entry.epoch
@@ -265,6 +288,71 @@ class PairDriver:
             if held.refuse is not None:   # never committed: the queue is gone
                 held.refuse(QueueError(E_UNKNOWN_QUEUE, f"queue {name} was deleted", outcome_unknown=True))
         self._fail_forwards(name, "the queue left this node")
+
+    def reload(self, name: str, core: QueueCore | None, reached: set[int], mono_ms: int) -> None:
+        """A batch touching queue `name` could not be stored, and the engine rebuilt its core from
+        storage (`core`; None: nothing of it was stored). A role the lost batch did not reach
+        (`reached`: queue ids whose op log, snapshot or suffix it wrote) goes on with the rebuilt
+        core, so a full disk does not make every role start again. One it reached starts again
+        from what storage holds: as master it has the replica open again (it may hold what this
+        member lost); as replica it opens once it may (not while this node's storage is full)."""
+        master, replica = self.masters.get(name), self.replicas.get(name)
+        old = master or replica
+        if core is None:
+            if old is not None:
+                self.detach(name)
+            return
+        entry = self.view.entry(name)
+        if old is None:
+            if entry is not None:
+                self._assume(core, entry, None, "reload")
+            return
+        last_order = self.engine.storage.last(core.queue_id)[0]
+        position = old.last_order if isinstance(old, MasterRole) else old.applied_order
+        if old.core.queue_id == core.queue_id and core.queue_id not in reached and position == last_order \
+                and core.record.epoch == old.epoch:      # else the lost batch held the role's epoch mark
+            old.rebind(core)
+            return
+        self.masters.pop(name, None)
+        self.replicas.pop(name, None)
+        self.received.pop(name, None)
+        if entry is None:
+            return
+        log.warning("queue %s: its %s role starts again from storage (last order %d): a batch it wrote was lost",
+                    name, _role_name(old), last_order)
+        self._assume(core, entry, None, "reload", master.replica_durable if master is not None else 0,
+                     replica.visible_order if replica is not None else 0)
+        rebuilt = self.masters.get(name)
+        if rebuilt is not None:
+            pending = self.dead_letters_pending.get(dead_letter_name(name))
+            if pending:      # dead letters the lost batch decided: their orders are given again
+                self.dead_letters_pending[dead_letter_name(name)] = collections.deque(
+                    item for item in pending if item[0] <= last_order)
+            rebuilt.resync_replica(mono_ms)
+            self._flush(rebuilt)
+
+    def storage_full_changed(self, full: bool, mono_ms: int) -> None:
+        """This node's storage ran out of room, or has room again. Its replicas stop taking their
+        masters' streams (which would eat the reserve that acknowledgements and the membership
+        layer need) and tell their masters, which record them out of sync at once and go on
+        alone, or refuse writes under min_in_sync 2, instead of holding every answer until it
+        times out. The requests their clients forwarded are answered: they ask the master. With
+        room again, they open and catch up (the tick starts them)."""
+        self.storage_full = full
+        self._next_full_notice_ms = mono_ms + STORAGE_FULL_NOTICE_MS
+        if not full:
+            return
+        for replica in self.replicas.values():
+            replica.refuse_for_storage()
+            self._flush(replica)
+            self._fail_forwards(replica.core.name, "this replica's storage is full: ask the master")
+
+    def refuse_forward_when_full(self, name: str) -> None:
+        """A replica on a full node passes no client request on: its answer would wait for a
+        commit point this member no longer follows. The client asks the master instead."""
+        if self.storage_full:
+            raise QueueError(E_NOT_MASTER, f"queue {name}: this replica's storage is full; its master is "
+                                           f"{self.masters_hint(name)}")
 
     def reconcile(self, name: str, *, deleted: bool = False) -> None:
         """The map changed for queue `name` (and its dead-letter queue): take the role it gives
@@ -303,6 +391,8 @@ class PairDriver:
             if master is not None and master.epoch == entry.epoch and master.replica_id == entry.replica:
                 if master.recorded_in_sync != entry.in_sync and not master.proposal_pending:
                     master.membership_decided(entry.in_sync)
+                    if not entry.in_sync and core.options.min_in_sync >= 2:
+                        self.refuse_unreplicated_writes(master)
                     self._flush(master)
                 return
             previous: MasterRole | ReplicaRole | None = master or replica
@@ -468,8 +558,9 @@ class PairDriver:
         if self.coordinator is not None and self.coordinator.handoffs:
             self.coordinator.check_handoffs()
 
-    def hold(self, name: str, required_order: int, release: Any, refuse: Any = None) -> bool:
-        """Park an answer until the commit point passes required_order; False: answer now."""
+    def hold(self, name: str, required_order: int, release: Any, refuse: Any = None, *, write: bool = False) -> bool:
+        """Park an answer until the commit point passes required_order; False: answer now.
+        `write`: an enqueue's answer (see refuse_unreplicated_writes)."""
         commit = self.commit_order(name)
         if required_order == OUTCOME_UNKNOWN or (commit is None and self.clustered):
             # Decided here as the master, which this node stopped being (or it no longer holds
@@ -481,8 +572,27 @@ class PairDriver:
         if commit is None or (required_order <= commit and self._may_answer(name)):
             return False
         self.held.setdefault(name, collections.deque()).append(
-            HeldAnswer(required_order, release, refuse, self.engine.monotonic_ms() + self.commit_wait_max_ms))
+            HeldAnswer(required_order, release, refuse, self.engine.monotonic_ms() + self.commit_wait_max_ms, write))
         return True
+
+    def refuse_unreplicated_writes(self, role: MasterRole) -> None:
+        """Under min_in_sync 2 a replica just recorded out of sync: the enqueues waiting for it
+        are not acknowledged on this member's disk alone. They are stored here and may yet be
+        delivered (committed once the replica is back, or by this member's commit point), so
+        their answer says the outcome is unknown; a retry with the same dedupe id is safe."""
+        name = role.core.name
+        waiting = self.held.get(name)
+        if not waiting:
+            return
+        error = QueueError(E_NOT_ENOUGH_REPLICAS, f"queue {name}: its replica {role.replica_id} was recorded out of "
+                                                  "sync before it held this message", outcome_unknown=True)
+        kept: collections.deque[HeldAnswer] = collections.deque()
+        for held in waiting:
+            if held.write and held.refuse is not None and held.required_order > role.replica_durable:
+                held.refuse(error)
+            else:
+                kept.append(held)
+        self.held[name] = kept
 
     def may_answer(self, name: str) -> bool:
         return self._may_answer(name)
@@ -693,7 +803,12 @@ class PairDriver:
                 self.announce(role.core)    # a replica that never opened may have missed it
             role.tick(mono_ms)
             self._drain_master(role)
+        notice = self.storage_full and mono_ms >= self._next_full_notice_ms
+        if notice:
+            self._next_full_notice_ms = mono_ms + STORAGE_FULL_NOTICE_MS
         for replica in self.replicas.values():
+            if notice:
+                replica.refuse_for_storage()     # a new master, or one that missed the last notice
             if replica.phase.value == "opening" and replica.never_opened and self._may_open(replica):
                 replica.start(mono_ms)       # the link came up before this role existed (or it waited)
             replica.tick(mono_ms)
@@ -739,6 +854,8 @@ class PairDriver:
                 role.membership_decided(recorded)
                 log.info("queue %s: replica %s recorded %s%s", name, proposal.replica,
                          "in sync" if recorded else "out of sync", "" if applied else " (proposal not applied)")
+                if not recorded and role.core.options.min_in_sync >= 2:
+                    self.refuse_unreplicated_writes(role)
                 self._drain_master(role)
             self.engine.invoke(settle)
         membership.propose(change, decided)
@@ -826,8 +943,9 @@ class PairDriver:
 
     def _may_open(self, replica: ReplicaRole) -> bool:
         """A dead-letter queue's member under `full` opens once its queue's member follows
-        (its state may come with that queue's snapshot)."""
-        if not self.link_up(replica.master_id):
+        (its state may come with that queue's snapshot). None opens while this node's storage
+        is full."""
+        if self.storage_full or not self.link_up(replica.master_id):
             return False
         source_name = replica.core.record.dead_letter_of
         if source_name is None or replica.core.options.strength is not Strength.FULL:
@@ -905,6 +1023,8 @@ class PairDriver:
         role.outbox.clear()
 
     def _send(self, peer: str, message: Message) -> None:
+        if type(message) is Open:
+            self.opens_sent += 1
         if not self.send(peer, encode_message(message)):
             log.debug("send queue to %s full: %s dropped (the protocol resends)", peer, type(message).__name__)
 

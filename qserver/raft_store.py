@@ -14,7 +14,8 @@ crashes, as a disk would); tests/test_membership_layer.py runs one contract agai
 (the environment syncs every commit), so a crash leaves either all of it or none: a
 truncation is never on disk without the entries that replace it, a snapshot never without
 the log compacted below it. It runs on the node's writer thread, behind at most the queue
-commit in flight, never on the event loop.
+commit in flight, never on the event loop. A full map or disk refuses the whole transaction:
+the membership layer tries the same Ready again once there is room (qserver/membership.py).
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ def _founding_state(node_id: str, storage_id: int) -> PersistedState:
 
 class RaftStore:
     def __init__(self, storage: Storage) -> None:
+        self._storage = storage
         self._env = storage.env
         self._state = storage.db["raft_state"]
         self._log = storage.db["raft_log"]
@@ -88,8 +90,10 @@ class RaftStore:
                 txn.put(_INDEX.pack(entry.index), encode_entry(entry), db=self._log)
 
     def persist(self, ready: Ready) -> None:
-        """Writer thread: what `ready` says must be durable before its messages are sent."""
-        with self._env.begin(write=True) as txn:
+        """Writer thread: what `ready` says must be durable before its messages are sent.
+        Raises MapGrowthNeeded or StorageFull (qserver/storage.py) when there is no room:
+        nothing was written, and the same Ready may be persisted again."""
+        with self._storage.space_errors(), self._env.begin(write=True) as txn:
             if ready.install_snapshot is not None:
                 txn.drop(self._log, delete=False)
                 txn.put(_SNAPSHOT, encode_snapshot(ready.install_snapshot), db=self._state)

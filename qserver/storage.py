@@ -119,6 +119,10 @@ ERASE_KEYS_PER_BATCH_MAX = 5_000
 PRUNE_KEYS_PER_BATCH_MAX = 5_000
 TRUNCATE_RECORDS_PER_BATCH_MAX = 20_000     # op-log records deleted per batch (the rest follow)
 _LOG_START = 0                               # the order of a queue's log-start record
+# A write LMDB could not make while its disk held less than this was refused for lack of space
+# (a short write past the disk's end comes back as EIO, not ENOSPC).
+DISK_FULL_FREE_BYTES = 1 << 20
+MAP_GRANULE_BYTES = 64 << 10                 # the map grows by whole multiples of this (of the OS page)
 _ENTRY_AT = DIGEST_BYTES + 8                 # where an op-log value's encoded entry begins
 
 
@@ -127,11 +131,25 @@ class StorageLayoutError(Exception):
 
 
 class StorageFull(Exception):
-    """The map cannot grow further (configured maximum or free disk): nothing was stored."""
+    """No room: the map is at its configured maximum (`map_limit`), or the disk is full or
+    would leave less than its reserve free. Nothing of the transaction was stored."""
+
+    def __init__(self, message: str, *, map_limit: bool = False) -> None:
+        super().__init__(message)
+        self.map_limit = map_limit
 
 
 class MapGrowthNeeded(Exception):
     """The write transaction hit the map's end; the loop thread grows the map and retries."""
+
+
+@dataclass(frozen=True, slots=True)
+class StorageSpace:
+    """What the environment may still take: on its disk (free there, plus the pages its file
+    holds that no database uses any more, which LMDB reuses first), and in its map (up to
+    map_size_max_bytes)."""
+    disk_free_bytes: int
+    map_free_bytes: int
 
 
 @dataclass
@@ -263,15 +281,54 @@ class Storage:
     def map_size(self) -> int:
         return int(self.env.info()["map_size"])
 
+    def space(self) -> StorageSpace | None:
+        """What is left (loop thread; a few stat calls: the engine asks a few times a second).
+        None when it cannot be read (the engine keeps what it last knew)."""
+        try:
+            with self.env.begin() as txn:
+                stats = [self.env.stat(), *(txn.stat(db) for db in self.db.values())]
+            file_bytes = os.path.getsize(self.path / "data.mdb")
+            disk_free = shutil.disk_usage(self.path).free
+        except (OSError, lmdb.Error):
+            return None
+        used = (2 + sum(s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"] for s in stats)) * stats[0]["psize"]
+        return StorageSpace(disk_free + max(0, file_bytes - used), max(0, self.map_size_max_bytes - used))
+
+    def disk_full(self) -> bool:
+        try:
+            return shutil.disk_usage(self.path).free < DISK_FULL_FREE_BYTES
+        except OSError:
+            return False
+
+    @contextlib.contextmanager
+    def space_errors(self) -> Iterator[None]:
+        """LMDB's refusals for lack of space, as ours: the map's end (MapGrowthNeeded: grow it
+        and write again) and a full disk (StorageFull). Nothing of the transaction was stored."""
+        try:
+            yield
+        except lmdb.MapFullError:
+            raise MapGrowthNeeded() from None
+        except lmdb.Error as error:
+            if "No space left" in str(error) or self.disk_full():
+                raise StorageFull(f"the disk holding {self.path} is full ({error})") from error
+            raise
+
     def grow_map(self) -> int:
-        """Double the map (loop thread, no transaction open). Raises StorageFull at the limit."""
+        """Double the map (loop thread, no transaction open), or grow it as far as the disk
+        allows beside its reserve. Raises StorageFull when it cannot grow at all."""
         current = self.map_size()
-        target = min(current * 2, self.map_size_max_bytes)
+        if current >= self.map_size_max_bytes:
+            raise StorageFull(f"the storage map is full at its limit of {self.map_size_max_bytes} bytes",
+                              map_limit=True)
         free = shutil.disk_usage(self.path).free
         used = os.path.getsize(self.path / "data.mdb")
-        if target <= current or target - used > free - self.disk_reserve_bytes:
-            # The map is sparse, but refusing here keeps a disk-full error out of LMDB's fsync.
-            raise StorageFull(f"storage map at {current} bytes cannot grow (limit {self.map_size_max_bytes})")
+        # The map is sparse, but keeping it within the disk keeps a disk-full error out of LMDB's fsync.
+        target = min(current * 2, self.map_size_max_bytes, used + free - self.disk_reserve_bytes)
+        if target < self.map_size_max_bytes:
+            target -= target % MAP_GRANULE_BYTES
+        if target <= current:
+            raise StorageFull(f"the storage map at {current} bytes cannot grow: {free} bytes free on its disk, "
+                              f"{self.disk_reserve_bytes} kept in reserve")
         self.env.set_mapsize(target)
         return target
 
@@ -491,13 +548,11 @@ class Storage:
         # aborted transaction must not leave it counting records it did not delete.
         floors, moved = dict(self._floors), self.moved_payloads
         try:
-            with self.env.begin(write=True) as txn:
+            with self.space_errors(), self.env.begin(write=True) as txn:
                 payloads, headers = self._write(txn, batch)
-        except BaseException as error:
+        except BaseException:
             self._floors, self.moved_payloads = floors, moved
             self._kept, self._kept_bytes, self._examined = {}, {}, {}     # looked at again
-            if isinstance(error, lmdb.MapFullError):
-                raise MapGrowthNeeded() from None
             raise
         return CommitResult(payloads, time.perf_counter() - started, len(batch.operations), headers)
 

@@ -90,6 +90,7 @@ class ReplicationLimits:
 APPEND_BYTES_MAX = 1 << 20      # encoded entries per Append beyond its first: a peer link's send
                                 # queue must take it whole (an overrun is a loss, and a resend)
 RESYNC = "E_RESYNC"     # Refused code: the replica's position is gone from the log: Open again
+STORAGE_FULL = "E_STORAGE_FULL"   # Refused code from a replica: its storage is full, it follows no more
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +154,8 @@ class MasterRole:
         self._last_progress_ms = 0
         self._last_attempt_ms = 0             # the last resend or repeated SyncEnd
         self._resync_sent_ms: int | None = None   # a RESYNC awaiting the replica's Open
+        self._probing_since_ms: int | None = None  # since when no replica has opened (see tick)
+        self.replica_storage_full = False     # the replica said its storage is full (until it opens)
         self.outbox: list[tuple[str, Message]] = []
         self.proposals: list[InSyncProposal] = []
         self.forwarded: list[Forward] = []    # requests from the replica's clients, for the driver
@@ -184,8 +187,13 @@ class MasterRole:
         """Refuse before anything is persisted (DESIGN.md 3.8, E_NOT_ENOUGH_REPLICAS)."""
         if self.progress is ReplicaProgress.FENCED:
             raise QueueError(E_NOT_MASTER, f"queue {self.core.name}: a newer epoch than {self.epoch} exists")
-        if self.core.options.min_in_sync >= 2 and not self.recorded_in_sync:
-            raise QueueError(E_NOT_ENOUGH_REPLICAS, f"queue {self.core.name} needs its replica in sync")
+        if self.core.options.min_in_sync < 2:
+            return
+        leaving = self._pending_proposal is not None and not self._pending_proposal.in_sync
+        if not self.recorded_in_sync or leaving:
+            why = " (its storage is full)" if self.replica_storage_full else ""
+            raise QueueError(E_NOT_ENOUGH_REPLICAS, f"queue {self.core.name} needs its replica {self.replica_id} in "
+                                                    f"sync{why}; nothing was stored")
 
     # --- operations decided by the core ----------------------------------------------------
     def replicate(self, ops: list[Operation], now_ms: int) -> None:
@@ -220,7 +228,10 @@ class MasterRole:
         if message.epoch > self.epoch:
             self._set_progress(ReplicaProgress.FENCED)   # deposed: a newer master exists
             return
-        if isinstance(message, AppendAck):
+        if isinstance(message, Refused):
+            if message.code == STORAGE_FULL:
+                self._on_replica_full()
+        elif isinstance(message, AppendAck):
             self._on_ack(message, now_ms)
         elif isinstance(message, Open):
             self._on_open(message, now_ms)
@@ -250,10 +261,22 @@ class MasterRole:
                                self._digest_at(self._sync_target)))
         self._pump(now_ms)
 
+    def _on_replica_full(self) -> None:
+        """The replica's storage is full: it takes nothing more until it opens again (once it
+        has room). Streaming to it would only fill its send queue; waiting replica_lag_max_ms
+        for its silence would hold every answer that long. It is recorded out of sync now:
+        this master goes on alone (under min_in_sync 2 it refuses writes instead)."""
+        self.replica_storage_full = True
+        self._end_snapshot()
+        self._set_progress(ReplicaProgress.PROBING)
+        if self.recorded_in_sync:
+            self._propose(False)
+
     def _on_open(self, request: Open, now_ms: int) -> None:
         """A replica (re)joins: stream only what it lacks from the log, or its state by snapshot
         when the log no longer reaches back to it or the histories differ."""
         self._resync_sent_ms = None
+        self.replica_storage_full = False
         if self._resume_snapshot(request, now_ms):
             return
         self._end_snapshot()
@@ -464,6 +487,16 @@ class MasterRole:
         lagging = self.last_order - self.replica_durable > self.limits.replica_lag_max
         if self.recorded_in_sync and outstanding and (lagging or silent_ms > self.limits.replica_lag_max_ms):
             self._propose(False)
+        if self.progress is not ReplicaProgress.PROBING:
+            self._probing_since_ms = None
+        elif self._probing_since_ms is None:
+            self._probing_since_ms = now_ms
+        elif self.recorded_in_sync and self.core.options.min_in_sync >= 2 \
+                and now_ms - self._probing_since_ms > self.limits.replica_lag_max_ms:
+            # A replica gone (its link down, or it never opened) with nothing outstanding is
+            # recorded out of sync too under min_in_sync 2: the next write is then refused
+            # before it is stored, instead of being stored here and left without an answer.
+            self._propose(False)
         # Resends and repeated SyncEnds are paced from the last attempt; the silence that
         # records the replica out of sync counts from its last real progress only.
         since_attempt_ms = min(silent_ms, now_ms - self._last_attempt_ms)
@@ -499,6 +532,21 @@ class MasterRole:
         """The driver ran a request forwarded by the replica: each outcome is the ordering
         index that places it (after the operation itself in the stream), or [code, message]."""
         self._send(ForwardResult(self.core.name, self.incarnation, self.epoch, request.request_id, list(outcomes)))
+
+    def rebind(self, core: QueueCore) -> None:
+        """The queue's core was rebuilt from storage after a batch that did not reach this
+        role's stream could not be stored: go on with it."""
+        self.core = core
+        if self.gates_visibility:
+            core.visible_upto = self.commit_order
+
+    def resync_replica(self, now_ms: int) -> None:
+        """This role was rebuilt from storage after a batch could not be stored (the engine's
+        abandon), and its replica, following the role it replaces, may hold operations this
+        member lost: it opens again (RESYNC, repeated until its Open comes), and the digests
+        decide what it keeps."""
+        if self.progress is ReplicaProgress.PROBING:
+            self._send_resync(now_ms)
 
     def link_down(self) -> None:
         """The peer link broke: the replica must Open again before anything is streamed. A

@@ -31,7 +31,7 @@ from typing import Any
 
 from replication.digest import EMPTY_DIGEST, fold_encoded
 from replication.invariants import InvariantViolation
-from replication.master import RESYNC, ReplicationLimits
+from replication.master import RESYNC, STORAGE_FULL, ReplicationLimits
 from replication.messages import (
     Append,
     AppendAck,
@@ -192,6 +192,22 @@ class ReplicaRole:
         if self.phase is not ReplicaPhase.FENCED:
             self._set_phase(ReplicaPhase.OPENING)
             self._last_open_ms = None   # the driver calls start() when the link is back
+
+    def rebind(self, core: QueueCore) -> None:
+        """The queue's core was rebuilt from storage after a batch that applied nothing of
+        this role's stream could not be stored: go on with it."""
+        self.core = core
+        if self.gates_visibility:
+            core.visible_upto = self.visible_order
+
+    def refuse_for_storage(self) -> None:
+        """This member's storage is full: it stops following (as on a broken link: the driver
+        opens it again once there is room) and tells the master, which then need not wait for
+        it. A new session, so that answers to its last Open find nothing to start."""
+        self.link_down()
+        self.session += 1
+        self._send(Refused(self.core.name, self.incarnation, self.epoch, STORAGE_FULL,
+                           "the replica's storage is full: it takes nothing until it has room"))
 
     # --- messages from the master ----------------------------------------------------------
     def receive(self, message: Message, now_ms: int) -> None:
