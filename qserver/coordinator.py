@@ -76,7 +76,7 @@ class Coordinator:
         self.membership = membership
         self.node_id = engine.config.node_id
         self.monotonic_ms = monotonic_ms
-        self.lease = NodeLease(lease_ms)
+        self.lease = NodeLease(lease_ms, first_sequence=(engine.random_bits(40) << 20) + 1)
         self.table = LeaseTable(lease_ms, lease_margin_ms)
         self.renew_interval_ms = renew_interval_ms
         self.replica_replace_after_ms = replica_replace_after_ms

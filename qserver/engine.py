@@ -444,6 +444,7 @@ class Engine:
         master = pairs.masters.get(queue)
         if master is None:
             return False
+        pairs.check_serving(queue)          # a master restarted in its role, before its new epoch
         if type(command) in WRITES or master.core.options.strength.value == "full":
             pairs.check_writable(master)
         batch = self._open
@@ -1186,6 +1187,8 @@ class Engine:
         pairs = self.pairs
         if not pairs.clustered:
             return True
+        if pairs.restarting(core.name):
+            return False
         if core.options.strength is Strength.FULL:
             return may_decide and core.name in pairs.masters
         return core.name in pairs.masters or core.name in pairs.replicas
@@ -1207,6 +1210,8 @@ class Engine:
                 continue
             if not may_decide and core.options.strength.value == "full" and name in self.pairs.masters:
                 continue          # see _full_master_may_decide; the waiters wait on
+            if self.pairs.restarting(name):
+                continue          # its new epoch first (PairDriver.restarted)
             waiters = self._waiters.get(name)
             while waiters:
                 command = waiters[0].command

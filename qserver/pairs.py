@@ -35,6 +35,7 @@ from client.errors import (
 )
 from replication.cluster_map import (
     ChangePair,
+    ChangePairs,
     ClusterMap,
     Command,
     CreateQueue,
@@ -80,6 +81,7 @@ log = logging.getLogger("qserver.pairs")
 OUTCOME_UNKNOWN = -1      # in place of a held answer's required order: see Engine.outcomes_unknown
 EARLY_MESSAGES_MAX = 10_000     # per queue; beyond it the protocol's resends recover
 ANNOUNCE_INTERVAL_MS = 1_000    # how often a master repeats Create to a replica that has not opened
+NEW_EPOCH_ASK_INTERVAL_MS = 200  # how often restarted masters ask again for their new epochs
 STORAGE_FULL_NOTICE_MS = 1_000  # how often a replica on a full node tells its master it follows no more
 
 
@@ -154,6 +156,15 @@ class PairDriver:
         # master claims no commit point past the one its queue record kept. Its copy may say
         # the replica is out of sync, which would make everything it holds look committed.
         self.unconfirmed: dict[str, int] = {}     # queue name -> commit point kept at the restart
+        # Masters restarted in their role (a kill -9 and a start inside the lease): a batch goes
+        # to the replica before this member's own fsync, so the replica may hold orders of this
+        # epoch that this member lost, and would assign again to other operations. Such a master
+        # serves nothing (no index, no delivery, no answer) until the map gives it a new epoch,
+        # with the same replica recorded out of sync (_ask_new_epochs; docs/PROTOCOL.md, "A
+        # master restarted inside its lease"): one operation per (epoch, order), always.
+        self.restarted: dict[str, int] = {}      # queue (map entry) name -> the epoch it restarted in
+        self._next_epoch_ask_ms = 0
+        self._epoch_ask_pending = False
         # Dead letters enter a dead-letter queue through its source queue's stream, so under
         # `full` one becomes visible when the source's DeadLettered is committed:
         # dead-letter queue name -> (source order, dead-letter index) not yet committed.
@@ -232,6 +243,11 @@ class PairDriver:
                 core.inherit_leases()      # a takeover: leases run from now on this clock
             if previous is None and first_reason == "restart":
                 self.unconfirmed[core.name] = record.commit_order
+                if record.dead_letter_of is None:          # it shares its queue's entry
+                    self.restarted[core.name] = entry.epoch
+            elif self.restarted.get(core.name, entry.epoch) < entry.epoch:
+                del self.restarted[core.name]
+                log.info("queue %s: restarted master serves again at epoch %d", core.name, entry.epoch)
             role_name = "master"
         elif entry.replica == self.node_id:
             # A deposed master, or a member restarted after a crash (it may have been one): what
@@ -262,6 +278,7 @@ class PairDriver:
             self.received.pop(core.name, None)
             self.masters.pop(core.name, None)
             self.unconfirmed.pop(core.name, None)
+            self.restarted.pop(core.name, None)
             role_name = "replica"
         else:
             return
@@ -283,6 +300,7 @@ class PairDriver:
     def detach(self, name: str) -> None:
         self.masters.pop(name, None)
         self.unconfirmed.pop(name, None)
+        self.restarted.pop(name, None)
         self.replicas.pop(name, None)
         for held in self.held.pop(name, ()):
             if held.refuse is not None:   # never committed: the queue is gone
@@ -495,7 +513,39 @@ class PairDriver:
             raise QueueError(E_QUEUE_UNAVAILABLE, f"queue {name} is taking its new role here; retry")
         raise QueueError(E_NOT_MASTER, f"queue {name} is mastered by {entry.master} at {self.view.url(entry.master)}")
 
+    def restarting(self, name: str) -> bool:
+        """Whether queue `name` (or the queue whose dead letters it holds) is mastered here by a
+        master restarted in its role, waiting for its new epoch (see `restarted`)."""
+        return bool(self.restarted) and base_name(name) in self.restarted
+
+    def check_serving(self, name: str) -> None:
+        if self.restarting(name):
+            raise QueueError(E_QUEUE_UNAVAILABLE, f"queue {name}: its master restarted and waits for its new epoch")
+
+    def _ask_new_epochs(self, mono_ms: int) -> None:
+        """Propose a new epoch, same members, replica out of sync, for each master restarted
+        here (one command for all of them, one at a time). A compare-and-set: if the map moved
+        on meanwhile (a failover), it fails, and the change of role the map brings ends the wait."""
+        membership = self.view.membership
+        if not self.restarted or membership is None or self._epoch_ask_pending or mono_ms < self._next_epoch_ask_ms:
+            return
+        self._next_epoch_ask_ms = mono_ms + NEW_EPOCH_ASK_INTERVAL_MS
+        changes = []
+        for name, epoch in self.restarted.items():
+            entry = self.view.entry(name)
+            if entry is not None and entry.master == self.node_id and entry.epoch == epoch:
+                changes.append(ChangePair(name, (epoch, self.node_id, entry.replica, entry.in_sync),
+                                          (epoch + 1, self.node_id, entry.replica, False), Reason.RESTARTED_MASTER.value))
+        if not changes:
+            return
+        self._epoch_ask_pending = True
+
+        def decided(outcomes: list[Outcome] | None) -> None:
+            self.engine.invoke(lambda now_ms: setattr(self, "_epoch_ask_pending", False))
+        membership.propose(changes[0] if len(changes) == 1 else ChangePairs(tuple(changes)), decided)
+
     def check_writable(self, role: MasterRole) -> None:
+        self.check_serving(role.core.name)
         role.check_writable()
         if self.coordinator is not None and not self.coordinator.lease_valid():
             raise QueueError(E_QUEUE_UNAVAILABLE, "this node's lease from the membership layer has lapsed")
@@ -598,8 +648,11 @@ class PairDriver:
         return self._may_answer(name)
 
     def _may_answer(self, name: str) -> bool:
-        """A master whose lease lapsed stops acknowledging (DESIGN.md 3.3)."""
-        return name not in self.masters or self.coordinator is None or self.coordinator.lease_valid()
+        """A master whose lease lapsed stops acknowledging (DESIGN.md 3.3), and so does one
+        restarted in its role until its new epoch."""
+        if name not in self.masters:
+            return True
+        return (self.coordinator is None or self.coordinator.lease_valid()) and not self.restarting(name)
 
     def commit_order(self, name: str) -> int | None:
         master = self.masters.get(name)
@@ -795,6 +848,7 @@ class PairDriver:
 
     def tick(self, mono_ms: int) -> None:
         self.confirm_restarted_masters()
+        self._ask_new_epochs(mono_ms)
         announce = mono_ms >= self._next_announce_ms
         if announce:
             self._next_announce_ms = mono_ms + ANNOUNCE_INTERVAL_MS

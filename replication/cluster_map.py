@@ -40,6 +40,7 @@ class Reason(enum.StrEnum):
     UNCLEAN = "unclean"        # `qctl promote --unclean`: a replica not known to be in sync
     MOVE = "move"
     IN_SYNC = "in_sync"        # an in-sync flip (no change of epoch)
+    RESTARTED_MASTER = "restarted_master"   # the same members in a new epoch (docs/PROTOCOL.md)
     REBALANCE = "rebalance"
 
 
@@ -707,8 +708,11 @@ class ClusterMap:
         members_changed = (new.master, new.replica) != (expected.master, expected.replica)
         if new.master == new.replica:
             return Outcome(change.name, False, "master and replica must be different nodes")
-        if new.epoch != expected.epoch + (1 if members_changed else 0):
-            return Outcome(change.name, False, "a change of members raises the epoch by one, an in-sync flip keeps it")
+        if new.epoch != expected.epoch + (1 if members_changed or change.reason == Reason.RESTARTED_MASTER else 0):
+            return Outcome(change.name, False, "a change of members or a master's restart raises the epoch by one, "
+                                               "an in-sync flip keeps it")
+        if change.reason == Reason.RESTARTED_MASTER and (members_changed or new.in_sync):
+            return Outcome(change.name, False, "a restart keeps the members and records the replica out of sync")
         for member in {new.master, new.replica} - {expected.master, expected.replica}:
             node = self.nodes.get(member)
             if node is None or node.state is not NodeState.UP:

@@ -18,11 +18,18 @@ from dataclasses import dataclass, field
 
 @dataclass
 class NodeLease:
+    """`first_sequence`: where this process's renewal sequences start. A node gives each process
+    a random one: a grant the leader queued for a previous process's renewal n, delivered once
+    the link is back, must not count for this process's own renewal n, sent later."""
     lease_ms: int
     valid_until_ms: int = 0
-    _sent: dict[int, int] = field(default_factory=dict)     # renewal sequence -> sent at
-    _next: int = 1
+    first_sequence: int = 1
     outstanding_max: int = 64
+    _sent: dict[int, int] = field(default_factory=dict)     # renewal sequence -> sent at
+    _next: int = 0
+
+    def __post_init__(self) -> None:
+        self._next = self.first_sequence
 
     def renewal(self, now_ms: int) -> int:
         sequence = self._next
