@@ -54,7 +54,9 @@ E_OPTIONS_MISMATCH = _kind("E_OPTIONS_MISMATCH", 409, False, "the queue exists w
 E_MASTER_EXISTS = _kind("E_MASTER_EXISTS", 409, False, "master_required was set and the queue already has a master")
 E_QUEUE_FULL = _kind("E_QUEUE_FULL", 507, True, "the queue holds max_depth messages")
 E_UNKNOWN_MESSAGE = _kind("E_UNKNOWN_MESSAGE", 404, False, "no such message in this queue")
-E_LEASE_EXPIRED = _kind("E_LEASE_EXPIRED", 409, False, "the receipt is stale: the lease expired or the message was redelivered")
+E_LEASE_EXPIRED = _kind("E_LEASE_EXPIRED", 409, False,
+                        "the receipt does not match the message's current lease (it expired, was released, or the "
+                        "message was redelivered)")
 E_WRONG_QUEUE_TYPE = _kind("E_WRONG_QUEUE_TYPE", 409, False, "the operation needs another queue type (replies need two_way)")
 E_RESERVED_NAME = _kind("E_RESERVED_NAME", 409, False, "dead-letter queues and channels' queues come and go with their queue or channel")
 E_UNKNOWN_MACRO = _kind("E_UNKNOWN_MACRO", 404, False, "no such macro queue")

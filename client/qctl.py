@@ -2,11 +2,13 @@
 
 Every command is one or two signed REST calls (`client/http.py`); there is no state beyond
 the credentials file, which is found like the library finds it (`--credentials`, then
-`$QSERVER_CREDENTIALS`, `./.qserver/credentials.json`, `~/.config/qserver/credentials.json`).
+`$QSERVER_CREDENTIALS`, `./.qserver/credentials.json`, `~/.config/qserver/credentials.json`);
+a refusal as an unknown client, or a URL no node answers, names the file used and whose it is.
 Output is a plain aligned table or `key: value` lines for people, or with `--json` exactly
 one JSON document on stdout for scripts. Errors print `error: CODE: message` on stderr and
 exit 1 (with `--json` the error envelope is also the one document on stdout); usage errors
-exit 2.
+exit 2. `channel listen` that heard fewer than --count messages prints them (or their
+document) and then its error, and exits 1.
 """
 from __future__ import annotations
 
@@ -19,17 +21,20 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TextIO
 
 from client.aio import AsyncClient
-from client.credentials import Credentials, load_credentials, save_credentials
-from client.errors import E_INVALID_OPTION, QueueError
+from client.credentials import Credentials, explain_refusal, find_credentials, load_credentials, save_credentials
+from client.errors import E_INVALID_OPTION, E_TIMEOUT, QueueError
 from client.http import HttpClient
 from client.macro import CONSUMER_POLICIES, FASTEST_BY, PRODUCER_POLICIES
 from client.signing import new_private_key, private_key_to_text, public_key_text
+from replication.options import QueueOptions
 
 PRIVILEGES = ("post", "get", "delete", "admin")
+DEFAULT_OPTIONS = QueueOptions().to_json()     # `queue create` shows the options that differ from these
 QUEUE_TYPES = ("one_way", "one_way_ack", "queued_ack", "two_way")
 STRENGTHS = ("producer", "full")
 # Queue statistics shown in `status` and `queue list` (header, dotted key in the stats), in
@@ -44,10 +49,12 @@ QUEUE_COLUMNS = (("NAME", "name"), ("STRENGTH", "options.strength"), ("TYPE", "o
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """What a command produced: the JSON document, and its rendering for people."""
+    """What a command produced: the JSON document, and its rendering for people. `shortfall`:
+    an error reported after them (both are still printed), which makes qctl exit 1."""
 
     document: Any
     human: str
+    shortfall: QueueError | None = None
 
 
 # --- rendering ------------------------------------------------------------------------------
@@ -127,7 +134,7 @@ def payload_fields(payload: bytes) -> dict[str, Any]:
 
 # --- argument parsing ---------------------------------------------------------------------------
 def parse_grant(text: str) -> dict[str, Any]:
-    """'orders.*:post,get' -> {"pattern": "orders.*", "privileges": ["post", "get"]}."""
+    """'orders.*:get,delete' -> {"pattern": "orders.*", "privileges": ["get", "delete"]}."""
     pattern, separator, privileges_text = text.rpartition(":")
     privileges = [p.strip() for p in privileges_text.split(",") if p.strip()]
     if not separator or not pattern or not privileges:
@@ -195,13 +202,22 @@ def build_parser() -> argparse.ArgumentParser:
     queue_commands = queue.add_subparsers(dest="queue_command", required=True, metavar="ACTION")
     create = command(queue_commands, "create", cmd_queue_create, "create or open a queue")
     create.add_argument("name")
-    create.add_argument("--strength", choices=STRENGTHS)
-    create.add_argument("--type", dest="queue_type", choices=QUEUE_TYPES)
-    create.add_argument("--max-depth", type=int)
-    create.add_argument("--visibility-timeout-s", type=float)
-    create.add_argument("--max-deliveries", type=int)
-    create.add_argument("--dead-letter", action=argparse.BooleanOptionalAction, default=None)
-    create.add_argument("--min-in-sync", type=int, choices=(1, 2))
+    create.add_argument("--strength", choices=STRENGTHS,
+                        help="producer (default): an enqueue is on both members, each serves its own consumers; "
+                             "full: consumption is replicated too")
+    create.add_argument("--type", dest="queue_type", choices=QUEUE_TYPES,
+                        help="queued_ack (default); one_way answers before the message is durable; one_way_ack and "
+                             "two_way keep a completion status (two_way: with the consumer's reply)")
+    create.add_argument("--max-depth", type=int, help="the most messages it holds; an enqueue past it is refused "
+                                                      "with E_QUEUE_FULL (default 1,000,000)")
+    create.add_argument("--visibility-timeout-s", type=float,
+                        help="a received message's lease unless the receive names one (default 30)")
+    create.add_argument("--max-deliveries", type=int,
+                        help="deliveries before a message goes to the dead-letter queue NAME.dlq (default 10)")
+    create.add_argument("--dead-letter", action=argparse.BooleanOptionalAction, default=None,
+                        help="keep messages past --max-deliveries in NAME.dlq (default) or drop them")
+    create.add_argument("--min-in-sync", type=int, choices=(1, 2),
+                        help="2: refuse writes while the replica is out of sync instead of going on alone (default 1)")
     create.add_argument("--message-ttl-s", type=float, help="each message's time to live unless put with --ttl-s")
     create.add_argument("--fault-interval-s", type=float,
                         help="fault surveillance: a recipient that takes nothing this long while messages wait "
@@ -224,8 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     redrive.add_argument("--limit", type=int, help="at most this many (default: all there are now)")
     move = command(queue_commands, "move", cmd_queue_move, "put one member of a queue's pair on another node")
     move.add_argument("name")
-    move.add_argument("--member", choices=("master", "replica"), required=True)
-    move.add_argument("--to", required=True, metavar="NODE")
+    move.add_argument("--member", choices=("master", "replica"), required=True, help="which member moves")
+    move.add_argument("--to", required=True, metavar="NODE", help="the node it moves to")
 
     macro = commands.add_parser("macro", help="macro queues: one name over member queues (put and get use them "
                                               "as queues)")
@@ -266,15 +282,21 @@ def build_parser() -> argparse.ArgumentParser:
     command(channel_commands, "delete", cmd_channel_delete, "delete a channel").add_argument("name")
     channel_publish = command(channel_commands, "publish", cmd_channel_publish, "publish one message")
     channel_publish.add_argument("name")
-    channel_publish.add_argument("data", nargs="?", default="-", help="the payload, or - (default) to read stdin")
+    channel_publish.add_argument("data", nargs="?", default="-",
+                                 help="the payload, or - (default) to read it from stdin")
+    channel_publish.add_argument("--empty", action="store_true",
+                                 help="allow an empty payload from stdin (\"\" is one too)")
     channel_listen = command(channel_commands, "listen", cmd_channel_listen,
                              "subscribe and print what arrives (the last value first)")
     channel_listen.add_argument("names", nargs="+", metavar="name")
     channel_listen.add_argument("--durable", metavar="SUBSCRIPTION",
                                 help="read this durable subscription (opened the first time), acknowledging "
                                      "each message once printed")
-    channel_listen.add_argument("--count", type=int, default=1, help="stop after this many messages (default 1)")
-    channel_listen.add_argument("--wait-s", type=float, default=10.0, help="stop after this long without one")
+    channel_listen.add_argument("--count", type=int, default=1,
+                                help="stop after this many messages (default 1); fewer within --wait-s: exit 1")
+    channel_listen.add_argument("--wait-s", type=float, default=10.0,
+                                help="give up when no message came for this long (default 10 s), printing what "
+                                     "came and exiting 1 if that is fewer than --count")
     command(channel_commands, "subscriptions", cmd_channel_subscriptions,
             "a durable channel's subscriptions: floor, messages waiting, reader").add_argument("name")
     channel_drop = command(channel_commands, "drop", cmd_channel_drop, "end a durable subscription for good")
@@ -286,8 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     alternatives = command(recipient_commands, "alternatives", cmd_recipient_alternatives,
                            "show a recipient's chain of alternatives, or set it (--set, in order; --clear)")
     alternatives.add_argument("name")
-    alternatives.add_argument("--set", nargs="+", metavar="ALTERNATIVE", dest="chain")
-    alternatives.add_argument("--clear", action="store_true")
+    alternatives.add_argument("--set", nargs="+", metavar="ALTERNATIVE", dest="chain",
+                              help="the recipients that take over, in order")
+    alternatives.add_argument("--clear", action="store_true", help="remove every alternative")
     command(recipient_commands, "list", cmd_recipient_list, "every recipient: its queue, state (ok, fault, "
             "defunct) and alternatives")
 
@@ -311,18 +334,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     put = command(commands, "put", cmd_put, "enqueue one message")
     put.add_argument("queue")
-    put.add_argument("data", nargs="?", default="-", help="the payload, or - (default) to read stdin")
-    put.add_argument("--priority", type=_priority, default=4)
-    put.add_argument("--dedupe-id")
+    put.add_argument("data", nargs="?", default="-", help="the payload, or - (default) to read it from stdin")
+    put.add_argument("--empty", action="store_true", help="allow an empty payload from stdin (\"\" is one too)")
+    put.add_argument("--priority", type=_priority, default=4, help="0 (lowest) to 9 (highest), default 4")
+    put.add_argument("--dedupe-id", help="a put with the same id within the dedupe window is stored once")
     put.add_argument("--ttl-s", type=float, help="the message's time to live (default: the queue's)")
     put.add_argument("--delay-s", type=float, help="deliver it no sooner than this (at most 900)")
     put.add_argument("--header", action="append", default=[], metavar="NAME=VALUE",
                      help="a header delivered with the message (repeat for more)")
     get = command(commands, "get", cmd_get, "lease (and with --ack delete) the next message")
     get.add_argument("queue")
-    get.add_argument("--wait-s", type=float, default=0.0)
-    get.add_argument("--visibility-timeout-s", type=float)
-    get.add_argument("--ack", action="store_true", help="acknowledge the message at once")
+    get.add_argument("--wait-s", type=float, default=0.0,
+                     help="wait this long for a message when none is ready (default 0: answer at once)")
+    get.add_argument("--visibility-timeout-s", type=float,
+                     help="the lease: the message is invisible this long unless acked (default: the queue's)")
+    get.add_argument("--ack", action="store_true",
+                     help="acknowledge the message at once (needs the delete grant; without it the lease is released)")
     ack = command(commands, "ack", cmd_ack, "acknowledge (delete) a leased message")
     ack.add_argument("queue")
     ack.add_argument("message_id", type=int)
@@ -331,14 +358,17 @@ def build_parser() -> argparse.ArgumentParser:
     extend.add_argument("queue")
     extend.add_argument("message_id", type=int)
     extend.add_argument("receipt")
-    extend.add_argument("--visibility-timeout-s", type=float, required=True)
+    extend.add_argument("--visibility-timeout-s", type=float, required=True,
+                        help="the lease's new duration, counted from now (0: give the message back)")
 
-    clients = commands.add_parser("clients", help="register, list and remove clients")
+    clients = commands.add_parser("clients", help="add, list and remove clients (key pairs and grants)")
     client_commands = clients.add_subparsers(dest="clients_command", required=True, metavar="ACTION")
     add = command(client_commands, "add", cmd_clients_add, "register a client with a new key pair")
     add.add_argument("name")
     add.add_argument("--grant", dest="grants", type=parse_grant, action="append", required=True,
-                     metavar="PATTERN:PRIVILEGES", help="e.g. 'orders.*:post,get' (repeatable)")
+                     metavar="PATTERN:PRIVILEGES",
+                     help="privileges post, get, delete, admin on the queues PATTERN matches, e.g. a consumer's "
+                          "'orders.*:get,delete' or a producer's 'orders.*:post' (repeatable)")
     add.add_argument("--out", type=Path, help="write the new client's credentials file here")
     command(client_commands, "list", cmd_clients_list, "registered clients and their grants")
     command(client_commands, "remove", cmd_clients_remove, "remove a client").add_argument("client_id")
@@ -460,7 +490,21 @@ async def cmd_queue_create(http: HttpClient, args: argparse.Namespace) -> Outcom
         fault_interval_s=args.fault_interval_s, defunct_interval_s=args.defunct_interval_s,
         message_interval_s=args.message_interval_s, forward_rate=args.forward_rate,
         forward_interval_s=args.forward_interval_s, forward_mode=args.forward_mode, forward_bands=args.forward_bands)
-    return Outcome(description, format_fields(description))
+    return Outcome(description, format_fields(created_summary(description)))
+
+
+def created_summary(description: dict[str, Any]) -> dict[str, Any]:
+    """What a person set when creating a queue: its name, strength, type, the options that
+    differ from the defaults and where its pair lives. The rest (counters, replication
+    internals) is in --json and `qctl queue stats`."""
+    options = description.get("options") or {}
+    state = "created" if description.get("created") else "it existed: opened"
+    summary: dict[str, Any] = {"queue": f"{description.get('name')} ({state})",
+                               "strength": options.get("strength"), "type": options.get("type")}
+    summary.update({name: value for name, value in options.items()
+                    if name not in ("strength", "type") and name in DEFAULT_OPTIONS and value != DEFAULT_OPTIONS[name]})
+    summary.update(master=description.get("master"), replica=description.get("replica"))
+    return summary
 
 
 async def cmd_queue_list(http: HttpClient, args: argparse.Namespace) -> Outcome:
@@ -489,8 +533,23 @@ def _each_member(answer: dict[str, Any]) -> str:
     return "" if not members else " (" + ", ".join(f"{node}: {did}" for node, did in sorted(members.items())) + ")"
 
 
+def read_payload(args: argparse.Namespace) -> bytes:
+    """The payload argument, or stdin for "-". A terminal is told that stdin is read (it would
+    otherwise wait in silence), and an empty stdin (say /dev/null, or a pipe whose writer failed)
+    is refused unless --empty says it is meant; an explicit "" argument is meant."""
+    if args.data != "-":
+        return args.data.encode()
+    if sys.stdin.isatty():
+        print("reading the payload from stdin: end it with Ctrl-D (or give it as an argument)", file=sys.stderr)
+    payload = sys.stdin.buffer.read()
+    if not payload and not args.empty:
+        raise QueueError(E_INVALID_OPTION, 'the payload from stdin is empty: pass --empty (or "") to send an empty '
+                                           "message")
+    return payload
+
+
 async def cmd_put(http: HttpClient, args: argparse.Namespace) -> Outcome:
-    payload = sys.stdin.buffer.read() if args.data == "-" else args.data.encode()
+    payload = read_payload(args)
     answer = await http.enqueue_answer(args.queue, payload, args.priority, args.dedupe_id, ttl_s=args.ttl_s,
                                        delay_s=args.delay_s, headers=_headers(args.header))
     if "macro" not in answer:
@@ -557,8 +616,39 @@ async def cmd_forward_list(http: HttpClient, args: argparse.Namespace) -> Outcom
 
 async def cmd_forward_stats(http: HttpClient, args: argparse.Namespace) -> Outcome:
     stats = await http.forward_stats(args.name)
-    shown = {k: v for k, v in stats.items() if k not in ("rate_trace", "terms")}
-    return Outcome(stats, format_fields(shown))
+    return Outcome(stats, format_fields(forward_stats_shown(stats, time.time())))
+
+
+def forward_stats_shown(stats: dict[str, Any], now_s: float) -> dict[str, Any]:
+    """Forward statistics for people: times as local ISO times with their age, the streams'
+    floors by priority; the rate trace and the root's terms stay in --json."""
+    shown: dict[str, Any] = {}
+    for key, value in stats.items():
+        if key in ("rate_trace", "terms"):
+            continue
+        if key.endswith("_ms") and isinstance(value, (int, float)) and value > 0:
+            shown[key.removesuffix("_ms")] = when_text(value / 1000, now_s)
+        elif key == "floors" and isinstance(value, dict):
+            # A stream's floor: the lowest id of its priority the source still held (docs/PROTOCOL.md).
+            shown["floors"] = ", ".join(f"priority {priority} from id {floor}" for priority, floor in value.items()) \
+                or "-"
+        else:
+            shown[key] = value
+    return shown
+
+
+def when_text(at_s: float, now_s: float) -> str:
+    """'2026-05-04T10:16:44+02:00 (3 min ago)': a moment in local time, and how long ago."""
+    stamp = datetime.fromtimestamp(at_s).astimezone().isoformat(timespec="seconds")
+    return f"{stamp} ({duration_text(now_s - at_s)} ago)" if now_s >= at_s else f"{stamp} (in {duration_text(at_s - now_s)})"
+
+
+def duration_text(seconds: float) -> str:
+    """In its largest whole unit: '45 s', '3 min', '2 h', '5 d'."""
+    for unit_s, unit in ((86_400, "d"), (3_600, "h"), (60, "min")):
+        if seconds >= unit_s:
+            return f"{int(seconds // unit_s)} {unit}"
+    return f"{int(seconds)} s"
 
 
 async def cmd_forward_delete(http: HttpClient, args: argparse.Namespace) -> Outcome:
@@ -605,7 +695,7 @@ async def cmd_channel_delete(http: HttpClient, args: argparse.Namespace) -> Outc
 
 
 async def cmd_channel_publish(http: HttpClient, args: argparse.Namespace) -> Outcome:
-    payload = sys.stdin.buffer.read() if args.data == "-" else args.data.encode()
+    payload = read_payload(args)
     answer = await http.publish_http(args.name, payload)
     return Outcome(answer, f"id: {answer['id']}")
 
@@ -626,7 +716,9 @@ async def cmd_channel_listen(http: HttpClient, args: argparse.Namespace) -> Outc
                 await message.ack()
     lines = [f"{m['channel']} {m['id']}{' (resent)' if m['resent'] else ''}: "
              + (m.get("payload") or m.get("payload_b64", "")) for m in received]
-    return Outcome({"messages": received}, "\n".join(lines) or "no message")
+    shortfall = None if len(received) >= args.count else QueueError(
+        E_TIMEOUT, f"{len(received)} of {args.count} messages came, then none for {args.wait_s:g} s (--wait-s)")
+    return Outcome({"messages": received}, "\n".join(lines) or "no message", shortfall)
 
 
 async def cmd_channel_subscriptions(http: HttpClient, args: argparse.Namespace) -> Outcome:
@@ -723,10 +815,17 @@ async def cmd_clients_remove(http: HttpClient, args: argparse.Namespace) -> Outc
 
 # --- entry point ---------------------------------------------------------------------------------
 async def run_command(args: argparse.Namespace) -> Outcome:
-    creds = load_credentials(args.credentials)
-    async with HttpClient(args.url or creds.url, creds.signer(), ca_file=args.ca_file or creds.ca_file) as http:
-        handler: Handler = args.handler
-        return await handler(http, args)
+    source = find_credentials(args.credentials)
+    creds = load_credentials(source)
+    url = args.url or creds.url
+    try:
+        async with HttpClient(url, creds.signer(), ca_file=args.ca_file or creds.ca_file) as http:
+            handler: Handler = args.handler
+            return await handler(http, args)
+    except QueueError as error:
+        # An unknown client or an unreachable URL is most often a credentials file of another
+        # cluster: say which file was used, whose it is, and how to get the right one.
+        raise explain_refusal(error, source, creds, url) from None
 
 
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,
@@ -753,6 +852,9 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None,
         out.flush()
     except BrokenPipeError:  # `qctl ... | head`: the reader left; nothing more to say
         sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - keeps Python's exit flush quiet
+    if outcome.shortfall is not None:
+        print(f"error: {outcome.shortfall.code}: {outcome.shortfall.message}", file=err)
+        return 1
     return 0
 
 

@@ -103,6 +103,23 @@ class Principal:
     def may_see(self, queue: str) -> bool:
         return any(fnmatch.fnmatchcase(queue, g["pattern"]) for g in self.grants)
 
+    def releases_refused_ack(self, queue: str) -> bool:
+        """Whether an ack (or reply) refused here for want of `delete` releases the message's
+        lease (docs/PROTOCOL.md, "Grants"): a client with `get` leased it, and may release it;
+        left alone, the message would stay invisible to every consumer for its whole lease."""
+        return not self.allows("delete", queue) and self.allows("get", queue)
+
+
+def refused_ack_text(principal: Principal, queue: str, message_id: int, release_error: QueueError | None) -> str:
+    """E_FORBIDDEN's message for an ack or reply refused for want of `delete` from a client
+    that may `get`, saying what became of the message: released (`release_error` None), or
+    not, and why."""
+    refused = f"client {principal.client_id} may not delete on {queue}"
+    if release_error is None:
+        return (f"{refused}: message {message_id} was released instead (its lease ended), ready for delivery again "
+                "(or dead-lettered if that was its last delivery)")
+    return f"{refused}; releasing message {message_id} failed too ({release_error.code}: {release_error.message})"
+
 
 ANONYMOUS_ADMIN = Principal("anonymous", ADMIN_GRANTS)   # when auth is switched off
 

@@ -1,7 +1,9 @@
-"""`qserver init` and `qserver run`."""
+"""`qserver init`, `qserver admin-credential` and `qserver run`."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import logging
 import os
 import secrets
@@ -10,9 +12,12 @@ import time
 from pathlib import Path
 
 from client.credentials import Credentials, save_credentials
+from client.errors import E_INVALID_OPTION, E_UNAUTHENTICATED, E_UNAVAILABLE, QueueError
+from client.http import HttpClient
 from client.signing import new_private_key, private_key_to_text, public_key_text
-from qserver.auth import ADMIN_GRANTS
-from qserver.config import load_config
+from qserver.auth import ADMIN_GRANTS, CLUSTER_CLIENT
+from qserver.config import NodeConfig, load_config
+from qserver.macro_service import DelegatedSigner
 from qserver.raft_store import RaftStore
 from qserver.storage import SealedBatch, Storage, read_clients
 from qserver.tls import DEFAULT_HOSTS, make_tls_files
@@ -80,20 +85,82 @@ def init(data_dir: Path, node_id: str, credentials_path: Path, url: str, force: 
         ca_file = str(Path(files["tls_ca_file"]).resolve())
         url = url.replace("http://", "https://", 1)
         _report_tls(files)
-    save_credentials(credentials_path, Credentials(client_id, private_key_to_text(key), url, ca_file))
+    save_credentials(credentials_path, Credentials(client_id, private_key_to_text(key), url, ca_file,
+                                                   cluster=str(data_dir.resolve())))
     print(f"initialised {data_dir}: cluster secret and admin client {client_id!r}; credentials in {credentials_path}")
     return 0
+
+
+def mint_admin_credential(config: NodeConfig, url: str | None = None, name: str | None = None) -> Credentials:
+    """Register a new admin client through the running node of `config` and return its
+    credential (nothing is written). The node's data directory holds the cluster secret, with
+    which nodes act for the cluster itself (qserver/auth.py, CLUSTER_CLIENT): the registration
+    is signed so, and goes through the membership layer like `qctl clients add`. Raises
+    QueueError (E_UNAVAILABLE: no node answers at the URL; E_UNAUTHENTICATED: it refused the
+    secret; E_INVALID_OPTION: no cluster secret in the data directory)."""
+    data_dir = Path(config.data_dir)
+    secret_path = data_dir / "cluster.secret"
+    if not secret_path.is_file():
+        raise QueueError(E_INVALID_OPTION, f"{data_dir} is not a node's data directory (no cluster.secret)")
+    tls = config.tls_files()
+    ca_file = str(Path(tls[2]).resolve()) if tls else ""
+    url = (url or config.own_url).rstrip("/")
+    key = new_private_key()
+    name = name or "admin-" + secrets.token_hex(3)
+    signer = DelegatedSigner(CLUSTER_CLIENT, secret_path.read_text().strip().encode())
+
+    async def register() -> dict[str, object]:
+        async with HttpClient(url, signer, ca_file=ca_file) as http:
+            return await http.register_client(name, ADMIN_GRANTS, public_key_text(key))
+    answer = asyncio.run(register())
+    return Credentials(str(answer["id"]), private_key_to_text(key), url, ca_file, cluster=str(data_dir.resolve()))
+
+
+def admin_credential(config: NodeConfig, url: str | None, out: Path, name: str | None, as_json: bool) -> int:
+    """`qserver admin-credential`: mint an admin credential into `out`, and say what was done."""
+    if out.exists():
+        print(f"error: E_INVALID_OPTION: {out} exists (it may be the only admin credential of a cluster): choose "
+              "another --out, or remove it first", file=sys.stderr)
+        return 1
+    try:
+        creds = mint_admin_credential(config, url, name)
+    except QueueError as error:
+        print(f"error: {error.code}: {error.message}{_mint_advice(error, config, url)}", file=sys.stderr)
+        return 1
+    save_credentials(out, creds)
+    if as_json:
+        print(json.dumps({"client_id": creds.client_id, "url": creds.url, "cluster": creds.cluster,
+                          "credentials_file": str(out)}, indent=2, sort_keys=True))
+    else:
+        print(f"registered admin client {creds.client_id} (every privilege on every queue) through {creds.url}, "
+              f"signed with the cluster secret of {config.data_dir}; credentials in {out} "
+              f"(try: qctl --credentials {out} status)")
+    return 0
+
+
+def _mint_advice(error: QueueError, config: NodeConfig, url: str | None) -> str:
+    """What to do about a mint that failed, for the two ways it fails in practice."""
+    where = (url or config.own_url).rstrip("/")
+    if error.code == E_UNAVAILABLE.code:
+        return (f"\n  no node answers at {where}: a credential is minted through a running node of the cluster "
+                "(start it, or name another of its nodes with --url, or its node.toml with --config)")
+    if error.code == E_UNAUTHENTICATED.code:
+        return (f"\n  the node at {where} refused the cluster secret of {config.data_dir}: it is a node of another "
+                "cluster, or one running alone (no [cluster.nodes]: stop it, then `qserver init --force "
+                f"--data-dir {config.data_dir}` adds an admin credential)")
+    return ""
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qserver", description="replicated queue server node")
     sub = parser.add_subparsers(dest="command", required=True)
     p_init = sub.add_parser("init", help="create the cluster secret and the first admin credential")
-    p_init.add_argument("--data-dir", required=True, type=Path)
-    p_init.add_argument("--node-id", default="n1")
+    p_init.add_argument("--data-dir", required=True, type=Path, help="the node's data directory (made if missing)")
+    p_init.add_argument("--node-id", default="n1", help="the node's id in the cluster (default n1)")
     p_init.add_argument("--credentials", type=Path, default=DEFAULT_CREDENTIALS, help="where to write the admin credential")
     p_init.add_argument("--url", default="http://127.0.0.1:7100", help="the URL clients should use")
-    p_init.add_argument("--force", action="store_true")
+    p_init.add_argument("--force", action="store_true",
+                        help="on an initialised directory: add a new admin credential (the secret stays)")
     p_init.add_argument("--join", type=Path, metavar="DATA_DIR",
                         help="another node's data directory: take its cluster secret and clients")
     p_init.add_argument("--tls", action="store_true",
@@ -103,20 +170,41 @@ def main(argv: list[str] | None = None) -> int:
                         help="host names and addresses the node's certificate covers (comma-separated)")
     p_init.add_argument("--tls-ca", type=Path, metavar="DIR",
                         help="sign with the CA under DIR/tls/ (ca.pem, ca-key.pem) instead of making one")
+    p_mint = sub.add_parser("admin-credential", help="register a new admin client through a running node, "
+                                                     "with the cluster secret in its data directory",
+                            description="Register a new admin client through a running node of the cluster, "
+                                        "signing as the cluster itself with the secret in the node's data directory "
+                                        "(whoever reads a data directory is an admin), and write its credential to "
+                                        "--out (a new file). For a lost or overwritten admin credential.")
+    p_mint.add_argument("--config", type=Path, help="the node's node.toml (its data directory and URL)")
+    p_mint.add_argument("--data-dir", type=Path, help="the node's data directory (instead of, or over, --config)")
+    p_mint.add_argument("--url", help="the node's URL (default: from --config, else http://127.0.0.1:7100)")
+    p_mint.add_argument("--out", type=Path, required=True, help="where to write the new credential (a new file)")
+    p_mint.add_argument("--name", help="the new client's name (default: admin-XXXXXX)")
+    p_mint.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     p_run = sub.add_parser("run", help="run one node")
-    p_run.add_argument("--config", type=Path)
-    p_run.add_argument("--data-dir", type=Path)
-    p_run.add_argument("--node-id")
-    p_run.add_argument("--host")
-    p_run.add_argument("--port", type=int)
+    p_run.add_argument("--config", type=Path, help="the node's TOML file (deploy/node.toml explains every setting)")
+    p_run.add_argument("--data-dir", type=Path, help="the node's data directory (over the config's)")
+    p_run.add_argument("--node-id", help="the node's id (over the config's)")
+    p_run.add_argument("--host", help="the address to serve clients on (over the config's)")
+    p_run.add_argument("--port", type=int, help="the port to serve clients on (over the config's)")
     p_run.add_argument("--no-journal", action="store_true", help="benchmark only: do not write the journal")
-    p_run.add_argument("--log-level", default="INFO")
+    p_run.add_argument("--log-level", default="INFO", help="DEBUG, INFO (default), WARNING or ERROR")
     args = parser.parse_args(argv)
     if args.command == "init":
         tls_hosts = tuple(h.strip() for h in args.tls_hosts.split(",") if h.strip()) if args.tls else None
         if args.join is not None:
             return join(args.data_dir, args.node_id, args.join, tls_hosts, args.tls_ca)
         return init(args.data_dir, args.node_id, args.credentials, args.url, args.force, tls_hosts, args.tls_ca)
+    if args.command == "admin-credential":
+        if args.config is None and args.data_dir is None:
+            parser.error("admin-credential needs --config or --data-dir")
+        try:
+            config = load_config(args.config, data_dir=None if args.data_dir is None else str(args.data_dir))
+        except (OSError, ValueError) as error:
+            print(f"error: E_INVALID_OPTION: {error}", file=sys.stderr)
+            return 2
+        return admin_credential(config, args.url, args.out, args.name, args.json)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = load_config(args.config, node_id=args.node_id, host=args.host, port=args.port,
                          data_dir=None if args.data_dir is None else str(args.data_dir),

@@ -25,7 +25,7 @@ from client.errors import QueueError
 from client.protocol import DeliveredMessage
 from client.signing import new_private_key, private_key_to_text, public_key_from_text, public_key_text
 from qserver import commands as c
-from qserver.auth import Principal, validate_grants
+from qserver.auth import Principal, refused_ack_text, validate_grants
 from qserver.engine import TERMINAL_STATES, Engine
 from qserver.http_errors import error_response
 from qserver.redrive import redrive as redrive_dead_letters
@@ -38,6 +38,7 @@ from replication.options import (
     checked_headers,
     is_valid_queue_name,
     parse_options,
+    range_text,
     valid_dedupe_id,
 )
 
@@ -188,7 +189,7 @@ def number_param(request: web.Request, name: str, default: float, low: float, hi
     except ValueError:
         raise QueueError(e.E_INVALID_OPTION, f"{name} must be a number") from None
     if not low <= value <= high or value != value:
-        raise QueueError(e.E_INVALID_OPTION, f"{name} must be between {low:g} and {high:g}")
+        raise QueueError(e.E_INVALID_OPTION, range_text(name, low, high))
     return value
 
 
@@ -362,11 +363,29 @@ async def receive(request: web.Request) -> web.Response:
 
 
 async def ack(request: web.Request) -> web.Response:
-    name = queue_name(request, "delete")
+    name = await deleting_queue_name(request)
     index, token = message_id(request), receipt(request)
     client = principal(request).client_id
     await call(request.app[NODE].engine, lambda r: c.Ack(name, index, token, client, r))
     return web.json_response({"acked": index})
+
+
+async def deleting_queue_name(request: web.Request) -> str:
+    """The queue of an ack or a reply, which need `delete`. A client refused for want of it that
+    may `get` (it leased the message) has the lease released first, so the message does not
+    stay invisible for its whole lease; the refusal says so (docs/PROTOCOL.md, "Grants")."""
+    name = path_name(request, "q", "queue")
+    who = principal(request)
+    if not who.releases_refused_ack(name) or name.startswith(CHANNEL_PREFIX):
+        return queue_name(request, "delete")
+    index, token = message_id(request), receipt(request)
+    try:
+        await call(request.app[NODE].engine, lambda r: c.Ack(name, index, token, who.client_id, r, release=True))
+    except QueueError as error:
+        if error.code == e.E_NOT_MASTER.code:
+            raise          # passed on to the master (errors_and_auth), where this rule runs again
+        raise QueueError(e.E_FORBIDDEN, refused_ack_text(who, name, index, error)) from None
+    raise QueueError(e.E_FORBIDDEN, refused_ack_text(who, name, index, None))
 
 
 async def release(request: web.Request) -> web.Response:
@@ -433,7 +452,7 @@ async def on_each_member(request: web.Request, name: str, result: dict[str, Any]
 
 
 async def reply(request: web.Request) -> web.Response:
-    name = queue_name(request, "delete")
+    name = await deleting_queue_name(request)
     index, token = message_id(request), receipt(request)
     payload = await request.read()
     client = principal(request).client_id

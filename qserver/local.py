@@ -4,20 +4,25 @@
                             [--duration-s 0] [--rate 1000] [--handoff-every-s 15] [--no-demo]
 
 It initialises three nodes under one directory on first use (n1 makes the cluster secret
-and the admin credential, written to ./.qserver/credentials.json where `qctl` and the client
-find it without flags, or to --credentials; n2 and n3 join it), starts three real `qserver`
-processes on loopback (HTTP on base-port+1..3, the membership layer on base-port+101..103),
-and waits until they have elected a membership leader. Then, through the client library, a
+and the admin credential, kept with the cluster in DATA_DIR/admin-credentials.json; n2 and n3
+join it), starts three real `qserver` processes on loopback (HTTP on base-port+1..3, the
+membership layer on base-port+101..103), and waits until they have elected a membership
+leader. It copies the cluster's credential to ./.qserver/credentials.json (or --credentials),
+where `qctl` and the client look without flags, unless that file belongs to another cluster
+that is running, and prints the qctl command line that works for this cluster either way
+(qserver/demo_credentials.py). Then, through the client library, a
 producer and a consumer run on `orders` (strength `full`: every operation on both members)
 and on `events` (strength `producer`), `orders` is handed off between its members every
 --handoff-every-s seconds, a node that dies is started again (as a supervisor would), and a
 live view shows the nodes, the membership leader, each queue's master, replica, epoch,
 in-sync flag and depth, the rates and end-to-end latency, every error the demo traffic saw
 by client and code, each client that is stalled (no progress for 5 s with work to do:
-qserver/demo_progress.py) and recent events such as each handoff's write pause. Ctrl-C (or
---duration-s) stops the demo, prints a summary (per client: its longest stall, how many
-lasted 5 s or more, its errors), then stops each node in turn (SIGTERM: a node hands off its
-masters before it stops).
+qserver/demo_progress.py) and recent events such as each handoff's write pause. With
+--no-demo the queues are created and nothing else runs. Ctrl-C (or --duration-s) stops the
+demo, prints a summary (per client: its longest stall, how many lasted 5 s or more, its
+errors), then stops the nodes one at a time, the membership leader last (SIGTERM: a node hands
+its masters off before it stops, so each handoff goes to a node still running, and the leader
+is there to commit it; the last node keeps what it masters).
 """
 from __future__ import annotations
 
@@ -35,6 +40,8 @@ from typing import Any
 
 from client import AsyncClient, QueueError
 from client.aio import Message
+from client.credentials import LOCAL_CREDENTIALS
+from qserver.demo_credentials import CredentialAccess, credential_access, executable, shown
 from qserver.demo_progress import (
     STALL_AFTER_S,
     DemoClient,
@@ -46,7 +53,6 @@ from qserver.demo_progress import (
 )
 from qserver.devcluster import LocalCluster
 
-LOCAL_CREDENTIALS = Path(".qserver") / "credentials.json"
 STATUS_INTERVAL_S = 1.0
 STATUS_TIMEOUT_S = 2.0          # the view asks the next node when one does not answer in this time
 SUPERVISE_INTERVAL_S = 0.5      # how soon a node that died is started again
@@ -310,12 +316,22 @@ class LiveView:
         return f"kill -9 {process.pid}   ({master}, the master of orders; the demo starts it again)"
 
 
+async def create_queues(client: AsyncClient) -> None:
+    """The demo's queues, which the README's first commands name (with --no-demo too)."""
+    for queue, strength in QUEUES.items():
+        await client.create_queue(queue, strength=strength)
+    await client.refresh_placement()
+
+
+async def create_queues_only(cluster: LocalCluster, credentials: Path) -> None:
+    async with AsyncClient(cluster.urls["n1"], credentials) as client:
+        await create_queues(client)
+
+
 async def run_demo(cluster: LocalCluster, credentials: Path, rate_per_s: int, duration_s: float,
                    handoff_every_s: float, qctl: str) -> None:
     async with AsyncClient(cluster.urls["n1"], credentials) as client:
-        for queue, strength in QUEUES.items():
-            await client.create_queue(queue, strength=strength)
-        await client.refresh_placement()
+        await create_queues(client)
         demo = Demo(client, rate_per_s)
         status = StatusReader.for_nodes(cluster.urls.values(), credentials)
         try:
@@ -366,66 +382,82 @@ def _print_summary(demo: Demo, status: StatusReader) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     args.data_dir.mkdir(parents=True, exist_ok=True)
-    args.credentials.parent.mkdir(parents=True, exist_ok=True)
-    cluster = LocalCluster(args.data_dir.resolve(), 3, base_port=args.base_port,
-                           credentials_path=args.credentials.resolve())
-    if not args.credentials.is_file():      # n1 writes it only when it is initialised
-        raise SystemExit(f"no credentials at {args.credentials}: {cluster.root} was initialised with another "
-                         "--credentials path (use that one, or another --data-dir)")
+    cluster = LocalCluster(args.data_dir.resolve(), 3, base_port=args.base_port)
     cluster.log_level = "INFO"
     try:
         cluster.start_all()
-    except RuntimeError as error:
-        cluster.stop_all()
+        access = credential_access(cluster, args.credentials)
+        if args.no_demo:
+            asyncio.run(create_queues_only(cluster, access.own_path))
+    except (RuntimeError, QueueError) as error:
+        stop_cluster(cluster)
         raise SystemExit(str(error)) from None
-    qctl = _qctl_command(args.credentials)
-    _print_first_lines(cluster, args.credentials, qctl)
+    _print_first_lines(cluster, access, args.no_demo)
     try:
         if args.no_demo:
             _supervise_only(cluster)
         else:
-            asyncio.run(run_demo(cluster, args.credentials, args.rate, args.duration_s, args.handoff_every_s, qctl))
+            asyncio.run(run_demo(cluster, access.own_path, args.rate, args.duration_s, args.handoff_every_s,
+                                 access.qctl))
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)      # a second Ctrl-C must not cut the stop short
-        print("stopping the nodes (each hands off its masters first) ...")
-        cluster.stop_all()
-        print("cluster stopped")
+        try:
+            stop_cluster(cluster)
+        finally:
+            cluster.stop_all()      # whatever still runs when the report could not be printed (a closed pipe)
     return 0
+
+
+def stop_cluster(cluster: LocalCluster) -> None:
+    """Stop every node one at a time, the membership leader last (LocalCluster.stop_order), and
+    say so: each node's handoffs then go to a node still running, and are committed at once."""
+    order = cluster.stop_order()
+    if not order:
+        return
+    print(f"stopping the nodes one at a time, the membership leader last ({', '.join(order)}): each hands its "
+          "masters off to a node still running before it stops; the last keeps what it masters", flush=True)
+    for node in order:
+        started = time.monotonic()
+        code = cluster.stop(node)
+        print(f"  {node} stopped in {time.monotonic() - started:.1f} s" + (f" (exit code {code})" if code else ""),
+              flush=True)
+    print("cluster stopped")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m qserver.local", description=__doc__.split("\n")[0])
-    parser.add_argument("--data-dir", type=Path, default=Path("data/local"))
-    parser.add_argument("--base-port", type=int, default=7100)
+    parser.add_argument("--data-dir", type=Path, default=Path("data/local"),
+                        help="where the three nodes keep their data and node files (default data/local)")
+    parser.add_argument("--base-port", type=int, default=7100,
+                        help="node i serves clients on BASE+i and membership on BASE+100+i (default 7100)")
     parser.add_argument("--credentials", type=Path, default=LOCAL_CREDENTIALS,
-                        help="where n1 writes the admin credential on first use (default: where qctl looks)")
+                        help="where to copy the cluster's admin credential for qctl and the client (default: where "
+                             "they look without flags); the cluster's own stays in DATA_DIR/admin-credentials.json")
     parser.add_argument("--rate", type=int, default=1000, help="demo messages per second per queue")
     parser.add_argument("--duration-s", type=float, default=0.0, help="stop after this long (0: until Ctrl-C)")
     parser.add_argument("--handoff-every-s", type=float, default=15.0, help="hand off `orders` this often (0: never)")
-    parser.add_argument("--no-demo", action="store_true", help="only run the three nodes")
+    parser.add_argument("--no-demo", action="store_true",
+                        help="only run the three nodes, with the demo's queues created and no traffic")
     return parser.parse_args(argv)
 
 
-def _qctl_command(credentials: Path) -> str:
-    """qctl as the user can type it here: this environment's, with --credentials unless qctl
-    finds the file without it."""
-    qctl = Path(sys.executable).parent / "qctl"
-    with contextlib.suppress(ValueError):
-        qctl = qctl.relative_to(Path.cwd())
-    default = credentials.resolve() == LOCAL_CREDENTIALS.resolve()
-    return str(qctl) if default else f"{qctl} --credentials {credentials}"
-
-
-def _print_first_lines(cluster: LocalCluster, credentials: Path, qctl: str) -> None:
+def _print_first_lines(cluster: LocalCluster, access: CredentialAccess, no_demo: bool) -> None:
     for node in cluster.ids:
         print(f"node {node} up at {cluster.urls[node]} (pid {cluster.processes[node].pid}, "
               f"log: {cluster.root / (node + '.log')})")
-    print(f"credentials for qctl and the client: {credentials}")
+    print(f"admin credential of this cluster: {shown(access.own_path)} (kept with it; another: "
+          f"{executable('qserver')} admin-credential --config {shown(cluster.root / 'n1.toml')} --out FILE)")
+    for note in access.notes:
+        print(f"  {note}")
+    if no_demo:
+        print(f"queues {' and '.join(f'{queue} ({strength})' for queue, strength in QUEUES.items())} created, "
+              "no traffic (--no-demo)")
     print("try, in another shell:")
-    print(f"  {qctl} status      # each queue's master (the live view shows it too)")
+    print(f"  {access.qctl} status      # each queue's master (the live view shows it too)")
     print(f"  kill -9 $(pgrep -f '{cluster.root}/n1.toml')      # n1 dies; the demo starts it again at once")
-    print("  (the live view names the pid of the node that masters orders now, and any client that stalls)",
-          flush=True)
+    if not no_demo:
+        print("  (the live view names the pid of the node that masters orders now, and any client that stalls)")
+    sys.stdout.flush()
 
 
 def _supervise_only(cluster: LocalCluster) -> None:

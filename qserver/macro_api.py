@@ -62,8 +62,18 @@ async def _propose(request: web.Request, command: Any) -> Any:
     outcome = await propose(request, command)
     if not outcome.applied:
         kind = e.E_UNKNOWN_MACRO if outcome.reason == "no such macro queue" else e.E_MACRO_REFUSED
-        raise QueueError(kind, f"{type(command).__name__} {command.name}: {outcome.reason}")
+        raise QueueError(kind, f"{_attempt(command)}: {outcome.reason}")
     return outcome
+
+
+def _attempt(command: Any) -> str:
+    """What the caller asked for, in its words rather than the map command's name."""
+    if isinstance(command, PutMacroMember):
+        return f"cannot add queue {command.queue} to macro queue {command.name}"
+    if isinstance(command, RemoveMacroMember):
+        return f"cannot remove queue {command.queue} from macro queue {command.name}"
+    verb = "delete" if isinstance(command, DeleteMacro) else "create"
+    return f"cannot {verb} macro queue {command.name}"
 
 
 async def put_macro(request: web.Request) -> web.Response:

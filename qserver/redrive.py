@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from client.errors import E_INVALID_OPTION, QueueError
+from client.errors import E_INVALID_OPTION, E_UNKNOWN_QUEUE, QueueError
 from qserver import commands as c
 from replication.options import dead_letter_name
 
@@ -42,7 +42,7 @@ async def redrive(engine: Any, queue: str, limit: int | None, client: str,
     truncated = False
     while budget is None or moved < budget:
         want = ROUND_MESSAGES_MAX if budget is None else min(ROUND_MESSAGES_MAX, budget - moved)
-        leased = await call(engine, lambda r, want=want: c.Receive(dead, want, 0, LEASE_MS, client, r))
+        leased = await _lease_dead_letters(engine, queue, want, client, call)
         if budget is None:
             # The dead letters there are now (this member's copy): later ones wait for the next redrive.
             core = engine.cores.get(dead)
@@ -88,6 +88,18 @@ async def redrive(engine: Any, queue: str, limit: int | None, client: str,
     if stopped:
         result["stopped"] = stopped
     return result
+
+
+async def _lease_dead_letters(engine: Any, queue: str, want: int, client: str, call: Any) -> list[Any]:
+    """Up to `want` of the queue's dead letters, leased. A queue unknown here is named as the
+    caller typed it, not as its dead-letter queue (which the caller never named)."""
+    try:
+        return list(await call(engine, lambda r: c.Receive(dead_letter_name(queue), want, 0, LEASE_MS, client, r)))
+    except QueueError as error:
+        if error.code == E_UNKNOWN_QUEUE.code and engine.pairs.view.entry(queue) is None \
+                and queue not in engine.cores:
+            raise QueueError(E_UNKNOWN_QUEUE, f"no queue named {queue!r}") from None
+        raise
 
 
 def _incarnation(engine: Any, name: str) -> int:

@@ -46,7 +46,7 @@ from client.protocol import (
     encode_frame,
 )
 from qserver import commands as c
-from qserver.auth import Principal
+from qserver.auth import Principal, refused_ack_text
 from qserver.http_api import NODE
 from replication.cluster_map import CHANNEL_PREFIX
 from replication.options import is_valid_queue_name, valid_dedupe_id
@@ -214,10 +214,14 @@ class ClientConnection:
             return c.EnqueueMany(op.queue, op.priority, op.payloads, op.dedupe_ids, client, self, op.request_id,
                                  op.ttl_ms, op.delay_ms, op.headers)
         if kind is AckBatchOp:
+            if self._refused_acks(op.queue, op.request_id, op.items, batch=True):
+                return None
             self._queue(op.queue, "delete", op.request_id)
             if self.recipients:
                 self._took(op.queue, [message_id for message_id, _ in op.items])
             return c.AckMany(op.queue, op.items, client, self, op.request_id)
+        if kind is AckOp and self._refused_acks(op.queue, op.request_id, ((op.message_id, op.receipt),), batch=False):
+            return None
         if kind is AckOp or kind is ReleaseOp:
             self._queue(op.queue, "delete" if kind is AckOp else "get", op.request_id)
             if self.recipients:
@@ -288,6 +292,19 @@ class ClientConnection:
         self.reply(op.request_id, None)
         return None
 
+    def _refused_acks(self, queue: str, request_id: int, items: tuple[tuple[int, str], ...], *, batch: bool) -> bool:
+        """Acks refused for want of `delete` from a client that may `get`: their leases are
+        released, then the refusal says so (docs/PROTOCOL.md, "Grants"). False when the rule
+        does not apply (the acks go on, or are refused, as usual)."""
+        if not is_valid_queue_name(queue) or queue.startswith(CHANNEL_PREFIX) \
+                or not self.principal.releases_refused_ack(queue):
+            return False
+        answer = RefusedAcks(self, request_id, self.principal, queue, [message_id for message_id, _ in items], batch)
+        for position, (message_id, receipt) in enumerate(items):
+            self.engine.submit(c.Ack(queue, message_id, receipt, self.principal.client_id, answer, position,
+                                     release=True))
+        return True
+
     def _took(self, queue: str, message_ids: list[int]) -> None:
         """A recipient answered for messages it was given (fault surveillance sees it alive)."""
         recipient = self.recipients.get(queue)
@@ -297,6 +314,42 @@ class ClientConnection:
     def _own_subscription(self, subscription_id: int) -> None:
         if subscription_id not in self.subscriptions:
             raise QueueError(e.E_BAD_REQUEST, f"subscription {subscription_id} is not on this connection")
+
+
+class RefusedAcks:
+    """The Replier of the releases that answer acks refused for want of `delete`: once every
+    release is answered, the acks are refused with E_FORBIDDEN saying what became of each
+    message (one error for an AckOp; one outcome per item for an AckBatchOp, as AckMany
+    answers). A release refused for E_NOT_MASTER refuses the acks so: the client asks the
+    master, where this rule runs again."""
+
+    def __init__(self, connection: ClientConnection, request_id: int, principal: Principal, queue: str,
+                 message_ids: list[int], batch: bool) -> None:
+        self._connection, self._request_id, self._principal = connection, request_id, principal
+        self._queue, self._message_ids, self._batch = queue, message_ids, batch
+        self._outcomes: dict[int, QueueError | None] = {}
+
+    def reply(self, position: int, result: Any) -> None:
+        self._answered(position, None)
+
+    def fail(self, position: int, error: QueueError) -> None:
+        self._answered(position, error)
+
+    def _answered(self, position: int, error: QueueError | None) -> None:
+        self._outcomes[position] = error
+        if len(self._outcomes) < len(self._message_ids):
+            return
+        moved = next((o for o in self._outcomes.values() if o is not None and o.code == e.E_NOT_MASTER.code), None)
+        if moved is not None:
+            self._connection.fail(self._request_id, moved)
+            return
+        refusals = [QueueError(e.E_FORBIDDEN, refused_ack_text(self._principal, self._queue, message_id,
+                                                               self._outcomes[item]))
+                    for item, message_id in enumerate(self._message_ids)]
+        if self._batch:
+            self._connection.reply(self._request_id, [[r.code, r.message] for r in refusals])
+        else:
+            self._connection.fail(self._request_id, refusals[0])
 
 
 async def websocket(request: web.Request) -> web.StreamResponse:

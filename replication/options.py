@@ -128,8 +128,32 @@ def _number(raw: dict[str, Any], name: str, low: float, high: float, integral: b
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integral and not isinstance(value, int)):
         raise OptionError(f"{name} must be {'an integer' if integral else 'a number'}")
     if not low <= value <= high:
-        raise OptionError(f"{name} must be between {low:g} and {high:g}")
+        raise OptionError(range_text(name, low, high))
     return value
+
+
+def range_text(name: str, low: float, high: float) -> str:
+    """'ttl_s must be between 0.001 s (1 ms) and 1,209,600 s (14 days)': the bounds as a person
+    reads them, durations (names ending in _s) also in their largest whole unit, since
+    1.2096e+06 (how Python's :g writes 14 days in seconds) says nothing to anyone."""
+    return f"{name} must be between {_bound_text(name, low)} and {_bound_text(name, high)}"
+
+
+_DURATION_UNITS = ((86_400.0, "day"), (3_600.0, "hour"), (60.0, "minute"), (1.0, "second"), (0.001, "ms"))
+
+
+def _bound_text(name: str, value: float) -> str:
+    number = f"{int(value):,}" if value == int(value) else f"{value:g}"
+    if not name.endswith("_s") or value == 0:
+        return number
+    for unit_s, unit in _DURATION_UNITS:
+        count = value / unit_s
+        if count >= 1 and abs(count - round(count)) < 1e-9 and (unit != "ms" or value < 1):
+            if unit == "second":
+                return f"{number} s"
+            plural = "" if round(count) == 1 or unit == "ms" else "s"
+            return f"{number} s ({round(count):,} {unit}{plural})"
+    return f"{number} s"
 
 
 def parse_options(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:

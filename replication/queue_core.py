@@ -960,15 +960,21 @@ class QueueCore:
         lease = self._leases.get(index)
         if lease is None:
             if 1 <= index < self.record.next_index:
-                raise QueueError(E_LEASE_EXPIRED, f"message {index} is not leased under this receipt")
+                raise QueueError(E_LEASE_EXPIRED, f"message {index} has no lease now for the receipt to match "
+                                                  "(its lease expired or was released, the message was acked or "
+                                                  "taken out of the queue, or no message has this id)")
             raise QueueError(E_UNKNOWN_MESSAGE, f"queue {self.name} has no message {index}")
         if lease.receipt != receipt:
-            raise QueueError(E_LEASE_EXPIRED, f"receipt for message {index} is stale")
+            raise QueueError(E_LEASE_EXPIRED, f"the receipt does not match message {index}'s current lease (it "
+                                              "names an earlier lease, which expired or was released before the "
+                                              "message was delivered again, or it is no receipt of this message)")
         if lease.deadline <= self._lease_clock():
             # The lease ran out before the expiry sweep got to it: end it now, so the
             # message is redelivered exactly as if the sweep had run first.
             self._end_lease(index, lease, now_ms, expired=True, out=out)
-            raise QueueError(E_LEASE_EXPIRED, f"lease on message {index} expired")
+            raise QueueError(E_LEASE_EXPIRED, f"the lease on message {index} had expired when this request came: "
+                                              "the message goes back for another delivery (or is dead-lettered "
+                                              "after max_deliveries, or expires past its time to live)")
         return lease
 
     def _end_lease(self, index: int, lease: _Lease, now_ms: int, *, expired: bool,

@@ -154,9 +154,10 @@ def test_qctl_and_the_sync_client_run_a_channel(qcluster_factory: Any) -> None:
     assert code == 0 and typed["queue"] == "channel:alerts"
     code, kept, _ = run_qctl(cluster, "channel", "create", "jobs", "--class", "durable")
     assert code == 0 and kept["class"] == "durable"
-    code, first, _ = run_qctl(cluster, "channel", "listen", "jobs", "--durable", "worker", "--count", "1",
-                              "--wait-s", "0.5")
-    assert code == 0 and first["messages"] == []                      # opened: the backlog starts now
+    code, first, err = run_qctl(cluster, "channel", "listen", "jobs", "--durable", "worker", "--count", "1",
+                                "--wait-s", "0.5")
+    assert code == 1 and first["messages"] == []                      # opened: the backlog starts now
+    assert err.startswith("error: E_TIMEOUT: 0 of 1 messages came")   # (and none came: fewer than --count)
     for text in ("one", "two"):
         assert run_qctl(cluster, "channel", "publish", "jobs", text)[0] == 0
     code, listed, _ = run_qctl(cluster, "channel", "subscriptions", "jobs")

@@ -267,8 +267,9 @@ async def test_a_client_with_only_the_post_grant_is_forbidden_to_receive(qnode: 
 async def test_one_grant_rule_on_rest_and_websocket_get_receives_and_releases_delete_acks_post_reads_status(
         qnode: Any, tmp_path: Path) -> None:
     """docs/PROTOCOL.md "Grants": release gives a leased message back and removes nothing, so
-    the `get` that leased it suffices; ack and reply remove it (`delete`); a message's status
-    (with a two-way reply) belongs to whoever posted it (`post`)."""
+    the `get` that leased it suffices; ack and reply remove it (`delete`), and an ack refused for
+    want of it releases the lease instead; a message's status (with a two-way reply) belongs to
+    whoever posted it (`post`)."""
     paths = {name: tmp_path / f"{name}.json" for name in ("poster", "taker", "deleter")}
     for name, privileges in (("poster", "post"), ("taker", "get"), ("deleter", "delete")):
         code, _, _ = await asyncio.to_thread(run_qctl, qnode, "clients", "add", name, "--grant",
@@ -295,9 +296,13 @@ async def test_one_grant_rule_on_rest_and_websocket_get_receives_and_releases_de
                         deleter.receive("orders")):
             with pytest.raises(QueueError) as caught:
                 await attempt
-            refusals.append(caught.value.code)
-        assert refusals == ["E_FORBIDDEN"] * 5
-        await deleter.ack("orders", leased.id, leased.receipt)
+            refusals.append(caught.value)
+        assert [refusal.code for refusal in refusals] == ["E_FORBIDDEN"] * 5
+        assert f"message {leased.id} was released instead" in refusals[0].message
+        assert f"releasing message {leased.id} failed too (E_LEASE_EXPIRED" in refusals[1].message
+        again = (await taker.receive("orders"))[0]          # released by the refused ack: at once
+        assert again.id == leased.id
+        await deleter.ack("orders", again.id, again.receipt)
         assert (await poster.message_status("orders", leased.id))["state"] == "acked"
 
 
