@@ -332,6 +332,7 @@ RESUBSCRIBE_DELAY_INITIAL_S, RESUBSCRIBE_DELAY_MAX_S = 0.05, 0.5
 # (AsyncClient._until_deadline). E_QUEUE_FULL and E_STORAGE_FULL come back at once: they are
 # back-pressure for the application to decide on; E_TIMEOUT has used the deadline up.
 CALL_RETRY_DELAY_INITIAL_S, CALL_RETRY_DELAY_MAX_S = 0.05, 0.5
+ACK_RESEND_DELAY_S = 0.1       # an ack batch refused for one of RETRIED_CODES goes out again after this
 RETRIED_CODES = frozenset(kind.code for kind in (E_UNAVAILABLE, E_NOT_MASTER, E_QUEUE_UNAVAILABLE, E_OVERLOADED,
                                                  E_SHUTTING_DOWN, E_NOT_ENOUGH_REPLICAS))
 STALL_CHECK_S = 0.25           # an enqueue unanswered this long reads the map again (AsyncClient._hedged)
@@ -1577,7 +1578,8 @@ class AsyncClient:
                 if item.request_id == 0:  # the whole frame was refused: we cannot tell whose ops
                     return QueueError(item.code, item.message, outcome_unknown=True)
                 error = QueueError(item.code, item.message, outcome_unknown=item.outcome_unknown)
-                self._fail_op(item.request_id, error)
+                if not self._resend_later(item.request_id, error):
+                    self._fail_op(item.request_id, error)
             elif kind is SubscriptionEnded:
                 self._end_subscription(item.subscription_id, QueueError(item.code, item.message))
             elif kind is Delivery:
@@ -1710,6 +1712,25 @@ class AsyncClient:
         if self._channel_inbox is not None and self._channels_here:
             self._channel_inbox.reconnected(self)
         self._wake_room()
+
+    def _resend_later(self, request_id: int, error: QueueError) -> bool:
+        """An ack batch refused for a passing reason (RETRIED_CODES: a master restarting or
+        handing off) goes out again after ACK_RESEND_DELAY_S, within enqueue_retry_time_s, as
+        after a lost connection; True when it will."""
+        entry = self._pending.get(request_id)
+        if entry is None or type(entry[1]) is not AckBatchOp or error.code not in RETRIED_CODES:
+            return False
+        loop = self._bound_loop()
+        if not self._may_retry(request_id, loop.time()):
+            return False
+        loop.call_later(ACK_RESEND_DELAY_S, self._resend, request_id)
+        return True
+
+    def _resend(self, request_id: int) -> None:
+        entry = self._pending.get(request_id)
+        if entry is not None and not self._closed and all(op.request_id != request_id for op in self._outgoing):
+            self._outgoing.append(entry[1])       # (a lost connection may have queued it again already)
+            self._flush()
 
     def _may_retry(self, request_id: int, loop_time: float) -> bool:
         deadline = self._retry_deadline.setdefault(request_id, loop_time + self._enqueue_retry_time_s)

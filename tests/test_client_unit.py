@@ -79,6 +79,7 @@ class FakeNode:
         self.hold_receives = False
         self.hold_extends = False
         self.unknown_after_ack = False   # an ack of a message acked before answers E_UNKNOWN_MESSAGE
+        self.ack_refusals: list[str] = []                # codes the next ack batches answer
         self.subscribe_refusals: list[str | None] = []   # codes the next subscribes answer (None: no answer)
         self.closing_on_next_frame: Closing | None = None
         self.not_master_answers = 0      # the next enqueue batches or receives answer E_NOT_MASTER, outcome unknown
@@ -175,6 +176,8 @@ class FakeNode:
                 else:
                     outcomes.append(self.stored_by_dedupe.setdefault(dedupe_id or "", len(self.stored_by_dedupe) + 1))
             return [OkReply(op.request_id, [1, outcomes])]
+        if isinstance(op, AckBatchOp) and self.ack_refusals:
+            return [ErrorReply(op.request_id, self.ack_refusals.pop(0), "refused by the fake node", False)]
         if isinstance(op, AckBatchOp):
             outcomes = [["E_UNKNOWN_MESSAGE", "no such message"] if self.unknown_after_ack and message_id in self.acked
                         else None for message_id, _ in op.items]
@@ -704,6 +707,18 @@ async def test_consume_resubscribes_after_reconnect_with_the_credit_still_owed(
         assert [(await messages.__anext__()).id for _ in range(3)] == [2, 3, 1]
     credits = [op.credit for op in fake_node.ops_of(SubscribeOp)]
     assert credits == [8, 6, 6]  # prefetch minus the two still buffered
+
+
+@pytest.mark.asyncio
+async def test_an_ack_refused_for_a_passing_reason_is_sent_again_and_one_refused_for_good_fails(
+        fake_node: FakeNode, client: AsyncClient) -> None:
+    fake_node.ack_refusals = ["E_QUEUE_UNAVAILABLE", "E_OVERLOADED"]
+    await client.ack("orders", 7, "r7")
+    assert len(fake_node.ops_of(AckBatchOp)) == 3 and fake_node.acked == [7]
+    fake_node.ack_refusals = ["E_FORBIDDEN"]
+    with pytest.raises(QueueError) as caught:
+        await client.ack("orders", 8, "r8")
+    assert caught.value.code == "E_FORBIDDEN" and len(fake_node.ops_of(AckBatchOp)) == 4
 
 
 RETRIABLE_SUBSCRIBE_REFUSALS = ["E_QUEUE_UNAVAILABLE", "E_OVERLOADED", "E_NOT_MASTER", "E_UNAVAILABLE",
