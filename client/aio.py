@@ -1252,6 +1252,11 @@ class AsyncClient:
     async def alternatives(self, recipient: str) -> list[str]:
         return await self.http.alternatives(recipient)
 
+    async def remove_recipient(self, recipient: str) -> dict[str, Any]:
+        """Forget a recipient (admin): its state and alternatives; what fault surveillance holds
+        for it goes back to its queue. E_UNKNOWN_RECIPIENT when the cluster does not know it."""
+        return await self.http.remove_recipient(recipient)
+
     # --- forward sessions (seed 003; the node's forwarder, qserver/forwarder.py, uses these) ----
     async def forward_session(self, queue: str, forward: str, weight: int, *, open: bool,
                               on_rate: Callable[[float | None], None] | None = None) -> Any:
@@ -1423,6 +1428,10 @@ class AsyncClient:
 
     async def remove_node(self, node_id: str) -> dict[str, Any]:
         return await self.http.remove_node(node_id)
+
+    async def undrain_node(self, node_id: str) -> dict[str, Any]:
+        """A draining node serves again (draining -> up); `rebalance` then brings it members."""
+        return await self.http.undrain_node(node_id)
 
     # --- connection supervision ---------------------------------------------------------------
     async def _supervise(self) -> None:

@@ -72,6 +72,8 @@ E_SUBSCRIPTION_TAKEN = _kind("E_SUBSCRIPTION_TAKEN", 409, False,
                              "another connection subscribed under this durable subscription's name")
 E_RECIPIENT_DEFUNCT = _kind("E_RECIPIENT_DEFUNCT", 409, True,
                             "the recipient took no message for its queue's defunct interval: subscribe again")
+E_UNKNOWN_RECIPIENT = _kind("E_UNKNOWN_RECIPIENT", 404, False,
+                            "no such recipient: it never subscribed and has no alternatives, or was removed")
 E_UNKNOWN_FORWARD = _kind("E_UNKNOWN_FORWARD", 404, False,
                           "no such forward, or no session of it here: open the session (again)")
 E_FORWARD_REFUSED = _kind("E_FORWARD_REFUSED", 409, False,

@@ -40,6 +40,8 @@ from client.protocol import DeliveredMessage
 from client.signing import Signer
 
 REQUEST_TIMEOUT_S = 30.0
+MOVE_WAIT_S = 30.0          # beyond the request timeout: the server's wait for a moved master's state transfer
+REBALANCE_WAIT_S = 20.0     # likewise for the replicas a rebalance moves
 TLS_CLOSE_GRACE_S = 0.1   # see HttpClient.close
 ERROR_BODY_BYTES_MAX = 64 * 1024
 
@@ -313,6 +315,11 @@ class HttpClient:
         `alternatives`."""
         return list((await self._json("GET", "/v1/recipients"))["recipients"])
 
+    async def remove_recipient(self, recipient: str) -> dict[str, Any]:
+        """Forget a recipient (admin): `{"recipient", "removed", "named_by"}` (the recipients whose
+        chains still name it); E_UNKNOWN_RECIPIENT when the map does not know it."""
+        return dict(await self._json("DELETE", "/v1/recipients/" + _segment(recipient), idempotent=False))
+
     # --- forwards (seed 003 store-and-forward) ------------------------------------------------
     async def create_forward(self, name: str, source: str, destination: str, *, urls: Sequence[str] = (),
                              credentials: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -461,17 +468,25 @@ class HttpClient:
                                      idempotent=False))
 
     async def move_queue(self, queue: str, member: str, to: str) -> dict[str, Any]:
+        """Put the queue's `member` ("master" or "replica") on node `to`. A master's move waits
+        on the server for the new member's state transfer (30 s at most) and two handoffs."""
         return dict(await self._json("POST", queue_path(queue) + "/move", document={"member": member, "to": to},
-                                     idempotent=False))
+                                     idempotent=False, wait_s=MOVE_WAIT_S))
 
     async def rebalance(self) -> dict[str, Any]:
-        return dict(await self._json("POST", "/v1/cluster/rebalance", idempotent=False))
+        """Move replicas onto nodes that hold fewer members, wait (20 s at most) until they are
+        in sync, then start the handoffs that spread masters evenly."""
+        return dict(await self._json("POST", "/v1/cluster/rebalance", idempotent=False, wait_s=REBALANCE_WAIT_S))
 
     async def add_node(self, node_id: str, url: str) -> dict[str, Any]:
         return dict(await self._json("POST", "/v1/cluster/nodes", document={"id": node_id, "url": url}))
 
     async def drain_node(self, node_id: str) -> dict[str, Any]:
         return dict(await self._json("POST", "/v1/cluster/nodes/" + _segment(node_id) + "/drain"))
+
+    async def undrain_node(self, node_id: str) -> dict[str, Any]:
+        """A draining node serves again (draining -> up); `rebalance` then brings it members."""
+        return dict(await self._json("POST", "/v1/cluster/nodes/" + _segment(node_id) + "/undrain"))
 
     async def remove_node(self, node_id: str) -> dict[str, Any]:
         return dict(await self._json("DELETE", "/v1/cluster/nodes/" + _segment(node_id), idempotent=False))

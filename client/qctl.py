@@ -185,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     promote.add_argument("--unclean", action="store_true", required=True,
                          help="the replica is not known to be in sync: acknowledged messages may be lost "
                               "(recorded; the audit flags it)")
-    command(commands, "rebalance", cmd_rebalance, "hand masters over so that they spread evenly")
+    command(commands, "rebalance", cmd_rebalance, "move replicas onto up nodes that hold fewer members (one back "
+            "from a drain holds none), then hand masters over: both spread evenly")
     journal = commands.add_parser("journal", help="the node's audit journal")
     journal_commands = journal.add_subparsers(dest="journal_command", required=True, metavar="ACTION")
     command(journal_commands, "export", cmd_journal_export,
@@ -197,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     node_add.add_argument("url")
     command(node_commands, "drain", cmd_nodes_drain,
             "hand off the node's masters and move its replicas away").add_argument("node_id")
+    undrain_help = "a draining node serves again (up); then `qctl rebalance` brings it members and masters"
+    undrain = node_commands.add_parser("undrain", aliases=["resume"], help=undrain_help, description=undrain_help)
+    _add_globals(undrain, in_subcommand=True)
+    undrain.set_defaults(handler=cmd_nodes_undrain)
+    undrain.add_argument("node_id")
     command(node_commands, "remove", cmd_nodes_remove, "remove a drained node for good").add_argument("node_id")
     queue = commands.add_parser("queue", help="create, list, inspect and delete queues")
     queue_commands = queue.add_subparsers(dest="queue_command", required=True, metavar="ACTION")
@@ -238,9 +244,13 @@ def build_parser() -> argparse.ArgumentParser:
     redrive = command(queue_commands, "redrive", cmd_queue_redrive, "move the queue's dead letters back into it")
     redrive.add_argument("name")
     redrive.add_argument("--limit", type=int, help="at most this many (default: all there are now)")
-    move = command(queue_commands, "move", cmd_queue_move, "put one member of a queue's pair on another node")
+    move = command(queue_commands, "move", cmd_queue_move,
+                   "put one member of a queue's pair on another node: afterwards NODE holds that member")
     move.add_argument("name")
-    move.add_argument("--member", choices=("master", "replica"), required=True, help="which member moves")
+    move.add_argument("--member", choices=("master", "replica"), required=True,
+                      help="replica: a new member on NODE takes the queue by state transfer; master: the same for "
+                           "the master's member, then a handoff makes NODE master (waits for the state transfer, "
+                           "30 s at most); a member already on NODE: nothing to do; the other one: a handoff")
     move.add_argument("--to", required=True, metavar="NODE", help="the node it moves to")
 
     macro = commands.add_parser("macro", help="macro queues: one name over member queues (put and get use them "
@@ -303,16 +313,22 @@ def build_parser() -> argparse.ArgumentParser:
     channel_drop.add_argument("name")
     channel_drop.add_argument("subscription")
 
-    recipient = commands.add_parser("recipient", help="push recipients: states and alternatives (fault surveillance)")
+    recipient = commands.add_parser("recipient", help="push recipients: states and alternatives (fault surveillance)",
+                                    description=RECIPIENT_HELP, epilog=RECIPIENT_SETUP,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     recipient_commands = recipient.add_subparsers(dest="recipient_command", required=True, metavar="ACTION")
     alternatives = command(recipient_commands, "alternatives", cmd_recipient_alternatives,
                            "show a recipient's chain of alternatives, or set it (--set, in order; --clear)")
+    alternatives.epilog, alternatives.formatter_class = RECIPIENT_SETUP, argparse.RawDescriptionHelpFormatter
     alternatives.add_argument("name")
     alternatives.add_argument("--set", nargs="+", metavar="ALTERNATIVE", dest="chain",
-                              help="the recipients that take over, in order")
+                              help="the recipients that take over, in order; each consumes a queue of its own")
     alternatives.add_argument("--clear", action="store_true", help="remove every alternative")
     command(recipient_commands, "list", cmd_recipient_list, "every recipient: its queue, state (ok, fault, "
-            "defunct) and alternatives")
+            "defunct), why, and alternatives")
+    command(recipient_commands, "remove", cmd_recipient_remove,
+            "forget a recipient: its state and alternatives (what fault surveillance holds for it goes back to "
+            "its queue)").add_argument("name")
 
     forward = commands.add_parser("forward", help="store-and-forward into a queue of another cluster (seed 003)")
     forward_commands = forward.add_subparsers(dest="forward_command", required=True, metavar="ACTION")
@@ -449,16 +465,33 @@ async def cmd_promote(http: HttpClient, args: argparse.Namespace) -> Outcome:
     return Outcome(answer, f"{args.queue}: {answer.get('master')} promoted (epoch {answer.get('epoch')}, unclean)")
 
 
+MOVE_DONE = {
+    "already_there": "{to} holds the {member} already: nothing moved",
+    "moved": "the new replica on {to} catches up by state transfer",
+    "handed_off": "{to} held the other member: a handoff swapped them",
+    "moved_and_handed_off": "a member on {to} took the queue by state transfer, then a handoff made it master",
+}
+
+
 async def cmd_queue_move(http: HttpClient, args: argparse.Namespace) -> Outcome:
     answer = await http.move_queue(args.name, args.member, args.to)
+    done = MOVE_DONE.get(answer.get("how", "moved"), "").format(to=args.to, member=args.member)
     return Outcome(answer, f"{args.name}: master {answer.get('master')}, replica {answer.get('replica')} "
-                           f"(epoch {answer.get('epoch')}); the new member catches up by state transfer")
+                           f"(epoch {answer.get('epoch')}); {done}")
 
 
 async def cmd_rebalance(http: HttpClient, args: argparse.Namespace) -> Outcome:
     answer = await http.rebalance()
-    chosen = answer.get("handoffs", [])
-    return Outcome(answer, f"handing off {len(chosen)} queue(s): {', '.join(chosen)}" if chosen else "already balanced")
+    moves, chosen = answer.get("moves", []), answer.get("handoffs", [])
+    catching_up = answer.get("catching_up", [])
+    lines = [f"moved the replica of {m['queue']} from {m['from']} to {m['to']}" for m in moves]
+    if chosen:
+        lines.append(f"handing off {len(chosen)} queue(s) to their replicas: {', '.join(chosen)} (see qctl status)")
+    if catching_up:
+        lines.append(f"still catching up (no handoff for them yet): {', '.join(catching_up)}; "
+                     "run qctl rebalance again once qctl status shows them in sync")
+    return Outcome(answer, "\n".join(lines) or "already balanced: no replica move or handoff would "
+                                               "spread members or masters more evenly")
 
 
 async def cmd_journal_export(http: HttpClient, args: argparse.Namespace) -> Outcome:
@@ -469,13 +502,34 @@ async def cmd_journal_export(http: HttpClient, args: argparse.Namespace) -> Outc
                            f"{answer.get('pruned', 0)} record(s) pruned")
 
 
+KNOWN_NODE_HINTS = {
+    "up": "nothing to do",
+    "draining": "to make it serve again: qctl nodes undrain {node}",
+    "down": "it is set up again by itself once it runs and renews its lease",
+}
+
+
 async def cmd_nodes_add(http: HttpClient, args: argparse.Namespace) -> Outcome:
-    return Outcome(await http.add_node(args.node_id, args.url), f"node {args.node_id} added")
+    answer = await http.add_node(args.node_id, args.url)
+    if not answer.get("known"):
+        return Outcome(answer, f"node {args.node_id} added")
+    state = answer.get("state", "?")
+    hint = KNOWN_NODE_HINTS.get(state, "").format(node=args.node_id)
+    url = f"its url is now {answer.get('url')}" if answer.get("url_changed") else f"url {answer.get('url')}"
+    return Outcome(answer, f"node {args.node_id} is already in the cluster (state {state}, {url})"
+                           + (f"; {hint}" if hint else ""))
 
 
 async def cmd_nodes_drain(http: HttpClient, args: argparse.Namespace) -> Outcome:
     return Outcome(await http.drain_node(args.node_id),
-                   f"node {args.node_id} draining: its masters hand off, its replicas move (see qctl status)")
+                   f"node {args.node_id} draining: its masters hand off, its replicas move (see qctl status); "
+                   f"qctl nodes undrain {args.node_id} makes it serve again")
+
+
+async def cmd_nodes_undrain(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    return Outcome(await http.undrain_node(args.node_id),
+                   f"node {args.node_id} is up again: it takes new queues, and qctl rebalance moves members "
+                   "and masters onto it")
 
 
 async def cmd_nodes_remove(http: HttpClient, args: argparse.Namespace) -> Outcome:
@@ -655,6 +709,25 @@ async def cmd_forward_delete(http: HttpClient, args: argparse.Namespace) -> Outc
     return Outcome(await http.delete_forward(args.name), f"forward {args.name} deleted")
 
 
+RECIPIENT_HELP = """\
+Fault surveillance of push recipients (seed 001). A recipient consumes a queue under a name
+(consume(queue, recipient=NAME) in the client library); if it takes no message for its queue's
+--fault-interval-s while messages wait, it is in fault, and what waits fails over to the first of
+its alternatives that is ok (else back to its sender), until it takes a message again."""
+RECIPIENT_SETUP = """\
+the setup that works: each alternative consumes a queue of its own
+  qctl queue create invoices --strength full --fault-interval-s 5
+  qctl queue create invoices-b --strength full --fault-interval-s 5
+  qctl recipient alternatives billing-a --set billing-b
+  # billing-a consumes invoices, billing-b consumes invoices-b
+While billing-a is in fault, what waits in invoices moves to invoices-b; once billing-a takes
+a message again, what comes next is its own again. An alternative that consumes the same queue
+(billing-b on invoices) is a second consumer of the same messages, which the mover cannot tell
+apart: it moves none to billing-b, and billing-b, judged by what waits in invoices (billing-a's
+probe, what the mover holds) though offered none of it, ends in fault too; the messages then
+stay with the mover."""
+
+
 async def cmd_recipient_alternatives(http: HttpClient, args: argparse.Namespace) -> Outcome:
     if args.clear or args.chain:
         answer = await http.set_alternatives(args.name, [] if args.clear else args.chain)
@@ -665,14 +738,27 @@ async def cmd_recipient_alternatives(http: HttpClient, args: argparse.Namespace)
 
 async def cmd_recipient_list(http: HttpClient, args: argparse.Namespace) -> Outcome:
     recipients = await http.recipients()
-    return Outcome({"recipients": recipients}, "\n".join(_recipient_text(r) for r in recipients) or "no recipients")
+    queues = {r["recipient"]: r.get("queue") for r in recipients}
+    return Outcome({"recipients": recipients},
+                   "\n".join(_recipient_text(r, queues) for r in recipients) or "no recipients")
 
 
-def _recipient_text(recipient: dict[str, Any]) -> str:
+def _recipient_text(recipient: dict[str, Any], queues: dict[str, str | None]) -> str:
+    """One line; an alternative that consumes the recipient's own queue is marked: the mover
+    never moves a message to it (see RECIPIENT_SETUP)."""
     state = f"{recipient['state']} on {recipient['queue']}" if recipient.get("state") else "never subscribed"
     why = f" ({recipient['reason']})" if recipient.get("reason") and recipient.get("state") != "ok" else ""
-    chain = " -> ".join(recipient["alternatives"])
+    chain = " -> ".join(other + (" (same queue: never used)" if recipient.get("queue")
+                                 and queues.get(other) == recipient["queue"] else "")
+                        for other in recipient["alternatives"])
     return f"{recipient['recipient']}: {state}{why}" + (f", alternatives {chain}" if chain else "")
+
+
+async def cmd_recipient_remove(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    answer = await http.remove_recipient(args.name)
+    named_by = answer.get("named_by") or []
+    still = f"; still named in the alternatives of {', '.join(named_by)}" if named_by else ""
+    return Outcome(answer, f"recipient {args.name} removed{still}")
 
 
 async def cmd_channel_create(http: HttpClient, args: argparse.Namespace) -> Outcome:

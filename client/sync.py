@@ -311,6 +311,9 @@ class Client:
     def recipients(self) -> list[dict[str, Any]]:
         return self._run(self._async.recipients())
 
+    def remove_recipient(self, recipient: str) -> dict[str, Any]:
+        return self._run(self._async.remove_recipient(recipient))
+
     def create_forward(self, name: str, source: str, destination: str, *, urls: Sequence[str] = (),
                        credentials: Mapping[str, str] | None = None) -> dict[str, Any]:
         return self._run(self._async.create_forward(name, source, destination, urls=urls, credentials=credentials))
@@ -373,6 +376,10 @@ class Client:
 
     def remove_node(self, node_id: str) -> dict[str, Any]:
         return self._run(self._async.remove_node(node_id))
+
+    def undrain_node(self, node_id: str) -> dict[str, Any]:
+        """A draining node serves again (draining -> up); `rebalance` then brings it members."""
+        return self._run(self._async.undrain_node(node_id))
 
 
 async def _on_loop(function: Any, *args: Any) -> Any:

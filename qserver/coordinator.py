@@ -1,6 +1,6 @@
 """A node's part in the cluster beyond its queues' streams: its lease, the membership leader's
 duties (failover, node states, replacing lost replicas), handoffs, and the operator's
-commands that change the map (create, delete, move, promote --unclean, drain, rebalance).
+commands that change the map (create, delete, move, promote --unclean, drain, undrain, rebalance).
 
 Runs on the engine's task (the engine calls `tick`, peer messages and map changes in; the
 results of proposals come back through `Engine.invoke`). Decisions are the pure functions of
@@ -35,6 +35,7 @@ from replication.cluster_map import (
     SetNodeState,
     astuple,
     plan_failover,
+    plan_member_moves,
     plan_rebalance,
     plan_replacements,
 )
@@ -52,6 +53,11 @@ Finish = Callable[[Any], None]          # finish(result) or finish(QueueError)
 HANDOFF_TIMEOUT_MS = 5_000
 LEADER_PROPOSAL_INTERVAL_MS = 250
 DRAIN_HANDOFFS_AT_ONCE = 16
+NOT_DRAINING_HINTS = {
+    NodeState.UP: "it serves already (nothing to undo)",
+    NodeState.DOWN: "it is set up again by itself once it runs and renews its lease",
+    NodeState.REMOVED: "it was removed for good, and a removed node id is never reused",
+}
 
 
 @dataclass
@@ -427,6 +433,42 @@ class Coordinator:
         for name in chosen:
             self.order_handoff(name)
         return chosen
+
+    def rebalance_members(self, finish: Finish) -> None:
+        """Move replicas onto up nodes that hold fewer members (plan_member_moves), before the
+        handoffs of `rebalance`: a node back from a drain holds no member, and no handoff
+        reaches it until it does. Finishes with the moves the map applied."""
+        changes = plan_member_moves(self.membership.cluster_map)
+        if not changes:
+            finish([])
+            return
+
+        def applied(outcomes: list[Outcome]) -> list[dict[str, str]]:
+            return [{"queue": change.name, "from": change.expected[2], "to": change.new[2]}
+                    for change, outcome in zip(changes, outcomes, strict=False) if outcome.applied]
+        log.info("rebalance: moving %d replica(s) onto nodes that hold fewer members", len(changes))
+        self.propose_checked(ChangePairs(tuple(changes)), finish, applied)
+
+    def undrain(self, node_id: str, finish: Finish) -> None:
+        """A draining node serves again: up, so handoffs, moves and new queues may reach it.
+        A compare-and-set on `draining`: a node removed meanwhile, or set up by another request,
+        is left as it is."""
+        entry = self.membership.cluster_map.nodes.get(node_id)
+        if entry is None:
+            known = ", ".join(sorted(self.membership.cluster_map.nodes)) or "none"
+            finish(QueueError(E_INVALID_OPTION, f"no node named {node_id!r} in the cluster (nodes: {known})"))
+            return
+        if entry.state is not NodeState.DRAINING:
+            finish(QueueError(E_INVALID_OPTION, f"node {node_id} is {entry.state.value}, not draining: "
+                                                + NOT_DRAINING_HINTS[entry.state]))
+            return
+        command = SetNodeState(node_id, NodeState.UP.value, NodeState.DRAINING.value)
+
+        def result(outcomes: list[Outcome]) -> Any:
+            if not outcomes[0].applied:
+                return QueueError(E_INVALID_OPTION, f"node {node_id} was not set up: {outcomes[0].reason}")
+            return {"node": node_id, "state": NodeState.UP.value, "done": True}
+        self.propose_checked(command, finish, result)
 
     def order_handoff(self, name: str) -> None:
         entry = self.membership.cluster_map.queues.get(name)

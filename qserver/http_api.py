@@ -637,39 +637,170 @@ async def promote(request: web.Request) -> web.Response:
     return web.json_response({"queue": name, "master": pair.replica, "epoch": pair.epoch + 1, "unclean": True})
 
 
+MOVE_SYNC_WAIT_S = 30.0           # a new member's state transfer, before a handoff makes it master
+HAND_OVER_WAIT_S = 12.0           # the master's node hands off (its HANDOFF_TIMEOUT_MS, twice, and a margin)
+HAND_OVER_ORDER_EVERY_S = 1.0     # a handoff refused meanwhile (the replica's lag) is asked for again
+REBALANCE_SYNC_WAIT_S = 20.0      # replicas moved by a rebalance, before the masters hand over
+MAP_POLL_S = 0.05
+
+
 async def move(request: web.Request) -> web.Response:
-    """Replace one member by an instance on another node (state transfer, then the old one is
-    dropped; a handoff first when the master moves)."""
+    """Put one member of a queue's pair on node `to`: afterwards `to` holds the member asked
+    for. A replica moves by state transfer to the new node (the old one is dropped). A master
+    moves by a handoff to its replica, that move of the old master's member, a wait until the
+    new member is in sync, and a handoff to it: the pair ends as (to, the old replica). When
+    `to` holds the other member the two swap by a handoff; when it holds this one, nothing
+    changes ("already_there")."""
     name = queue_name(request, "admin")
     coordinator = coordinator_of(request)
-    body = await json_body(request)
-    if not isinstance(body, dict) or body.get("member") not in ("master", "replica") or not isinstance(
-            body.get("to"), str):
-        raise QueueError(e.E_INVALID_OPTION, 'the body is {"member": "master"|"replica", "to": NODE}')
+    member, target = move_request(await json_body(request))
     node = request.app[NODE]
-    engine = node.engine
     entry = cluster_entry(request, name)
-    target = body["to"]
-    if target in (entry.master, entry.replica):
-        raise QueueError(e.E_INVALID_OPTION, f"{target} already holds a member of {name}")
-    if body["member"] == "master":
-        if entry.master != node.config.node_id and FORWARDED_BY not in request.headers:
-            return await proxy_to(request, node, entry.master)
-        await in_engine(engine, lambda finish: coordinator.handoff(name, "master", finish))
-        entry = cluster_entry(request, name)
-    pair = entry.pair          # the entry itself changes once the local map applies the change
+    if target not in coordinator.membership.cluster_map.nodes:
+        known = ", ".join(sorted(coordinator.membership.cluster_map.nodes))
+        raise QueueError(e.E_INVALID_OPTION, f"no node named {target!r} in the cluster (nodes: {known})")
+    if target == (entry.master if member == "master" else entry.replica):
+        return web.json_response(move_answer(entry, "already_there"))
+    state = coordinator.membership.cluster_map.nodes[target].state
+    if state is not NodeState.UP:
+        raise QueueError(e.E_INVALID_OPTION, f"node {target} is {state.value}: members move only to up nodes")
+    swap = target in (entry.master, entry.replica)
+    if (member == "master" or swap) and entry.master != node.config.node_id and FORWARDED_BY not in request.headers:
+        answer = await proxy_to(request, node, entry.master)        # its handoffs start at the master
+        await until_local_epoch(node, name, answer)
+        return answer
+    deadline = asyncio.get_running_loop().time() + MOVE_SYNC_WAIT_S
+    if swap:
+        await hand_off_here(request, name, deadline)
+        how = "handed_off"
+    elif member == "replica":
+        await replace_replica(request, name, target)
+        how = "moved"
+    else:
+        await hand_off_here(request, name, deadline)
+        await replace_replica(request, name, target)
+        await until_in_sync(request, name, target, deadline)
+        await hand_over(request, name, target)
+        how = "moved_and_handed_off"
+    return web.json_response(move_answer(cluster_entry(request, name), how))
+
+
+async def until_local_epoch(node: Any, name: str, answer: web.Response) -> None:
+    """Read your writes: the pair a move passed on to the master answers with is known here
+    before the answer goes back (MAP_CATCH_UP_S at most), so the client's next request here
+    starts from it."""
+    try:
+        epoch = int(json.loads(answer.body)["epoch"]) if answer.status == 200 else 0  # type: ignore[arg-type]
+    except (ValueError, KeyError, TypeError):
+        return
+    deadline = asyncio.get_running_loop().time() + MAP_CATCH_UP_S
+    while asyncio.get_running_loop().time() < deadline:
+        entry = node.engine.pairs.view.entry(name)
+        if entry is None or entry.epoch >= epoch:
+            return
+        await asyncio.sleep(0.01)
+
+
+def move_request(body: Any) -> tuple[str, str]:
+    if not isinstance(body, dict) or body.get("member") not in ("master", "replica") or not isinstance(
+            body.get("to"), str) or not body["to"]:
+        raise QueueError(e.E_INVALID_OPTION, 'the body is {"member": "master"|"replica", "to": NODE}')
+    return body["member"], body["to"]
+
+
+def move_answer(entry: Any, how: str) -> dict[str, Any]:
+    return {"queue": entry.name, "master": entry.master, "replica": entry.replica, "epoch": entry.epoch,
+            "in_sync": entry.in_sync, "how": how}
+
+
+async def replace_replica(request: web.Request, name: str, target: str) -> None:
+    """The pair's replica becomes a new, out-of-sync member on `target` (state transfer)."""
+    coordinator = coordinator_of(request)
+    pair = cluster_entry(request, name).pair      # the entry itself changes once the local map applies it
     change = ChangePair(name, astuple(pair), (pair.epoch + 1, pair.master, target, False), Reason.MOVE.value)
-    outcomes = await in_engine(engine, lambda finish: coordinator.propose_checked(change, finish, lambda o: o))
+    outcomes = await in_engine(request.app[NODE].engine,
+                               lambda finish: coordinator.propose_checked(change, finish, lambda o: o))
     if not outcomes[0].applied:
         raise QueueError(e.E_INVALID_OPTION, f"move refused: {outcomes[0].reason}")
-    return web.json_response({"queue": name, "master": pair.master, "replica": target, "epoch": pair.epoch + 1})
+
+
+async def hand_off_here(request: web.Request, name: str, deadline: float) -> None:
+    """Hand off the queue this node masters, once its replica is in sync (until `deadline`)."""
+    entry = cluster_entry(request, name)
+    await until_in_sync(request, name, entry.replica, deadline)
+    coordinator = coordinator_of(request)
+    await in_engine(request.app[NODE].engine, lambda finish: coordinator.handoff(name, "master", finish))
+
+
+async def until_in_sync(request: web.Request, name: str, replica: str, deadline: float) -> None:
+    """Wait until this node's map shows `replica` in sync for the queue, or say why not."""
+    loop = asyncio.get_running_loop()
+    while True:
+        entry = cluster_entry(request, name)
+        if entry.replica != replica:
+            raise QueueError(e.E_HANDOFF_REFUSED, f"the pair of {name} changed meanwhile: master {entry.master}, "
+                                                  f"replica {entry.replica} (epoch {entry.epoch}, {entry.last_reason})")
+        if entry.in_sync:
+            return
+        if loop.time() >= deadline:
+            raise QueueError(e.E_TIMEOUT, f"{replica} holds the replica of {name} (master {entry.master}) but was "
+                                          f"not in sync within {MOVE_SYNC_WAIT_S:g} s: a large queue's state "
+                                          "transfer takes longer. Ask for the same move again once `qctl status` "
+                                          "shows it in sync: it goes on from there")
+        await asyncio.sleep(MAP_POLL_S)
+
+
+async def hand_over(request: web.Request, name: str, target: str) -> None:
+    """Have the queue's master (on any node) hand off to its in-sync replica `target`, until
+    this node's map shows `target` master."""
+    coordinator = coordinator_of(request)
+    engine = request.app[NODE].engine
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + HAND_OVER_WAIT_S
+    next_order = loop.time()
+    while True:
+        entry = cluster_entry(request, name)
+        if entry.master == target:
+            return
+        if entry.replica != target:
+            raise QueueError(e.E_HANDOFF_REFUSED, f"the pair of {name} changed meanwhile: master {entry.master}, "
+                                                  f"replica {entry.replica} (epoch {entry.epoch}, {entry.last_reason})")
+        if loop.time() >= deadline:
+            raise QueueError(e.E_TIMEOUT, f"{target} holds the in-sync replica of {name} but its master "
+                                          f"{entry.master} did not hand off within {HAND_OVER_WAIT_S:g} s: "
+                                          f"`qctl handoff {name}` asks it again")
+        if loop.time() >= next_order:
+            next_order = loop.time() + HAND_OVER_ORDER_EVERY_S
+            await in_engine(engine, lambda finish: finish(coordinator.order_handoff(name)))
+        await asyncio.sleep(MAP_POLL_S)
 
 
 async def rebalance(request: web.Request) -> web.Response:
+    """Spread members, then masters: replicas move onto up nodes that hold fewer members (a
+    node back from a drain holds none), and once they are in sync (REBALANCE_SYNC_WAIT_S at
+    most) the masters hand over so that they spread evenly."""
     principal(request).require("admin", "*")
     coordinator = coordinator_of(request)
-    chosen = await in_engine(request.app[NODE].engine, lambda finish: finish(coordinator.rebalance()))
-    return web.json_response({"handoffs": chosen})
+    engine = request.app[NODE].engine
+    moves = await in_engine(engine, coordinator.rebalance_members)
+    catching_up = await until_moves_in_sync(request, moves)
+    chosen = await in_engine(engine, lambda finish: finish(coordinator.rebalance()))
+    return web.json_response({"moves": moves, "catching_up": catching_up, "handoffs": chosen})
+
+
+async def until_moves_in_sync(request: web.Request, moves: list[dict[str, str]]) -> list[str]:
+    """The moved queues whose new replica is not in sync after REBALANCE_SYNC_WAIT_S (a queue
+    whose pair changed otherwise meanwhile is not waited for)."""
+    view = request.app[NODE].engine.pairs.view
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + REBALANCE_SYNC_WAIT_S
+
+    def waiting() -> list[str]:
+        return [move["queue"] for move in moves if (entry := view.entry(move["queue"])) is not None
+                and entry.replica == move["to"] and not entry.in_sync]
+    while (left := waiting()) and loop.time() < deadline:
+        await asyncio.sleep(MAP_POLL_S)
+    return left
 
 
 async def add_node(request: web.Request) -> web.Response:
@@ -678,14 +809,37 @@ async def add_node(request: web.Request) -> web.Response:
     body = await json_body(request)
     if not isinstance(body, dict) or not isinstance(body.get("id"), str) or not isinstance(body.get("url"), str):
         raise QueueError(e.E_INVALID_OPTION, 'the body is {"id": NODE, "url": URL}')
-    command = AddNode(body["id"], body["url"])
-    return await node_command(request, coordinator, command)
+    nodes = coordinator.membership.cluster_map.nodes
+    known = body["id"] in nodes
+    if known and nodes[body["id"]].state is NodeState.REMOVED:
+        raise QueueError(e.E_INVALID_OPTION, f"node {body['id']} was removed for good: a removed node id is never "
+                                             "reused (initialise the node again under another id)")
+    url_changed = known and nodes[body["id"]].url != body["url"]
+    if not known or url_changed:
+        outcome = await propose(request, AddNode(body["id"], body["url"]))
+        if not outcome.applied:
+            raise QueueError(e.E_INVALID_OPTION, f"refused: {outcome.reason}")
+        known = outcome.reason == "known"       # added elsewhere, and not yet applied here when asked
+    # Adding a known node again leaves its state as it is: the answer says which (a draining
+    # node stays draining; `undrain` is what makes it serve again).
+    entry = coordinator.membership.cluster_map.nodes[body["id"]]     # applied here before the answer
+    return web.json_response({"node": entry.node_id, "done": True, "known": known, "state": entry.state.value,
+                              "url": entry.url, "url_changed": url_changed})
 
 
 async def drain_node(request: web.Request) -> web.Response:
     principal(request).require("admin", "*")
     command = SetNodeState(request.match_info["id"], NodeState.DRAINING.value)
     return await node_command(request, coordinator_of(request), command)
+
+
+async def undrain_node(request: web.Request) -> web.Response:
+    """A draining node serves again (`qctl nodes undrain`): draining -> up."""
+    principal(request).require("admin", "*")
+    coordinator = coordinator_of(request)
+    node_id = request.match_info["id"]
+    return web.json_response(await in_engine(request.app[NODE].engine,
+                                             lambda finish: coordinator.undrain(node_id, finish)))
 
 
 async def remove_node(request: web.Request) -> web.Response:
@@ -751,6 +905,7 @@ def add_routes(app: web.Application) -> None:
     r.add_post("/v1/cluster/rebalance", rebalance)
     r.add_post("/v1/cluster/nodes", add_node)
     r.add_post("/v1/cluster/nodes/{id}/drain", drain_node)
+    r.add_post("/v1/cluster/nodes/{id}/undrain", undrain_node)
     r.add_delete("/v1/cluster/nodes/{id}", remove_node)
     r.add_post("/v1/journal/export", export_journal)
     r.add_get("/v1/cluster", cluster)

@@ -1,7 +1,7 @@
 """Recipients (seed 001, fault surveillance: qserver/surveillance.py) in the REST API: their
-states, and the ordered chain of alternative recipients that take over a recipient's messages
-while it is in the fault state. Both live in the cluster map (`PutRecipient`,
-`SetAlternatives`), so every node follows the same ones."""
+states, the ordered chain of alternative recipients that take over a recipient's messages
+while it is in the fault state, and removing a recipient. All live in the cluster map
+(`PutRecipient`, `SetAlternatives`, `RemoveRecipient`), so every node follows the same ones."""
 from __future__ import annotations
 
 from typing import Any
@@ -11,7 +11,7 @@ from aiohttp import web
 from client import errors as e
 from client.errors import QueueError
 from qserver.http_api import coordinator_of, json_body, path_name, principal, propose
-from replication.cluster_map import ALTERNATIVES_MAX, SetAlternatives
+from replication.cluster_map import ALTERNATIVES_MAX, RemoveRecipient, SetAlternatives
 from replication.options import is_valid_queue_name
 
 
@@ -55,8 +55,25 @@ async def list_recipients(request: web.Request) -> web.Response:
     return web.json_response({"recipients": out})
 
 
+async def remove_recipient(request: web.Request) -> web.Response:
+    """Forget a recipient (admin): its state and its chain of alternatives, at every node (a map
+    command). The master of its queue stops failing its messages over and gives back to the
+    queue what its mover holds; the chains of other recipients that name it are left as they
+    are (`named_by`): they may name recipients that never subscribed yet."""
+    principal(request).require("admin", "*")
+    name = recipient_name(request)
+    outcome = await propose(request, RemoveRecipient(name))
+    if not outcome.applied:
+        raise QueueError(e.E_UNKNOWN_RECIPIENT, f"no recipient {name}: it never subscribed and has no "
+                                                "alternatives, or was removed")
+    chains: dict[str, Any] = coordinator_of(request).membership.cluster_map.alternatives
+    named_by = sorted(other for other, chain in chains.items() if name in chain)
+    return web.json_response({"recipient": name, "removed": True, "named_by": named_by})
+
+
 def add_routes(app: web.Application) -> None:
     r = app.router
     r.add_get("/v1/recipients", list_recipients)
     r.add_get("/v1/recipients/{r}/alternatives", get_alternatives)
     r.add_put("/v1/recipients/{r}/alternatives", put_alternatives)
+    r.add_delete("/v1/recipients/{r}", remove_recipient)

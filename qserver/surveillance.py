@@ -10,7 +10,9 @@ a failover of the queue's master keeps them. The queue's options set the interva
   **defunct** until it subscribes again;
 - `message_interval_s`: a message waiting that long fails over on its own, whatever the state.
 A recipient that subscribes again or takes a message (its probe) is **ok** again, and
-fail-over stops.
+fail-over stops. The map keeps why a recipient is in its state (its `reason`); the master of
+its queue restates it when what it says no longer holds (`NoteRecipient`: "nothing waits for it
+now" once a purge took what waited), so `qctl recipient list` shows what is true now.
 
 While a recipient is in fault or defunct, the master of its queue **fails over** the messages
 waiting there, in order: each goes to the first recipient of its alternatives chain (the map's
@@ -24,6 +26,11 @@ grants), or under `two_way` answered as its reply, each carrying the fault (`x-f
 message with neither waits. Every state change is an event: in the map (so in `qctl status`),
 in the metrics, in the journal of the recipient's queue (op `recipient`) and, when the channel
 `qcluster.events` exists, published to it.
+
+An alternative must consume a queue of its own: one on the same queue is a second consumer of
+the same messages, which the mover cannot tell apart (it skips it, and that alternative, offered
+nothing while the messages wait, enters fault too). `RemoveRecipient` forgets a recipient at
+every node: each forgets what it kept for it, and the mover gives back to the queue what it held.
 """
 from __future__ import annotations
 
@@ -41,7 +48,7 @@ from client.protocol import DeliveredMessage
 from qserver import commands as c
 from qserver.auth import CLUSTER_CLIENT
 from qserver.metrics import render_family
-from replication.cluster_map import PutRecipient, RecipientEntry, RecipientState
+from replication.cluster_map import NoteRecipient, PutRecipient, RecipientEntry, RecipientState
 from replication.options import QueueType, Strength
 
 log = logging.getLogger("qserver.surveillance")
@@ -54,6 +61,9 @@ REPLY_TO = "reply-to"             # the header naming a message's sender's reply
 FAILED_OVER_FROM = "x-failed-over-from"
 RETURNED_FROM = "x-returned-from"
 FAULT = "x-fault"
+NOTE_SETTLE_S = 1.0               # what waits must stay so this long before a reason is restated
+NOTHING_WAITS = "nothing waits for it now"
+WAIT_AGAIN = "messages wait for it again"
 
 
 class RecipientWatch:
@@ -62,7 +72,10 @@ class RecipientWatch:
         self._last_take: dict[tuple[str, str], float] = {}      # (queue, recipient) -> monotonic
         self._waiting_since: dict[str, float] = {}               # queue -> monotonic, since seen not empty
         self._proposing: dict[str, str] = {}                    # recipient -> state proposed, unanswered
+        self._noting: set[str] = set()                          # recipients whose reason is proposed
+        self._unsettled: dict[str, float] = {}                  # recipient -> since its reason is untrue
         self._movers: dict[str, asyncio.Task[None]] = {}
+        self._failing_over: set[str] = set()                    # recipients whose mover is not the overdue one
         self._seen: dict[str, str] = {}                         # recipient -> the state events were made for
         self.moved: collections.Counter[tuple[str, str]] = collections.Counter()     # (recipient, to)
         self.returned: collections.Counter[str] = collections.Counter()
@@ -80,16 +93,31 @@ class RecipientWatch:
 
     def _propose(self, recipient: str, queue: str, state: str, reason: str) -> None:
         """Propose a state (once at a time per recipient); the map is the authority."""
-        engine = self._node.engine
-        if engine.coordinator is None or self._proposing.get(recipient) == state:
+        if self._node.engine.coordinator is None or self._proposing.get(recipient) == state:
             return
         self._proposing[recipient] = state
-        command = PutRecipient(recipient, queue, state, int(time.time() * 1000), reason)
 
         def finish(outcome: Any) -> None:
             self._proposing.pop(recipient, None)
             if isinstance(outcome, QueueError):
                 log.info("recipient %s: %s not recorded: %s", recipient, state, outcome)
+        self._submit(PutRecipient(recipient, queue, state, int(time.time() * 1000), reason), finish)
+
+    def _note(self, entry: RecipientEntry, reason: str) -> None:
+        """Propose a restated reason (once at a time per recipient), for the spell of the state
+        the entry is in: a note about a spell that ended meanwhile is refused by the map."""
+        if self._node.engine.coordinator is None or entry.name in self._noting:
+            return
+        self._noting.add(entry.name)
+
+        def finish(outcome: Any) -> None:
+            self._noting.discard(entry.name)
+            if isinstance(outcome, QueueError):
+                log.info("recipient %s: reason not restated: %s", entry.name, outcome)
+        self._submit(NoteRecipient(entry.name, entry.queue, entry.state, entry.since_ms, reason), finish)
+
+    def _submit(self, command: PutRecipient | NoteRecipient, finish: Any) -> None:
+        engine = self._node.engine
         engine.invoke(lambda _: engine.coordinator.propose_checked(command, finish, lambda outcomes: outcomes))
 
     # --- what the recipients do (qserver/ws_api.py) --------------------------------------------
@@ -142,6 +170,7 @@ class RecipientWatch:
         masters = engine.pairs.masters
         now, now_ms = time.monotonic(), int(time.time() * 1000)
         here = engine.recipients_here()
+        self._forget_gone(cluster, here, now)
         for (queue, recipient), subscriptions in here.items():
             core = engine.cores.get(queue)
             if core is None or queue not in masters:
@@ -149,6 +178,11 @@ class RecipientWatch:
             entry = cluster.recipients.get(recipient)
             state = entry.state if entry is not None else None
             self._apply(queue, state, subscriptions)
+            if state == RecipientState.OK and recipient in self._failing_over:
+                # Ok again while its mover gives back what it held: what waits is not offered
+                # to it yet, so its interval starts once it is (else, with an interval under
+                # the mover's pause, it was back in fault before it was offered a message).
+                self._last_take[(queue, recipient)] = now
             options = core.options
             if options.fault_interval_s and state in (None, RecipientState.OK) \
                     and self._idle_while_waiting(core, recipient, now) >= options.fault_interval_s:
@@ -162,6 +196,7 @@ class RecipientWatch:
                     self._ensure_mover(recipient, queue, overdue_only=True)
         for entry in list(cluster.recipients.values()):
             if entry.queue not in masters or entry.queue not in engine.cores:
+                self._unsettled.pop(entry.name, None)         # its master judges it
                 continue
             core = engine.cores[entry.queue]
             options = core.options
@@ -177,7 +212,10 @@ class RecipientWatch:
                 self._propose(entry.name, entry.queue, RecipientState.DEFUNCT,
                               f"in fault for {options.defunct_interval_s:g} s")
             if entry.state != RecipientState.OK:
+                self._restate(entry, core, now)
                 self._ensure_mover(entry.name, entry.queue, overdue_only=False)
+            else:
+                self._unsettled.pop(entry.name, None)
         for entry in cluster.recipients.values():
             seen = self._seen.get(entry.name)
             if seen != entry.state:
@@ -186,12 +224,43 @@ class RecipientWatch:
                 if entry.queue in masters and (seen is not None or entry.state != RecipientState.OK):
                     self._event(entry)
                 self._seen[entry.name] = entry.state
-        for name in [name for name in self._seen if name not in cluster.recipients]:
-            del self._seen[name]
-        for key in [key for key in self._last_take if key[1] not in cluster.recipients and key not in here]:
-            del self._last_take[key]          # a recipient gone with its queue
         for queue in [queue for queue in self._waiting_since if queue not in masters]:
             del self._waiting_since[queue]
+
+    def _forget_gone(self, cluster: Any, here: dict[tuple[str, str], list[Any]], now: float) -> None:
+        """Forget what this node keeps for recipients the map no longer holds (removed, or gone
+        with their queue): every node applies the same map, and each forgets its own. One still
+        subscribed here starts afresh, with its whole interval, and is registered again when it
+        subscribes again or enters fault. Its mover sees it gone, stops and gives back what it
+        holds (_move)."""
+        for name in [name for name in self._seen if name not in cluster.recipients]:
+            del self._seen[name]
+            self._proposing.pop(name, None)
+            self._unsettled.pop(name, None)
+            self.returned.pop(name, None)
+            for counter in (self.moved, self.events):
+                for key in [key for key in counter if key[0] == name]:
+                    del counter[key]
+            for key in [key for key in self._last_take if key[1] == name and key in here]:
+                self._last_take[key] = now
+        for key in [key for key in self._last_take if key[1] not in cluster.recipients and key not in here]:
+            del self._last_take[key]
+
+    def _restate(self, entry: RecipientEntry, core: Any, now: float) -> None:
+        """Keep the reason of a recipient in fault or defunct true to what waits for it. It
+        says how many messages waited when it entered the state; once none waits (a purge took
+        them, its probe too) it says "nothing waits for it now", and when some wait again, so.
+        The reason is restated once it has been untrue for NOTE_SETTLE_S: a queue whose messages
+        fail over as they come empties and fills with each one, and a reason is not worth a
+        Raft write per message."""
+        waiting = core.depth > 0
+        if waiting != entry.reason.endswith(NOTHING_WAITS):      # it says what holds now
+            self._unsettled.pop(entry.name, None)
+            return
+        if now - self._unsettled.setdefault(entry.name, now) < NOTE_SETTLE_S:
+            return
+        cause = entry.reason.split(";", 1)[0].split(" while ", 1)[0]    # "took no message for 5 s"
+        self._note(entry, f"{cause}; {WAIT_AGAIN if waiting else NOTHING_WAITS}")
 
     def _idle_while_waiting(self, core: Any, recipient: str, now: float) -> float:
         """How long the recipient has taken no message while its queue held some: counted
@@ -254,6 +323,8 @@ class RecipientWatch:
     # --- fail-over ----------------------------------------------------------------------------
     def _ensure_mover(self, recipient: str, queue: str, *, overdue_only: bool) -> None:
         if recipient not in self._movers:
+            if not overdue_only:
+                self._failing_over.add(recipient)
             self._movers[recipient] = asyncio.get_running_loop().create_task(
                 self._move(recipient, queue, overdue_only))
 
@@ -287,7 +358,7 @@ class RecipientWatch:
                         and await self._fail_over(entry, core, held[0]):     # type: ignore[arg-type]
                     held.pop(0)
                 if held:              # nothing takes it now: hold on, and try again in a moment
-                    await asyncio.sleep(MOVE_PAUSE_S)
+                    await self._pause(recipient, queue, overdue_only)
                     if time.monotonic() - leased_at > MOVE_VISIBILITY_MS / 2000:
                         for message in held:
                             await engine.call(lambda r, m=message: c.Ack(
@@ -296,10 +367,19 @@ class RecipientWatch:
         except QueueError as error:
             log.info("recipient %s: fail-over paused: %s", recipient, error)
         finally:
-            self._movers.pop(recipient, None)
             for message in held:
                 with contextlib.suppress(QueueError, TimeoutError):
                     await asyncio.wait_for(self._settle(queue, message, release=True), 2.0)
+            self._movers.pop(recipient, None)
+            if not overdue_only:
+                self._failing_over.discard(recipient)
+
+    async def _pause(self, recipient: str, queue: str, overdue_only: bool) -> None:
+        """MOVE_PAUSE_S, cut short once the mover is to stop (its recipient ok again, or
+        removed): what it holds goes back to the queue at once, not up to a second later."""
+        deadline = time.monotonic() + MOVE_PAUSE_S
+        while time.monotonic() < deadline and self._may_move(recipient, queue, overdue_only):
+            await asyncio.sleep(WATCH_INTERVAL_S)
 
     def _may_move(self, recipient: str, queue: str, overdue_only: bool) -> bool:
         """The overdue mover runs while the recipient is ok, the other while it is not; both

@@ -376,14 +376,38 @@ class DeleteForward:
     name: str
 
 
+@dataclass(frozen=True, slots=True)
+class RemoveRecipient:
+    """Forget a recipient (fault surveillance): its state and its own chain of alternatives.
+    Chains of other recipients that name it keep the name, as they may name recipients that
+    never subscribed; a process still consuming under it is registered again by its next
+    subscription or fault."""
+    TAG = 18
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class NoteRecipient:
+    """Restate why a recipient is in its state, the state and `since_ms` kept: its queue's
+    master does when what made it so no longer holds (a purge emptied the queue of a recipient
+    in fault). A compare-and-set on the state and since: a note about an earlier spell is refused."""
+    TAG = 19
+    name: str
+    queue: str
+    state: str
+    since_ms: int
+    reason: str
+
+
 Command = (AddNode | SetNodeState | CreateQueue | DeleteQueue | ChangePair | ChangePairs | PutClient | SetAlternatives
            | CreateMacro | DeleteMacro | PutMacroMember | RemoveMacroMember | PutChannel | DeleteChannel | PutRecipient
-           | PutForward | DeleteForward)
+           | PutForward | DeleteForward | RemoveRecipient | NoteRecipient)
 COMMAND_TYPES: dict[int, type] = {kind.TAG: kind for kind in (AddNode, SetNodeState, CreateQueue, DeleteQueue,
                                                               ChangePair, ChangePairs, PutClient, SetAlternatives,
                                                               CreateMacro, DeleteMacro, PutMacroMember,
                                                               RemoveMacroMember, PutChannel, DeleteChannel,
-                                                              PutRecipient, PutForward, DeleteForward)}
+                                                              PutRecipient, PutForward, DeleteForward,
+                                                              RemoveRecipient, NoteRecipient)}
 
 
 class CommandError(ValueError):
@@ -546,6 +570,10 @@ class ClusterMap:
             return [self._put_channel(command)]
         if isinstance(command, PutRecipient):
             return [self._put_recipient(command)]
+        if isinstance(command, RemoveRecipient):
+            return [self._remove_recipient(command)]
+        if isinstance(command, NoteRecipient):
+            return [self._note_recipient(command)]
         if isinstance(command, PutForward):
             return [self._put_forward(command)]
         if isinstance(command, DeleteForward):
@@ -572,6 +600,24 @@ class ClusterMap:
         self.recipients[command.name] = RecipientEntry(command.name, command.queue, command.state, command.since_ms,
                                                        command.reason)
         return Outcome(command.name, True, command.state)
+
+    def _remove_recipient(self, command: RemoveRecipient) -> Outcome:
+        known = self.recipients.pop(command.name, None)
+        chain = self.alternatives.pop(command.name, None)
+        if known is None and chain is None:
+            return Outcome(command.name, False, f"no recipient {command.name}")
+        return Outcome(command.name, True)
+
+    def _note_recipient(self, command: NoteRecipient) -> Outcome:
+        entry = self.recipients.get(command.name)
+        if entry is None or (entry.queue, entry.state, entry.since_ms) != (command.queue, command.state,
+                                                                           command.since_ms):
+            return Outcome(command.name, False, f"recipient {command.name} is not {command.state} since then")
+        if entry.reason == command.reason:
+            return Outcome(command.name, False, "unchanged")
+        self.recipients[command.name] = RecipientEntry(entry.name, entry.queue, entry.state, entry.since_ms,
+                                                       command.reason)
+        return Outcome(command.name, True, "noted")
 
     def _put_forward(self, command: PutForward) -> Outcome:
         source = self.queues.get(command.source)
@@ -785,6 +831,35 @@ def plan_replacements(cluster: ClusterMap, gone: set[str]) -> list[ChangePair]:
         target = min(candidates, key=lambda n: (members[n], n))
         members[target] += 1
         changes.append(ChangePair(name, astuple(entry.pair), (entry.epoch + 1, entry.master, target, False),
+                                  Reason.MOVE.value))
+    return changes
+
+
+def plan_member_moves(cluster: ClusterMap) -> list[ChangePair]:
+    """Replicas to move onto up nodes that hold fewer members than others. Handoffs alone
+    cannot reach a node that holds no member (one back from a drain, a new one), so the
+    members spread first: from the node with most to the one with fewest while they differ
+    by two or more. A queue whose master's node masters most goes first, so the handoffs
+    that follow can relieve that node; a `min_in_sync` 2 queue goes last (it refuses writes
+    until its new replica is in sync). Only in-sync pairs move; each new replica is out of
+    sync until its state transfer ends."""
+    members, masters = cluster.members_per_node(), cluster.masters_per_node()
+    changes: list[ChangePair] = []
+    moved: set[str] = set()
+    while members:
+        low = min(members, key=lambda n: (members[n], n))
+        candidates = [entry for name, entry in cluster.queues.items()
+                      if name not in moved and entry.in_sync and entry.master in members
+                      and entry.replica in members and low not in (entry.master, entry.replica)
+                      and members[entry.replica] - members[low] >= 2]
+        if not candidates:
+            return changes
+        entry = min(candidates, key=lambda e: (int(e.options.get("min_in_sync", 1)) >= 2, -masters[e.master],
+                                               -members[e.replica], e.name))
+        members[entry.replica] -= 1
+        members[low] += 1
+        moved.add(entry.name)
+        changes.append(ChangePair(entry.name, astuple(entry.pair), (entry.epoch + 1, entry.master, low, False),
                                   Reason.MOVE.value))
     return changes
 

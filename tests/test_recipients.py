@@ -9,16 +9,21 @@ from typing import Any
 
 import pytest
 
-from client import AsyncClient
+from client import AsyncClient, Client
 from client.errors import QueueError
+from client.qctl import _recipient_text
 from replication.cluster_map import (
     AddNode,
     ClusterMap,
     CreateQueue,
     DeleteQueue,
+    NoteRecipient,
     PutRecipient,
+    RemoveRecipient,
     SetAlternatives,
+    decode_command,
     decode_map,
+    encode_command,
     encode_map,
 )
 from tests.test_client_integration import run_qctl
@@ -51,6 +56,57 @@ def test_a_recipient_receives_from_one_queue_and_its_state_changes_are_kept_in_s
     assert cluster.recipients == {}                            # gone with its queue
 
 
+def billing_map() -> ClusterMap:
+    cluster = ClusterMap()
+    for storage_id, node in enumerate(("n1", "n2"), 1):
+        cluster.apply(AddNode(node, f"http://{node}", True, storage_id))
+    cluster.apply(CreateQueue("invoices", {"strength": "full"}, "n1", "n2", 7))
+    return cluster
+
+
+def test_removing_a_recipient_forgets_its_state_and_its_chain_and_an_unknown_name_is_refused() -> None:
+    cluster = billing_map()
+    cluster.apply(PutRecipient("billing-a", "invoices", "fault", 1_000, "took no message for 5 s while 4 waited"))
+    cluster.apply(SetAlternatives("billing-a", ("billing-b",)))
+    cluster.apply(SetAlternatives("billing-c", ("billing-a",)))
+    for command in (RemoveRecipient("billing-a"), NoteRecipient("billing-a", "invoices", "fault", 1_000, "why")):
+        assert decode_command(encode_command(command)) == command
+    assert {RemoveRecipient.TAG, NoteRecipient.TAG} == {18, 19}             # new tags, none reused
+
+    [removed] = cluster.apply(RemoveRecipient("billing-a"))
+    assert removed.applied and "billing-a" not in cluster.recipients and "billing-a" not in cluster.alternatives
+    assert cluster.alternatives["billing-c"] == ("billing-a",)                # another's chain keeps the name
+    assert not cluster.apply(RemoveRecipient("billing-a"))[0].applied        # unknown now
+    [chain_only] = cluster.apply(RemoveRecipient("billing-c"))               # a chain alone is a recipient too
+    assert chain_only.applied and cluster.alternatives == {}
+    assert decode_map(encode_map(cluster)).recipients == {}
+
+
+def test_a_note_restates_the_reason_of_the_current_spell_only() -> None:
+    cluster = billing_map()
+    cluster.apply(PutRecipient("billing-a", "invoices", "fault", 1_000, "took no message for 5 s while 4 waited"))
+    restated = "took no message for 5 s; nothing waits for it now"
+    assert not cluster.apply(NoteRecipient("billing-a", "invoices", "fault", 999, restated))[0].applied  # older spell
+    assert not cluster.apply(NoteRecipient("billing-a", "invoices", "ok", 1_000, restated))[0].applied
+    [noted] = cluster.apply(NoteRecipient("billing-a", "invoices", "fault", 1_000, restated))
+    assert noted.applied
+    assert cluster.recipients["billing-a"].to_json() == {"name": "billing-a", "queue": "invoices", "state": "fault",
+                                                         "since_ms": 1_000, "reason": restated}
+    assert not cluster.apply(NoteRecipient("billing-a", "invoices", "fault", 1_000, restated))[0].applied
+
+
+def test_recipient_list_marks_an_alternative_that_consumes_the_same_queue() -> None:
+    listed: list[dict[str, Any]] = [{"recipient": "billing-a", "queue": "invoices", "state": "ok", "reason": "subscribed",
+               "alternatives": ["billing-b", "billing-c"]},
+              {"recipient": "billing-b", "queue": "invoices", "state": "ok", "reason": "subscribed",
+               "alternatives": []},
+              {"recipient": "billing-c", "queue": "invoices-c", "state": "ok", "reason": "subscribed",
+               "alternatives": []}]
+    queues = {r["recipient"]: r["queue"] for r in listed}
+    assert _recipient_text(listed[0], queues) == \
+        "billing-a: ok on invoices, alternatives billing-b (same queue: never used) -> billing-c"
+
+
 @pytest.mark.asyncio
 async def test_alternatives_are_set_once_and_read_at_every_node(qcluster_factory: Any) -> None:
     cluster = qcluster_factory(3)
@@ -78,3 +134,21 @@ def test_qctl_sets_lists_and_clears_alternatives(qcluster_factory: Any) -> None:
     assert code == 0 and [c["recipient"] for c in listed["recipients"]] == ["mail"]
     assert run_qctl(cluster, "recipient", "alternatives", "mail", "--clear")[1]["alternatives"] == []
     assert run_qctl(cluster, "recipient", "alternatives", "mail")[1]["alternatives"] == []
+
+
+def test_qctl_removes_a_recipient_everywhere_and_refuses_an_unknown_one(qcluster_factory: Any) -> None:
+    cluster = qcluster_factory(3)
+    assert run_qctl(cluster, "recipient", "alternatives", "mail", "--set", "mail-2")[0] == 0
+    assert run_qctl(cluster, "recipient", "alternatives", "mail-3", "--set", "mail")[0] == 0
+    code, answer, _ = run_qctl(cluster, "recipient", "remove", "mail")
+    assert code == 0 and answer == {"recipient": "mail", "removed": True, "named_by": ["mail-3"]}
+    with Client(cluster.urls["n3"], cluster.credentials_path) as other:
+        deadline = time.monotonic() + 5           # the map reaches the other nodes a moment later
+        while "mail" in [r["recipient"] for r in other.recipients()] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [r["recipient"] for r in other.recipients()] == ["mail-3"]
+        with pytest.raises(QueueError) as refused:
+            other.remove_recipient("mail")
+        assert refused.value.code == "E_UNKNOWN_RECIPIENT"
+    code, error, _ = run_qctl(cluster, "recipient", "remove", "never-seen")
+    assert code == 1 and error["error"]["code"] == "E_UNKNOWN_RECIPIENT"

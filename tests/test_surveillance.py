@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -21,7 +23,9 @@ from audit.inputs import read_records
 from audit.local import audit_records
 from client import AsyncClient
 from client.credentials import load_credentials
+from client.errors import QueueError
 from client.protocol import ErrorReply, SubscribeOp, decode_server_frame, encode_frame
+from client.qctl import _recipient_text
 from qserver.devcluster import REPOSITORY, LocalCluster
 from qserver.journal_export import export_environment
 from tests.test_client_integration import run_qctl
@@ -331,3 +335,172 @@ async def test_messages_nothing_can_take_wait_without_being_dead_lettered(qclust
         recipients.signal("pager", signal.SIGCONT)
         await until(lambda: asyncio.sleep(0, sorted(numbers(recipients.taken("pager"))) == [0, 1, 2]), "all three")
         assert (await admin.queue_stats("alerts"))["total_dead_lettered"] == 0
+
+
+def readme_surveillance() -> tuple[list[list[str]], list[tuple[str, str]]]:
+    """The README's fault surveillance example: its qctl commands (the queues and the chain),
+    and each (queue, recipient) its Python example consumes."""
+    readme = (REPOSITORY / "README.md").read_text()
+    commands = [shlex.split(line.split("  #")[0])[1:] for line in readme.splitlines()
+                if line.startswith(".venv/bin/qctl ") and ("invoices" in line or " recipient " in line)]
+    section = readme[readme.index("Fault surveillance (seed 001)"):readme.index("Store-and-forward (seed 003)")]
+    return commands, re.findall(r'client\.consume\("([^"]+)", recipient="([^"]+)"\)', section)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(180)
+async def test_the_readme_surveillance_example_fails_over_to_billing_b_and_comes_back_to_billing_a(
+        qcluster_factory: Any, recipients_of: Any) -> None:
+    """Issue 39: the README showed billing-b as a second consumer of `invoices`, where the mover
+    never moves a message to it and both ended in fault. As rewritten, each alternative consumes
+    a queue of its own, and its commands and consumers work as written."""
+    commands, consumers = readme_surveillance()
+    assert [command[:2] for command in commands] == [["queue", "create"], ["queue", "create"],
+                                                      ["recipient", "alternatives"], ["recipient", "list"]]
+    assert consumers == [("invoices", "billing-a"), ("invoices-b", "billing-b")]
+    cluster: LocalCluster = qcluster_factory(3)
+    recipients = recipients_of(cluster)
+    for command in commands:
+        code, _, error = await asyncio.to_thread(run_qctl, cluster, *command)
+        assert code == 0, (command, error)
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as admin:
+        for queue, name in consumers:
+            recipients.start(name, queue)
+        await until_state(admin, "ok", "billing-a", "billing-b")
+        for n in range(4):
+            await admin.enqueue("invoices", b"i%d" % n)
+        await until(lambda: asyncio.sleep(0, len(recipients.taken("billing-a")) == 4), "billing-a to take 4")
+
+        # billing-a hangs: within its fault interval (5 s) what waits in invoices moves to
+        # billing-b, in order, except the one message billing-a keeps (its probe).
+        recipients.signal("billing-a", signal.SIGSTOP)
+        for n in range(4, 10):
+            await admin.enqueue("invoices", b"i%d" % n)
+        await until_state(admin, "fault", "billing-a", timeout_s=30)
+        await until(lambda: asyncio.sleep(0, len(recipients.taken("billing-b")) == 5), "5 of 6 at billing-b")
+        moved = numbers(recipients.taken("billing-b"))
+        assert moved == sorted(moved) and set(moved) < set(range(4, 10)), moved
+        assert (await states(admin))["billing-b"] == "ok"                   # never in fault
+
+        # billing-a runs again: it takes its probe, is ok, and what comes next is its own again.
+        recipients.signal("billing-a", signal.SIGCONT)
+        await until_state(admin, "ok", "billing-a")
+        for n in range(10, 13):
+            await admin.enqueue("invoices", b"i%d" % n)
+        await until(lambda: asyncio.sleep(0, numbers(recipients.taken("billing-a"))[-3:] == [10, 11, 12]),
+                    "i10..i12 at billing-a")
+        taken_a = numbers(recipients.taken("billing-a"))
+        assert sorted(taken_a + moved) == list(range(13)) and numbers(recipients.taken("billing-b")) == moved
+        assert (await states(admin)) == {"billing-a": "ok", "billing-b": "ok"}
+        assert (await admin.queue_stats("invoices"))["depth"] == 0
+
+
+async def metrics_of(cluster: LocalCluster, node: str) -> str:
+    async with aiohttp.ClientSession() as session, \
+            session.get(cluster.urls[node] + "/metrics", ssl=cluster.ssl_context or True) as answer:
+        return await answer.text()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_removing_a_recipient_forgets_it_at_every_node_and_gives_back_what_the_mover_held(
+        qcluster_factory: Any, recipients_of: Any) -> None:
+    """A recipient in fault with nowhere to send its messages: the mover holds them. Once the
+    recipient is gone and removed, no node lists or counts it, and its messages are back in
+    the queue for any consumer, in order, none dead-lettered."""
+    cluster: LocalCluster = qcluster_factory(3, {"alerts": ["n1", "n2"]})
+    recipients = recipients_of(cluster)
+    async with AsyncClient(cluster.urls["n2"], cluster.credentials_path) as admin:
+        await admin.create_queue("alerts", strength="full", fault_interval_s=0.5, max_deliveries=3,
+                                 visibility_timeout_s=2)
+        recipients.start("pager", "alerts")
+        await until_state(admin, "ok", "pager")
+        recipients.signal("pager", signal.SIGSTOP)
+        for n in range(3):
+            await admin.enqueue("alerts", b"m%d" % n)
+        await until_state(admin, "fault", "pager")
+        recipients.processes["pager"].kill()                   # gone for good
+        recipients.processes["pager"].wait(timeout=10)
+
+        async def held_by_the_mover() -> bool:                  # its probe too, once its lease ran out
+            return (await admin.queue_stats("alerts"))["in_flight"] == 3
+        await until(held_by_the_mover, "the mover to hold all three")
+        assert 'recipient="pager"' in await metrics_of(cluster, "n1")        # the master counted its fault
+
+        code, answer, _ = await asyncio.to_thread(run_qctl, cluster, "recipient", "remove", "pager")
+        assert code == 0 and answer == {"recipient": "pager", "removed": True, "named_by": []}
+
+        async def given_back() -> bool:
+            stats = await admin.queue_stats("alerts")
+            return (stats["ready"], stats["in_flight"]) == (3, 0)
+        await until(given_back, "the three messages back in the queue", 10)
+        for node in cluster.ids:
+            async with AsyncClient(cluster.urls[node], cluster.credentials_path) as at_node:
+                await until(_without(at_node, "pager"), f"pager gone at {node}", 5)
+            assert 'recipient="pager"' not in await metrics_of(cluster, node)
+        taken = await admin.receive("alerts", max_messages=10, wait_s=1.0)
+        assert [message.payload for message in taken] == [b"m0", b"m1", b"m2"]
+        for message in taken:
+            await message.ack()
+        assert (await admin.queue_stats("alerts"))["total_dead_lettered"] == 0
+        with pytest.raises(QueueError) as unknown:
+            await admin.remove_recipient("pager")
+        assert unknown.value.code == "E_UNKNOWN_RECIPIENT"
+
+
+def _without(client: AsyncClient, name: str) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return name not in [r["recipient"] for r in await client.recipients()]
+    return check
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_a_recipients_reason_says_what_holds_now_after_a_purge_and_once_it_recovers(
+        qcluster_factory: Any, recipients_of: Any) -> None:
+    """Issue 39: `recipient list` said "4 waited" after a purge had emptied the queue. The
+    reason now follows what waits for the recipient while it stays in fault (the state does not
+    change: it is ok again when it takes a message), and says why it is ok once it is."""
+    cluster: LocalCluster = qcluster_factory(3, {"alerts": ["n1", "n2"]})
+    recipients = recipients_of(cluster)
+    async with AsyncClient(cluster.urls["n3"], cluster.credentials_path) as admin:
+        await admin.create_queue("alerts", strength="full", fault_interval_s=0.5, visibility_timeout_s=120)
+        recipients.start("pager", "alerts")
+        await until_state(admin, "ok", "pager")
+        recipients.signal("pager", signal.SIGSTOP)
+        for n in range(4):
+            await admin.enqueue("alerts", b"m%d" % n)
+        await until_state(admin, "fault", "pager")
+
+        async def reason() -> str:
+            [listed] = [r for r in await admin.recipients() if r["recipient"] == "pager"]
+            return str(listed["reason"])
+
+        def reason_is(expected: str) -> Callable[[], Awaitable[bool]]:
+            async def check() -> bool:
+                return await reason() == expected
+            return check
+        assert re.fullmatch(r"took no message for 0\.5 s while \d waited", await reason())
+
+        await admin.purge("alerts")
+        await until(reason_is("took no message for 0.5 s; nothing waits for it now"), "the reason after the purge", 10)
+        code, listed, _ = await asyncio.to_thread(run_qctl, cluster, "recipient", "list")
+        [pager] = [r for r in listed["recipients"] if r["recipient"] == "pager"]
+        assert code == 0 and pager["state"] == "fault" and "waited" not in pager["reason"]
+        assert _recipient_text(pager, {"pager": "alerts"}) == \
+            "pager: fault on alerts (took no message for 0.5 s; nothing waits for it now)"
+        code, status, _ = await asyncio.to_thread(run_qctl, cluster, "status")
+        assert code == 0 and status["recipients"]["pager"]["reason"] == pager["reason"]     # the map's
+
+        for n in range(4, 6):                                      # wait: nothing can take them
+            await admin.enqueue("alerts", b"m%d" % n)
+        await until(reason_is("took no message for 0.5 s; messages wait for it again"),
+                    "the reason once messages wait again", 10)
+
+        # It runs again and answers for what it was given: ok, and the two that waited are its
+        # own (its interval starts once the mover gave them back: with one shorter than the
+        # mover's pause it was in fault again before it was offered them).
+        recipients.signal("pager", signal.SIGCONT)
+        await until_state(admin, "ok", "pager")
+        assert await reason() in ("took a message", "subscribed")
+        await until(lambda: asyncio.sleep(0, numbers(recipients.taken("pager")) == [4, 5]), "m4, m5 at the pager")
