@@ -437,7 +437,9 @@ async def serve(config: NodeConfig, *, ready: asyncio.Event | None = None) -> No
         # Where this node's membership link listens: membership_bind, else its own entry of
         # [cluster.membership] (peers may dial a proxy in front of it).
         host, port = (config.membership_bind or config.membership_nodes[config.node_id]).rsplit(":", 1)
-        membership_runner = web.AppRunner(membership_app, access_log=None, handle_signals=False)
+        # The envelope runner here too: a dialer that hung up before its upgrade was answered (a
+        # node paused or restarting) is one INFO line, not a traceback (qserver/http_errors.py).
+        membership_runner = EnvelopeAppRunner(membership_app, access_log=None, handle_signals=False)
         await membership_runner.setup()
         await web.TCPSite(membership_runner, host, int(port), reuse_address=True, ssl_context=node.server_tls).start()
     log.info("node %s serving on %s (data in %s)", config.node_id, node.url, config.data_dir)

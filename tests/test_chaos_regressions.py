@@ -314,7 +314,7 @@ def test_a_core_without_a_role_yet_expires_no_lease_until_the_map_gives_it_one()
     engine.cores = {"events": core}
     engine._to_serve = set()
     engine.pairs = SimpleNamespace(masters={}, replicas={}, clustered=True,   # type: ignore[assignment]
-                                   note_decided=lambda core, ops: None)
+                                   note_decided=lambda core, ops: None, restarting=lambda name: False)
     engine._run_timed_steps(AT_MS + 60_000, lease_clock[0])
     assert engine._open.sealed.operations == []               # restarted, no role yet: wait
     engine.pairs.replicas["events"] = object()     # type: ignore[assignment]
