@@ -1927,6 +1927,10 @@ class Consumer:
             self._client._submit_quietly(op)
         elif not self._subscribing and self._client._ws is not None:
             self._subscribe()
+        elif not self._subscribing and self._recovering is None:
+            # The window was full when the connection went, so no recovery ran; room now, and
+            # the node may never come back: follow the map as after any failure.
+            self._recover(self._last_failure or QueueError(E_UNAVAILABLE, f"not connected to {self._client.url}"))
 
     def _on_subscribed(self, subscription_id: int) -> None:
         self._subscription_id = subscription_id

@@ -782,6 +782,36 @@ async def test_a_consumer_with_a_full_window_takes_new_messages_after_its_connec
 
 
 @pytest.mark.asyncio
+async def test_a_consumer_whose_full_window_empties_after_its_node_died_follows_the_map_to_the_new_master(
+        fake_node: FakeNode) -> None:
+    promoted = FakeNode()            # the replica's node, which the map names once the master died
+    await promoted.start()
+    try:
+        def cluster_map(master: str) -> tuple[int, dict[str, Any]]:
+            return 200, {"nodes": [{"id": "n1", "url": fake_node.url}, {"id": "n2", "url": promoted.url}],
+                         "queues": {"ledger": {"master": master, "replica": "n2" if master == "n1" else "n1",
+                                               "epoch": 3 if master == "n1" else 4}}}
+        promoted.credentials = fake_node.credentials     # one client, known to both
+        promoted._public_key = fake_node._public_key
+        fake_node.rest_answers[("GET", "/v1/cluster")] = promoted.rest_answers[("GET", "/v1/cluster")] = \
+            cluster_map("n1")
+        fake_node.ready = ready_messages(2)
+        async with AsyncClient(credentials=fake_node.credentials, **FAST) as client:  # type: ignore[arg-type]
+            await client.refresh_placement()
+            async with client.consume("ledger", prefetch=2) as messages:
+                await eventually(lambda: len(messages._buffer) == 2)      # the window is full
+                promoted.rest_answers[("GET", "/v1/cluster")] = cluster_map("n2")
+                promoted.ready = [DeliveredMessage(3, "r3", 4, 1, b"m3")]
+                await fake_node.stop()                                     # the master's node is gone
+                # Seen gone while the window was still full: no recovery was needed then.
+                await eventually(lambda: not client.connected and messages._recovering is None)
+                async with asyncio.timeout(5):
+                    assert [(await messages.__anext__()).id for _ in range(3)] == [1, 2, 3]
+    finally:
+        await promoted.stop()
+
+
+@pytest.mark.asyncio
 async def test_a_subscription_the_server_ends_for_a_lasting_reason_ends_the_iteration(
         fake_node: FakeNode, client: AsyncClient) -> None:
     fake_node.subscribe_refusals = ["E_FORBIDDEN"]
