@@ -83,9 +83,11 @@ def credential_access(cluster: LocalCluster, copy_path: Path) -> CredentialAcces
     if plan.take:
         if held != own:
             save_credentials(copy_path, own)
-        notes.append(f"copied to {shown(copy_path)}, where qctl and the client look without flags"
-                     + (f" ({plan.note})" if plan.note else ""))
-        flags = "" if copy_path.resolve() == LOCAL_CREDENTIALS.resolve() else f" --credentials {shown(copy_path)}"
+        # Only the default copy is found without flags; another (--credentials PATH) is named.
+        default_copy = copy_path.resolve() == LOCAL_CREDENTIALS.resolve()
+        where = "where qctl and the client look without flags" if default_copy else "name it with --credentials"
+        notes.append(f"copied to {shown(copy_path)}, {where}" + (f" ({plan.note})" if plan.note else ""))
+        flags = "" if default_copy else f" --credentials {shown(copy_path)}"
     else:
         notes.append(f"{shown(copy_path)} is left as it is ({plan.note}): qctl without --credentials talks to that "
                      f"cluster; for this one name the file, or `export QSERVER_CREDENTIALS="

@@ -40,7 +40,7 @@ from typing import Any
 
 from client import AsyncClient, QueueError
 from client.aio import Message
-from client.credentials import LOCAL_CREDENTIALS
+from client.credentials import ENV_CREDENTIALS, LOCAL_CREDENTIALS
 from qserver.demo_credentials import CredentialAccess, credential_access, executable, shown
 from qserver.demo_progress import (
     STALL_AFTER_S,
@@ -60,6 +60,16 @@ RETRY_PAUSE_S = 0.2             # after an error, before the loop's next call
 PREFETCH = 500
 QUEUES = {"orders": "full", "events": "producer"}
 _STAMP = struct.Struct(">d")
+DEMO_TEXT = b"demo message"     # after the stamp, in every payload of the demo's producers
+
+
+def _stamped_at(payload: bytes) -> float | None:
+    """When the demo's producer sent a message; None for one someone else put on the demo's
+    queues (`qctl put orders hi`): it is consumed and acked like the others, but has no stamp
+    to read, and reading one from it ended the consumer."""
+    if len(payload) != _STAMP.size + len(DEMO_TEXT) or not payload.endswith(DEMO_TEXT):
+        return None
+    return float(_STAMP.unpack_from(payload)[0])
 
 
 def _code(error: BaseException) -> str:
@@ -94,7 +104,7 @@ class Demo:
         interval_s = batch / self.rate_per_s
         next_at = time.monotonic()
         while True:
-            payloads = [_STAMP.pack(time.time()) + b"demo message" for _ in range(batch)]
+            payloads = [_STAMP.pack(time.time()) + DEMO_TEXT for _ in range(batch)]
             try:
                 await self.client.enqueue_many(queue, payloads, priority=4)
                 self.produced[queue] += batch
@@ -135,7 +145,9 @@ class Demo:
     def _take(self, client: DemoClient, message: Message) -> None:
         # Acks are pipelined (the client coalesces them into frames); progress is an ack that
         # succeeded, since a message taken but never acked is delivered again.
-        self.latencies_ms.append((time.time() - _STAMP.unpack_from(message.payload)[0]) * 1000)
+        stamped_at = _stamped_at(message.payload)
+        if stamped_at is not None:
+            self.latencies_ms.append((time.time() - stamped_at) * 1000)
         task = asyncio.ensure_future(message.ack())
         self._acks.add(task)
         task.add_done_callback(lambda done: self._acked(client, done))
@@ -449,6 +461,9 @@ def _print_first_lines(cluster: LocalCluster, access: CredentialAccess, no_demo:
           f"{executable('qserver')} admin-credential --config {shown(cluster.root / 'n1.toml')} --out FILE)")
     for note in access.notes:
         print(f"  {note}")
+    # The copy is found relative to the working directory only: this line reaches the cluster
+    # from any directory (qctl and the client library both read the variable).
+    print(f"from any directory: export {ENV_CREDENTIALS}={access.own_path.resolve()}")
     if no_demo:
         print(f"queues {' and '.join(f'{queue} ({strength})' for queue, strength in QUEUES.items())} created, "
               "no traffic (--no-demo)")

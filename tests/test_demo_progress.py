@@ -124,8 +124,8 @@ def test_errors_are_shown_by_client_and_code() -> None:
 
 # --- the demo's traffic loops (qserver/local.py), with a fake client -----------------------------
 class FakeMessage:
-    def __init__(self) -> None:
-        self.payload = struct.pack(">d", 0.0) + b"demo message"
+    def __init__(self, payload: bytes = struct.pack(">d", 0.0) + b"demo message") -> None:
+        self.payload = payload
 
     async def ack(self) -> None:
         return None
@@ -230,3 +230,15 @@ async def test_a_traffic_loop_that_ends_on_a_bug_is_shown_as_ended() -> None:
     await asyncio.gather(task, return_exceptions=True)
     await asyncio.sleep(0)                     # the done callback runs
     assert status_lines(demo.clients.values(), {}) == ["orders producer: ENDED (TypeError: a bug)"]
+
+
+@pytest.mark.asyncio
+async def test_the_demo_consumer_takes_a_message_it_did_not_produce_and_goes_on() -> None:
+    """`qctl put orders hi` while the demo runs: a payload without the demo's stamp is acked
+    like the others (it ended the consumer, reading a stamp from 2 bytes)."""
+    demo = local.Demo(FakeClient([], []), rate_per_s=1000)  # type: ignore[arg-type]
+    consumer = demo.clients["orders consumer"]
+    for message in (FakeMessage(b"hi"), FakeMessage(b"price 12.30 USD!"), FakeMessage()):
+        demo._take(consumer, message)  # type: ignore[arg-type]
+    await asyncio.sleep(0.01)                 # the acks and their callbacks (all ready before this timer)
+    assert demo.consumed["orders"] == 3 and len(demo.latencies_ms) == 1

@@ -344,7 +344,8 @@ def readme_surveillance() -> tuple[list[list[str]], list[tuple[str, str]]]:
     commands = [shlex.split(line.split("  #")[0])[1:] for line in readme.splitlines()
                 if line.startswith(".venv/bin/qctl ") and ("invoices" in line or " recipient " in line)]
     section = readme[readme.index("Fault surveillance (seed 001)"):readme.index("Store-and-forward (seed 003)")]
-    return commands, re.findall(r'client\.consume\("([^"]+)", recipient="([^"]+)"\)', section)
+    # Each service the example runs: serve("QUEUE", "RECIPIENT"), as the README's script calls it.
+    return commands, re.findall(r'serve\("([^"]+)", "([^"]+)"\)', section)
 
 
 @pytest.mark.asyncio
