@@ -25,14 +25,13 @@ import itertools
 import os
 import random
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 from chaos.toxiproxy_server import ToxiproxyHandle
-from qserver.devcluster import LocalCluster
+from qserver.devcluster import LocalCluster, port_free
 
 PORT_BLOCK_SIZE = 300          # nodes' HTTP at +1.., Raft at +101.., proxies at +200..
 PORT_BLOCK_FIRST = 10_000
@@ -44,13 +43,6 @@ TOXICITY_ALWAYS = 1.0
 STREAMS = ("upstream", "downstream")
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 def free_port_block(rng: random.Random | None = None) -> int:
@@ -58,7 +50,7 @@ def free_port_block(rng: random.Random | None = None) -> int:
     rng = rng or random.Random(os.getpid() ^ time.monotonic_ns())
     blocks = list(range(PORT_BLOCK_FIRST, PORT_BLOCK_LAST - PORT_BLOCK_SIZE, PORT_BLOCK_SIZE))
     for base in rng.sample(blocks, min(len(blocks), PORT_BLOCK_ATTEMPTS_MAX)):
-        if all(_port_free(port) for port in range(base + 1, base + PORT_BLOCK_SIZE)):
+        if all(port_free(port) for port in range(base + 1, base + PORT_BLOCK_SIZE)):
             return base
     raise RuntimeError("no free block of ports below the ephemeral range")
 

@@ -47,16 +47,21 @@ def free_port() -> int:
         _PORTS_GIVEN.clear()              # long runs: the earliest are long released
     for _ in range(1000):
         port = random.randint(FREE_PORT_FIRST, FREE_PORT_LAST)
-        if port in _PORTS_GIVEN:
+        if port in _PORTS_GIVEN or not port_free(port):
             continue
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
         _PORTS_GIVEN.add(port)
         return port
     raise RuntimeError(f"no free port in {FREE_PORT_FIRST}-{FREE_PORT_LAST} on 127.0.0.1")
+
+
+def port_free(port: int) -> bool:
+    """Whether nothing listens on (or holds) this loopback port now."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def start_qserver(run_args: list[str], url: str, log_path: Path, timeout_s: float = START_TIMEOUT_S,

@@ -14,7 +14,6 @@ import queue
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,7 +26,7 @@ import pytest
 
 from client.credentials import Credentials, load_credentials, save_credentials
 from client.signing import new_private_key, private_key_to_text
-from qserver.devcluster import REPOSITORY, TEST_TLS_ENV, LocalCluster, free_port
+from qserver.devcluster import REPOSITORY, TEST_TLS_ENV, LocalCluster, free_port, port_free
 
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 60.0
@@ -43,18 +42,11 @@ def free_base_port() -> int:
     for _ in range(100):
         base = free_port()
         ports = [base + offset for offset in (1, 2, 3, 101, 102, 103)]
-        if all(_free(port) for port in ports):
+        if all(port_free(port) for port in ports):
             return base
     raise RuntimeError("no free block of demo ports")
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 class DemoRun:

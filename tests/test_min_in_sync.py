@@ -7,26 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
 
 import pytest
 
 from client import AsyncClient, QueueError
+from tests.test_full_disk_pair import converged, receive_all, sees_everything, until
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(150)]
 PLACEMENT = {"strict": ["n1", "n2"], "loose": ["n1", "n2"]}
-
-
-async def until(check: Callable[[], Awaitable[Any]], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = await check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s} s: {what} (last: {value!r})")
-        await asyncio.sleep(0.1)
 
 
 async def in_sync(client: AsyncClient, queue: str) -> bool:
@@ -35,26 +23,6 @@ async def in_sync(client: AsyncClient, queue: str) -> bool:
 
 async def out_of_sync(client: AsyncClient, queue: str) -> bool:
     return not await in_sync(client, queue)
-
-
-async def caught_up(client: AsyncClient, queue: str) -> dict[str, Any] | None:
-    stats = await client.queue_stats(queue)
-    settled = stats["replication_state"] == "in_sync" and stats["replica_progress"] == "caught_up" \
-        and stats["last_order"] == stats["commit_order"] == stats["replica_durable_order"]
-    return stats if settled else None
-
-
-async def sees_everything(member: AsyncClient, queue: str, last_id: int) -> bool:
-    """The member's consumers may see every message up to `last_id` (its commit point)."""
-    return int((await member.queue_stats(queue))["commit_order"]) >= last_id
-
-
-async def receive_all(client: AsyncClient, queue: str) -> dict[int, bytes]:
-    got: dict[int, bytes] = {}
-    while messages := await client.receive(queue, max_messages=100, wait_s=0.5):
-        got.update((message.id, message.payload) for message in messages)
-        await asyncio.gather(*(message.ack() for message in messages))
-    return got
 
 
 async def test_min_in_sync_2_refuses_enqueues_without_storing_while_the_replica_is_out_of_sync_and_1_goes_on_alone(
@@ -69,7 +37,7 @@ async def test_min_in_sync_2_refuses_enqueues_without_storing_while_the_replica_
             for number in range(20):
                 numbers[await client.enqueue(queue, f"{queue}-{number}".encode())] = f"{queue}-{number}".encode()
         for queue in acked:
-            await until(lambda queue=queue: caught_up(client, queue), 10, f"{queue} in sync")   # type: ignore[misc]
+            await until(lambda queue=queue: converged(client, queue), 10, f"{queue} in sync")   # type: ignore[misc]
 
         await asyncio.to_thread(cluster.kill, "n2")
         # The master records the replica of `strict` out of sync on its own, with no write
@@ -92,7 +60,7 @@ async def test_min_in_sync_2_refuses_enqueues_without_storing_while_the_replica_
         await asyncio.to_thread(cluster.start, "n2")
         for queue in acked:
             await until(lambda queue=queue: in_sync(client, queue), 30, f"{queue} recorded in sync again")  # type: ignore[misc]
-            await until(lambda queue=queue: caught_up(client, queue), 30, f"{queue} caught up")  # type: ignore[misc]
+            await until(lambda queue=queue: converged(client, queue), 30, f"{queue} caught up")  # type: ignore[misc]
         acked["strict"][await client.enqueue("strict", b"both again")] = b"both again"
         acked["loose"][await client.enqueue("loose", b"both again")] = b"both again"
 
@@ -119,7 +87,7 @@ async def test_min_in_sync_2_never_acknowledges_an_enqueue_its_gone_replica_does
             AsyncClient(cluster.urls["n1"], cluster.credentials_path, request_timeout_s=6) as producer:
         await client.create_queue("strict", min_in_sync=2)
         acked = {await client.enqueue("strict", b"first"): b"first"}
-        await until(lambda: caught_up(client, "strict"), 10, "strict in sync")
+        await until(lambda: converged(client, "strict"), 10, "strict in sync")
         await asyncio.to_thread(cluster.kill, "n2")
         assert await in_sync(client, "strict")
         with pytest.raises(QueueError) as caught:
@@ -128,7 +96,7 @@ async def test_min_in_sync_2_never_acknowledges_an_enqueue_its_gone_replica_does
         assert await out_of_sync(client, "strict")
 
         await asyncio.to_thread(cluster.start, "n2")
-        await until(lambda: caught_up(client, "strict"), 30, "strict in sync again")
+        await until(lambda: converged(client, "strict"), 30, "strict in sync again")
         again = await client.enqueue("strict", b"caught", dedupe_id="caught-1")   # stored once
         acked[again] = b"caught"
         got = await receive_all(client, "strict")

@@ -20,7 +20,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from qserver.devcluster import REPOSITORY, TEST_TLS_CA_ENV, TEST_TLS_ENV, free_port
+from qserver.devcluster import REPOSITORY, TEST_TLS_CA_ENV, TEST_TLS_ENV, free_port, port_free
 
 README = REPOSITORY / "README.md"
 RUN_LANGUAGES = ("sh", "python")
@@ -238,13 +237,6 @@ def end_leftovers(directory: Path) -> list[int]:
     return leftovers
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def free_base_port(taken: set[int]) -> int:
@@ -253,7 +245,7 @@ def free_base_port(taken: set[int]) -> int:
     for _ in range(200):
         base = free_port() - 1
         ports = {base + offset for offset in (1, 2, 3, 101, 102, 103)}
-        if not ports & taken and all(_bindable(port) for port in ports):
+        if not ports & taken and all(port_free(port) for port in ports):
             taken.update(ports)
             return base
     raise RuntimeError("no free block of ports for a demo")
