@@ -68,6 +68,8 @@ async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamR
             raw_path = request.raw_path.split("?", 1)[0]
             request["principal"] = node.auth.authenticate(request.method, raw_path, request.rel_url.query.items(),
                                                           request.headers, body)
+            if FORWARDED_BY in request.headers:
+                await until_map_version(node, request.headers.get(MAP_VERSION))
         return await handler(request)
     except QueueError as error:
         if error.code == e.E_NOT_MASTER.code and node.engine.pairs.clustered:
@@ -120,6 +122,9 @@ async def proxy_to(request: web.Request, node: Any, target: str, placement: tupl
     name = request.match_info.get("q", "")
     headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
     headers[FORWARDED_BY] = node.config.node_id
+    membership = node.engine.pairs.view.membership
+    if membership is not None:
+        headers[MAP_VERSION] = str(membership.cluster_map.version)
     headers.update(extra or {})
     if placement is not None:     # the passing node placed a new queue: its choice stands
         headers[PLACEMENT] = ",".join(placement)
@@ -139,6 +144,22 @@ async def proxy_to(request: web.Request, node: Any, target: str, placement: tupl
 
 
 MAP_CATCH_UP_S = 3.0
+MAP_VERSION = "X-Map-Version"      # the passing node's map version: see until_map_version
+
+
+async def until_map_version(node: Any, version_text: str | None) -> None:
+    """A request passed on by a node whose map was at version V waits (at most MAP_CATCH_UP_S)
+    until this node's map has applied V too: it finds what the passing node saw, a channel or
+    queue just created through it (a durable subscription's drop answered E_UNKNOWN_CHANNEL
+    at a master whose map was a command behind)."""
+    membership = node.engine.pairs.view.membership
+    if membership is None or version_text is None or not version_text.isdigit():
+        return
+    wanted = int(version_text)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + MAP_CATCH_UP_S
+    while membership.cluster_map.version < wanted and loop.time() < deadline:
+        await asyncio.sleep(0.01)
 
 
 async def until_local_map_has(node: Any, name: str, *, present: bool) -> None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
 import pytest_asyncio
 
+from qserver.http_api import until_map_version
 from tests.support import RawApi, error_code
 
 pytestmark = pytest.mark.asyncio
@@ -244,3 +246,21 @@ def _state(pid: int) -> str:
     except OSError:
         return "gone"
 
+
+
+@pytest.mark.asyncio
+async def test_a_request_passed_on_waits_until_the_map_here_has_what_the_passing_node_saw() -> None:
+    """A channel created through n1 and at once asked about at its master n2 (proxied): n2
+    answers once its map has applied n1's version, not E_UNKNOWN_CHANNEL a command too early."""
+    cluster_map = SimpleNamespace(version=7)
+    node = SimpleNamespace(engine=SimpleNamespace(pairs=SimpleNamespace(view=SimpleNamespace(
+        membership=SimpleNamespace(cluster_map=cluster_map)))))
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.05, setattr, cluster_map, "version", 8)
+    started = loop.time()
+    await until_map_version(node, "8")
+    assert cluster_map.version == 8 and loop.time() - started >= 0.04
+    started = loop.time()
+    await until_map_version(node, "not a number")          # a client's own header changes nothing
+    await until_map_version(node, "3")                      # behind: no wait
+    assert loop.time() - started < 0.05
