@@ -363,7 +363,7 @@ class AsyncClient:
                             reconnect_delay_max_s=reconnect_delay_max_s, enqueue_retry_time_s=enqueue_retry_time_s,
                             enqueue_attempts_max=enqueue_attempts_max, in_flight_max=in_flight_max,
                             frame_bytes_max=frame_bytes_max, heartbeat_s=heartbeat_s)
-        # The cluster map (DESIGN.md 4.4): each queue's master, learned when a node answers
+        # The cluster map (docs/PROTOCOL.md): each queue's master, learned when a node answers
         # E_NOT_MASTER; traffic for a queue goes to a client of its master's node.
         self._masters: dict[str, str] = {}        # queue -> the node to send its traffic to
         self._cluster_size = 0                     # nodes in the map when last read
@@ -838,7 +838,7 @@ class AsyncClient:
             if loop.time() >= deadline:
                 return None
             # The queue's node is unreachable and the map still names it: the membership
-            # layer fails over within its lease (DESIGN.md 3); ask again shortly.
+            # layer fails over within its lease (docs/PROTOCOL.md); ask again shortly.
             await asyncio.sleep(FAILOVER_POLL_S)
         if target is self:
             master = self._master_urls.get(queue)

@@ -125,7 +125,7 @@ class QueueError(Exception):
         return self.kind.http_status
 
     def envelope(self) -> dict[str, Any]:
-        """The JSON error envelope of DESIGN.md 4.4."""
+        """The JSON error envelope (docs/PROTOCOL.md)."""
         return {"error": {"code": self.code, "message": self.message,
                           "retriable": self.retriable, "outcome_unknown": self.outcome_unknown}}
 

@@ -12,6 +12,7 @@ import asyncio
 import collections
 import os
 import random
+from collections.abc import Callable
 from typing import TypeVar
 
 import pytest
@@ -143,6 +144,17 @@ def check_converged(sim: EngineSimulation) -> None:
 def run_checked(seed: int, strength: Strength, clock_drift: float = CLOCK_DRIFT,
                 ttl_share: float = 0.0) -> EngineSimulation:
     sim = EngineSimulation(seed, strength, clock_drift, ttl_share)
+    return judged(sim, lambda: f"seed {seed} ({strength.value}) fails: replay with {hash_seed()} "
+                               f"EngineSimulation({seed}, Strength.{strength.name}, {clock_drift}, {ttl_share}).run(); "
+                               f"faults {sim.log}")
+
+
+Simulated = TypeVar("Simulated", bound=EngineSimulation)
+
+
+def judged(sim: Simulated, replay: Callable[[], str]) -> Simulated:
+    """Run `sim` and judge it with the checkers above; a failure begins with `replay()`, the
+    line that replays it (read after the run: it may name what the run did)."""
     try:
         sim.run()
         assert not sim.broken, f"engines stopped on an error: {sim.broken}"
@@ -150,10 +162,7 @@ def run_checked(seed: int, strength: Strength, clock_drift: float = CLOCK_DRIFT,
         check_safety(sim)
         check_converged(sim)
     except AssertionError as failure:
-        raise AssertionError(f"seed {seed} ({strength.value}) fails: replay with {hash_seed()} "
-                             f"EngineSimulation({seed}, Strength.{strength.name}, {clock_drift}, {ttl_share}).run(); "
-                             f"faults {sim.log}\n"
-                             f"{failure}") from None
+        raise AssertionError(f"{replay()}\n{failure}") from None
     return sim
 
 
@@ -307,18 +316,9 @@ def run_restarts_checked(kind: type[Restarts], seed: int, strength: Strength) ->
     """Run a restart scenario (tests/sim/master_restart.py) and judge it with the checkers
     above; a failure names the line that replays it and what each restart did."""
     sim = kind(seed, strength)
-    try:
-        sim.run()
-        assert not sim.broken, f"engines stopped on an error: {sim.broken}"
-        assert sim.history.acked_enqueues, "the workload never got an enqueue acknowledged"
-        check_safety(sim)
-        check_converged(sim)
-    except AssertionError as failure:
-        raise AssertionError(f"seed {seed} ({strength.value}) fails: replay with {hash_seed()} "
-                             f"{kind.__name__}({seed}, Strength.{strength.name}).run(); restarts "
-                             f"{[restart.describe() for restart in sim.restarts]}; events {sim.log}\n"
-                             f"{failure}") from None
-    return sim
+    return judged(sim, lambda: f"seed {seed} ({strength.value}) fails: replay with {hash_seed()} "
+                               f"{kind.__name__}({seed}, Strength.{strength.name}).run(); restarts "
+                               f"{[restart.describe() for restart in sim.restarts]}; events {sim.log}")
 
 
 @pytest.mark.timeout(60)

@@ -103,6 +103,19 @@ async def until_state(client: AsyncClient, state: str, *names: str, timeout_s: f
         return all(known.get(name) == state for name in names)
     await until(reached, f"{', '.join(names)} {state}", timeout_s)
 
+async def pager_in_fault_with_three_messages(admin: AsyncClient, recipients: Any, visibility_timeout_s: float) -> None:
+    """`alerts` (fault interval 0.5 s, max_deliveries 3) with its one recipient `pager` stopped
+    (SIGSTOP) and in fault, three messages m0..m2 enqueued meanwhile, and no alternative."""
+    await admin.create_queue("alerts", strength="full", fault_interval_s=0.5, max_deliveries=3,
+                             visibility_timeout_s=visibility_timeout_s)
+    recipients.start("pager", "alerts")
+    await until_state(admin, "ok", "pager")
+    recipients.signal("pager", signal.SIGSTOP)
+    for n in range(3):
+        await admin.enqueue("alerts", b"m%d" % n)
+    await until_state(admin, "fault", "pager")
+
+
 
 def numbers(payloads: list[str]) -> list[int]:
     return [int(payload[1:]) for payload in payloads]
@@ -321,14 +334,7 @@ async def test_messages_nothing_can_take_wait_without_being_dead_lettered(qclust
     cluster: LocalCluster = qcluster_factory(3, {"alerts": ["n1", "n2"]})
     recipients = recipients_of(cluster)
     async with AsyncClient(cluster.urls["n2"], cluster.credentials_path) as admin:
-        await admin.create_queue("alerts", strength="full", fault_interval_s=0.5, max_deliveries=3,
-                                 visibility_timeout_s=120)
-        recipients.start("pager", "alerts")
-        await until_state(admin, "ok", "pager")
-        recipients.signal("pager", signal.SIGSTOP)
-        for n in range(3):
-            await admin.enqueue("alerts", b"m%d" % n)
-        await until_state(admin, "fault", "pager")
+        await pager_in_fault_with_three_messages(admin, recipients, visibility_timeout_s=120)
         await asyncio.sleep(5)                                   # five tries of the mover
         stats = await admin.queue_stats("alerts")
         assert (stats["depth"], stats["total_dead_lettered"]) == (3, 0), stats
@@ -412,14 +418,7 @@ async def test_removing_a_recipient_forgets_it_at_every_node_and_gives_back_what
     cluster: LocalCluster = qcluster_factory(3, {"alerts": ["n1", "n2"]})
     recipients = recipients_of(cluster)
     async with AsyncClient(cluster.urls["n2"], cluster.credentials_path) as admin:
-        await admin.create_queue("alerts", strength="full", fault_interval_s=0.5, max_deliveries=3,
-                                 visibility_timeout_s=2)
-        recipients.start("pager", "alerts")
-        await until_state(admin, "ok", "pager")
-        recipients.signal("pager", signal.SIGSTOP)
-        for n in range(3):
-            await admin.enqueue("alerts", b"m%d" % n)
-        await until_state(admin, "fault", "pager")
+        await pager_in_fault_with_three_messages(admin, recipients, visibility_timeout_s=2)
         recipients.processes["pager"].kill()                   # gone for good
         recipients.processes["pager"].wait(timeout=10)
 
