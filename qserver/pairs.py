@@ -982,8 +982,12 @@ class PairDriver:
         """The batch installing a snapshot committed: the core serves its messages (and the
         dead-letter queue's member follows on from the same view)."""
         core = replica.core
-        if self.replicas.get(core.name) is not replica:
-            return              # the role changed meanwhile: its storage holds the state all the same
+        if self.engine.cores.get(core.name) is not core:
+            return              # the instance was wiped or removed meanwhile: nothing to serve
+        # Even when a new epoch gave the member a new role meanwhile: that role took its
+        # position from this one (the snapshot's order), and storage holds the snapshot, so
+        # the core must serve it; left empty, it refused the first release or ack of a lease
+        # the snapshot carried (the engine simulation, seed 480194086 under `full`).
         core.install_snapshot(received.ready if install.keep_upto else None, received.leases)
         self.snapshots_installed += 1
         log.info("queue %s: snapshot at order %d installed (%d messages)", core.name, install.order,
