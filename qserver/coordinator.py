@@ -210,7 +210,8 @@ class Coordinator:
         watched = [n for n, e in cluster.nodes.items() if e.state is not NodeState.REMOVED and n != self.node_id]
         lapsed = self.table.lapsed(watched, mono)
         command: Command | None = None
-        changes, stuck = plan_failover(cluster, lapsed)
+        # Each plan walks the map: only when a node lapsed or drains (issue 31).
+        changes, stuck = plan_failover(cluster, lapsed) if lapsed else ([], [])
         if changes:
             command = ChangePairs(tuple(changes))
             log.warning("failover of %d queue(s) mastered by %s%s", len(changes), sorted(lapsed),
@@ -228,7 +229,7 @@ class Coordinator:
             if command is None:
                 gone = {n for n in lapsed if self.table.lapsed_for_ms(n, mono) > self.replica_replace_after_ms}
                 gone |= {n for n, e in cluster.nodes.items() if e.state is NodeState.DRAINING}
-                replacements = plan_replacements(cluster, gone)
+                replacements = plan_replacements(cluster, gone) if gone else []
                 if replacements:
                     command = ChangePairs(tuple(replacements))
                     log.warning("moving %d replica(s) off %s", len(replacements), sorted(gone))

@@ -50,6 +50,7 @@ from client.protocol import DeliveredMessage
 from qserver import commands as c
 from qserver.config import NodeConfig
 from qserver.coordinator import Coordinator
+from qserver.deadlines import DueQueues
 from qserver.forwarding import (
     QUEUE_TRAFFIC,
     WRITES,
@@ -201,6 +202,10 @@ class LockedWriter(Executor):
 
 
 class Engine:
+    # A simulation turns this on: after each turn the engine checks its bookkeeping of what
+    # changed (timers, ticking pairs, log floors) against a walk over every queue.
+    self_checks = False
+
     def __init__(self, config: NodeConfig, storage: Storage, *, rng: random.Random | None = None,
                  clock_ms: Callable[[], int] = wall_ms, writer: Executor | None = None,
                  membership: Membership | None = None, monotonic_ms: Callable[[], int] | None = None,
@@ -254,6 +259,8 @@ class Engine:
         self._next_subscription_id = 1
         self._status_waiters: dict[tuple[int, int], list[StatusWaiter]] = {}
         self._to_serve: set[str] = set()
+        self._due = DueQueues()                  # each queue's next timed step (qserver/deadlines.py)
+        self._may_decide_time = True             # _full_master_may_decide() as of the last turn
         self._next_queue_id = storage.next_queue_id()
         self._next_housekeeping_ms = 0
         self._next_replication_tick_ms = 0
@@ -322,6 +329,7 @@ class Engine:
         self.pairs.replicas.clear()
         for core in self.cores.values():
             self.pairs.attach(core)
+        self._due.changed_all(self.cores)
         self.storage.end_read()
         self.clients = self.storage.load_clients()
         self._next_queue_id = self.storage.next_queue_id()
@@ -636,6 +644,7 @@ class Engine:
     def _remove_core(self, core: QueueCore, *, keep_role: bool = False) -> None:
         del self.cores[core.name]
         self._open.touched.pop(core.name, None)
+        self._due.changed(core.name)
         self._open.sealed.deleted_queues.append((core.name, core.queue_id))
         self._drop_queue_listeners(core.name)
         if not keep_role:
@@ -655,6 +664,12 @@ class Engine:
 
     def _touch(self, core: QueueCore) -> None:
         self._open.touched[core.name] = core
+        self._due.changed(core.name)      # what changed it may have moved its next timed step
+
+    def role_changed(self, name: str) -> None:
+        """The pair driver gave queue `name` a role, or took it: who decides its timed steps
+        may have changed (see _decides_time)."""
+        self._due.changed(name)
 
     def _refuse_when_full(self) -> None:
         """New messages are refused before anything is decided while the storage is full: in a
@@ -670,7 +685,7 @@ class Engine:
         index, _ = core.enqueue(command.payload, command.priority, command.dedupe_id, command.client,
                                 now_ms, batch.sealed.operations, command.ttl_ms, command.delay_ms,
                                 _headers(command.headers))
-        batch.touched[core.name] = core
+        self._touch(core)
         result = [index, core.record.epoch]
         if core.options.type is QueueType.ONE_WAY:
             command.replier.reply(command.request_id, result)   # seed 004 One_Way: no durable ack
@@ -701,7 +716,7 @@ class Engine:
                                     _headers(command.headers))
         for position, outcome in zip(placed, results, strict=True):
             outcomes[position] = [outcome.code, outcome.message] if type(outcome) is QueueError else outcome
-        batch.touched[core.name] = core
+        self._touch(core)
         result = [core.record.epoch, outcomes]
         if core.options.type is QueueType.ONE_WAY:
             command.replier.reply(command.request_id, result)
@@ -799,7 +814,7 @@ class Engine:
             batch.holds[len(batch.replies)] = (core.name, required)
         batch.replies.append((replier, request_id, _Messages(len(reads), leased)))
         reads.extend((op.queue_id, op.index) for op in leased)
-        batch.touched[core.name] = core
+        self._touch(core)
 
     def _step_ack(self, command: c.Ack, now_ms: int) -> None:
         core = self._core(command.queue)
@@ -862,13 +877,19 @@ class Engine:
     def end_subscription(self, subscription: Subscription, error: QueueError) -> None:
         """Stop pushing to a subscription (a defunct recipient): its client is told."""
         if self._subscriptions_by_id.pop(subscription.subscription_id, None) is not None:
-            self._subscriptions[subscription.queue].remove(subscription)
+            self._forget_subscription(subscription)
             subscription.connection.subscription_ended(subscription.subscription_id, error)
+
+    def _forget_subscription(self, subscription: Subscription) -> None:
+        subscriptions = self._subscriptions[subscription.queue]
+        subscriptions.remove(subscription)
+        if not subscriptions:       # only queues with listeners are looked at (listeners_may_see_more)
+            del self._subscriptions[subscription.queue]
 
     def _step_unsubscribe(self, command: c.Unsubscribe, now_ms: int) -> None:
         subscription = self._subscriptions_by_id.pop(command.subscription_id, None)
         if subscription is not None:
-            self._subscriptions[subscription.queue].remove(subscription)
+            self._forget_subscription(subscription)
         if command.replier is not None:
             command.replier.reply(command.request_id, None)
 
@@ -1164,9 +1185,12 @@ class Engine:
         """The timed steps whose time has come: leases run out, delayed messages mature,
         messages past their time to live expire (each queue this node decides them for)."""
         operations = self._open.sealed.operations
-        may_decide = self._full_master_may_decide()
-        for core in self.cores.values():
-            deadline = core.next_deadline() if self._decides_time(core, may_decide) else None
+        may_decide = self._refresh_deadlines()
+        for name in self._due.pop_due(mono_ms):
+            core = self.cores.get(name)
+            if core is None or not self._decides_time(core, may_decide):
+                continue
+            deadline = core.next_deadline()
             if deadline is None or deadline > mono_ms:
                 continue
             mark = len(operations)
@@ -1174,6 +1198,22 @@ class Engine:
             ended += core.mature_messages(now_ms, operations) + core.expire_messages(now_ms, operations)
             if ended:
                 self._decided(core, operations[mark:])
+
+    def _refresh_deadlines(self) -> bool:
+        """Bring the timer heap up to date with what changed; returns whether a `full` master
+        may decide now. A node that regains its lease has every queue asked again (rare): the
+        `full` masters it holds were left out while it could not decide."""
+        may_decide = self._full_master_may_decide()
+        if may_decide and not self._may_decide_time:
+            self._due.changed_all(self.cores)
+            self._to_serve.update([*self._waiters, *self._subscriptions])   # their waiters waited on
+        self._may_decide_time = may_decide
+        self._due.refresh(functools.partial(self._deadline_decided_here, may_decide=may_decide))
+        return may_decide
+
+    def _deadline_decided_here(self, name: str, *, may_decide: bool) -> int | None:
+        core = self.cores.get(name)
+        return core.next_deadline() if core is not None and self._decides_time(core, may_decide) else None
 
     def _decides_time(self, core: QueueCore, may_decide: bool) -> bool:
         """Whether this node decides the queue's timed steps: under `full` the master, while it
@@ -1193,14 +1233,18 @@ class Engine:
             return may_decide and core.name in pairs.masters
         return core.name in pairs.masters or core.name in pairs.replicas
 
+    def listeners_may_see_more(self, name: str) -> None:
+        """In a pair, ready is not enough: only committed messages are visible, and the commit
+        point moves with the replica's acknowledgements. The pair driver calls this whenever
+        something happened to the queue's role; a queue with listeners is served then."""
+        if name in self._waiters or name in self._subscriptions:
+            self._to_serve.add(name)
+
     def _serve(self, now_ms: int) -> None:
-        """Hand ready messages to waiting receives, then to subscriptions with credit. In a
-        pair, ready is not enough: only committed messages are visible, and the commit point
-        moves with the replica's acknowledgements, so every queue with listeners is looked at."""
+        """Hand ready messages to waiting receives, then to subscriptions with credit: of the
+        queues something happened to in this turn (never a walk over every queue)."""
         may_decide = True
         if self.pairs.clustered:
-            self._to_serve.update(self._waiters)
-            self._to_serve.update(name for name, subscriptions in self._subscriptions.items() if subscriptions)
             may_decide = self._full_master_may_decide()
         # A lease may dead-letter expired messages on its way: their queues are served next turn.
         serving, self._to_serve = self._to_serve, set()
@@ -1225,6 +1269,8 @@ class Engine:
                     break       # nothing visible yet: the waiter keeps waiting
                 waiters.popleft()
                 self._answer_with_messages(core, command.replier, command.request_id, leased)
+            if waiters is not None and not waiters:
+                del self._waiters[name]
             for subscription in self._subscriptions.get(name, ()):
                 if subscription.credit > 0 and not subscription.held:
                     leased = self._lease(core, subscription.credit, subscription.visibility_ms, subscription.client,
@@ -1246,16 +1292,18 @@ class Engine:
             batch.push_holds[len(batch.pushes)] = (core.name, required)
         batch.pushes.append((subscription, len(reads), leased))
         reads.extend((op.queue_id, op.index) for op in leased)
-        batch.touched[core.name] = core
+        self._touch(core)
 
     def _expire_waiters(self, now_ms: int) -> None:
         """Answer receives whose wait ran out (empty) and status waits (with the state now)."""
-        for waiters in self._waiters.values():
+        for name, waiters in list(self._waiters.items()):
             if any(w.deadline_ms <= now_ms for w in waiters):
                 expired = [w for w in waiters if w.deadline_ms <= now_ms]
                 kept = [w for w in waiters if w.deadline_ms > now_ms]
                 waiters.clear()
                 waiters.extend(kept)
+                if not kept:
+                    del self._waiters[name]
                 for waiter in expired:
                     waiter.command.replier.reply(waiter.command.request_id, [])
         for key, status_waiters in list(self._status_waiters.items()):
@@ -1269,9 +1317,12 @@ class Engine:
         deadlines = [self._next_housekeeping_ms]
         if self.pairs.clustered:
             deadlines.append(self._next_replication_tick_ms)
-        may_decide = self._full_master_may_decide()
-        deadlines.extend(d for d in (core.next_deadline() for core in self.cores.values()
-                                     if self._decides_time(core, may_decide)) if d is not None)
+        may_decide = self._refresh_deadlines()
+        if self.self_checks and may_decide:
+            self._due.check(self.cores, functools.partial(self._deadline_decided_here, may_decide=True))
+        timed = self._due.next_deadline()
+        if timed is not None:
+            deadlines.append(timed)
         deadlines.extend(w.deadline_ms for ws in self._waiters.values() for w in ws)
         deadlines.extend(w.deadline_ms for ws in self._status_waiters.values() for w in ws)
         delay_s = max(0.0, (min(deadlines) - now_ms) / 1000) + 0.001
@@ -1288,10 +1339,14 @@ class Engine:
         sealed = batch.sealed
         sealed.dedupe_window_ms = int(self.config.dedupe_window_s * 1000)
         sealed.status_retention_ms = int(self.config.status_retention_s * 1000)
-        self.pairs.before_commit(sealed.operations, sealed.oplog_rows, self.monotonic_ms())
+        touched = batch.touched
+        if self.self_checks:
+            self._check_touched(batch)
+        self.pairs.before_commit(sealed.operations, sealed.oplog_rows, self.monotonic_ms(), touched)
         self._count_written(sealed)
         sealed.log_floors = self.pairs.log_floors()
-        sealed.replica_queue_ids = {role.core.queue_id for role in self.pairs.replicas.values()}
+        replicas = self.pairs.replicas
+        sealed.replica_queue_ids = {core.queue_id for name, core in touched.items() if name in replicas}
         for name, core in batch.touched.items():
             known = self.pairs.commit_order(name)
             # A master without a lease acknowledges nothing (DESIGN.md 3.3): what it commits
@@ -1307,6 +1362,17 @@ class Engine:
         # sooner, and the writer thread does not take the GIL from the loop in the middle of
         # its step (one at a time -12% p50, 100 in flight +25%: bench/RESULTS.md).
         asyncio.get_running_loop().call_soon(self._submit_commit, sealed)
+
+    def _check_touched(self, batch: OpenBatch) -> None:
+        """A simulation's check: every queue the batch holds anything of is among its touched
+        queues (the commit's bookkeeping visits only those)."""
+        ids = {core.queue_id for core in batch.touched.values()}
+        sealed = batch.sealed
+        held = {op.queue_id for op in sealed.operations} | {row[0] for row in sealed.oplog_rows} | {
+            queue_id for queue_id, _, _ in sealed.snapshot_installs}
+        held &= {core.queue_id for core in self.cores.values()}      # not those deleted meanwhile
+        if not held <= ids:
+            raise InvariantViolation(f"a batch holds operations of queues {sorted(held - ids)} it does not list")
 
     def _submit_commit(self, sealed: SealedBatch) -> None:
         # Runs as a loop callback, where an exception would only be logged: a writer that
@@ -1356,7 +1422,7 @@ class Engine:
         for installed in batch.sealed.on_commit:
             installed()
         try:
-            self.pairs.after_commit(batch.sealed.operations, self.monotonic_ms(),
+            self.pairs.after_commit(batch.sealed.operations, self.monotonic_ms(), batch.touched,
                                     [(queue_id, order) for queue_id, order, _ in batch.sealed.snapshot_installs])
         finally:
             self.storage.end_read()
@@ -1420,6 +1486,7 @@ class Engine:
             reached.update(row[0] for row in sealed.snapshot_installs)
             reached.update(queue_id for queue_id, _ in sealed.truncations)
         names |= {dead_letter_name(base) for base in map(_base_name, names)} | set(map(_base_name, names))
+        self._due.changed_all(names)
         stored = {record.name: record for record in self.storage.load_queue_records() if record.name in names}
         for name in names:
             old = self.cores.pop(name, None)

@@ -83,6 +83,9 @@ EARLY_MESSAGES_MAX = 10_000     # per queue; beyond it the protocol's resends re
 ANNOUNCE_INTERVAL_MS = 1_000    # how often a master repeats Create to a replica that has not opened
 NEW_EPOCH_ASK_INTERVAL_MS = 200  # how often restarted masters ask again for their new epochs
 STORAGE_FULL_NOTICE_MS = 1_000  # how often a replica on a full node tells its master it follows no more
+# Roles with nothing in flight are not ticked (issue 31); besides those with work, each tick
+# looks at this many others in turn, so a role nothing woke is still looked at now and then.
+TICK_SWEEP_ROLES = 32
 
 
 
@@ -176,6 +179,14 @@ class PairDriver:
         self.early: dict[str, collections.deque[tuple[str, bytes]]] = {}
         self.received: dict[str, InstalledState] = {}     # queue name -> rows of the snapshot under way
         self._log_floors: dict[int, int] = {}             # queue id -> the floor last sent to storage
+        # Work proportional to what changed (issue 31), as ordered sets (dicts: a simulation
+        # replays the same order): roles with something in flight, which the tick visits; roles
+        # whose log floor may have moved since the last batch was sealed; masters whose commit
+        # point may have passed their record's since housekeeping last looked.
+        self._ticking: dict[str, None] = {}
+        self._floors_changed: dict[str, None] = {}
+        self._commits_changed: dict[str, None] = {}
+        self._sweep: list[str] = []
         self.snapshots_installed = 0
         self.snapshots_resumed = 0
         self._next_announce_ms = 0
@@ -283,6 +294,7 @@ class PairDriver:
         else:
             return
         self.role_starts[role_name] += 1
+        self._role_changed(core.name)
         changed = role_name != _role_name(previous) if previous is not None else first_reason != "reload"
         if record.epoch != entry.epoch or changed:
             reason = entry.last_reason if previous is not None or record.epoch != entry.epoch else first_reason
@@ -298,10 +310,13 @@ class PairDriver:
             core.visible_upto = None
 
     def detach(self, name: str) -> None:
-        self.masters.pop(name, None)
+        master, replica = self.masters.pop(name, None), self.replicas.pop(name, None)
+        for role in (master, replica):
+            if role is not None:
+                self._log_floors.pop(role.core.queue_id, None)
         self.unconfirmed.pop(name, None)
         self.restarted.pop(name, None)
-        self.replicas.pop(name, None)
+        self._role_changed(name)
         for held in self.held.pop(name, ()):
             if held.refuse is not None:   # never committed: the queue is gone
                 held.refuse(QueueError(E_UNKNOWN_QUEUE, f"queue {name} was deleted", outcome_unknown=True))
@@ -334,6 +349,7 @@ class PairDriver:
         self.masters.pop(name, None)
         self.replicas.pop(name, None)
         self.received.pop(name, None)
+        self._role_changed(name)
         if entry is None:
             return
         log.warning("queue %s: its %s role starts again from storage (last order %d): a batch it wrote was lost",
@@ -565,15 +581,16 @@ class PairDriver:
 
     # --- the engine's batches --------------------------------------------------------------
     def before_commit(self, operations: list[Operation], oplog_rows: list[tuple[int, int, int, bytes, bytes]],
-                      mono_ms: int) -> None:
+                      mono_ms: int, touched: dict[str, QueueCore]) -> None:
         """Stream the batch's replicated operations (persist and send in the same step) and
-        add their op-log rows to the transaction."""
+        add their op-log rows to the transaction. `touched`: the queues the batch holds
+        anything of (every operation's queue among them)."""
         if not self.masters:
             return
         by_queue: dict[int, list[Operation]] = {}
         for op in operations:
             by_queue.setdefault(op.queue_id, []).append(op)
-        for role in self.masters.values():
+        for role in filter(None, map(self.masters.get, touched)):
             # Only what this master decided: operations it applied as replica earlier in the
             # same batch (it was promoted or handed the queue before the batch sealed) are in
             # its history already, and folding them in again would break its digest chain.
@@ -585,21 +602,22 @@ class PairDriver:
                 role.to_log.clear()
                 self._flush(role)
 
-    def after_commit(self, operations: list[Operation], mono_ms: int,
+    def after_commit(self, operations: list[Operation], mono_ms: int, touched: dict[str, QueueCore],
                      installed: list[tuple[int, int]] | None = None) -> None:
-        """The batch is durable: advance each role's durable point and answer what committed."""
+        """The batch is durable: advance each role's durable point and answer what committed.
+        `touched`: the queues the batch held anything of (their records were written)."""
         durable: dict[int, int] = dict(installed or ())
         for op in operations:
             if op.order > durable.get(op.queue_id, 0):
                 durable[op.queue_id] = op.order
-        for role in self.masters.values():
+        for role in filter(None, map(self.masters.get, touched)):
             # No batch was sealed since this one: the record's commit point is what storage holds.
             role.recorded_commit = role.core.record.commit_order
             order = durable.get(role.core.queue_id)
             if order:
                 role.local_durable_to(order, mono_ms)
                 self._flush(role)
-        for replica in self.replicas.values():
+        for replica in filter(None, map(self.replicas.get, touched)):
             order = durable.get(replica.core.queue_id)
             if order:
                 replica.local_durable_to(order)
@@ -688,6 +706,9 @@ class PairDriver:
             while pending and pending[0][0] <= source.commit_order:
                 pending.popleft()
             dead.visible_upto = pending[0][1] - 1 if pending else None
+        # Only queues with something pending are looked at again (issue 31).
+        for name in [name for name, pending in self.dead_letters_pending.items() if not pending]:
+            del self.dead_letters_pending[name]
 
     def release_committed(self) -> None:
         if self.dead_letters_pending:
@@ -700,6 +721,12 @@ class PairDriver:
             # needs less than the one before it only waits for that one.
             while waiting and commit is not None and waiting[0].required_order <= commit:
                 waiting.popleft().release()
+        self._forget_answered()
+
+    def _forget_answered(self) -> None:
+        """Only queues with answers still held are looked at again (issue 31)."""
+        for name in [name for name, waiting in self.held.items() if not waiting]:
+            del self.held[name]
 
     def replicated_order(self, core: QueueCore, ops: list[Operation]) -> int:
         """The ordering index a client answer about these operations must wait for."""
@@ -742,6 +769,7 @@ class PairDriver:
                 if held.refuse is not None:      # a push without refusal: its lease runs out instead
                     held.refuse(QueueError(E_TIMEOUT, f"queue {name}: not committed within {self.commit_wait_max_ms} ms "
                                                       "(no lease or no replica?)", outcome_unknown=True))
+        self._forget_answered()
 
     def _forward_answered(self, name: str, result: ForwardResult) -> None:
         entry = self.forwards.pop(result.request_id, None)
@@ -852,23 +880,49 @@ class PairDriver:
         announce = mono_ms >= self._next_announce_ms
         if announce:
             self._next_announce_ms = mono_ms + ANNOUNCE_INTERVAL_MS
-        for role in self.masters.values():
-            if announce and role.progress.value == "probing" and self.link_up(role.replica_id):
-                self.announce(role.core)    # a replica that never opened may have missed it
-            role.tick(mono_ms)
-            self._drain_master(role)
         notice = self.storage_full and mono_ms >= self._next_full_notice_ms
         if notice:
             self._next_full_notice_ms = mono_ms + STORAGE_FULL_NOTICE_MS
-        for replica in self.replicas.values():
+            self._ticking.update(dict.fromkeys(self.replicas))
+        # Roles something woke, then a slice of the others in turn (see TICK_SWEEP_ROLES).
+        if not self._sweep:
+            self._sweep = [*self.masters, *self.replicas]
+        names = list(dict.fromkeys([*self._ticking, *self._sweep[-TICK_SWEEP_ROLES:]]))
+        del self._sweep[-TICK_SWEEP_ROLES:]
+        self._ticking = {}
+        for name in names:
+            role = self.masters.get(name)
+            if role is not None:
+                if announce and role.progress.value == "probing" and self.link_up(role.replica_id):
+                    self.announce(role.core)    # a replica that never opened may have missed it
+                role.tick(mono_ms)
+                self._drain_master(role)
+                if role.quiet:
+                    self._ticking.pop(name, None)
+                continue
+            replica = self.replicas.get(name)
+            if replica is None:
+                continue
             if notice:
                 replica.refuse_for_storage()     # a new master, or one that missed the last notice
             if replica.phase.value == "opening" and replica.never_opened and self._may_open(replica):
                 replica.start(mono_ms)       # the link came up before this role existed (or it waited)
             replica.tick(mono_ms)
             self._drain_replica(replica)
+            if replica.quiet:
+                self._ticking.pop(name, None)
+        if self.engine.self_checks:
+            self._check_ticking()
         self.release_committed()
         self.expire_waiting(mono_ms)
+
+    def _check_ticking(self) -> None:
+        """A simulation's check: every role the tick does not visit has nothing to do."""
+        roles: list[tuple[str, MasterRole | ReplicaRole]] = [*self.masters.items(), *self.replicas.items()]
+        for name, role in roles:
+            if name not in self._ticking and not role.quiet:
+                raise InvariantViolation(f"queue {name}: its {_role_name(role)} role has work in flight "
+                                         f"({self.describe(name)}) and is not ticked")
 
     def _drain_master(self, role: MasterRole) -> None:
         forwarded, role.forwarded = role.forwarded, []
@@ -1015,34 +1069,55 @@ class PairDriver:
         """Masters whose commit point moved past the one their record holds (the last batch
         that touched the queue was sealed before its acknowledgements came): housekeeping writes
         their records, so a restart keeps more and the replica may truncate to the end."""
-        return [role.core for name, role in self.masters.items()
-                if role.commit_order > role.core.record.commit_order and self._may_answer(name)]
+        changed, self._commits_changed = self._commits_changed, {}
+        return [role.core for role in filter(None, map(self.masters.get, changed))
+                if role.commit_order > role.core.record.commit_order and self._may_answer(role.core.name)]
 
     def log_floors(self) -> dict[int, int]:
         """For the batch being sealed: queue id -> delete op-log records below this order, for
         each queue whose floor moved (DESIGN.md 4.1 "Bounded log")."""
         floors: dict[int, int] = {}
-        current: dict[int, int] = {}
-        for role in self.masters.values():
+        changed, self._floors_changed = self._floors_changed, {}
+        for name in changed:
+            queue_id, floor = self._log_floor(name)
+            if queue_id is None:
+                continue
+            if floor is None:
+                self._log_floors.pop(queue_id, None)     # a snapshot under way: looked at once installed
+                continue
+            done = self._log_floors.get(queue_id, 0)
+            if floor > done:
+                floors[queue_id] = floor
+            self._log_floors[queue_id] = max(floor, done)
+            master = self.masters.get(name)
+            if master is not None:
+                master.truncated_to(self._log_floors[queue_id])
+        if self.engine.self_checks:
+            for name in [*self.masters, *self.replicas]:
+                queue_id, floor = self._log_floor(name)
+                if queue_id is not None and floor is not None and self._log_floors.get(queue_id, 0) < floor:
+                    raise InvariantViolation(f"queue {name}: its log floor moved to {floor} unnoticed "
+                                             f"(the last one sent to storage is {self._log_floors.get(queue_id)})")
+        return floors
+
+    def _log_floor(self, name: str) -> tuple[int | None, int | None]:
+        """(queue id, the floor of its role's op log now); None for the floor while a replica
+        receives a snapshot, for both when this node holds no role of `name`."""
+        role = self.masters.get(name)
+        if role is not None:
             floor = role.log_floor
             source = self.masters.get(role.core.record.dead_letter_of or "")
             if source is not None and source.snapshot_dead_letter_order is not None:
                 floor = min(floor, source.snapshot_dead_letter_order)
-            current[role.core.queue_id] = floor
-        for replica in self.replicas.values():
-            if not replica.receiving_snapshot and replica.core.name not in self.received:
-                # What the master committed and this member holds: if it becomes master, the
-                # other member returns at or above it, or takes a snapshot.
-                current[replica.core.queue_id] = replica.log_floor
-        for queue_id, floor in current.items():
-            done = self._log_floors.get(queue_id, 0)
-            if floor > done:
-                floors[queue_id] = floor
-            current[queue_id] = max(floor, done)
-        self._log_floors = current
-        for role in self.masters.values():
-            role.truncated_to(current[role.core.queue_id])
-        return floors
+            return role.core.queue_id, floor
+        replica = self.replicas.get(name)
+        if replica is None:
+            return None, None
+        if replica.receiving_snapshot or name in self.received:
+            return replica.core.queue_id, None
+        # What the master committed and this member holds: if it becomes master, the other
+        # member returns at or above it, or takes a snapshot.
+        return replica.core.queue_id, replica.log_floor
 
     def map_applied(self, command: Command, outcomes: list[Outcome]) -> None:
         """A command the membership layer applied to the local copy of the map."""
@@ -1075,7 +1150,27 @@ class PairDriver:
     def flush(self, role: MasterRole | ReplicaRole) -> None:
         self._flush(role)
 
+    def _role_changed(self, name: str) -> None:
+        """Queue `name` got a role, lost it, or its role changed state: it is ticked, its log
+        floor looked at, and the engine asks again who decides its timed steps."""
+        self._wake(name)
+        self.engine.role_changed(name)
+
+    def _wake(self, name: str) -> None:
+        """Something happened to the role of `name` (a message, a write, a commit, a link)."""
+        self._ticking[name] = None
+        self._floors_changed[name] = None
+        self._commits_changed[name] = None
+        self.engine.listeners_may_see_more(name)      # its commit point may have moved
+        if not name.endswith(DEAD_LETTER_SUFFIX):
+            # Its dead-letter queue's floor follows its snapshot, and dead letters become
+            # visible as its stream commits (_gate_dead_letters).
+            dead_letters = dead_letter_name(name)
+            self._floors_changed[dead_letters] = None
+            self.engine.listeners_may_see_more(dead_letters)
+
     def _flush(self, role: MasterRole | ReplicaRole) -> None:
+        self._wake(role.core.name)
         for peer, message in role.outbox:
             self._send(peer, message)
         role.outbox.clear()

@@ -481,6 +481,17 @@ class MasterRole:
         self.proposals.append(proposal)
 
     # --- time ------------------------------------------------------------------------------
+    @property
+    def quiet(self) -> bool:
+        """Nothing for `tick` to do until a message, a write or a commit comes (the driver then
+        ticks the role again): the replica, recorded in sync, holds everything and has been
+        told both commit points; no transfer, no proposal, no probe."""
+        return self.progress is ReplicaProgress.CAUGHT_UP and self.recorded_in_sync \
+            and self._pending_proposal is None and self._probing_since_ms is None \
+            and self.replica_durable >= self.last_order and self.sent_order >= self.last_order \
+            and self._snapshot is None and not self._snapshot_unacked \
+            and self.commit_order <= self._sent_commit and self.recorded_commit <= self._sent_recorded_commit
+
     def tick(self, now_ms: int) -> None:
         outstanding = self.last_order > self.replica_durable
         silent_ms = now_ms - self._last_progress_ms

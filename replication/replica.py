@@ -172,6 +172,11 @@ class ReplicaRole:
         """No Open was sent since the last link change (the driver starts one when it can)."""
         return self._last_open_ms is None
 
+    @property
+    def quiet(self) -> bool:
+        """Nothing for `tick` to do until a message comes: it follows its master."""
+        return self.phase is ReplicaPhase.FOLLOWING
+
     def tick(self, now_ms: int) -> None:
         if self._last_open_ms is None:
             return

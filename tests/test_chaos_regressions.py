@@ -256,14 +256,15 @@ def test_operations_applied_as_replica_in_the_batch_where_the_node_became_master
     core = producer_core(store, Strength.FULL)
     applied = Enqueued(1, 1, 4, AT_MS, "a", "c", b"x")        # received from the old master
     digest = fold(EMPTY_DIGEST, applied)
-    engine = SimpleNamespace(config=SimpleNamespace(node_id="n2", commit_wait_max_s=10.0), random_bits=lambda bits: 1)
+    engine = SimpleNamespace(config=SimpleNamespace(node_id="n2", commit_wait_max_s=10.0), random_bits=lambda bits: 1,
+                             listeners_may_see_more=lambda name: None)
     driver = PairDriver(engine, ClusterView("n2", {}, None), ReplicationLimits())   # type: ignore[arg-type]
     role = MasterRole(core, storage_stub(), node_id="n2", replica_id="n1", epoch=2, incarnation=1,
                       recorded_in_sync=True, last_order=1, digest=digest)
     driver.masters["events"] = role
     decided = Enqueued(1, 2, 4, AT_MS, "b", "c", b"y")          # its first own operation
     rows: list[tuple[int, int, int, bytes, bytes]] = []
-    driver.before_commit([applied, decided], rows, AT_MS)
+    driver.before_commit([applied, decided], rows, AT_MS, {"events": core})
     assert [(first, last) for _, first, last, _, _ in rows] == [(2, 2)]
     assert role.digest == fold(digest, decided) and role.last_order == 2
 
@@ -301,6 +302,7 @@ def test_the_audit_replaces_a_discarded_suffix_with_what_the_new_epoch_put_at_th
 def test_a_core_without_a_role_yet_expires_no_lease_until_the_map_gives_it_one() -> None:
     from types import SimpleNamespace
 
+    from qserver.deadlines import DueQueues
     from qserver.engine import Engine, OpenBatch
     store = MemoryStore()
     lease_clock = [AT_MS]
@@ -313,11 +315,14 @@ def test_a_core_without_a_role_yet_expires_no_lease_until_the_map_gives_it_one()
     engine.coordinator = None
     engine.cores = {"events": core}
     engine._to_serve = set()
+    engine._due, engine._may_decide_time = DueQueues(), True
+    engine._due.changed_all(engine.cores)
     engine.pairs = SimpleNamespace(masters={}, replicas={}, clustered=True,   # type: ignore[assignment]
                                    note_decided=lambda core, ops: None, restarting=lambda name: False)
     engine._run_timed_steps(AT_MS + 60_000, lease_clock[0])
     assert engine._open.sealed.operations == []               # restarted, no role yet: wait
     engine.pairs.replicas["events"] = object()     # type: ignore[assignment]
+    engine.role_changed("events")                  # as PairDriver._assume tells it
     engine._run_timed_steps(AT_MS + 60_000, lease_clock[0])
     assert [type(op).__name__ for op in engine._open.sealed.operations] == ["Released"]
 

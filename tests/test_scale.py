@@ -1,0 +1,73 @@
+"""A request costs the same with 10 queues or 10,000 (issue 31): the engine's work per request
+does not grow with the number of queues a node holds and the request never names."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from qserver.deadlines import REBUILD_SLACK, DueQueues
+from qserver.pairs import TICK_SWEEP_ROLES
+from replication.invariants import InvariantViolation
+from tests.sim.idle_queues import IdleQueuesSimulation
+
+FEW, MANY = 10, 10_000
+# Each replication tick (every 50 ms) also looks at TICK_SWEEP_ROLES roles nothing woke, in
+# turn: with FEW queues there are fewer of those to look at. That, and nothing that grows with
+# the number of queues, is the difference allowed (about 60 reads per request on this run;
+# before issue 31 the engine read the idle queues ~83 times each per request: 830,000).
+SWEEP_ALLOWANCE = 2 * TICK_SWEEP_ROLES + 40
+
+
+@pytest.mark.timeout(300)
+def test_the_engines_work_per_request_does_not_grow_with_idle_queues(caplog: pytest.LogCaptureFixture) -> None:
+    """Three real engines on the simulation's virtual loop and in-memory storage; every read of
+    an idle queue's core on any node is counted while a client enqueues, receives and acks
+    on the busy queue, with FEW and with MANY idle queues."""
+    caplog.set_level(logging.WARNING)
+    few = IdleQueuesSimulation(FEW).run()
+    many = IdleQueuesSimulation(MANY).run()
+    for sim in (few, many):
+        assert not sim.broken, sim.broken
+        assert sim.answered >= 2 * sim.requests, f"{sim.answered} answers to {sim.requests} rounds"
+    assert many.visits_per_request() <= few.visits_per_request() + SWEEP_ALLOWANCE, (
+        f"{many.visits_per_request():.0f} reads of idle queues per request with {MANY} of them, "
+        f"{few.visits_per_request():.0f} with {FEW}; most read: {many.visits.most_common(8)}")
+
+
+def test_due_queues_pop_what_is_due_in_deadline_order_and_forget_superseded_deadlines() -> None:
+    deadlines = {"a": 30, "b": 10, "c": None}
+    due = DueQueues()
+    due.changed_all(deadlines)
+    due.refresh(deadlines.get)
+    assert due.next_deadline() == 10 and len(due) == 2
+    deadlines["b"] = 50                 # b's lease was acked: its next deadline moved on
+    due.changed("b")
+    due.refresh(deadlines.get)
+    assert due.next_deadline() == 30
+    assert due.pop_due(40) == ["a"]
+    assert due.pop_due(40) == []        # the superseded (10, "b") is never due
+    deadlines["a"] = None               # its steps ran; nothing else is timed
+    due.refresh(deadlines.get)          # popped queues are asked again
+    assert due.next_deadline() == 50 and len(due) == 1
+
+
+def test_due_queues_rebuild_their_heap_when_superseded_entries_pile_up() -> None:
+    due = DueQueues()
+    deadlines = {"far": 1_000_000}
+    for moment in range(10 * REBUILD_SLACK):
+        deadlines["busy"] = 2_000_000 - moment     # earlier and earlier: every entry stays below
+        due.changed_all(deadlines)
+        due.refresh(deadlines.get)
+    assert len(due._heap) <= 2 * len(deadlines) + REBUILD_SLACK
+    assert due.pop_due(2_000_000) == ["far", "busy"]
+
+
+def test_due_queues_check_finds_a_deadline_that_moved_unannounced() -> None:
+    deadlines = {"a": 30}
+    due = DueQueues()
+    due.changed("a")
+    due.refresh(deadlines.get)
+    deadlines["a"] = 20                 # changed without changed("a"): the timer would be late
+    with pytest.raises(InvariantViolation, match="queue a"):
+        due.check(deadlines, deadlines.get)
