@@ -397,6 +397,12 @@ class Node:
                                [({"side": "sent"}, sum(r.snapshots_sent for r in pairs.masters.values())),
                                 ({"side": "installed"}, pairs.snapshots_installed),
                                 ({"side": "resumed"}, pairs.snapshots_resumed)])
+        lines += render_family("qserver_snapshot_views_open", "gauge",
+                               "snapshots being sent, each holding a read transaction (at most SNAPSHOT_VIEWS_MAX)",
+                               [({}, self.storage.snapshot_views_open)])
+        lines += render_family("qserver_snapshot_views_deferred_total", "counter",
+                               "snapshots not started because SNAPSHOT_VIEWS_MAX were open (the replica opens again)",
+                               [({}, self.storage.snapshot_views_deferred)])
         if self.peers is not None:
             peers = sorted(self.config.cluster_nodes.keys() - {self.config.node_id})
             lines += render_family("qserver_peer_link_up", "gauge", "1 while the link to a peer is up",

@@ -118,6 +118,12 @@ DB_NAMES = ("queues", "messages", "ready", "leases", "status", "dedupe", "expiry
 ERASE_KEYS_PER_BATCH_MAX = 5_000
 PRUNE_KEYS_PER_BATCH_MAX = 5_000
 TRUNCATE_RECORDS_PER_BATCH_MAX = 20_000     # op-log records deleted per batch (the rest follow)
+# Each snapshot being sent holds an LMDB read transaction, one of the environment's reader
+# slots (READERS_MAX): a node that many replicas open at once (its peer back after a failover
+# of hundreds of queues) sends this many at a time, the others open again shortly (issue 31:
+# 660 at once took every slot, and the engine died on MDB_READERS_FULL).
+READERS_MAX = 256
+SNAPSHOT_VIEWS_MAX = 64
 _LOG_START = 0                               # the order of a queue's log-start record
 # A write LMDB could not make while its disk held less than this was refused for lack of space
 # (a short write past the disk's end comes back as EIO, not ENOSPC).
@@ -222,8 +228,10 @@ class Storage:
         self.payload_hold_bytes = payload_hold_bytes
         self.env = lmdb.open(str(self.path), map_size=min(map_size_bytes, map_size_max_bytes),
                              max_dbs=len(DB_NAMES) + 2, sync=True, metasync=True, writemap=False,
-                             max_readers=256, readahead=False)
+                             max_readers=READERS_MAX, readahead=False)
         self.db = {name: self.env.open_db(name.encode()) for name in DB_NAMES}
+        self.snapshot_views_open = 0        # loop thread (open_snapshot, LmdbSnapshotView.close)
+        self.snapshot_views_deferred = 0
         self._journal_sequence = 0
         # msgpack.packb builds a Packer per call, which costs more than packing a small record;
         # this one is used by the writer thread only (commit), so it is never shared.
@@ -1030,13 +1038,23 @@ class Storage:
     def open_snapshot(self, name: str, queue_id: int, *, consumption: bool, after_index: int,
                       dead_letter: tuple[str, int] | None) -> LmdbSnapshotView | None:
         """A view of the queue's committed state in its own read transaction (loop thread);
-        None when the queue has no record here."""
-        txn = self.env.begin()
+        None when the queue has no record here, or while SNAPSHOT_VIEWS_MAX views are open
+        (the replica opens again; `snapshot_views_deferred` counts those)."""
+        if self.snapshot_views_open >= SNAPSHOT_VIEWS_MAX:
+            self.snapshot_views_deferred += 1
+            return None
         try:
-            return LmdbSnapshotView(self, txn, name, queue_id, consumption, after_index, dead_letter)
+            txn = self.env.begin()
+        except lmdb.ReadersFullError:      # readers of other kinds took the slots: later, too
+            self.snapshot_views_deferred += 1
+            return None
+        try:
+            view = LmdbSnapshotView(self, txn, name, queue_id, consumption, after_index, dead_letter)
         except KeyError:
             txn.abort()
             return None
+        self.snapshot_views_open += 1
+        return view
 
     def _apply_in_record(self, txn: lmdb.Transaction, op: Operation) -> None:
         """Durable subscriptions are queue state in the queue's record, written with the batch."""
@@ -1387,3 +1405,4 @@ class LmdbSnapshotView:
         if self._txn is not None:
             self._txn.abort()
             self._txn = None  # type: ignore[assignment]
+            self._storage.snapshot_views_open -= 1

@@ -318,3 +318,30 @@ def test_an_lmdb_view_carries_each_messages_lease_or_deliveries_and_the_dedupe_w
         else:
             assert row[8] is None and row[7] == (2 if index in (5, 6) else 0), row
     assert sorted(row[1] for row in rows if row[0] == ROW_DEDUPE) == sorted(f"d{index}" for index in range(1, 41))
+
+
+def test_a_node_sends_at_most_snapshot_views_max_snapshots_at_once_and_the_rest_open_again(tmp_path: Path) -> None:
+    """Each view holds an LMDB reader slot: 660 replicas opening at once after a failover took
+    every slot and the node died on MDB_READERS_FULL (issue 31). Past SNAPSHOT_VIEWS_MAX the
+    master gets no view (its replica's Open is answered by the next Open), and a view closed
+    frees its place; other readers keep their slots."""
+    from qserver.storage import READERS_MAX, SNAPSHOT_VIEWS_MAX
+    assert SNAPSHOT_VIEWS_MAX < READERS_MAX // 2
+    storage = Storage(tmp_path / "lmdb", node_id="n1")
+    try:
+        storage.commit(SealedBatch(queue_records={"q": QueueRecord(1, "q", QueueOptions(), 0).to_json()}))
+        views = [storage.open_snapshot("q", 1, consumption=True, after_index=0, dead_letter=None)
+                 for _ in range(SNAPSHOT_VIEWS_MAX)]
+        assert all(view is not None for view in views) and storage.snapshot_views_open == SNAPSHOT_VIEWS_MAX
+        assert storage.open_snapshot("q", 1, consumption=True, after_index=0, dead_letter=None) is None
+        assert storage.snapshot_views_deferred == 1
+        storage.begin_read()                              # the engine still reads
+        storage.end_read()
+        views.pop().close()                               # type: ignore[union-attr]
+        again = storage.open_snapshot("q", 1, consumption=True, after_index=0, dead_letter=None)
+        assert again is not None and storage.snapshot_views_open == SNAPSHOT_VIEWS_MAX
+        for view in [*views, again]:
+            view.close()                                  # type: ignore[union-attr]
+        assert storage.snapshot_views_open == 0
+    finally:
+        storage.close()
