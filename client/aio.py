@@ -1349,7 +1349,13 @@ class AsyncClient:
         return await self.http.redrive(name, limit)
 
     async def list_queues(self) -> list[dict[str, Any]]:
+        """Every queue this client may see, by name (the client walks the server's pages)."""
         return await self.http.list_queues()
+
+    async def queue_page(self, limit: int = 1000, after: str | None = None) -> dict[str, Any]:
+        """One page of the queues: `{"queues": [...], "next": name or None}` (1 <= limit <= 1000;
+        `after`: the previous page's `next`)."""
+        return await self.http.queue_page(limit, after)
 
     async def create_macro(self, name: str, producer: str = "round_robin", consumer: str = "prioritized",
                            fastest_by: str = "response_time") -> dict[str, Any]:

@@ -47,6 +47,7 @@ ERROR_BODY_BYTES_MAX = 64 * 1024
 
 Grant = Mapping[str, Any]
 Query = Sequence[tuple[str, str]]
+PAGE_SIZE_MAX = 1000        # the most a listing gives per page (docs/PROTOCOL.md, "limit")
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +98,10 @@ def signed_session(connector: aiohttp.BaseConnector | None = None) -> aiohttp.Cl
         raise RuntimeError("this aiohttp has no _retry_connection switch: check how it resends requests")
     session._retry_connection = False
     return session
+
+
+def _page_query(limit: int, after: str | None) -> list[tuple[str, str]]:
+    return [("limit", str(limit))] + ([("after", after)] if after else [])
 
 
 def queue_path(queue: str, *rest: str | int) -> str:
@@ -227,19 +232,28 @@ class HttpClient:
         query = [] if limit is None else [("limit", str(limit))]
         return dict(await self._json("POST", queue_path(name, "redrive"), query=query, idempotent=False))
 
-    async def list_queues(self, *, page_size: int = 1000) -> list[dict[str, Any]]:
+    async def list_queues(self, *, page_size: int = PAGE_SIZE_MAX) -> list[dict[str, Any]]:
         """Every queue visible to this client (the cluster's, from any node), page after page."""
-        queues: list[dict[str, Any]] = []
+        return await self._every_page("/v1/queues", "queues", page_size)
+
+    async def queue_page(self, limit: int = PAGE_SIZE_MAX, after: str | None = None) -> dict[str, Any]:
+        """One page of GET /v1/queues: `{"queues": [...], "next": name or None}`; pass `next`
+        as `after` for the page that follows."""
+        return dict(await self._json("GET", "/v1/queues", query=_page_query(limit, after)))
+
+    async def _every_page(self, path: str, key: str, page_size: int) -> list[dict[str, Any]]:
+        """A listing's items, page after page (`limit`, `after` = the previous page's `next`).
+        A node from before paging answers one page holding everything, without `next`."""
+        items: list[dict[str, Any]] = []
         after: str | None = None
         while True:
-            query = [("limit", str(page_size))] + ([("after", after)] if after else [])
-            answer = await self._json("GET", "/v1/queues", query=query)
+            answer = await self._json("GET", path, query=_page_query(page_size, after))
             if not isinstance(answer, dict):
-                return queues + list(answer or [])
-            queues += answer.get("queues", [])
+                return items + list(answer or [])
+            items += answer.get(key, [])
             after = answer.get("next")
             if not after:
-                return queues
+                return items
 
     async def queue_stats(self, name: str) -> dict[str, Any]:
         return dict(await self._json("GET", queue_path(name)))
@@ -254,8 +268,8 @@ class HttpClient:
     async def delete_macro(self, name: str) -> dict[str, Any]:
         return dict(await self._json("DELETE", macro_path(name), idempotent=False))
 
-    async def list_macros(self) -> list[dict[str, Any]]:
-        return list((await self._json("GET", "/v1/macros"))["macros"])
+    async def list_macros(self, *, page_size: int = PAGE_SIZE_MAX) -> list[dict[str, Any]]:
+        return await self._every_page("/v1/macros", "macros", page_size)
 
     async def macro(self, name: str) -> dict[str, Any]:
         """A macro queue's definition, each member with its pair."""
@@ -280,8 +294,8 @@ class HttpClient:
     async def channel(self, name: str) -> dict[str, Any]:
         return dict(await self._json("GET", channel_path(name)))
 
-    async def list_channels(self) -> list[dict[str, Any]]:
-        return list((await self._json("GET", "/v1/channels"))["channels"])
+    async def list_channels(self, *, page_size: int = PAGE_SIZE_MAX) -> list[dict[str, Any]]:
+        return await self._every_page("/v1/channels", "channels", page_size)
 
     async def delete_channel(self, name: str) -> dict[str, Any]:
         return dict(await self._json("DELETE", channel_path(name), idempotent=False))
@@ -310,10 +324,10 @@ class HttpClient:
         path = "/v1/recipients/" + _segment(recipient) + "/alternatives"
         return list((await self._json("GET", path))["alternatives"])
 
-    async def recipients(self) -> list[dict[str, Any]]:
+    async def recipients(self, *, page_size: int = PAGE_SIZE_MAX) -> list[dict[str, Any]]:
         """Every recipient: `name`, `queue`, `state` (ok, fault, defunct), `since_ms`, `reason`,
         `alternatives`."""
-        return list((await self._json("GET", "/v1/recipients"))["recipients"])
+        return await self._every_page("/v1/recipients", "recipients", page_size)
 
     async def remove_recipient(self, recipient: str) -> dict[str, Any]:
         """Forget a recipient (admin): `{"recipient", "removed", "named_by"}` (the recipients whose
@@ -456,6 +470,11 @@ class HttpClient:
 
     async def cluster(self) -> dict[str, Any]:
         return dict(await self._json("GET", "/v1/cluster"))
+
+    async def cluster_summary(self) -> dict[str, Any]:
+        """GET /v1/cluster?summary=1: the nodes (each with the queues it masters and
+        replicates), the map's counts and the first out-of-sync queues, not every entry."""
+        return dict(await self._json("GET", "/v1/cluster", query=[("summary", "1")]))
 
     # --- cluster operations (DESIGN.md 5) -------------------------------------------------------
     async def handoff(self, queue: str, initiator: str = "master") -> dict[str, Any]:

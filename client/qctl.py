@@ -175,7 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
         sub.set_defaults(handler=handler)
         return sub
 
-    command(commands, "status", cmd_status, "the cluster map: nodes, membership leader, every queue's pair and lag")
+    status = command(commands, "status", cmd_status,
+                     "the cluster map: nodes, membership leader, every queue's pair and lag (on a map of more than "
+                     f"{STATUS_QUEUES_LISTED_MAX} queues: counts, and `qctl queue list` lists them)")
+    status.add_argument("--all", action="store_true",
+                        help=f"list every queue even on a map of more than {STATUS_QUEUES_LISTED_MAX} (slow on a large map)")
     handoff = command(commands, "handoff", cmd_handoff, "swap a queue's master and replica")
     handoff.add_argument("queue")
     handoff.add_argument("--initiator", choices=("master", "replica"), default="master",
@@ -395,7 +399,17 @@ def build_parser() -> argparse.ArgumentParser:
 Handler = Callable[[HttpClient, argparse.Namespace], Awaitable[Outcome]]
 
 
+STATUS_QUEUES_LISTED_MAX = 200     # beyond this many queues `qctl status` shows the map's counts
+
+
 async def cmd_status(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    if not args.all:
+        # The map's counts first: they cost the nodes, not the map. A small map is then listed
+        # whole as before; a large one is summarized (GET /v1/cluster?summary=1).
+        summary = await http.cluster_summary()
+        counts = summary.get("counts")
+        if isinstance(counts, dict) and counts.get("queues", 0) > STATUS_QUEUES_LISTED_MAX:
+            return status_summary(summary)
     cluster = await http.cluster()
     nodes = cluster.get("nodes", [])
     if not nodes or "version" not in cluster:          # a single node outside a cluster
@@ -451,6 +465,41 @@ async def cmd_status(http: HttpClient, args: argparse.Namespace) -> Outcome:
              time.strftime("%H:%M:%S", time.localtime(r["since_ms"] / 1000)), r.get("reason") or ""]
             for name, r in sorted(recipients.items())])
     return Outcome(cluster, human)
+
+
+def status_summary(summary: dict[str, Any]) -> Outcome:
+    """`qctl status` on a large map: its nodes with how many queues each masters and
+    replicates, and the map's counts; the JSON document is the server's summary."""
+    counts = summary["counts"]
+    leader = summary.get("leader")
+    raft = summary.get("membership", {})
+    voters, learners = set(raft.get("voters", [])), set(raft.get("learners", []))
+    nodes = summary.get("nodes", [])
+    if "version" not in summary:          # a single node outside a cluster
+        return Outcome(summary, format_table(["NODE", "URL", "STATE"], [[n.get("id"), n.get("url"), n.get("state")]
+                                                                        for n in nodes])
+                       + f"\n\n{counts['queues']} queues: `qctl queue list` lists them")
+
+    def membership_role(node_id: str | None) -> str:
+        role = "voter" if node_id in voters else "learner" if node_id in learners else "-"
+        return f"{role}, leader" if node_id == leader else role
+    node_table = format_table(["NODE", "URL", "STATE", "MEMBERSHIP", "MASTERS", "REPLICAS"],
+                              [[n.get("id"), n.get("url"), n.get("state"), membership_role(n.get("id")),
+                                n.get("masters"), n.get("replicas")] for n in nodes])
+    lines = [f"membership leader: {leader or 'none'} (term {summary.get('term')})", "", node_table, "",
+             f"{counts['queues']} queues, {counts['out_of_sync']} with a replica out of sync; "
+             f"{counts['macros']} macro queues, {counts['channels']} channels, {counts['forwards']} forwards, "
+             f"{counts['recipients']} recipients ({counts['recipients_not_ok']} not ok)",
+             "`qctl queue list` lists every queue, `qctl status --all` the whole map"]
+    out_of_sync = summary.get("out_of_sync") or []
+    if out_of_sync:
+        more = counts["out_of_sync"] - len(out_of_sync)
+        lines.append("out of sync: " + ", ".join(out_of_sync) + (f" (and {more} more)" if more > 0 else ""))
+    not_ok = summary.get("recipients_not_ok") or []
+    if not_ok:
+        more = counts["recipients_not_ok"] - len(not_ok)
+        lines.append("recipients not ok: " + ", ".join(not_ok) + (f" (and {more} more)" if more > 0 else ""))
+    return Outcome(summary, "\n".join(lines))
 
 
 async def cmd_handoff(http: HttpClient, args: argparse.Namespace) -> Outcome:

@@ -219,6 +219,9 @@ class Client:
     def list_queues(self) -> list[dict[str, Any]]:
         return self._run(self._async.list_queues())
 
+    def queue_page(self, limit: int = 1000, after: str | None = None) -> dict[str, Any]:
+        return self._run(self._async.queue_page(limit, after))
+
     def create_macro(self, name: str, producer: str = "round_robin", consumer: str = "prioritized",
                      fastest_by: str = "response_time") -> dict[str, Any]:
         return self._run(self._async.create_macro(name, producer, consumer, fastest_by))

@@ -11,7 +11,20 @@ from client import errors as e
 from client.errors import QueueError
 from qserver import commands as c
 from qserver.channels import PublishReplier
-from qserver.http_api import FORWARDED_BY, NODE, call, coordinator_of, json_body, principal, propose, proxy_to
+from qserver.http_api import (
+    FORWARDED_BY,
+    NAMES_PAGE_DEFAULT,
+    NAMES_PAGE_MAX,
+    NODE,
+    call,
+    coordinator_of,
+    json_body,
+    page_of,
+    page_params,
+    principal,
+    propose,
+    proxy_to,
+)
 from replication.cluster_map import (
     CHANNEL_RESEND_MAX_S,
     DeleteChannel,
@@ -78,9 +91,13 @@ async def put_channel(request: web.Request) -> web.Response:
 
 
 async def list_channels(request: web.Request) -> web.Response:
+    """The channels the caller may see, by name, a page at a time (`limit`, `after`, `next`
+    as GET /v1/queues); only the page's channels are described."""
     who = principal(request)
-    names = sorted(n for n in coordinator_of(request).membership.cluster_map.channels if who.may_see(n))
-    return web.json_response({"channels": [describe(request, name) for name in names]})
+    limit, after = page_params(request, NAMES_PAGE_DEFAULT, NAMES_PAGE_MAX)
+    names, cursor = page_of(sorted(coordinator_of(request).membership.cluster_map.channels), after, limit,
+                            who.may_see)
+    return web.json_response({"channels": [describe(request, name) for name in names], "next": cursor})
 
 
 async def get_channel(request: web.Request) -> web.Response:

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import bisect
 import json
 import logging
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -53,6 +54,9 @@ NODE: web.AppKey[Any] = web.AppKey("node")       # the qserver.node.Node an appl
 
 PRIORITY_TEXTS = frozenset(str(p) for p in range(10))
 QUEUES_PAGE_DEFAULT, QUEUES_PAGE_MAX = 100, 1000       # GET /v1/queues
+# GET /v1/channels, /v1/macros, /v1/recipients: a client that does not page still gets them
+# all up to this many.
+NAMES_PAGE_DEFAULT = NAMES_PAGE_MAX = 1000
 
 
 @web.middleware
@@ -256,27 +260,53 @@ async def empty_queue_name(request: web.Request) -> web.Response:
     raise QueueError(e.E_INVALID_NAME, "the queue name is empty")
 
 
+def page_params(request: web.Request, default: int, maximum: int) -> tuple[int, str]:
+    """A listing's `limit` (an integer, 1..maximum) and `after` cursor (a name: the previous
+    page's `next`); anything else is refused with E_INVALID_OPTION, never read as the start."""
+    raw = request.rel_url.query.get("limit")
+    limit = default
+    if raw:
+        if not (raw.isascii() and raw.isdigit() and 1 <= int(raw) <= maximum):
+            raise QueueError(e.E_INVALID_OPTION, f"limit must be an integer between 1 and {maximum}")
+        limit = int(raw)
+    after = request.rel_url.query.get("after", "")
+    if after and not is_valid_queue_name(after):
+        raise QueueError(e.E_INVALID_OPTION, "after is the `next` of the previous page: a name")
+    return limit, after
+
+
+def page_of(names: Sequence[str], after: str, limit: int, visible: Callable[[str], bool]) -> tuple[list[str], str | None]:
+    """The first `limit` visible names after `after` in `names` (sorted), and the cursor of the
+    next page (this page's last name, None when no visible name follows): the cost is the
+    page's (and the invisible names passed over), not the list's."""
+    page: list[str] = []
+    for position in range(bisect.bisect_right(names, after) if after else 0, len(names)):
+        name = names[position]
+        if not visible(name):
+            continue
+        if len(page) == limit:
+            return page, page[-1]
+        page.append(name)
+    return page, None
+
+
 async def list_queues(request: web.Request) -> web.Response:
     """Every queue the caller may see, by name, a page at a time (`limit`, `after`: the last
     name of the previous page; `next` names this page's last when more follow). In a cluster
     the list is the map's, the same at every node: each queue with its master, replica, epoch
     and in-sync state, and the statistics of the members this node holds (`held_here`: the
-    master's numbers are authoritative; a replica's follow them)."""
+    master's numbers are authoritative; a replica's follow them). Only the page's queues are
+    described: the map keeps its names sorted (ClusterMap.queue_names)."""
     engine = request.app[NODE].engine
     who = principal(request)
-    limit = int(number_param(request, "limit", QUEUES_PAGE_DEFAULT, 1, QUEUES_PAGE_MAX))
-    after = request.rel_url.query.get("after", "")
+    limit, after = page_params(request, QUEUES_PAGE_DEFAULT, QUEUES_PAGE_MAX)
     coordinator = engine.coordinator
-    entries = coordinator.membership.cluster_map.queues if coordinator is not None else {}
-    names = sorted(entries) if coordinator is not None else sorted(engine.cores)
+    cluster_map = coordinator.membership.cluster_map if coordinator is not None else None
+    entries = cluster_map.queues if cluster_map is not None else {}
+    names = cluster_map.queue_names() if cluster_map is not None else sorted(engine.cores)
+    chosen, cursor = page_of(names, after, limit, who.may_see)
     page: list[dict[str, Any]] = []
-    more = False
-    for name in names:
-        if name <= after or not who.may_see(name):
-            continue
-        if len(page) == limit:
-            more = True
-            break
+    for name in chosen:
         core = engine.cores.get(name)
         listed = engine.describe(core) if core is not None else {"name": name}
         entry = entries.get(name)
@@ -286,7 +316,7 @@ async def list_queues(request: web.Request) -> web.Response:
                            "incarnation": entry.incarnation, "last_reason": entry.last_reason,
                            "held_here": core is not None})
         page.append(listed)
-    return web.json_response({"queues": page, "next": page[-1]["name"] if more else None})
+    return web.json_response({"queues": page, "next": cursor})
 
 
 async def get_queue(request: web.Request) -> web.Response:
@@ -556,10 +586,28 @@ async def set_grants(request: web.Request) -> web.Response:
 # --- cluster, node ----------------------------------------------------------------------
 async def cluster(request: web.Request) -> web.Response:
     """The cluster map as this node knows it (the replicated map in a cluster), with the lag of
-    the queues mastered here."""
+    the queues mastered here. With `summary=1`: counts instead of entries (ClusterMap.summary),
+    at the cost of the nodes, not of the map (`qctl status` on a large map)."""
     node = request.app[NODE]
     who = principal(request)
     engine = node.engine
+    summary = request.rel_url.query.get("summary", "0")
+    if summary not in ("0", "1"):
+        raise QueueError(e.E_INVALID_OPTION, "summary is 0 or 1")
+    if engine.coordinator is not None and summary == "1":
+        coordinator = engine.coordinator
+        membership = coordinator.membership
+        # Coordinator.status's fields, without its whole map (ClusterMap.to_json).
+        answer = {**membership.cluster_map.summary(), "node": node.config.node_id, "leader": membership.leader_id(),
+                  "term": membership.term(),
+                  "lease_remaining_ms": coordinator.lease.remaining_ms(coordinator.monotonic_ms()),
+                  "failovers_proposed": coordinator.failovers, "membership": membership.status()}
+        answer["out_of_sync"] = [name for name in answer["out_of_sync"] if who.may_see(name)]
+        return web.json_response(answer)
+    if summary == "1":
+        return web.json_response({"node": node.config.node_id, "leader": None,
+                                  "nodes": [{"id": node.config.node_id, "url": node.url, "state": "up"}],
+                                  "counts": {"queues": len(engine.cores)}})
     if engine.coordinator is not None:
         status = engine.coordinator.status()
         status["queues"] = {name: entry for name, entry in status["queues"].items() if who.may_see(name)}

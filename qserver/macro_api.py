@@ -18,7 +18,20 @@ from aiohttp import web
 from client import errors as e
 from client.errors import QueueError
 from qserver import commands as c
-from qserver.http_api import NODE, call, coordinator_of, json_body, number_param, principal, propose, queue_name
+from qserver.http_api import (
+    NAMES_PAGE_DEFAULT,
+    NAMES_PAGE_MAX,
+    NODE,
+    call,
+    coordinator_of,
+    json_body,
+    number_param,
+    page_of,
+    page_params,
+    principal,
+    propose,
+    queue_name,
+)
 from replication.cluster_map import (
     CreateMacro,
     DeleteMacro,
@@ -93,9 +106,12 @@ async def put_macro(request: web.Request) -> web.Response:
 
 
 async def list_macros(request: web.Request) -> web.Response:
+    """The macro queues the caller may see, by name, a page at a time (`limit`, `after`,
+    `next` as GET /v1/queues); only the page's macro queues are described."""
     who = principal(request)
-    names = sorted(name for name in _cluster_map(request).macros if who.may_see(name))
-    return web.json_response({"macros": [describe(request, name) for name in names]})
+    limit, after = page_params(request, NAMES_PAGE_DEFAULT, NAMES_PAGE_MAX)
+    names, cursor = page_of(sorted(_cluster_map(request).macros), after, limit, who.may_see)
+    return web.json_response({"macros": [describe(request, name) for name in names], "next": cursor})
 
 
 async def get_macro(request: web.Request) -> web.Response:

@@ -10,7 +10,17 @@ from aiohttp import web
 
 from client import errors as e
 from client.errors import QueueError
-from qserver.http_api import coordinator_of, json_body, path_name, principal, propose
+from qserver.http_api import (
+    NAMES_PAGE_DEFAULT,
+    NAMES_PAGE_MAX,
+    coordinator_of,
+    json_body,
+    page_of,
+    page_params,
+    path_name,
+    principal,
+    propose,
+)
 from replication.cluster_map import ALTERNATIVES_MAX, RemoveRecipient, SetAlternatives
 from replication.options import is_valid_queue_name
 
@@ -44,15 +54,18 @@ async def get_alternatives(request: web.Request) -> web.Response:
 async def list_recipients(request: web.Request) -> web.Response:
     """Every recipient the map knows: its queue, state (ok, fault, defunct), since when and
     why (fault surveillance, qserver/surveillance.py), and its chain of alternatives; a chain
-    may name recipients that never subscribed yet."""
+    may name recipients that never subscribed yet. A page at a time (`limit`, `after`, `next`
+    as GET /v1/queues)."""
+    limit, after = page_params(request, NAMES_PAGE_DEFAULT, NAMES_PAGE_MAX)
     cluster = coordinator_of(request).membership.cluster_map
     chains: dict[str, Any] = cluster.alternatives
     out = []
-    for name in sorted(set(chains) | set(cluster.recipients)):
+    names, cursor = page_of(sorted(set(chains) | set(cluster.recipients)), after, limit, lambda name: True)
+    for name in names:
         entry = cluster.recipients.get(name)
         known = entry.to_json() if entry is not None else {"name": name, "queue": None, "state": None}
         out.append({**known, "recipient": name, "alternatives": list(chains.get(name, ()))})
-    return web.json_response({"recipients": out})
+    return web.json_response({"recipients": out, "next": cursor})
 
 
 async def remove_recipient(request: web.Request) -> web.Response:

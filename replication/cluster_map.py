@@ -17,8 +17,11 @@ that replace a long-lost replica, and the handoffs that spread masters evenly.
 """
 from __future__ import annotations
 
+import bisect
 import copy
 import enum
+import heapq
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -78,7 +81,18 @@ class QueueEntry:
         return PairState(self.epoch, self.master, self.replica, self.in_sync)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        # What dataclasses.asdict gave (the same keys, in order, and a copy of the options),
+        # without its recursive walk: /v1/cluster describes every queue of the map.
+        return {"name": self.name, "options": _copied(self.options), "master": self.master, "replica": self.replica,
+                "epoch": self.epoch, "in_sync": self.in_sync, "incarnation": self.incarnation,
+                "unclean_promotions": self.unclean_promotions, "last_reason": self.last_reason}
+
+
+def _copied(options: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a queue's options that shares no container with them (options are flat
+    scalars; a nested value, from some older writer, is copied deeply as asdict did)."""
+    return {key: copy.deepcopy(value) if isinstance(value, (dict, list, tuple)) else value
+            for key, value in options.items()}
 
 
 class ProducerPolicy(enum.StrEnum):
@@ -469,8 +483,120 @@ class Outcome:
 
 
 # --- the map ---------------------------------------------------------------------------------
+SUMMARY_NAMES_MAX = 100      # names a summary of the map lists (out-of-sync queues, recipients not ok)
+
+
+def _add(index: dict[str, set[str]], key: str, name: str) -> None:
+    index.setdefault(key, set()).add(name)
+
+
+def _discard(index: dict[str, set[str]], key: str, name: str) -> None:
+    names = index.get(key)
+    if names is not None:
+        names.discard(name)
+        if not names:
+            del index[key]
+
+
+class MapIndex:
+    """What the map's dicts imply, kept by `ClusterMap.apply` in step with them, so that one
+    command costs what it changes and not the size of the map (issue 31): the queues each node
+    masters and replicates (placement, failover and move plans, a node's removal), the queue
+    names in order (paged listings), and the recipients, macros and forwards that name each
+    queue (what a deleted queue takes with it). Derived, never encoded: a decoded or
+    constructed map builds its own (`rebuilt` is the reference the tests compare with)."""
+    __slots__ = ("mastered", "replicated", "names", "out_of_sync", "recipients_of", "not_ok", "macros_of",
+                 "forwards_of")
+
+    def __init__(self) -> None:
+        self.mastered: dict[str, set[str]] = {}      # node -> queues it masters
+        self.replicated: dict[str, set[str]] = {}    # node -> queues it is the replica of
+        self.names: list[str] = []                   # every queue name, sorted
+        self.out_of_sync: set[str] = set()           # queues whose replica is not in sync
+        self.recipients_of: dict[str, set[str]] = {}     # queue -> recipients of it
+        self.not_ok: set[str] = set()                    # recipients in fault or defunct
+        self.macros_of: dict[str, set[str]] = {}         # queue -> macro queues it is a member of
+        self.forwards_of: dict[str, set[str]] = {}       # source queue -> forwards of it
+
+    @classmethod
+    def rebuilt(cls, cluster: ClusterMap) -> MapIndex:
+        index = cls()
+        for entry in cluster.queues.values():
+            _add(index.mastered, entry.master, entry.name)
+            _add(index.replicated, entry.replica, entry.name)
+        index.names = sorted(cluster.queues)
+        index.out_of_sync = {entry.name for entry in cluster.queues.values() if not entry.in_sync}
+        for recipient in cluster.recipients.values():
+            _add(index.recipients_of, recipient.queue, recipient.name)
+        index.not_ok = {r.name for r in cluster.recipients.values() if r.state != RecipientState.OK.value}
+        for macro in cluster.macros.values():
+            for member in macro.members:
+                _add(index.macros_of, member.queue, macro.name)
+        for forward in cluster.forwards.values():
+            _add(index.forwards_of, forward.source, forward.name)
+        return index
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MapIndex) and all(getattr(self, name) == getattr(other, name)
+                                                   for name in self.__slots__)
+
+    def added(self, entry: QueueEntry) -> None:
+        _add(self.mastered, entry.master, entry.name)
+        _add(self.replicated, entry.replica, entry.name)
+        bisect.insort(self.names, entry.name)
+        self.synced(entry)
+
+    def removed(self, entry: QueueEntry) -> None:
+        _discard(self.mastered, entry.master, entry.name)
+        _discard(self.replicated, entry.replica, entry.name)
+        self.out_of_sync.discard(entry.name)
+        position = bisect.bisect_left(self.names, entry.name)
+        if position < len(self.names) and self.names[position] == entry.name:
+            del self.names[position]
+
+    def moved(self, name: str, before: tuple[str, str], after: tuple[str, str]) -> None:
+        """The queue's (master, replica) changed from `before` to `after`."""
+        if before[0] != after[0]:
+            _discard(self.mastered, before[0], name)
+            _add(self.mastered, after[0], name)
+        if before[1] != after[1]:
+            _discard(self.replicated, before[1], name)
+            _add(self.replicated, after[1], name)
+
+    def synced(self, entry: QueueEntry) -> None:
+        """The queue's in-sync flag may have changed."""
+        if entry.in_sync:
+            self.out_of_sync.discard(entry.name)
+        else:
+            self.out_of_sync.add(entry.name)
+
+    def recipient_put(self, entry: RecipientEntry) -> None:
+        _add(self.recipients_of, entry.queue, entry.name)
+        if entry.state == RecipientState.OK.value:
+            self.not_ok.discard(entry.name)
+        else:
+            self.not_ok.add(entry.name)
+
+    def recipient_gone(self, entry: RecipientEntry) -> None:
+        _discard(self.recipients_of, entry.queue, entry.name)
+        self.not_ok.discard(entry.name)
+
+    def holding(self, nodes: Iterable[str], *, masters: bool = True, replicas: bool = True) -> list[str]:
+        """The queues of which any of `nodes` is a member (the master, the replica, or
+        either), sorted by name."""
+        found: set[str] = set()
+        for node in nodes:
+            if masters:
+                found |= self.mastered.get(node, set())
+            if replicas:
+                found |= self.replicated.get(node, set())
+        return sorted(found)
+
+
 @dataclass
 class ClusterMap:
+    """The map. Change it only through `apply` (and build it whole, or decode it): the index
+    follows what `apply` does, not what other code might write into the dicts."""
     nodes: dict[str, NodeEntry] = field(default_factory=dict)
     queues: dict[str, QueueEntry] = field(default_factory=dict)
     clients: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -480,6 +606,10 @@ class ClusterMap:
     channels: dict[str, ChannelEntry] = field(default_factory=dict)
     forwards: dict[str, ForwardEntry] = field(default_factory=dict)
     version: int = 0          # commands applied; every copy agrees at the same version
+    index: MapIndex = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.index = MapIndex.rebuilt(self)
 
     def copy(self) -> ClusterMap:
         return copy.deepcopy(self)
@@ -490,19 +620,33 @@ class ClusterMap:
         return sorted(n for n, entry in self.nodes.items() if entry.state is NodeState.UP)
 
     def masters_per_node(self) -> dict[str, int]:
-        counts = {node: 0 for node in self.live_nodes()}
-        for entry in self.queues.values():
-            if entry.master in counts:
-                counts[entry.master] += 1
-        return counts
+        return {node: len(self.index.mastered.get(node, ())) for node in self.live_nodes()}
 
     def members_per_node(self) -> dict[str, int]:
-        counts = {node: 0 for node in self.live_nodes()}
-        for entry in self.queues.values():
-            for member in (entry.master, entry.replica):
-                if member in counts:
-                    counts[member] += 1
-        return counts
+        index = self.index
+        return {node: len(index.mastered.get(node, ())) + len(index.replicated.get(node, ()))
+                for node in self.live_nodes()}
+
+    def queue_names(self) -> list[str]:
+        """Every queue's name, sorted: the index's own list, to read (bisect it for a page)."""
+        return self.index.names
+
+    def summary(self) -> dict[str, Any]:
+        """Counts instead of entries, at the cost of the nodes (GET /v1/cluster?summary=1):
+        each node with the queues it masters and replicates, and the map's sizes."""
+        index = self.index
+        return {"version": self.version,
+                "nodes": [{"id": n.node_id, "url": n.url, "state": n.state.value, "voter": n.voter,
+                           "masters": len(index.mastered.get(n.node_id, ())),
+                           "replicas": len(index.replicated.get(n.node_id, ()))}
+                          for n in sorted(self.nodes.values(), key=lambda n: n.node_id)],
+                "counts": {"queues": len(self.queues), "out_of_sync": len(index.out_of_sync),
+                           "macros": len(self.macros), "channels": len(self.channels),
+                           "recipients": len(self.recipients), "recipients_not_ok": len(index.not_ok),
+                           "forwards": len(self.forwards)},
+                # The first few by name (the whole lists: GET /v1/queues, GET /v1/recipients).
+                "out_of_sync": heapq.nsmallest(SUMMARY_NAMES_MAX, index.out_of_sync),
+                "recipients_not_ok": heapq.nsmallest(SUMMARY_NAMES_MAX, index.not_ok)}
 
     def to_json(self) -> dict[str, Any]:
         return {"version": self.version,
@@ -529,12 +673,15 @@ class ClusterMap:
             if entry is None or entry.incarnation != command.incarnation:
                 return [Outcome(command.name, False, "no such incarnation")]
             del self.queues[command.name]
-            for macro in self.macros.values():       # a deleted queue is no macro's member any more
+            index = self.index
+            index.removed(entry)
+            for macro_name in index.macros_of.pop(command.name, ()):    # no macro's member any more
+                macro = self.macros[macro_name]
                 macro.members = [member for member in macro.members if member.queue != command.name]
-            for recipient in [r.name for r in self.recipients.values() if r.queue == command.name]:
-                del self.recipients[recipient]          # nor has it recipients
-            for forward in [f.name for f in self.forwards.values() if f.source == command.name]:
-                del self.forwards[forward]              # nor is it forwarded
+            for recipient in index.recipients_of.get(command.name, set()).copy():     # nor has it recipients
+                index.recipient_gone(self.recipients.pop(recipient))
+            for forward in index.forwards_of.pop(command.name, ()):   # nor is it forwarded
+                del self.forwards[forward]
             return [Outcome(command.name, True)]
         if isinstance(command, AddNode):
             existing = self.nodes.get(command.node_id)
@@ -577,13 +724,17 @@ class ClusterMap:
         if isinstance(command, PutForward):
             return [self._put_forward(command)]
         if isinstance(command, DeleteForward):
-            if self.forwards.pop(command.name, None) is None:
+            gone = self.forwards.pop(command.name, None)
+            if gone is None:
                 return [Outcome(command.name, False, "no such forward")]
+            _discard(self.index.forwards_of, gone.source, gone.name)
             return [Outcome(command.name, True)]
         if isinstance(command, DeleteChannel):
             if self.channels.pop(command.name, None) is None:
                 return [Outcome(command.name, False, "no such channel")]
-            self.queues.pop(channel_queue(command.name), None)
+            queue = self.queues.pop(channel_queue(command.name), None)
+            if queue is not None:
+                self.index.removed(queue)
             return [Outcome(command.name, True)]
         return [Outcome("", False, f"unknown command {type(command).__name__}")]
 
@@ -597,12 +748,15 @@ class ClusterMap:
             return Outcome(command.name, False, f"the map holds {RECIPIENTS_MAX} recipients")
         if entry is not None and entry.state == command.state:
             return Outcome(command.name, False, "unchanged")
-        self.recipients[command.name] = RecipientEntry(command.name, command.queue, command.state, command.since_ms,
-                                                       command.reason)
+        self.recipients[command.name] = put = RecipientEntry(command.name, command.queue, command.state,
+                                                             command.since_ms, command.reason)
+        self.index.recipient_put(put)
         return Outcome(command.name, True, command.state)
 
     def _remove_recipient(self, command: RemoveRecipient) -> Outcome:
         known = self.recipients.pop(command.name, None)
+        if known is not None:
+            self.index.recipient_gone(known)
         chain = self.alternatives.pop(command.name, None)
         if known is None and chain is None:
             return Outcome(command.name, False, f"no recipient {command.name}")
@@ -630,21 +784,24 @@ class ClusterMap:
                                                 "replica's copy of a message would never be forwarded")
         if not command.urls and command.destination == command.source:
             return Outcome(command.name, False, "a forward into its own source")
-        if any(f.source == command.source for f in self.forwards.values()):
+        if self.index.forwards_of.get(command.source):
             return Outcome(command.name, False, f"queue {command.source} is forwarded already")
         if len(self.forwards) >= FORWARDS_MAX:
             return Outcome(command.name, False, f"the map holds {FORWARDS_MAX} forwards")
         self.forwards[command.name] = ForwardEntry(command.name, command.source, command.destination,
                                                    tuple(command.urls), command.client_id, command.secret,
                                                    command.created_ms, command.token)
+        _add(self.index.forwards_of, command.source, command.name)
         return Outcome(command.name, True)
 
     def _forget_data_of(self, node: str) -> list[Outcome]:
         outcomes = []
-        for name, entry in sorted(self.queues.items()):
+        for name in self.index.holding([node]):
+            entry = self.queues[name]
             if entry.replica == node and entry.in_sync:
                 entry.in_sync = False
                 entry.last_reason = Reason.IN_SYNC.value
+                self.index.synced(entry)
                 outcomes.append(Outcome(name, True, "replica lost its data"))
             elif entry.master == node:
                 # With its replica out of sync too (it lost its disk right after it was promoted,
@@ -655,6 +812,8 @@ class ClusterMap:
                     + "replica took over"
                 entry.epoch, entry.master, entry.replica, entry.in_sync = entry.epoch + 1, entry.replica, node, False
                 entry.last_reason = Reason.FAILOVER.value
+                self.index.moved(name, (node, entry.master), (entry.master, node))
+                self.index.synced(entry)
                 outcomes.append(Outcome(name, True, detail))
         return outcomes
 
@@ -669,8 +828,10 @@ class ClusterMap:
                 return Outcome(command.name, False, f"node {member} is not up")
         if command.master == command.replica:
             return Outcome(command.name, False, "master and replica must be different nodes")
-        self.queues[command.name] = QueueEntry(command.name, dict(command.options), command.master, command.replica,
-                                               1, True, command.incarnation)
+        created = QueueEntry(command.name, dict(command.options), command.master, command.replica, 1, True,
+                             command.incarnation)
+        self.queues[command.name] = created
+        self.index.added(created)
         return Outcome(command.name, True)
 
     def _macro(self, command: CreateMacro | DeleteMacro | PutMacroMember | RemoveMacroMember) -> Outcome:
@@ -693,11 +854,14 @@ class ClusterMap:
             return Outcome(name, False, "no such macro queue")
         if isinstance(command, DeleteMacro):
             del self.macros[name]
+            for member in macro.members:
+                _discard(self.index.macros_of, member.queue, name)
             return Outcome(name, True)
         if isinstance(command, RemoveMacroMember):
             if macro.member(command.queue) is None:
                 return Outcome(name, False, f"{command.queue} is not a member")
             macro.members = [member for member in macro.members if member.queue != command.queue]
+            _discard(self.index.macros_of, command.queue, name)
             return Outcome(name, True)
         problem = self._member_problem(macro, command)
         if problem:
@@ -707,6 +871,7 @@ class ClusterMap:
             existing_member.priority, existing_member.weight = command.priority, command.weight
         else:
             macro.members.append(MacroMember(command.queue, command.priority, command.weight))
+            _add(self.index.macros_of, command.queue, name)
         return Outcome(name, True)
 
     def _put_channel(self, command: PutChannel) -> Outcome:
@@ -764,6 +929,8 @@ class ClusterMap:
             if node is None or node.state is not NodeState.UP:
                 return Outcome(change.name, False, f"node {member} is not up")
         entry.epoch, entry.master, entry.replica, entry.in_sync = new.epoch, new.master, new.replica, new.in_sync
+        self.index.moved(change.name, (expected.master, expected.replica), (new.master, new.replica))
+        self.index.synced(entry)
         entry.last_reason = change.reason
         if change.reason == Reason.UNCLEAN:
             entry.unclean_promotions += 1
@@ -778,7 +945,8 @@ class ClusterMap:
         state = NodeState(command.state)
         if entry.state is NodeState.REMOVED:
             return Outcome(command.node_id, False, "removed")
-        if state is NodeState.REMOVED and any(command.node_id in (q.master, q.replica) for q in self.queues.values()):
+        if state is NodeState.REMOVED and (self.index.mastered.get(command.node_id)
+                                            or self.index.replicated.get(command.node_id)):
             return Outcome(command.node_id, False, "it still holds queue members: drain it first")
         entry.state = state
         return Outcome(command.node_id, True)
@@ -804,9 +972,8 @@ def plan_failover(cluster: ClusterMap, lapsed: set[str]) -> tuple[list[ChangePai
     replica it gets is recorded out of sync until then. Returns the changes and the queues that
     stay unavailable (replica out of sync or itself lapsed: DESIGN.md 3.4)."""
     changes, stuck = [], []
-    for name, entry in sorted(cluster.queues.items()):
-        if entry.master not in lapsed:
-            continue
+    for name in cluster.index.holding(lapsed, replicas=False):      # what the lapsed nodes master, by name
+        entry = cluster.queues[name]
         replica_node = cluster.nodes.get(entry.replica)
         if not entry.in_sync or entry.replica in lapsed or replica_node is None \
                 or replica_node.state not in (NodeState.UP, NodeState.DRAINING):
@@ -820,12 +987,16 @@ def plan_failover(cluster: ClusterMap, lapsed: set[str]) -> tuple[list[ChangePai
 def plan_replacements(cluster: ClusterMap, gone: set[str]) -> list[ChangePair]:
     """A node down longer than `replica_replace_after_s` (or draining) loses its replicas: each
     is re-created on another live node (a move; the new one is out of sync until transferred)."""
-    changes = []
+    changes: list[ChangePair] = []
+    if not gone:
+        return changes
     members = cluster.members_per_node()
-    for name, entry in sorted(cluster.queues.items()):
-        if entry.replica not in gone or entry.master in gone:
+    live = cluster.live_nodes()
+    for name in cluster.index.holding(gone, masters=False):         # the replicas on gone nodes, by name
+        entry = cluster.queues[name]
+        if entry.master in gone:
             continue
-        candidates = [n for n in cluster.live_nodes() if n not in (entry.master, entry.replica)]
+        candidates = [n for n in live if n not in (entry.master, entry.replica)]
         if not candidates:
             continue
         target = min(candidates, key=lambda n: (members[n], n))
@@ -845,20 +1016,35 @@ def plan_member_moves(cluster: ClusterMap) -> list[ChangePair]:
     sync until its state transfer ends."""
     members, masters = cluster.members_per_node(), cluster.masters_per_node()
     changes: list[ChangePair] = []
-    moved: set[str] = set()
+
+    def last_of_pair(entry: QueueEntry) -> tuple[bool, str]:
+        return int(entry.options.get("min_in_sync", 1)) >= 2, entry.name
+
+    # Each move takes the first queue by (min_in_sync 2 last, its master's masters most, its
+    # replica's members most, name). Within one (master, replica) pair only the first and last
+    # of these differ, so each pair offers its queues in that order (a stack, best on top), and
+    # a move looks at one queue per pair, not at the whole map.
+    by_pair: dict[tuple[str, str], list[QueueEntry]] = {}
+    for entry in cluster.queues.values():
+        if entry.in_sync and entry.master in members and entry.replica in members:
+            by_pair.setdefault((entry.master, entry.replica), []).append(entry)
+    for stack in by_pair.values():
+        stack.sort(key=last_of_pair, reverse=True)
     while members:
         low = min(members, key=lambda n: (members[n], n))
-        candidates = [entry for name, entry in cluster.queues.items()
-                      if name not in moved and entry.in_sync and entry.master in members
-                      and entry.replica in members and low not in (entry.master, entry.replica)
-                      and members[entry.replica] - members[low] >= 2]
-        if not candidates:
+        best: tuple[tuple[bool, int, int, str], list[QueueEntry]] | None = None
+        for (master, replica), stack in by_pair.items():
+            if not stack or low in (master, replica) or members[replica] - members[low] < 2:
+                continue
+            in_sync_two, name = last_of_pair(stack[-1])
+            key = (in_sync_two, -masters[master], -members[replica], name)
+            if best is None or key < best[0]:
+                best = (key, stack)
+        if best is None:
             return changes
-        entry = min(candidates, key=lambda e: (int(e.options.get("min_in_sync", 1)) >= 2, -masters[e.master],
-                                               -members[e.replica], e.name))
+        entry = best[1].pop()
         members[entry.replica] -= 1
         members[low] += 1
-        moved.add(entry.name)
         changes.append(ChangePair(entry.name, astuple(entry.pair), (entry.epoch + 1, entry.master, low, False),
                                   Reason.MOVE.value))
     return changes

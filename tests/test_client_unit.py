@@ -915,6 +915,33 @@ def test_qctl_json_prints_exactly_one_document(threaded_fake_node: FakeNode, tmp
     assert human.getvalue().splitlines() == ["NAME    DEPTH", "orders  3"]
 
 
+def test_qctl_status_on_a_large_map_shows_its_counts_and_asks_for_no_queue(threaded_fake_node: FakeNode,
+                                                                            tmp_path: Path) -> None:
+    """issue 31: `qctl status` costs the nodes, not the map, beyond 200 queues (the summary)."""
+    creds_path = tmp_path / "admin.json"
+    save_credentials(creds_path, threaded_fake_node.credentials)
+    summary = {"version": 9, "node": "n1", "leader": "n1", "term": 2, "membership": {"voters": ["n1", "n2"]},
+               "nodes": [{"id": node, "url": f"http://{node}", "state": "up", "voter": True, "masters": 5000,
+                          "replicas": 5000} for node in ("n1", "n2")],
+               "counts": {"queues": 10_000, "out_of_sync": 101, "macros": 0, "channels": 2, "recipients": 1,
+                          "recipients_not_ok": 1, "forwards": 0},
+               "out_of_sync": [f"q{number:05d}" for number in range(100)], "recipients_not_ok": ["worker"]}
+    threaded_fake_node.rest_answers[("GET", "/v1/cluster")] = (200, summary)
+    out = io.StringIO()
+    assert main(["--credentials", str(creds_path), "status"], stdout=out) == 0
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "membership leader: n1 (term 2)"
+    assert lines[2].split() == ["NODE", "URL", "STATE", "MEMBERSHIP", "MASTERS", "REPLICAS"]
+    assert "10000 queues, 101 with a replica out of sync; 0 macro queues, 2 channels, 0 forwards, 1 recipients " \
+           "(1 not ok)" in lines
+    assert lines[-2].startswith("out of sync: q00000, q00001") and lines[-2].endswith("q00099 (and 1 more)")
+    assert lines[-1] == "recipients not ok: worker"
+    assert [(r["path"], r["query"]) for r in threaded_fake_node.rest_requests] == [("/v1/cluster", {"summary": "1"})]
+    out = io.StringIO()
+    assert main(["--credentials", str(creds_path), "--json", "status"], stdout=out) == 0
+    assert json.loads(out.getvalue()) == summary
+
+
 def test_qctl_clients_add_sends_only_the_public_key_and_writes_a_usable_credentials_file(
         threaded_fake_node: FakeNode, tmp_path: Path) -> None:
     creds_path, new_path = tmp_path / "admin.json", tmp_path / "new" / "worker.json"

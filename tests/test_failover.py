@@ -245,6 +245,30 @@ async def test_every_node_lists_the_clusters_queues_from_the_map_a_page_at_a_tim
                 rest = await at_node.http._json("GET", "/v1/queues", query=[("limit", "2"), ("after", "b")])
                 assert [q["name"] for q in rest["queues"]] == ["c"] and rest["next"] is None
         assert (await client.http.list_queues(page_size=1))[0]["depth"] == 1       # n1 masters a
+        # issue 31: counts instead of every queue (qctl status on a large map), and the other
+        # listings that grow with the map are paged as the queues are.
+        summary = await client.http.cluster_summary()
+        assert "queues" not in summary and summary["counts"]["queues"] == 3 and summary["out_of_sync"] == []
+        assert {n["id"]: (n["masters"], n["replicas"]) for n in summary["nodes"]} == \
+            {"n1": (1, 1), "n2": (1, 1), "n3": (1, 1)}
+        for name in ("m2", "m3", "m1"):
+            await client.create_macro(name)
+        first = await client.http._json("GET", "/v1/macros", query=[("limit", "2")])
+        assert [m["name"] for m in first["macros"]] == ["m1", "m2"] and first["next"] == "m2"
+        assert [m["name"] for m in await client.http.list_macros(page_size=1)] == ["m1", "m2", "m3"]
+        for name in ("c2", "c1"):
+            await client.create_channel(name)
+        assert [c["name"] for c in await client.http.list_channels(page_size=1)] == ["c1", "c2"]
+        assert [q["name"] for q in await client.list_queues()] == ["a", "b", "c", "channel:c1", "channel:c2"]
+        await client.set_alternatives("r2", ["r1"])
+        await client.set_alternatives("r1", ["r3"])
+        assert [r["recipient"] for r in await client.http.recipients(page_size=1)] == ["r1", "r2"]
+        for path, query in (("/v1/channels", [("limit", "1001")]), ("/v1/macros", [("limit", "0")]),
+                            ("/v1/recipients", [("after", "not a name")]), ("/v1/queues", [("limit", "two")]),
+                            ("/v1/cluster", [("summary", "yes")])):
+            with pytest.raises(QueueError) as refused:
+                await client.http._json("GET", path, query=query)
+            assert refused.value.code == "E_INVALID_OPTION", path
 
 
 async def test_a_forward_to_a_paused_master_and_an_answer_held_without_a_lease_end_at_the_nodes_deadline(

@@ -192,6 +192,32 @@ async def test_queue_statistics_follow_seed_004_queue_stats(api: RawApi) -> None
     assert "stats" in [q["name"] for q in listing["queues"]]
 
 
+async def test_queues_are_listed_a_page_at_a_time_and_a_bad_limit_or_cursor_is_refused(api: RawApi) -> None:
+    for name in ("e", "a", "d", "c", "b"):
+        status, body, _ = await api.request("PUT", f"/v1/queues/{name}", {"dead_letter": False})
+        assert status == 201, body
+    names: list[str] = []
+    after = None
+    for _ in range(3):
+        status, page, _ = await api.request("GET", "/v1/queues", query={"limit": "2", **({"after": after} if after
+                                                                                         else {})})
+        assert status == 200 and len(page["queues"]) <= 2
+        names += [queue["name"] for queue in page["queues"]]
+        after = page["next"]
+        assert after == (names[-1] if len(names) < 5 else None)
+    assert names == ["a", "b", "c", "d", "e"]
+    _, page, _ = await api.request("GET", "/v1/queues", query={"after": "bb"})     # need not name a queue
+    assert [queue["name"] for queue in page["queues"]] == ["c", "d", "e"] and page["next"] is None
+    for query in ({"limit": "0"}, {"limit": "1001"}, {"limit": "x"}, {"limit": "1.5"}, {"limit": "-1"},
+                  {"limit": "\u00b2"}, {"after": "no good"}, {"after": "x" * 300}):
+        status, body, _ = await api.request("GET", "/v1/queues", query=query)
+        assert (status, error_code(body)) == (400, "E_INVALID_OPTION"), query
+    status, body, _ = await api.request("GET", "/v1/cluster", query={"summary": "1"})
+    assert status == 200 and body["counts"] == {"queues": 5} and "queues" not in body
+    status, body, _ = await api.request("GET", "/v1/cluster", query={"summary": "yes"})
+    assert (status, error_code(body)) == (400, "E_INVALID_OPTION")
+
+
 async def test_cluster_operations_on_a_node_outside_a_cluster_are_refused_clearly(api: RawApi) -> None:
     await api.request("PUT", "/v1/queues/later", {})
     status, body, _ = await api.request("POST", "/v1/queues/later/handoff", {"initiator": "master"})
