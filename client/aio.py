@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import heapq
 import itertools
 import os
@@ -406,6 +407,8 @@ class AsyncClient:
         self._deadline_timer: asyncio.TimerHandle | None = None
         self._placement_reading: asyncio.Task[None] | None = None     # see refresh_placement
         self._placement_reading_started = 0.0
+        # The same for one queue's entry: queue -> (its reading, when that began).
+        self._queue_readings: dict[str, tuple[asyncio.Task[None], float]] = {}
         self._watches: deque[_Watch] = deque()                         # see _watched_enqueue
         self._watch_timer: asyncio.TimerHandle | None = None
         self._watch_sweep: asyncio.Task[None] | None = None
@@ -640,42 +643,61 @@ class AsyncClient:
             other = self._others[url] = self._node_client(url)
         return other
 
-    async def refresh_placement(self) -> None:
-        """Read the cluster map from every node (each lists the queues it holds). Callers at
-        once share one reading (after a failover, thousands of calls in flight fail together
-        and read the map once, not once each against every node); a reading that began before
-        a caller asked may predate what made it ask, so that caller waits for the next one."""
+    async def refresh_placement(self, queue: str | None = None) -> None:
+        """Read the cluster map from every node (each lists the queues it holds); with `queue`,
+        only that queue's entry (a map of thousands of queues is megabytes, and a failover
+        of one node's queues had every client read it for each). Callers at once share one
+        reading (after a failover, thousands of calls in flight fail together and read the
+        map once, not once each against every node); a reading that began before a caller
+        asked may predate what made it ask, so that caller waits for the next one."""
         loop = self._bound_loop()
         asked_at = loop.time()
+        if queue is not None:
+            queue = queue.removesuffix(DEAD_LETTER_SUFFIX)      # it lives in its queue's entry
         while True:
-            reading = self._placement_reading
+            if queue is None:
+                reading, started = self._placement_reading, self._placement_reading_started
+            else:
+                reading, started = self._queue_readings.get(queue, (None, 0.0))
             if reading is None or reading.done():
-                reading = self._placement_reading = loop.create_task(self._read_placement())
+                reading, started = loop.create_task(self._read_placement(queue)), loop.time()
                 reading.add_done_callback(_ignore_outcome)
-                self._placement_reading_started = loop.time()
-            if self._placement_reading_started >= asked_at:
+                if queue is None:
+                    self._placement_reading, self._placement_reading_started = reading, started
+                else:
+                    self._queue_readings[queue] = (reading, started)
+                    reading.add_done_callback(functools.partial(self._forget_queue_reading, queue))
+            if started >= asked_at:
                 await asyncio.shield(reading)
                 return
             with contextlib.suppress(QueueError):
                 await asyncio.shield(reading)
 
-    async def _read_placement(self) -> None:
-        first = await self._map_at(self)
+    def _forget_queue_reading(self, queue: str, done: asyncio.Task[None]) -> None:
+        if self._queue_readings.get(queue, (None, 0.0))[0] is done:
+            del self._queue_readings[queue]
+
+    async def _read_placement(self, queue: str | None = None) -> None:
+        scope = None if queue is None else (queue,)
+        first = await self._map_at(self, scope)
         if first is None:
             # This client's own node is down or paused: any other node of the last map knows it.
-            first = await self._cluster_from_another_node()
+            first = await self._cluster_from_another_node(scope)
         urls = {node["id"]: node["url"].rstrip("/") for node in first.get("nodes", [])}
         self._cluster_size = len(urls)
         self._node_urls = [url for url in urls.values() if url != self.url]
         # Every node at once, each within MAP_READ_TIMEOUT_S: a paused node answers nothing and
         # must not hold up learning that its queues failed over (a peer link's state says
         # nothing of ours, so each node is asked).
-        others = await asyncio.gather(*(self._map_at(self._route_to(url)) for url in self._node_urls))
+        others = await asyncio.gather(*(self._map_at(self._route_to(url), scope) for url in self._node_urls))
         maps = [first] + [cluster_map for cluster_map in others if cluster_map is not None]
         newest_map = max(maps, key=lambda cluster_map: cluster_map.get("version", 0))
-        self._learn_macros(newest_map.get("macros", {}))
-        self._channel_classes = {name: channel.get("class", "latest")
-                                 for name, channel in newest_map.get("channels", {}).items()}
+        if scope is None:
+            self._learn_macros(newest_map.get("macros", {}))
+            self._channel_classes = {name: channel.get("class", "latest")
+                                     for name, channel in newest_map.get("channels", {}).items()}
+        else:       # only what was asked about is known to be there (or gone)
+            self._learn_macros(newest_map.get("macros", {}), only=scope)
         newest: dict[str, dict[str, Any]] = {}
         for cluster_map in maps:        # nodes may lag behind the membership layer: newest epoch wins
             for queue, pair in cluster_map.get("queues", {}).items():
@@ -692,8 +714,8 @@ class AsyncClient:
                 self._masters[name] = self.url if self.url in members else urls[pair["master"]]
                 self._master_urls[name] = urls[pair["master"]]
 
-    def _learn_macros(self, definitions: Mapping[str, Any]) -> None:
-        for name in [name for name in self._macros if name not in definitions]:
+    def _learn_macros(self, definitions: Mapping[str, Any], only: tuple[str, ...] | None = None) -> None:
+        for name in [name for name in (only or self._macros) if name in self._macros and name not in definitions]:
             del self._macros[name]
         for name, definition in definitions.items():
             if name in self._macros:
@@ -754,7 +776,7 @@ class AsyncClient:
                 if done or not attempts:
                     continue
                 with contextlib.suppress(QueueError):
-                    await self.refresh_placement()
+                    await self.refresh_placement(queue)
                 target = self._route(queue)
                 if target not in asked:
                     asked.add(target)
@@ -786,19 +808,20 @@ class AsyncClient:
             # master, so what it forwarded before failed).
             return await _retried_once(error, getattr(other, method)(*args, **kwargs))
 
-    async def _cluster_from_another_node(self) -> dict[str, Any]:
+    async def _cluster_from_another_node(self, scope: tuple[str, ...] | None = None) -> dict[str, Any]:
         for url in self._node_urls:
-            cluster_map = await self._map_at(self._route_to(url))
+            cluster_map = await self._map_at(self._route_to(url), scope)
             if cluster_map is not None:
                 return cluster_map
         raise QueueError(E_UNAVAILABLE, f"{self.url} did not answer and no other node of the map did")
 
     @staticmethod
-    async def _map_at(node: AsyncClient) -> dict[str, Any] | None:
-        """A node's copy of the cluster map, or None if it does not answer in MAP_READ_TIMEOUT_S."""
+    async def _map_at(node: AsyncClient, scope: tuple[str, ...] | None = None) -> dict[str, Any] | None:
+        """A node's copy of the cluster map (only the entries of the queues in `scope`, if
+        given), or None if it does not answer in MAP_READ_TIMEOUT_S."""
         try:
             async with asyncio.timeout(MAP_READ_TIMEOUT_S):
-                return await node.http.cluster()
+                return await node.http.cluster(scope)
         except (QueueError, TimeoutError):
             return None
 
@@ -820,7 +843,7 @@ class AsyncClient:
         started = loop.time()
         while True:
             try:
-                await self.refresh_placement()
+                await self.refresh_placement(queue)
             except QueueError:
                 return None
             # Only a cluster fails over: a lone node that is down stays down until it returns.
@@ -2034,7 +2057,7 @@ class Consumer:
         if router is None:
             return
         with contextlib.suppress(QueueError):
-            await router.refresh_placement()
+            await router.refresh_placement(self.queue)
         target = router._consume_target(self.queue)
         if target is not self._client and not self.closed:
             self._client._consumers.discard(self)

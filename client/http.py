@@ -468,8 +468,11 @@ class HttpClient:
         answer = await self._json("PUT", path, document={"grants": [dict(g) for g in grants]})
         return dict(answer or {})
 
-    async def cluster(self) -> dict[str, Any]:
-        return dict(await self._json("GET", "/v1/cluster"))
+    async def cluster(self, queues: Iterable[str] | None = None) -> dict[str, Any]:
+        """The cluster map as the node knows it; with `queues`, only those queues' entries (and
+        the nodes), at the cost of the names asked about, not of the map."""
+        query = [("queue", name) for name in queues] if queues is not None else []
+        return dict(await self._json("GET", "/v1/cluster", query=query))
 
     async def cluster_summary(self) -> dict[str, Any]:
         """GET /v1/cluster?summary=1: the nodes (each with the queues it masters and

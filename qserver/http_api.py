@@ -32,6 +32,7 @@ from qserver.http_errors import error_response
 from qserver.redrive import redrive as redrive_dead_letters
 from replication.cluster_map import CHANNEL_PREFIX, AddNode, ChangePair, NodeState, Reason, SetNodeState, astuple
 from replication.options import (
+    DEAD_LETTER_SUFFIX,
     DELAY_MAX_S,
     PRIORITY_DEFAULT,
     TTL_MAX_S,
@@ -594,6 +595,9 @@ async def cluster(request: web.Request) -> web.Response:
     summary = request.rel_url.query.get("summary", "0")
     if summary not in ("0", "1"):
         raise QueueError(e.E_INVALID_OPTION, "summary is 0 or 1")
+    wanted = request.rel_url.query.getall("queue", [])
+    if wanted:
+        return web.json_response(_placement_of(node, who, wanted))
     if engine.coordinator is not None and summary == "1":
         coordinator = engine.coordinator
         membership = coordinator.membership
@@ -622,6 +626,35 @@ async def cluster(request: web.Request) -> web.Response:
         queues = {name: {"master": node.config.node_id, "replica": None, "epoch": core.record.epoch}
                   for name, core in node.engine.cores.items() if who.may_see(name)}
     return web.json_response({"node": node.config.node_id, "nodes": nodes, "leader": None, "queues": queues})
+
+
+PLACEMENT_QUEUES_MAX = 100     # names one GET /v1/cluster?queue=... may ask about
+
+
+def _placement_of(node: Any, who: Any, wanted: list[str]) -> dict[str, Any]:
+    """GET /v1/cluster?queue=A&queue=B: the map's nodes and version with only the entries of
+    the queues (and macro queues) named, at the cost of the names, not of the map: what a
+    client following a failover of its queues reads (issue 31; a map of 10,000 queues is
+    megabytes). A dead-letter queue's name gives its queue's entry."""
+    if len(wanted) > PLACEMENT_QUEUES_MAX:
+        raise QueueError(e.E_INVALID_OPTION, f"at most {PLACEMENT_QUEUES_MAX} queue names at once")
+    for name in wanted:
+        if not is_valid_queue_name(name):
+            raise QueueError(e.E_INVALID_OPTION, f"{name!r} is not a queue name")
+    names = sorted({name.removesuffix(DEAD_LETTER_SUFFIX) for name in wanted if who.may_see(name)})
+    engine = node.engine
+    if engine.coordinator is None:
+        entries = {name: {"master": node.config.node_id, "replica": None, "epoch": engine.cores[name].record.epoch}
+                   for name in names if name in engine.cores}
+        return {"node": node.config.node_id, "leader": None, "version": 0, "macros": {}, "queues": entries,
+                "nodes": [{"id": node.config.node_id, "url": node.url, "state": "up"}]}
+    membership = engine.coordinator.membership
+    cluster = membership.cluster_map
+    return {"node": node.config.node_id, "leader": membership.leader_id(), "version": cluster.version,
+            "nodes": [{"id": n.node_id, "url": n.url, "state": n.state.value, "voter": n.voter}
+                      for n in sorted(cluster.nodes.values(), key=lambda n: n.node_id)],
+            "queues": {name: cluster.queues[name].to_json() for name in names if name in cluster.queues},
+            "macros": {name: cluster.macros[name].to_json() for name in names if name in cluster.macros}}
 
 
 async def export_journal(request: web.Request) -> web.Response:

@@ -263,9 +263,16 @@ async def test_every_node_lists_the_clusters_queues_from_the_map_a_page_at_a_tim
         await client.set_alternatives("r2", ["r1"])
         await client.set_alternatives("r1", ["r3"])
         assert [r["recipient"] for r in await client.http.recipients(page_size=1)] == ["r1", "r2"]
+        # The entries a client following its queues reads, at the cost of the names asked
+        # about (a dead-letter queue's name gives its queue's entry; a macro's name, the macro).
+        scoped = await client.http.cluster(["b", "a.dlq", "m1", "nothing-of-that-name"])
+        assert sorted(scoped["queues"]) == ["a", "b"] and list(scoped["macros"]) == ["m1"]
+        assert (scoped["queues"]["b"]["master"], scoped["queues"]["b"]["replica"]) == ("n2", "n3")
+        assert {n["id"] for n in scoped["nodes"]} == {"n1", "n2", "n3"} and scoped["version"] > 0
         for path, query in (("/v1/channels", [("limit", "1001")]), ("/v1/macros", [("limit", "0")]),
                             ("/v1/recipients", [("after", "not a name")]), ("/v1/queues", [("limit", "two")]),
-                            ("/v1/cluster", [("summary", "yes")])):
+                            ("/v1/cluster", [("summary", "yes")]), ("/v1/cluster", [("queue", "not a name")]),
+                            ("/v1/cluster", [("queue", f"q{number}") for number in range(101)])):
             with pytest.raises(QueueError) as refused:
                 await client.http._json("GET", path, query=query)
             assert refused.value.code == "E_INVALID_OPTION", path
