@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import functools
 import heapq
 import itertools
 import os
@@ -212,6 +211,18 @@ class LeaseKeeper:
         await self.stop()
 
 
+class _PlacementReading:
+    """One reading of the map (refresh_placement): the queues its callers asked about, or the
+    whole map."""
+
+    __slots__ = ("names", "task", "whole")
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        self.whole = False
+        self.task: asyncio.Task[None]
+
+
 class _EnqueueBatch:
     """The enqueue() calls of one turn for one (queue, priority)."""
 
@@ -339,6 +350,7 @@ RETRIED_CODES = frozenset(kind.code for kind in (E_UNAVAILABLE, E_NOT_MASTER, E_
 STALL_CHECK_S = 0.25           # an enqueue unanswered this long reads the map again (AsyncClient._hedged)
 WATCH_SWEEP_S = STALL_CHECK_S / 4   # how often the watched enqueues are looked over (_sweep_watches)
 MAP_READ_TIMEOUT_S = 0.3       # a node's copy of the map not read in this long is passed over
+PLACEMENT_QUEUES_MAX = 100     # queue entries one reading asks for; more: the whole map (PROTOCOL.md)
 # Set while a call is retried after a failure (_retried_once): a retry at this very node
 # (it has just become the queue's master) is taken once per call, not again from the retry.
 _RETRYING: contextvars.ContextVar[bool] = contextvars.ContextVar("qcluster_retrying", default=False)
@@ -405,10 +417,9 @@ class AsyncClient:
         # with answered calls left in it until they reach its top.
         self._deadlines: list[tuple[float, int]] = []
         self._deadline_timer: asyncio.TimerHandle | None = None
-        self._placement_reading: asyncio.Task[None] | None = None     # see refresh_placement
-        self._placement_reading_started = 0.0
-        # The same for one queue's entry: queue -> (its reading, when that began).
-        self._queue_readings: dict[str, tuple[asyncio.Task[None], float]] = {}
+        # See refresh_placement: the reading that still takes names, and the last one begun.
+        self._gathering: _PlacementReading | None = None
+        self._last_reading: asyncio.Task[None] | None = None
         self._watches: deque[_Watch] = deque()                         # see _watched_enqueue
         self._watch_timer: asyncio.TimerHandle | None = None
         self._watch_sweep: asyncio.Task[None] | None = None
@@ -645,40 +656,37 @@ class AsyncClient:
 
     async def refresh_placement(self, queue: str | None = None) -> None:
         """Read the cluster map from every node (each lists the queues it holds); with `queue`,
-        only that queue's entry (a map of thousands of queues is megabytes, and a failover
-        of one node's queues had every client read it for each). Callers at once share one
-        reading (after a failover, thousands of calls in flight fail together and read the
-        map once, not once each against every node); a reading that began before a caller
-        asked may predate what made it ask, so that caller waits for the next one."""
-        loop = self._bound_loop()
-        asked_at = loop.time()
-        if queue is not None:
-            queue = queue.removesuffix(DEAD_LETTER_SUFFIX)      # it lives in its queue's entry
-        while True:
-            if queue is None:
-                reading, started = self._placement_reading, self._placement_reading_started
-            else:
-                reading, started = self._queue_readings.get(queue, (None, 0.0))
-            if reading is None or reading.done():
-                reading, started = loop.create_task(self._read_placement(queue)), loop.time()
-                reading.add_done_callback(_ignore_outcome)
-                if queue is None:
-                    self._placement_reading, self._placement_reading_started = reading, started
-                else:
-                    self._queue_readings[queue] = (reading, started)
-                    reading.add_done_callback(functools.partial(self._forget_queue_reading, queue))
-            if started >= asked_at:
-                await asyncio.shield(reading)
-                return
-            with contextlib.suppress(QueueError):
-                await asyncio.shield(reading)
+        only that queue's entry (a map of thousands of queues is megabytes). Callers at once
+        share one reading: after a failover thousands of calls in flight fail together, on
+        one queue or on thousands, and read the map once, not once each against every node.
+        A reading takes the names of every caller until it begins, and begins once the one
+        before it has ended (so what made a caller ask is in what it reads); it asks for the
+        names it took, or for the whole map when more than PLACEMENT_QUEUES_MAX (or the
+        whole map) were wanted."""
+        reading = self._gathering
+        if reading is None:
+            reading = self._gathering = _PlacementReading()
+            reading.task = self._bound_loop().create_task(self._read_when_due(reading, self._last_reading))
+            reading.task.add_done_callback(_ignore_outcome)
+            self._last_reading = reading.task
+        if queue is None:
+            reading.whole = True
+        else:
+            reading.names.add(queue.removesuffix(DEAD_LETTER_SUFFIX))     # it lives in its queue's entry
+        await asyncio.shield(reading.task)
 
-    def _forget_queue_reading(self, queue: str, done: asyncio.Task[None]) -> None:
-        if self._queue_readings.get(queue, (None, 0.0))[0] is done:
-            del self._queue_readings[queue]
+    async def _read_when_due(self, reading: _PlacementReading, before: asyncio.Task[None] | None) -> None:
+        if before is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(before)
+        else:
+            await asyncio.sleep(0)      # callers of this same turn join
+        if self._gathering is reading:
+            self._gathering = None
+        whole = reading.whole or len(reading.names) > PLACEMENT_QUEUES_MAX
+        await self._read_placement(None if whole else tuple(sorted(reading.names)))
 
-    async def _read_placement(self, queue: str | None = None) -> None:
-        scope = None if queue is None else (queue,)
+    async def _read_placement(self, scope: tuple[str, ...] | None) -> None:
         first = await self._map_at(self, scope)
         if first is None:
             # This client's own node is down or paused: any other node of the last map knows it.

@@ -209,11 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.config, node_id=args.node_id, host=args.host, port=args.port,
                          data_dir=None if args.data_dir is None else str(args.data_dir),
                          journal_enabled=False if args.no_journal else None)
-    from qserver.node import run
+    from qserver.node import DataDirInUse, run
     from qserver.storage import StorageLayoutError
     try:
         run(config)
-    except StorageLayoutError as error:
+    except (StorageLayoutError, DataDirInUse) as error:
         print(f"qserver: {error}", file=sys.stderr)
         return 2
     return 0

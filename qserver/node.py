@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import functools
 import gc
 import logging
@@ -14,7 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import aiohttp
 from aiohttp import web
@@ -467,7 +468,36 @@ async def serve(config: NodeConfig, *, ready: asyncio.Event | None = None) -> No
         await membership_runner.cleanup()
 
 
+class DataDirInUse(Exception):
+    """Another process serves this node's data directory."""
+
+
+def lock_data_dir(data_dir: Path) -> IO[str]:
+    """An exclusive lock on the node's data directory, held as long as the returned file is
+    open (the process's life; the kernel drops it however the process ends). Two processes
+    on one node's data (a second `qserver run`, a supervisor's start while the old process
+    still stops) would both vote and append as that node in the membership layer, whose
+    safety rests on one: a bench run that leaked such processes broke Raft's log matching
+    (a follower found a committed entry of another term) and kept elections going for minutes."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(data_dir / "qserver.lock", "a+")    # noqa: SIM115 (held open on purpose)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "?"
+        handle.close()
+        raise DataDirInUse(f"the data directory {data_dir} is in use by another qserver process (pid {holder}); "
+                           "stop that one first") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
 def run(config: NodeConfig) -> None:
+    lock = lock_data_dir(Path(config.data_dir))    # noqa: F841 (held until the process ends)
     # The LMDB writer thread needs the GIL back promptly when its fsync returns; the default
     # 5 ms switch interval would make every group commit wait on the event loop's Python.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)

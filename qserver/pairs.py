@@ -851,6 +851,7 @@ class PairDriver:
         for role in self.masters.values():
             if role.replica_id != peer:
                 continue
+            self._wake(role.core.name)       # probing from now on: the tick counts how long
             if up:
                 self.announce(role.core)
             else:
@@ -858,6 +859,7 @@ class PairDriver:
         for replica in self.replicas.values():
             if replica.master_id != peer:
                 continue
+            self._wake(replica.core.name)
             if up and self._may_open(replica):
                 replica.start(mono_ms)
                 self._flush(replica)

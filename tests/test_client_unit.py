@@ -123,7 +123,8 @@ class FakeNode:
         body = await request.read()
         path = request.raw_path.split("?", 1)[0]
         self.rest_requests.append({"method": request.method, "path": path, "body": body,
-                                   "query": dict(request.rel_url.query), "headers": dict(request.headers)})
+                                   "query": dict(request.rel_url.query), "query_items": list(request.rel_url.query.items()),
+                                   "headers": dict(request.headers)})
         if not self.signature_ok(request, body):
             return web.json_response(QueueError("E_UNAUTHENTICATED").envelope(), status=401)
         status, document = self.rest_answers.get((request.method, path), (404, QueueError("E_NOT_FOUND").envelope()))
@@ -976,6 +977,19 @@ async def test_calls_that_need_the_map_at_once_share_one_reading_of_it(fake_node
     before = readings()
     await client.refresh_placement()          # alone: a reading of its own
     assert readings() == before + 1
+    # issue 31: calls that follow their own queues (after a failover of a node's thousands of
+    # queues) share readings too, each asking for the names its callers took, or the whole
+    # map past PLACEMENT_QUEUES_MAX names (bench_scale: one reading per queue from every
+    # node flooded the nodes, and 2,000 enqueues timed out).
+    from client.aio import PLACEMENT_QUEUES_MAX
+    before = readings()
+    await asyncio.gather(*(client.refresh_placement(f"q{n}") for n in range(10)), client.refresh_placement("q3.dlq"))
+    scoped = [r for r in fake_node.rest_requests if r["path"] == "/v1/cluster"][before:]
+    assert len(scoped) == 1 and sorted(scoped[0]["query_items"]) == sorted(("queue", f"q{n}") for n in range(10))
+    before = readings()
+    await asyncio.gather(*(client.refresh_placement(f"q{n}") for n in range(PLACEMENT_QUEUES_MAX + 1)))
+    wide = [r for r in fake_node.rest_requests if r["path"] == "/v1/cluster"][before:]
+    assert len(wide) == 1 and "queue" not in wide[0]["query"]
 
 
 @pytest.mark.asyncio

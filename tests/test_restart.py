@@ -150,3 +150,25 @@ async def test_a_message_dead_lettered_by_a_release_survives_a_restart(qnode) ->
         stats = await client.queue_stats("jobs.dlq")
         assert stats["depth"] == 2 and stats["total_enqueued"] == 2, stats
 
+
+
+async def test_a_second_qserver_on_a_data_directory_in_use_refuses_to_start_and_the_first_serves_on(qnode) -> None:  # type: ignore[no-untyped-def]
+    """Two processes on one node's data would both act as that node in the membership layer
+    (a bench run that leaked a cluster's processes and started it again broke Raft's log
+    matching): the second refuses, naming the first, and leaves it alone."""
+    import subprocess
+    import sys
+    import urllib.request
+
+    from qserver.devcluster import free_port
+    from tests.conftest import REPOSITORY
+    second = subprocess.run([sys.executable, "-m", "qserver", "run", "--data-dir", str(qnode.data_dir),
+                             "--port", str(free_port()), "--log-level", "WARNING"],
+                            capture_output=True, timeout=60, cwd=REPOSITORY)
+    assert second.returncode == 2, second.stderr
+    assert f"in use by another qserver process (pid {qnode.process.pid})" in second.stderr.decode()
+    with urllib.request.urlopen(f"{qnode.url}/healthz", timeout=5) as answer:
+        assert answer.status == 200
+    qnode.restart()                 # kill -9 drops the lock with the process: the next one starts
+    with urllib.request.urlopen(f"{qnode.url}/healthz", timeout=5) as answer:
+        assert answer.status == 200
