@@ -661,8 +661,9 @@ class AsyncClient:
         one queue or on thousands, and read the map once, not once each against every node.
         A reading takes the names of every caller until it begins, and begins once the one
         before it has ended (so what made a caller ask is in what it reads); it asks for the
-        names it took, or for the whole map when more than PLACEMENT_QUEUES_MAX (or the
-        whole map) were wanted."""
+        names it took, PLACEMENT_QUEUES_MAX to a request (2,000 queues' entries are 20 small
+        requests to each node, where the whole map of 10,000 is 5.6 MB from each), or for the
+        whole map if a caller wanted it."""
         reading = self._gathering
         if reading is None:
             reading = self._gathering = _PlacementReading()
@@ -683,8 +684,12 @@ class AsyncClient:
             await asyncio.sleep(0)      # callers of this same turn join
         if self._gathering is reading:
             self._gathering = None
-        whole = reading.whole or len(reading.names) > PLACEMENT_QUEUES_MAX
-        await self._read_placement(None if whole else tuple(sorted(reading.names)))
+        if reading.whole:
+            await self._read_placement(None)
+            return
+        names = sorted(reading.names)
+        await asyncio.gather(*(self._read_placement(tuple(names[start:start + PLACEMENT_QUEUES_MAX]))
+                               for start in range(0, len(names), PLACEMENT_QUEUES_MAX)))
 
     async def _read_placement(self, scope: tuple[str, ...] | None) -> None:
         first = await self._map_at(self, scope)

@@ -21,6 +21,7 @@ import collections
 import functools
 import heapq
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -713,18 +714,29 @@ class PairDriver:
         for name in [name for name, pending in self.dead_letters_pending.items() if not pending]:
             del self.dead_letters_pending[name]
 
-    def release_committed(self) -> None:
+    def release_committed(self, name: str | None = None) -> None:
+        """Answer what the commit point has passed: of queue `name` (and its dead-letter
+        queue) after something happened to its role, or of every queue. Not every queue
+        after each message: a burst of 2,000 writes to 2,000 queues held 2,000 answers,
+        each AppendAck looked at all of them, and the burst took 10 s (issue 31)."""
         if self.dead_letters_pending:
             self._gate_dead_letters()
-        for name, waiting in self.held.items():
-            if not waiting or not self._may_answer(name):
+        if name is None:
+            names: Iterable[str] = list(self.held)
+        else:
+            base = base_name(name)
+            names = [queue for queue in (base, dead_letter_name(base)) if queue in self.held]
+        for queue in names:
+            waiting = self.held[queue]
+            if not waiting or not self._may_answer(queue):
                 continue
-            commit = self.commit_order(name)
+            commit = self.commit_order(queue)
             # Answers are held in (nearly) increasing order: release from the front. One that
             # needs less than the one before it only waits for that one.
             while waiting and commit is not None and waiting[0].required_order <= commit:
                 waiting.popleft().release()
-        self._forget_answered()
+            if not waiting:
+                del self.held[queue]
 
     def _forget_answered(self) -> None:
         """Only queues with answers still held are looked at again (issue 31)."""
@@ -938,7 +950,7 @@ class PairDriver:
         role.proposals.clear()
         # Answers first: a commit point that moved on an AppendAck is what the clients wait
         # for; the replica's notice of it (in the outbox) only widens what it may expose.
-        self.release_committed()
+        self.release_committed(role.core.name)
         self._flush(role)
 
     def _propose_in_sync(self, role: MasterRole, proposal: InSyncProposal) -> None:
@@ -1045,7 +1057,7 @@ class PairDriver:
         for result in results:
             self._forward_answered(replica.core.name, result)
         self._flush(replica)
-        self.release_committed()
+        self.release_committed(replica.core.name)
 
     # --- snapshots on the replica ----------------------------------------------------------
     def _reset_dead_letters_with(self, replica: ReplicaRole) -> None:
