@@ -309,14 +309,13 @@ class RaftMembership:
 
     def _tick(self) -> None:
         """Count every tick the clock passed since the last one (at least this one: a timer
-        may fire a little early), so that ticks keep time after a pause. At most one tick
-        short of a minimum election timeout is fed at once: no burst of elections, and a
-        follower that has just heard from its leader does not stand for election in the same
-        feed (is_leader counts the ticks not fed, so a paused leader's lease still ends)."""
+        may fire a little early), so that ticks keep time after a pause. At most a minimum
+        election timeout's worth is fed at once: enough to end any lease, and no burst of
+        elections."""
         passed = max(1, self._ticks_passed())
         self._next_tick_at += passed * self._tick_s
         self._ticker = self._loop.call_at(self._next_tick_at, self._tick)
-        self._ticks_due = min(self._ticks_due + passed, self._limits.election_timeout_min_ticks - 1)
+        self._ticks_due = min(self._ticks_due + passed, self._limits.election_timeout_min_ticks)
         self._wake.set()
 
     # --- the task that owns the core --------------------------------------------------------
@@ -378,6 +377,11 @@ class RaftMembership:
         self.persist_seconds.observe(time.perf_counter() - started)
 
     def _feed(self, core: RaftNode) -> None:
+        while self._ticks_due:
+            self._ticks_due -= 1
+            self._tick_count += 1
+            core.tick()
+            self._on_tick(core)
         inbox = self._inbox
         while inbox:
             item = inbox.popleft()
@@ -393,16 +397,6 @@ class RaftMembership:
                 core.campaign()
             else:
                 core.step(item)
-        # Ticks after what arrived: a loop busy for longer than an election timeout (a map
-        # change of thousands of queues applied, a node loading 8,000 of them) had its
-        # leader's heartbeats waiting here while the ticks it missed ran its election timer
-        # out first, and every node of a 10,000-queue cluster stood for election again and
-        # again (issue 31). At most one tick short of an election timeout is fed at once.
-        while self._ticks_due:
-            self._ticks_due -= 1
-            self._tick_count += 1
-            core.tick()
-            self._on_tick(core)
         if core.applied_index - core.snapshot_index >= COMPACT_EVERY_ENTRIES:
             core.compact(core.applied_index, encode_map(self.cluster_map))
 
