@@ -400,6 +400,11 @@ class Engine:
                 self._next_housekeeping_ms = mono_ms + self.config.housekeeping_interval_ms
                 for core in self.pairs.commit_points_to_record():
                     self._touch(core)
+                # Listeners are served when their queue's role moves (listeners_may_see_more);
+                # once a housekeeping interval, every listened queue is looked at all the same,
+                # so a change that woke nothing delays a delivery by one interval at most.
+                self._to_serve.update(self._waiters)
+                self._to_serve.update(self._subscriptions)
             if self._committing is None and not self._open.empty():
                 self._start_commit()
             if self._stopping and not self._inbox and self._committing is None:

@@ -889,6 +889,8 @@ class PairDriver:
         """With a lease, this node's map is as new as the leader's was when it granted: the
         masters that map still gives this node are confirmed (see `unconfirmed`)."""
         if self.unconfirmed and (self.coordinator is None or self.coordinator.lease_valid()):
+            for name in self.unconfirmed:
+                self._wake(name)          # their commit points count now: listeners may see more
             self.unconfirmed.clear()
 
     def tick(self, mono_ms: int) -> None:
