@@ -444,12 +444,16 @@ def test_a_master_restarted_on_its_own_map_claims_no_commit_past_its_record_unti
     pairs.replicas = {}
     pairs.unconfirmed = {"events": 3677}                  # the commit point its queue record kept
     pairs.coordinator = SimpleNamespace(lease_valid=lambda: lease[0])  # type: ignore[assignment]
+    served: list[str] = []
+    pairs.engine = SimpleNamespace(listeners_may_see_more=served.append)  # type: ignore[assignment]
+    pairs._ticking, pairs._floors_changed, pairs._commits_changed = {}, {}, {}
     assert pairs.commit_order("events") == 3677          # what it persists and drops a suffix past
     pairs.confirm_restarted_masters()
     assert pairs.commit_order("events") == 3677          # no lease yet: the map may still move on
     lease[0] = True                                      # granted against a map as new as the leader's
     pairs.confirm_restarted_masters()
     assert pairs.commit_order("events") == 3678 and pairs.unconfirmed == {}
+    assert "events" in served and "events" in pairs._ticking     # its listeners may see more now
 
 
 # --- a message of the new epoch between the map's change and the roles' -----------------------------
