@@ -191,6 +191,9 @@ class PairDriver:
         self._commits_changed: dict[str, None] = {}
         self._sweep: list[str] = []
         self._in_sync_changes: list[tuple[ChangePair, Any]] = []   # to propose at the end of this turn
+        # Queues whose snapshot install is being written: a replica role made meanwhile (a new
+        # epoch) opens only once it is in memory too (see _installed).
+        self.installing: set[str] = set()
         self.snapshots_installed = 0
         self.snapshots_resumed = 0
         self._next_announce_ms = 0
@@ -320,6 +323,7 @@ class PairDriver:
                 self._log_floors.pop(role.core.queue_id, None)
         self.unconfirmed.pop(name, None)
         self.restarted.pop(name, None)
+        self.installing.discard(name)
         self._role_changed(name)
         for held in self.held.pop(name, ()):
             if held.refuse is not None:   # never committed: the queue is gone
@@ -353,6 +357,7 @@ class PairDriver:
         self.masters.pop(name, None)
         self.replicas.pop(name, None)
         self.received.pop(name, None)
+        self.installing.discard(name)       # the lost batch held it, or it committed
         self._role_changed(name)
         if entry is None:
             return
@@ -1040,6 +1045,7 @@ class PairDriver:
                                                               *replica.snapshot_rows_through))
             replica.snapshot_rows, replica.snapshot_rows_through = [], None
         for install in replica.installs:
+            self.installing.add(replica.core.name)
             received = self.received.pop(replica.core.name, InstalledState())
             self.engine.stage_snapshot_install(replica.core, install, received,
                                                functools.partial(self._installed, replica, install, received))
@@ -1083,13 +1089,18 @@ class PairDriver:
         """The batch installing a snapshot committed: the core serves its messages (and the
         dead-letter queue's member follows on from the same view)."""
         core = replica.core
+        self.installing.discard(core.name)
         if self.engine.cores.get(core.name) is not core:
             return              # the instance was wiped or removed meanwhile: nothing to serve
         # Even when a new epoch gave the member a new role meanwhile: that role took its
         # position from this one (the snapshot's order), and storage holds the snapshot, so
         # the core must serve it; left empty, it refused the first release or ack of a lease
-        # the snapshot carried (the engine simulation, seed 480194086 under `full`).
+        # the snapshot carried (the engine simulation, seed 480194086 under `full`). That role
+        # has not opened yet (_may_open waits for `installing`): nothing it applied comes
+        # before the snapshot's state (a chaos run saw acked messages delivered again when it
+        # had opened, and applied acks, before this install).
         core.install_snapshot(received.ready if install.keep_upto else None, received.leases)
+        self._wake(core.name)     # a role made meanwhile opens now (the tick starts it)
         self.snapshots_installed += 1
         log.info("queue %s: snapshot at order %d installed (%d messages)", core.name, install.order,
                  received.ready_count + received.delayed_count + len(received.leases))
@@ -1104,7 +1115,7 @@ class PairDriver:
         """A dead-letter queue's member under `full` opens once its queue's member follows
         (its state may come with that queue's snapshot). None opens while this node's storage
         is full."""
-        if self.storage_full or not self.link_up(replica.master_id):
+        if self.storage_full or not self.link_up(replica.master_id) or replica.core.name in self.installing:
             return False
         source_name = replica.core.record.dead_letter_of
         if source_name is None or replica.core.options.strength is not Strength.FULL:
