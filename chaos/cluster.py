@@ -1,7 +1,7 @@
 """A chaos cluster: real `qserver` processes whose every link passes through its own proxy.
 
 Each node dials each peer through a proxy of its own, for both kinds of peer traffic, and
-clients reach each node through one more (DESIGN.md 4.7):
+clients reach each node through one more (chaos/README.md):
 
     peer-a-b     a's replication link (WebSocket) and HTTP passing-on to b   -> b's HTTP port
     raft-a-b     a's membership (Raft) link to b                             -> b's Raft port

@@ -479,7 +479,7 @@ class HttpClient:
         replicates), the map's counts and the first out-of-sync queues, not every entry."""
         return dict(await self._json("GET", "/v1/cluster", query=[("summary", "1")]))
 
-    # --- cluster operations (DESIGN.md 5) -------------------------------------------------------
+    # --- cluster operations (docs/PROTOCOL.md, REST) -------------------------------------------------------
     async def handoff(self, queue: str, initiator: str = "master") -> dict[str, Any]:
         """Swap the queue's master and replica, asked by the given member (seed 004 FIG. 23-25)."""
         return dict(await self._json("POST", queue_path(queue) + "/handoff", document={"initiator": initiator},

@@ -286,7 +286,7 @@ class Coordinator:
                 existing.finishes.append(finish)
             if initiator == "master" and existing.replica_request is not None:
                 # The replica's request reached this master first, but the master's own request
-                # wins whenever it arrives before the swap commits (DESIGN.md 4.1): the replica
+                # wins whenever it arrives before the swap commits (docs/PROTOCOL.md): the replica
                 # is refused, and the handoff goes on as the master's.
                 self._answer_replica(queue, existing.replica_request,
                                      "the master's own handoff is in progress (the master's request wins)")

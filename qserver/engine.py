@@ -4,10 +4,10 @@ API handlers push commands into a bounded inbox; the engine's task drains it, st
 command into its queue core, and collects the resulting operations into the open batch.
 One batch at a time is committed by the writer thread (one LMDB transaction, one fsync)
 while the next one fills: group commit. Replies are released only when the batch holding
-their operations is durable (DESIGN.md 3.1), errors right away. No locks: only this task
+their operations is durable, errors right away. No locks: only this task
 touches cores; the writer thread only reads a sealed batch.
 
-Order per batch (STYLE.md): persist, then answer clients and push to subscribers, then
+Order per batch: persist, then answer clients and push to subscribers, then
 advance the cores (their dedupe overlays drop what the reader now sees).
 """
 from __future__ import annotations
