@@ -6,13 +6,16 @@ cluster lives in a temporary directory, removed at the end unless --keep).
 
     .venv/bin/python bench/bench_scale.py [--part queues|failover|restart|connections|all]
         [--nodes 5] [--queues 10000] [--failover-queues 2000] [--restart-messages 1000000]
-        [--clients 5000] [--duration 60] [--quick] [--out FILE] [--keep]
+        [--clients 5000] [--duration 60] [--quick] [--out FILE] [--keep] [--profile DIR]
 
 `--quick`: small sizes for a smoke run (3 nodes, 200 queues, 60 failover queues, 50,000
 messages, 200 clients for 10 s; output under the system's temp directory unless --out). An
 option given explicitly wins over both size sets. One JSON line per measurement, printed and
 appended to --out (default bench/results-scale-<date>.jsonl), each with the sizes, the git
 commit, the date, the target it is judged against and `met` (null: no target, information).
+`--profile DIR`: py-spy records (collapsed stacks, DIR/*.txt) the node the sequential enqueues
+address while they run, every surviving node for --profile-s seconds from the failover's kill,
+and the connections node for --profile-s seconds from the start of the load.
 
 queues       every queue `full`, with its dead-letter queue (the default), created through
              signed REST (`PUT /v1/queues/{q}`, --create-concurrency in flight, at n1): total
@@ -484,9 +487,18 @@ def node_memories(bench: Bench) -> dict[str, dict[str, Any]]:
 
 
 # --- part 1: many queues ----------------------------------------------------------------------
-async def enqueue_latencies(bench: Bench, queue: str, node: str) -> dict[str, Any]:
+async def enqueue_latencies(bench: Bench, queue: str, node: str, profile_as: str) -> dict[str, Any]:
     """One enqueue at a time to `queue` at `node` (its master): signed REST, then the client
-    library's WebSocket; WARMUP_CALLS of each not counted."""
+    library's WebSocket; WARMUP_CALLS of each not counted. With --profile, py-spy records the
+    node meanwhile (DIR/PROFILE_AS-NODE.txt)."""
+    profilers = start_profilers(bench, [node], profile_as)
+    try:
+        return await _enqueue_latencies(bench, queue, node)
+    finally:
+        await asyncio.to_thread(finish_profilers, profilers, True)
+
+
+async def _enqueue_latencies(bench: Bench, queue: str, node: str) -> dict[str, Any]:
     samples = bench.args.latency_samples
     http = bench.rest(node)
     rest: list[float] = []
@@ -544,7 +556,7 @@ async def part_queues(bench: Bench) -> None:
     probe = names[0]
     master = (await bench.bench_queues())[probe]["master"]
     options = (await bench.rest(master).queue_stats(probe))["options"]
-    before = await enqueue_latencies(bench, probe, master)
+    before = await enqueue_latencies(bench, probe, master, f"latency-{baseline_count}-queues")
 
     rest_names = names[baseline_count:]
     started = time.perf_counter()
@@ -573,7 +585,7 @@ async def part_queues(bench: Bench) -> None:
                 cores_are="queue instances a node holds: masters and replicas, each queue's dead-letter queue too")
 
     master = (await bench.bench_queues())[probe]["master"]
-    after = await enqueue_latencies(bench, probe, master)
+    after = await enqueue_latencies(bench, probe, master, f"latency-{total}-queues")
     for path in ("rest", "websocket"):
         p50_10, p50_n = before[path]["p50_ms"], after[path]["p50_ms"]
         ratio = p50_n / p50_10 if p50_10 else math.inf
@@ -629,6 +641,43 @@ async def part_queues(bench: Bench) -> None:
 
 
 # --- part 2: failover at scale ----------------------------------------------------------------
+def start_profilers(bench: Bench, nodes: list[str], part: str,
+                    duration_s: float | None = None) -> list[tuple[str, subprocess.Popen[bytes], Path]]:
+    """With --profile DIR: py-spy records each of `nodes` (DIR/PART-NODE.txt) for `duration_s`,
+    or until finish_profilers stops it (None), as collapsed stacks: one line per stack and
+    its sample count (sort by the count, or feed it to flamegraph.pl), every thread at 200 Hz."""
+    if bench.args.profile is None:
+        return []
+    bench.args.profile.mkdir(parents=True, exist_ok=True)
+    started = []
+    for node in nodes:
+        out = bench.args.profile / f"{part}-{node}.txt"
+        command = [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(bench.cluster.processes[node].pid),
+                   "--rate", "200", "--format", "raw", "--nonblocking", "--output", str(out)]
+        if duration_s is not None:
+            command += ["--duration", str(math.ceil(duration_s))]      # whole seconds only
+        with open(out.with_suffix(".log"), "wb") as errors:      # why py-spy wrote nothing, if it did not
+            started.append((node, subprocess.Popen(command, stdout=errors, stderr=subprocess.STDOUT,
+                                                   start_new_session=True), out))
+    time.sleep(0.5)                     # py-spy attaches before the clock starts
+    return started
+
+
+def finish_profilers(profilers: list[tuple[str, subprocess.Popen[bytes], Path]], stop: bool = False) -> None:
+    """Waits for each recording to end (`stop`: ends it now: py-spy writes what it has on SIGINT)."""
+    for node, process, out in profilers:
+        if stop:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            _kill_group(process.pid, True)
+            process.wait()
+        print(f"profile of {node}: {out}" if out.exists() else
+              f"py-spy wrote no profile of {node}: see {out.with_suffix('.log')}", file=sys.stderr)
+
+
 async def watch_promotions(bench: Bench, at: str, victim: str, names: set[str], killed_at: float,
                            promoted: dict[str, float], masters: dict[str, str], stop: asyncio.Event) -> int:
     """Read the map at `at` until every queue of `names` names another master than `victim`;
@@ -701,6 +750,8 @@ async def part_failover(bench: Bench) -> None:
                 await gather_all(nodes[victim].enqueue(name, bench.payload) for name in probed)
         await asyncio.sleep(1.0)
         stop = asyncio.Event()
+        profilers = start_profilers(bench, [node for node in bench.running() if node != victim], "failover",
+                                    bench.args.profile_s)
         killed_at = time.monotonic()
         cluster.kill(victim)
         killed_s = time.monotonic() - killed_at
@@ -730,6 +781,7 @@ async def part_failover(bench: Bench) -> None:
                     await asyncio.wait_for(asyncio.shield(watcher), 30)
             stop.set()
             reads = await watcher if watcher is not None else 0
+            await asyncio.to_thread(finish_profilers, profilers)
     values = list(first_ack.values())
     summary = summarise("failover_first_ack_s", values) if values else {"count": 0}
     missing = len(probed) - len(values)
@@ -984,6 +1036,7 @@ async def part_connections(bench: Bench) -> None:
         with urllib.request.urlopen(bench.url(node) + "/metrics", timeout=30) as answer:
             gauge = _metric(answer.read().decode(), "qserver_websocket_connections")
         connected = sum(r["connected"] for r in ready)
+        profilers = start_profilers(bench, [node], "connections", min(duration, bench.args.profile_s))
         node_cpu, machine = process_cpu_s(pid), machine_cpu()
         load_started = time.monotonic()
         for worker in workers:
@@ -992,6 +1045,7 @@ async def part_connections(bench: Bench) -> None:
             await worker.stdin.drain()
         results = [await _read_json_line(worker, duration + 120) for worker in workers]
         load_s = time.monotonic() - load_started
+        await asyncio.to_thread(finish_profilers, profilers)
         node_cpu_s = process_cpu_s(pid) - node_cpu
         busy, total = (now - then for now, then in zip(machine_cpu(), machine, strict=True))
         memory_loaded = process_memory(pid)
@@ -1215,6 +1269,10 @@ def main() -> None:
                         help="during the failover, read the map this often for promotions (0: not at all)")
     parser.add_argument("--payload-bytes", type=int, default=PAYLOAD_BYTES_DEFAULT)
     parser.add_argument("--out", type=Path, help="append the JSON lines here")
+    parser.add_argument("--profile", type=Path, help="py-spy records into this directory: the node addressed by the "
+                        "sequential enqueues while they run, every surviving node from the failover's kill, "
+                        "the connections node from the start of its load")
+    parser.add_argument("--profile-s", type=float, default=6.0, help="seconds the failover's and the connections' recordings last")
     parser.add_argument("--keep", action="store_true", help="keep the cluster's directory (logs, data)")
     args = parser.parse_args()
     sizes = sizes_from(args)

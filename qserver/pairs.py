@@ -197,6 +197,7 @@ class PairDriver:
         self.snapshots_installed = 0
         self.snapshots_resumed = 0
         self._next_announce_ms = 0
+        self._unopened: dict[str, None] = {}     # masters announced whose replica has not opened
         # This node's storage is full (Engine._check_space): its replicas follow no more.
         self.storage_full = False
         self._next_full_notice_ms = 0
@@ -581,6 +582,19 @@ class PairDriver:
         role = self.masters.get(core.name)
         if role is not None:
             self._send(role.replica_id, Create(core.name, role.incarnation, role.epoch, core.record.to_json()))
+            if role.progress.value == "probing":
+                self._unopened[core.name] = None
+
+    def _announce_again(self) -> None:
+        """Once an ANNOUNCE_INTERVAL_MS: a Create the replica may have missed goes again, while
+        its role has not opened and the link is up. One whose link is down is forgotten: the
+        link coming back announces every master of that replica (on_link_change)."""
+        for name in list(self._unopened):
+            role = self.masters.get(name)
+            if role is None or role.progress.value != "probing" or not self.link_up(role.replica_id):
+                del self._unopened[name]
+            else:
+                self.announce(role.core)
 
     def retire(self, name: str) -> None:
         role = self.masters.get(name)
@@ -908,6 +922,8 @@ class PairDriver:
         if notice:
             self._next_full_notice_ms = mono_ms + STORAGE_FULL_NOTICE_MS
             self._ticking.update(dict.fromkeys(self.replicas))
+        if announce:
+            self._announce_again()
         # Roles something woke, then a slice of the others in turn (see TICK_SWEEP_ROLES).
         if not self._sweep:
             self._sweep = [*self.masters, *self.replicas]
@@ -917,8 +933,6 @@ class PairDriver:
         for name in names:
             role = self.masters.get(name)
             if role is not None:
-                if announce and role.progress.value == "probing" and self.link_up(role.replica_id):
-                    self.announce(role.core)    # a replica that never opened may have missed it
                 role.tick(mono_ms)
                 self._drain_master(role)
                 if role.quiet:

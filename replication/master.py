@@ -485,7 +485,18 @@ class MasterRole:
     def quiet(self) -> bool:
         """Nothing for `tick` to do until a message, a write or a commit comes (the driver then
         ticks the role again): the replica, recorded in sync, holds everything and has been
-        told both commit points; no transfer, no proposal, no probe."""
+        told both commit points; no transfer, no proposal, no probe. Or it waits for its
+        replica's Open (the replica's node is down, or the link is): the link coming back, a
+        message or a write wakes it, and nothing is timed unless it must record the replica out
+        of sync (recorded in sync with writes outstanding, or under min_in_sync 2) or repeat a
+        RESYNC. After a failover of thousands of queues, their new masters all wait so for the
+        node that died: ticking each every 50 ms took most of the loop (issue 31)."""
+        if self.progress is ReplicaProgress.PROBING:
+            outstanding = self.last_order > self.replica_durable
+            return self._pending_proposal is None and self._resync_sent_ms is None \
+                and self._snapshot is None and not self._snapshot_unacked \
+                and (not outstanding or self.sent_order <= self.replica_durable) \
+                and (not self.recorded_in_sync or (not outstanding and self.core.options.min_in_sync < 2))
         return self.progress is ReplicaProgress.CAUGHT_UP and self.recorded_in_sync \
             and self._pending_proposal is None and self._probing_since_ms is None \
             and self.replica_durable >= self.last_order and self.sent_order >= self.last_order \

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 from typing import Any
 
 from qserver import commands as c
@@ -18,6 +19,7 @@ from replication.queue_core import QueueCore
 from tests.sim.engine_cluster import FIRST_MASTER, FIRST_REPLICA, NODES, QUEUE, EngineSimulation
 
 CREATE_IN_FLIGHT = 64        # creations submitted at once (each is one map command)
+FAILOVER_SETTLE_S = 3.0      # a killed node's lease lapses (0.3 s + margin) and its masters fail over
 
 
 class _CountedCore(QueueCore):
@@ -31,9 +33,17 @@ class _CountedCore(QueueCore):
 
 
 class IdleQueuesSimulation(EngineSimulation):
+    """`down`: a node (not a member of the busy queue) killed once the idle queues exist; the
+    counting starts after its lease lapsed and its masters failed over, so the survivors'
+    masters of idle queues all wait for a replica that is gone."""
     self_checks = False
-    def __init__(self, idle: int, requests: int = 200, seed: int = 1) -> None:
+    def __init__(self, idle: int, requests: int = 200, seed: int = 1, down: str | None = None) -> None:
         super().__init__(seed, clock_drift=0.0)
+        assert down not in (FIRST_MASTER, FIRST_REPLICA), "the busy queue's members stay up"
+        self.down = down
+        self.waiting_for_down = 0            # survivors' masters whose replica is the killed node
+        for node in self.members.values():   # the dead node's replicas stay where they are
+            node.config = dataclasses.replace(node.config, replica_replace_after_s=3600.0)
         self.idle = idle
         self.requests = requests
         self.visits: collections.Counter[str] = collections.Counter()    # attribute -> reads on idle cores
@@ -43,6 +53,11 @@ class IdleQueuesSimulation(EngineSimulation):
         """In place of faults: the idle queues, then the counted traffic on the busy one."""
         await self._create_idle_queues()
         await asyncio.sleep(1.0)             # the creations' batches and opens settle
+        if self.down is not None:
+            await self.members[self.down].crash()
+            await asyncio.sleep(FAILOVER_SETTLE_S)
+            self.waiting_for_down = sum(1 for node in self.members.values() if node.engine is not None
+                                        for role in node.engine.pairs.masters.values() if role.replica_id == self.down)
         self._count_idle_cores()
         await self._busy_traffic()
 
@@ -69,7 +84,8 @@ class IdleQueuesSimulation(EngineSimulation):
     def _count_idle_cores(self) -> None:
         _CountedCore.visits = self.visits
         for node in self.members.values():
-            assert node.engine is not None
+            if node.engine is None:          # the killed one
+                continue
             for name, core in node.engine.cores.items():
                 if name != QUEUE:
                     core.__class__ = _CountedCore
