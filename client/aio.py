@@ -965,9 +965,15 @@ class AsyncClient:
             self._watch_timer = loop.call_later(WATCH_SWEEP_S, self._sweep_watches)
 
     async def _ask_stalled_again(self) -> None:
-        with contextlib.suppress(QueueError):
-            await self.refresh_placement()
+        # Only the stalled queues' entries (one shared reading): the whole map of 10,000 queues
+        # is 5.6 MB that each node encodes on its loop, the membership leader's too, while it
+        # should be failing those queues over (issue 31).
         loop = self._bound_loop()
+        now = loop.time()
+        stalled = {watch.queue for watch in self._watches
+                   if not watch.outcome.done() and now - watch.asked_at >= STALL_CHECK_S}
+        with contextlib.suppress(QueueError):
+            await asyncio.gather(*(self.refresh_placement(queue) for queue in stalled))
         now = loop.time()
         for watch in self._watches:
             if watch.outcome.done() or now - watch.asked_at < STALL_CHECK_S:

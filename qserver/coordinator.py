@@ -214,7 +214,10 @@ class Coordinator:
         changes, stuck = plan_failover(cluster, lapsed) if lapsed else ([], [])
         if changes:
             command = ChangePairs(tuple(changes))
-            log.warning("failover of %d queue(s) mastered by %s%s", len(changes), sorted(lapsed),
+            granted = {node: mono - self.table.last_grant_ms.get(node, self.table.leader_since_ms or mono)
+                       for node in sorted(lapsed)}
+            log.warning("failover of %d queue(s) mastered by %s (lease last granted %s ms ago)%s", len(changes),
+                        sorted(lapsed), granted,
                         f"; {len(stuck)} stay unavailable (replica not in sync)" if stuck else "")
             self.failovers += len(changes)
         else:

@@ -4,7 +4,13 @@ from __future__ import annotations
 import asyncio
 import bisect
 import collections
+import gc
+import logging
+import time
 from collections.abc import Iterable, Sequence
+from typing import Any
+
+log = logging.getLogger("qserver.metrics")
 
 
 class Histogram:
@@ -78,3 +84,49 @@ class LoopLag:
         return self.histogram.render() + render_family(
             "qserver_loop_lag_max_seconds", "gauge", f"the longest loop lag of the last {self.WINDOW_S:g} s",
             [({}, self.recent_max_s())])
+
+
+class CollectorPauses:
+    """How long Python's cyclic collector held the process, per generation (gc.callbacks): a
+    collection of the oldest generation walks every object a node keeps (every queue's core
+    and role), and shows as loop lag nothing else explains. One that takes longer than
+    LOG_OVER_S is logged."""
+    LOG_OVER_S = 0.1
+
+    def __init__(self) -> None:
+        self.histograms = [Histogram("qserver_gc_pause_seconds", "how long a collection of this generation took",
+                                     (0.001, 0.005, 0.01, 0.05, 0.1, 0.2, 0.5, 1.0)) for _ in range(3)]
+        self._started = 0.0
+
+    def install(self) -> None:
+        gc.callbacks.append(self._callback)
+
+    def uninstall(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        took = time.perf_counter() - self._started
+        generation = int(info.get("generation", 0))
+        self.histograms[min(generation, 2)].observe(took)
+        if took > self.LOG_OVER_S:
+            log.warning("a collection of generation %d took %.3f s (%d objects collected)", generation, took,
+                        int(info.get("collected", 0)))
+
+    def render(self) -> list[str]:
+        name = "qserver_gc_pause_seconds"
+        lines = [f"# HELP {name} how long the cyclic collector held the process, by generation",
+                 f"# TYPE {name} histogram"]
+        for generation, histogram in enumerate(self.histograms):
+            label = f'generation="{generation}"'
+            running = 0
+            for bound, count in zip(histogram.buckets, histogram.counts, strict=False):
+                running += count
+                lines.append(f'{name}_bucket{{{label},le="{bound:g}"}} {running}')
+            lines.append(f'{name}_bucket{{{label},le="+Inf"}} {histogram.samples}')
+            lines.append(f"{name}_sum{{{label}}} {histogram.total:.6f}")
+            lines.append(f"{name}_count{{{label}}} {histogram.samples}")
+        return lines

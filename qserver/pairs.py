@@ -385,6 +385,8 @@ class PairDriver:
         self.storage_full = full
         self._next_full_notice_ms = mono_ms + STORAGE_FULL_NOTICE_MS
         if not full:
+            for name in self.replicas:      # those that waited to open (_may_open) start now
+                self._wake(name)
             return
         for replica in self.replicas.values():
             replica.refuse_for_storage()
@@ -961,6 +963,10 @@ class PairDriver:
             if name not in self._ticking and not role.quiet:
                 raise InvariantViolation(f"queue {name}: its {_role_name(role)} role has work in flight "
                                          f"({self.describe(name)}) and is not ticked")
+            if name not in self._ticking and isinstance(role, ReplicaRole) and role.phase is ReplicaPhase.OPENING \
+                    and role.never_opened and self._may_open(role):
+                raise InvariantViolation(f"queue {name}: its replica role may open ({self.describe(name)}) "
+                                         f"and is not ticked")
 
     def _drain_master(self, role: MasterRole) -> None:
         forwarded, role.forwarded = role.forwarded, []
@@ -1080,6 +1086,11 @@ class PairDriver:
             self._forward_answered(replica.core.name, result)
         self._flush(replica)
         self.release_committed(replica.core.name)
+        if replica.phase is ReplicaPhase.FOLLOWING and replica.core.record.dead_letter_of is None:
+            # Its dead-letter queue's member may have waited for this one to follow (_may_open).
+            dead = self.replicas.get(dead_letter_name(replica.core.name))
+            if dead is not None and dead.never_opened:
+                self._wake(dead.core.name)
 
     # --- snapshots on the replica ----------------------------------------------------------
     def _reset_dead_letters_with(self, replica: ReplicaRole) -> None:

@@ -174,8 +174,11 @@ class ReplicaRole:
 
     @property
     def quiet(self) -> bool:
-        """Nothing for `tick` to do until a message comes: it follows its master."""
-        return self.phase is ReplicaPhase.FOLLOWING
+        """Nothing for `tick` to do until a message comes: it follows its master, is fenced,
+        or waits to be started (its link is down, or its node may not open it yet: the driver
+        starts it when the link comes back or the node may; issue 31)."""
+        return self.phase in (ReplicaPhase.FOLLOWING, ReplicaPhase.FENCED) \
+            or (self.phase is ReplicaPhase.OPENING and self._last_open_ms is None)
 
     def tick(self, now_ms: int) -> None:
         if self._last_open_ms is None:
