@@ -369,8 +369,16 @@ class Coordinator:
         if promised is not None and entry is not None and entry.master == self.node_id:
             del self.promised[name]
             promised[0](self._handoff_result(name))
-        if handoff is not None and handoff.proposed and entry is not None and entry.master != self.node_id:
-            self._end_handoff(name, None)
+        if handoff is None:
+            return
+        if entry is None:
+            self._end_handoff(name, "the queue was deleted")
+        elif entry.master != self.node_id:
+            # Proposed: the swap (or anything after it) is in the map. Not proposed yet: the
+            # master changed under it (a failover while it waited for its replica); the writes
+            # it parked go on now, to the new roles, not at its timeout (a chaos run's consumer
+            # waited 5 s after the heal for a handoff its node no longer mastered).
+            self._end_handoff(name, None if handoff.proposed else "the queue's master changed first")
 
     def _end_handoff(self, name: str, failure: str | None) -> None:
         handoff = self.handoffs.pop(name, None)

@@ -540,6 +540,11 @@ class Engine:
         """Histories differ: drop this instance's contents and start again from empty."""
         old = role.core
         dead_letter = old.dead_letter_core
+        # What it applied into the open batch goes with it (the master sends it again): written
+        # after the instance is gone, its journal records named no queue, and the audit found
+        # an index gap (a chaos run, seed 41, when a dead-letter queue asked for a snapshot of
+        # both while its queue was following).
+        self._unstage(old.queue_id)
         self._remove_core(old, keep_role=True)
         # The same epoch as the instance it replaces: its journal records and its durable
         # epoch must not go back to the default (a node never accepts an older epoch).
@@ -557,17 +562,21 @@ class Engine:
         False when the core cannot (the member then takes the master's whole history)."""
         if core.discard_after(order) is None:
             return False
+        self._unstage(core.queue_id, order)
+        self._open.sealed.truncations.append((core.queue_id, order))
+        self._touch(core)
+        return True
+
+    def _unstage(self, queue_id: int, after: int = 0) -> None:
+        """Take the open batch's operations and op-log rows of `queue_id` past order `after`
+        out of it (all of them with 0)."""
         sealed = self._open.sealed
-        queue_id = core.queue_id
-        kept = [op.queue_id != queue_id or op.order <= order for op in sealed.operations]
+        kept = [op.queue_id != queue_id or op.order <= after for op in sealed.operations]
         # Journal marks stay before the operation they preceded (their positions shrink).
         before = [0, *itertools.accumulate(kept)]
         sealed.journal_marks[:] = [(before[position], mark) for position, mark in sealed.journal_marks]
         sealed.operations[:] = [op for op, keep in zip(sealed.operations, kept, strict=True) if keep]
-        sealed.oplog_rows[:] = [row for row in sealed.oplog_rows if row[0] != queue_id or row[2] <= order]
-        sealed.truncations.append((queue_id, order))
-        self._touch(core)
-        return True
+        sealed.oplog_rows[:] = [row for row in sealed.oplog_rows if row[0] != queue_id or row[2] <= after]
 
     def stage_applied(self, core: QueueCore, applied: list[Any]) -> None:
         """Log entries the replica applied: persist their operations and op-log rows."""

@@ -27,15 +27,18 @@ class Histogram:
         self.total += value
         self.samples += 1
 
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} histogram"]
+    def render(self, label: str = "", header: bool = True) -> list[str]:
+        """`label`: one `key="value"` every sample carries (several histograms of one family,
+        each rendered with its own label and only the first with the header)."""
+        lines = [f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} histogram"] if header else []
+        prefix, only = (label + ",", "{" + label + "}") if label else ("", "")
         running = 0
         for bound, count in zip(self.buckets, self.counts, strict=False):
             running += count
-            lines.append(f'{self.name}_bucket{{le="{bound:g}"}} {running}')
-        lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.samples}')
-        lines.append(f"{self.name}_sum {self.total:.6f}")
-        lines.append(f"{self.name}_count {self.samples}")
+            lines.append(f'{self.name}_bucket{{{prefix}le="{bound:g}"}} {running}')
+        lines.append(f'{self.name}_bucket{{{prefix}le="+Inf"}} {self.samples}')
+        lines.append(f"{self.name}_sum{only} {self.total:.6f}")
+        lines.append(f"{self.name}_count{only} {self.samples}")
         return lines
 
 
@@ -94,7 +97,8 @@ class CollectorPauses:
     LOG_OVER_S = 0.1
 
     def __init__(self) -> None:
-        self.histograms = [Histogram("qserver_gc_pause_seconds", "how long a collection of this generation took",
+        self.histograms = [Histogram("qserver_gc_pause_seconds", "how long the cyclic collector held the process, "
+                                     "by generation",
                                      (0.001, 0.005, 0.01, 0.05, 0.1, 0.2, 0.5, 1.0)) for _ in range(3)]
         self._started = 0.0
 
@@ -117,16 +121,7 @@ class CollectorPauses:
                         int(info.get("collected", 0)))
 
     def render(self) -> list[str]:
-        name = "qserver_gc_pause_seconds"
-        lines = [f"# HELP {name} how long the cyclic collector held the process, by generation",
-                 f"# TYPE {name} histogram"]
+        lines: list[str] = []
         for generation, histogram in enumerate(self.histograms):
-            label = f'generation="{generation}"'
-            running = 0
-            for bound, count in zip(histogram.buckets, histogram.counts, strict=False):
-                running += count
-                lines.append(f'{name}_bucket{{{label},le="{bound:g}"}} {running}')
-            lines.append(f'{name}_bucket{{{label},le="+Inf"}} {histogram.samples}')
-            lines.append(f"{name}_sum{{{label}}} {histogram.total:.6f}")
-            lines.append(f"{name}_count{{{label}}} {histogram.samples}")
+            lines += histogram.render(f'generation="{generation}"', header=generation == 0)
         return lines

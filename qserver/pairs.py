@@ -1041,6 +1041,10 @@ class PairDriver:
             membership.propose(ChangePairs(tuple(change for change, _ in part)), decided)
 
     def _drain_replica(self, replica: ReplicaRole) -> None:
+        if replica.dead_letter_resyncs:
+            replica.dead_letter_resyncs = 0
+            log.warning("queue %s: a dead letter's index and the dead-letter queue's own stream disagree here; "
+                        "both states are taken again from one snapshot of the queue", replica.core.name)
         for record in replica.resets:
             self.engine.reset_replica_instance(replica, record)
             self.received.pop(replica.core.name, None)

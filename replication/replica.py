@@ -50,6 +50,7 @@ from replication.messages import (
 )
 from replication.operations import DeadLettered, Operation
 from replication.oplog import LogEntry, OpLogReader
+from replication.options import Strength
 from replication.queue_core import QueueCore
 from replication.snapshot import EMPTY_STATE_HASH, decode_rows, fold_rows
 
@@ -121,6 +122,7 @@ class ReplicaRole:
         self.snapshots_installed = 0
         self.snapshots_resumed = 0    # transfers continued after a broken link (the driver counts and zeroes it)
         self.resync_source = False    # a dead-letter queue's member asks for its queue's snapshot
+        self.dead_letter_resyncs = 0   # times the two streams of a dead-letter queue disagreed
         self._recent_digests: collections.deque[tuple[int, bytes]] = collections.deque()   # not yet durable
         self._last_open_ms: int | None = None
         self._gap_reported_at = -1
@@ -277,6 +279,8 @@ class ReplicaRole:
             if ops[0].order <= self.applied_order:
                 raise InvariantViolation(f"queue {self.core.name}: a log entry {ops[0].order}..{last} straddles "
                                          f"the applied order {self.applied_order} (both members' entries are the same)")
+            if self._dead_letters_ran_ahead(ops):
+                return
             apply = self.core.apply
             for op in ops:
                 apply(self._localized(op))
@@ -291,6 +295,34 @@ class ReplicaRole:
             # The master streams again when an acknowledgement was lost: say it once more.
             self._send(AppendAck(self.core.name, self.incarnation, self.epoch, 0, self.durable_order,
                                  session=self.session))
+
+    def _dead_letters_ran_ahead(self, ops: list[Operation]) -> bool:
+        """Under `full` a dead-letter queue's ordering indexes come from two streams: its own
+        (leases, acks of dead letters) and its queue's (each dead letter's index). The master
+        gave them out in one sequence; a member that followed its queue's stream while its
+        dead-letter queue's stream was not open yet (a deposed master catching up, say) has
+        placed dead letters past an index its own stream still holds. Neither stream can
+        then be applied as sent: this member takes both states again from one view of its
+        queue's snapshot (as when the dead-letter queue's position left the log) instead of
+        stopping the node on the index it cannot take (a chaos run, seed 41, crash-looped
+        on it)."""
+        core = self.core
+        if core.options.strength is not Strength.FULL:
+            return False
+        if core.record.dead_letter_of is not None:
+            behind = next((op.order for op in ops if op.order and op.order < core.record.next_index), None)
+            if behind is None:
+                return False
+            self.resync_source = True
+        else:
+            dead = core.dead_letter_core
+            behind = next((op.dead_letter_index for op in ops if type(op) is DeadLettered and dead is not None
+                           and op.dead_letter_index < dead.record.next_index), None)
+            if behind is None:
+                return False
+            self.wipe(core.record.to_json())
+        self.dead_letter_resyncs += 1
+        return True
 
     def _report_gap(self) -> None:
         """Ask the master to stream again from what we hold durably: once per position, as

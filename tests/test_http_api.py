@@ -237,7 +237,8 @@ async def test_health_and_metrics_need_no_signature(api: RawApi) -> None:
     text = text.decode()
     for family in ("qserver_queue_depth{queue=\"metered\"} 1", "qserver_queue_in_flight",
                    "qserver_queue_enqueued_total", "qserver_queue_acked_total", "qserver_commit_seconds_bucket",
-                   "qserver_commit_batch_operations_bucket"):
+                   "qserver_commit_batch_operations_bucket", "qserver_loop_lag_seconds_bucket",
+                   'qserver_gc_pause_seconds_count{generation="0"}', 'qserver_gc_pause_seconds_bucket{generation="2",'):
         assert family in text
 
 

@@ -159,3 +159,21 @@ def test_a_log_entry_row_of_the_wrong_shape_is_a_message_error_not_a_type_error(
     raised TypeError (unhashable), which on a replica would have stopped the node."""
     with pytest.raises(MessageError):
         decode_entry(msgpack.packb([row], use_bin_type=True))
+
+
+def test_a_dead_letter_queue_whose_dead_letters_ran_ahead_of_its_own_stream_takes_both_again() -> None:
+    """Under `full` a dead-letter queue's indexes come from its own stream and from its
+    queue's (each dead letter's index). A member that followed the queue's stream while the
+    dead-letter queue's was not open yet has placed dead letters past indexes its own stream
+    still holds (a chaos run, seed 41: "ordering index 5 below 19", the node crash-looping).
+    It asks for both states from one snapshot of its queue instead of stopping the node."""
+    source, master, target, replica = pair()
+    target.core.record.dead_letter_of = "orders"
+    target.core.accept_dead_letter(4, 0, index=18)       # placed through its queue's stream
+    assert target.core.record.next_index == 19
+    master.replicate(decided(source, 5), 3)              # its own stream: orders 1..5
+    [(_, append)] = master.outbox
+    replica.receive(decode_message(encode_message(append)), 4)
+    assert replica.resync_source and replica.dead_letter_resyncs == 1
+    assert replica.applied_order == 0 and not replica.applied, "nothing of the stream was applied"
+    assert target.core.record.next_index == 19
