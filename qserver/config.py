@@ -61,6 +61,7 @@ class NodeConfig:
     lease_renew_interval_ms: int = 200
     election_timeout_ms: tuple[int, int] = (300, 600)
     raft_heartbeat_ms: int = 50
+    membership_compact_every: int = 1_000    # map commands applied between two snapshots of the map
     replica_replace_after_s: float = 300.0  # a node down this long gets its replicas re-created elsewhere
     accept_replica_handoffs: bool = True    # false: this node's masters refuse handoffs their replicas ask
     shutdown_handoff_timeout_s: float = 10.0
@@ -97,6 +98,8 @@ class NodeConfig:
             problems.append("map_size_bytes exceeds map_size_max_bytes")
         if self.disk_reserve_bytes < 0:
             problems.append("disk_reserve_bytes must not be negative")
+        if self.membership_compact_every < 2:
+            problems.append("membership_compact_every must be at least 2")
         if self.body_bytes_max * 4 > self.map_size_max_bytes:
             problems.append("map_size_max_bytes must hold at least four maximal messages")
         if self.batch_operations_max > self.inbox_commands_max:

@@ -149,9 +149,12 @@ class RaftMembership:
     def __init__(self, node_id: str, storage_id: int, store: RaftStorage, *, voters: set[str],
                  send: Callable[[str, bytes], bool], writer: Callable[[], Executor],
                  loop: asyncio.AbstractEventLoop, limits: RaftLimits, tick_s: float, seed: int | None = None,
-                 grow_storage: Callable[[], None] | None = None) -> None:
+                 grow_storage: Callable[[], None] | None = None,
+                 compact_every_entries: int = COMPACT_EVERY_ENTRIES) -> None:
         """`grow_storage`: grows the node's LMDB map between two writer jobs (Engine.grow_storage;
-        raises StorageFull at its limit), for a Raft write that found the map full."""
+        raises StorageFull at its limit), for a Raft write that found the map full.
+        `compact_every_entries`: applied entries between two snapshots of the map."""
+        self._compact_every = compact_every_entries
         self.node_id = node_id
         self.cluster_map = ClusterMap()
         self.on_applied: OnApplied = _ignore_applied
@@ -397,7 +400,7 @@ class RaftMembership:
                 core.campaign()
             else:
                 core.step(item)
-        if core.applied_index - core.snapshot_index >= COMPACT_EVERY_ENTRIES:
+        if core.applied_index - core.snapshot_index >= self._compact_every:
             core.compact(core.applied_index, encode_map(self.cluster_map))
 
     def _on_tick(self, core: RaftNode) -> None:

@@ -6,6 +6,7 @@ import bisect
 import collections
 import gc
 import logging
+import sys
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -93,20 +94,24 @@ class CollectorPauses:
     """How long Python's cyclic collector held the process, per generation (gc.callbacks): a
     collection of the oldest generation walks every object a node keeps (every queue's core
     and role), and shows as loop lag nothing else explains. One that takes longer than
-    LOG_OVER_S is logged."""
+    LOG_OVER_S is logged. The collector is the process's: one instance (COLLECTOR_PAUSES)
+    counts for every node the process runs (tests run several), installed while any runs."""
     LOG_OVER_S = 0.1
 
     def __init__(self) -> None:
         self.histograms = [Histogram("qserver_gc_pause_seconds", "how long the cyclic collector held the process, "
-                                     "by generation",
-                                     (0.001, 0.005, 0.01, 0.05, 0.1, 0.2, 0.5, 1.0)) for _ in range(3)]
+                                     "by generation", (0.001, 0.005, 0.01, 0.05, 0.1, 0.2, 0.5, 1.0)) for _ in range(3)]
         self._started = 0.0
+        self._users = 0
 
     def install(self) -> None:
-        gc.callbacks.append(self._callback)
+        self._users += 1
+        if self._users == 1:
+            gc.callbacks.append(self._callback)
 
     def uninstall(self) -> None:
-        if self._callback in gc.callbacks:
+        self._users = max(0, self._users - 1)
+        if self._users == 0 and self._callback in gc.callbacks:
             gc.callbacks.remove(self._callback)
 
     def _callback(self, phase: str, info: dict[str, Any]) -> None:
@@ -116,7 +121,7 @@ class CollectorPauses:
         took = time.perf_counter() - self._started
         generation = int(info.get("generation", 0))
         self.histograms[min(generation, 2)].observe(took)
-        if took > self.LOG_OVER_S:
+        if took > self.LOG_OVER_S and not sys.is_finalizing():
             log.warning("a collection of generation %d took %.3f s (%d objects collected)", generation, took,
                         int(info.get("collected", 0)))
 
@@ -125,3 +130,6 @@ class CollectorPauses:
         for generation, histogram in enumerate(self.histograms):
             lines += histogram.render(f'generation="{generation}"', header=generation == 0)
         return lines
+
+
+COLLECTOR_PAUSES = CollectorPauses()

@@ -37,7 +37,7 @@ from qserver.http_errors import EnvelopeAppRunner
 from qserver.journal_export import ExportSettings, JournalExporter, JournalSource, exit_with_parent, export_in_process
 from qserver.macro_service import MacroService
 from qserver.membership import RaftMembership, raft_limits, tick_ms
-from qserver.metrics import CollectorPauses, LoopLag, render_family
+from qserver.metrics import COLLECTOR_PAUSES, LoopLag, render_family
 from qserver.peers import PEER_PATH, PeerTransport
 from qserver.raft_store import RaftStore
 from qserver.storage import Storage
@@ -83,7 +83,6 @@ class Node:
         self.journal = self._journal_exporter()
         self._journal_task: asyncio.Task[None] | None = None
         self.loop_lag = LoopLag()
-        self.collector_pauses = CollectorPauses()
         self._loop_lag_task: asyncio.Task[None] | None = None
         self._export_pool: ProcessPoolExecutor | None = None
         self._nonces_path = Path(config.data_dir) / "replay-window.json"
@@ -179,7 +178,8 @@ class Node:
             config.node_id, self.storage.storage_id, RaftStore(self.storage), voters=set(addresses),
             send=transport.send, writer=lambda: self.engine.writer, loop=asyncio.get_running_loop(),
             limits=raft_limits(config.election_timeout_ms, config.raft_heartbeat_ms),
-            tick_s=tick_ms(config.raft_heartbeat_ms) / 1000, grow_storage=lambda: self.engine.grow_storage())
+            tick_s=tick_ms(config.raft_heartbeat_ms) / 1000, grow_storage=lambda: self.engine.grow_storage(),
+            compact_every_entries=config.membership_compact_every)
         return membership, transport
 
     def membership_application(self) -> web.Application | None:
@@ -213,7 +213,7 @@ class Node:
         if self.journal is not None:
             self._journal_task = asyncio.get_running_loop().create_task(self._export_journal_when_due())
         self._loop_lag_task = asyncio.get_running_loop().create_task(self.loop_lag.run())
-        self.collector_pauses.install()
+        COLLECTOR_PAUSES.install()
         if self.membership is not None:
             self.surveillance.start()
             self.forwarders.start()
@@ -229,7 +229,7 @@ class Node:
         for task in (self._journal_task, self._loop_lag_task):
             if task is not None:
                 task.cancel()
-        self.collector_pauses.uninstall()
+        COLLECTOR_PAUSES.uninstall()
         if self._export_pool is not None:
             self._export_pool.shutdown(wait=False, cancel_futures=True)
         for connection in list(self.connections):
@@ -336,7 +336,7 @@ class Node:
                                per_queue["overflows"])
         lines += engine.commit_seconds.render()
         lines += self.loop_lag.render()
-        lines += self.collector_pauses.render()
+        lines += COLLECTOR_PAUSES.render()
         lines += engine.batch_operations.render()
         lines += render_family("qserver_inbox_commands", "gauge", "commands waiting for the engine",
                                [({}, engine.pending_commands())])

@@ -1212,8 +1212,14 @@ class PairDriver:
             self.engine.store_client(command.client_id, command.record)
             return
         if not outcomes:        # a snapshot replaced the whole map: the registry too
-            for client_id, record in self.view.cluster_map.clients.items():
+            cluster = self.view.cluster_map
+            for client_id, record in cluster.clients.items():
                 self.engine.store_client(client_id, record)
+            # Removals this node missed (the log that held them was compacted while it was
+            # away): a revoked key must not go on working here (issue 32). A client the map
+            # never held (the first admin `qserver init` stored on the founding node) stays.
+            for client_id in [client_id for client_id in self.engine.clients if client_id in cluster.revoked_clients]:
+                self.engine.store_client(client_id, None)
         if isinstance(command, (CreateQueue, DeleteQueue)):
             if outcomes and outcomes[0].applied:
                 self.reconcile(command.name, deleted=isinstance(command, DeleteQueue))

@@ -154,6 +154,11 @@ class DeliveryClass(enum.StrEnum):
 
 RECIPIENTS_MAX = 10_000          # named push consumers in the map (fault surveillance)
 FORWARDS_MAX = 256               # forwards in the map (store-and-forward, seed 003)
+# Clients removed from the map, remembered (by id, with the map version that removed them) so
+# that a node catching up by a snapshot removes them too: a snapshot holds the clients that
+# exist, and a node that missed the removal would otherwise keep a revoked key (issue 32).
+# Client ids are random and never reused; the oldest are forgotten beyond this many.
+REVOKED_CLIENTS_MAX = 100_000
 CHANNEL_PREFIX = "channel:"      # a channel's messages live in the queue `channel:<name>` (its pair)
 CHANNEL_RESEND_MAX_S = 86_400
 
@@ -605,6 +610,7 @@ class ClusterMap:
     macros: dict[str, MacroEntry] = field(default_factory=dict)
     channels: dict[str, ChannelEntry] = field(default_factory=dict)
     forwards: dict[str, ForwardEntry] = field(default_factory=dict)
+    revoked_clients: dict[str, int] = field(default_factory=dict)   # client id -> version that removed it
     version: int = 0          # commands applied; every copy agrees at the same version
     index: MapIndex = field(init=False, repr=False, compare=False)
 
@@ -701,9 +707,13 @@ class ClusterMap:
             return [self._set_node_state(command)]
         if isinstance(command, PutClient):
             if command.record is None:
-                self.clients.pop(command.client_id, None)
+                if self.clients.pop(command.client_id, None) is not None:
+                    self.revoked_clients[command.client_id] = self.version
+                    while len(self.revoked_clients) > REVOKED_CLIENTS_MAX:
+                        del self.revoked_clients[next(iter(self.revoked_clients))]
             else:
                 self.clients[command.client_id] = dict(command.record)
+                self.revoked_clients.pop(command.client_id, None)
             return [Outcome(command.client_id, True)]
         if isinstance(command, SetAlternatives):
             if command.alternatives:
@@ -1090,7 +1100,7 @@ def encode_map(cluster: ClusterMap) -> bytes:
     forwards = [[f.name, f.source, f.destination, list(f.urls), f.client_id, f.secret, f.created_ms, f.token]
                 for f in cluster.forwards.values()]
     return msgpack.packb([cluster.version, nodes, queues, cluster.clients, alternatives, macros, channels,
-                          recipients, forwards], use_bin_type=True)
+                          recipients, forwards, list(cluster.revoked_clients.items())], use_bin_type=True)
 
 
 def decode_map(data: bytes) -> ClusterMap:
@@ -1103,6 +1113,7 @@ def decode_map(data: bytes) -> ClusterMap:
         channels = rest[1] if len(rest) > 1 else []
         recipients = rest[2] if len(rest) > 2 else []
         forwards = rest[3] if len(rest) > 3 else []
+        revoked = rest[4] if len(rest) > 4 else []      # nor one from before revoked clients were kept
         return ClusterMap(
             nodes={row[0]: NodeEntry(row[0], row[1], NodeState(row[2]), row[3], row[4]) for row in nodes},
             queues={row[0]: QueueEntry(*row) for row in queues},
@@ -1112,6 +1123,6 @@ def decode_map(data: bytes) -> ClusterMap:
             channels={row[0]: ChannelEntry(row[0], row[1], row[2]) for row in channels},
             recipients={row[0]: RecipientEntry(*row) for row in recipients},
             forwards={row[0]: ForwardEntry(row[0], row[1], row[2], tuple(row[3]), *row[4:]) for row in forwards},
-            version=version)
+            revoked_clients={str(client_id): int(at) for client_id, at in revoked}, version=version)
     except Exception as exc:  # msgpack and the constructors raise several unrelated types
         raise CommandError(f"not a cluster map snapshot: {type(exc).__name__}: {exc}") from None

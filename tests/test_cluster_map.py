@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import msgpack
 import pytest
 
 from replication import cluster_map as cm
@@ -25,6 +26,7 @@ from replication.cluster_map import (
     MapIndex,
     NodeState,
     PutChannel,
+    PutClient,
     PutForward,
     PutMacroMember,
     PutRecipient,
@@ -262,3 +264,28 @@ def test_a_failover_plan_reads_the_lapsed_nodes_queues_only() -> None:
     changes, stuck = plan_failover(cluster, {"n2"})
     assert {change.name for change in changes} == mastered and stuck == []
     assert NoWalk.reads == len(mastered)
+
+
+def test_a_removed_client_is_remembered_in_the_map_and_its_snapshots() -> None:
+    """A node that catches up by a snapshot learns which clients were removed while it was
+    away (issue 32: a revoked key kept working on a node that missed the removal)."""
+    cluster = ClusterMap()
+    record = {"id": "c-1", "name": "app", "public_key": "k", "grants": [], "created_ms": 0}
+    cluster.apply(PutClient("c-1", record))
+    cluster.apply(PutClient("c-2", {**record, "id": "c-2", "name": "other"}))
+    cluster.apply(PutClient("c-1", None))
+    assert cluster.clients.keys() == {"c-2"} and cluster.revoked_clients == {"c-1": 3}
+    cluster.apply(PutClient("c-9", None))              # never existed: nothing to remember
+    decoded = decode_map(encode_map(cluster))
+    assert decoded.revoked_clients == {"c-1": 3} and decoded == cluster
+    old_layout = msgpack.unpackb(encode_map(cluster), raw=False)[:9]     # a snapshot from before
+    assert decode_map(msgpack.packb(old_layout, use_bin_type=True)).revoked_clients == {}
+
+
+def test_the_map_remembers_a_bounded_number_of_removed_clients(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cm, "REVOKED_CLIENTS_MAX", 3)
+    cluster = ClusterMap()
+    for number in range(5):
+        cluster.apply(PutClient(f"c-{number}", {"id": f"c-{number}"}))
+        cluster.apply(PutClient(f"c-{number}", None))
+    assert list(cluster.revoked_clients) == ["c-2", "c-3", "c-4"], "the oldest are forgotten first"
