@@ -567,16 +567,17 @@ class Engine:
         self._touch(core)
         return True
 
-    def _unstage(self, queue_id: int, after: int = 0) -> None:
+    def _unstage(self, queue_id: int, after: int | None = None) -> None:
         """Take the open batch's operations and op-log rows of `queue_id` past order `after`
-        out of it (all of them with 0)."""
+        out of it (every one of them with None, those without an order too)."""
         sealed = self._open.sealed
-        kept = [op.queue_id != queue_id or op.order <= after for op in sealed.operations]
+        kept = [op.queue_id != queue_id or (after is not None and op.order <= after) for op in sealed.operations]
         # Journal marks stay before the operation they preceded (their positions shrink).
         before = [0, *itertools.accumulate(kept)]
         sealed.journal_marks[:] = [(before[position], mark) for position, mark in sealed.journal_marks]
         sealed.operations[:] = [op for op, keep in zip(sealed.operations, kept, strict=True) if keep]
-        sealed.oplog_rows[:] = [row for row in sealed.oplog_rows if row[0] != queue_id or row[2] <= after]
+        sealed.oplog_rows[:] = [row for row in sealed.oplog_rows
+                                if row[0] != queue_id or (after is not None and row[2] <= after)]
 
     def stage_applied(self, core: QueueCore, applied: list[Any]) -> None:
         """Log entries the replica applied: persist their operations and op-log rows."""
