@@ -78,7 +78,7 @@ class NodeConfig:
     tls_key_file: str = ""
     tls_ca_file: str = ""
     peer_send_queue_bytes_max: int = 8 << 20
-    # The bounded op log and snapshots (DESIGN.md 4.1): the log kept for a replica recorded out
+    # The bounded op log and snapshots (docs/PROTOCOL.md, "The bounded op log and snapshots"): the log kept for a replica recorded out
     # of sync (past it, the replica gets a snapshot), snapshot chunks, and how long a read view
     # is held by a transfer that makes no progress (it keeps LMDB from reusing freed pages).
     log_retain_max_bytes: int = 64 << 20

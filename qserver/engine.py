@@ -1364,7 +1364,7 @@ class Engine:
         sealed.replica_queue_ids = {core.queue_id for name, core in touched.items() if name in replicas}
         for name, core in batch.touched.items():
             known = self.pairs.commit_order(name)
-            # A master without a lease acknowledges nothing (DESIGN.md 3.3): what it commits
+            # A master without a lease acknowledges nothing (docs/PROTOCOL.md, "A master restarted inside its lease"): what it commits
             # alone meanwhile is not known committed (a snapshot lets a member keep what is).
             if known is not None and self.pairs.may_answer(name):
                 core.record.commit_order = known
@@ -1606,7 +1606,7 @@ class Engine:
 
     def _release(self, batch: OpenBatch, payloads: list[bytes | None], headers: list[dict[str, str] | None]) -> None:
         """Answer what this batch decided. Answers about replicated operations of a pair wait
-        until the queue's commit point passes them (DESIGN.md 3.1): the pair driver holds
+        until the queue's commit point passes them (docs/PROTOCOL.md, "Replication messages"): the pair driver holds
         those and releases them when the replica's acknowledgement arrives."""
         holds, hold = batch.holds, self.pairs.hold
         for position, (replier, request_id, result) in enumerate(batch.replies):

@@ -1,5 +1,5 @@
 """The membership layer behind one narrow interface: our own Raft core, run on the node's
-event loop (DESIGN.md 4.2); the engine simulation runs the same driver on its virtual loop.
+event loop (docs/RAFT.md); the engine simulation runs the same driver on its virtual loop.
 
     membership.cluster_map           the local copy of the replicated map (read on the loop)
     membership.propose(cmd, done)    done(outcomes) on the loop once applied, done(None) when
@@ -216,7 +216,7 @@ class RaftMembership:
         """Leads, and holds the leader lease: no other leader can have been elected yet (the
         core's exact rule, RaftNode.lease_remaining_ticks). A leader cut off, or paused and
         resumed, stops granting node leases and deciding failovers at once, before
-        check-quorum steps it down (DESIGN.md 4.2)."""
+        check-quorum steps it down (docs/RAFT.md, "Leases")."""
         core = self._core
         # The core counts only the ticks it was fed. Those the clock has passed and it has not
         # seen count against the lease too: they wait while a Ready is persisted (behind a

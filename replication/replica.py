@@ -316,7 +316,9 @@ class ReplicaRole:
             self.resync_source = True
         else:
             dead = core.dead_letter_core
-            behind = next((op.dead_letter_index for op in ops if type(op) is DeadLettered and dead is not None
+            if dead is None:
+                return False
+            behind = next((op.dead_letter_index for op in ops if type(op) is DeadLettered
                            and op.dead_letter_index < dead.record.next_index), None)
             if behind is None:
                 return False
