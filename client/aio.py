@@ -54,6 +54,7 @@ from client.errors import (
     E_OVERLOADED,
     E_QUEUE_UNAVAILABLE,
     E_REPLAYED_REQUEST,
+    E_SESSION_EXPIRED,
     E_SHUTTING_DOWN,
     E_TIMEOUT,
     E_UNAVAILABLE,
@@ -68,6 +69,7 @@ from client.protocol import (
     BATCH_ITEMS_MAX,
     DELAY_MS_MAX,
     FRAME_ITEMS_MAX,
+    FRAME_OBJECTS_MAX,
     TTL_MS_MAX,
     AckBatchOp,
     AdvertiseOp,
@@ -329,7 +331,31 @@ def _as_bytes(payload: Any) -> bytes:
 
 
 def _op_bytes(op: ClientOp) -> int:
-    return sum(map(len, op.payloads)) if type(op) is EnqueueBatchOp else 0
+    if isinstance(op, EnqueueBatchOp):
+        return sum(map(len, op.payloads))
+    if isinstance(op, PublishOp):
+        return len(op.payload)
+    if isinstance(op, ForwardDataOp):
+        return sum(len(item[0]) for item in op.items)
+    return 0
+
+
+# A frame's msgpack objects, counted generously per op: the node refuses a frame of more than
+# FRAME_OBJECTS_MAX (docs/PROTOCOL.md, "WebSocket frames"), so frames are cut at half of it.
+FRAME_OBJECTS_CUT = FRAME_OBJECTS_MAX // 2
+
+
+def _op_objects(op: ClientOp) -> int:
+    if isinstance(op, EnqueueBatchOp):
+        return 16 + 2 * len(op.payloads) + 2 * len(op.headers or ())
+    if isinstance(op, AckBatchOp):
+        return 8 + 3 * len(op.items)
+    if isinstance(op, ForwardDataOp):
+        return 16 + 40 * len(op.items)
+    channels = getattr(op, "channels", None)       # channel subscribe and advertise: up to 1,000 names
+    if channels is not None:
+        return 8 + len(channels)
+    return 48      # any other op: at most 9 fields, and a headers map of at most 16 names
 
 
 ROUTED_ENQUEUE_RETRY_S = 0.5   # see AsyncClient._node_client
@@ -346,7 +372,7 @@ RESUBSCRIBE_DELAY_INITIAL_S, RESUBSCRIBE_DELAY_MAX_S = 0.05, 0.5
 CALL_RETRY_DELAY_INITIAL_S, CALL_RETRY_DELAY_MAX_S = 0.05, 0.5
 ACK_RESEND_DELAY_S = 0.1       # an ack batch refused for one of RETRIED_CODES goes out again after this
 RETRIED_CODES = frozenset(kind.code for kind in (E_UNAVAILABLE, E_NOT_MASTER, E_QUEUE_UNAVAILABLE, E_OVERLOADED,
-                                                 E_SHUTTING_DOWN, E_NOT_ENOUGH_REPLICAS))
+                                                 E_SHUTTING_DOWN, E_NOT_ENOUGH_REPLICAS, E_SESSION_EXPIRED))
 STALL_CHECK_S = 0.25           # an enqueue unanswered this long reads the map again (AsyncClient._hedged)
 WATCH_SWEEP_S = STALL_CHECK_S / 4   # how often the watched enqueues are looked over (_sweep_watches)
 MAP_READ_TIMEOUT_S = 0.3       # a node's copy of the map not read in this long is passed over
@@ -1508,7 +1534,7 @@ class AsyncClient:
             self._on_connection_lost(cause)
 
     async def _open_socket(self) -> aiohttp.ClientWebSocketResponse:
-        headers = self._signer.headers("GET", self._ws_path, [], b"")
+        headers = self._signer.headers("GET", self._ws_path, [], b"", audience=str(self._ws_url))
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 return await self.http.session().ws_connect(
@@ -1597,26 +1623,29 @@ class AsyncClient:
         """Encode ops into frames within the item and byte limits; an op that cannot be
         encoded fails alone instead of taking the writer down."""
         if len(ops) == 1 or (len(ops) <= FRAME_ITEMS_MAX
-                             and sum(map(_op_bytes, ops)) <= self._frame_bytes_max):
+                             and sum(map(_op_bytes, ops)) <= self._frame_bytes_max
+                             and sum(map(_op_objects, ops)) <= FRAME_OBJECTS_CUT):
             try:
                 return [encode_frame(ops)]
             except (TypeError, ValueError, OverflowError):
                 pass  # find and fail the culprit below
         frames: list[bytes] = []
         chunk: list[ClientOp] = []
-        chunk_bytes = 0
+        chunk_bytes = chunk_objects = 0
         for op in ops:
             try:
                 encode_frame([op])
             except (TypeError, ValueError, OverflowError) as exc:
                 self._fail_op(op.request_id, TypeError(f"cannot encode {type(op).__name__}: {exc}"))
                 continue
-            op_bytes = _op_bytes(op)
-            if chunk and (chunk_bytes + op_bytes > self._frame_bytes_max or len(chunk) >= FRAME_ITEMS_MAX):
+            op_bytes, op_objects = _op_bytes(op), _op_objects(op)
+            if chunk and (chunk_bytes + op_bytes > self._frame_bytes_max or len(chunk) >= FRAME_ITEMS_MAX
+                          or chunk_objects + op_objects > FRAME_OBJECTS_CUT):
                 frames.append(encode_frame(chunk))
-                chunk, chunk_bytes = [], 0
+                chunk, chunk_bytes, chunk_objects = [], 0, 0
             chunk.append(op)
             chunk_bytes += op_bytes
+            chunk_objects += op_objects
         if chunk:
             frames.append(encode_frame(chunk))
         return frames

@@ -59,6 +59,9 @@ E_LEASE_EXPIRED = _kind("E_LEASE_EXPIRED", 409, False,
                         "message was redelivered)")
 E_WRONG_QUEUE_TYPE = _kind("E_WRONG_QUEUE_TYPE", 409, False, "the operation needs another queue type (replies need two_way)")
 E_RESERVED_NAME = _kind("E_RESERVED_NAME", 409, False, "dead-letter queues and channels' queues come and go with their queue or channel")
+E_RESERVED_HEADER = _kind("E_RESERVED_HEADER", 400, False,
+                          "the message names a header the cluster itself sets (x-failed-over-from, x-returned-from, "
+                          "x-fault, x-origin-producer)")
 E_UNKNOWN_MACRO = _kind("E_UNKNOWN_MACRO", 404, False, "no such macro queue")
 E_MACRO_REFUSED = _kind("E_MACRO_REFUSED", 409, False,
                         "the macro queue change was refused: the name is taken, the member is incompatible, "
@@ -86,6 +89,8 @@ E_STORAGE_FULL = _kind("E_STORAGE_FULL", 507, True, "the node's storage is full;
 E_OVERLOADED = _kind("E_OVERLOADED", 503, True, "the node's inbox is full; retry after a pause")
 E_SHUTTING_DOWN = _kind("E_SHUTTING_DOWN", 503, True, "the node is stopping")
 E_UNAVAILABLE = _kind("E_UNAVAILABLE", 503, True, "the node cannot be reached")
+E_SESSION_EXPIRED = _kind("E_SESSION_EXPIRED", 503, True,
+                          "the WebSocket session reached its lifetime (websocket_session_max_s); connect again")
 E_TIMEOUT = _kind("E_TIMEOUT", 504, True, "no answer in time; the operation may or may not have happened")
 E_NOT_MASTER = _kind("E_NOT_MASTER", 421, True, "this node is not the queue's master; refresh the placement")
 E_QUEUE_UNAVAILABLE = _kind("E_QUEUE_UNAVAILABLE", 503, True, "no member of the queue's pair may serve it now")

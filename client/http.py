@@ -160,7 +160,9 @@ class HttpClient:
         full_path = self._path_prefix + path
         query_text = "&".join(f"{_segment(k)}={_segment(v)}" for k, v in query)
         target = URL(self.url + full_path + ("?" + query_text if query_text else ""), encoded=True)
-        signed = self._signer.headers(method, full_path, list(query), body)
+        # Signed for this node (its URL: the Host aiohttp sends), with the headers that change
+        # what the request does (client/signing.py, QS2).
+        signed = self._signer.headers(method, full_path, list(query), body, audience=self.url, headers=headers)
         all_headers = {**(headers or {}), **signed}
         timeout = aiohttp.ClientTimeout(total=self._request_timeout_s + wait_s)
         session = self.session()
@@ -338,12 +340,19 @@ class HttpClient:
     async def create_forward(self, name: str, source: str, destination: str, *, urls: Sequence[str] = (),
                              credentials: Mapping[str, str] | None = None) -> dict[str, Any]:
         """Forward `source` (a `full` queue of this cluster) into `destination`, a queue of the
-        cluster at `urls` signed there with `credentials` ({"client_id", "private_key"}), or of
-        this cluster when no urls are given (admin)."""
+        cluster at `urls` signed there with `credentials` ({"client_id", "private_key"}, and that
+        cluster's CA as "ca" (PEM) or "ca_file", which the forward's TLS checks its nodes
+        against), or of this cluster when no urls are given (admin)."""
         document: dict[str, Any] = {"name": name, "source": source, "destination": destination, "urls": list(urls)}
         if credentials is not None:
             document["credentials"] = {"client_id": credentials["client_id"],
                                        "private_key": credentials["private_key"]}
+            ca = credentials.get("ca") or ""
+            if not ca and credentials.get("ca_file"):
+                with open(credentials["ca_file"], encoding="utf-8") as ca_pem:
+                    ca = ca_pem.read()
+            if ca:
+                document["credentials"]["ca"] = ca
         return dict(await self._json("POST", "/v1/forwards", document=document, idempotent=False))
 
     async def forwards(self) -> list[dict[str, Any]]:

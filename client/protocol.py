@@ -15,6 +15,12 @@ import msgpack
 
 PROTOCOL_VERSION = 1
 FRAME_ITEMS_MAX = 10_000
+# msgpack objects in one client frame, every element of every array and every key and value of
+# every map counted (docs/PROTOCOL.md, "WebSocket frames"). Each object takes at least one byte,
+# so a frame of this many bytes or fewer is within it without counting; a larger one is counted
+# while it is decoded (issue 32, item 10: 16 MiB of tiny objects cost ~1 GB and seconds of the
+# event loop). The client library cuts its frames well below it (AsyncClient._frames).
+FRAME_OBJECTS_MAX = 250_000
 
 
 class FrameError(ValueError):
@@ -351,13 +357,46 @@ def encode_frame(items: list[Any]) -> bytes:
     return msgpack.packb([PROTOCOL_VERSION, [_encode_item(i) for i in items]], use_bin_type=True)
 
 
-def _unpack(data: bytes) -> list[Any]:
+class _TooManyObjects(Exception):
+    pass
+
+
+class _ObjectBudget:
+    """Counts a frame's objects as msgpack builds its containers, and stops the decoding once
+    they pass the budget. msgpack has per-container limits only; these hooks run once per
+    array or map, after its elements are built, so what a refused frame costs is bounded by
+    the budget (and the containers still open), not by the frame's size."""
+    __slots__ = ("left",)
+
+    def __init__(self, budget: int) -> None:
+        self.left = budget
+
+    def array(self, items: list[Any]) -> list[Any]:
+        self.left -= len(items)
+        if self.left < 0:
+            raise _TooManyObjects
+        return items
+
+    def map(self, pairs: dict[Any, Any]) -> dict[Any, Any]:
+        self.left -= 2 * len(pairs)
+        if self.left < 0:
+            raise _TooManyObjects
+        return pairs
+
+
+def _unpack(data: bytes, objects_max: int | None = None) -> list[Any]:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise FrameError("frames are binary")
+    hooks: dict[str, Any] = {}
+    if objects_max is not None and len(data) > objects_max:
+        budget = _ObjectBudget(objects_max)
+        hooks = {"list_hook": budget.array, "object_hook": budget.map}
     try:
         frame = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True,
                                 max_bin_len=len(data), max_str_len=len(data),
-                                max_array_len=FRAME_ITEMS_MAX, max_map_len=64)
+                                max_array_len=FRAME_ITEMS_MAX, max_map_len=64, **hooks)
+    except _TooManyObjects:
+        raise FrameError(f"a frame holds at most {objects_max} msgpack objects") from None
     except Exception as exc:  # msgpack raises several unrelated types for garbage
         raise FrameError(f"not msgpack: {type(exc).__name__}") from None
     if not isinstance(frame, list) or len(frame) != 2 or not isinstance(frame[1], list):
@@ -533,7 +572,7 @@ def decode_client_frame(data: bytes) -> list[ClientOp | FrameError]:
     """Decode a client frame. A broken frame raises FrameError; a broken item inside a good
     frame comes back as a FrameError in its place, so the other items still run."""
     items: list[ClientOp | FrameError] = []
-    for row in _unpack(data):
+    for row in _unpack(data, FRAME_OBJECTS_MAX):
         try:
             items.append(_decode_op(row))
         except FrameError as exc:

@@ -325,8 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "show a recipient's chain of alternatives, or set it (--set, in order; --clear)")
     alternatives.epilog, alternatives.formatter_class = RECIPIENT_SETUP, argparse.RawDescriptionHelpFormatter
     alternatives.add_argument("name")
-    alternatives.add_argument("--set", nargs="+", metavar="ALTERNATIVE", dest="chain",
-                              help="the recipients that take over, in order; each consumes a queue of its own")
+    alternatives.add_argument("--set", nargs="+", metavar="ALTERNATIVE[=QUEUE]", dest="chain",
+                              help="the recipients that take over, in order; each consumes a queue of its own, "
+                                   "which the chain binds it to (=QUEUE: needed for one that has not subscribed yet)")
     alternatives.add_argument("--clear", action="store_true", help="remove every alternative")
     command(recipient_commands, "list", cmd_recipient_list, "every recipient: its queue, state (ok, fault, "
             "defunct), why, and alternatives")
@@ -703,7 +704,8 @@ async def cmd_forward_create(http: HttpClient, args: argparse.Namespace) -> Outc
     urls, credentials = list(args.urls), None
     if args.remote_credentials:
         remote = load_credentials(args.remote_credentials)
-        credentials = {"client_id": remote.client_id, "private_key": remote.private_key_text}
+        credentials = {"client_id": remote.client_id, "private_key": remote.private_key_text,
+                       "ca_file": remote.ca_file}       # the other cluster's CA, for the forward's TLS
         urls = urls or [remote.url]
     answer = await http.create_forward(args.name, args.source, args.destination, urls=urls, credentials=credentials)
     where = f" at {', '.join(answer['urls'])} as {answer['client_id']}" if answer.get("urls") else ""
@@ -767,7 +769,7 @@ RECIPIENT_SETUP = """\
 the setup that works: each alternative consumes a queue of its own
   qctl queue create invoices --strength full --fault-interval-s 5
   qctl queue create invoices-b --strength full --fault-interval-s 5
-  qctl recipient alternatives billing-a --set billing-b
+  qctl recipient alternatives billing-a --set billing-b=invoices-b
   # billing-a consumes invoices, billing-b consumes invoices-b
 While billing-a is in fault, what waits in invoices moves to invoices-b; once billing-a takes
 a message again, what comes next is its own again. An alternative that consumes the same queue
@@ -782,7 +784,8 @@ async def cmd_recipient_alternatives(http: HttpClient, args: argparse.Namespace)
         answer = await http.set_alternatives(args.name, [] if args.clear else args.chain)
     else:
         answer = {"recipient": args.name, "alternatives": await http.alternatives(args.name)}
-    return Outcome(answer, f"{args.name}: " + (" -> ".join(answer["alternatives"]) or "no alternatives"))
+    named = [f"{name} ({queue})" for name, queue in zip(answer["alternatives"], answer.get("queues", ()), strict=False)]
+    return Outcome(answer, f"{args.name}: " + (" -> ".join(named or answer["alternatives"]) or "no alternatives"))
 
 
 async def cmd_recipient_list(http: HttpClient, args: argparse.Namespace) -> Outcome:

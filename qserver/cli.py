@@ -33,7 +33,7 @@ def join(data_dir: Path, node_id: str, existing: Path, tls_hosts: tuple[str, ...
     if secret_path.exists():
         print(f"error: {data_dir} is already initialised", file=sys.stderr)
         return 1
-    data_dir.mkdir(parents=True, exist_ok=True)
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)       # owner only (issue 32)
     secret_path.write_text((existing / "cluster.secret").read_text())
     os.chmod(secret_path, 0o600)
     clients = read_clients(existing / "lmdb")
@@ -61,7 +61,7 @@ def init(data_dir: Path, node_id: str, credentials_path: Path, url: str, force: 
     if secret_path.exists() and not force:
         print(f"error: {data_dir} is already initialised (use --force to add a new admin credential)", file=sys.stderr)
         return 1
-    data_dir.mkdir(parents=True, exist_ok=True)
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)       # owner only (issue 32)
     if not secret_path.exists():
         secret_path.write_text(secrets.token_hex(32) + "\n")
         os.chmod(secret_path, 0o600)

@@ -178,6 +178,8 @@ class MessageStatus:
     message_id: int
     wait_ms: int
     until: frozenset[str]
+    client: str          # the caller: only the message's producer, or an admin (`admin`), reads it
+    admin: bool
     replier: Replier
     request_id: int = 0
 

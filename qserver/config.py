@@ -1,6 +1,7 @@
 """Node configuration: defaults, TOML loading and the checks between limits."""
 from __future__ import annotations
 
+import ipaddress
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -45,8 +46,19 @@ class NodeConfig:
     housekeeping_interval_ms: int = 1000
     receive_wait_max_s: float = 60.0
     websocket_pending_items_max: int = 100_000    # unsent answers per socket before it is cut
+    # A client WebSocket session ends after this long (the client library reconnects, signing
+    # anew): a session is authorised once, at its upgrade (docs/PROTOCOL.md, "WebSocket frames").
+    websocket_session_max_s: float = 3600.0
+    # What one client may keep waiting in the engine: receives waiting for a message, push
+    # subscriptions and status waits (E_OVERLOADED past either bound; docs/PROTOCOL.md, "Errors").
+    listeners_per_connection_max: int = 1_000     # per WebSocket (an HTTP request holds one)
+    listeners_per_client_max: int = 10_000        # per client id, over all its connections
     subscription_credit_max: int = 10_000
     url: str = ""                          # how peers and clients reach this node (default http://host:port)
+    # Further addresses (URLs or host:port) clients reach this node at, beyond `url`, its
+    # [cluster.nodes] entry and host:port: a published port, a load balancer's name. A signed
+    # request names the address it was sent to and is refused elsewhere (docs/PROTOCOL.md, "Signing").
+    client_addresses: list[str] = field(default_factory=list)
     # The cluster: every node's id -> the URL peers and clients dial for it (a proxy's address
     # in chaos tests), and preferred pairs for named queues at creation.
     cluster_nodes: dict[str, str] = field(default_factory=dict)
@@ -77,6 +89,10 @@ class NodeConfig:
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_ca_file: str = ""
+    # A node that listens beyond loopback (host, or its membership address) without TLS refuses
+    # to start unless this is set: plaintext exposes every request and peer frame to anyone on the
+    # path (docs/PROTOCOL.md, "Peer links"). Set, it starts and logs a warning.
+    allow_plaintext: bool = False
     peer_send_queue_bytes_max: int = 8 << 20
     # The bounded op log and snapshots (docs/PROTOCOL.md, "The bounded op log and snapshots"): the log kept for a replica recorded out
     # of sync (past it, the replica gets a snapshot), snapshot chunks, and how long a read view
@@ -116,6 +132,10 @@ class NodeConfig:
                             "link drops costs a resend)")
         if bool(self.tls_cert_file) != bool(self.tls_key_file) or (self.tls_cert_file and not self.tls_ca_file):
             problems.append("tls_cert_file and tls_key_file go together, with tls_ca_file (to check peers)")
+        if self.websocket_session_max_s <= 0 or self.listeners_per_connection_max < 1 \
+                or self.listeners_per_client_max < self.listeners_per_connection_max:
+            problems.append("websocket_session_max_s must be positive, listeners_per_connection_max at least 1 and "
+                            "listeners_per_client_max at least listeners_per_connection_max")
         if self.commit_wait_max_s <= 0:
             problems.append("commit_wait_max_s must be positive")
         if self.log_retain_max_bytes <= 0 or self.sync_view_max_s <= 0 or self.payload_hold_bytes < 0:
@@ -147,6 +167,20 @@ class NodeConfig:
             return str(made / "node.pem"), str(made / "node-key.pem"), str(made / "ca.pem")
         return None
 
+    def listen_hosts(self) -> list[str]:
+        """The addresses this node listens on: its HTTP host, and its membership port's."""
+        hosts = [self.host]
+        membership = self.membership_bind or self.membership_nodes.get(self.node_id, "")
+        if membership:
+            hosts.append(membership.rsplit(":", 1)[0].strip("[]"))
+        return hosts
+
+    def plaintext_exposure(self) -> list[str]:
+        """The addresses beyond loopback this node would serve in plaintext (none with TLS)."""
+        if self.tls_files() is not None:
+            return []
+        return [host for host in self.listen_hosts() if not _is_loopback(host)]
+
     @property
     def own_url(self) -> str:
         scheme = "https" if self.tls_files() else "http"
@@ -154,6 +188,15 @@ class NodeConfig:
 
     def with_overrides(self, **overrides: Any) -> NodeConfig:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None}).check()
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False     # a host name, or "" / "0.0.0.0"-like wildcards: may be reached from outside
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> NodeConfig:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import heapq
 import itertools
 import logging
 import random
@@ -27,6 +28,8 @@ from typing import Any
 
 from client.errors import (
     E_BAD_REQUEST,
+    E_CLIENT_EXISTS,
+    E_FORBIDDEN,
     E_INTERNAL,
     E_INVALID_NAME,
     E_INVALID_OPTION,
@@ -38,6 +41,7 @@ from client.errors import (
     E_OVERLOADED,
     E_PAYLOAD_TOO_LARGE,
     E_QUEUE_UNAVAILABLE,
+    E_RESERVED_HEADER,
     E_RESERVED_NAME,
     E_SHUTTING_DOWN,
     E_STORAGE_FULL,
@@ -48,6 +52,7 @@ from client.errors import (
 )
 from client.protocol import DeliveredMessage
 from qserver import commands as c
+from qserver.auth import CLUSTER_CLIENT, Principal
 from qserver.config import NodeConfig
 from qserver.coordinator import Coordinator
 from qserver.deadlines import DueQueues
@@ -70,6 +75,8 @@ from replication.master import ReplicationLimits
 from replication.operations import DeadLettered, Enqueued, Leased, Operation, SubscriptionDropped, SubscriptionOpened
 from replication.options import (
     DEAD_LETTER_SUFFIX,
+    REPLY_TO,
+    RESERVED_HEADERS,
     OptionError,
     QueueOptions,
     QueueState,
@@ -117,9 +124,45 @@ def monotonic_clock_ms() -> int:
 @dataclass(slots=True)
 class Waiter:
     """A receive (or a look at the head) that found nothing and waits for a message until
-    `deadline_ms` (the engine's monotonic clock, as every deadline below)."""
+    `deadline_ms` (the engine's monotonic clock, as every deadline below); `key` is its place in
+    its queue's waiters and in the deadline heap."""
     command: c.Receive | c.Head
     deadline_ms: int
+    key: int = 0
+
+
+class Listening:
+    """The replier of a request that waits in the engine (a receive or a status wait): it
+    holds the request's place under its connection's and its client's listener bounds until
+    the answer goes out (docs/PROTOCOL.md, "Errors": E_OVERLOADED)."""
+    __slots__ = ("inner", "holders", "counts")
+
+    def __init__(self, inner: Any, holders: tuple[Any, ...], counts: dict[Any, int]) -> None:
+        self.inner, self.holders, self.counts = inner, holders, counts
+
+    def reply(self, request_id: int, result: Any) -> None:
+        self._done()
+        self.inner.reply(request_id, result)
+
+    def fail(self, request_id: int, error: QueueError) -> None:
+        self._done()
+        self.inner.fail(request_id, error)
+
+    def _done(self) -> None:
+        holders, self.holders = self.holders, ()
+        for holder in holders:
+            _count_down(self.counts, holder)
+
+
+DEADLINES_COMPACT_MIN = 4_096      # deadline heap entries kept before a rebuild is considered
+
+
+def _count_down(counts: dict[Any, int], holder: Any) -> None:
+    left = counts.get(holder, 0) - 1
+    if left > 0:
+        counts[holder] = left
+    else:
+        counts.pop(holder, None)
 
 
 # Commands whose answer waits for everything the queue decided so far, not only their own
@@ -149,6 +192,14 @@ class StatusWaiter:
     command: c.MessageStatus
     queue_id: int
     deadline_ms: int
+    tracks_status: bool = False      # the queue keeps completion statuses (QueueOptions.tracks_status)
+
+
+def _no_status(command: c.MessageStatus) -> QueueError:
+    """One answer for an id never issued, a status no longer kept and another producer's
+    message (docs/PROTOCOL.md, "Grants"): the caller learns nothing about ids not its own."""
+    return QueueError(E_UNKNOWN_MESSAGE, f"queue {command.queue} has no message {command.message_id} whose status "
+                                         f"client {command.client} may read")
 
 
 @dataclass
@@ -253,8 +304,17 @@ class Engine:
         self._committing: OpenBatch | None = None
         # The one writer. A simulation passes an executor that runs commits deterministically.
         self._writer = LockedWriter(writer or ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmdb-writer"))
-        self._waiters: dict[str, collections.deque[Waiter]] = {}
-        self._subscriptions: dict[str, list[Subscription]] = {}
+        # Each queue's waiting receives in arrival order, by Waiter.key (a receive answered or
+        # timed out leaves in O(1)); their deadlines in a heap, so a turn looks at due ones only.
+        self._waiters: dict[str, collections.OrderedDict[int, Waiter]] = {}
+        self._waiter_deadlines: list[tuple[int, int, Waiter]] = []
+        self._status_deadlines: list[tuple[int, int, StatusWaiter]] = []
+        self._waiter_keys = itertools.count(1)
+        self._compact_deadlines_at = DEADLINES_COMPACT_MIN      # heap entries (see _compact_deadlines)
+        # Listeners held per connection (its replier) and per ("client", id): issue 32, item 11.
+        self._listening: dict[Any, int] = {}
+        # Each queue's subscriptions by id, in subscription order (an unsubscribe is O(1)).
+        self._subscriptions: dict[str, dict[int, Subscription]] = {}
         self._subscriptions_by_id: dict[int, Subscription] = {}
         self._next_subscription_id = 1
         self._status_waiters: dict[tuple[int, int], list[StatusWaiter]] = {}
@@ -621,6 +681,8 @@ class Engine:
             record.subscriptions = {str(name): [int(floor), [int(i) for i in acked]]
                                     for name, (floor, acked) in install.record.get("subscriptions", {}).items()}
             record.sequences = sequences_from_json(install.record.get("sequences", {}))
+            record.changed_streams = set(record.sequences)
+            self._open.sealed.stream_resets.add(core.queue_id)     # the snapshot's streams replace this member's
         else:
             record.ready_count = received.ready_count
             record.total_enqueued = messages
@@ -699,7 +761,7 @@ class Engine:
         batch = self._open
         index, _ = core.enqueue(command.payload, command.priority, command.dedupe_id, command.client,
                                 now_ms, batch.sealed.operations, command.ttl_ms, command.delay_ms,
-                                _headers(command.headers))
+                                self._producer_headers(command.client, command.headers))
         self._touch(core)
         result = [index, core.record.epoch]
         if core.options.type is QueueType.ONE_WAY:
@@ -707,6 +769,24 @@ class Engine:
         else:
             batch.replies.append((command.replier, command.request_id, result))
         self._to_serve.add(core.name)
+
+    def _producer_headers(self, client: str, raw: Any) -> dict[str, str] | None:
+        """A message's headers, checked against its producer (docs/PROTOCOL.md, "Message
+        headers"): the headers the cluster sets on the messages it moves are the cluster's
+        alone, and a `reply-to` must name a queue the producer may post to (a message returned
+        to its sender is enqueued there; naming any queue would write where the producer may not)."""
+        headers = _headers(raw)
+        if headers is None or client == CLUSTER_CLIENT:
+            return headers
+        reserved = RESERVED_HEADERS.intersection(headers)
+        if reserved:
+            raise QueueError(E_RESERVED_HEADER, f"the cluster sets {', '.join(sorted(reserved))} itself")
+        reply_to = headers.get(REPLY_TO)
+        record = self.clients.get(client)
+        if reply_to is not None and record is not None and not Principal(client, record["grants"]).allows("post",
+                                                                                                          reply_to):
+            raise QueueError(E_FORBIDDEN, f"client {client} may not post to {reply_to}, which its {REPLY_TO} names")
+        return headers
 
     def _step_enqueue_many(self, command: c.EnqueueMany, now_ms: int) -> None:
         self._refuse_when_full()
@@ -728,7 +808,7 @@ class Engine:
                 placed.append(position)
         results = core.enqueue_many([payloads[p] for p in placed], command.priority, [dedupe_ids[p] for p in placed],
                                     command.client, now_ms, batch.sealed.operations, command.ttl_ms, command.delay_ms,
-                                    _headers(command.headers))
+                                    self._producer_headers(command.client, command.headers))
         for position, outcome in zip(placed, results, strict=True):
             outcomes[position] = [outcome.code, outcome.message] if type(outcome) is QueueError else outcome
         self._touch(core)
@@ -759,10 +839,36 @@ class Engine:
         if leased:
             self._answer_with_messages(core, command.replier, command.request_id, leased)
         elif command.wait_ms > 0:
-            self._waiters.setdefault(core.name, collections.deque()).append(
-                Waiter(command, self.monotonic_ms() + command.wait_ms))
+            self._wait(core.name, command, command.client)
         else:
             command.replier.reply(command.request_id, [])
+
+    def _hold_listener(self, command: Any, client: str | None) -> None:
+        """Count one more listener (a waiting receive or status wait, a subscription) of the
+        command's connection and of `client`, or refuse it with E_OVERLOADED past either bound
+        (issue 32, item 11: one client held every turn of the node). A waiting request's
+        replier becomes a Listening, which gives the place back with its answer."""
+        listening, config = self._listening, self.config
+        connection = ("connection", id(command.replier))
+        if listening.get(connection, 0) >= config.listeners_per_connection_max:
+            raise QueueError(E_OVERLOADED, f"this connection holds {config.listeners_per_connection_max} waiting "
+                                           "receives, status waits and subscriptions, the most a connection may")
+        holders: tuple[Any, ...] = (connection,)
+        if client is not None:
+            if listening.get(("client", client), 0) >= config.listeners_per_client_max:
+                raise QueueError(E_OVERLOADED, f"client {client} holds {config.listeners_per_client_max} waiting "
+                                               "receives, status waits and subscriptions, the most a client may")
+            holders = (connection, ("client", client))
+        for holder in holders:
+            listening[holder] = listening.get(holder, 0) + 1
+        if type(command) is not c.Subscribe:
+            command.replier = Listening(command.replier, holders, listening)
+
+    def _wait(self, name: str, command: c.Receive | c.Head, client: str | None) -> None:
+        self._hold_listener(command, client)
+        waiter = Waiter(command, self.monotonic_ms() + command.wait_ms, next(self._waiter_keys))
+        self._waiters.setdefault(name, collections.OrderedDict())[waiter.key] = waiter
+        heapq.heappush(self._waiter_deadlines, (waiter.deadline_ms, waiter.key, waiter))
 
     def _step_head(self, command: c.Head, now_ms: int) -> None:
         """The message a receive here would lease next, leased by no one: `[]` when none (after
@@ -778,8 +884,7 @@ class Engine:
         core = self._core(command.queue)
         if not self._answer_head(core, command, now_ms):
             if command.wait_ms > 0:
-                self._waiters.setdefault(core.name, collections.deque()).append(
-                    Waiter(command, self.monotonic_ms() + command.wait_ms))
+                self._wait(core.name, command, None)
             else:
                 command.replier.reply(command.request_id, [])
 
@@ -858,11 +963,12 @@ class Engine:
 
     def _step_subscribe(self, command: c.Subscribe, now_ms: int) -> None:
         core = self._core(command.queue)
+        self._hold_listener(command, command.client)
         subscription = Subscription(self._next_subscription_id, core.name, command.replier,
                                     min(command.credit, self.config.subscription_credit_max),
                                     command.visibility_ms, command.client, command.recipient)
         self._next_subscription_id += 1
-        self._subscriptions.setdefault(core.name, []).append(subscription)
+        self._subscriptions.setdefault(core.name, {})[subscription.subscription_id] = subscription
         self._subscriptions_by_id[subscription.subscription_id] = subscription
         command.replier.subscription_started(subscription)
         command.replier.reply(command.request_id, subscription.subscription_id)
@@ -878,13 +984,13 @@ class Engine:
 
     # --- recipients (fault surveillance: qserver/surveillance.py) ----------------------------
     def recipient_subscriptions(self, queue: str, recipient: str) -> list[Subscription]:
-        return [s for s in self._subscriptions.get(queue, ()) if s.recipient == recipient]
+        return [s for s in self._subscriptions.get(queue, {}).values() if s.recipient == recipient]
 
     def recipients_here(self) -> dict[tuple[str, str], list[Subscription]]:
         """(queue, recipient) -> its subscriptions on this node."""
         out: dict[tuple[str, str], list[Subscription]] = {}
         for queue, subscriptions in self._subscriptions.items():
-            for subscription in subscriptions:
+            for subscription in subscriptions.values():
                 if subscription.recipient is not None:
                     out.setdefault((queue, subscription.recipient), []).append(subscription)
         return out
@@ -897,9 +1003,15 @@ class Engine:
 
     def _forget_subscription(self, subscription: Subscription) -> None:
         subscriptions = self._subscriptions[subscription.queue]
-        subscriptions.remove(subscription)
+        del subscriptions[subscription.subscription_id]
         if not subscriptions:       # only queues with listeners are looked at (listeners_may_see_more)
             del self._subscriptions[subscription.queue]
+        self._subscription_gone(subscription)
+
+    def _subscription_gone(self, subscription: Subscription) -> None:
+        """Its place under its connection's and client's listener bounds (_hold_listener)."""
+        _count_down(self._listening, ("connection", id(subscription.connection)))
+        _count_down(self._listening, ("client", subscription.client))
 
     def _step_unsubscribe(self, command: c.Unsubscribe, now_ms: int) -> None:
         subscription = self._subscriptions_by_id.pop(command.subscription_id, None)
@@ -1123,10 +1235,11 @@ class Engine:
     def _drop_queue_listeners(self, name: str, error: QueueError | None = None) -> None:
         """Waiting receivers and subscribers of a queue this node no longer serves."""
         error = error or QueueError(E_UNKNOWN_QUEUE, f"queue {name} was deleted")
-        for waiter in self._waiters.pop(name, ()):
+        for waiter in self._waiters.pop(name, {}).values():
             waiter.command.replier.fail(waiter.command.request_id, error)
-        for subscription in self._subscriptions.pop(name, []):
+        for subscription in self._subscriptions.pop(name, {}).values():
             self._subscriptions_by_id.pop(subscription.subscription_id, None)
+            self._subscription_gone(subscription)
             subscription.connection.subscription_ended(subscription.subscription_id, error)
 
     def master_left(self, core: QueueCore, new_master: str) -> None:
@@ -1139,19 +1252,33 @@ class Engine:
     def _step_status(self, command: c.MessageStatus, now_ms: int) -> None:
         core = self._core(command.queue)
         if not 1 <= command.message_id < core.record.next_index:
-            raise QueueError(E_UNKNOWN_MESSAGE, f"queue {core.name} has no message {command.message_id}")
-        waiter = StatusWaiter(command, core.queue_id, self.monotonic_ms() + command.wait_ms)
+            raise _no_status(command)
+        if command.wait_ms > 0:
+            self._hold_listener(command, command.client)
+        waiter = StatusWaiter(command, core.queue_id, self.monotonic_ms() + command.wait_ms,
+                              core.record.options.tracks_status)
         # Read after the batch in flight lands, so the answer never shows uncommitted state.
         self._open.after_commit.append(lambda: self._check_status(waiter, final=command.wait_ms == 0))
 
     def _step_put_client(self, command: c.PutClient, now_ms: int) -> None:
         if command.record is None and command.client_id not in self.clients:
             raise QueueError(E_UNKNOWN_CLIENT, f"no client {command.client_id}")
+        name = None if command.record is None else command.record.get("name")
+        if name is not None and any(other != command.client_id and record.get("name") == name
+                                    for other, record in self.clients.items()):
+            # Checked again here, in the engine's one thread: the handler's check and this step
+            # are apart by an await, and two registrations of one name both passed it (issue 32).
+            raise QueueError(E_CLIENT_EXISTS, f"a client named {name} exists")
         if self.coordinator is not None:
             # The registry is part of the cluster map: every node stores what the map applies.
             def decided(outcomes: Any) -> None:
                 if isinstance(outcomes, QueueError):
                     command.replier.fail(command.request_id, outcomes)
+                    return
+                if outcomes and not outcomes[0].applied:
+                    # The map refused it: a registration of the name through another node was
+                    # applied first (cluster_map.py, PutClient).
+                    command.replier.fail(command.request_id, QueueError(E_CLIENT_EXISTS, outcomes[0].reason))
                     return
                 self.store_client(command.client_id, command.record)
                 self._open.replies.append((command.replier, command.request_id, command.record))
@@ -1273,20 +1400,20 @@ class Engine:
                 continue          # its new epoch first (PairDriver.restarted)
             waiters = self._waiters.get(name)
             while waiters:
-                command = waiters[0].command
+                command = next(iter(waiters.values())).command
                 if not isinstance(command, c.Receive):        # a look at the head (c.Head)
                     if not self._answer_head(core, command, now_ms):
                         break
-                    waiters.popleft()
+                    waiters.popitem(last=False)
                     continue
                 leased = self._lease(core, command.max_messages, command.visibility_ms, command.client, now_ms)
                 if not leased:
                     break       # nothing visible yet: the waiter keeps waiting
-                waiters.popleft()
+                waiters.popitem(last=False)
                 self._answer_with_messages(core, command.replier, command.request_id, leased)
             if waiters is not None and not waiters:
                 del self._waiters[name]
-            for subscription in self._subscriptions.get(name, ()):
+            for subscription in self._subscriptions.get(name, {}).values():
                 if subscription.credit > 0 and not subscription.held:
                     leased = self._lease(core, subscription.credit, subscription.visibility_ms, subscription.client,
                                          now_ms)
@@ -1310,23 +1437,48 @@ class Engine:
         self._touch(core)
 
     def _expire_waiters(self, now_ms: int) -> None:
-        """Answer receives whose wait ran out (empty) and status waits (with the state now)."""
-        for name, waiters in list(self._waiters.items()):
-            if any(w.deadline_ms <= now_ms for w in waiters):
-                expired = [w for w in waiters if w.deadline_ms <= now_ms]
-                kept = [w for w in waiters if w.deadline_ms > now_ms]
-                waiters.clear()
-                waiters.extend(kept)
-                if not kept:
-                    del self._waiters[name]
-                for waiter in expired:
-                    waiter.command.replier.reply(waiter.command.request_id, [])
-        for key, status_waiters in list(self._status_waiters.items()):
-            for status_waiter in [w for w in status_waiters if w.deadline_ms <= now_ms]:
-                status_waiters.remove(status_waiter)
-                self._check_status(status_waiter, final=True)
-            if not status_waiters:
-                del self._status_waiters[key]
+        """Answer receives whose wait ran out (empty) and status waits (with the state now):
+        only those due, from the deadline heaps (issue 32, item 11: every turn walked every
+        waiter). A heap entry of a waiter answered meanwhile is dropped as it comes up."""
+        heap = self._waiter_deadlines
+        while heap and heap[0][0] <= now_ms:
+            _, key, waiter = heapq.heappop(heap)
+            name = waiter.command.queue
+            waiters = self._waiters.get(name)
+            if waiters is None or waiters.get(key) is not waiter:
+                continue                          # answered already
+            del waiters[key]
+            if not waiters:
+                del self._waiters[name]
+            waiter.command.replier.reply(waiter.command.request_id, [])
+        if len(self._waiter_deadlines) + len(self._status_deadlines) > self._compact_deadlines_at:
+            self._compact_deadlines()
+        status_heap = self._status_deadlines
+        while status_heap and status_heap[0][0] <= now_ms:
+            status_waiter = heapq.heappop(status_heap)[2]
+            held_key = (status_waiter.queue_id, status_waiter.command.message_id)
+            held = self._status_waiters.get(held_key, [])
+            position = next((i for i, w in enumerate(held) if w is status_waiter), None)
+            if position is None:
+                continue                          # answered already, or held again (a later entry)
+            del held[position]
+            if not held:
+                del self._status_waiters[held_key]
+            self._check_status(status_waiter, final=True)
+
+    def _compact_deadlines(self) -> None:
+        """Rebuild the deadline heaps from the waiters still waiting: an entry of a waiter
+        answered early stays until its deadline, and would hold its request (and reply) that
+        long. Run when the heaps pass twice what they held after the last rebuild: amortized
+        O(1) per waiter."""
+        self._waiter_deadlines = [(w.deadline_ms, w.key, w) for waiters in self._waiters.values()
+                                  for w in waiters.values()]
+        heapq.heapify(self._waiter_deadlines)
+        self._status_deadlines = [(w.deadline_ms, next(self._waiter_keys), w) for held in self._status_waiters.values()
+                                  for w in held]
+        heapq.heapify(self._status_deadlines)
+        self._compact_deadlines_at = max(DEADLINES_COMPACT_MIN,
+                                         2 * (len(self._waiter_deadlines) + len(self._status_deadlines)))
 
     def _arm_timer(self, now_ms: int) -> None:
         deadlines = [self._next_housekeeping_ms]
@@ -1338,8 +1490,10 @@ class Engine:
         timed = self._due.next_deadline()
         if timed is not None:
             deadlines.append(timed)
-        deadlines.extend(w.deadline_ms for ws in self._waiters.values() for w in ws)
-        deadlines.extend(w.deadline_ms for ws in self._status_waiters.values() for w in ws)
+        if self._waiter_deadlines:
+            deadlines.append(self._waiter_deadlines[0][0])
+        if self._status_deadlines:
+            deadlines.append(self._status_deadlines[0][0])
         delay_s = max(0.0, (min(deadlines) - now_ms) / 1000) + 0.001
         if self._timer is not None:
             self._timer.cancel()
@@ -1368,7 +1522,10 @@ class Engine:
             # alone meanwhile is not known committed (a snapshot lets a member keep what is).
             if known is not None and self.pairs.may_answer(name):
                 core.record.commit_order = known
-            sealed.queue_records[name] = core.record.to_json()
+            sealed.queue_records[name] = core.record.to_json(streams=False)
+            if core.record.changed_streams:
+                sealed.stream_puts.extend((core.queue_id, key, stream) for key, stream in
+                                          core.record.take_changed_streams())
             core.seal()
         self._committing = batch
         # A master's batch went to its replica in this same step (before_commit). The writer
@@ -1648,10 +1805,26 @@ class Engine:
             self.storage.begin_read()
         try:
             found = self.storage.message_status(waiter.queue_id, command.message_id)
+            producer = None if found is None or command.admin else \
+                self.storage.status_producer(waiter.queue_id, command.message_id)
         finally:
             if with_read:
                 self.storage.end_read()
-        state, deliveries, reply = found if found is not None else ("acked", 0, None)
+        # Only the producer, or an admin of the queue, reads a status and its reply
+        # (docs/PROTOCOL.md, "Grants"; issue 32, item 13). Checked on every look, a waiter's too.
+        if found is None:
+            if waiter.tracks_status:
+                # A queue that keeps statuses holds none for this id: never a message's (under
+                # `full` consumption steps take ids too), or its status passed the retention.
+                command.replier.fail(command.request_id, _no_status(command))
+                return
+            found = ("acked", 0, None)   # no status kept: a message that left leaves no record
+        elif not command.admin and (producer is None or producer != command.client):
+            # Another producer's message (or a status row older than the producer field: an
+            # admin's): answered as an unknown id, so ids and their states are not revealed.
+            command.replier.fail(command.request_id, _no_status(command))
+            return
+        state, deliveries, reply = found
         if final or state in command.until:
             result: dict[str, Any] = {"id": command.message_id, "state": state, "deliveries": deliveries}
             if reply is not None:
@@ -1659,6 +1832,7 @@ class Engine:
             command.replier.reply(command.request_id, result)
         else:
             self._status_waiters.setdefault((waiter.queue_id, command.message_id), []).append(waiter)
+            heapq.heappush(self._status_deadlines, (waiter.deadline_ms, next(self._waiter_keys), waiter))
 
     def _wake_status_waiters(self, operations: list[Operation]) -> None:
         for op in operations:
@@ -1670,7 +1844,7 @@ class Engine:
 
     def _fail_waiters_on_stop(self) -> None:
         for name in list(self._waiters):
-            for waiter in self._waiters.pop(name):
+            for waiter in self._waiters.pop(name).values():
                 waiter.command.replier.fail(waiter.command.request_id, QueueError(E_SHUTTING_DOWN))
         for status_waiters in self._status_waiters.values():
             for status_waiter in status_waiters:

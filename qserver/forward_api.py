@@ -5,6 +5,7 @@ the request on)."""
 from __future__ import annotations
 
 import os
+import ssl
 import time
 
 from aiohttp import web
@@ -12,11 +13,27 @@ from aiohttp import web
 from client import errors as e
 from client.errors import QueueError
 from client.signing import private_key_from_text
+from qserver.forwarder import seal_secret
 from qserver.http_api import NODE, coordinator_of, json_body, path_name, principal, propose, proxy_to
 from replication.cluster_map import DeleteForward, PutForward
 from replication.options import is_valid_queue_name
 
 URLS_MAX = 16
+CA_CHARS_MAX = 64 * 1024
+
+
+def _checked_ca(ca: object) -> str:
+    """The other cluster's CA certificate(s), PEM: what the forward's TLS checks that cluster's
+    nodes against ("": this cluster's CA, as before)."""
+    if ca in ("", None):
+        return ""
+    if not isinstance(ca, str) or len(ca) > CA_CHARS_MAX:
+        raise QueueError(e.E_INVALID_OPTION, f"credentials.ca is a PEM certificate of at most {CA_CHARS_MAX} characters")
+    try:
+        ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cadata=ca)
+    except (ssl.SSLError, ValueError):
+        raise QueueError(e.E_INVALID_OPTION, "credentials.ca is not a PEM certificate") from None
+    return ca
 
 
 def forward_name(request: web.Request) -> str:
@@ -25,8 +42,9 @@ def forward_name(request: web.Request) -> str:
 
 async def create_forward(request: web.Request) -> web.Response:
     """{"name", "source", "destination", "urls": [...], "credentials": {"client_id",
-    "private_key"}}: forward `source` (a `full` queue here) into `destination` of the cluster at
-    `urls` signed with those credentials (no urls: a queue of this cluster, sent by the
+    "private_key", "ca"?}}: forward `source` (a `full` queue here) into `destination` of the
+    cluster at `urls` signed with those credentials, checking its nodes' TLS certificates
+    against `ca` (PEM; none: this cluster's CA) (no urls: a queue of this cluster, sent by the
     cluster itself). Admin only: the credentials act in another cluster."""
     principal(request).require("admin", "*")
     body = await json_body(request)
@@ -52,7 +70,11 @@ async def create_forward(request: web.Request) -> web.Response:
             private_key_from_text(credentials["private_key"])
         except Exception:   # the key parser raises several unrelated types for garbage
             raise QueueError(e.E_INVALID_OPTION, "credentials.private_key is not a private key") from None
-        client_id, secret = credentials["client_id"], credentials["private_key"]
+        client_id = credentials["client_id"]
+        ca = _checked_ca(credentials.get("ca", ""))
+        # Sealed with the cluster secret: the map's log, snapshots and LMDB files, on every node,
+        # hold it encrypted (docs/PROTOCOL.md "Forwards").
+        secret = seal_secret(request.app[NODE].auth.cluster_secret, name, client_id, credentials["private_key"], ca)
     elif source == destination:
         raise QueueError(e.E_INVALID_OPTION, "a forward into its own source")
     outcome = await propose(request, PutForward(name, source, destination, tuple(u.rstrip("/") for u in urls),

@@ -19,6 +19,16 @@ the forwarder opens a session at the new master.
 Data messages become the queue's ordinary enqueues, each numbered in the forwarder's stream
 (replication/queue_core.py, `x-sequence-*`): a repeat of a number stored before, however long
 ago, is answered with success and stores nothing.
+
+Any client with `post` on the queue may hold sessions (docs/PROTOCOL.md "Forwards", "Who may
+hold a session"), so nothing one client does may reach another's: a session is the pair
+(client id, forward id), a forward id is public (shown in `GET /v1/forwards`, the queue's stats
+and every forwarded message), and so another client opening the same forward id gets a session
+of its own, never the honest one (refusing it instead would let the first opener squat the id
+while the honest forwarder reconnects); the queue keeps its streams' numbers per client too
+(replication/queue_core.py, `producer_key`). Weights are
+bounded by the queue's bands, forward ids are checked like queue names, and one client holds at
+most SESSIONS_PER_CLIENT_MAX sessions of a queue (its admins excepted).
 """
 from __future__ import annotations
 
@@ -27,13 +37,14 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from client import errors as e
 from client.errors import QueueError
 from client.protocol import ForwardDataOp, ForwardRate, ForwardSessionOp
 from qserver import commands as c
 from qserver.metrics import render_family
+from replication.options import is_valid_queue_name
 from replication.queue_core import SEQUENCE_FLOOR_HEADER, SEQUENCE_HEADER, SEQUENCE_KEY_HEADER
 
 log = logging.getLogger("qserver.forward_root")
@@ -42,12 +53,18 @@ HOLD_INTERVALS = 3          # a session silent for this many keepalive intervals
 HOLD_MIN_S = 3.0
 TICK_MAX_S = 0.25           # the root looks at its sessions at least this often
 SESSIONS_MAX = 256          # forward sessions one root queue holds (the map's forwards of one cluster, at most)
+SESSIONS_PER_CLIENT_MAX = 32   # ... of them one client holds (a client with `admin` on the queue: any number)
+TOKEN_CHARS = 16            # a forward id is `<forward name>.<16 hex digits>` (replication/cluster_map.py ForwardEntry)
+STREAM_CHARS_MAX = 256      # `<forward id>@<source incarnation>/p<priority>` (qserver/forwarder.py)
+Key = tuple[str, str]       # a session: (client id, forward id)
+K = TypeVar("K")
 
 
 @dataclass(slots=True)
 class Session:
     queue: str
     forward: str
+    client: str
     connection: Any
     weight: int
     opened: float
@@ -59,22 +76,33 @@ class Session:
 class ForwardRoot:
     def __init__(self, node: Any) -> None:
         self._node = node
-        self._sessions: dict[str, dict[str, Session]] = {}    # queue -> forward -> session
+        self._sessions: dict[str, dict[Key, Session]] = {}    # queue -> (client, forward) -> session
         self._computed: dict[str, float] = {}                 # queue -> when its rates were last sent
         self._task: asyncio.Task[None] | None = None
 
     # --- the session (ForwardSessionOp) ------------------------------------------------------
     def session(self, connection: Any, op: ForwardSessionOp) -> Any:
+        _check_forward_id(op.forward)
         core = self._master_core(op.queue)
         options = core.options
+        _check_weight(op.weight, options)
         now = time.monotonic()
+        client = connection.principal.client_id
+        key = (client, op.forward)
         sessions = self._sessions.setdefault(op.queue, {})
-        session = sessions.get(op.forward)
+        session = sessions.get(key)
         if op.open:
-            if session is None and len(sessions) >= SESSIONS_MAX:
-                raise QueueError(e.E_OVERLOADED, f"{op.queue} holds {SESSIONS_MAX} forward sessions")
-            session = sessions[op.forward] = Session(op.queue, op.forward, connection, op.weight, now, now)
-            log.info("forward %s opened a session into %s (weight %d)", op.forward, op.queue, op.weight)
+            if session is None:
+                if len(sessions) >= SESSIONS_MAX:
+                    raise QueueError(e.E_OVERLOADED, f"{op.queue} holds {SESSIONS_MAX} forward sessions")
+                if sum(1 for other, _ in sessions if other == client) >= SESSIONS_PER_CLIENT_MAX \
+                        and not connection.principal.allows("admin", op.queue):
+                    raise QueueError(e.E_OVERLOADED, f"client {client} holds {SESSIONS_PER_CLIENT_MAX} forward "
+                                                     f"sessions into {op.queue}")
+            # Opening again (a new socket after a reconnection) replaces only this client's own.
+            session = sessions[key] = Session(op.queue, op.forward, client, connection, op.weight, now, now)
+            log.info("forward %s of client %s opened a session into %s (weight %d)", op.forward, client, op.queue,
+                     op.weight)
             self._assign(op.queue, options, opening=session)
             self._start()
             keepalive = min(KEEPALIVE_MAX_S, options.forward_interval_s)
@@ -87,15 +115,21 @@ class ForwardRoot:
 
     def data(self, connection: Any, op: ForwardDataOp) -> None:
         """A data message: the weight, then its messages as enqueues, answered together."""
-        self._master_core(op.queue)
-        session = self._sessions.get(op.queue, {}).get(op.forward)
+        _check_forward_id(op.forward)
+        core = self._master_core(op.queue)
+        client = connection.principal.client_id
+        session = self._sessions.get(op.queue, {}).get((client, op.forward))
         if session is None or session.connection is not connection:
             raise QueueError(e.E_UNKNOWN_FORWARD, f"no session of forward {op.forward} into {op.queue} here")
+        _check_weight(op.weight, core.options)
+        if not op.stream.startswith(f"{op.forward}@") or len(op.stream) > STREAM_CHARS_MAX \
+                or not op.stream.isprintable():
+            raise QueueError(e.E_INVALID_OPTION, f"a stream of forward {op.forward} is `{op.forward}@...`, "
+                                                 f"at most {STREAM_CHARS_MAX} printable characters")
         session.weight, session.heard = op.weight, time.monotonic()
         session.received += len(op.items)
         body_bytes_max = self._node.config.body_bytes_max
         gathered = _Gathered(connection, op.request_id, len(op.items))
-        client = connection.principal.client_id
         submit = self._node.engine.submit
         for position, (payload, priority, number, ttl_ms, headers) in enumerate(op.items):
             if len(payload) > body_bytes_max:
@@ -107,9 +141,9 @@ class ForwardRoot:
 
     def connection_closed(self, connection: Any) -> None:
         for queue, sessions in list(self._sessions.items()):
-            for forward in [f for f, s in sessions.items() if s.connection is connection]:
-                del sessions[forward]
-                log.info("forward %s: its connection to the root of %s closed", forward, queue)
+            for key in [k for k, s in sessions.items() if s.connection is connection]:
+                del sessions[key]
+                log.info("forward %s of client %s: its connection to the root of %s closed", key[1], key[0], queue)
 
     def _master_core(self, queue: str) -> Any:
         engine = self._node.engine
@@ -133,14 +167,14 @@ class ForwardRoot:
         the answer: the paper's initial R/n)."""
         sessions = self._sessions.get(queue, {})
         rates = compute_rates(options.forward_rate, options.forward_mode,
-                              {name: s.weight for name, s in sessions.items()},
-                              opening=opening.forward if opening is not None else None)
-        for name, session in sessions.items():
-            if name not in rates:
+                              {key: s.weight for key, s in sessions.items()},
+                              opening=(opening.client, opening.forward) if opening is not None else None)
+        for key, session in sessions.items():
+            if key not in rates:
                 continue          # static, or an adaptive session's rate between two intervals
-            session.rate = rates[name]
+            session.rate = rates[key]
             if session is not opening:
-                session.connection.emit(ForwardRate(queue, name, session.rate))
+                session.connection.emit(ForwardRate(queue, session.forward, session.rate))
         self._computed[queue] = time.monotonic()
 
     def _start(self) -> None:
@@ -171,10 +205,11 @@ class ForwardRoot:
         options = core.options
         now = time.monotonic()
         hold_s = self._hold_s(options)
-        silent = [name for name, session in sessions.items() if now - session.heard > hold_s or session.connection.closed]
-        for name in silent:
-            log.info("forward %s: silent for %.1f s, its session into %s is dropped", name, hold_s, queue)
-            del sessions[name]
+        silent = [key for key, session in sessions.items() if now - session.heard > hold_s or session.connection.closed]
+        for key in silent:
+            log.info("forward %s of client %s: silent for %.1f s, its session into %s is dropped", key[1], key[0],
+                     hold_s, queue)
+            del sessions[key]
         if not sessions:
             del self._sessions[queue]
             self._computed.pop(queue, None)
@@ -190,21 +225,23 @@ class ForwardRoot:
     # --- what it shows ------------------------------------------------------------------------
     def sessions_of(self, queue: str) -> list[dict[str, Any]]:
         now = time.monotonic()
-        return [{"forward": s.forward, "weight": s.weight, "rate": s.rate, "received": s.received,
+        return [{"forward": s.forward, "client": s.client, "weight": s.weight, "rate": s.rate, "received": s.received,
                  "open_s": round(now - s.opened, 3), "heard_s_ago": round(now - s.heard, 3)}
-                for s in sorted(self._sessions.get(queue, {}).values(), key=lambda s: s.forward)]
+                for s in sorted(self._sessions.get(queue, {}).values(), key=lambda s: (s.forward, s.client))]
 
     def render_metrics(self) -> list[str]:
         rows = [s for sessions in self._sessions.values() for s in sessions.values()]
         return (render_family("qserver_forward_root_weight", "gauge", "each forward session's last reported weight",
-                              [({"queue": s.queue, "forward": s.forward}, s.weight) for s in rows])
+                              [({"queue": s.queue, "forward": s.forward, "client": s.client}, s.weight) for s in rows])
                 + render_family("qserver_forward_root_rate", "gauge",
                                 "each forward session's rate (messages/s; -1: no control)",
-                                [({"queue": s.queue, "forward": s.forward}, -1 if s.rate is None else s.rate)
+                                [({"queue": s.queue, "forward": s.forward, "client": s.client},
+                                  -1 if s.rate is None else s.rate)
                                  for s in rows])
                 + render_family("qserver_forward_root_received_total", "counter",
                                 "messages in each forward session's data messages",
-                                [({"queue": s.queue, "forward": s.forward}, s.received) for s in rows]))
+                                [({"queue": s.queue, "forward": s.forward, "client": s.client}, s.received)
+                                 for s in rows]))
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -213,7 +250,25 @@ class ForwardRoot:
                 await self._task
 
 
-def compute_rates(total: float, mode: str, weights: dict[str, int], *, opening: str | None = None) -> dict[str, float | None]:
+def _check_forward_id(forward: str) -> None:
+    """A forward id is a forward's name (checked like a queue name, as at its creation:
+    qserver/forward_api.py) and its token: no megabyte names kept, logged or put in /metrics."""
+    name, dot, token = forward.rpartition(".")
+    if is_valid_queue_name(forward) or (dot and len(token) == TOKEN_CHARS and is_valid_queue_name(name)
+                                        and all(ch in "0123456789abcdef" for ch in token)):
+        return
+    raise QueueError(e.E_INVALID_NAME, f"a forward id is a forward's name (like a queue's) and its token: "
+                                       f"{forward[:40]!r}")
+
+
+def _check_weight(weight: int, options: Any) -> None:
+    """A weight is a fill band of the queue's `forward_bands` (qserver/forwarder.py weight_of):
+    a larger one would take the others' share (docs/PROTOCOL.md "Forwards")."""
+    if not 0 <= weight < options.forward_bands:
+        raise QueueError(e.E_INVALID_OPTION, f"a weight is a band, 0..{options.forward_bands - 1}: {weight}")
+
+
+def compute_rates(total: float, mode: str, weights: dict[K, int], *, opening: K | None = None) -> dict[K, float | None]:
     """Seed 003 §3.3 (figure 6): each session's rate from the weight table. `opening`: a session
     being opened (it gets R/n; in static mode every session is given R/n again, n having
     changed; in adaptive mode the others keep theirs until the next interval)."""

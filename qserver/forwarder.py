@@ -27,12 +27,20 @@ reconnection, their delivery counts would grow to max_deliveries and dead-letter
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import contextlib
+import json
 import logging
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from client import errors as e
 from client.aio import AsyncClient
@@ -61,6 +69,41 @@ SESSION_ERRORS = frozenset({e.E_UNKNOWN_FORWARD.code, e.E_NOT_MASTER.code, e.E_F
 # Item errors that refuse the message for good: given back to the source (max_deliveries then
 # dead-letters it there), not retried without end.
 MESSAGE_ERRORS = frozenset({e.E_PAYLOAD_TOO_LARGE.code, e.E_INVALID_OPTION.code, e.E_WRONG_QUEUE_TYPE.code})
+
+
+SEALED_PREFIX = "sealed1:"       # a forward's secret as the map keeps it (seal_secret); else an old plaintext key
+FORWARD_CA_DIR = "forward-ca"    # under the data directory: each forward's own CA file, written from the map
+
+
+# --- a forward's credentials at rest (docs/PROTOCOL.md "Forwards", "The other cluster's key") --------
+def _sealing_key(cluster_secret: bytes) -> AESGCM:
+    """AES-256-GCM under a key derived (HKDF-SHA256) from the cluster secret, which every node
+    has and the map, its log and snapshots do not hold."""
+    key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=b"qcluster forward credentials v1").derive(
+        cluster_secret)
+    return AESGCM(key)
+
+
+def seal_secret(cluster_secret: bytes, name: str, client_id: str, private_key: str, ca: str = "") -> str:
+    """What the map keeps of a forward's credentials in another cluster: its private key (and
+    that cluster's CA certificate, if given), encrypted, bound to the forward's name and client
+    id. Without a cluster secret (a node outside a cluster runs no forwarders) it stays as given."""
+    if not cluster_secret:
+        return private_key
+    nonce = os.urandom(12)
+    document = json.dumps({"private_key": private_key, "ca": ca}).encode()
+    sealed = _sealing_key(cluster_secret).encrypt(nonce, document, f"{name}\x1f{client_id}".encode())
+    return SEALED_PREFIX + base64.b64encode(nonce + sealed).decode()
+
+
+def open_secret(cluster_secret: bytes, name: str, client_id: str, stored: str) -> tuple[str, str]:
+    """(private key, CA certificate or "") of a forward as the map keeps it; an entry made
+    before credentials were sealed holds the plain key (and no CA)."""
+    if not stored.startswith(SEALED_PREFIX):
+        return stored, ""
+    raw = base64.b64decode(stored[len(SEALED_PREFIX):])
+    document = json.loads(_sealing_key(cluster_secret).decrypt(raw[:12], raw[12:], f"{name}\x1f{client_id}".encode()))
+    return str(document["private_key"]), str(document.get("ca") or "")
 
 
 class TokenBucket:
@@ -143,7 +186,9 @@ class Forwarder:
         self.sent = self.stored = self.refused = self.sessions = 0
         self.trace: collections.deque[tuple[float, float | None, int]] = collections.deque(maxlen=TRACE_MAX)
         self._bucket = TokenBucket(0.0)
-        self._bands = 10
+        # The root's bands, from its terms: a weight beyond them is refused (E_INVALID_OPTION,
+        # docs/PROTOCOL.md "Forwards"); until a session told them (None) the open reports 0.
+        self._bands: int | None = None
         self._held: list[DeliveredMessage] = []      # leased at the source, not yet stored at the destination
         self._leased_at = 0.0
         # Per priority (each its own stream: the source hands out a priority in id order, so
@@ -163,7 +208,7 @@ class Forwarder:
 
     def _weight(self) -> int:
         core = self._core()
-        self.weight = weight_of(core.depth, core.options.max_depth, self._bands)
+        self.weight = 0 if self._bands is None else weight_of(core.depth, core.options.max_depth, self._bands)
         return self.weight
 
     def _set_rate(self, rate: float | None) -> None:
@@ -178,10 +223,25 @@ class Forwarder:
             return self._node.macros.client_for(CLUSTER_CLIENT)  # type: ignore[no-any-return]
         if self._client is None:
             url = self.entry.urls[self._url_turn % len(self.entry.urls)]
-            tls = self._node.config.tls_files()
-            credentials = Credentials(self.entry.client_id, self.entry.secret, url, tls[2] if tls else "")
-            self._client = AsyncClient(url, credentials, request_timeout_s=10.0)
+            key, ca_file = self._credentials()
+            self._client = AsyncClient(url, Credentials(self.entry.client_id, key, url, ca_file),
+                                       request_timeout_s=10.0)
         return self._client
+
+    def _credentials(self) -> tuple[str, str]:
+        """The forward's private key and the CA its TLS checks the other cluster's nodes
+        against: its own (that cluster's, given at creation), else this cluster's (an older
+        forward, or one made without it), else the system's."""
+        entry = self.entry
+        key, ca = open_secret(self._node.auth.cluster_secret, entry.name, entry.client_id, entry.secret)
+        if ca:
+            folder = Path(self._node.config.data_dir) / FORWARD_CA_DIR
+            folder.mkdir(mode=0o700, exist_ok=True)
+            path = folder / f"{entry.identity}.pem"
+            path.write_text(ca)
+            return key, str(path)
+        tls = self._node.config.tls_files()
+        return key, tls[2] if tls else ""
 
     async def _drop_client(self) -> None:
         """After a failed session: the next attempt starts afresh, at the next URL given."""
@@ -201,6 +261,8 @@ class Forwarder:
                 except QueueError as error:
                     self.error = f"{error.code}: {error.message}"
                     log.info("forward %s: session ended: %s", self.entry.name, self.error)
+                    if error.code == e.E_INVALID_OPTION.code:
+                        self._bands = None      # the root's bands changed, say: learned again on open
                 except (OSError, TimeoutError) as error:
                     self.error = f"{type(error).__name__}: {error}"
                 except Exception as error:    # a bug: logged, and the forward goes on after the pause
@@ -228,7 +290,7 @@ class Forwarder:
         terms = await client.forward_session(entry.destination, entry.identity, self._weight(), open=True,
                                              on_rate=self._set_rate)
         self.terms = dict(terms)
-        self._bands = int(terms.get("bands") or 10)
+        self._bands = max(1, int(terms.get("bands") or 10))
         self.sessions += 1
         self.state, self.error = "open", ""
         self._set_rate(terms.get("rate"))

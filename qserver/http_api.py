@@ -12,6 +12,7 @@ import bisect
 import json
 import logging
 import os
+import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -24,9 +25,23 @@ from aiohttp import web
 from client import errors as e
 from client.errors import QueueError
 from client.protocol import DeliveredMessage
-from client.signing import new_private_key, private_key_to_text, public_key_from_text, public_key_text
+from client.signing import (
+    SIGNED_HEADERS,
+    audience_of,
+    new_private_key,
+    private_key_to_text,
+    public_key_from_text,
+    public_key_text,
+)
 from qserver import commands as c
-from qserver.auth import Principal, refused_ack_text, validate_grants
+from qserver.auth import (
+    FORWARDED_BY,
+    SERVER_CONTROL_HEADERS,
+    Principal,
+    refused_ack_text,
+    relay_headers,
+    validate_grants,
+)
 from qserver.engine import TERMINAL_STATES, Engine
 from qserver.http_errors import error_response
 from qserver.redrive import redrive as redrive_dead_letters
@@ -71,9 +86,14 @@ async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamR
                 raise QueueError(e.E_PAYLOAD_TOO_LARGE, f"body over {node.config.body_bytes_max} bytes")
             body = await request.read()
             raw_path = request.raw_path.split("?", 1)[0]
-            request["principal"] = node.auth.authenticate(request.method, raw_path, request.rel_url.query.items(),
-                                                          request.headers, body)
-            if FORWARDED_BY in request.headers:
+            if node.auth.node_id != node.config.node_id:
+                node.auth.bind(node.config.node_id, own_addresses(node.config))
+            who = node.auth.authenticate(request.method, raw_path, request.rel_url.query.items(), request.headers,
+                                         body, secure=request.secure)
+            request["principal"] = who
+            if who.relayed_by is None:
+                refuse_server_control_headers(request)
+            else:
                 await until_map_version(node, request.headers.get(MAP_VERSION))
         return await handler(request)
     except QueueError as error:
@@ -100,16 +120,47 @@ async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamR
         return error_response(QueueError(e.E_INTERNAL))
 
 
-FORWARDED_BY = "X-Forwarded-By"
 PLACEMENT = "X-Placement"
 PROXY_TIMEOUT_S = 60.0
 HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection"})
+# What a relay does not pass on: the client's signature (the envelope replaces it) and the
+# server-control headers (the passing node sets its own).
+RELAY_DROPPED = frozenset(name.lower() for name in (*SIGNED_HEADERS, *SERVER_CONTROL_HEADERS))
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]", "0.0.0.0", "::", ""})
+
+
+def own_addresses(config: Any) -> set[str]:
+    """The addresses this node answers at, as audiences (client/signing.py, audience_of): its
+    URL (the advertised one, and its entry in [cluster.nodes]), its `client_addresses` and the
+    host:port it listens on; listening on loopback or every address, also the loopback names
+    with its port. A request signed for any other address is refused here (docs/PROTOCOL.md,
+    "Signing")."""
+    host, port = config.host, config.port
+    addresses = {audience_of(url) for url in (config.own_url, config.url, config.cluster_nodes.get(config.node_id),
+                                              *config.client_addresses) if url}
+    addresses.add(f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}")
+    if host in LOOPBACK_HOSTS:
+        addresses.update({f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}"})
+        if host in ("0.0.0.0", "::", ""):
+            addresses.add(f"{socket.gethostname()}:{port}")
+    return {audience_of(address) for address in addresses}
+
+
+def refuse_server_control_headers(request: web.Request) -> None:
+    """The headers a node sets when it passes a request on change what the next node does (a
+    new queue's placement, a purge of one member's copy only); only a relayed request, whose
+    envelope signs them, may carry them (docs/PROTOCOL.md, "Signing")."""
+    for name in SERVER_CONTROL_HEADERS:
+        if name in request.headers:
+            raise QueueError(e.E_BAD_REQUEST, f"{name} is set only by a node passing a request on (node-"
+                                              "authenticated); a client may not send it (docs/PROTOCOL.md, "
+                                              "\"Signing\")")
 
 
 async def proxy_to_master(request: web.Request, node: Any, target: str | None = None,
                           placement: tuple[str, str] | None = None) -> web.Response | None:
-    """Any node answers any request (DESIGN.md 4.4): one that is not the queue's master passes
-    the signed request on unchanged, and the master checks signature and nonce itself."""
+    """Any node answers any request (docs/PROTOCOL.md, "Signing"): one that is not the queue's
+    master passes the request on to the master in a node-authenticated envelope (proxy_to)."""
     name = request.match_info.get("q")
     if name is None or FORWARDED_BY in request.headers or not is_valid_queue_name(name):
         return None
@@ -122,22 +173,29 @@ async def proxy_to_master(request: web.Request, node: Any, target: str | None = 
 
 async def proxy_to(request: web.Request, node: Any, target: str, placement: tuple[str, str] | None = None,
                    extra: Mapping[str, str] | None = None) -> web.Response:
-    """Pass the signed request on to node `target`, once (the X-Forwarded-By header)."""
+    """Pass the request on to node `target`, once (the X-Forwarded-By header), in an envelope
+    signed with the cluster secret that names this node, `target` and the principal this node
+    authenticated (qserver/auth.py, relay_headers; docs/PROTOCOL.md, "Signing"): the client's
+    own signature is not passed on, so it never holds at a node it did not address, and the
+    target looks the principal up in its own registry."""
     master = target
     name = request.match_info.get("q", "")
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
-    headers[FORWARDED_BY] = node.config.node_id
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS | RELAY_DROPPED}
     membership = node.engine.pairs.view.membership
     if membership is not None:
         headers[MAP_VERSION] = str(membership.cluster_map.version)
     headers.update(extra or {})
     if placement is not None:     # the passing node placed a new queue: its choice stands
         headers[PLACEMENT] = ",".join(placement)
-    # Exactly the path the client signed: a URL built from a string is normalized (yarl
-    # decodes %3A in `channel%3Aname` to `:`), and the master would check another path.
+    body = await request.read()
+    # Exactly the path this node saw: a URL built from a string is normalized (yarl decodes
+    # %3A in `channel%3Aname` to `:`), and the target would check another path.
+    headers.update(relay_headers(node.auth.cluster_secret, node.config.node_id, master, principal(request).client_id,
+                                 request.method, request.raw_path.split("?", 1)[0], request.rel_url.query.items(),
+                                 headers, body))
     url = yarl.URL(node.engine.pairs.view.url(master) + request.raw_path, encoded=True)
     try:
-        async with node.http_session().request(request.method, url, data=await request.read(), headers=headers,
+        async with node.http_session().request(request.method, url, data=body, headers=headers,
                                                timeout=aiohttp.ClientTimeout(total=PROXY_TIMEOUT_S)) as answer:
             body = await answer.read()
             kept = {k: v for k, v in answer.headers.items() if k.lower() not in HOP_HEADERS}
@@ -514,6 +572,10 @@ async def reply(request: web.Request) -> web.Response:
 
 async def message_status(request: web.Request) -> web.Response:
     name = queue_name(request, "post")
+    raw_id = request.match_info["id"]
+    digits = raw_id.removeprefix("-")
+    if digits.isascii() and digits.isdigit() and int(raw_id) <= 0:     # never issued (docs/PROTOCOL.md, "Grants")
+        raise QueueError(e.E_UNKNOWN_MESSAGE, f"queue {name} has no message {raw_id}")
     index = message_id(request)
     node = request.app[NODE]
     wait_s = number_param(request, "wait_s", 0.0, 0.0, node.config.receive_wait_max_s)
@@ -521,7 +583,11 @@ async def message_status(request: web.Request) -> web.Response:
     until = frozenset(until_raw.split(",")) if until_raw else TERMINAL_STATES
     if not until <= STATUS_STATES:
         raise QueueError(e.E_INVALID_OPTION, f"until takes states among {', '.join(sorted(STATUS_STATES))}")
-    result = await call(node.engine, lambda r: c.MessageStatus(name, index, int(wait_s * 1000), until, r), wait_s)
+    # The caller as the master authenticated it: a node passing the request on relays the
+    # client's own signed request (proxy_to), so this is the original client, never the relay.
+    who = principal(request)
+    result = await call(node.engine, lambda r: c.MessageStatus(name, index, int(wait_s * 1000), until, who.client_id,
+                                                               who.allows("admin", name), r), wait_s)
     reply_payload = result.pop("reply", None)
     if reply_payload is not None:
         result["reply_b64"] = base64.b64encode(reply_payload).decode()

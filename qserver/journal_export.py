@@ -9,7 +9,9 @@ it holds `segment_records_max` records (size), when its oldest record is older t
 
 `destination` is a local directory or any URI pyarrow.fs understands (file://, hdfs://,
 s3://, gs://, abfs://). A file is written under a `_tmp-` name (which Spark ignores) and then
-moved into place, so a crash leaves no half segment under a real name. What was exported is
+moved into place, so a crash leaves no half segment under a real name; on a local disk the
+file is fsync'd before the move and its directory after, so a segment is durable before the
+prune may delete its records from LMDB. What was exported is
 read back from the destination's file names, so an exporter needs no state of its own: a
 restarted node continues after the last segment it finds for its journal.
 
@@ -290,6 +292,18 @@ def filesystem_for(destination: str) -> tuple[pafs.FileSystem, str]:
     return filesystem, path.rstrip("/")
 
 
+def _sync(filesystem: pafs.FileSystem, path: str) -> None:
+    """fsync a local file or directory. Object stores (s3://, gs://, abfs://) hold an object
+    once its upload completes, and HDFS a file once it is closed: nothing more to do there."""
+    if not isinstance(filesystem, pafs.LocalFileSystem):
+        return
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
 def _safe_name(node: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.]", "_", node) or "_"
 
@@ -383,7 +397,13 @@ class JournalExporter:
         self.filesystem.create_dir(self.directory, recursive=True)
         pq.write_table(columns_table(columns), temporary, filesystem=self.filesystem,
                        compression=self.settings.compression)
+        # Durable before it counts as exported: the prune deletes from LMDB (fsync'd) what the
+        # destination's file names say is exported, and a crash must not leave the journal with
+        # neither copy (issue 32: the prune ran before the segment reached the disk).
+        _sync(self.filesystem, temporary)
         self.filesystem.move(temporary, final)
+        _sync(self.filesystem, self.directory)          # the rename
+        _sync(self.filesystem, self.directory.rpartition("/")[0] or "/")   # the directory, if it is new
         self._exported_through = last
         return Segment(self.source.node_id, journal_id, first, last, final)
 

@@ -30,7 +30,9 @@ CLIENTS_MAX = 32                # callers with a client library instance kept he
 
 
 class DelegatedSigner(Signer):
-    """Signs as client `client_id` with the cluster secret (see qserver/auth.py)."""
+    """Signs as client `client_id` with the cluster secret (`QD2:`, qserver/auth.py): over the
+    QS2 canonical string, so the signature names the client and the node it is sent to and
+    holds nowhere else (docs/PROTOCOL.md, "Signing")."""
 
     def __init__(self, client_id: str, secret: bytes) -> None:
         self.client_id = client_id

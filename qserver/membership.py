@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import logging
 import random
@@ -32,6 +33,7 @@ from typing import Any, Protocol
 
 from qserver.failstop import stop_process
 from qserver.metrics import Histogram, render_family
+from qserver.peers import RefusedMessage
 from qserver.raft_store import RaftStorage, storage_id_bytes
 from qserver.storage import MapGrowthNeeded, StorageFull
 from replication.cluster_map import (
@@ -58,8 +60,15 @@ from replication.raft import (
     Refusal,
     Refused,
 )
-from replication.raft_codec import JoinRequest, ProposeRequest, ProposeResponse, decode_frame, encode_frame
-from replication.raft_messages import EntryKind
+from replication.raft_codec import (
+    FrameChunk,
+    JoinRequest,
+    ProposeRequest,
+    ProposeResponse,
+    decode_frame,
+    encode_frame,
+)
+from replication.raft_messages import AppendRequest, EntryKind, SnapshotRequest
 
 log = logging.getLogger("qserver.membership")
 
@@ -95,6 +104,34 @@ PARKED_PROPOSALS_MAX = 1_000        # proposals waiting for a leader to be known
 # A Raft write refused for lack of space is tried again after these delays, doubling: the core
 # waits meanwhile (it takes no input between ready() and advance()), as behind a slow disk.
 PERSIST_RETRY_INITIAL_S, PERSIST_RETRY_MAX_S = 0.05, 1.0
+# A frame larger than one chunk (a snapshot of a large map: one message used to be refused by
+# the transport's 8 MiB queue bound, silently, and the node behind it never caught up) goes in
+# pieces (docs/RAFT.md, "Snapshots in chunks"), paced so that the link's queue keeps room for
+# heartbeats. The core asks again for a snapshot every few ticks until it is answered: a
+# transfer under way, or done less than FRAME_RESEND_S (plus a second per 8 MiB) ago, is not
+# started again.
+FRAME_CHUNK_BYTES = 1 << 20
+CHUNKS_PENDING_BYTES_MAX = 2 << 20
+CHUNKED_FRAME_BYTES_MAX = 1 << 30    # what a receiver joins (the map's own bound is far below)
+FRAME_RESEND_S = 2.0
+
+
+@dataclasses.dataclass(eq=False)
+class _Outgoing:
+    transfer: int
+    key: tuple[int, int] | None        # the snapshot's (index, term)
+    chunks: list[memoryview]
+    count: int
+    resend_after_s: float
+    next: int = 0
+    done_at: float | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class _Incoming:
+    transfer: int
+    count: int
+    parts: list[bytes] = dataclasses.field(default_factory=list)
 
 
 def tick_ms(heartbeat_ms: int) -> int:
@@ -150,10 +187,12 @@ class RaftMembership:
                  send: Callable[[str, bytes], bool], writer: Callable[[], Executor],
                  loop: asyncio.AbstractEventLoop, limits: RaftLimits, tick_s: float, seed: int | None = None,
                  grow_storage: Callable[[], None] | None = None,
-                 compact_every_entries: int = COMPACT_EVERY_ENTRIES) -> None:
+                 compact_every_entries: int = COMPACT_EVERY_ENTRIES,
+                 pending_bytes: Callable[[str], int] | None = None) -> None:
         """`grow_storage`: grows the node's LMDB map between two writer jobs (Engine.grow_storage;
         raises StorageFull at its limit), for a Raft write that found the map full.
-        `compact_every_entries`: applied entries between two snapshots of the map."""
+        `compact_every_entries`: applied entries between two snapshots of the map.
+        `pending_bytes`: what the link to a peer holds unsent (paces a chunked frame)."""
         self._compact_every = compact_every_entries
         self.node_id = node_id
         self.cluster_map = ClusterMap()
@@ -162,6 +201,12 @@ class RaftMembership:
         self._store = store
         self._voters = voters                 # the configured voters: who is promoted once caught up
         self._send = send
+        self._pending_bytes = pending_bytes
+        self._outgoing: dict[str, _Outgoing] = {}     # peer -> the chunked frame being sent to it
+        self._incoming: dict[str, _Incoming] = {}     # peer -> the chunked frame being joined
+        self._transfer_ids = itertools.count(random.SystemRandom().randrange(1, 1 << 31))
+        self.frames_chunked = 0
+        self.chunks_dropped = 0
         self._writer = writer
         self._grow_storage = grow_storage
         self._loop = loop
@@ -271,6 +316,10 @@ class RaftMembership:
         lines += render_family("qserver_membership_frames_refused_total", "counter",
                                "membership frames dropped (inbox full) or refused (malformed, wrong sender)",
                                [({"why": "inbox_full"}, self.frames_dropped), ({"why": "bad"}, self.bad_frames)])
+        lines += render_family("qserver_membership_frames_chunked_total", "counter",
+                               "frames too large for one message (map snapshots) sent in chunks, and chunked frames "
+                               "given up for a lost piece", [({"what": "sent"}, self.frames_chunked),
+                                                             ({"what": "dropped"}, self.chunks_dropped)])
         lines += render_family("qserver_membership_persists_refused_total", "counter",
                                "Raft writes refused for lack of space (the same write is tried again)",
                                [({}, self.persists_refused)])
@@ -286,17 +335,83 @@ class RaftMembership:
         self._put(_CAMPAIGN)
 
     def on_frame(self, peer: str, data: bytes) -> None:
-        """A frame from the membership link (loop thread)."""
+        """A frame from the membership link (loop thread). Bad input from an authenticated peer
+        never reaches the core, whose checks would take it for a broken invariant and stop the
+        node: it is counted and refused, and the transport drops that link (RefusedMessage)."""
         try:
             frame = decode_frame(data)
+            if isinstance(frame, FrameChunk):
+                joined = self._join(peer, frame)
+                if joined is None:
+                    return
+                frame = decode_frame(joined)
+                if isinstance(frame, FrameChunk):
+                    raise MessageError("a chunk inside a chunked frame")
+            if getattr(frame, "sender", peer) != peer:
+                raise MessageError(f"a message from {getattr(frame, 'sender', '?')!r} on {peer}'s link")
+            _check_contents(frame)
         except MessageError as error:
             self.bad_frames += 1
-            log.warning("dropped a bad membership frame from %s: %s", peer, error)
-            return
-        if getattr(frame, "sender", peer) != peer:
-            self.bad_frames += 1         # the link's authenticated peer is who speaks
-            return
+            log.warning("refused a bad membership frame from %s, dropping the link: %s", peer, error)
+            raise RefusedMessage(str(error)) from None
         self._put(frame)
+
+    def _join(self, peer: str, chunk: FrameChunk) -> bytes | None:
+        """The whole frame once its last piece came; None before. Pieces of one transfer come in
+        order on one link; a gap (pieces lost with a broken link) drops what was joined, and
+        the sender sends the frame again whole when the core asks again."""
+        if chunk.sender != peer:
+            raise MessageError(f"a chunk from {chunk.sender!r} on {peer}'s link")
+        if len(chunk.data) > FRAME_CHUNK_BYTES or chunk.count > CHUNKED_FRAME_BYTES_MAX // FRAME_CHUNK_BYTES:
+            raise MessageError("a chunked frame beyond the bounds")
+        incoming = self._incoming.get(peer)
+        if chunk.sequence == 0:
+            incoming = self._incoming[peer] = _Incoming(chunk.transfer, chunk.count)
+        elif incoming is None or (incoming.transfer, incoming.count, len(incoming.parts)) != \
+                (chunk.transfer, chunk.count, chunk.sequence):
+            self._incoming.pop(peer, None)
+            self.chunks_dropped += 1
+            return None
+        incoming.parts.append(chunk.data)
+        if len(incoming.parts) < incoming.count:
+            return None
+        del self._incoming[peer]
+        return b"".join(incoming.parts)
+
+    def _send_frame(self, message: Any) -> None:
+        """Send one of the core's messages: whole, or in chunks when it is larger than one."""
+        data = encode_frame(message)
+        peer = message.recipient
+        if len(data) <= FRAME_CHUNK_BYTES:
+            self._send(peer, data)
+            return
+        key = (message.snapshot.index, message.snapshot.term) if isinstance(message, SnapshotRequest) else None
+        current = self._outgoing.get(peer)
+        if current is not None and key is not None and current.key == key and (
+                current.done_at is None or self._loop.time() - current.done_at < current.resend_after_s):
+            return      # under way, or just sent: its answer is on its way
+        view = memoryview(data)
+        chunks = [view[start:start + FRAME_CHUNK_BYTES] for start in range(0, len(data), FRAME_CHUNK_BYTES)]
+        self._outgoing[peer] = _Outgoing(next(self._transfer_ids), key, chunks, len(chunks),
+                                         FRAME_RESEND_S + len(data) / (8 << 20))
+        self.frames_chunked += 1
+        self._pump_chunks()
+
+    def _pump_chunks(self) -> None:
+        """Hand the transport the next pieces of each chunked frame, while its queue for that
+        peer has room (each tick, so a large snapshot flows without starving heartbeats)."""
+        for peer, outgoing in self._outgoing.items():
+            while outgoing.next < outgoing.count:
+                if self._pending_bytes is not None and self._pending_bytes(peer) >= CHUNKS_PENDING_BYTES_MAX:
+                    break
+                chunk = FrameChunk(self.node_id, outgoing.transfer, outgoing.next, outgoing.count,
+                                   bytes(outgoing.chunks[outgoing.next]))
+                if not self._send(peer, encode_frame(chunk)):
+                    break
+                outgoing.next += 1
+            if outgoing.next == outgoing.count and outgoing.done_at is None:
+                outgoing.done_at = self._loop.time()
+                outgoing.chunks = []
 
     def _put(self, item: Any) -> None:
         if len(self._inbox) >= INBOX_ITEMS_MAX:
@@ -335,7 +450,7 @@ class RaftMembership:
                 if ready.must_persist:
                     await self._persist_until_stored(ready)
                 for message in ready.messages:
-                    self._send(message.recipient, encode_frame(message))
+                    self._send_frame(message)
                 self._apply(ready)
                 core.advance(ready)
                 self._feed(core)
@@ -405,6 +520,8 @@ class RaftMembership:
 
     def _on_tick(self, core: RaftNode) -> None:
         now = self._loop.time()
+        if self._outgoing:
+            self._pump_chunks()
         if self._parked and core.leader_id is not None:
             parked, self._parked = self._parked, []
             for proposal in parked:
@@ -527,6 +644,29 @@ class RaftMembership:
             if waiting is not None:
                 term, proposal = waiting
                 proposal.finish(outcomes if term == entry.term else None)
+
+
+def _check_contents(frame: Any) -> None:
+    """What a leader's messages always are (docs/RAFT.md): an append's entries consecutive after
+    previous_index, of terms that never fall, from previous_term up to the sender's term; a
+    snapshot of a term no later than the sender's, holding a map that decodes. The core takes
+    anything else for a broken invariant (its log refuses the entries) or installs it (a map that
+    does not decode ends the task): from a peer it is bad input, refused like a malformed frame
+    (issue 32, Low: a malformed message crashed the receiver)."""
+    if isinstance(frame, AppendRequest):
+        last_index, last_term = frame.previous_index, frame.previous_term
+        for entry in frame.entries:
+            if entry.index != last_index + 1 or not last_term <= entry.term <= frame.term:
+                raise MessageError(f"entry {entry.index} of term {entry.term} cannot follow {last_index} of term "
+                                   f"{last_term} in an append of term {frame.term}")
+            last_index, last_term = entry.index, entry.term
+    elif isinstance(frame, SnapshotRequest):
+        if frame.snapshot.term > frame.term:
+            raise MessageError("a snapshot's last entry is of a term after the sender's")
+        try:
+            decode_map(frame.snapshot.data)
+        except Exception as error:  # noqa: BLE001 (garbage raises many types)
+            raise MessageError(f"a snapshot whose map does not decode: {type(error).__name__}") from None
 
 
 def _task_ended(task: asyncio.Task[None]) -> None:

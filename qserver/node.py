@@ -173,13 +173,14 @@ class Node:
             if membership is not None:
                 membership.on_frame(peer, data)
         transport = PeerTransport(config.node_id, secret, peers, on_message=on_frame,
-                                  listening=config.node_id in addresses, ssl_context=self.client_tls)
+                                  listening=config.node_id in addresses, ssl_context=self.client_tls,
+                                  purpose="membership")
         membership = RaftMembership(
             config.node_id, self.storage.storage_id, RaftStore(self.storage), voters=set(addresses),
             send=transport.send, writer=lambda: self.engine.writer, loop=asyncio.get_running_loop(),
             limits=raft_limits(config.election_timeout_ms, config.raft_heartbeat_ms),
             tick_s=tick_ms(config.raft_heartbeat_ms) / 1000, grow_storage=lambda: self.engine.grow_storage(),
-            compact_every_entries=config.membership_compact_every)
+            compact_every_entries=config.membership_compact_every, pending_bytes=transport.pending_bytes)
         return membership, transport
 
     def membership_application(self) -> web.Application | None:
@@ -296,7 +297,7 @@ class Node:
                 error = QueueError(e.E_FORBIDDEN, "a grant of this client was revoked")
             else:
                 continue
-            asyncio.get_running_loop().create_task(connection.close_with(error))
+            connection.close_soon(error)      # a task the connection holds until done
 
     def client_counts(self, queue: str) -> dict[str, int]:
         producers = sum(1 for conn in self.connections if queue in conn.queues_produced)
@@ -417,6 +418,15 @@ class Node:
             lines += render_family("qserver_peer_frames_total", "counter", "peer frames by direction",
                                    [({"direction": "sent"}, self.peers.frames_sent),
                                     ({"direction": "received"}, self.peers.frames_received)])
+            # Frames that failed their MAC or shape (each closed its link), and dialed peers that
+            # failed the challenge, per link purpose (docs/PROTOCOL.md, "Peer links").
+            transports = [("replication", self.peers)] + (
+                [("membership", self.membership_peers)] if self.membership_peers is not None else [])
+            lines += render_family("qserver_peer_bad_frames_total", "counter", "peer frames refused (bad MAC or shape)",
+                                   [({"purpose": purpose}, t.bad_frames) for purpose, t in transports])
+            lines += render_family("qserver_peer_responders_refused_total", "counter",
+                                   "dialed peers that failed the challenge (no link, nothing sent)",
+                                   [({"purpose": purpose}, t.responders_refused) for purpose, t in transports])
         return lines
 
     def application(self) -> web.Application:
@@ -500,7 +510,26 @@ def lock_data_dir(data_dir: Path) -> IO[str]:
     return handle
 
 
+def check_plaintext(config: NodeConfig) -> None:
+    """A node listening beyond loopback without TLS refuses to start unless the operator says
+    `allow_plaintext = true` (docs/PROTOCOL.md, "Peer links"): signed requests can be replayed and
+    everything read on the path. Loopback-only nodes (tests, the demo) start as they are."""
+    exposed = config.plaintext_exposure()
+    if not exposed:
+        return
+    where = ", ".join(sorted(set(exposed)))
+    if not config.allow_plaintext:
+        raise SystemExit(
+            f"qserver: refusing to start: node {config.node_id} would listen on {where} (beyond loopback) in "
+            "plaintext, with no TLS configured. Configure TLS (tls_cert_file, tls_key_file and tls_ca_file, "
+            "or `qserver init --tls`), listen on loopback only, or set `allow_plaintext = true` in the "
+            "node's [node] configuration to accept plaintext on the network.")
+    log.warning("allow_plaintext = true: node %s listens on %s in plaintext, with no TLS; anyone on the path "
+                "reads every request and message", config.node_id, where)
+
+
 def run(config: NodeConfig) -> None:
+    check_plaintext(config)
     lock = lock_data_dir(Path(config.data_dir))    # noqa: F841 (held until the process ends)
     # The LMDB writer thread needs the GIL back promptly when its fsync returns; the default
     # 5 ms switch interval would make every group commit wait on the event loop's Python.

@@ -1209,7 +1209,8 @@ class PairDriver:
     def map_applied(self, command: Command, outcomes: list[Outcome]) -> None:
         """A command the membership layer applied to the local copy of the map."""
         if isinstance(command, PutClient):
-            self.engine.store_client(command.client_id, command.record)
+            if not outcomes or outcomes[0].applied:     # refused: its name was taken first
+                self.engine.store_client(command.client_id, command.record)
             return
         if not outcomes:        # a snapshot replaced the whole map: the registry too
             cluster = self.view.cluster_map

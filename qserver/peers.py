@@ -15,11 +15,23 @@ What the replication protocol above may assume, per peer:
   being read from a link a newer one replaced. The protocol retransmits from its acknowledged
   index when `on_link_change(peer, True)` reports a (re)established link.
 
-The callbacks must not raise: what they raise is a programmer error and ends that link's task.
+The callbacks must not raise, except `on_message` with `RefusedMessage`: the peer sent a
+message the layer above cannot take (a malformed Raft message), so the frame is counted as bad
+and the link dropped, like a frame that fails its shape. Anything else they raise is a
+programmer error and ends that link's task.
 
-Wire: the upgrade request carries the headers of `auth_headers`; every WebSocket binary
-message is msgpack `[PEER_FRAME_VERSION, [message, ...]]` (bin items). `MemoryPeerNetwork` is
-the in-memory twin with the same surface, for the simulator and unit tests.
+Wire (peer protocol 2, docs/PROTOCOL.md "Peer links"): the upgrade request carries the headers
+of `auth_headers`, bound to the link's purpose (replication or membership: each port serves one)
+and both ids. That alone is replayable, so it only keeps strangers from holding a socket open: the
+link is a challenge-response after it. The responder's first message is its fresh nonce and its
+proof over both nonces; the dialer checks it (a responder without the cluster secret gets nothing
+beyond the upgrade request) and answers with its own proof over both nonces, which the responder
+checks before it delivers or sends anything. Both derive a per-link key from the secret, the
+purpose, both ids and both nonces (`LinkKeys`); every later binary message is msgpack
+`[PEER_FRAME_VERSION, [message, ...]]` (bin items) followed by a 32-byte HMAC-SHA256 tag over the
+direction, a per-direction frame counter and the frame, so a frame altered, dropped, replayed or
+reflected fails its tag and ends the link. `MemoryPeerNetwork` is the in-memory twin with the same
+surface, for the simulator and unit tests.
 """
 from __future__ import annotations
 
@@ -50,9 +62,15 @@ from qserver.http_errors import error_response
 log = logging.getLogger("qserver.peers")
 
 PEER_PATH = "/v1/peer"
-PEER_PROTOCOL = "1"
+# Protocol 1 ("QP1") was a dialer-only HMAC over the ids, a timestamp and a nonce: it named no
+# purpose, authenticated no responder and left frames unprotected (issue 32, item 6). A dialer
+# still speaking it is refused with a message naming protocol 2.
+PEER_PROTOCOL = "2"
+PEER_PROTOCOL_NAME = "QP2 (challenge-response bound to the link's purpose, both ids and both nonces; MAC on every frame)"
 PEER_FRAME_VERSION = 1
-SIGNATURE_PREFIX = "QP1"
+SIGNATURE_PREFIX = "QP2"
+PURPOSES = ("replication", "membership")
+HEADER_PURPOSE = "X-Peer-Purpose"
 HEADER_FROM = "X-Peer-From"
 HEADER_TO = "X-Peer-To"
 HEADER_TIMESTAMP = "X-Peer-Timestamp"
@@ -62,9 +80,11 @@ HEADER_AUTH = "X-Peer-Auth"
 TIMESTAMP_SKEW_MAX_MS = 300_000
 NONCE_CHARACTERS_MAX = 64
 NONCES_KEPT_MAX = 100_000
-# Upper bounds of msgpack's headers: a bin32 item, and the frame's array and version.
+NONCE_BYTES = 16
+TAG_BYTES = 32          # HMAC-SHA256
+# Upper bounds of msgpack's headers: a bin32 item, and the frame's array and version (and its MAC).
 ITEM_OVERHEAD_BYTES = 5
-FRAME_OVERHEAD_BYTES = 16
+FRAME_OVERHEAD_BYTES = 16 + 32
 # Only the lower id dials, so a restarted peer waits for the next dial before anything
 # reaches it: this ceiling on the redial backoff bounds how long a restarted replica waits to
 # start catching up (with 2 s it waited 0.3 - 1.4 s of a 10k-message catch-up). A dial to a
@@ -83,20 +103,115 @@ def _ignore_link_change(peer_id: str, up: bool) -> None:
 
 
 # --- handshake ---------------------------------------------------------------------------
-def peer_signature(secret: bytes, from_id: str, to_id: str, timestamp_ms: int, nonce: str) -> str:
-    text = f"{SIGNATURE_PREFIX}\n{from_id}\n{to_id}\n{timestamp_ms}\n{nonce}"
+def peer_signature(secret: bytes, from_id: str, to_id: str, timestamp_ms: int, nonce: str,
+                   purpose: str = "replication") -> str:
+    """The upgrade request's HMAC: it filters strangers before any upgrade, nothing more (it is
+    replayable within the clock window at a node that forgot the nonce): the link itself is
+    authenticated by the challenge-response that follows."""
+    text = f"{SIGNATURE_PREFIX}\nupgrade\n{purpose}\n{from_id}\n{to_id}\n{timestamp_ms}\n{nonce}"
     return hmac.new(secret, text.encode("utf-8", "replace"), hashlib.sha256).hexdigest()
 
 
-def auth_headers(secret: bytes, from_id: str, to_id: str, *, timestamp_ms: int | None = None,
-                 nonce: str | None = None) -> dict[str, str]:
-    """The headers a dialer signs its upgrade request with."""
+def auth_headers(secret: bytes, from_id: str, to_id: str, *, purpose: str = "replication",
+                 timestamp_ms: int | None = None, nonce: str | None = None) -> dict[str, str]:
+    """The headers a dialer signs its upgrade request with; X-Peer-Nonce is its fresh challenge."""
     stamp_ms = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
-    nonce_text = os.urandom(16).hex() if nonce is None else nonce
+    nonce_text = os.urandom(NONCE_BYTES).hex() if nonce is None else nonce
     return {HEADER_FROM: from_id, HEADER_TO: to_id, HEADER_TIMESTAMP: str(stamp_ms), HEADER_NONCE: nonce_text,
-            HEADER_PROTOCOL: PEER_PROTOCOL,
-            HEADER_AUTH: peer_signature(secret, from_id, to_id, stamp_ms, nonce_text)}
+            HEADER_PROTOCOL: PEER_PROTOCOL, HEADER_PURPOSE: purpose,
+            HEADER_AUTH: peer_signature(secret, from_id, to_id, stamp_ms, nonce_text, purpose)}
 
+
+def _handshake_mac(secret: bytes, role: str, purpose: str, dialer: str, responder: str,
+                   dialer_nonce: str, responder_nonce: bytes) -> bytes:
+    """What `role` (responder, dialer, or key) computes over the link's purpose, both ids and both
+    nonces: a proof that answers the other side's fresh nonce, so it cannot be replayed to
+    another link, port or node."""
+    text = f"{SIGNATURE_PREFIX}\n{role}\n{purpose}\n{dialer}\n{responder}\n{dialer_nonce}\n".encode("utf-8", "replace")
+    return hmac.digest(secret, text + responder_nonce, "sha256")
+
+
+class LinkKeys:
+    """One link's frame protection: a key derived from the handshake, a MAC per frame over
+    (direction, per-direction counter, frame bytes). The counters are implicit (each side counts
+    what it sent and received), so a frame replayed, dropped, reordered or reflected back to its
+    sender fails its tag. One HMAC per frame, and frames are batches."""
+
+    def __init__(self, key: bytes, *, dialer: bool) -> None:
+        outgoing, incoming = (b"dialer>responder", b"responder>dialer")[::1 if dialer else -1]
+        self._send = hmac.new(key, outgoing, hashlib.sha256)
+        self._receive = hmac.new(key, incoming, hashlib.sha256)
+        self.sent = 0
+        self.received = 0
+
+    @classmethod
+    def derive(cls, secret: bytes, purpose: str, dialer_id: str, responder_id: str, dialer_nonce: str,
+               responder_nonce: bytes, *, dialer: bool) -> LinkKeys:
+        key = _handshake_mac(secret, "key", purpose, dialer_id, responder_id, dialer_nonce, responder_nonce)
+        return cls(key, dialer=dialer)
+
+    def _tag(self, base: hmac.HMAC, counter: int, frame: bytes | memoryview) -> bytes:
+        mac = base.copy()
+        mac.update(counter.to_bytes(8, "big"))
+        mac.update(frame)
+        return mac.digest()
+
+    def seal(self, frame: bytes) -> bytes:
+        self.sent += 1
+        return frame + self._tag(self._send, self.sent, frame)
+
+    def open(self, data: bytes) -> memoryview:
+        """The frame inside `data`, or FrameError: a bad tag (altered, replayed, out of order)."""
+        if len(data) < TAG_BYTES:
+            raise FrameError("a frame is shorter than its MAC")
+        view = memoryview(data)
+        frame, tag = view[:-TAG_BYTES], view[-TAG_BYTES:]
+        if not hmac.compare_digest(self._tag(self._receive, self.received + 1, frame), tag):
+            raise FrameError(f"bad MAC on frame {self.received + 1} (altered, replayed or out of order)")
+        self.received += 1
+        return frame
+
+
+def responder_hello(secret: bytes, purpose: str, dialer_id: str, responder_id: str,
+                    dialer_nonce: str) -> tuple[bytes, LinkKeys]:
+    """The responder's first message (its fresh nonce and its proof) and its link keys."""
+    nonce = os.urandom(NONCE_BYTES)
+    proof = _handshake_mac(secret, "responder", purpose, dialer_id, responder_id, dialer_nonce, nonce)
+    keys = LinkKeys.derive(secret, purpose, dialer_id, responder_id, dialer_nonce, nonce, dialer=False)
+    return nonce + proof, keys
+
+
+def dialer_answer(secret: bytes, purpose: str, dialer_id: str, responder_id: str, dialer_nonce: str,
+                  hello: bytes) -> tuple[bytes, LinkKeys]:
+    """Check the responder's hello (FrameError: it does not hold the cluster secret, or answers
+    another challenge); the dialer's proof to send back and its link keys."""
+    if len(hello) != NONCE_BYTES + TAG_BYTES:
+        raise FrameError("the responder's hello is not a nonce and a proof")
+    nonce, proof = hello[:NONCE_BYTES], hello[NONCE_BYTES:]
+    expected = _handshake_mac(secret, "responder", purpose, dialer_id, responder_id, dialer_nonce, nonce)
+    if not hmac.compare_digest(expected, proof):
+        raise FrameError("the responder's proof does not verify (not a node of this cluster, or another purpose)")
+    answer = _handshake_mac(secret, "dialer", purpose, dialer_id, responder_id, dialer_nonce, nonce)
+    return answer, LinkKeys.derive(secret, purpose, dialer_id, responder_id, dialer_nonce, nonce, dialer=True)
+
+
+def check_dialer_answer(secret: bytes, purpose: str, dialer_id: str, responder_id: str, dialer_nonce: str,
+                        hello: bytes, answer: bytes) -> bool:
+    expected = _handshake_mac(secret, "dialer", purpose, dialer_id, responder_id, dialer_nonce, hello[:NONCE_BYTES])
+    return hmac.compare_digest(expected, answer)
+
+
+async def dial_handshake(ws: aiohttp.ClientWebSocketResponse, secret: bytes, purpose: str, dialer_id: str,
+                         responder_id: str, dialer_nonce: str, timeout_s: float) -> LinkKeys:
+    """The dialer's half after the upgrade: check the responder's hello, send the proof.
+    FrameError when the responder fails (the caller closes the socket; nothing else was sent)."""
+    async with asyncio.timeout(timeout_s):
+        hello = await ws.receive()
+    if hello.type is not WSMsgType.BINARY:
+        raise FrameError(f"the responder sent a {hello.type.name} message, not its hello")
+    answer, keys = dialer_answer(secret, purpose, dialer_id, responder_id, dialer_nonce, hello.data)
+    await ws.send_bytes(answer)
+    return keys
 
 
 def dial_url(base_url: str) -> str:
@@ -110,11 +225,16 @@ class FrameError(ValueError):
     """A peer sent a frame that is not msgpack `[PEER_FRAME_VERSION, [bin, ...]]`."""
 
 
+class RefusedMessage(ValueError):
+    """Raised by `on_message`: an authenticated peer sent a message that is bad input for the
+    layer above. The transport counts the frame as bad and drops the link (never the node)."""
+
+
 def encode_frame(messages: list[bytes]) -> bytes:
     return msgpack.packb([PEER_FRAME_VERSION, messages], use_bin_type=True)
 
 
-def decode_frame(data: bytes) -> list[bytes]:
+def decode_frame(data: bytes | memoryview) -> list[bytes]:
     try:
         frame = msgpack.unpackb(data, raw=False, use_list=True)
     except Exception as error:  # msgpack raises several unrelated types for bad input
@@ -146,6 +266,7 @@ class _Peer:
 class _Link:
     peer: _Peer
     ws: Socket
+    keys: LinkKeys
     writer: asyncio.Task[None] | None = None
     finished: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -159,10 +280,16 @@ class PeerTransport:
                  reconnect_delay_initial_s: float = 0.05, reconnect_delay_max_s: float = RECONNECT_DELAY_MAX_S,
                  heartbeat_s: float = 2.0, connect_timeout_s: float = CONNECT_TIMEOUT_S,
                  close_timeout_s: float = CLOSE_TIMEOUT_S, rng: random.Random | None = None,
-                 listening: bool = True, ssl_context: ssl.SSLContext | None = None) -> None:
+                 listening: bool = True, ssl_context: ssl.SSLContext | None = None,
+                 purpose: str = "replication") -> None:
         """`peers`: id -> URL to dial, or "" for a peer that does not listen (it dials this
         node). `listening`: false for a node that accepts no links (it dials every peer).
-        `ssl_context`: how to check the certificates of peers dialed over https:// URLs."""
+        `ssl_context`: how to check the certificates of peers dialed over https:// URLs.
+        `purpose`: what the links carry (PURPOSES); every handshake is bound to it, so a link
+        made for one purpose cannot be replayed as the other."""
+        if purpose not in PURPOSES:
+            raise ValueError(f"purpose must be one of {PURPOSES}")
+        self.purpose = purpose
         _check_limits(cluster_secret, send_queue_bytes_max, frame_bytes_max, reconnect_delay_initial_s,
                       reconnect_delay_max_s, heartbeat_s)
         self.node_id = node_id
@@ -195,6 +322,7 @@ class PeerTransport:
         self.links_dialed = 0
         self.links_accepted = 0
         self.refused = collections.Counter[str]()
+        self.responders_refused = 0      # dialed peers that failed the challenge (a fake responder)
         self.set_peers(peers)
 
     # --- the surface ------------------------------------------------------------------------
@@ -276,9 +404,32 @@ class PeerTransport:
         if self._stopping or peer.removed:
             await ws.close(code=WSCloseCode.GOING_AWAY, message=b"E_UNAVAILABLE")
             return ws
+        keys = await self._challenge(peer, ws, request.headers[HEADER_NONCE])
+        if keys is None:
+            return ws
         self.links_accepted += 1
-        await self._run_link(peer, ws)
+        await self._run_link(peer, ws, keys)
         return ws
+
+    async def _challenge(self, peer: _Peer, ws: web.WebSocketResponse, dialer_nonce: str) -> LinkKeys | None:
+        """The responder's half: send the hello, and take the dialer's proof over both nonces
+        before anything is delivered or sent (a replayed upgrade cannot answer a fresh nonce)."""
+        hello, keys = responder_hello(self._secret, self.purpose, peer.peer_id, self.node_id, dialer_nonce)
+        try:
+            await ws.send_bytes(hello)
+            async with asyncio.timeout(self._connect_timeout_s):
+                answer = await ws.receive()
+        except (TimeoutError, ConnectionError, RuntimeError, aiohttp.ClientError) as error:
+            log.info("peer %s did not answer the challenge: %r", peer.peer_id, error)
+            answer = None
+        if answer is not None and answer.type is WSMsgType.BINARY and check_dialer_answer(
+                self._secret, self.purpose, peer.peer_id, self.node_id, dialer_nonce, hello, answer.data):
+            return keys
+        self.refused[e.E_UNAUTHENTICATED.code] += 1
+        log.warning("refused a peer link from %s: it did not prove the cluster secret on this link's challenge",
+                    peer.peer_id)
+        await ws.close(code=WSCloseCode.POLICY_VIOLATION, message=b"E_UNAUTHENTICATED")
+        return None
 
     # --- accepting ---------------------------------------------------------------------------
     def _authenticate(self, headers: Mapping[str, str]) -> _Peer:
@@ -286,11 +437,14 @@ class PeerTransport:
             raise QueueError(e.E_SHUTTING_DOWN, "the node is stopping")
         protocol = headers.get(HEADER_PROTOCOL)
         if protocol is not None and protocol != PEER_PROTOCOL:
-            raise QueueError(e.E_BAD_REQUEST, f"peer protocol {protocol[:20]!r} is not {PEER_PROTOCOL}")
-        from_id, to_id, stamp, nonce, signature = (headers.get(name, "") for name in (
-            HEADER_FROM, HEADER_TO, HEADER_TIMESTAMP, HEADER_NONCE, HEADER_AUTH))
-        if not (protocol and from_id and to_id and stamp and nonce and signature):
+            raise QueueError(e.E_BAD_REQUEST, f"peer protocol {protocol[:20]!r} is refused: this node speaks peer "
+                                              f"protocol {PEER_PROTOCOL}, {PEER_PROTOCOL_NAME}; upgrade the dialing node")
+        from_id, to_id, stamp, nonce, signature, purpose = (headers.get(name, "") for name in (
+            HEADER_FROM, HEADER_TO, HEADER_TIMESTAMP, HEADER_NONCE, HEADER_AUTH, HEADER_PURPOSE))
+        if not (protocol and from_id and to_id and stamp and nonce and signature and purpose):
             raise QueueError(e.E_UNAUTHENTICATED, "a peer link needs the X-Peer-* headers")
+        if purpose != self.purpose:
+            raise QueueError(e.E_UNAUTHENTICATED, f"this port serves {self.purpose} links, not {purpose[:20]!r}")
         if not (stamp.isascii() and stamp.isdigit()) or len(stamp) > 20 or len(nonce) > NONCE_CHARACTERS_MAX:
             raise QueueError(e.E_UNAUTHENTICATED, "malformed X-Peer-* headers")
         if to_id != self.node_id:
@@ -301,7 +455,7 @@ class PeerTransport:
         now_ms = int(time.time() * 1000)
         if abs(now_ms - int(stamp)) > TIMESTAMP_SKEW_MAX_MS:
             raise QueueError(e.E_STALE_REQUEST, "the peer timestamp is outside the accepted window")
-        expected = peer_signature(self._secret, from_id, to_id, int(stamp), nonce)
+        expected = peer_signature(self._secret, from_id, to_id, int(stamp), nonce, purpose)
         if not hmac.compare_digest(expected.encode(), signature.encode("utf-8", "replace")):
             raise QueueError(e.E_UNAUTHENTICATED, "bad peer signature (is the cluster secret the same?)")
         self._remember_nonce(f"{from_id}:{nonce}", now_ms)
@@ -342,11 +496,11 @@ class PeerTransport:
     async def _dial_forever(self, peer: _Peer) -> None:
         delay_s = self._delay_initial_s
         while not peer.removed:
-            ws = await self._dial_once(peer)
-            if ws is not None:
+            dialed = await self._dial_once(peer)
+            if dialed is not None:
                 self.links_dialed += 1
                 opened_s = time.monotonic()
-                await self._run_link(peer, ws)
+                await self._run_link(peer, *dialed)
                 # A link that lived long resets the backoff; one that keeps breaking at once
                 # (a peer that refuses our frames) must not become a tight redial loop.
                 if time.monotonic() - opened_s >= self._delay_max_s:
@@ -354,25 +508,40 @@ class PeerTransport:
             await asyncio.sleep(delay_s * self._rng.uniform(0.5, 1.0))
             delay_s = min(delay_s * 2, self._delay_max_s)
 
-    async def _dial_once(self, peer: _Peer) -> aiohttp.ClientWebSocketResponse | None:
+    async def _dial_once(self, peer: _Peer) -> tuple[aiohttp.ClientWebSocketResponse, LinkKeys] | None:
         if self._session is None:
             raise RuntimeError("the transport is not started")
-        headers = auth_headers(self._secret, self.node_id, peer.peer_id)
+        headers = auth_headers(self._secret, self.node_id, peer.peer_id, purpose=self.purpose)
         try:
             async with asyncio.timeout(self._connect_timeout_s):
-                return await self._session.ws_connect(
+                ws = await self._session.ws_connect(
                     dial_url(peer.url), headers=headers, heartbeat=self._heartbeat_s, compress=0,
                     max_msg_size=self._receive_bytes_max, timeout=aiohttp.ClientWSTimeout(ws_close=self._close_timeout_s))
         except aiohttp.WSServerHandshakeError as error:
             code = error.headers.get("X-Error-Code", "?") if error.headers else "?"
             log.warning("peer %s at %s refused the link: HTTP %s %s", peer.peer_id, peer.url, error.status, code)
+            return None
         except (aiohttp.ClientError, OSError, TimeoutError) as error:
             log.debug("cannot reach peer %s at %s: %r", peer.peer_id, peer.url, error)
+            return None
+        try:
+            keys = await dial_handshake(ws, self._secret, self.purpose, self.node_id, peer.peer_id,
+                                        headers[HEADER_NONCE], self._connect_timeout_s)
+        except FrameError as error:
+            # Whoever answered there does not hold the cluster secret (or serves the other
+            # purpose): it gets nothing beyond the upgrade request.
+            self.responders_refused += 1
+            log.warning("peer %s at %s failed the challenge, closing: %s", peer.peer_id, peer.url, error)
+        except (aiohttp.ClientError, OSError, TimeoutError, RuntimeError) as error:
+            log.info("handshake with peer %s at %s broke: %r", peer.peer_id, peer.url, error)
+        else:
+            return ws, keys
+        await ws.close(code=WSCloseCode.POLICY_VIOLATION, message=b"E_UNAUTHENTICATED")
         return None
 
     # --- one link ------------------------------------------------------------------------------
-    async def _run_link(self, peer: _Peer, ws: Socket) -> None:
-        link = _Link(peer, ws)
+    async def _run_link(self, peer: _Peer, ws: Socket, keys: LinkKeys) -> None:
+        link = _Link(peer, ws, keys)
         self._attach(link)
         try:
             await self._read(link)
@@ -437,7 +606,7 @@ class PeerTransport:
 
     def _deliver(self, link: _Link, data: bytes) -> bool:
         try:
-            messages = decode_frame(data)
+            messages = decode_frame(link.keys.open(data))
         except FrameError as error:
             self._count_bad_frame(link, str(error))
             return False
@@ -445,8 +614,12 @@ class PeerTransport:
         if link.peer.link is not link:
             return True   # a newer link replaced this one; these may be lost (module docstring)
         on_message, peer_id = self._on_message, link.peer.peer_id
-        for message in messages:
-            on_message(peer_id, message)
+        try:
+            for message in messages:
+                on_message(peer_id, message)
+        except RefusedMessage as error:
+            self._count_bad_frame(link, f"a message refused: {error}")
+            return False
         return True
 
     async def _write(self, link: _Link) -> None:
@@ -457,7 +630,7 @@ class PeerTransport:
                 while not peer.queue:
                     peer.wake.clear()
                     await peer.wake.wait()
-                frame = encode_frame(self._take_batch(peer))
+                frame = link.keys.seal(encode_frame(self._take_batch(peer)))
                 await link.ws.send_bytes(frame)
                 self.frames_sent += 1
         except (ConnectionError, RuntimeError) as error:
@@ -679,4 +852,7 @@ class MemoryPeerTransport:
 
     def receive(self, peer_id: str, message: bytes) -> None:
         if self.running:
-            self._on_message(peer_id, message)
+            try:
+                self._on_message(peer_id, message)
+            except RefusedMessage:
+                pass          # the real transport drops the link too; here the message goes

@@ -31,24 +31,41 @@ def recipient_name(request: web.Request) -> str:
 
 async def put_alternatives(request: web.Request) -> web.Response:
     """Set (or with an empty list, clear) a recipient's chain of alternatives (admin)."""
-    principal(request).require("admin", "*")
+    caller = principal(request)
+    caller.require("admin", "*")
     name = recipient_name(request)
     body = await json_body(request)
-    chain = body.get("alternatives") if isinstance(body, dict) else None
-    if not isinstance(chain, list) or len(chain) > ALTERNATIVES_MAX or not all(
-            isinstance(other, str) and is_valid_queue_name(other) for other in chain):
-        raise QueueError(e.E_INVALID_OPTION, f'the body is {{"alternatives": [recipient, ...]}}, at most '
-                                             f'{ALTERNATIVES_MAX} valid names')
+    items = body.get("alternatives") if isinstance(body, dict) else None
+    if not isinstance(items, list) or len(items) > ALTERNATIVES_MAX or not all(
+            isinstance(item, str) for item in items):
+        raise QueueError(e.E_INVALID_OPTION, f'the body is {{"alternatives": ["recipient=queue", ...]}}, at most '
+                                             f'{ALTERNATIVES_MAX}')
+    cluster = coordinator_of(request).membership.cluster_map
+    chain, queues = [], []
+    for item in items:
+        other, _, queue = item.partition("=")
+        if not queue:       # a recipient bound already: the queue it receives from now
+            entry = cluster.recipients.get(other)
+            queue = entry.queue if entry is not None else cluster.chain_binding(other) or ""
+            if not queue:
+                raise QueueError(e.E_INVALID_OPTION, f"name the queue of alternative {other}, which has not "
+                                                     f"subscribed yet: {other}=QUEUE")
+        if not (is_valid_queue_name(other) and is_valid_queue_name(queue)):
+            raise QueueError(e.E_INVALID_OPTION, f"{item!r} is not recipient=queue of valid names")
+        chain.append(other)
+        queues.append(queue)
     if name in chain or len(set(chain)) != len(chain):
         raise QueueError(e.E_INVALID_OPTION, "a chain names each alternative once, and not the recipient itself")
-    await propose(request, SetAlternatives(name, tuple(chain)))
-    return web.json_response({"recipient": name, "alternatives": chain})
+    await propose(request, SetAlternatives(name, tuple(chain), tuple(queues), caller.client_id))
+    return web.json_response({"recipient": name, "alternatives": chain, "queues": queues})
 
 
 async def get_alternatives(request: web.Request) -> web.Response:
+    principal(request).require("admin", "*")
     name = recipient_name(request)
-    chain = coordinator_of(request).membership.cluster_map.alternatives.get(name, ())
-    return web.json_response({"recipient": name, "alternatives": list(chain)})
+    cluster = coordinator_of(request).membership.cluster_map
+    return web.json_response({"recipient": name, "alternatives": list(cluster.alternatives.get(name, ())),
+                              "queues": list(cluster.alternative_queues.get(name, ()))})
 
 
 async def list_recipients(request: web.Request) -> web.Response:
@@ -57,14 +74,20 @@ async def list_recipients(request: web.Request) -> web.Response:
     may name recipients that never subscribed yet. A page at a time (`limit`, `after`, `next`
     as GET /v1/queues)."""
     limit, after = page_params(request, NAMES_PAGE_DEFAULT, NAMES_PAGE_MAX)
+    caller = principal(request)
     cluster = coordinator_of(request).membership.cluster_map
     chains: dict[str, Any] = cluster.alternatives
+
+    def visible(name: str) -> bool:     # an administrator sees all; a client, the recipients of its queues
+        entry = cluster.recipients.get(name)
+        return caller.allows("admin", "*") or (entry is not None and caller.may_see(entry.queue))
     out = []
-    names, cursor = page_of(sorted(set(chains) | set(cluster.recipients)), after, limit, lambda name: True)
+    names, cursor = page_of(sorted(set(chains) | set(cluster.recipients)), after, limit, visible)
     for name in names:
         entry = cluster.recipients.get(name)
         known = entry.to_json() if entry is not None else {"name": name, "queue": None, "state": None}
-        out.append({**known, "recipient": name, "alternatives": list(chains.get(name, ()))})
+        out.append({**known, "recipient": name, "alternatives": list(chains.get(name, ())),
+                    "alternative_queues": list(cluster.alternative_queues.get(name, ()))})
     return web.json_response({"recipients": out, "next": cursor})
 
 

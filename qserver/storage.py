@@ -13,12 +13,16 @@ Key layout (big-endian integers so LMDB's byte order is numeric order):
                                                      op-log entry that holds them (an int: see below)
     ready     queue_id:8 priority:1 index:8       -> deliveries so far (4 bytes, empty when 0)
     leases    queue_id:8 index:8                  -> msgpack [priority, receipt, visibility_ms, deliveries, leased_ms]
-    status    queue_id:8 index:8                  -> msgpack [state, at_ms, reply]   (completed messages)
+    status    queue_id:8 index:8                  -> msgpack [state, at_ms, reply, producer]   (completed
+                                                     messages; rows written before issue 32 lack the producer)
     dedupe    queue_id:8 dedupe_id                -> index:8 enqueued_ms:8
     ttl       queue_id:8 index:8                  -> priority:1 ttl_ms:8   (live messages with a time to live)
     delayed   queue_id:8 index:8                  -> priority:1 delay_ms:8 (messages not ready until they mature:
                                                      no ready row meanwhile)
     headers   queue_id:8 index:8                  -> msgpack {name: value}  (messages that have headers)
+    streams   queue_id:8 key                      -> msgpack [floor, [[number, message id], ...]]  (a producer's
+                                                     numbered stream, replication/queue_core.py; the key
+                                                     names its producer: replication/options.py producer_key)
     expiry    kind:1 at_ms:8 queue_id:8 index:8   -> ""   (completion statuses to prune, oldest first)
     doomed    queue_id:8                          -> ""   (deleted incarnations still being erased)
     epochs    name                                -> epoch:8
@@ -63,6 +67,7 @@ import os
 import shutil
 import struct
 import time
+import weakref
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -91,8 +96,9 @@ from replication.operations import (
     SubscriptionDropped,
     SubscriptionOpened,
 )
-from replication.queue_core import QueueRecord
-from replication.snapshot import ROW_DEAD_LETTER, ROW_DEDUPE, ROW_MESSAGE
+from replication.options import producer_key
+from replication.queue_core import QueueRecord, sequences_from_json
+from replication.snapshot import ROW_DEAD_LETTER, ROW_DEDUPE, ROW_MESSAGE, SnapshotViewLost
 from replication.store import StoredLease
 
 # 2: bounded op log (its start record at order 0, snapshot marks); no reader of layout 1.
@@ -105,6 +111,9 @@ from replication.store import StoredLease
 # 7: messages with a time to live have a row in ttl (operations.Enqueued.ttl_ms), delayed ones a row
 #    in delayed and none in ready until they mature, messages with headers a row in headers; no
 #    reader of 6.
+#    Within 7: numbered streams have rows of their own in streams (written when they change, not
+#    with every batch that touches the queue); a record that still holds them is read as before
+#    and its streams move to rows at its next write.
 SCHEMA_VERSION = 7
 _QI = struct.Struct(">QQ")
 _QPI = struct.Struct(">QBQ")
@@ -114,7 +123,8 @@ _EXPIRY = struct.Struct(">BQQ")
 _TTL = struct.Struct(">BQ")
 EXPIRY_STATUS = 1
 DB_NAMES = ("queues", "messages", "ready", "leases", "status", "dedupe", "expiry", "doomed",
-            "epochs", "journal", "clients", "meta", "oplog", "raft_state", "raft_log", "ttl", "delayed", "headers")
+            "epochs", "journal", "clients", "meta", "oplog", "raft_state", "raft_log", "ttl", "delayed", "headers",
+            "streams")
 ERASE_KEYS_PER_BATCH_MAX = 5_000
 PRUNE_KEYS_PER_BATCH_MAX = 5_000
 TRUNCATE_RECORDS_PER_BATCH_MAX = 20_000     # op-log records deleted per batch (the rest follow)
@@ -177,6 +187,10 @@ class SealedBatch:
     snapshot_rows: list[tuple[int, int | None, list[Any]]] = field(default_factory=list)
     snapshot_installs: list[tuple[int, int, bytes]] = field(default_factory=list)
     log_floors: dict[int, int] = field(default_factory=dict)   # queue_id -> delete op-log records below
+    # Numbered streams (QueueRecord.sequences), each in a row of its own: queues whose rows go
+    # first (a snapshot installed), then (queue_id, key, [floor, [[number, id], ...]] or None).
+    stream_resets: set[int] = field(default_factory=set)
+    stream_puts: list[tuple[int, str, list[Any] | None]] = field(default_factory=list)
     # Run on the loop once the batch is committed, before anything is answered (not stored).
     on_commit: list[Any] = field(default_factory=list)
     # Journal-only records: a member taking a role in an epoch (op "epoch"; see JOURNAL_FIELDS),
@@ -202,6 +216,34 @@ def _queue_prefix(queue_id: int) -> bytes:
     return _Q.pack(queue_id)
 
 
+def _streams_of(cursor: lmdb.Cursor, queue_id: int) -> dict[str, Any]:
+    """A queue's numbered streams as stored in their rows: key -> [floor, [[number, id], ...]]."""
+    prefix = _queue_prefix(queue_id)
+    found: dict[str, Any] = {}
+    if cursor.set_range(prefix):
+        for raw_key, value in cursor:
+            key = bytes(raw_key)
+            if not key.startswith(prefix):
+                break
+            found[key[len(prefix):].decode()] = msgpack.unpackb(value)
+    return found
+
+
+def _delete_prefix(cursor: lmdb.Cursor, prefix: bytes) -> None:
+    if cursor.set_range(prefix):
+        while bytes(cursor.key()).startswith(prefix):
+            if not cursor.delete():
+                break
+
+
+def _owner_only(path: Path, mode: int) -> None:
+    """Take group and other permissions off a file or directory of ours that has them (one
+    created before this node asked for owner-only modes, or under a loose umask)."""
+    with contextlib.suppress(FileNotFoundError):
+        if path.stat().st_mode & 0o077:
+            os.chmod(path, mode)
+
+
 def _put_in_order(cursor: lmdb.Cursor, puts: list[tuple[bytes, bytes]]) -> None:
     """Rows in ascending key order that all sort after the database's last key are appended
     (MDB_APPEND fills pages instead of splitting them: fewer pages for the commit to write);
@@ -220,7 +262,10 @@ class Storage:
                  map_size_max_bytes: int = 1 << 40, journal_enabled: bool = True,
                  disk_reserve_bytes: int = 64 << 20, payload_hold_bytes: int = 64 << 20) -> None:
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        # Owner only (issue 32): the environment holds every payload, the client registry and
+        # the Raft log (a forward's remote credential among its commands).
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _owner_only(self.path, 0o700)
         self.node_id = node_id
         self.map_size_max_bytes = map_size_max_bytes
         self.journal_enabled = journal_enabled
@@ -228,10 +273,15 @@ class Storage:
         self.payload_hold_bytes = payload_hold_bytes
         self.env = lmdb.open(str(self.path), map_size=min(map_size_bytes, map_size_max_bytes),
                              max_dbs=len(DB_NAMES) + 2, sync=True, metasync=True, writemap=False,
-                             max_readers=READERS_MAX, readahead=False)
+                             max_readers=READERS_MAX, readahead=False, mode=0o600)
+        for name in ("data.mdb", "lock.mdb"):       # created before 0600 was asked for
+            _owner_only(self.path / name, 0o600)
         self.db = {name: self.env.open_db(name.encode()) for name in DB_NAMES}
         self.snapshot_views_open = 0        # loop thread (open_snapshot, LmdbSnapshotView.close)
         self.snapshot_views_deferred = 0
+        self.snapshot_views_lost = 0        # views a map growth ended (their transfers start over)
+        # The open views (loop thread): a map growth ends their read transactions (grow_map).
+        self._views: weakref.WeakSet[LmdbSnapshotView] = weakref.WeakSet()
         self._journal_sequence = 0
         # msgpack.packb builds a Packer per call, which costs more than packing a small record;
         # this one is used by the writer thread only (commit), so it is never shared.
@@ -337,13 +387,26 @@ class Storage:
         if target <= current:
             raise StorageFull(f"the storage map at {current} bytes cannot grow: {free} bytes free on its disk, "
                               f"{self.disk_reserve_bytes} kept in reserve")
+        # py-lmdb ends every transaction of the environment when the map is resized: the cached
+        # read goes (the next read opens a new one), and each snapshot view being sent is lost
+        # (issue 32, item 8: its next chunk raised lmdb.Error in the engine, and the node exited).
+        # Its transfer starts over from a new view (MasterRole._pump_snapshot).
+        self.end_read()
+        for view in list(self._views):
+            view.lose()
+            self.snapshot_views_lost += 1
+        self._views.clear()
         self.env.set_mapsize(target)
         return target
 
     # --- loading at start ------------------------------------------------------------------
     def load_queue_records(self) -> list[QueueRecord]:
         with self.env.begin(db=self.db["queues"]) as txn:
-            return [QueueRecord.from_json(msgpack.unpackb(value)) for _, value in txn.cursor()]
+            records = [QueueRecord.from_json(msgpack.unpackb(value)) for _, value in txn.cursor()]
+            streams = txn.cursor(db=self.db["streams"])
+            for record in records:
+                record.sequences.update(sequences_from_json(_streams_of(streams, record.queue_id)))
+            return records
 
     def load_leases(self, queue_id: int) -> list[StoredLease]:
         prefix = _queue_prefix(queue_id)
@@ -451,8 +514,8 @@ class Storage:
         key = _QI.pack(queue_id, index)
         raw = txn.get(key, db=self.db["status"])
         if raw is not None:
-            state, at_ms, reply = msgpack.unpackb(raw)
-            return state, 0, reply
+            row = msgpack.unpackb(raw)       # [state, at_ms, reply] or, since issue 32, [..., producer]
+            return row[0], 0, row[2]
         lease = txn.get(key, db=self.db["leases"])
         if lease is not None:
             return "delivered", msgpack.unpackb(lease)[3], None
@@ -461,6 +524,20 @@ class Storage:
         if txn.get(key, db=self.db["messages"]) is not None:
             return "queued", 0, None
         return None
+
+    def status_producer(self, queue_id: int, index: int) -> str | None:
+        """The client that enqueued a message whose status `message_status` reports: only it
+        (or an admin of the queue) reads that status and its reply (docs/PROTOCOL.md, "Grants").
+        From the completion status when there is one, else from the message row; None when
+        neither names one (a status row written before status rows named their producer)."""
+        txn = self._reader()
+        key = _QI.pack(queue_id, index)
+        raw = txn.get(key, db=self.db["status"])
+        if raw is not None:
+            row = msgpack.unpackb(raw)
+            return str(row[3]) if len(row) > 3 and row[3] is not None else None
+        raw = txn.get(key, db=self.db["messages"])
+        return None if raw is None else str(msgpack.unpackb(raw)[3])
 
     def newest_message(self, queue_id: int) -> tuple[int, bytes] | None:
         """(id, payload) of the queue's stored message with the highest id (a channel's last
@@ -555,10 +632,15 @@ class Storage:
         # What the writer remembers of truncations under way, as of the last commit: an
         # aborted transaction must not leave it counting records it did not delete.
         floors, moved = dict(self._floors), self.moved_payloads
+        # Journal sequences are taken as records are written; an aborted transaction (the map's
+        # end, which the engine grows and retries) stored none of them, and must not leave a gap
+        # that the audit reports as a lost record (issue 32, item 9; docs/AUDIT.md).
+        sequence = self._journal_sequence
         try:
             with self.space_errors(), self.env.begin(write=True) as txn:
                 payloads, headers = self._write(txn, batch)
         except BaseException:
+            self._journal_sequence = sequence
             self._floors, self.moved_payloads = floors, moved
             self._kept, self._kept_bytes, self._examined = {}, {}, {}     # looked at again
             raise
@@ -616,6 +698,13 @@ class Storage:
             txn.put(_Q.pack(queue_id), b"", db=db["doomed"])
         for name, record in batch.queue_records.items():
             txn.put(name.encode(), self._pack(record), db=db["queues"])
+        for queue_id in batch.stream_resets:
+            _delete_prefix(txn.cursor(db=db["streams"]), _queue_prefix(queue_id))
+        for queue_id, key, stream in batch.stream_puts:
+            if stream is None:
+                txn.delete(_queue_prefix(queue_id) + key.encode(), db=db["streams"])
+            else:
+                txn.put(_queue_prefix(queue_id) + key.encode(), self._pack(stream), db=db["streams"])
         for name, epoch in batch.epochs.items():
             txn.put(name.encode(), _Q.pack(epoch), db=db["epochs"])
         for client_id, client in batch.client_puts.items():
@@ -691,7 +780,8 @@ class Storage:
             else:
                 ready.append((qpi(op.queue_id, op.priority, op.index), b""))
             if op.dedupe_id is not None:
-                dedupe.append((q(op.queue_id) + op.dedupe_id.encode(), qi(op.index, op.enqueued_ms)))
+                dedupe.append((q(op.queue_id) + producer_key(op.client, op.dedupe_id).encode(),
+                               qi(op.index, op.enqueued_ms)))
             if op.ttl_ms:
                 ttls.append((qi(op.queue_id, op.index), _TTL.pack(op.priority, op.ttl_ms)))
             if op.headers:
@@ -782,9 +872,10 @@ class Storage:
         if not removed:
             raise InvariantViolation(f"{state} message {op.queue_id}/{op.index} was not "
                                      f"{'delayed' if delayed else 'leased' if op.leased else 'ready'}")
+        producer = self._producer_of(txn, key) if op.track_status else None
         self._forget_message(txn, key)
         if op.track_status:
-            self._put_status(txn, op.queue_id, op.index, state, op.at_ms, None)
+            self._put_status(txn, op.queue_id, op.index, state, op.at_ms, None, producer)
 
     def _apply_matured(self, txn: lmdb.Transaction, op: Matured) -> None:
         if not txn.delete(_QI.pack(op.queue_id, op.index), db=self.db["delayed"]):
@@ -795,10 +886,11 @@ class Storage:
         self._consumed.add(op.queue_id)
         key = _QI.pack(op.queue_id, op.index)
         txn.delete(key, db=self.db["leases"])
+        producer = self._producer_of(txn, key) if op.track_status else None
         self._forget_message(txn, key)
         if op.track_status:
             self._put_status(txn, op.queue_id, op.index, "replied" if op.reply is not None else "acked",
-                             op.acked_ms, op.reply)
+                             op.acked_ms, op.reply, producer)
 
     def _forget_message(self, txn: lmdb.Transaction, key: bytes) -> None:
         """A message leaves for good: its row and the rows that only describe it."""
@@ -830,7 +922,7 @@ class Storage:
         if headers is not None:             # they go with the message
             txn.put(_QI.pack(op.dead_letter_queue_id, op.dead_letter_index), headers, db=self.db["headers"])
         if op.track_status:
-            self._put_status(txn, op.queue_id, op.index, "dead_lettered", op.at_ms, None)
+            self._put_status(txn, op.queue_id, op.index, "dead_lettered", op.at_ms, None, str(client))
 
     def _truncate(self, txn: lmdb.Transaction, queue_id: int, order: int) -> None:
         """Erase a queue's messages (with their ready and dedupe rows) and op-log rows past
@@ -841,13 +933,13 @@ class Storage:
         cursor.set_range(_QI.pack(queue_id, order + 1))
         while (key := cursor.key()) and _QI.unpack(key)[0] == queue_id:     # b"": past the end
             index = _QI.unpack(key)[1]
-            priority, _, dedupe_id, _, _ = msgpack.unpackb(cursor.value())
+            priority, _, dedupe_id, producer, _ = msgpack.unpackb(cursor.value())
             txn.delete(_QPI.pack(queue_id, priority, index), db=db["ready"])
             txn.delete(key, db=db["ttl"])
             txn.delete(key, db=db["delayed"])
             txn.delete(key, db=db["headers"])
             if dedupe_id is not None:
-                dedupe_key = _Q.pack(queue_id) + dedupe_id.encode()
+                dedupe_key = _Q.pack(queue_id) + producer_key(producer, dedupe_id).encode()
                 kept = txn.get(dedupe_key, db=db["dedupe"])
                 if kept is not None and _QI.unpack(kept)[0] == index:
                     txn.delete(dedupe_key, db=db["dedupe"])
@@ -1054,6 +1146,7 @@ class Storage:
             txn.abort()
             return None
         self.snapshot_views_open += 1
+        self._views.add(view)
         return view
 
     def _apply_in_record(self, txn: lmdb.Transaction, op: Operation) -> None:
@@ -1065,9 +1158,16 @@ class Storage:
               SubscriptionOpened: _apply_in_record, SubscriberAcked: _apply_in_record,
               SubscriptionDropped: _apply_in_record}
 
+    def _producer_of(self, txn: lmdb.Transaction, key: bytes) -> str | None:
+        """The client in a message row, read before the row goes: its completion status keeps it."""
+        raw = txn.get(key, db=self.db["messages"])
+        return None if raw is None else str(msgpack.unpackb(raw)[3])
+
     def _put_status(self, txn: lmdb.Transaction, queue_id: int, index: int, state: str, at_ms: int,
-                    reply: bytes | None) -> None:
-        txn.put(_QI.pack(queue_id, index), self._pack([state, at_ms, reply]), db=self.db["status"])
+                    reply: bytes | None, producer: str | None) -> None:
+        # The producer goes with the status: only it (or an admin) may read the status and the
+        # reply once the message row is gone (docs/PROTOCOL.md, "Grants"; issue 32, item 13).
+        txn.put(_QI.pack(queue_id, index), self._pack([state, at_ms, reply, producer]), db=self.db["status"])
         txn.put(_EXPIRY.pack(EXPIRY_STATUS, at_ms, queue_id) + _Q.pack(index), b"", db=self.db["expiry"])
 
     def _journal_writer(self, txn: lmdb.Transaction, names: dict[int, tuple[str, int]]) -> Any:
@@ -1127,7 +1227,7 @@ class Storage:
         queue_id = _Q.unpack(doomed.key())[0]
         prefix = _queue_prefix(queue_id)
         budget = ERASE_KEYS_PER_BATCH_MAX
-        for name in ("messages", "ready", "leases", "status", "dedupe", "oplog", "ttl", "delayed", "headers"):
+        for name in ("messages", "ready", "leases", "status", "dedupe", "oplog", "ttl", "delayed", "headers", "streams"):
             cursor = txn.cursor(db=self.db[name])
             if not cursor.set_range(prefix):
                 continue
@@ -1297,6 +1397,7 @@ class LmdbSnapshotView:
     def __init__(self, storage: Storage, txn: lmdb.Transaction, name: str, queue_id: int, consumption: bool,
                  after_index: int, dead_letter: tuple[str, int] | None) -> None:
         self._storage, self._txn, self._db = storage, txn, storage.db
+        self.lost = False                # a map growth ended its transaction (see lose)
         self._payloads = _EntryPayloads(txn, storage.db["oplog"])
         self._consumption = consumption
         self.record = self._record(name)
@@ -1316,12 +1417,25 @@ class LmdbSnapshotView:
         raw = self._txn.get(name.encode(), db=self._db["queues"])
         if raw is None:
             raise KeyError(name)
-        return dict(msgpack.unpackb(raw))
+        record = dict(msgpack.unpackb(raw))
+        streams = _streams_of(self._txn.cursor(db=self._db["streams"]), record["queue_id"])
+        if streams:
+            record["sequences"] = {**record.get("sequences", {}), **streams}
+        return record
 
     def _last(self, queue_id: int) -> tuple[int, bytes]:
         return _last_logged(self._txn.cursor(db=self._db["oplog"]), queue_id)
 
+    def lose(self) -> None:
+        """The map is about to grow (Storage.grow_map), which ends this view's transaction:
+        from now on `next_rows` raises SnapshotViewLost. It still counts as open until `close`."""
+        if not self.lost and self._txn is not None:
+            self.lost = True
+            self._txn.abort()            # its reader slot is free at once
+
     def next_rows(self, bytes_max: int) -> list[list[Any]]:
+        if self.lost:
+            raise SnapshotViewLost(f"the snapshot at order {self.order} lost its read transaction to a map growth")
         out: list[list[Any]] = []
         size = 0
         while self._parts and size < bytes_max:
@@ -1403,6 +1517,7 @@ class LmdbSnapshotView:
 
     def close(self) -> None:
         if self._txn is not None:
-            self._txn.abort()
+            self._txn.abort()            # (a lost view's was aborted already: nothing more)
             self._txn = None  # type: ignore[assignment]
             self._storage.snapshot_views_open -= 1
+            self._storage._views.discard(self)

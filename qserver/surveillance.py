@@ -46,10 +46,16 @@ from client import errors as e
 from client.errors import QueueError
 from client.protocol import DeliveredMessage
 from qserver import commands as c
-from qserver.auth import CLUSTER_CLIENT
+from qserver.auth import CLUSTER_CLIENT, Principal
 from qserver.metrics import render_family
-from replication.cluster_map import NoteRecipient, PutRecipient, RecipientEntry, RecipientState
-from replication.options import QueueType, Strength
+from replication.cluster_map import (
+    RECIPIENTS_PER_CLIENT_MAX,
+    NoteRecipient,
+    PutRecipient,
+    RecipientEntry,
+    RecipientState,
+)
+from replication.options import FAILED_OVER_FROM, FAULT, ORIGIN_PRODUCER, REPLY_TO, RETURNED_FROM, QueueType, Strength
 
 log = logging.getLogger("qserver.surveillance")
 WATCH_INTERVAL_S = 0.2
@@ -57,10 +63,6 @@ MOVE_BATCH = 50                   # messages leased for fail-over at a time
 MOVE_VISIBILITY_MS = 30_000       # their lease: a move retried after it runs out stores nothing twice (dedupe)
 MOVE_PAUSE_S = 1.0                # when nothing can take a message: look again after this long
 EVENTS_CHANNEL = "qcluster.events"
-REPLY_TO = "reply-to"             # the header naming a message's sender's reply queue
-FAILED_OVER_FROM = "x-failed-over-from"
-RETURNED_FROM = "x-returned-from"
-FAULT = "x-fault"
 NOTE_SETTLE_S = 1.0               # what waits must stay so this long before a reason is restated
 NOTHING_WAITS = "nothing waits for it now"
 WAIT_AGAIN = "messages wait for it again"
@@ -91,8 +93,10 @@ class RecipientWatch:
         cluster = self._map()
         return None if cluster is None else cluster.recipients.get(recipient)  # type: ignore[no-any-return]
 
-    def _propose(self, recipient: str, queue: str, state: str, reason: str) -> None:
-        """Propose a state (once at a time per recipient); the map is the authority."""
+    def _propose(self, recipient: str, queue: str, state: str, reason: str, owner: str = "") -> None:
+        """Propose a state (once at a time per recipient); the map is the authority. `owner`:
+        the client subscribing, should this bind a new name (the map bounds the names each
+        client binds, RECIPIENTS_PER_CLIENT_MAX)."""
         if self._node.engine.coordinator is None or self._proposing.get(recipient) == state:
             return
         self._proposing[recipient] = state
@@ -101,7 +105,7 @@ class RecipientWatch:
             self._proposing.pop(recipient, None)
             if isinstance(outcome, QueueError):
                 log.info("recipient %s: %s not recorded: %s", recipient, state, outcome)
-        self._submit(PutRecipient(recipient, queue, state, int(time.time() * 1000), reason), finish)
+        self._submit(PutRecipient(recipient, queue, state, int(time.time() * 1000), reason, owner), finish)
 
     def _note(self, entry: RecipientEntry, reason: str) -> None:
         """Propose a restated reason (once at a time per recipient), for the spell of the state
@@ -121,22 +125,33 @@ class RecipientWatch:
         engine.invoke(lambda _: engine.coordinator.propose_checked(command, finish, lambda outcomes: outcomes))
 
     # --- what the recipients do (qserver/ws_api.py) --------------------------------------------
-    def check_subscribe(self, queue: str, recipient: str) -> None:
-        """Refuse a recipient name another queue's recipient has (the map binds it to one)."""
-        entry = self.entry(recipient)
-        if entry is not None and entry.queue != queue:
-            raise QueueError(e.E_INVALID_OPTION, f"recipient {recipient} receives from queue {entry.queue}")
+    def check_subscribe(self, queue: str, recipient: str, client_id: str) -> None:
+        """Refuse a recipient name bound to another queue (by its first subscriber, or by an
+        administrator's chain of alternatives, which wins), and a new name from a client that
+        bound RECIPIENTS_PER_CLIENT_MAX names already. The map decides again when the name is
+        registered (PutRecipient): this answers the subscriber at once."""
+        cluster = self._map()
+        if cluster is None:
+            return
+        entry = cluster.recipients.get(recipient)
+        bound = entry.queue if entry is not None else cluster.chain_binding(recipient)
+        if bound is not None and bound != queue:
+            raise QueueError(e.E_INVALID_OPTION, f"recipient {recipient} receives from queue {bound}")
+        if entry is None and bound is None and sum(
+                1 for other in cluster.recipients.values() if other.owner == client_id) >= RECIPIENTS_PER_CLIENT_MAX:
+            raise QueueError(e.E_INVALID_OPTION, f"client {client_id} bound {RECIPIENTS_PER_CLIENT_MAX} recipient "
+                                                 "names already: remove one (qctl recipient remove) first")
 
     def start(self) -> None:
         """Watch from the node's start: a queue mastered here may have recipients in fault
         (after a failover) whose messages fail over though none subscribes here."""
         self._start()
 
-    def subscribed(self, queue: str, recipient: str) -> None:
+    def subscribed(self, queue: str, recipient: str, client_id: str) -> None:
         self._last_take[(queue, recipient)] = time.monotonic()
         entry = self.entry(recipient)
         if entry is None or entry.state != RecipientState.OK:
-            self._propose(recipient, queue, RecipientState.OK, "subscribed")
+            self._propose(recipient, queue, RecipientState.OK, "subscribed", client_id)
         self._start()
 
     def took(self, queue: str, recipient: str, message_ids: list[int]) -> None:
@@ -397,16 +412,26 @@ class RecipientWatch:
             int(time.time() * 1000) - enqueued >= core.options.message_interval_s * 1000
 
     async def _fail_over(self, entry: RecipientEntry, core: Any, message: DeliveredMessage) -> bool:
-        """To the first ok alternative, else back to its sender; True once it left the queue."""
+        """To the first ok alternative, else back to its sender; True once it left the queue.
+        An alternative takes the message only in the queue the administrator's chain names for
+        it, and only while that administrator may `post` there: the cluster enqueues as itself
+        (the headers it sets are its own), on the chain's authority, never on a client's."""
         cluster = self._map()
         dedupe = f"fo:{core.record.incarnation or core.queue_id}:{message.message_id}"
-        headers = {**(message.headers or {}), FAILED_OVER_FROM: entry.name}
-        for alternative in cluster.alternatives.get(entry.name, ()):
+        headers = {**(message.headers or {}), FAILED_OVER_FROM: entry.name,
+                   ORIGIN_PRODUCER: self._producer_of(core, message)}
+        set_by = cluster.alternatives_set_by.get(entry.name, "")
+        queues = cluster.alternative_queues.get(entry.name, ())
+        for alternative, queue in zip(cluster.alternatives.get(entry.name, ()), queues, strict=False):
             target = cluster.recipients.get(alternative)
-            if target is None or target.state != RecipientState.OK or target.queue == entry.queue:
+            if target is None or target.state != RecipientState.OK or target.queue != queue or queue == entry.queue:
+                continue
+            if not self._may_post(set_by, queue):
+                log.warning("recipient %s: alternative %s skipped: %s, who set the chain, may not post to %s",
+                            entry.name, alternative, set_by or "nobody", queue)
                 continue
             try:
-                await self._cluster_client().enqueue(target.queue, message.payload, message.priority, dedupe,
+                await self._cluster_client().enqueue(queue, message.payload, message.priority, dedupe,
                                                      headers=headers)
             except QueueError as error:
                 log.info("recipient %s: alternative %s refused message %d: %s", entry.name, alternative,
@@ -426,15 +451,18 @@ class RecipientWatch:
         fault = f"recipient {entry.name} is {entry.state} and no alternative is ok"
         reply_to = (message.headers or {}).get(REPLY_TO)
         if reply_to:
-            with self._node.storage.reads() as storage:
-                producer = storage.producer(core.queue_id, message.message_id)
-            if producer is None:
+            # In its producer's name: the client that enqueued it first, through any moves (a
+            # move is the cluster's enqueue, and it may post anywhere).
+            producer = self._producer_of(core, message)
+            if not producer or not self._may_post(producer, reply_to):
+                log.info("recipient %s: message %d not returned: its producer %s may not post to %s", entry.name,
+                         message.message_id, producer or "(unknown)", reply_to)
                 return False
-            headers = {**(message.headers or {}), RETURNED_FROM: entry.name, FAULT: fault}
+            headers = {**(message.headers or {}), RETURNED_FROM: entry.name, FAULT: fault, ORIGIN_PRODUCER: producer}
             headers.pop(REPLY_TO, None)
             try:
-                await self._node.macros.client_for(producer).enqueue(reply_to, message.payload, message.priority,
-                                                                     dedupe, headers=headers)
+                await self._cluster_client().enqueue(reply_to, message.payload, message.priority, dedupe,
+                                                     headers=headers)
             except QueueError as error:
                 log.info("recipient %s: returning message %d to %s refused: %s", entry.name, message.message_id,
                          reply_to, error)
@@ -455,6 +483,23 @@ class RecipientWatch:
 
     def _cluster_client(self) -> Any:
         return self._node.macros.client_for(CLUSTER_CLIENT)
+
+    def _producer_of(self, core: Any, message: DeliveredMessage) -> str:
+        """The client that enqueued the message first: the origin a move recorded, else the
+        message's own producer ("" when the storage no longer knows it)."""
+        origin = (message.headers or {}).get(ORIGIN_PRODUCER)
+        if origin:
+            return origin
+        with self._node.storage.reads() as storage:
+            return storage.producer(core.queue_id, message.message_id) or ""
+
+    def _may_post(self, client_id: str, queue: str) -> bool:
+        """Whether `client_id`, as the registry holds it now, may post to `queue` (always, with
+        authentication off: no client has grants then)."""
+        if not self._node.auth.enabled:
+            return True
+        record = self._node.engine.clients.get(client_id)
+        return record is not None and Principal(client_id, record["grants"]).allows("post", queue)
 
     # --- metrics and the end -------------------------------------------------------------------
     def render_metrics(self) -> list[str]:

@@ -46,13 +46,17 @@ from client.protocol import (
     encode_frame,
 )
 from qserver import commands as c
-from qserver.auth import Principal, refused_ack_text
+from qserver.auth import CLUSTER_CLIENT, Principal, refused_ack_text
 from qserver.http_api import NODE
 from replication.cluster_map import CHANNEL_PREFIX
 from replication.options import is_valid_queue_name, valid_dedupe_id
 
 log = logging.getLogger("qserver.ws")
 CHANNEL_OPS = frozenset({PublishOp, ChannelSubscribeOp, ChannelAckOp, AdvertiseOp, ReportOp})
+# The largest client frame, in maximal messages plus room for the ops around them (issue 32,
+# item 10): the client library cuts its frames at 1 MiB of payloads or one message alone.
+# Larger, aiohttp closes the socket with 1009 (message too big) before reading the frame.
+FRAME_BODIES, FRAME_SLACK_BYTES = 4, 1 << 20
 
 
 class ClientConnection:
@@ -77,6 +81,16 @@ class ClientConnection:
         self.durable: dict[str, str] = {}        # channel -> the durable subscription read on this connection
         self.recipients: dict[str, str] = {}     # queue -> the recipient this connection consumes it as
         self._loop = asyncio.get_running_loop()
+        self._tasks: set[asyncio.Task[None]] = set()   # held until done (the loop keeps weak references)
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = self._loop.create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def close_soon(self, error: QueueError) -> None:
+        """close_with from outside a coroutine (the session's lifetime, a client change)."""
+        self._spawn(self.close_with(error))
 
     @property
     def closed(self) -> bool:
@@ -93,11 +107,16 @@ class ClientConnection:
         self._emit(Delivery(subscription_id, tuple(messages)))
 
     def subscription_started(self, subscription: Any) -> None:
+        if self._closed:
+            # Subscribed after the socket closed (the subscribe was in the inbox): nothing
+            # would ever end it, and it would hold its place under the listener bounds.
+            self.engine.submit(c.Unsubscribe(subscription.subscription_id, None))
+            return
         self.subscriptions.add(subscription.subscription_id)
         if subscription.recipient is not None:
             # Only now, where the engine took it (under `full`, at the queue's master): a node
             # that refused it with E_NOT_MASTER has not seen the recipient subscribe.
-            self.node.surveillance.subscribed(subscription.queue, subscription.recipient)
+            self.node.surveillance.subscribed(subscription.queue, subscription.recipient, subscription.client)
 
     def subscription_ended(self, subscription_id: int, error: QueueError) -> None:
         self.subscriptions.discard(subscription_id)
@@ -115,14 +134,14 @@ class ClientConnection:
             self._out.clear()
             if not self._cut:
                 self._cut = True
-                self._loop.create_task(self.close_with(QueueError(e.E_OVERLOADED, "answers are not being read")))
+                self.close_soon(QueueError(e.E_OVERLOADED, "answers are not being read"))
             return
         self._out.append(item)
         if not self._sending:
             # The sender task first runs on the loop's next turn: every answer released in
             # this turn (a whole group commit's) goes out in its one frame.
             self._sending = True
-            self._loop.create_task(self._send_all())
+            self._spawn(self._send_all())
 
     async def _send_all(self) -> None:
         try:
@@ -147,18 +166,23 @@ class ClientConnection:
 
     # --- reading ---------------------------------------------------------------------------
     async def serve(self) -> None:
-        async for message in self.ws:
-            if message.type == WSMsgType.BINARY:
-                self._handle_frame(message.data)
-            elif message.type == WSMsgType.TEXT:
-                self.fail(0, QueueError(e.E_BAD_FRAME, "frames are binary msgpack"))
-            elif message.type == WSMsgType.ERROR:
-                break
-        self._closed = True
-        for subscription_id in list(self.subscriptions):
-            self.engine.submit(c.Unsubscribe(subscription_id, None))
-        self.node.channels.connection_closed(self)
-        self.node.forward_root.connection_closed(self)
+        try:
+            async for message in self.ws:
+                if message.type == WSMsgType.BINARY:
+                    self._handle_frame(message.data)
+                elif message.type == WSMsgType.TEXT:
+                    self.fail(0, QueueError(e.E_BAD_FRAME, "frames are binary msgpack"))
+                elif message.type == WSMsgType.ERROR:
+                    break
+        finally:
+            # Also when the handler is cancelled (the node stopping, the peer gone mid-frame):
+            # what the connection holds in the engine, the channel hub and the forward root.
+            self._closed = True
+            for subscription_id in list(self.subscriptions):
+                self.engine.submit(c.Unsubscribe(subscription_id, None))
+            self.subscriptions.clear()
+            self.node.channels.connection_closed(self)
+            self.node.forward_root.connection_closed(self)
 
     def _handle_frame(self, data: bytes) -> None:
         try:
@@ -240,7 +264,7 @@ class ClientConnection:
             if op.recipient is not None:
                 if not is_valid_queue_name(op.recipient):
                     raise QueueError(e.E_INVALID_NAME, "a recipient's name is a queue name")
-                self.node.surveillance.check_subscribe(op.queue, op.recipient)
+                self.node.surveillance.check_subscribe(op.queue, op.recipient, client)
                 self.recipients[op.queue] = op.recipient
             return c.Subscribe(op.queue, op.credit, op.visibility_ms, client, self, op.request_id, op.recipient)
         if kind is CreditOp:
@@ -287,6 +311,10 @@ class ClientConnection:
         elif kind is ChannelAckOp:
             return hub.ack(self, op.channel, op.message_id, op.request_id)
         else:
+            # A delivery report tells who took a message: for those who may publish to the
+            # channel, as a message's status is for its queue's producers (issue 32, Low).
+            if not self.principal.allows("post", op.channel):
+                raise QueueError(e.E_FORBIDDEN, f"client {self.principal.client_id} may not post on {op.channel}")
             self.reply(op.request_id, hub.report(op.channel, op.message_id))
             return None
         self.reply(op.request_id, None)
@@ -354,12 +382,29 @@ class RefusedAcks:
 
 async def websocket(request: web.Request) -> web.StreamResponse:
     node = request.app[NODE]
-    ws = web.WebSocketResponse(max_msg_size=max(16 << 20, node.config.body_bytes_max * 16), heartbeat=30.0)
+    config = node.config
+    ws = web.WebSocketResponse(max_msg_size=config.body_bytes_max * FRAME_BODIES + FRAME_SLACK_BYTES, heartbeat=30.0)
     await ws.prepare(request)
-    connection = ClientConnection(ws, request["principal"], node)
+    principal = request["principal"]
+    connection = ClientConnection(ws, principal, node)
     node.connections.add(connection)
+    record = node.engine.clients.get(principal.client_id)
+    if principal.client_id != CLUSTER_CLIENT and (record is None or record["grants"] != principal.grants):
+        # The client was removed, or its grants changed, while the upgrade was under way (after
+        # it was authenticated, before this session was listed for node.py's _clients_changed).
+        connection.close_soon(QueueError(e.E_UNAUTHENTICATED if record is None else e.E_FORBIDDEN,
+                                         "the client was removed" if record is None
+                                         else "the client's grants changed"))
+    # A session is authorised once, at its upgrade: it ends after websocket_session_max_s, so
+    # no session outlives its signature by more (issue 32, item 4); the client reconnects,
+    # signing anew. (A removed client's or narrowed grant's sessions end at once: node.py.)
+    expiry = asyncio.get_running_loop().call_later(
+        config.websocket_session_max_s, connection.close_soon,
+        QueueError(e.E_SESSION_EXPIRED, f"the session reached its lifetime of {config.websocket_session_max_s:g} s; "
+                                        "connect again"))
     try:
         await connection.serve()
     finally:
+        expiry.cancel()
         node.connections.discard(connection)
     return ws

@@ -153,6 +153,7 @@ class DeliveryClass(enum.StrEnum):
 
 
 RECIPIENTS_MAX = 10_000          # named push consumers in the map (fault surveillance)
+RECIPIENTS_PER_CLIENT_MAX = 100  # of them, names one client may bind by subscribing
 FORWARDS_MAX = 256               # forwards in the map (store-and-forward, seed 003)
 # Clients removed from the map, remembered (by id, with the map version that removed them) so
 # that a node catching up by a snapshot removes them too: a snapshot holds the clients that
@@ -252,10 +253,16 @@ ALTERNATIVES_MAX = 16
 @dataclass(frozen=True, slots=True)
 class SetAlternatives:
     """Alternative recipients of a push recipient, an ordered chain (seed 001 fault
-    surveillance: a recipient in the fault state has its messages tried at each in turn)."""
+    surveillance: a recipient in the fault state has its messages tried at each in turn).
+    The administrator names the queue of each alternative (`queues`, one for one): a move goes
+    into that queue and no other, and the chain binds each alternative's name to its queue, so
+    a client that took the name first cannot have the messages moved to a queue of its own.
+    `set_by`: the administrator's client id; a move needs its `post` grant on the queue."""
     TAG = 8
     recipient: str
     alternatives: tuple[str, ...]
+    queues: tuple[str, ...] = ()
+    set_by: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,10 +337,11 @@ class RecipientEntry:
     state: str = RecipientState.OK.value
     since_ms: int = 0
     reason: str = ""
+    owner: str = ""          # the client that bound the name by subscribing ("": an administrator's chain)
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "queue": self.queue, "state": self.state, "since_ms": self.since_ms,
-                "reason": self.reason}
+                "reason": self.reason, "owner": self.owner}
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,6 +354,7 @@ class PutRecipient:
     state: str
     since_ms: int
     reason: str = ""
+    owner: str = ""          # the subscribing client, when this binds a new name (see RecipientEntry)
 
 
 @dataclass(slots=True)
@@ -359,7 +368,8 @@ class ForwardEntry:
     destination: str
     urls: tuple[str, ...] = ()
     client_id: str = ""
-    secret: str = ""
+    # Sealed with the cluster secret (qserver/forwarder.py seal_secret); never in a repr.
+    secret: str = field(default="", repr=False)
     created_ms: int = 0
     token: str = ""          # random, made at creation: with the name, unique across clusters
 
@@ -384,7 +394,7 @@ class PutForward:
     destination: str
     urls: tuple[str, ...]
     client_id: str
-    secret: str
+    secret: str = field(repr=False)      # sealed (qserver/forwarder.py seal_secret); never in a repr
     created_ms: int
     token: str = ""
 
@@ -444,7 +454,7 @@ def _row(command: Command) -> list[Any]:
     if isinstance(command, ChangePair):
         return [command.TAG, command.name, list(command.expected), list(command.new), command.reason]
     if isinstance(command, SetAlternatives):
-        return [command.TAG, command.recipient, list(command.alternatives)]
+        return [command.TAG, command.recipient, list(command.alternatives), list(command.queues), command.set_by]
     if isinstance(command, PutForward):
         return [command.TAG, command.name, command.source, command.destination, list(command.urls),
                 command.client_id, command.secret, command.created_ms, command.token]
@@ -470,7 +480,8 @@ def _from_row(row: Any) -> Command:
             name, expected, new, reason = values
             return ChangePair(name, tuple(expected), tuple(new), reason)  # type: ignore[arg-type]
         if tag == SetAlternatives.TAG:
-            return SetAlternatives(values[0], tuple(values[1]))
+            recipient, names, *rest = values     # a chain from before queues were named has none
+            return SetAlternatives(recipient, tuple(names), tuple(rest[0]) if rest else (), *rest[1:])
         if tag == PutForward.TAG:
             name, source, destination, urls, *rest = values
             return PutForward(name, source, destination, tuple(urls), *rest)
@@ -606,6 +617,8 @@ class ClusterMap:
     queues: dict[str, QueueEntry] = field(default_factory=dict)
     clients: dict[str, dict[str, Any]] = field(default_factory=dict)
     alternatives: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    alternative_queues: dict[str, tuple[str, ...]] = field(default_factory=dict)   # one for one with the names
+    alternatives_set_by: dict[str, str] = field(default_factory=dict)
     recipients: dict[str, RecipientEntry] = field(default_factory=dict)
     macros: dict[str, MacroEntry] = field(default_factory=dict)
     channels: dict[str, ChannelEntry] = field(default_factory=dict)
@@ -712,15 +725,17 @@ class ClusterMap:
                     while len(self.revoked_clients) > REVOKED_CLIENTS_MAX:
                         del self.revoked_clients[next(iter(self.revoked_clients))]
             else:
+                # A name names one client: decided here, in log order, so two registrations of
+                # one name through two nodes cannot both succeed (issue 32).
+                name = command.record.get("name")
+                if name is not None and any(other != command.client_id and record.get("name") == name
+                                            for other, record in self.clients.items()):
+                    return [Outcome(command.client_id, False, f"a client named {name} exists")]
                 self.clients[command.client_id] = dict(command.record)
                 self.revoked_clients.pop(command.client_id, None)
             return [Outcome(command.client_id, True)]
         if isinstance(command, SetAlternatives):
-            if command.alternatives:
-                self.alternatives[command.recipient] = tuple(command.alternatives)
-            else:                                   # an empty chain: none any more
-                self.alternatives.pop(command.recipient, None)
-            return [Outcome(command.recipient, True)]
+            return [self._set_alternatives(command)]
         if isinstance(command, CreateMacro | DeleteMacro | PutMacroMember | RemoveMacroMember):
             return [self._macro(command)]
         if isinstance(command, PutChannel):
@@ -748,18 +763,57 @@ class ClusterMap:
             return [Outcome(command.name, True)]
         return [Outcome("", False, f"unknown command {type(command).__name__}")]
 
+    def chain_binding(self, recipient: str) -> str | None:
+        """The queue an administrator's chain binds `recipient` to (the first chain naming it
+        with a queue), or None."""
+        for chain, names in self.alternatives.items():
+            queues = self.alternative_queues.get(chain, ())
+            for name, queue in zip(names, queues, strict=False):
+                if name == recipient:
+                    return queue
+        return None
+
+    def _set_alternatives(self, command: SetAlternatives) -> Outcome:
+        if command.queues and len(command.queues) != len(command.alternatives):
+            return Outcome(command.recipient, False, "a chain names one queue per alternative")
+        if not command.alternatives:                # an empty chain: none any more
+            for kept in (self.alternatives, self.alternative_queues, self.alternatives_set_by):
+                kept.pop(command.recipient, None)
+            return Outcome(command.recipient, True)
+        self.alternatives[command.recipient] = tuple(command.alternatives)
+        self.alternative_queues[command.recipient] = tuple(command.queues)
+        self.alternatives_set_by[command.recipient] = command.set_by
+        for name, queue in zip(command.alternatives, command.queues, strict=False):   # none: from an older log
+            entry = self.recipients.get(name)
+            if entry is not None and entry.queue != queue:
+                # The administrator's binding wins over a client's: whoever subscribed under
+                # the name on another queue loses it (its subscriptions there go on serving
+                # that queue, under a name the map no longer lists for it).
+                self.index.recipient_gone(self.recipients.pop(name))
+        return Outcome(command.recipient, True)
+
     def _put_recipient(self, command: PutRecipient) -> Outcome:
         if command.state not in set(RecipientState) or command.queue not in self.queues:
             return Outcome(command.name, False, f"no queue {command.queue}, or an unknown state {command.state}")
         entry = self.recipients.get(command.name)
         if entry is not None and entry.queue != command.queue:
             return Outcome(command.name, False, f"recipient {command.name} receives from {entry.queue}")
-        if entry is None and len(self.recipients) >= RECIPIENTS_MAX:
-            return Outcome(command.name, False, f"the map holds {RECIPIENTS_MAX} recipients")
+        if entry is None:
+            if len(self.recipients) >= RECIPIENTS_MAX:
+                return Outcome(command.name, False, f"the map holds {RECIPIENTS_MAX} recipients")
+            bound = self.chain_binding(command.name)
+            if bound is not None and bound != command.queue:
+                return Outcome(command.name, False, f"recipient {command.name} receives from {bound} (an "
+                                                    "administrator's chain names it so)")
+            if command.owner and bound is None and sum(
+                    1 for other in self.recipients.values() if other.owner == command.owner) >= RECIPIENTS_PER_CLIENT_MAX:
+                return Outcome(command.name, False, f"client {command.owner} bound {RECIPIENTS_PER_CLIENT_MAX} "
+                                                    "recipient names already")
         if entry is not None and entry.state == command.state:
             return Outcome(command.name, False, "unchanged")
+        owner = entry.owner if entry is not None else "" if self.chain_binding(command.name) else command.owner
         self.recipients[command.name] = put = RecipientEntry(command.name, command.queue, command.state,
-                                                             command.since_ms, command.reason)
+                                                             command.since_ms, command.reason, owner)
         self.index.recipient_put(put)
         return Outcome(command.name, True, command.state)
 
@@ -768,6 +822,8 @@ class ClusterMap:
         if known is not None:
             self.index.recipient_gone(known)
         chain = self.alternatives.pop(command.name, None)
+        self.alternative_queues.pop(command.name, None)
+        self.alternatives_set_by.pop(command.name, None)
         if known is None and chain is None:
             return Outcome(command.name, False, f"no recipient {command.name}")
         return Outcome(command.name, True)
@@ -780,7 +836,7 @@ class ClusterMap:
         if entry.reason == command.reason:
             return Outcome(command.name, False, "unchanged")
         self.recipients[command.name] = RecipientEntry(entry.name, entry.queue, entry.state, entry.since_ms,
-                                                       command.reason)
+                                                       command.reason, entry.owner)
         return Outcome(command.name, True, "noted")
 
     def _put_forward(self, command: PutForward) -> Outcome:
@@ -1096,11 +1152,13 @@ def encode_map(cluster: ClusterMap) -> bytes:
     macros = [[m.name, m.producer, m.consumer, m.fastest_by, [[x.queue, x.priority, x.weight] for x in m.members]]
               for m in cluster.macros.values()]
     channels = [[c.name, c.delivery_class, c.resend_interval_s] for c in cluster.channels.values()]
-    recipients = [[r.name, r.queue, r.state, r.since_ms, r.reason] for r in cluster.recipients.values()]
+    recipients = [[r.name, r.queue, r.state, r.since_ms, r.reason, r.owner] for r in cluster.recipients.values()]
+    chains = {recipient: [list(cluster.alternative_queues.get(recipient, ())),
+                          cluster.alternatives_set_by.get(recipient, "")] for recipient in cluster.alternatives}
     forwards = [[f.name, f.source, f.destination, list(f.urls), f.client_id, f.secret, f.created_ms, f.token]
                 for f in cluster.forwards.values()]
     return msgpack.packb([cluster.version, nodes, queues, cluster.clients, alternatives, macros, channels,
-                          recipients, forwards, list(cluster.revoked_clients.items())], use_bin_type=True)
+                          recipients, forwards, list(cluster.revoked_clients.items()), chains], use_bin_type=True)
 
 
 def decode_map(data: bytes) -> ClusterMap:
@@ -1114,10 +1172,13 @@ def decode_map(data: bytes) -> ClusterMap:
         recipients = rest[2] if len(rest) > 2 else []
         forwards = rest[3] if len(rest) > 3 else []
         revoked = rest[4] if len(rest) > 4 else []      # nor one from before revoked clients were kept
+        chains = rest[5] if len(rest) > 5 else {}       # nor one from before chains named queues
         return ClusterMap(
             nodes={row[0]: NodeEntry(row[0], row[1], NodeState(row[2]), row[3], row[4]) for row in nodes},
             queues={row[0]: QueueEntry(*row) for row in queues},
             clients=clients, alternatives={recipient: tuple(names) for recipient, names in alternatives.items()},
+            alternative_queues={recipient: tuple(chain[0]) for recipient, chain in chains.items()},
+            alternatives_set_by={recipient: str(chain[1]) for recipient, chain in chains.items()},
             macros={row[0]: MacroEntry(row[0], row[1], row[2], row[3], [MacroMember(*member) for member in row[4]])
                     for row in macros},
             channels={row[0]: ChannelEntry(row[0], row[1], row[2]) for row in channels},

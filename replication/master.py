@@ -46,7 +46,14 @@ from replication.operations import Enqueued, Operation
 from replication.oplog import LogEntry, OpLogReader, runs
 from replication.options import Strength
 from replication.queue_core import QueueCore
-from replication.snapshot import EMPTY_STATE_HASH, SnapshotSource, SnapshotView, encode_rows, fold_rows
+from replication.snapshot import (
+    EMPTY_STATE_HASH,
+    SnapshotSource,
+    SnapshotView,
+    SnapshotViewLost,
+    encode_rows,
+    fold_rows,
+)
 
 
 class ReplicaProgress(enum.StrEnum):
@@ -414,7 +421,18 @@ class MasterRole:
             return True
         limits = self.limits
         while not self._snapshot_done and len(self._snapshot_unacked) < limits.snapshot_chunks_in_flight_max:
-            rows = view.next_rows(limits.snapshot_chunk_bytes_max)
+            try:
+                rows = view.next_rows(limits.snapshot_chunk_bytes_max)
+            except SnapshotViewLost:
+                # A map growth ended the view's read transaction (issue 32, item 8): the rest of
+                # that state is gone, and rows from a newer view would not match the order and
+                # digest this one claims. The transfer starts over: the replica opens again and a
+                # new snapshot's SyncBegin erases what this one stored (docs/PROTOCOL.md "The
+                # bounded op log and snapshots").
+                self._end_snapshot()
+                self._set_progress(ReplicaProgress.PROBING)
+                self._send_resync(now_ms)
+                return True
             encoded = encode_rows(rows)
             self._snapshot_sequence += 1
             self._snapshot_hash = fold_rows(self._snapshot_hash, encoded)

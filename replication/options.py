@@ -26,7 +26,10 @@ TTL_MAX_S = 1_209_600.0     # a message's time to live: at most 14 days (SQS's l
 DELAY_MAX_S = 900.0         # a message's delivery delay: at most 15 minutes (as SQS)
 HEADERS_MAX = 16             # a message's headers: at most this many names,
 HEADER_NAME_CHARS_MAX = 64   # each name 1-64 printable characters,
-HEADERS_CHARS_MAX = 4_096    # and all names and values together at most this many characters
+HEADERS_CHARS_MAX = 4_096    # and all names and values together at most this many characters,
+# besides a numbered stream's (replication/queue_core.py SEQUENCE_*_HEADER), each value at most 256.
+STREAM_HEADERS = frozenset({"x-sequence-key", "x-sequence", "x-sequence-floor"})
+STREAM_HEADER_CHARS_MAX = 256
 
 
 class QueueType(enum.StrEnum):
@@ -232,7 +235,10 @@ def checked_headers(headers: Any) -> dict[str, str] | None:
     limits above; empty: None), or OptionError naming what is wrong."""
     if headers is None or headers == {}:
         return None
-    if not isinstance(headers, dict) or len(headers) > HEADERS_MAX:
+    # The stream headers a forward sets (docs/PROTOCOL.md "Forwards") count apart, so that a
+    # message accepted at its source, at the limits, can be forwarded (issue 32, Low).
+    if not isinstance(headers, dict) or len(headers) > HEADERS_MAX + len(STREAM_HEADERS) \
+            or sum(1 for name in headers if name not in STREAM_HEADERS) > HEADERS_MAX:
         raise OptionError(f"headers are a map of at most {HEADERS_MAX} names to strings")
     total = 0
     for name, value in headers.items():
@@ -240,7 +246,10 @@ def checked_headers(headers: Any) -> dict[str, str] | None:
             raise OptionError(f"a header name is 1-{HEADER_NAME_CHARS_MAX} printable characters")
         if not isinstance(value, str) or not value.isprintable():
             raise OptionError(f"header {name!r} must be a string of printable characters")
-        total += len(name) + len(value)
+        if name not in STREAM_HEADERS:
+            total += len(name) + len(value)
+        elif len(value) > STREAM_HEADER_CHARS_MAX:
+            raise OptionError(f"header {name!r} holds at most {STREAM_HEADER_CHARS_MAX} characters")
     if total > HEADERS_CHARS_MAX:
         raise OptionError(f"headers hold at most {HEADERS_CHARS_MAX} characters")
     return dict(headers)
@@ -256,6 +265,25 @@ def valid_dedupe_id(dedupe_id: str) -> bool:
     """1-128 printable characters. Lone surrogates, which is how aiohttp hands over header
     bytes that are not UTF-8 and which storage could not encode, are not printable."""
     return 0 < len(dedupe_id) <= 128 and dedupe_id.isprintable()
+
+
+# Headers the cluster itself sets on a message it moves (fault surveillance: docs/PROTOCOL.md
+# "Fault surveillance"); an ordinary enqueue naming one is refused (E_RESERVED_HEADER): a client
+# could otherwise pass a message off as failed over, or as another producer's.
+FAILED_OVER_FROM = "x-failed-over-from"
+RETURNED_FROM = "x-returned-from"
+FAULT = "x-fault"
+ORIGIN_PRODUCER = "x-origin-producer"      # the client that enqueued a message the cluster moved
+RESERVED_HEADERS = frozenset({FAILED_OVER_FROM, RETURNED_FROM, FAULT, ORIGIN_PRODUCER})
+REPLY_TO = "reply-to"                      # the queue a message returns to (its producer must be allowed to post there)
+
+
+def producer_key(client: str, name: str) -> str:
+    """A dedupe id or a stream's key as the queue keeps it: its producer's own. Without the
+    client id, one producer could claim another's ids or numbers ahead of it (and have every
+    later message of that producer answered as a repeat: stored nowhere). Neither a client id
+    nor a dedupe id or stream key (printable characters) holds the separator."""
+    return f"{client}\x1f{name}"
 
 
 def dead_letter_name(queue: str) -> str:

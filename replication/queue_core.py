@@ -63,6 +63,7 @@ from replication.options import (
     QueueType,
     Strength,
     options_from_json,
+    producer_key,
 )
 from replication.store import StoredLease, StoreReader
 
@@ -76,7 +77,10 @@ SEQUENCE_KEY_HEADER, SEQUENCE_HEADER = "x-sequence-key", "x-sequence"
 # or never to be sent again). Without it a number is its own floor: an in-order stream.
 SEQUENCE_FLOOR_HEADER = "x-sequence-floor"
 SEQUENCE_KEYS_MAX = 1_000     # streams one queue keeps numbers of
+SEQUENCE_KEYS_PER_PRODUCER_MAX = 100  # of them, one producing client's (a forward numbers one per priority and source incarnation)
 SEQUENCE_WINDOW_MAX = 4_096   # numbers a stream keeps at or above its floor (beyond: E_OVERLOADED)
+SEQUENCE_NUMBERS_PER_PRODUCER_MAX = 8_192   # ... all streams of one producer, once one holds SEQUENCE_STREAM_FEW
+SEQUENCE_STREAM_FEW = 256
 SUBSCRIPTION_PRIORITY = 4     # every channel publish's priority, so durable subscriptions follow this one
 # A deadline heap (leases, times to live, delays) is rebuilt from what is live once its stale
 # entries pass this many and the live ones: a member that applies the master's decisions
@@ -122,24 +126,46 @@ class QueueRecord:
     # every number below the floor is settled, and those kept (at or above it) are stored. A
     # message whose number is either is a repeat, not stored again.
     sequences: dict[str, list[Any]] = field(default_factory=dict)
+    # Streams changed since the record was last sealed for storage: the store keeps each stream
+    # in a row of its own (LMDB `streams`), written when it changes, not with every batch that
+    # touches the queue (a queue's producers may number many). Not part of the record's JSON.
+    changed_streams: set[str] = field(default_factory=set, compare=False, repr=False)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, *, streams: bool = True) -> dict[str, Any]:
+        """The record as JSON; `streams=False`: without its streams (stored apart, see
+        `changed_streams`), as every batch that touches the queue writes it."""
         # Written with every batch that touches the queue: a plain copy of the fields, not
         # dataclasses.asdict (which deep-copies recursively and cost ~100 µs of each commit).
-        out = {name: getattr(self, name) for name in self.__slots__}
+        out = {name: getattr(self, name) for name in self.__slots__ if name != "changed_streams"}
         out["options"] = self.options.to_json()
         out["state"] = self.state.value
         if self.subscriptions:      # packed later, off the engine's task: a copy, not the live lists
             out["subscriptions"] = {name: [floor, list(acked)] for name, (floor, acked) in self.subscriptions.items()}
-        if self.sequences:
-            out["sequences"] = {key: [floor, [[number, index] for number, index in stored.items()]]
-                                for key, (floor, stored) in self.sequences.items()}
+        del out["sequences"]
+        if streams and self.sequences:
+            out["sequences"] = {key: self.stream_json(key) for key in self.sequences}
         return out
+
+    def stream_json(self, key: str) -> list[Any] | None:
+        """One stream as stored ([floor, [[number, id], ...]]), None when the record has none."""
+        stream = self.sequences.get(key)
+        return None if stream is None else [stream[0], [[number, index] for number, index in stream[1].items()]]
+
+    def take_changed_streams(self) -> list[tuple[str, list[Any] | None]]:
+        """The streams changed since the last call, as stored (None: gone), for the batch being sealed."""
+        changed = [(key, self.stream_json(key)) for key in sorted(self.changed_streams)]
+        self.changed_streams.clear()
+        return changed
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> QueueRecord:
-        record = cls(**{**raw, "options": options_from_json(raw["options"]), "state": QueueState(raw["state"])})
+        fields = {**raw, "options": options_from_json(raw["options"]), "state": QueueState(raw["state"])}
+        fields.pop("sequences", None)
+        record = cls(**fields)
         record.sequences = sequences_from_json(raw.get("sequences", {}))
+        # A record stored before streams had rows of their own carries them: each is written to
+        # its row with the record's next write (which no longer holds them).
+        record.changed_streams = set(record.sequences)
         return record
 
 
@@ -245,11 +271,11 @@ class QueueCore:
         `delay_ms`: how long it waits before it is ready (0: ready at once); `headers`: a
         small map delivered with it (checked by the caller: replication.options.checked_headers)."""
         if dedupe_id is not None:
-            earlier = self._find_dedupe(dedupe_id, now_ms)
+            earlier = self._find_dedupe(producer_key(client, dedupe_id), now_ms)
             if earlier is not None:
                 return earlier, True
         if headers is not None and SEQUENCE_HEADER in headers:
-            earlier = self._sequence_repeat(headers)
+            earlier = self._sequence_repeat(headers, client)
             if earlier is not None:
                 return earlier, True
         return self._place(payload, priority, dedupe_id, client, now_ms, out, ttl_ms, delay_ms, headers), False
@@ -260,7 +286,8 @@ class QueueCore:
         """A batch in one step: each message's id (a kept dedupe id's earlier one), or the
         error that refused it. The committed dedupe ids are looked up in one read."""
         staged, sealed = self._dedupe.staged, self._dedupe.sealed
-        unknown = [d for d in dedupe_ids if d is not None and d not in staged and d not in sealed]
+        keys = [None if d is None else producer_key(client, d) for d in dedupe_ids]
+        unknown = [k for k in keys if k is not None and k not in staged and k not in sealed]
         stored = self._reader.dedupe_lookup_many(self.queue_id, unknown) if unknown else {}
         find, place = self._find_dedupe, self._place
         outcomes: list[int | QueueError] = []
@@ -269,13 +296,13 @@ class QueueCore:
                 return [QueueError(E_INVALID_OPTION, f"{SEQUENCE_HEADER} numbers one message: enqueue them one "
                                                      "at a time")] * len(payloads)
             try:
-                earlier = self._sequence_repeat(headers)
+                earlier = self._sequence_repeat(headers, client)
             except QueueError as error:
                 return [error]
             if earlier is not None:
                 return [earlier]
-        for payload, dedupe_id in zip(payloads, dedupe_ids, strict=True):
-            if dedupe_id is not None and (earlier := find(dedupe_id, now_ms, stored)) is not None:
+        for payload, dedupe_id, key in zip(payloads, dedupe_ids, keys, strict=True):
+            if key is not None and (earlier := find(key, now_ms, stored)) is not None:
                 outcomes.append(earlier)
                 continue
             try:
@@ -296,7 +323,7 @@ class QueueCore:
         out.append(Enqueued(record.queue_id, index, priority, now_ms, dedupe_id, client, payload, ttl_ms, delay_ms,
                             headers))
         if headers is not None and SEQUENCE_HEADER in headers:
-            self._note_sequence(headers, index)
+            self._note_sequence(headers, client, index)
         if ttl_ms:
             self._live_for(index, priority, ttl_ms)
         if delay_ms:
@@ -308,7 +335,7 @@ class QueueCore:
         if self.depth > record.highest_depth:
             record.highest_depth = self.depth
         if dedupe_id is not None:
-            self._dedupe.staged[dedupe_id] = (index, now_ms)
+            self._dedupe.staged[producer_key(client, dedupe_id)] = (index, now_ms)
         return index
 
     def lease(self, max_messages: int, visibility_ms: int | None, client: str, now_ms: int,
@@ -407,15 +434,21 @@ class QueueCore:
                             self._consumption_order()))
 
     # --- numbered streams (SEQUENCE_HEADER) -------------------------------------------------
-    def _sequence_repeat(self, headers: dict[str, str]) -> int | None:
+    def _sequence_repeat(self, headers: dict[str, str], client: str) -> int | None:
         """The message id to answer with when the message's number is settled already (its own
         id when the stream still lists it, else the stream's latest), else None; refuses
-        malformed numbers and a stream with no room."""
-        key, number, _ = _sequence_of(headers)
+        malformed numbers and a stream with no room. A stream is its producer's own (the key
+        is scoped by the client id): another client naming the same key numbers another stream."""
+        key, number, _ = _sequence_of(headers, client)
         stream = self.record.sequences.get(key)
         if stream is None:
-            if len(self.record.sequences) >= SEQUENCE_KEYS_MAX:
+            sequences = self.record.sequences
+            if len(sequences) >= SEQUENCE_KEYS_MAX:
                 raise QueueError(E_INVALID_OPTION, f"queue {self.name} keeps {SEQUENCE_KEYS_MAX} streams' numbers")
+            prefix = producer_key(client, "")
+            if sum(1 for other in sequences if other.startswith(prefix)) >= SEQUENCE_KEYS_PER_PRODUCER_MAX:
+                raise QueueError(E_INVALID_OPTION, f"client {client} numbers {SEQUENCE_KEYS_PER_PRODUCER_MAX} streams "
+                                               f"in queue {self.name} already")
             return None
         floor, stored = stream
         if number in stored:
@@ -425,12 +458,23 @@ class QueueCore:
         if len(stored) >= SEQUENCE_WINDOW_MAX:
             raise QueueError(E_OVERLOADED, f"stream {key} of queue {self.name} holds {SEQUENCE_WINDOW_MAX} numbers "
                                            f"above its floor {floor}: retry once its producer's floor moves")
+        # The numbers live in the queue's record, written with every batch: what one producer
+        # keeps there is bounded over all its streams too (counted only once a stream holds
+        # many: an in-order producer's stream holds one).
+        if len(stored) >= SEQUENCE_STREAM_FEW and self._numbers_held(client) >= SEQUENCE_NUMBERS_PER_PRODUCER_MAX:
+            raise QueueError(E_OVERLOADED, f"client {client} holds {SEQUENCE_NUMBERS_PER_PRODUCER_MAX} numbers above "
+                                           f"its streams' floors in queue {self.name}: retry once its floors move")
         return None
 
-    def _note_sequence(self, headers: dict[str, str], index: int) -> None:
+    def _numbers_held(self, client: str) -> int:
+        prefix = producer_key(client, "")
+        return sum(len(stream[1]) for key, stream in self.record.sequences.items() if key.startswith(prefix))
+
+    def _note_sequence(self, headers: dict[str, str], client: str, index: int) -> None:
         """Record a stored number and raise the floor to what its producer declared (the
         master placing it and every member applying it do the same)."""
-        key, number, declared = _sequence_of(headers)
+        key, number, declared = _sequence_of(headers, client)
+        self.record.changed_streams.add(key)
         stream = self.record.sequences.setdefault(key, [0, {}])
         if declared > stream[0]:      # numbers below a raised floor are settled: forgotten
             stream[0] = declared
@@ -736,8 +780,11 @@ class QueueCore:
         # A number stored by a dropped message is not stored any more: its producer, never
         # answered, sends it again. The floor stays: it is the producer's word about numbers
         # below it (a forwarder declares only what its source committed), not this queue's data.
-        for stream in self.record.sequences.values():
-            stream[1] = {number: index for number, index in stream[1].items() if index <= order}
+        for key, numbered in self.record.sequences.items():
+            kept_numbers = {number: index for number, index in numbered[1].items() if index <= order}
+            if len(kept_numbers) != len(numbered[1]):
+                numbered[1] = kept_numbers
+                self.record.changed_streams.add(key)
         count = on_disk + sum(1 for _, index in dropped if index >= boundary)   # below it: counted on disk
         record = self.record
         record.ready_count -= count
@@ -864,7 +911,7 @@ class QueueCore:
             raise InvariantViolation(f"queue {self.name}: enqueue at {op.index} below {record.next_index}")
         record.next_index = op.index + 1
         if op.headers is not None and SEQUENCE_HEADER in op.headers:
-            self._note_sequence(op.headers, op.index)
+            self._note_sequence(op.headers, op.client, op.index)
         if op.delay_ms:
             self._delay(op.index, op.priority, op.delay_ms)
         else:
@@ -873,7 +920,7 @@ class QueueCore:
         record.total_enqueued += 1
         record.highest_depth = max(record.highest_depth, self.depth)
         if op.dedupe_id is not None:
-            self._dedupe.staged[op.dedupe_id] = (op.index, op.enqueued_ms)
+            self._dedupe.staged[producer_key(op.client, op.dedupe_id)] = (op.index, op.enqueued_ms)
         if op.ttl_ms:
             self._live_for(op.index, op.priority, op.ttl_ms)
 
@@ -1000,14 +1047,15 @@ class QueueCore:
                             self._consumption_order()))
 
 
-def _sequence_of(headers: dict[str, str]) -> tuple[str, int, int]:
-    """(stream key, number, declared floor) of a numbered message, or E_INVALID_OPTION."""
+def _sequence_of(headers: dict[str, str], client: str) -> tuple[str, int, int]:
+    """(stream key, scoped by its producer; number; declared floor) of a numbered message, or
+    E_INVALID_OPTION."""
     key, raw = headers.get(SEQUENCE_KEY_HEADER), headers[SEQUENCE_HEADER]
     raw_floor = headers.get(SEQUENCE_FLOOR_HEADER, raw)
     if not key or not _is_number(raw) or not _is_number(raw_floor) or int(raw_floor) > int(raw):
         raise QueueError(E_INVALID_OPTION, f"{SEQUENCE_HEADER} is a number from 1, with {SEQUENCE_KEY_HEADER} "
                                            f"naming the stream (and {SEQUENCE_FLOOR_HEADER}, if any, at most it)")
-    return key, int(raw), int(raw_floor)
+    return producer_key(client, key), int(raw), int(raw_floor)
 
 
 def _is_number(raw: str) -> bool:

@@ -3,10 +3,11 @@ snapshots and hard state on disk (qserver/storage.py stores exactly these bytes)
 
 Encoded as msgpack rows. A wire frame is `[PROTOCOL_VERSION, tag, fields...]`; tags are fixed,
 never reused, only added. Besides the core's messages (replication/raft_messages.py) the
-frame carries the driver's own three (qserver/membership.py): a node that is not in the
-configuration yet asks to join, and a follower passes a proposal to the leader and hears
-where it landed. Anything malformed raises `MessageError`: the transport drops the frame and
-counts it, the node goes on (bad input from a peer is never fatal).
+frame carries the driver's own four (qserver/membership.py): a node that is not in the
+configuration yet asks to join, a follower passes a proposal to the leader and hears where it
+landed, and a frame too large for one message (a snapshot of a large map) travels in
+`FrameChunk`s. Anything malformed raises `MessageError`: the driver counts it and the transport
+drops that link, the node goes on (bad input from a peer is never fatal).
 """
 from __future__ import annotations
 
@@ -64,7 +65,19 @@ class ProposeResponse:
     refusal: str
 
 
-DriverMessage = JoinRequest | ProposeRequest | ProposeResponse
+@dataclass(frozen=True, slots=True)
+class FrameChunk:
+    """One piece of a frame too large for one peer message (a snapshot of a large map): the
+    driver splits the encoded frame and the receiver joins the pieces of one `transfer`, in
+    order, before decoding it (docs/RAFT.md, "Snapshots in chunks")."""
+    sender: str
+    transfer: int
+    sequence: int
+    count: int
+    data: bytes
+
+
+DriverMessage = JoinRequest | ProposeRequest | ProposeResponse | FrameChunk
 Frame = Message | DriverMessage
 
 _ENTRY_KINDS = {EntryKind.COMMAND: 0, EntryKind.CONFIGURATION: 1, EntryKind.LEADER_START: 2}
@@ -159,7 +172,7 @@ def decode_hard_state(data: bytes) -> HardState:
 # --- frames -------------------------------------------------------------------------------------
 TAGS: dict[type, int] = {PreVoteRequest: 1, PreVoteResponse: 2, VoteRequest: 3, VoteResponse: 4,
                          AppendRequest: 5, AppendResponse: 6, SnapshotRequest: 7,
-                         JoinRequest: 20, ProposeRequest: 21, ProposeResponse: 22}
+                         JoinRequest: 20, ProposeRequest: 21, ProposeResponse: 22, FrameChunk: 23}
 _TYPES: dict[int, type] = {tag: kind for kind, tag in TAGS.items()}
 
 
@@ -173,6 +186,8 @@ def encode_frame(message: Frame) -> bytes:
         body: list[Any] = [message.sender, message.storage_id, message.wants_vote]
     elif isinstance(message, ProposeRequest):
         body = [message.sender, message.request_id, message.command]
+    elif isinstance(message, FrameChunk):
+        body = [message.sender, message.transfer, message.sequence, message.count, message.data]
     else:
         body = [message.sender, message.request_id, message.index, message.term, message.refusal]
     return msgpack.packb([PROTOCOL_VERSION, tag, *body], use_bin_type=True)
@@ -204,7 +219,7 @@ def decode_frame(data: bytes) -> Frame:
     if kind is None:
         raise MessageError(f"unknown membership message tag {row[1]!r}")
     fields = row[2:]
-    if kind in (JoinRequest, ProposeRequest, ProposeResponse):
+    if kind in (JoinRequest, ProposeRequest, ProposeResponse, FrameChunk):
         return _driver_message(kind, fields)
     if len(fields) < 4 or not _counts(fields[0]) or not isinstance(fields[1], str) \
             or not isinstance(fields[2], str) or not isinstance(fields[3], bytes):
@@ -241,4 +256,7 @@ def _driver_message(kind: type, fields: list[Any]) -> DriverMessage:
         return ProposeRequest(*fields)
     if kind is ProposeResponse and len(fields) == 5 and _counts(*fields[1:4]) and isinstance(fields[4], str):
         return ProposeResponse(*fields)
+    if kind is FrameChunk and len(fields) == 5 and _counts(*fields[1:4]) and fields[2] < fields[3] \
+            and isinstance(fields[4], bytes):
+        return FrameChunk(*fields)
     raise MessageError(f"a malformed {kind.__name__}")

@@ -43,6 +43,12 @@ _MESSAGE_ROW_FIELDS = 12
 _DEDUPE_ROW_FIELDS = 4
 
 
+class SnapshotViewLost(Exception):
+    """`next_rows` can read no more of the view's state: the node's storage ended its read
+    transaction (an LMDB map growth does, qserver/storage.py grow_map). The rest of that state
+    is gone; the transfer starts over from a new view (MasterRole._pump_snapshot)."""
+
+
 class SnapshotView(Protocol):
     order: int                      # the snapshot's ordering index (its state includes every op up to it)
     digest: bytes                   # the rolling digest at `order`
@@ -50,7 +56,8 @@ class SnapshotView(Protocol):
     dead_letter: list[Any] | None   # `full`: [order, digest, record] of the dead-letter queue, same view
 
     def next_rows(self, bytes_max: int) -> list[list[Any]]:
-        """The next rows, about `bytes_max` of payload at most (at least one row); [] at the end."""
+        """The next rows, about `bytes_max` of payload at most (at least one row); [] at the end.
+        Raises SnapshotViewLost when the view's state can no longer be read."""
         ...
 
     def close(self) -> None:

@@ -28,6 +28,7 @@ from replication.operations import (
     SubscriptionDropped,
     SubscriptionOpened,
 )
+from replication.options import producer_key
 from replication.snapshot import ROW_DEDUPE, ROW_MESSAGE
 
 
@@ -71,6 +72,7 @@ class _MemoryQueue:
     ready: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # priority -> sorted (index, deliveries)
     leases: dict[int, StoredLease] = field(default_factory=dict)
     status: dict[int, tuple[str, bytes | None]] = field(default_factory=dict)
+    producers: dict[int, str] = field(default_factory=dict)   # of the status rows (Storage: in the row)
     dedupe: dict[str, tuple[int, int]] = field(default_factory=dict)
     delayed: set[int] = field(default_factory=set)      # messages not ready until they mature
 
@@ -93,6 +95,14 @@ class MemoryStore:
 
     def dedupe_lookup(self, queue_id: int, dedupe_id: str) -> tuple[int, int] | None:
         return self._queue(queue_id).dedupe.get(dedupe_id)
+
+    def status_producer(self, queue_id: int, index: int) -> str | None:
+        """As Storage.status_producer: who enqueued a message whose status is reported."""
+        queue = self._queue(queue_id)
+        if index in queue.status:
+            return queue.producers.get(index)
+        message = queue.messages.get(index)
+        return None if message is None else message.client
 
     def dedupe_lookup_many(self, queue_id: int, dedupe_ids: list[str]) -> dict[str, tuple[int, int]]:
         kept = self._queue(queue_id).dedupe
@@ -161,7 +171,7 @@ class MemoryStore:
         else:
             self._set_ready(queue, op.priority, op.index, 0)
         if op.dedupe_id is not None:
-            queue.dedupe[op.dedupe_id] = (op.index, op.enqueued_ms)
+            queue.dedupe[producer_key(op.client, op.dedupe_id)] = (op.index, op.enqueued_ms)
 
     def _apply_Leased(self, op: Leased) -> None:
         queue = self._queue(op.queue_id)
@@ -200,9 +210,11 @@ class MemoryStore:
                 raise InvariantViolation(f"{state} message {op.queue_id}/{op.index} was not leased")
         elif not self._drop_ready(queue, op.priority, op.index):
             raise InvariantViolation(f"{state} message {op.queue_id}/{op.index} was not ready")
-        queue.messages.pop(op.index, None)
+        message = queue.messages.pop(op.index, None)
         if op.track_status:
             queue.status[op.index] = (state, None)
+            if message is not None:
+                queue.producers[op.index] = message.client
 
     # Durable subscriptions are queue state in the queue's record (QueueCore): nothing to store.
     def _apply_SubscriptionOpened(self, op: SubscriptionOpened) -> None:
@@ -217,9 +229,11 @@ class MemoryStore:
     def _apply_Acked(self, op: Acked) -> None:
         queue = self._queue(op.queue_id)
         queue.leases.pop(op.index, None)
-        queue.messages.pop(op.index, None)
+        message = queue.messages.pop(op.index, None)
         if op.track_status:
             queue.status[op.index] = ("replied" if op.reply is not None else "acked", op.reply)
+            if message is not None:
+                queue.producers[op.index] = message.client
 
     def _apply_Released(self, op: Released) -> None:
         queue = self._queue(op.queue_id)
@@ -242,6 +256,7 @@ class MemoryStore:
         self._set_ready(dead, op.priority, op.dead_letter_index, 0)
         if op.track_status:
             queue.status[op.index] = ("dead_lettered", None)
+            queue.producers[op.index] = message.client
 
 
     def discard_after(self, queue_id: int, order: int) -> None:
@@ -254,8 +269,9 @@ class MemoryStore:
             message = queue.messages.pop(index)
             self._drop_ready(queue, message.priority, index)
             queue.delayed.discard(index)
-            if message.dedupe_id is not None and queue.dedupe.get(message.dedupe_id, (0, 0))[0] == index:
-                del queue.dedupe[message.dedupe_id]
+            key = None if message.dedupe_id is None else producer_key(message.client, message.dedupe_id)
+            if key is not None and queue.dedupe.get(key, (0, 0))[0] == index:
+                del queue.dedupe[key]
 
 
 def drop_queue(store: MemoryStore, queue_id: int) -> None:

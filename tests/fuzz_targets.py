@@ -97,12 +97,15 @@ def _signed_headers(data: bytes) -> None:
     from qserver.auth import Authenticator
     text = data.decode("utf-8", "replace")
     parts = (text.split("\n") + [""] * 7)[:7]
-    headers = {"X-Client-Id": parts[0], "X-Timestamp": parts[1], "X-Nonce": parts[2], "X-Signature": parts[3]}
+    headers = {"X-Client-Id": parts[0], "X-Timestamp": parts[1], "X-Nonce": parts[2], "X-Signature": parts[3],
+               "Host": "127.0.0.1:7101"}      # this node's own address: the input reaches the signature check
     if not _AUTHENTICATOR:
         from client.signing import new_private_key, public_key_text
         clients = {"c-1": {"public_key": public_key_text(new_private_key()),
                            "grants": [{"pattern": "*", "privileges": ["post"]}]}}
-        _AUTHENTICATOR.append(Authenticator(clients, skew_max_s=1e12))
+        authenticator = Authenticator(clients, skew_max_s=1e12)
+        authenticator.bind("n1", ["127.0.0.1:7101"])
+        _AUTHENTICATOR.append(authenticator)
     try:
         _AUTHENTICATOR[0].authenticate(parts[4] or "GET", parts[5] or "/", [("q", parts[6])], headers, data)
     except QueueError:

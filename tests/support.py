@@ -29,7 +29,8 @@ class RawApi:
         raw = json.dumps(body).encode() if isinstance(body, dict) else (body or b"")
         all_headers: dict[str, str] = {}
         if sign and self.signer is not None:
-            all_headers.update(signed_headers or self.signer.headers(method, path, query or {}, raw))
+            all_headers.update(signed_headers or self.signer.headers(method, path, query or {}, raw, audience=self.url,
+                                                                     headers=headers))
         all_headers.update(headers or {})
         data: Any = io.BytesIO(raw) if len(raw) > 512 * 1024 else raw
         async with self.session.request(method, self.url + path, data=data, params=query, headers=all_headers) as answer:
@@ -41,7 +42,8 @@ class RawApi:
 
     async def ws(self) -> aiohttp.ClientWebSocketResponse:
         assert self.signer is not None
-        return await self.session.ws_connect(self.url + "/v1/ws", headers=self.signer.headers("GET", "/v1/ws", {}, b""))
+        return await self.session.ws_connect(self.url + "/v1/ws", headers=self.signer.headers(
+            "GET", "/v1/ws", {}, b"", audience=self.url))
 
 
 def error_code(body: Any) -> str:

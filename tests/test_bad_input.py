@@ -144,11 +144,12 @@ async def test_a_dedupe_id_that_is_not_utf8_is_refused(api: RawApi) -> None:
     # aiohttp clients cannot send such a header, so write the request by hand.
     assert api.signer is not None
     path, body = "/v1/queues/keep/messages", b"odd"
-    signed = api.signer.headers("POST", path, {}, body)
+    # Signed as the node reads the header (UTF-8 with surrogate escapes), so the handler sees it.
+    signed = api.signer.headers("POST", path, {}, body, audience=api.url, headers={"X-Dedupe-Id": "order-\udcff"})
     url = URL(api.url)
     reader, writer = await asyncio.open_connection(url.host, url.port, ssl=url.scheme == "https" or None)
     head = "".join(f"{k}: {v}\r\n" for k, v in signed.items()).encode()
-    writer.write(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: " + str(url.host).encode() + b"\r\n" + head
+    writer.write(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: " + f"{url.host}:{url.port}".encode() + b"\r\n" + head
                  + b"X-Dedupe-Id: order-\xff\r\nContent-Length: 3\r\nConnection: close\r\n\r\n" + body)
     await writer.drain()
     answer = await asyncio.wait_for(reader.read(), 5)
@@ -177,7 +178,7 @@ async def test_an_unsigned_request_is_refused(api: RawApi) -> None:
 
 async def test_a_signature_over_another_body_is_refused(api: RawApi) -> None:
     assert api.signer is not None
-    headers = api.signer.headers("POST", "/v1/queues/keep/messages", {}, b"original")
+    headers = api.signer.headers("POST", "/v1/queues/keep/messages", {}, b"original", audience=api.url)
     status, answer, _ = await api.request("POST", "/v1/queues/keep/messages", b"tampered", signed_headers=headers)
     assert status == 401 and error_code(answer) == "E_UNAUTHENTICATED"
 
@@ -191,7 +192,7 @@ async def test_a_signature_by_an_unknown_client_is_refused(api: RawApi) -> None:
 
 async def test_a_stale_timestamp_is_refused(api: RawApi) -> None:
     assert api.signer is not None
-    old = api.signer.headers("GET", "/v1/queues", {}, b"", timestamp_ms=int(time.time() * 1000) - 3_600_000)
+    old = api.signer.headers("GET", "/v1/queues", {}, b"", timestamp_ms=int(time.time() * 1000) - 3_600_000, audience=api.url)
     status, answer, _ = await api.request("GET", "/v1/queues", signed_headers=old)
     assert status == 401 and error_code(answer) == "E_STALE_REQUEST"
 
@@ -199,7 +200,7 @@ async def test_a_stale_timestamp_is_refused(api: RawApi) -> None:
 async def test_a_replayed_request_is_refused_and_not_applied_twice(api: RawApi) -> None:
     assert api.signer is not None
     await api.request("PUT", "/v1/queues/replayed", {})
-    headers = api.signer.headers("POST", "/v1/queues/replayed/messages", {}, b"once")
+    headers = api.signer.headers("POST", "/v1/queues/replayed/messages", {}, b"once", audience=api.url)
     status, _, _ = await api.request("POST", "/v1/queues/replayed/messages", b"once", signed_headers=headers)
     assert status == 201
     status, answer, _ = await api.request("POST", "/v1/queues/replayed/messages", b"once", signed_headers=headers)
@@ -215,7 +216,7 @@ async def test_a_request_replayed_after_the_node_restarts_is_refused_and_not_app
     node refuses whatever was signed before it started. A fresh request passes either way."""
     assert api.signer is not None
     await api.request("PUT", "/v1/queues/replayed", {})
-    headers = api.signer.headers("POST", "/v1/queues/replayed/messages", {}, b"once")
+    headers = api.signer.headers("POST", "/v1/queues/replayed/messages", {}, b"once", audience=api.url)
     status, _, _ = await api.request("POST", "/v1/queues/replayed/messages", b"once", signed_headers=headers)
     assert status == 201
     if restart == "sigterm":

@@ -36,7 +36,7 @@ from replication.audit_checks import HistoryEnqueue, JournalRecord, check_group
 from replication.cluster_map import ClusterMap, PairState
 from replication.messages import encode_entry
 from replication.operations import Enqueued, Operation
-from replication.options import QueueOptions, Strength
+from replication.options import QueueOptions, Strength, producer_key
 from replication.queue_core import SEQUENCE_FLOOR_HEADER, SEQUENCE_HEADER, SEQUENCE_KEY_HEADER, QueueCore, QueueRecord
 from replication.store import MemoryStore
 
@@ -89,7 +89,7 @@ def test_a_dropped_suffix_forgets_the_numbers_it_stored_but_keeps_the_floor() ->
     store.apply(out)
     core.visible_upto = 2
     assert core.discard_after(2) is not None
-    assert core.record.to_json()["sequences"]["fw:b@1"] == [4, [[4, 2]]]           # 5 (index 3) dropped; the floor stays
+    assert core.record.to_json()["sequences"][producer_key("f", "fw:b@1")] == [4, [[4, 2]]]           # 5 (index 3) dropped; the floor stays
 
 
 def test_a_suffix_is_not_dropped_under_full_strength_nor_past_a_lease() -> None:
@@ -117,8 +117,8 @@ def test_storage_erases_a_truncated_suffix_before_the_batch_that_follows(tmp_pat
     storage.commit(second)
     storage.begin_read()
     assert storage.ready_page(1, 4, 0, 100, 100) == [(1, 0), (2, 0), (3, 0), (4, 0)]
-    assert storage.dedupe_lookup(1, "d5") is None and storage.dedupe_lookup(1, "d4") is None
-    assert storage.dedupe_lookup(1, "new") is not None and storage.dedupe_lookup(1, "d3") is not None
+    kept = [storage.dedupe_lookup(1, producer_key("c", dedupe_id)) for dedupe_id in ("d5", "d4", "new", "d3")]
+    assert kept[0] is None and kept[1] is None and kept[2] is not None and kept[3] is not None
     assert storage.read_client_payload(1, 4) == b"y" and storage.read_client_payload(1, 5) is None
     assert storage.last(1)[0] == 4
     storage.close()
@@ -332,7 +332,7 @@ def test_a_core_without_a_role_yet_expires_no_lease_until_the_map_gives_it_one()
 async def test_a_link_whose_socket_breaks_under_the_reader_ends_and_leaves_the_dialer_alive() -> None:
     import aiohttp
 
-    from qserver.peers import PeerTransport, _Link, _Peer
+    from qserver.peers import LinkKeys, PeerTransport, _Link, _Peer
 
     class _Breaking:
         """aiohttp's receive() answers a ping with a pong; on a closing transport that raises."""
@@ -343,7 +343,8 @@ async def test_a_link_whose_socket_breaks_under_the_reader_ends_and_leaves_the_d
         async def __anext__(self) -> Any:
             raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
     transport = PeerTransport("n1", b"s" * 32, {"n2": "http://127.0.0.1:1"}, on_message=lambda peer, data: None)
-    await transport._read(_Link(_Peer("n2", "http://127.0.0.1:1"), _Breaking()))   # type: ignore[arg-type]
+    await transport._read(_Link(_Peer("n2", "http://127.0.0.1:1"), _Breaking(),   # type: ignore[arg-type]
+                                LinkKeys(b"k" * 32, dialer=False)))
 
 
 def test_the_audit_takes_a_replacement_journaled_before_its_epoch_record_as_the_suffixs_end() -> None:

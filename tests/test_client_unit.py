@@ -49,6 +49,7 @@ from client.signing import (
     HEADER_NONCE,
     HEADER_SIGNATURE,
     HEADER_TIMESTAMP,
+    audience_of,
     canonical_string,
     new_private_key,
     private_key_to_text,
@@ -115,9 +116,10 @@ class FakeNode:
             return False
         text = canonical_string(request.method, request.raw_path.split("?", 1)[0],
                                 request.rel_url.query.items(), int(headers[HEADER_TIMESTAMP]),
-                                headers[HEADER_NONCE], body)
+                                headers[HEADER_NONCE], body, client_id=headers[HEADER_CLIENT],
+                                audience=audience_of(request.host), headers=headers)
         return headers[HEADER_CLIENT] == self.credentials.client_id and \
-            verify(self._public_key, headers[HEADER_SIGNATURE], text)
+            verify(self._public_key, headers[HEADER_SIGNATURE].removeprefix("QS2:"), text)
 
     async def _rest(self, request: web.Request) -> web.Response:
         body = await request.read()

@@ -260,8 +260,8 @@ async def test_every_node_lists_the_clusters_queues_from_the_map_a_page_at_a_tim
             await client.create_channel(name)
         assert [c["name"] for c in await client.http.list_channels(page_size=1)] == ["c1", "c2"]
         assert [q["name"] for q in await client.list_queues()] == ["a", "b", "c", "channel:c1", "channel:c2"]
-        await client.set_alternatives("r2", ["r1"])
-        await client.set_alternatives("r1", ["r3"])
+        await client.set_alternatives("r2", ["r1=a"])
+        await client.set_alternatives("r1", ["r3=b"])
         assert [r["recipient"] for r in await client.http.recipients(page_size=1)] == ["r1", "r2"]
         # The entries a client following its queues reads, at the cost of the names asked
         # about (a dead-letter queue's name gives its queue's entry; a macro's name, the macro).

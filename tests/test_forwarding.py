@@ -216,7 +216,9 @@ def test_the_root_drops_a_session_it_has_not_heard_from_for_its_hold_time(monkey
     engine = types.SimpleNamespace(cores={"dst": types.SimpleNamespace(options=options)}, coordinator=None)
     root = forward_root.ForwardRoot(types.SimpleNamespace(engine=engine))
     sent: list[Any] = []
-    connection = types.SimpleNamespace(closed=False, emit=sent.append)
+    def client(client_id: str) -> Any:
+        return types.SimpleNamespace(client_id=client_id, allows=lambda privilege, queue: False)
+    connection = types.SimpleNamespace(closed=False, emit=sent.append, principal=client("fwd"))
     root._start = lambda: None      # type: ignore[method-assign]   # ticked by hand below
     for name, weight in (("a", 2), ("b", 6)):
         terms = root.session(connection, ForwardSessionOp(1, "dst", name, weight, True))
@@ -235,10 +237,17 @@ def test_the_root_drops_a_session_it_has_not_heard_from_for_its_hold_time(monkey
     with pytest.raises(QueueError) as unknown:
         root.session(connection, ForwardSessionOp(3, "dst", "a", 0, False))
     assert unknown.value.code == "E_UNKNOWN_FORWARD"
-    for number in range(forward_root.SESSIONS_MAX - 1):      # bounded: a client cannot open sessions without end
-        root.session(connection, ForwardSessionOp(4, "dst", f"f{number}", 0, True))
-    with pytest.raises(QueueError) as full:
+    # Bounded: one client holds at most SESSIONS_PER_CLIENT_MAX, the queue SESSIONS_MAX.
+    others = [types.SimpleNamespace(closed=False, emit=sent.append, principal=client(f"c{n}")) for n in range(8)]
+    for number in range(forward_root.SESSIONS_MAX - 1):
+        owner = connection if number < forward_root.SESSIONS_PER_CLIENT_MAX - 1 else \
+            others[number // forward_root.SESSIONS_PER_CLIENT_MAX]
+        root.session(owner, ForwardSessionOp(4, "dst", f"f{number}", 0, True))
+    with pytest.raises(QueueError) as mine_full:
         root.session(connection, ForwardSessionOp(5, "dst", "one-more", 0, True))
+    assert mine_full.value.code == "E_OVERLOADED"
+    with pytest.raises(QueueError) as full:
+        root.session(others[-1], ForwardSessionOp(5, "dst", "one-more", 0, True))
     assert full.value.code == "E_OVERLOADED" and len(root.sessions_of("dst")) == forward_root.SESSIONS_MAX
     assert root.session(connection, ForwardSessionOp(6, "dst", "b", 6, True))["rate"] is not None   # reopening one
 

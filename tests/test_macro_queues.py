@@ -389,7 +389,7 @@ async def test_bad_macro_requests_get_stable_codes_and_change_nothing(qcluster_f
             # A delegated signature (node to node) made without the cluster secret is refused.
             forged = DelegatedSigner(raw.signer.client_id, b"not the secret")      # type: ignore[union-attr]
             status, body, _ = await raw.request("GET", "/v1/macros", signed_headers=forged.headers(
-                "GET", "/v1/macros", {}, b""))
+                "GET", "/v1/macros", {}, b"", audience=raw.url))
             assert status == 401 and error_code(body) == "E_UNAUTHENTICATED"
         assert await client.describe_macro("m") == before
         for queue in PLACEMENT:

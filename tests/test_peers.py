@@ -16,13 +16,16 @@ import pytest_asyncio
 from aiohttp import web
 
 from qserver.peers import (
+    HEADER_NONCE,
     PEER_PATH,
     FrameError,
+    LinkKeys,
     MemoryPeerNetwork,
     MemoryPeerTransport,
     PeerTransport,
     auth_headers,
     decode_frame,
+    dial_handshake,
     encode_frame,
 )
 from tests.conftest import free_port
@@ -108,6 +111,14 @@ async def linked_pair(make_node: MakeNode, **options: Any) -> tuple[Node, Node]:
     return n1, n2
 
 
+async def dial_as(session: aiohttp.ClientSession, port: int, from_id: str, to_id: str,
+                  secret: bytes = SECRET) -> tuple[aiohttp.ClientWebSocketResponse, LinkKeys]:
+    """Open a peer link by hand, as node `from_id` would (upgrade, then the challenge-response)."""
+    headers = auth_headers(secret, from_id, to_id)
+    ws = await session.ws_connect(url(port) + PEER_PATH, headers=headers)
+    return ws, await dial_handshake(ws, secret, "replication", from_id, to_id, headers[HEADER_NONCE], WAIT_S)
+
+
 # --- frames ----------------------------------------------------------------------------------
 async def test_a_frame_round_trips_and_anything_else_is_a_frame_error() -> None:
     assert decode_frame(encode_frame([b"a", b"", b"\x00" * 300])) == [b"a", b"", b"\x00" * 300]
@@ -166,7 +177,7 @@ async def test_bad_credentials_are_refused_with_401_and_the_real_link_keeps_work
         (auth_headers(SECRET, "n1", "n7"), 401, "E_UNAUTHENTICATED"),            # not n2's id
         (auth_headers(SECRET, "n0", "n2"), 401, "E_UNAUTHENTICATED"),            # not n2's peer
         (auth_headers(SECRET, "n1", "n2", timestamp_ms=now_ms - 301_000), 401, "E_STALE_REQUEST"),
-        ({**auth_headers(SECRET, "n1", "n2"), "X-Peer-Protocol": "2"}, 400, "E_BAD_REQUEST"),
+        ({**auth_headers(SECRET, "n1", "n2"), "X-Peer-Protocol": "1"}, 400, "E_BAD_REQUEST"),   # the old scheme
         ({}, 401, "E_UNAUTHENTICATED"),
         (auth_headers(SECRET, "n3", "n2"), 400, "E_BAD_REQUEST"),                # n2 dials n3, not the reverse
         (valid, 400, "E_BAD_REQUEST"),                                           # signed, but no upgrade
@@ -216,7 +227,7 @@ async def test_an_authenticated_peer_sending_garbage_is_closed_and_counted(make_
     await eventually(lambda: n1.transport.is_up("n5"))
     async with aiohttp.ClientSession() as session:
         for garbage in (b"\x93\x01", "a text frame"):
-            ws = await session.ws_connect(url(port5) + PEER_PATH, headers=auth_headers(SECRET, "n2", "n5"))
+            ws, _ = await dial_as(session, port5, "n2", "n5")
             await (ws.send_bytes(garbage) if isinstance(garbage, bytes) else ws.send_str(garbage))
             closing = await asyncio.wait_for(ws.receive(), WAIT_S)
             assert closing.type is aiohttp.WSMsgType.CLOSE and closing.extra == "E_BAD_FRAME"
@@ -230,15 +241,15 @@ async def test_a_second_link_from_the_same_peer_replaces_the_first(make_node: Ma
     port5 = free_port()
     n5 = await make_node("n5", port5, {"n2": "http://127.0.0.1:1"})
     async with aiohttp.ClientSession() as session:
-        first = await session.ws_connect(url(port5) + PEER_PATH, headers=auth_headers(SECRET, "n2", "n5"))
+        first, _ = await dial_as(session, port5, "n2", "n5")
         await eventually(lambda: n5.transport.is_up("n2"))
-        second = await session.ws_connect(url(port5) + PEER_PATH, headers=auth_headers(SECRET, "n2", "n5"))
+        second, keys = await dial_as(session, port5, "n2", "n5")
         closing = await asyncio.wait_for(first.receive(), WAIT_S)
         assert closing.type is aiohttp.WSMsgType.CLOSE and closing.extra == "superseded"
         assert n5.transport.send("n2", b"on the newer link")
         frame = await asyncio.wait_for(second.receive(), WAIT_S)
-        assert decode_frame(frame.data) == [b"on the newer link"]
-        await second.send_bytes(encode_frame([b"back"]))
+        assert decode_frame(keys.open(frame.data)) == [b"on the newer link"]
+        await second.send_bytes(keys.seal(encode_frame([b"back"])))
         await eventually(lambda: n5.received == [("n2", b"back")])
         await first.close()
         await second.close()

@@ -17,10 +17,18 @@ from typing import Any, TypeVar
 
 import pytest
 
-from client.errors import E_LEASE_EXPIRED, E_QUEUE_FULL, E_UNKNOWN_MESSAGE, E_WRONG_QUEUE_TYPE, QueueError
+from client.errors import (
+    E_INVALID_OPTION,
+    E_LEASE_EXPIRED,
+    E_OVERLOADED,
+    E_QUEUE_FULL,
+    E_UNKNOWN_MESSAGE,
+    E_WRONG_QUEUE_TYPE,
+    QueueError,
+)
 from replication import queue_core
 from replication.operations import Acked, DeadLettered, Enqueued, Leased, Operation, Purged, Released
-from replication.options import QUEUE_STATE_TRANSITIONS, QueueOptions, QueueState, QueueType, Strength
+from replication.options import QUEUE_STATE_TRANSITIONS, QueueOptions, QueueState, QueueType, Strength, producer_key
 from replication.queue_core import InvariantViolation, QueueCore, QueueRecord
 from replication.store import MemoryStore, StoreReader
 
@@ -355,7 +363,7 @@ def test_a_repeated_dedupe_id_while_the_first_is_being_committed_returns_the_fir
     driver = Driver()
     first = driver.enqueue(b"x", dedupe_id="order-1", commit=False)
     in_flight = driver.seal()
-    assert driver.store.dedupe_lookup(QUEUE_ID, "order-1") is None
+    assert driver.store.dedupe_lookup(QUEUE_ID, producer_key("producer", "order-1")) is None
     assert driver.enqueue_deduped(b"x again", dedupe_id="order-1", commit=False) == (first, True)
     driver.persist(in_flight)
     assert driver.enqueue_deduped(b"x again", dedupe_id="order-1", commit=False) == (first, True)
@@ -385,7 +393,7 @@ def test_a_dedupe_id_outside_the_window_is_stored_anew() -> None:
     driver.tick(1)
     second, repeated = driver.enqueue_deduped(b"x", dedupe_id="order-1")
     assert (second, repeated) == (first + 1, False)
-    assert driver.store.dedupe_lookup(QUEUE_ID, "order-1") == (second, driver.now_ms)
+    assert driver.store.dedupe_lookup(QUEUE_ID, producer_key("producer", "order-1")) == (second, driver.now_ms)
     assert driver.enqueue_deduped(b"x", dedupe_id="order-1") == (second, True)
     assert driver.core.record.ready_count == 2
 
@@ -402,7 +410,7 @@ def test_a_batch_in_one_step_answers_each_message_as_single_enqueues_would() -> 
     first = driver.enqueue(b"x", dedupe_id="kept")                 # committed: found in storage
     staged = driver.enqueue(b"y", dedupe_id="staged", commit=False)
     outcomes = driver.core.enqueue_many([b"a", b"b", b"c", b"d", b"e", b"f"], 4,
-                                        ["kept", None, "staged", "new", "new", "over"], "c", driver.now_ms,
+                                        ["kept", None, "staged", "new", "new", "over"], "producer", driver.now_ms,
                                         driver.staged)
     assert outcomes[:5] == [first, staged + 1, staged, staged + 2, staged + 2]
     assert isinstance(outcomes[5], QueueError) and outcomes[5].code == E_QUEUE_FULL.code
@@ -966,7 +974,7 @@ def test_a_numbered_stream_stores_each_number_once_however_long_after() -> None:
     assert send(2, "b") == (second, True) and send(1, "c") == (second, True)
     third, repeated = send(3)
     assert not repeated and master.core.depth == 3
-    assert master.core.record.to_json()["sequences"] == {"fwd@7": [3, [[3, third]]]}
+    assert master.core.record.to_json()["sequences"] == {producer_key("forwarder", "fwd@7"): [3, [[3, third]]]}
     replica = Driver(QueueOptions(strength=Strength.FULL), with_dead_letter_queue=False)
     for op in master.committed:
         replica.core.apply(op)
@@ -1015,7 +1023,7 @@ def test_a_stream_with_a_declared_floor_takes_numbers_out_of_order_and_each_once
     master.tick(3_600_000)
     assert send(6, 6)[1] is False and send(6, 6)[1] is True
     assert send(13, 10)[1] is False                                    # the floor rises to 10
-    assert sorted(master.core.record.sequences["fw:a@3"][1]) == [12, 13]
+    assert sorted(master.core.record.sequences[producer_key("forwarder", "fw:a@3")][1]) == [12, 13]
     assert send(9, 9)[1] is True and send(11, 10)[1] is False          # below: settled; 11 was never stored
     assert master.core.depth == 8
     replica = Driver(QueueOptions(strength=Strength.FULL), with_dead_letter_queue=False)
@@ -1026,3 +1034,35 @@ def test_a_stream_with_a_declared_floor_takes_numbers_out_of_order_and_each_once
     # An old record's [number, id] reads as that number's floor with it stored.
     assert queue_core.sequences_from_json({"k": [4, 17]}) == {"k": [4, {4: 17}]}
 
+
+
+def test_a_stream_and_a_dedupe_id_are_their_producers_own_and_bounded_per_producer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 32, item 3: another client naming a producer's stream key, or sending its dedupe id
+    first, numbers a stream of its own and stores a message of its own; what one producer keeps
+    in the queue's record is bounded (streams, and numbers over all of them; smaller bounds here)."""
+    monkeypatch.setattr(queue_core, "SEQUENCE_KEYS_PER_PRODUCER_MAX", 10)
+    monkeypatch.setattr(queue_core, "SEQUENCE_STREAM_FEW", 8)
+    monkeypatch.setattr(queue_core, "SEQUENCE_NUMBERS_PER_PRODUCER_MAX", 64)
+    master = Driver(QueueOptions(strength=Strength.FULL), with_dead_letter_queue=False)
+
+    def send(client: str, key: str, number: int, floor: int | None = None, dedupe_id: str | None = None
+             ) -> tuple[int, bool]:
+        headers = {queue_core.SEQUENCE_KEY_HEADER: key, queue_core.SEQUENCE_HEADER: str(number)}
+        if floor is not None:
+            headers[queue_core.SEQUENCE_FLOOR_HEADER] = str(floor)
+        return master._run(lambda out: master.core.enqueue(b"m", 4, dedupe_id, client, master.now_ms, out,
+                                                           headers=headers), True)
+    claimed, _ = send("attacker", "fwd@1/p4", 999_999_999_999, dedupe_id="order-1")
+    stored, repeated = send("forwarder", "fwd@1/p4", 1, dedupe_id="order-1")
+    assert not repeated and stored == claimed + 1
+    for number in range(queue_core.SEQUENCE_KEYS_PER_PRODUCER_MAX):
+        send("greedy", f"s{number}", 1)
+    assert error_code(lambda: send("greedy", "one-more", 1)) == E_INVALID_OPTION.code
+    assert send("modest", "one-more", 1)[1] is False
+    few = queue_core.SEQUENCE_STREAM_FEW
+    streams = queue_core.SEQUENCE_NUMBERS_PER_PRODUCER_MAX // few
+    for stream in range(streams):     # out of order, each number above a floor of 1: all kept
+        for number in range(2, few + 2):
+            send("hoarder", f"h{stream}", number, floor=1)
+    assert error_code(lambda: send("hoarder", "h0", few + 2, floor=1)) == E_OVERLOADED.code

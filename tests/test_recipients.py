@@ -13,6 +13,7 @@ from client import AsyncClient, Client
 from client.errors import QueueError
 from client.qctl import _recipient_text
 from replication.cluster_map import (
+    RECIPIENTS_PER_CLIENT_MAX,
     AddNode,
     ClusterMap,
     CreateQueue,
@@ -43,7 +44,7 @@ def test_a_recipient_receives_from_one_queue_and_its_state_changes_are_kept_in_s
     for node in ("n1", "n2"):
         cluster.apply(AddNode(node, f"http://{node}", True, node))
     cluster.apply(CreateQueue("billing", {"strength": "full"}, "n1", "n2", 7))
-    [registered] = cluster.apply(PutRecipient("billing-a", "billing", "ok", 1_000, "subscribed"))
+    [registered] = cluster.apply(PutRecipient("billing-a", "billing", "ok", 1_000, "subscribed", "c-1"))
     assert registered.applied
     [faulted] = cluster.apply(PutRecipient("billing-a", "billing", "fault", 2_000, "took no message"))
     assert faulted.applied and not cluster.apply(PutRecipient("billing-a", "billing", "fault", 3_000))[0].applied
@@ -51,7 +52,7 @@ def test_a_recipient_receives_from_one_queue_and_its_state_changes_are_kept_in_s
     assert not cluster.apply(PutRecipient("billing-a", "billing", "asleep", 3_000))[0].applied
     copy = decode_map(encode_map(cluster))
     assert copy.recipients["billing-a"].to_json() == {"name": "billing-a", "queue": "billing", "state": "fault",
-                                                      "since_ms": 2_000, "reason": "took no message"}
+                                                      "since_ms": 2_000, "reason": "took no message", "owner": "c-1"}
     cluster.apply(DeleteQueue("billing", 7))
     assert cluster.recipients == {}                            # gone with its queue
 
@@ -91,7 +92,7 @@ def test_a_note_restates_the_reason_of_the_current_spell_only() -> None:
     [noted] = cluster.apply(NoteRecipient("billing-a", "invoices", "fault", 1_000, restated))
     assert noted.applied
     assert cluster.recipients["billing-a"].to_json() == {"name": "billing-a", "queue": "invoices", "state": "fault",
-                                                         "since_ms": 1_000, "reason": restated}
+                                                         "since_ms": 1_000, "reason": restated, "owner": ""}
     assert not cluster.apply(NoteRecipient("billing-a", "invoices", "fault", 1_000, restated))[0].applied
 
 
@@ -112,14 +113,15 @@ async def test_alternatives_are_set_once_and_read_at_every_node(qcluster_factory
     cluster = qcluster_factory(3)
     async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as admin, \
             AsyncClient(cluster.urls["n3"], cluster.credentials_path) as other:
-        assert await admin.set_alternatives("billing", ["billing-b", "billing-c"]) == {
-            "recipient": "billing", "alternatives": ["billing-b", "billing-c"]}
+        assert await admin.set_alternatives("billing", ["billing-b=invoices-b", "billing-c=invoices-c"]) == {
+            "recipient": "billing", "alternatives": ["billing-b", "billing-c"], "queues": ["invoices-b", "invoices-c"]}
         assert await admin.alternatives("billing") == ["billing-b", "billing-c"]
         deadline = time.monotonic() + 5           # the map reaches the other nodes a moment later
         while await other.alternatives("billing") != ["billing-b", "billing-c"] and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         assert (await other.cluster())["alternatives"] == {"billing": ["billing-b", "billing-c"]}
-        for chain in (["billing"], ["x", "x"], ["bad name"], [f"r{n}" for n in range(17)]):
+        for chain in (["billing=q"], ["x=q", "x=q"], ["bad name=q"], ["never-subscribed"],
+                      [f"r{n}=q" for n in range(17)]):
             with pytest.raises(QueueError) as refused:
                 await admin.set_alternatives("billing", chain)
             assert refused.value.code in ("E_INVALID_OPTION", "E_INVALID_NAME")
@@ -128,7 +130,7 @@ async def test_alternatives_are_set_once_and_read_at_every_node(qcluster_factory
 
 def test_qctl_sets_lists_and_clears_alternatives(qcluster_factory: Any) -> None:
     cluster = qcluster_factory(3)
-    code, document, _ = run_qctl(cluster, "recipient", "alternatives", "mail", "--set", "mail-2", "mail-3")
+    code, document, _ = run_qctl(cluster, "recipient", "alternatives", "mail", "--set", "mail-2=q2", "mail-3=q3")
     assert code == 0 and document["alternatives"] == ["mail-2", "mail-3"]
     code, listed, _ = run_qctl(cluster, "recipient", "list")
     assert code == 0 and [c["recipient"] for c in listed["recipients"]] == ["mail"]
@@ -138,8 +140,8 @@ def test_qctl_sets_lists_and_clears_alternatives(qcluster_factory: Any) -> None:
 
 def test_qctl_removes_a_recipient_everywhere_and_refuses_an_unknown_one(qcluster_factory: Any) -> None:
     cluster = qcluster_factory(3)
-    assert run_qctl(cluster, "recipient", "alternatives", "mail", "--set", "mail-2")[0] == 0
-    assert run_qctl(cluster, "recipient", "alternatives", "mail-3", "--set", "mail")[0] == 0
+    assert run_qctl(cluster, "recipient", "alternatives", "mail", "--set", "mail-2=q2")[0] == 0
+    assert run_qctl(cluster, "recipient", "alternatives", "mail-3", "--set", "mail=q")[0] == 0
     code, answer, _ = run_qctl(cluster, "recipient", "remove", "mail")
     assert code == 0 and answer == {"recipient": "mail", "removed": True, "named_by": ["mail-3"]}
     with Client(cluster.urls["n3"], cluster.credentials_path) as other:
@@ -152,3 +154,28 @@ def test_qctl_removes_a_recipient_everywhere_and_refuses_an_unknown_one(qcluster
         assert refused.value.code == "E_UNKNOWN_RECIPIENT"
     code, error, _ = run_qctl(cluster, "recipient", "remove", "never-seen")
     assert code == 1 and error["error"]["code"] == "E_UNKNOWN_RECIPIENT"
+
+
+def test_an_administrators_chain_binds_its_alternatives_and_a_client_binds_a_bounded_number_of_names() -> None:
+    """Issue 32, item 1, in the map: a name a client bound first on a queue of its own is bound
+    again to the queue an administrator's chain names; a new subscriber under a chained name must
+    use that queue; one client binds at most RECIPIENTS_PER_CLIENT_MAX names."""
+    cluster = ClusterMap()
+    for node in ("n1", "n2"):
+        cluster.apply(AddNode(node, f"http://{node}", True, node))
+    for number, queue in enumerate(("billing", "billing-b", "squat", "other")):
+        cluster.apply(CreateQueue(queue, {"strength": "full"}, "n1", "n2", number + 1))
+    assert cluster.apply(PutRecipient("billing-b", "squat", "ok", 1, "subscribed", "c-squatter"))[0].applied
+    assert cluster.apply(SetAlternatives("billing-a", ("billing-b",), ("billing-b",), "c-admin"))[0].applied
+    assert "billing-b" not in cluster.recipients and cluster.chain_binding("billing-b") == "billing-b"
+    assert not cluster.apply(PutRecipient("billing-b", "squat", "ok", 2, "subscribed", "c-squatter"))[0].applied
+    assert cluster.apply(PutRecipient("billing-b", "billing-b", "ok", 3, "subscribed", "c-b"))[0].applied
+    assert cluster.recipients["billing-b"].owner == ""          # the chain bound it, not the subscriber
+    copy = decode_map(encode_map(cluster))
+    assert copy.alternative_queues == {"billing-a": ("billing-b",)} and copy.alternatives_set_by == {
+        "billing-a": "c-admin"}
+    for number in range(RECIPIENTS_PER_CLIENT_MAX):
+        assert cluster.apply(PutRecipient(f"r{number}", "other", "ok", 4, "subscribed", "c-greedy"))[0].applied
+    [refused] = cluster.apply(PutRecipient("one-more", "other", "ok", 4, "subscribed", "c-greedy"))
+    assert not refused.applied and "bound 100" in refused.reason
+    assert cluster.apply(PutRecipient("one-more", "other", "ok", 4, "subscribed", "c-modest"))[0].applied

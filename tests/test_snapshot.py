@@ -23,7 +23,7 @@ from replication.master import MasterRole, ReplicaProgress, ReplicationLimits
 from replication.messages import AppendAck, Open, SnapshotChunk, SyncBegin, decode_message, encode_message
 from replication.operations import Operation
 from replication.oplog import MemoryOpLog
-from replication.options import QueueOptions, QueueState, Strength
+from replication.options import QueueOptions, QueueState, Strength, producer_key
 from replication.queue_core import QueueCore, QueueRecord
 from replication.replica import ReplicaPhase, ReplicaRole
 from replication.snapshot import MemorySnapshotView, SnapshotView, decode_rows, encode_rows, memory_rows
@@ -317,7 +317,7 @@ def test_an_lmdb_view_carries_each_messages_lease_or_deliveries_and_the_dedupe_w
             assert row[8] == [f"r{index}", 30_000, at_ms] and row[7] == 1, row
         else:
             assert row[8] is None and row[7] == (2 if index in (5, 6) else 0), row
-    assert sorted(row[1] for row in rows if row[0] == ROW_DEDUPE) == sorted(f"d{index}" for index in range(1, 41))
+    assert sorted(row[1] for row in rows if row[0] == ROW_DEDUPE) == sorted(producer_key("c", f"d{index}") for index in range(1, 41))
 
 
 def test_a_node_sends_at_most_snapshot_views_max_snapshots_at_once_and_the_rest_open_again(tmp_path: Path) -> None:

@@ -19,11 +19,12 @@ import pytest
 
 from qserver.storage import JOURNAL_FIELDS, MapGrowthNeeded, SealedBatch, Storage, StorageFull
 from replication.operations import Acked, DeadLettered, Enqueued, Expired, Leased, Matured, Operation, Purged, Released
-from replication.options import QueueOptions
+from replication.options import QueueOptions, producer_key
 from replication.queue_core import InvariantViolation, QueueCore, QueueRecord
 from replication.store import MemoryStore, StoredLease
 
 QUEUE = 1
+PRODUCER = "producer"    # every enqueue's client here: dedupe ids are kept per producer (producer_key)
 OTHER = 2
 EVERYTHING = 2**63
 AT_MS = 1_700_000_000_000
@@ -53,10 +54,11 @@ class MemoryBackend:
         return self.store.ready_page(queue_id, priority, after_index, before_index, limit)
 
     def dedupe_lookup(self, queue_id: int, dedupe_id: str) -> tuple[int, int] | None:
-        return self.store.dedupe_lookup(queue_id, dedupe_id)
+        return self.store.dedupe_lookup(queue_id, producer_key(PRODUCER, dedupe_id))
 
     def dedupe_lookup_many(self, queue_id: int, dedupe_ids: list[str]) -> dict[str, tuple[int, int]]:
-        return self.store.dedupe_lookup_many(queue_id, dedupe_ids)
+        found = self.store.dedupe_lookup_many(queue_id, [producer_key(PRODUCER, d) for d in dedupe_ids])
+        return {key.split("\x1f", 1)[1]: at for key, at in found.items()}
 
     def leases(self, queue_id: int) -> list[StoredLease]:
         return sorted(self.store.leases(queue_id), key=lambda lease: lease.index)
@@ -87,11 +89,12 @@ class LmdbBackend:
         return self.storage.ready_page(queue_id, priority, after_index, before_index, limit)
 
     def dedupe_lookup(self, queue_id: int, dedupe_id: str) -> tuple[int, int] | None:
-        found = self.storage.dedupe_lookup(queue_id, dedupe_id)
+        found = self.storage.dedupe_lookup(queue_id, producer_key(PRODUCER, dedupe_id))
         return None if found is None else tuple(found)  # type: ignore[return-value]
 
     def dedupe_lookup_many(self, queue_id: int, dedupe_ids: list[str]) -> dict[str, tuple[int, int]]:
-        return {key: tuple(found) for key, found in self.storage.dedupe_lookup_many(queue_id, dedupe_ids).items()}  # type: ignore[misc]
+        found = self.storage.dedupe_lookup_many(queue_id, [producer_key(PRODUCER, d) for d in dedupe_ids])
+        return {key.split("\x1f", 1)[1]: tuple(at) for key, at in found.items()}  # type: ignore[misc]
 
     def leases(self, queue_id: int) -> list[StoredLease]:
         return sorted(self.storage.load_leases(queue_id), key=lambda lease: lease.index)
@@ -119,7 +122,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
 # --- operation builders -----------------------------------------------------------------------
 def enqueued(index: int, priority: int = 4, *, queue_id: int = QUEUE, dedupe_id: str | None = None,
              payload: bytes | None = None, at_ms: int = AT_MS) -> Enqueued:
-    return Enqueued(queue_id, index, priority, at_ms, dedupe_id, "producer",
+    return Enqueued(queue_id, index, priority, at_ms, dedupe_id, PRODUCER,
                     payload if payload is not None else b"payload-%d-%d" % (queue_id, index))
 
 
@@ -381,7 +384,7 @@ def test_a_commit_is_durable_across_close_and_reopen(tmp_path: Path) -> None:
         assert storage.next_queue_id() == 3
         assert storage.ready_page(QUEUE, 0, 0, EVERYTHING, 10) == [(3, 0)]
         assert storage.ready_page(QUEUE, 9, 0, EVERYTHING, 10) == []
-        assert tuple(storage.dedupe_lookup(QUEUE, "order-1") or ()) == (1, AT_MS)
+        assert tuple(storage.dedupe_lookup(QUEUE, producer_key(PRODUCER, "order-1")) or ()) == (1, AT_MS)
         assert storage.load_leases(QUEUE) == [StoredLease(2, 9, f"{2:016x}", 30_000, 1, AT_MS)]
         assert storage.read_client_payload(QUEUE, 3) == b"payload-1-3"
         assert storage.message_status(QUEUE, 1) == ("acked", 0, None)

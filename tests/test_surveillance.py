@@ -132,7 +132,7 @@ async def test_a_stopped_recipient_fails_over_along_its_chain_then_back_to_its_s
         await admin.create_queue("billing-b", strength="full", fault_interval_s=1.0, visibility_timeout_s=120)
         await admin.create_queue("billing-c", strength="full", fault_interval_s=1.0, visibility_timeout_s=120)
         await admin.create_queue("returns", strength="full")
-        await admin.set_alternatives("billing-a", ["billing-b", "billing-c"])
+        await admin.set_alternatives("billing-a", ["billing-b=billing-b", "billing-c=billing-c"])
         await admin.create_channel("qcluster.events", "acked")      # the state changes are published there
         await admin.subscribe("qcluster.events")
         for name, queue in (("billing-a", "billing"), ("billing-b", "billing-b"), ("billing-c", "billing-c")):
@@ -241,7 +241,7 @@ async def test_a_subscription_refused_at_a_replica_does_not_make_its_recipient_o
         await admin.create_queue("alerts", strength="full", fault_interval_s=1.0)
         signer = load_credentials(cluster.credentials_path).signer()
         async with aiohttp.ClientSession() as session, session.ws_connect(
-                cluster.urls["n2"] + "/v1/ws", headers=signer.headers("GET", "/v1/ws", {}, b""),
+                cluster.urls["n2"] + "/v1/ws", headers=signer.headers("GET", "/v1/ws", {}, b"", audience=cluster.urls["n2"]),
                 ssl=cluster.ssl_context or True) as ws:
             await ws.send_bytes(encode_frame([SubscribeOp(1, "alerts", 4, None, "pager")]))
             [reply] = decode_server_frame(await ws.receive_bytes())
@@ -265,7 +265,7 @@ async def test_states_survive_a_failover_and_a_defunct_recipient_is_dropped(qclu
         await admin.create_queue("quotes", strength="full", type="two_way", fault_interval_s=1.0,
                                  defunct_interval_s=4.0, visibility_timeout_s=120)
         await admin.create_queue("quotes-b", strength="full", fault_interval_s=1.0)
-        await admin.set_alternatives("quoter", ["quoter-b"])
+        await admin.set_alternatives("quoter", ["quoter-b=quotes-b"])
         recipients.start("quoter", "quotes")
         recipients.start("quoter-b", "quotes-b")
 
@@ -308,7 +308,7 @@ async def test_a_message_waiting_past_the_message_interval_fails_over_on_its_own
     async with AsyncClient(cluster.urls["n2"], cluster.credentials_path) as admin:
         await admin.create_queue("mail", strength="full", message_interval_s=1.0, visibility_timeout_s=120)
         await admin.create_queue("mail-b", strength="full")
-        await admin.set_alternatives("mailer", ["mailer-b"])
+        await admin.set_alternatives("mailer", ["mailer-b=mail-b"])
         recipients.start("mailer", "mail")
         recipients.start("mailer-b", "mail-b")
 

@@ -36,6 +36,7 @@ class MemoryStorage:
         self.installed: dict[int, dict[int, bytes]] = {}
         self.installed_at: dict[int, list[int]] = {}
         self.records: dict[str, dict[str, Any]] = {}
+        self.streams: dict[int, dict[str, Any]] = {}     # queue_id -> key -> stream (Storage's `streams` rows)
         self.epochs: dict[str, int] = {}
         self.clients: dict[str, dict[str, Any]] = {}
         self._next_queue_id = 1
@@ -53,7 +54,11 @@ class MemoryStorage:
         return self.map_size()
 
     def load_queue_records(self) -> list[QueueRecord]:
-        return [QueueRecord.from_json(self.records[name]) for name in sorted(self.records)]
+        return [QueueRecord.from_json(self._with_streams(self.records[name])) for name in sorted(self.records)]
+
+    def _with_streams(self, record: dict[str, Any]) -> dict[str, Any]:
+        streams = self.streams.get(int(record["queue_id"]))
+        return {**record, "sequences": {**record.get("sequences", {}), **streams}} if streams else dict(record)
 
     def load_leases(self, queue_id: int) -> list[StoredLease]:
         return sorted(self.store.leases(queue_id), key=lambda lease: lease.index)
@@ -106,6 +111,9 @@ class MemoryStorage:
             return "queued", 0, None
         return None
 
+    def status_producer(self, queue_id: int, index: int) -> str | None:
+        return self.store.status_producer(queue_id, index)
+
     def enqueued_ms(self, queue_id: int, index: int) -> int | None:
         queue = self.store.queues.get(queue_id)
         message = None if queue is None else queue.messages.get(index)
@@ -134,11 +142,11 @@ class MemoryStorage:
         if dead_letter is not None and dead_letter[0] in self.records:
             dead_name, dead_id = dead_letter
             dead_order, dead_digest = self.oplog.last(dead_id)
-            dead = [dead_order, dead_digest, dict(self.records[dead_name])]
+            dead = [dead_order, dead_digest, self._with_streams(self.records[dead_name])]
             rows += memory_rows(self.store, dead_id, consumption=True, after_index=0, kind=ROW_DEAD_LETTER,
                                 with_dedupe=False)
         order, digest = self.oplog.last(queue_id)
-        return MemorySnapshotView(rows, order, digest, dict(record), dead)
+        return MemorySnapshotView(rows, order, digest, self._with_streams(record), dead)
 
     # --- the one writer --------------------------------------------------------------------
     def commit(self, batch: SealedBatch) -> CommitResult:
@@ -162,8 +170,16 @@ class MemoryStorage:
             self.epochs.pop(name, None)
             drop_queue(self.store, queue_id)
             self.oplog.clear(queue_id)
+            self.streams.pop(queue_id, None)
         for name, record in batch.queue_records.items():
             self.records[name] = dict(record)
+        for queue_id in batch.stream_resets:
+            self.streams.pop(queue_id, None)
+        for queue_id, key, stream in batch.stream_puts:
+            if stream is None:
+                self.streams.get(queue_id, {}).pop(key, None)
+            else:
+                self.streams.setdefault(queue_id, {})[key] = stream
         for queue_id, _first, _last, digest, encoded in batch.oplog_rows:
             self.oplog.append(queue_id, decode_entry(encoded), digest, encoded)
             self.history.append(queue_id, decode_entry(encoded), digest, encoded)
