@@ -298,6 +298,12 @@ class PairDriver:
             self.masters.pop(core.name, None)
             self.unconfirmed.pop(core.name, None)
             self.restarted.pop(core.name, None)
+            if isinstance(previous, ReplicaRole) and previous.epoch != entry.epoch:
+                # What its clients forwarded in the older epoch the master of this one refuses
+                # (E_FENCED) and never answers: they ask again now (dedupe ids make it safe),
+                # not after commit_wait_max_s (a master killed and started again at once).
+                self._fail_forwards(core.name, f"the master of {core.name} serves epoch {entry.epoch} now",
+                                    E_UNAVAILABLE)
             role_name = "replica"
         else:
             return

@@ -133,12 +133,14 @@ async def place_away_from(client: AsyncClient, cluster: LocalCluster, node: str)
     assert node not in await pair_of(client)
 
 
-async def wait_until(condition: Any, timeout_s: float, what: str) -> float:
+async def wait_until(condition: Any, timeout_s: float, what: str, traffic: Traffic | None = None) -> float:
+    """`traffic`: its errors (as they are when the wait fails) are said with `what`."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while not condition():
         if loop.time() > deadline:
-            raise AssertionError(f"not within {timeout_s} s: {what}")
+            seen = f"; errors seen: {traffic.errors}" if traffic is not None else ""
+            raise AssertionError(f"not within {timeout_s} s: {what}{seen}")
         await asyncio.sleep(0.01)
     return loop.time()
 
@@ -179,13 +181,12 @@ async def test_a_producer_and_a_consumer_with_a_full_window_resume_within_2_s_af
             await asyncio.to_thread(kill_and_start_at_once, cluster, victim, delay_s)
             restarted_at = loop.time()
             taking.set()
-            context = f"{role} {victim} of a {strength} queue, restarted after {delay_s:.2f} s (seed {seed}); " \
-                      f"errors seen: {traffic.errors}"
+            context = f"{role} {victim} of a {strength} queue, restarted after {delay_s:.2f} s (seed {seed})"
             resumed_at = await wait_until(lambda: set(traffic.delivered) - delivered_before,
-                                          10, f"a new delivery after the restart of the {context}")
+                                          10, f"a new delivery after the restart of the {context}", traffic)
             stored_at = await wait_until(lambda: len(traffic.acknowledged) > acknowledged_before
                                          and max(traffic.acknowledged.values()) > restarted_at,
-                                         10, f"an enqueue after the restart of the {context}")
+                                         10, f"an enqueue after the restart of the {context}", traffic)
             assert resumed_at - restarted_at <= RESUME_WITHIN_S, \
                 f"the consumer resumed {resumed_at - restarted_at:.2f} s after the restart of the {context}"
             assert stored_at - restarted_at <= RESUME_WITHIN_S, \
@@ -194,7 +195,7 @@ async def test_a_producer_and_a_consumer_with_a_full_window_resume_within_2_s_af
             stop_producing.set()
             await producer
             await wait_until(lambda: set(traffic.acknowledged) <= set(traffic.delivered), 20,
-                             f"every acknowledged message delivered after the restart of the {context}")
+                             f"every acknowledged message delivered after the restart of the {context}", traffic)
         finally:
             stop_producing.set()
             stop_consuming.set()
