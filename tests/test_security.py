@@ -9,6 +9,7 @@ import pytest
 
 from client import AsyncClient, QueueError
 from client.credentials import Credentials, load_credentials
+from tests.test_surveillance import until
 
 pytestmark = pytest.mark.asyncio
 COMPACT_EVERY = 10          # map commands between two snapshots of the map (the default is 1,000)
@@ -68,16 +69,6 @@ def as_client(cluster, record: dict, node: str = "n1") -> AsyncClient:  # type: 
     return AsyncClient(cluster.urls[node], Credentials(record["id"], record["private_key"], cluster.urls[node], ca_file))
 
 
-async def until_true(check, what: str, timeout_s: float = 20.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = await check()
-        if found:
-            return found
-        await asyncio.sleep(0.1)
-    pytest.fail(f"{what}: not within {timeout_s} s")
-
-
 async def consume_into(client: AsyncClient, queue: str, recipient: str, taken: list[bytes]) -> None:
     async with client.consume(queue, prefetch=4, recipient=recipient) as messages:
         async for message in messages:
@@ -106,7 +97,7 @@ async def test_a_client_that_squats_an_alternatives_name_receives_none_of_the_re
 
             async def bound() -> bool:
                 return any(r["recipient"] == "billing-b" for r in await admin.recipients())
-            await until_true(bound, "the squatter's name in the map")
+            await until(bound, "the squatter's name in the map")
             await admin.set_alternatives("billing-a", ["billing-b=billing-b"])
             real_b: list[bytes] = []
             async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as service_b:
@@ -117,13 +108,13 @@ async def test_a_client_that_squats_an_alternatives_name_receives_none_of_the_re
 
                     async def a_subscribed() -> bool:
                         return any(r["recipient"] == "billing-a" for r in await admin.recipients())
-                    await until_true(a_subscribed, "billing-a in the map")
+                    await until(a_subscribed, "billing-a in the map")
                     serving_a.cancel()          # billing-a stops: not subscribed, it enters fault
                 await admin.enqueue_many("billing", [b"invoice %d" % n for n in range(10)])
 
                 async def moved() -> bool:
                     return len(real_b) == 10
-                await until_true(moved, "the invoices at the real billing-b", timeout_s=30.0)
+                await until(moved, "the invoices at the real billing-b", timeout_s=30.0)
                 serving_b.cancel()
             squatting.cancel()
         assert squatted == [], "the squatter took messages of billing"
@@ -143,7 +134,7 @@ async def test_another_client_cannot_claim_a_producers_stream_numbers_or_dedupe_
         await admin.create_queue("collect", strength="full", forward_rate=1000.0)
         await admin.create_forward("f1", "outbox", "collect")
         await admin.enqueue("outbox", b"first")
-        [first] = await until_true(lambda: admin.receive("collect", 1, wait_s=1.0), "the first forwarded message")
+        [first] = await until(lambda: admin.receive("collect", 1, wait_s=1.0), "the first forwarded message")
         await first.ack()
         stream = first.headers["x-sequence-key"]
         record = await admin.register_client("poster", [{"pattern": "collect", "privileges": ["post"]}])
@@ -157,7 +148,7 @@ async def test_another_client_cannot_claim_a_producers_stream_numbers_or_dedupe_
         async def all_arrived() -> bool:
             received.extend(m.payload for m in await admin.receive("collect", 100, wait_s=0.5))
             return len([p for p in received if p.startswith(b"forwarded")]) >= 20
-        await until_true(all_arrived, "every forwarded message in collect", timeout_s=30.0)
+        await until(all_arrived, "every forwarded message in collect", timeout_s=30.0)
         assert sorted(p for p in received if p.startswith(b"forwarded")) == sorted(b"forwarded %d" % n for n in range(20))
         assert b"order 7 itself" in received + [m.payload for m in await admin.receive("collect", 100, wait_s=0.5)]
 
