@@ -2,14 +2,32 @@
 would (bad signatures, garbage frames, replays)."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import io
 import json
+import os
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 
 from client.credentials import load_credentials
+from client.http import TLS_CLOSE_GRACE_S
 from client.signing import Signer
+from qserver.devcluster import TEST_TLS_ENV
+
+
+@contextlib.asynccontextmanager
+async def raw_session() -> AsyncIterator[aiohttp.ClientSession]:
+    """An aiohttp session for raw requests, closed as the client library closes its own
+    (client/http.py, HttpClient.close): with TLS, a connection's shutdown ends on a later turn
+    of the loop, and a loop closed first leaves the socket to the collector, whose
+    ResourceWarning then fails whichever test is running."""
+    async with aiohttp.ClientSession() as session:
+        yield session
+    if os.environ.get(TEST_TLS_ENV) == "1":
+        await asyncio.sleep(TLS_CLOSE_GRACE_S)
 
 
 class RawApi:

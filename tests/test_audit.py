@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import msgpack
 import pyarrow.parquet as pq
 import pytest
@@ -36,7 +35,7 @@ from qserver.journal_export import columns_table, export_environment
 from replication import audit_checks as checks
 from replication.audit_checks import RECORD_COLUMNS, HistoryEnqueue, JournalRecord
 from tests.conftest import fail_on_unexpected_ends
-from tests.support import RawApi
+from tests.support import RawApi, raw_session
 from tests.test_failover import wait_for
 
 pytest.importorskip("pyspark")
@@ -99,7 +98,7 @@ async def _until(step: Callable[[], Any], timeout_s: float = 30.0) -> Any:
 
 async def _scenario(cluster: LocalCluster, history: History) -> None:
     signer = load_credentials(cluster.credentials_path).signer()
-    async with aiohttp.ClientSession() as session, AsyncClient(cluster.urls["n3"], cluster.credentials_path) as client:
+    async with raw_session() as session, AsyncClient(cluster.urls["n3"], cluster.credentials_path) as client:
         api = {node: RawApi(session, url, signer) for node, url in cluster.urls.items()}
         await client.create_queue("orders", strength="producer")
         await client.create_queue("ledger", strength="full", max_deliveries=2)

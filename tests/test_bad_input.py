@@ -28,7 +28,7 @@ from client.protocol import (
     encode_frame,
 )
 from client.signing import Signer, private_key_from_text
-from tests.support import RawApi, error_code
+from tests.support import RawApi, error_code, raw_session
 
 pytestmark = pytest.mark.asyncio
 BODY_LIMIT = 1 << 20
@@ -36,7 +36,7 @@ BODY_LIMIT = 1 << 20
 
 @pytest_asyncio.fixture
 async def api(qnode):  # type: ignore[no-untyped-def]
-    async with aiohttp.ClientSession() as session:
+    async with raw_session() as session:
         admin = RawApi.for_credentials(session, qnode.credentials_path)
         await admin.request("PUT", "/v1/queues/keep", {})
         for n in range(3):

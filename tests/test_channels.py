@@ -9,7 +9,6 @@ import re
 import time
 from typing import Any
 
-import aiohttp
 import msgpack
 import pytest
 
@@ -20,7 +19,7 @@ from client.errors import QueueError
 from client.protocol import ChannelSubscribeOp, ErrorReply, decode_server_frame, encode_frame
 from client.qctl import main as qctl
 from qserver.journal_export import export_environment
-from tests.support import RawApi
+from tests.support import RawApi, raw_session
 from tests.test_client_integration import run_qctl
 
 
@@ -188,7 +187,7 @@ async def test_bad_channel_requests_get_stable_codes_and_change_nothing(qcluster
         assert await code_of(admin.create_queue("channel:c1")) == "E_RESERVED_NAME"
         assert await code_of(admin.enqueue("channel:c1", b"sneaked")) == "E_RESERVED_NAME"
         assert await code_of(admin.delete_queue("channel:c1")) == "E_RESERVED_NAME"
-        async with aiohttp.ClientSession() as session:
+        async with raw_session() as session:
             raw = RawApi.for_credentials(session, cluster.credentials_path)
             ws = await raw.ws()
             await ws.send_bytes(encode_frame([ChannelSubscribeOp(3, ("c1", "nothing"), True)]))

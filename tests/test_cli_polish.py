@@ -32,7 +32,7 @@ from qserver.devcluster import free_port
 from qserver.macro_api import _attempt
 from replication.cluster_map import CreateMacro, DeleteMacro, PutMacroMember, RemoveMacroMember
 from replication.options import OptionError, parse_options, range_text
-from tests.support import RawApi
+from tests.support import RawApi, raw_session
 from tests.test_client_integration import run_qctl
 
 REPOSITORY = Path(__file__).resolve().parent.parent
@@ -182,7 +182,7 @@ async def test_an_ack_refused_for_want_of_delete_releases_the_lease_and_says_so(
 @pytest.mark.asyncio
 async def test_a_single_websocket_ack_refused_for_want_of_delete_releases_its_lease_too(qnode: Any) -> None:
     """The client library batches its acks (AckBatchOp, above); another client may send one AckOp."""
-    async with aiohttp.ClientSession() as session:
+    async with raw_session() as session:
         admin = RawApi.for_credentials(session, qnode.credentials_path)
         await admin.request("PUT", "/v1/queues/jobs", {})
         await admin.request("POST", "/v1/queues/jobs/messages", b"work")

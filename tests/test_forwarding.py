@@ -10,7 +10,6 @@ import signal
 import time
 from typing import Any
 
-import aiohttp
 import pytest
 
 from client import AsyncClient
@@ -32,7 +31,7 @@ from replication.cluster_map import (
     encode_command,
     encode_map,
 )
-from tests.support import RawApi, error_code
+from tests.support import RawApi, error_code, raw_session
 from tests.test_client_integration import run_qctl
 from tests.test_surveillance import until
 
@@ -264,7 +263,7 @@ async def test_malformed_forwards_and_session_frames_are_refused_with_codes_and_
             await client.create_queue("odd", forward_mode="sometimes")
         assert bad_option.value.code == "E_INVALID_OPTION"
 
-        async with aiohttp.ClientSession() as session:
+        async with raw_session() as session:
             api = RawApi.for_credentials(session, cluster.credentials_path)
             for body, code in (({"name": "f", "source": "src"}, "E_INVALID_OPTION"),
                                ({"name": "f", "source": "src", "destination": "src"}, "E_INVALID_OPTION"),

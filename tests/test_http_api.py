@@ -6,19 +6,18 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import aiohttp
 import pytest
 import pytest_asyncio
 
 from qserver.http_api import until_map_version
-from tests.support import RawApi, error_code
+from tests.support import RawApi, error_code, raw_session
 
 pytestmark = pytest.mark.asyncio
 
 
 @pytest_asyncio.fixture
 async def api(qnode):  # type: ignore[no-untyped-def]
-    async with aiohttp.ClientSession() as session:
+    async with raw_session() as session:
         yield RawApi.for_credentials(session, qnode.credentials_path)
 
 

@@ -12,7 +12,6 @@ import re
 import time
 from typing import Any
 
-import aiohttp
 import pytest
 
 from client import AsyncClient, Client
@@ -35,7 +34,7 @@ from replication.cluster_map import (
     encode_command,
     encode_map,
 )
-from tests.support import RawApi, error_code
+from tests.support import RawApi, error_code, raw_session
 from tests.test_client_integration import drain, run_qctl
 
 # a on n1, b on n2, c on n3: every member's master on its own node.
@@ -297,7 +296,7 @@ async def test_rest_callers_use_a_macro_queue_through_the_node_with_their_own_gr
             seen.append(found[0])
             await admin.http.ack_http(found[0], found[1].message_id, found[1].receipt)
         assert sorted(seen) == ["a", "b", "c"]
-        async with aiohttp.ClientSession() as session, session.get(cluster.urls["n2"] + "/metrics") as answer:
+        async with raw_session() as session, session.get(cluster.urls["n2"] + "/metrics") as answer:
             metrics = await answer.text()
         assert "qserver_macro_queues 1" in metrics and 'qserver_macro_members{macro="rest"} 3' in metrics
         assert 'qserver_macro_rest_calls_total{op="enqueue",outcome="ok"} 2' in metrics
@@ -308,7 +307,7 @@ async def test_rest_callers_use_a_macro_queue_through_the_node_with_their_own_gr
         creds_path = cluster.root / "limited.json"
         creds_path.write_text(json.dumps({"client_id": limited["id"], "private_key": limited["private_key"],
                                           "url": cluster.urls["n3"]}))
-        async with aiohttp.ClientSession() as session:
+        async with raw_session() as session:
             raw = RawApi.for_credentials(session, creds_path)
             # A registration reaches the other nodes with the map, a moment later: the node serving
             # the call, and those of the members it calls in the client's name, must know it.
@@ -378,7 +377,7 @@ async def test_bad_macro_requests_get_stable_codes_and_change_nothing(qcluster_f
         assert await code_of(client.add_macro_member("none", "a")) == "E_UNKNOWN_MACRO"
         assert await code_of(client.describe_macro("none")) == "E_UNKNOWN_MACRO"
         assert await code_of(client.create_queue("m")) == "E_MACRO_REFUSED"
-        async with aiohttp.ClientSession() as session:
+        async with raw_session() as session:
             raw = RawApi.for_credentials(session, cluster.credentials_path)
             # A raw WebSocket does not run the policies: a macro name there is a clear error.
             ws = await raw.ws()

@@ -29,6 +29,7 @@ from qserver.peers import (
     encode_frame,
 )
 from tests.conftest import free_port
+from tests.support import raw_session
 
 pytestmark = pytest.mark.asyncio
 SECRET = b"the-cluster-secret"
@@ -183,7 +184,7 @@ async def test_bad_credentials_are_refused_with_401_and_the_real_link_keeps_work
         (valid, 400, "E_BAD_REQUEST"),                                           # signed, but no upgrade
         (valid, 401, "E_REPLAYED_REQUEST"),
     ]
-    async with aiohttp.ClientSession() as session:
+    async with raw_session() as session:
         for headers, status, code in cases:
             async with session.get(url(port2) + PEER_PATH, headers=headers) as answer:
                 body = await answer.json()
@@ -225,7 +226,7 @@ async def test_an_authenticated_peer_sending_garbage_is_closed_and_counted(make_
     n1 = await make_node("n1", port1, {"n5": url(port5)})
     n5 = await make_node("n5", port5, {"n1": url(port1), "n2": "http://127.0.0.1:1"})
     await eventually(lambda: n1.transport.is_up("n5"))
-    async with aiohttp.ClientSession() as session:
+    async with raw_session() as session:
         for garbage in (b"\x93\x01", "a text frame"):
             ws, _ = await dial_as(session, port5, "n2", "n5")
             await (ws.send_bytes(garbage) if isinstance(garbage, bytes) else ws.send_str(garbage))
@@ -240,7 +241,7 @@ async def test_an_authenticated_peer_sending_garbage_is_closed_and_counted(make_
 async def test_a_second_link_from_the_same_peer_replaces_the_first(make_node: MakeNode) -> None:
     port5 = free_port()
     n5 = await make_node("n5", port5, {"n2": "http://127.0.0.1:1"})
-    async with aiohttp.ClientSession() as session:
+    async with raw_session() as session:
         first, _ = await dial_as(session, port5, "n2", "n5")
         await eventually(lambda: n5.transport.is_up("n2"))
         second, keys = await dial_as(session, port5, "n2", "n5")

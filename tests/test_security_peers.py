@@ -46,6 +46,7 @@ from replication.raft_messages import (
     SnapshotRequest,
 )
 from tests.conftest import fail_on_unexpected_ends
+from tests.support import raw_session
 
 WAIT_S = 10.0
 SECRET = b"the-cluster-secret"
@@ -284,7 +285,7 @@ async def test_a_dialer_speaking_the_old_handshake_is_refused_with_a_message_nam
     signature = hmac.new(secret, f"QP1\nn1\nn2\n{stamp}\n{nonce}".encode(), hashlib.sha256).hexdigest()
     old = {"X-Peer-From": "n1", "X-Peer-To": "n2", "X-Peer-Timestamp": stamp, "X-Peer-Nonce": nonce,
            "X-Peer-Protocol": "1", "X-Peer-Auth": signature}
-    async with aiohttp.ClientSession() as session:
+    async with raw_session() as session:
         for port in (http_port(cluster, "n2"), raft_port(cluster, "n2")):
             with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
                 await session.ws_connect(f"http://127.0.0.1:{port}{PEER_PATH}", headers=old)

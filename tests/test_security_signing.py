@@ -23,6 +23,7 @@ from qserver import auth
 from qserver.auth import CLUSTER_CLIENT, Authenticator, relay_headers
 from qserver.devcluster import LocalCluster
 from qserver.macro_service import DelegatedSigner
+from tests.support import raw_session
 
 pytestmark = pytest.mark.asyncio
 
@@ -51,7 +52,7 @@ async def test_a_request_captured_at_one_node_is_refused_at_every_other(qcluster
     (its Host): at n2 and n3 the replay is refused, sent with their Host or with n1's."""
     cluster: LocalCluster = qcluster_factory(3)
     signer = load_credentials(cluster.credentials_path).signer()
-    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as admin, aiohttp.ClientSession() as session:
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as admin, raw_session() as session:
         worker = await admin.register_client("worker", [{"pattern": "jobs", "privileges": ["get"]}])
         path = f"/v1/clients/{worker['id']}/grants"
         body = b'{"grants": [{"pattern": "*", "privileges": ["admin", "get", "post", "delete"]}]}'
@@ -81,7 +82,7 @@ async def test_a_websocket_upgrade_captured_at_one_node_is_refused_at_another(qc
     cluster: LocalCluster = qcluster_factory(3)
     signer = load_credentials(cluster.credentials_path).signer()
     node_signer = DelegatedSigner(CLUSTER_CLIENT, secret_of(cluster))
-    async with aiohttp.ClientSession() as session:
+    async with raw_session() as session:
         for who in (signer, node_signer):
             captured = who.headers("GET", "/v1/ws", [], b"", audience=cluster.urls["n1"])
             for node in ("n2", "n3"):
@@ -114,7 +115,7 @@ async def test_a_header_changed_after_signing_is_refused(qcluster_factory: Any, 
     cluster: LocalCluster = qcluster_factory(3, {"orders": ["n1", "n2"]})
     signer = load_credentials(cluster.credentials_path).signer()
     path = queue_path("orders", "messages")
-    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as admin, aiohttp.ClientSession() as session:
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as admin, raw_session() as session:
         await admin.create_queue("orders", strength="full")
         fields = {header: signed}
         captured = {**fields, **signer.headers("POST", path, [], b"order", audience=cluster.urls["n1"], headers=fields)}
@@ -168,7 +169,7 @@ async def test_a_relay_envelope_holds_only_at_the_node_it_names(qcluster_factory
     secret = secret_of(cluster)
     creds = load_credentials(cluster.credentials_path)
     path = queue_path("jobs", "messages")
-    async with AsyncClient(cluster.urls["n2"], cluster.credentials_path) as admin, aiohttp.ClientSession() as session:
+    async with AsyncClient(cluster.urls["n2"], cluster.credentials_path) as admin, raw_session() as session:
         await admin.create_queue("jobs", strength="full")
         await admin.enqueue("jobs", b"through n2")          # an honest client at the replica: relayed
         fields = {"X-Priority": "3"}
@@ -201,7 +202,7 @@ async def test_a_request_signed_the_old_way_is_told_the_scheme_it_needs(qcluster
     QS1 (no audience, no headers) gets E_UNAUTHENTICATED whose message names QS2."""
     cluster: LocalCluster = qcluster_factory(3)
     creds = load_credentials(cluster.credentials_path)
-    async with aiohttp.ClientSession() as session:
+    async with raw_session() as session:
         status, code, body = await send(session, cluster, cluster.urls["n1"], "GET", "/v1/clients", b"",
                                         qs1_headers(creds, "GET", "/v1/clients", b""))
     assert (status, code) == (401, "E_UNAUTHENTICATED")
@@ -294,7 +295,7 @@ async def test_malformed_signing_headers_answer_4xx_with_a_code_never_500(qclust
         {**good, "Host": ""},
         {"X-Client-Id": creds.client_id, "X-Timestamp": now},
     ]
-    async with aiohttp.ClientSession() as session:
+    async with raw_session() as session:
         for headers in cases:
             status, code, body = await send(session, cluster, url, "GET", "/v1/queues", b"", headers)
             assert 400 <= status < 500 and code.startswith("E_"), (status, code, body[:200], list(headers.items())[:4])

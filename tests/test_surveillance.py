@@ -16,7 +16,6 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 
 from audit.inputs import read_records
@@ -28,6 +27,7 @@ from client.protocol import ErrorReply, SubscribeOp, decode_server_frame, encode
 from client.qctl import _recipient_text
 from qserver.devcluster import REPOSITORY, LocalCluster
 from qserver.journal_export import export_environment
+from tests.support import raw_session
 from tests.test_client_integration import run_qctl
 
 PLACEMENT = {"billing": ["n1", "n2"], "billing-b": ["n2", "n3"], "billing-c": ["n3", "n1"], "returns": ["n1", "n3"]}
@@ -165,7 +165,7 @@ async def test_a_stopped_recipient_fails_over_along_its_chain_then_back_to_its_s
         assert event["queue"] == "billing"
         code, status, _ = await asyncio.to_thread(run_qctl, cluster, "status")
         assert code == 0 and status["recipients"]["billing-a"]["state"] == "fault"
-        async with aiohttp.ClientSession() as session, \
+        async with raw_session() as session, \
                 session.get(cluster.urls["n1"] + "/metrics", ssl=cluster.ssl_context or True) as answer:
             metrics = await answer.text()
         assert 'qserver_recipient_state{recipient="billing-a",queue="billing",state="fault"} 1' in metrics
@@ -224,7 +224,7 @@ async def test_a_recipient_idle_over_an_empty_queue_has_its_interval_to_take_wha
                 await asyncio.sleep(0.8)                         # slow, within its interval
                 await message.ack()
         assert (await states(admin))["packer"] == "ok"
-    async with aiohttp.ClientSession() as session:
+    async with raw_session() as session:
         for node in cluster.ids:
             async with session.get(cluster.urls[node] + "/metrics", ssl=cluster.ssl_context or True) as answer:
                 assert 'qserver_recipient_events_total{recipient="packer",state="fault"}' not in await answer.text()
@@ -240,7 +240,7 @@ async def test_a_subscription_refused_at_a_replica_does_not_make_its_recipient_o
     async with AsyncClient(cluster.urls["n3"], cluster.credentials_path) as admin:
         await admin.create_queue("alerts", strength="full", fault_interval_s=1.0)
         signer = load_credentials(cluster.credentials_path).signer()
-        async with aiohttp.ClientSession() as session, session.ws_connect(
+        async with raw_session() as session, session.ws_connect(
                 cluster.urls["n2"] + "/v1/ws", headers=signer.headers("GET", "/v1/ws", {}, b"", audience=cluster.urls["n2"]),
                 ssl=cluster.ssl_context or True) as ws:
             await ws.send_bytes(encode_frame([SubscribeOp(1, "alerts", 4, None, "pager")]))
@@ -403,7 +403,7 @@ async def test_the_readme_surveillance_example_fails_over_to_billing_b_and_comes
 
 
 async def metrics_of(cluster: LocalCluster, node: str) -> str:
-    async with aiohttp.ClientSession() as session, \
+    async with raw_session() as session, \
             session.get(cluster.urls[node] + "/metrics", ssl=cluster.ssl_context or True) as answer:
         return await answer.text()
 
