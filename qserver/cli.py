@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     p_mint.add_argument("--data-dir", type=Path, help="the node's data directory (instead of, or over, --config)")
     p_mint.add_argument("--url", help="the node's URL (default: from --config, else http://127.0.0.1:7100)")
     p_mint.add_argument("--out", type=Path, required=True, help="where to write the new credential (a new file)")
-    p_mint.add_argument("--name", help="the new client's name (default: admin-XXXXXX)")
+    p_mint.add_argument("--name", help="the new client's name (default: admin- and 6 random hex digits)")
     p_mint.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     p_run = sub.add_parser("run", help="run one node")
     p_run.add_argument("--config", type=Path, help="the node's TOML file (deploy/node.toml explains every setting)")

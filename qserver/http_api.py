@@ -1,4 +1,4 @@
-"""The REST API of DESIGN.md 4.4 (aiohttp), at exactly its paths.
+"""The REST API (aiohttp) at the paths of docs/PROTOCOL.md, "REST".
 
 Every handler authenticates (middleware), validates its input into a command, hands it to
 the engine and shapes the answer. Foreign exceptions become catalog errors here and only
@@ -729,7 +729,7 @@ async def export_journal(request: web.Request) -> web.Response:
     return web.json_response(await request.app[NODE].export_journal(force=True))
 
 
-# --- cluster operations (DESIGN.md 5) ----------------------------------------------------------
+# --- cluster operations (docs/PROTOCOL.md, "Moves, drains and rebalancing") -----------------------
 CLUSTER_ACTION_TIMEOUT_S = 30.0
 
 

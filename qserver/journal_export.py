@@ -1,5 +1,5 @@
 """Journal segments out of a node's LMDB environment into Parquet files, and pruning of what was
-exported (DESIGN.md 4.6). qaudit reads the files; nothing here changes what the journal says.
+exported (docs/AUDIT.md, "Export"). qaudit reads the files; nothing here changes what the journal says.
 
 A *segment* is a run of consecutive journal sequence numbers of one journal. It is sealed when
 it holds `segment_records_max` records (size), when its oldest record is older than

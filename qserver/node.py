@@ -157,7 +157,7 @@ class Node:
                 log.exception("journal export failed")
 
     def _membership(self) -> tuple[RaftMembership | None, PeerTransport | None]:
-        """The membership layer (DESIGN.md 4.2): the Raft core on this node's loop, with a peer
+        """The membership layer (docs/RAFT.md, "The node's side"): the Raft core on this node's loop, with a peer
         transport of its own on the [cluster.membership] addresses. A node not listed there
         follows the map as a learner: it dials the voters and does not listen."""
         config = self.config
@@ -192,7 +192,7 @@ class Node:
         return app
 
     def _peer_transport(self) -> PeerTransport | None:
-        """One WebSocket per peer node, authenticated with the cluster secret (DESIGN.md 4.1)."""
+        """One WebSocket per peer node, authenticated with the cluster secret (docs/PROTOCOL.md, "Peer links")."""
         nodes = self.config.cluster_nodes
         if len(nodes) < 2:
             return None
@@ -256,7 +256,7 @@ class Node:
         self.storage.close()
 
     async def hand_off_masters(self) -> None:
-        """An orderly stop hands off every master on this node first (DESIGN.md 5), within
+        """An orderly stop hands off every master on this node first (docs/PROTOCOL.md, "Moves, drains and rebalancing"), within
         `shutdown_handoff_timeout_s`; queues whose replica is not in sync stay (they fail over)."""
         coordinator = self.engine.coordinator
         if coordinator is None:
