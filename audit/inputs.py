@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from qserver.journal_export import export_environment, filesystem_for
+from qserver.storage.journal_export import export_environment, filesystem_for
 from replication.audit_checks import RECORD_COLUMNS, HistoryEnqueue, JournalRecord
 
 HISTORY_STRING_FIELDS = ("queue", "status", "dedupe_id", "client", "op")

@@ -38,7 +38,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from qserver.journal_export import INT_COLUMNS
+from qserver.storage.journal_export import INT_COLUMNS
 from replication.audit_checks import (
     DEAD_LETTER_SUFFIX,
     DEFAULT_SETTINGS,

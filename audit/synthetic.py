@@ -20,7 +20,7 @@ from typing import Any
 import msgpack
 import pyarrow.parquet as pq
 
-from qserver.journal_export import columns_table
+from qserver.storage.journal_export import columns_table
 from replication.audit_checks import JOURNAL_FIELDS, RECORD_COLUMNS
 
 NODES = ("n1", "n2", "n3")

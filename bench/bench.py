@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from client import AsyncClient  # noqa: E402
-from qserver.devcluster import start_qserver  # noqa: E402
+from qserver.dev.devcluster import start_qserver  # noqa: E402
 
 STAMP = struct.Struct(">d")
 PREFETCH = 1000

@@ -25,7 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from client import AsyncClient, QueueError  # noqa: E402
-from qserver.devcluster import LocalCluster  # noqa: E402
+from qserver.dev.devcluster import LocalCluster  # noqa: E402
 
 PUBLISHERS_IN_FLIGHT = 10
 

@@ -36,7 +36,7 @@ from bench.bench import (  # noqa: E402
     produce_one_at_a_time,
 )
 from client import AsyncClient  # noqa: E402
-from qserver.devcluster import LocalCluster  # noqa: E402
+from qserver.dev.devcluster import LocalCluster  # noqa: E402
 
 PLACEMENT = {"bench": ["n1", "n2"], "transfer": ["n1", "n2"], "catchup": ["n1", "n2"]}
 

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from chaos.cluster import ChaosCluster, client_proxy  # noqa: E402
 from chaos.toxiproxy_server import start as start_toxiproxy  # noqa: E402
 from client import AsyncClient, QueueError  # noqa: E402
-from qserver.devcluster import LocalCluster  # noqa: E402
+from qserver.dev.devcluster import LocalCluster  # noqa: E402
 
 QUEUE = "bench"
 PRODUCERS = 4

@@ -56,7 +56,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from client import AsyncClient, QueueError  # noqa: E402
-from qserver.devcluster import LocalCluster  # noqa: E402
+from qserver.dev.devcluster import LocalCluster  # noqa: E402
 
 # --- the paper's case (seed 003 §4.2, §4.3), in simulated seconds and messages ----------------------
 MESSAGE_BYTES = 5_000           # "fixed at 5k bytes"

@@ -30,7 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.bench import percentile, produce_in_flight, produce_one_at_a_time  # noqa: E402
 from client import AsyncClient  # noqa: E402
-from qserver.devcluster import LocalCluster  # noqa: E402
+from qserver.dev.devcluster import LocalCluster  # noqa: E402
 
 MEMBERS = {"m1": ["n1", "n2"], "m2": ["n2", "n3"], "m3": ["n3", "n1"], "m4": ["n1", "n2"]}
 PLACEMENT = {**MEMBERS, "plain": ["n1", "n2"]}

@@ -92,7 +92,7 @@ from client import AsyncClient, QueueError  # noqa: E402
 from client.aio import PLACEMENT_QUEUES_MAX  # noqa: E402
 from client.credentials import Credentials, load_credentials  # noqa: E402
 from client.http import HttpClient  # noqa: E402
-from qserver.devcluster import REPOSITORY, LocalCluster, NodeRun, start_qserver  # noqa: E402
+from qserver.dev.devcluster import REPOSITORY, LocalCluster, NodeRun, start_qserver  # noqa: E402
 
 PARTS = ("queues", "failover", "restart", "connections")
 FULL = {"nodes": 5, "queues": 10_000, "failover_queues": 2_000, "restart_messages": 1_000_000, "clients": 5_000,

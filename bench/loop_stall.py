@@ -28,7 +28,7 @@ from typing import Any
 REPOSITORY = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPOSITORY))
 from client import AsyncClient  # noqa: E402
-from qserver.devcluster import LocalCluster  # noqa: E402
+from qserver.dev.devcluster import LocalCluster  # noqa: E402
 
 
 def scrape(url: str) -> dict[str, float]:

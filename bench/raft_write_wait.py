@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench import produce_batched, produce_in_flight  # noqa: E402
 from bench.bench_cluster import raft_write_waits  # noqa: E402
 from client import AsyncClient  # noqa: E402
-from qserver.devcluster import LocalCluster  # noqa: E402
+from qserver.dev.devcluster import LocalCluster  # noqa: E402
 
 
 async def churn_the_map(client: AsyncClient, stop_at: float) -> int:

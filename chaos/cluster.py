@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from chaos.toxiproxy_server import ToxiproxyHandle
-from qserver.devcluster import LocalCluster, port_free
+from qserver.dev.devcluster import LocalCluster, port_free
 
 PORT_BLOCK_SIZE = 300          # nodes' HTTP at +1.., Raft at +101.., proxies at +200..
 PORT_BLOCK_FIRST = 10_000

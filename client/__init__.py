@@ -12,7 +12,7 @@ file (explicit path, `$QSERVER_CREDENTIALS`, `./.qserver/`, `~/.config/qserver/`
 Every failure is a `QueueError` with a stable `.code`, `.retriable` and `.outcome_unknown`.
 
 The names are imported on first use (PEP 562), so code that needs only the error catalog
-or the frame codec (`client.errors`, `client.protocol`, e.g. the server's pure cores) does
+or the frame codec (`wire.errors`, `wire.protocol`, e.g. the server's pure cores) does
 not load asyncio, aiohttp or threads by importing this package.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from client.errors import QueueError
+from wire.errors import QueueError
 
 if TYPE_CHECKING:
     from client.aio import AsyncClient, Consumer, Message

@@ -44,7 +44,9 @@ from yarl import URL
 
 from client.channels import ChannelDelivery, ChannelInbox, channel_queue
 from client.credentials import Credentials, load_credentials
-from client.errors import (
+from client.http import Grant, HttpClient, error_from_status
+from client.macro import MacroConsumer, MacroQueue
+from wire.errors import (
     E_BAD_FRAME,
     E_INTERNAL,
     E_MACRO_QUEUE,
@@ -63,9 +65,7 @@ from client.errors import (
     E_UNKNOWN_MESSAGE,
     QueueError,
 )
-from client.http import Grant, HttpClient, error_from_status
-from client.macro import MacroConsumer, MacroQueue
-from client.protocol import (
+from wire.protocol import (
     BATCH_ITEMS_MAX,
     DELAY_MS_MAX,
     FRAME_ITEMS_MAX,
@@ -1325,7 +1325,7 @@ class AsyncClient:
         for it goes back to its queue. E_UNKNOWN_RECIPIENT when the cluster does not know it."""
         return await self.http.remove_recipient(recipient)
 
-    # --- forward sessions (seed 003; the node's forwarder, qserver/forwarder.py, uses these) ----
+    # --- forward sessions (seed 003; the node's forwarder, qserver/features/forwards/forwarder.py, uses these) ----
     async def forward_session(self, queue: str, forward: str, weight: int, *, open: bool,
                               on_rate: Callable[[float | None], None] | None = None) -> Any:
         """Open (or keep alive) forward `forward`'s session with the root, the master of
@@ -1911,7 +1911,7 @@ class Consumer:
                  router: AsyncClient | None = None, recipient: str | None = None) -> None:
         """`router`: the client whose consume() made it; it knows the cluster map, so that the
         consumer follows the queue's master to its new node after a handoff or failover.
-        `recipient`: the name fault surveillance knows this consumer by (qserver/surveillance.py)."""
+        `recipient`: the name fault surveillance knows this consumer by (qserver/features/surveillance/watch.py)."""
         self.queue = queue
         self.recipient = recipient
         self._router = router

@@ -1,7 +1,7 @@
 """Publish/subscribe channels in the client library (seed 002, "CCI"): what a client subscribes
 to, and the messages waiting to be read.
 
-A channel is served by the master of its queue `channel:<name>` (qserver/channels.py); this
+A channel is served by the master of its queue `channel:<name>` (qserver/features/channels/hub.py); this
 client subscribes there, through the client of that node, and follows the channel when the
 node ends the subscription (a handoff or failover: `ChannelEnded`) or the connection drops.
 Subscribing to several channels is all or none: the channels are asked node by node, and when
@@ -28,8 +28,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from client.errors import E_NOT_MASTER, E_SUBSCRIPTION_TAKEN, E_UNAVAILABLE, E_UNKNOWN_SUBSCRIPTION, QueueError
-from client.protocol import ChannelAckOp, ChannelEnded, ChannelMessage, ChannelSubscribeOp
+from wire.errors import E_NOT_MASTER, E_SUBSCRIPTION_TAKEN, E_UNAVAILABLE, E_UNKNOWN_SUBSCRIPTION, QueueError
+from wire.protocol import ChannelAckOp, ChannelEnded, ChannelMessage, ChannelSubscribeOp
 
 if TYPE_CHECKING:
     from client.aio import AsyncClient

@@ -6,7 +6,7 @@ private key (base64 of the raw 32 bytes) and the URL of a node to talk to:
     {"client_id": "c-1a2b", "private_key": "base64...", "url": "http://127.0.0.1:7100"}
 
 and, for a cluster that serves TLS (`https://` URLs), `"ca_file"`: the CA certificate the
-client checks the nodes' certificates against (qserver/tls.py).
+client checks the nodes' certificates against (qserver/transport/tls.py).
 
 and, when a node wrote it (`qserver init`, `qserver admin-credential`), `"cluster"`: the data
 directory of that node, so that a refusal can say which cluster the file belongs to.
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from client.errors import E_UNAUTHENTICATED, E_UNAVAILABLE, QueueError
-from client.signing import Signer, private_key_from_text
+from wire.errors import E_UNAUTHENTICATED, E_UNAVAILABLE, QueueError
+from wire.signing import Signer, private_key_from_text
 
 ENV_CREDENTIALS = "QSERVER_CREDENTIALS"
 DEFAULT_URL = "http://127.0.0.1:7100"

@@ -26,7 +26,7 @@ import aiohttp
 from multidict import CIMultiDictProxy
 from yarl import URL
 
-from client.errors import (
+from wire.errors import (
     E_FORBIDDEN,
     E_INTERNAL,
     E_NOT_FOUND,
@@ -36,8 +36,8 @@ from client.errors import (
     E_UNAVAILABLE,
     QueueError,
 )
-from client.protocol import DeliveredMessage
-from client.signing import Signer
+from wire.protocol import DeliveredMessage
+from wire.signing import Signer
 
 REQUEST_TIMEOUT_S = 30.0
 MOVE_WAIT_S = 30.0          # beyond the request timeout: the server's wait for a moved master's state transfer
@@ -161,7 +161,7 @@ class HttpClient:
         query_text = "&".join(f"{_segment(k)}={_segment(v)}" for k, v in query)
         target = URL(self.url + full_path + ("?" + query_text if query_text else ""), encoded=True)
         # Signed for this node (its URL: the Host aiohttp sends), with the headers that change
-        # what the request does (client/signing.py, QS2).
+        # what the request does (wire/signing.py, QS2).
         signed = self._signer.headers(method, full_path, list(query), body, audience=self.url, headers=headers)
         all_headers = {**(headers or {}), **signed}
         timeout = aiohttp.ClientTimeout(total=self._request_timeout_s + wait_s)

@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Self
 
-from client.errors import (
+from wire.errors import (
     E_MACRO_EMPTY,
     E_NOT_ENOUGH_REPLICAS,
     E_QUEUE_FULL,

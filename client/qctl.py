@@ -27,11 +27,11 @@ from typing import Any, TextIO
 
 from client.aio import AsyncClient
 from client.credentials import Credentials, explain_refusal, find_credentials, load_credentials, save_credentials
-from client.errors import E_INVALID_OPTION, E_TIMEOUT, QueueError
 from client.http import HttpClient
 from client.macro import CONSUMER_POLICIES, FASTEST_BY, PRODUCER_POLICIES
-from client.signing import new_private_key, private_key_to_text, public_key_text
 from replication.options import QueueOptions
+from wire.errors import E_INVALID_OPTION, E_TIMEOUT, QueueError
+from wire.signing import new_private_key, private_key_to_text, public_key_text
 
 PRIVILEGES = ("post", "get", "delete", "admin")
 DEFAULT_OPTIONS = QueueOptions().to_json()     # `queue create` shows the options that differ from these

@@ -12,15 +12,15 @@ import time
 from pathlib import Path
 
 from client.credentials import Credentials, save_credentials
-from client.errors import E_INVALID_OPTION, E_UNAUTHENTICATED, E_UNAVAILABLE, QueueError
 from client.http import HttpClient
-from client.signing import new_private_key, private_key_to_text, public_key_text
-from qserver.auth import ADMIN_GRANTS, CLUSTER_CLIENT
+from qserver.api.auth import ADMIN_GRANTS, CLUSTER_CLIENT
 from qserver.config import NodeConfig, load_config
-from qserver.macro_service import DelegatedSigner
-from qserver.raft_store import RaftStore
-from qserver.storage import SealedBatch, Storage, read_clients
-from qserver.tls import DEFAULT_HOSTS, make_tls_files
+from qserver.features.macro.service import DelegatedSigner
+from qserver.storage.lmdb_store import SealedBatch, Storage, read_clients
+from qserver.storage.raft_store import RaftStore
+from qserver.transport.tls import DEFAULT_HOSTS, make_tls_files
+from wire.errors import E_INVALID_OPTION, E_UNAUTHENTICATED, E_UNAVAILABLE, QueueError
+from wire.signing import new_private_key, private_key_to_text, public_key_text
 
 DEFAULT_CREDENTIALS = Path.home() / ".config" / "qserver" / "credentials.json"
 
@@ -94,7 +94,7 @@ def init(data_dir: Path, node_id: str, credentials_path: Path, url: str, force: 
 def mint_admin_credential(config: NodeConfig, url: str | None = None, name: str | None = None) -> Credentials:
     """Register a new admin client through the running node of `config` and return its
     credential (nothing is written). The node's data directory holds the cluster secret, with
-    which nodes act for the cluster itself (qserver/auth.py, CLUSTER_CLIENT): the registration
+    which nodes act for the cluster itself (qserver/api/auth.py, CLUSTER_CLIENT): the registration
     is signed so, and goes through the membership layer like `qctl clients add`. Raises
     QueueError (E_UNAVAILABLE: no node answers at the URL; E_UNAUTHENTICATED: it refused the
     secret; E_INVALID_OPTION: no cluster secret in the data directory)."""
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                          data_dir=None if args.data_dir is None else str(args.data_dir),
                          journal_enabled=False if args.no_journal else None)
     from qserver.node import DataDirInUse, run
-    from qserver.storage import StorageLayoutError
+    from qserver.storage.lmdb_store import StorageLayoutError
     try:
         run(config)
     except (StorageLayoutError, DataDirInUse) as error:

@@ -83,7 +83,7 @@ class NodeConfig:
     # replica's Forward its master does not answer, end after this with an outcome-unknown
     # E_TIMEOUT (a receive's wait added): past a failover's seconds, inside a client's 30 s.
     commit_wait_max_s: float = 10.0
-    # TLS on every link (qserver/tls.py): this node's certificate and key, and the CA its peers'
+    # TLS on every link (qserver/transport/tls.py): this node's certificate and key, and the CA its peers'
     # certificates are checked against. Empty: the files `qserver init --tls` made under
     # data_dir/tls/ if there are any, else plaintext (loopback demos).
     tls_cert_file: str = ""

@@ -20,30 +20,39 @@ from typing import IO, Any
 import aiohttp
 from aiohttp import web
 
-from client import errors as e
-from client.errors import QueueError
 from client.http import signed_session
-from qserver import channel_api, forward_api, macro_api, recipient_api
-from qserver import commands as c
-from qserver.auth import CLUSTER_CLIENT, Authenticator
-from qserver.channels import ChannelHub
+from qserver.api.auth import CLUSTER_CLIENT, Authenticator
+from qserver.api.http_api import NODE, add_routes, errors_and_auth
+from qserver.api.http_errors import EnvelopeAppRunner
+from qserver.api.ws_api import ClientConnection, websocket
+from qserver.cluster.membership import RaftMembership, raft_limits, tick_ms
 from qserver.config import NodeConfig
-from qserver.engine import Engine
-from qserver.failstop import loop_exception_handler, stop_process
-from qserver.forward_root import ForwardRoot
-from qserver.forwarder import Forwarders
-from qserver.http_api import NODE, add_routes, errors_and_auth
-from qserver.http_errors import EnvelopeAppRunner
-from qserver.journal_export import ExportSettings, JournalExporter, JournalSource, exit_with_parent, export_in_process
-from qserver.macro_service import MacroService
-from qserver.membership import RaftMembership, raft_limits, tick_ms
+from qserver.core import commands as c
+from qserver.core.engine import Engine
+from qserver.core.failstop import loop_exception_handler, stop_process
+from qserver.features.channels import api as channel_api
+from qserver.features.channels.hub import ChannelHub
+from qserver.features.forwards import api as forward_api
+from qserver.features.forwards.forwarder import Forwarders
+from qserver.features.forwards.root import ForwardRoot
+from qserver.features.macro import api as macro_api
+from qserver.features.macro.service import MacroService
+from qserver.features.surveillance import api as recipient_api
+from qserver.features.surveillance.watch import RecipientWatch
 from qserver.metrics import COLLECTOR_PAUSES, LoopLag, render_family
-from qserver.peers import PEER_PATH, PeerTransport
-from qserver.raft_store import RaftStore
-from qserver.storage import Storage
-from qserver.surveillance import RecipientWatch
-from qserver.tls import client_context, server_context
-from qserver.ws_api import ClientConnection, websocket
+from qserver.storage.journal_export import (
+    ExportSettings,
+    JournalExporter,
+    JournalSource,
+    exit_with_parent,
+    export_in_process,
+)
+from qserver.storage.lmdb_store import Storage
+from qserver.storage.raft_store import RaftStore
+from qserver.transport.peers import PEER_PATH, PeerTransport
+from qserver.transport.tls import client_context, server_context
+from wire import errors as e
+from wire.errors import QueueError
 
 log = logging.getLogger("qserver")
 GIL_SWITCH_INTERVAL_S = 0.0002
@@ -52,9 +61,9 @@ GC_THRESHOLDS = (50_000, 20, 10)   # young, middle, old (see run; bench/RESULTS.
 
 class Node:
     def __init__(self, config: NodeConfig, *, on_fatal: Callable[[str, BaseException | None], None] = stop_process) -> None:
-        """`on_fatal`: what a broken invariant does (qserver/failstop.py: end the process)."""
+        """`on_fatal`: what a broken invariant does (qserver/core/failstop.py: end the process)."""
         self.config = config
-        # TLS (qserver/tls.py): what this node serves with, and how it checks the peers it dials.
+        # TLS (qserver/transport/tls.py): what this node serves with, and how it checks the peers it dials.
         self.tls = config.tls_files()
         self.server_tls = server_context(self.tls[0], self.tls[1]) if self.tls else None
         self.client_tls = client_context(self.tls[2]) if self.tls else None
@@ -220,7 +229,7 @@ class Node:
             self.forwarders.start()
         self.auth._clients = self.engine.clients   # the engine rebuilt its registry on load
         if not self.auth.load_nonces(self._nonces_path):
-            self.auth.not_before_ms = int(time.time() * 1000)   # after a crash: see qserver/auth.py
+            self.auth.not_before_ms = int(time.time() * 1000)   # after a crash: see qserver/api/auth.py
         if self.peers is not None:
             await self.peers.start()
         if self.membership_peers is not None:
@@ -459,7 +468,7 @@ async def serve(config: NodeConfig, *, ready: asyncio.Event | None = None) -> No
         # [cluster.membership] (peers may dial a proxy in front of it).
         host, port = (config.membership_bind or config.membership_nodes[config.node_id]).rsplit(":", 1)
         # The envelope runner here too: a dialer that hung up before its upgrade was answered (a
-        # node paused or restarting) is one INFO line, not a traceback (qserver/http_errors.py).
+        # node paused or restarting) is one INFO line, not a traceback (qserver/api/http_errors.py).
         membership_runner = EnvelopeAppRunner(membership_app, access_log=None, handle_signals=False)
         await membership_runner.setup()
         await web.TCPSite(membership_runner, host, int(port), reuse_address=True, ssl_context=node.server_tls).start()

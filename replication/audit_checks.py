@@ -51,7 +51,7 @@ import msgpack
 
 from replication.invariants import epochs_with_two_masters, lost_acknowledged, seen_but_uncommitted
 
-# The journal record as qserver/storage.py writes it (a test holds the two equal).
+# The journal record as qserver/storage/lmdb_store.py writes it (a test holds the two equal).
 JOURNAL_FIELDS = ("at_ms", "queue", "queue_id", "epoch", "index", "op", "message_id", "dedupe_id",
                   "priority", "payload_size", "payload_crc32", "role", "node", "client")
 # An exported row: where the record came from, the record, its stored checksum and any fields
@@ -102,7 +102,7 @@ DEAD_LETTER_SUFFIX = ".dlq"
 PRIORITIES = 10
 CONSUMPTION_OPS = frozenset({"lease", "extend", "ack", "reply", "release", "expire", "dead_letter", "purge",
                              "ttl_expire", "delay", "mature"})
-# A channel's durable subscriptions (qserver/channels.py): the subscription's name rides in the
+# A channel's durable subscriptions (qserver/features/channels/hub.py): the subscription's name rides in the
 # record's dedupe_id column; an ack names its message.
 SUBSCRIPTION_OPS = frozenset({"subscribe", "subscriber_ack", "unsubscribe"})
 HISTORY_OP = "history"            # a client-side history entry travelling with the records

@@ -1,6 +1,6 @@
 """The cluster map: what the membership layer replicates (DESIGN.md 4.2), as a pure state machine.
 
-Every node holds a copy; the membership layer (a Raft core driven by `qserver/membership.py`, an
+Every node holds a copy; the membership layer (a Raft core driven by `qserver/cluster/membership.py`, an
 in-memory twin in the simulations) applies the same commands in the same order to each copy,
 so `apply` must be deterministic: no clock, no randomness, no I/O. Reads are local.
 
@@ -330,7 +330,7 @@ class RecipientState(enum.StrEnum):
 
 @dataclass(slots=True)
 class RecipientEntry:
-    """A named push consumer of a queue (qserver/surveillance.py) and its state, which every
+    """A named push consumer of a queue (qserver/features/surveillance/watch.py) and its state, which every
     node knows and which outlives a failover of the queue's master."""
     name: str
     queue: str
@@ -359,7 +359,7 @@ class PutRecipient:
 
 @dataclass(slots=True)
 class ForwardEntry:
-    """A forward (seed 003 store-and-forward; qserver/forwarder.py): the master of `source`
+    """A forward (seed 003 store-and-forward; qserver/features/forwards/forwarder.py): the master of `source`
     moves its messages into `destination`, a queue of the cluster at `urls` (none: this
     cluster), signed as `client_id` there. The secret stays in the map (like the clients'
     secrets): it is never shown."""
@@ -368,7 +368,7 @@ class ForwardEntry:
     destination: str
     urls: tuple[str, ...] = ()
     client_id: str = ""
-    # Sealed with the cluster secret (qserver/forwarder.py seal_secret); never in a repr.
+    # Sealed with the cluster secret (qserver/features/forwards/forwarder.py seal_secret); never in a repr.
     secret: str = field(default="", repr=False)
     created_ms: int = 0
     token: str = ""          # random, made at creation: with the name, unique across clusters
@@ -394,7 +394,7 @@ class PutForward:
     destination: str
     urls: tuple[str, ...]
     client_id: str
-    secret: str = field(repr=False)      # sealed (qserver/forwarder.py seal_secret); never in a repr
+    secret: str = field(repr=False)      # sealed (qserver/features/forwards/forwarder.py seal_secret); never in a repr
     created_ms: int
     token: str = ""
 

@@ -25,7 +25,6 @@ import collections
 import enum
 from dataclasses import dataclass, replace
 
-from client.errors import E_NOT_ENOUGH_REPLICAS, E_NOT_MASTER, QueueError
 from replication.digest import fold_encoded
 from replication.messages import (
     Append,
@@ -54,6 +53,7 @@ from replication.snapshot import (
     encode_rows,
     fold_rows,
 )
+from wire.errors import E_NOT_ENOUGH_REPLICAS, E_NOT_MASTER, QueueError
 
 
 class ReplicaProgress(enum.StrEnum):
@@ -180,7 +180,7 @@ class MasterRole:
         self._snapshot_done = False                   # every row sent (the last chunk too)
         self._snapshot_unacked: collections.deque[SnapshotChunk] = collections.deque()
         self.snapshots_sent = 0
-        self.gates_visibility = True   # False for a dead-letter queue: see qserver/pairs.py
+        self.gates_visibility = True   # False for a dead-letter queue: see qserver/cluster/pairs.py
         core.visible_upto = self.commit_order
 
     # --- commit point ----------------------------------------------------------------------

@@ -87,7 +87,7 @@ class QueueOptions:
     fault_interval_s: float = 0.0      # no message taken this long while some wait: the recipient is in fault
     defunct_interval_s: float = 0.0    # in fault this long: its subscriptions end, it is defunct
     message_interval_s: float = 0.0    # a message waiting this long fails over on its own
-    # Rate control of the forwards into this queue, its root (seed 003; qserver/forward_root.py):
+    # Rate control of the forwards into this queue, its root (seed 003; qserver/features/forwards/root.py):
     # R messages/s shared among them (0: no control, each sends as fast as it can), every T s,
     # by the weights they report (their fill level in `forward_bands` bands), or R/n (static).
     forward_rate: float = 0.0

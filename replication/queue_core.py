@@ -28,17 +28,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from client.errors import (
-    E_INVALID_OPTION,
-    E_LEASE_EXPIRED,
-    E_OVERLOADED,
-    E_QUEUE_FULL,
-    E_SUBSCRIPTIONS_FULL,
-    E_UNKNOWN_MESSAGE,
-    E_UNKNOWN_SUBSCRIPTION,
-    E_WRONG_QUEUE_TYPE,
-    QueueError,
-)
 from replication.invariants import InvariantViolation
 from replication.operations import (
     Acked,
@@ -66,6 +55,17 @@ from replication.options import (
     producer_key,
 )
 from replication.store import StoredLease, StoreReader
+from wire.errors import (
+    E_INVALID_OPTION,
+    E_LEASE_EXPIRED,
+    E_OVERLOADED,
+    E_QUEUE_FULL,
+    E_SUBSCRIPTIONS_FULL,
+    E_UNKNOWN_MESSAGE,
+    E_UNKNOWN_SUBSCRIPTION,
+    E_WRONG_QUEUE_TYPE,
+    QueueError,
+)
 
 READY_PAGE_SIZE = 1024
 SUBSCRIPTIONS_MAX = 64        # durable subscriptions of one queue (a channel's)
@@ -481,7 +481,7 @@ class QueueCore:
             stream[1] = {n: i for n, i in stream[1].items() if n >= declared}
         stream[1][number] = index
 
-    # --- durable subscriptions (a channel's queue; qserver/channels.py serves them) ---------
+    # --- durable subscriptions (a channel's queue; qserver/features/channels/hub.py serves them) ---------
     def open_subscription(self, name: str, client: str, now_ms: int, out: list[Operation]) -> bool:
         """Begin a durable subscription (its backlog: every message enqueued from now on);
         False when it exists already (subscribing again is idempotent)."""

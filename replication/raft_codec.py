@@ -1,9 +1,9 @@
 """The one codec of the membership layer's values: Raft messages on the wire, and entries,
-snapshots and hard state on disk (qserver/storage.py stores exactly these bytes).
+snapshots and hard state on disk (qserver/storage/lmdb_store.py stores exactly these bytes).
 
 Encoded as msgpack rows. A wire frame is `[PROTOCOL_VERSION, tag, fields...]`; tags are fixed,
 never reused, only added. Besides the core's messages (replication/raft_messages.py) the
-frame carries the driver's own four (qserver/membership.py): a node that is not in the
+frame carries the driver's own four (qserver/cluster/membership.py): a node that is not in the
 configuration yet asks to join, a follower passes a proposal to the leader and hears where it
 landed, and a frame too large for one message (a snapshot of a large map) travels in
 `FrameChunk`s. Anything malformed raises `MessageError`: the driver counts it and the transport

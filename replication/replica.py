@@ -132,7 +132,7 @@ class ReplicaRole:
         # earlier one (before a restart or a reset) must not count in this one. The base
         # differs per process so a restarted replica never reuses a session number.
         self.session = session_base
-        self.gates_visibility = True   # False for a dead-letter queue: see qserver/pairs.py
+        self.gates_visibility = True   # False for a dead-letter queue: see qserver/cluster/pairs.py
         core.visible_upto = self.visible_order
         self.resets: list[dict[str, Any]] = []
         self.discards: list[int] = []

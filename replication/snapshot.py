@@ -22,7 +22,7 @@ on from the dead-letter order the last chunk names). Under `producer` it carries
 messages and the dedupe window only (never the master's consumption state), and only those
 above `after_index` for a returning member that keeps its own.
 
-Pure: `MemorySnapshotView` is the in-memory twin of the LMDB view in qserver/storage.py.
+Pure: `MemorySnapshotView` is the in-memory twin of the LMDB view in qserver/storage/lmdb_store.py.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ _DEDUPE_ROW_FIELDS = 4
 
 class SnapshotViewLost(Exception):
     """`next_rows` can read no more of the view's state: the node's storage ended its read
-    transaction (an LMDB map growth does, qserver/storage.py grow_map). The rest of that state
+    transaction (an LMDB map growth does, qserver/storage/lmdb_store.py grow_map). The rest of that state
     is gone; the transfer starts over from a new view (MasterRole._pump_snapshot)."""
 
 

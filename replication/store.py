@@ -3,7 +3,7 @@
 The core keeps in memory only what it must decide on: leases in flight and the ready
 messages it has loaded. After a restart it loads ready messages lazily, a bounded page at a
 time, so a node holding millions of messages serves at once (`StoreReader.ready_page`).
-`MemoryStore` applies the same operations as `qserver.storage.Storage` and answers the same
+`MemoryStore` applies the same operations as `qserver.storage.lmdb_store.Storage` and answers the same
 reads; tests/test_store_contract.py runs one suite against both.
 """
 from __future__ import annotations

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from qserver.devcluster import REPOSITORY, TEST_TLS_CA_ENV, TEST_TLS_ENV, LocalCluster, NodeRuns, free_port
-from qserver.tls import make_tls_files
+from qserver.dev.devcluster import REPOSITORY, TEST_TLS_CA_ENV, TEST_TLS_ENV, LocalCluster, NodeRuns, free_port
+from qserver.transport.tls import make_tls_files
 
 TLS = os.environ.get(TEST_TLS_ENV) == "1"
 if TLS and TEST_TLS_CA_ENV not in os.environ:

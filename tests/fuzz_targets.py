@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def _client_frame(data: bytes) -> None:
-    from client.protocol import FrameError, decode_client_frame
+    from wire.protocol import FrameError, decode_client_frame
     try:
         decode_client_frame(data)                 # bad items come back as FrameError values
     except FrameError:
@@ -32,7 +32,7 @@ def _client_frame(data: bytes) -> None:
 
 
 def _server_frame(data: bytes) -> None:
-    from client.protocol import FrameError, decode_server_frame
+    from wire.protocol import FrameError, decode_server_frame
     try:
         decode_server_frame(data)
     except FrameError:
@@ -93,14 +93,14 @@ def _queue_options(data: bytes) -> None:
 
 def _signed_headers(data: bytes) -> None:
     """The signing headers of any request, and its path and body, from an unknown sender."""
-    from client.errors import QueueError
-    from qserver.auth import Authenticator
+    from qserver.api.auth import Authenticator
+    from wire.errors import QueueError
     text = data.decode("utf-8", "replace")
     parts = (text.split("\n") + [""] * 7)[:7]
     headers = {"X-Client-Id": parts[0], "X-Timestamp": parts[1], "X-Nonce": parts[2], "X-Signature": parts[3],
                "Host": "127.0.0.1:7101"}      # this node's own address: the input reaches the signature check
     if not _AUTHENTICATOR:
-        from client.signing import new_private_key, public_key_text
+        from wire.signing import new_private_key, public_key_text
         clients = {"c-1": {"public_key": public_key_text(new_private_key()),
                            "grants": [{"pattern": "*", "privileges": ["post"]}]}}
         authenticator = Authenticator(clients, skew_max_s=1e12)
@@ -119,9 +119,9 @@ def seeds(target: str) -> list[bytes]:
     """Well-formed inputs for a target to start from (the fuzzer mutates them)."""
     import msgpack
 
-    from client.protocol import EnqueueOp, ReceiveOp, encode_frame
     from replication.messages import Append, AppendAck, encode_entry, encode_message
     from replication.operations import Enqueued
+    from wire.protocol import EnqueueOp, ReceiveOp, encode_frame
     entry = encode_entry([Enqueued(1, 1, 4, 1_700_000_000_000, "d-1", "c-1", b"payload")])
     return {
         "client_frame": [encode_frame([EnqueueOp(1, "q", b"x", 4, "d"), ReceiveOp(2, "q", 5, 100, None)])],
@@ -149,12 +149,12 @@ def main(argv: list[str]) -> None:
     import atheris
     target = TARGETS[argv[1]]
     with atheris.instrument_imports():
-        import client.protocol  # noqa: F401
-        import qserver.auth  # noqa: F401
+        import qserver.api.auth  # noqa: F401
         import replication.messages  # noqa: F401
         import replication.options  # noqa: F401
         import replication.raft_codec  # noqa: F401
         import replication.snapshot  # noqa: F401
+        import wire.protocol  # noqa: F401
     atheris.Setup([argv[0], *argv[2:]], target)
     atheris.Fuzz()
 

@@ -14,8 +14,8 @@ import aiohttp
 
 from client.credentials import load_credentials
 from client.http import TLS_CLOSE_GRACE_S
-from client.signing import Signer
-from qserver.devcluster import TEST_TLS_ENV
+from qserver.dev.devcluster import TEST_TLS_ENV
+from wire.signing import Signer
 
 
 @contextlib.asynccontextmanager

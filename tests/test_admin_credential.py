@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from client.credentials import load_credentials
-from qserver.devcluster import REPOSITORY, free_port
+from qserver.dev.devcluster import REPOSITORY, free_port
 
 
 def qserver(*argv: str) -> subprocess.CompletedProcess[str]:

@@ -30,8 +30,8 @@ from audit.inputs import read_history, read_records
 from audit.local import audit_paths, audit_records
 from client import AsyncClient, QueueError
 from client.credentials import load_credentials
-from qserver.devcluster import REPOSITORY, LocalCluster, free_port
-from qserver.journal_export import columns_table, export_environment
+from qserver.dev.devcluster import REPOSITORY, LocalCluster, free_port
+from qserver.storage.journal_export import columns_table, export_environment
 from replication import audit_checks as checks
 from replication.audit_checks import RECORD_COLUMNS, HistoryEnqueue, JournalRecord
 from tests.conftest import fail_on_unexpected_ends

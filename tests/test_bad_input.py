@@ -15,7 +15,8 @@ import pytest
 import pytest_asyncio
 from yarl import URL
 
-from client.protocol import (
+from tests.support import RawApi, error_code, raw_session
+from wire.protocol import (
     AckOp,
     Closing,
     EnqueueBatchOp,
@@ -27,8 +28,7 @@ from client.protocol import (
     decode_server_frame,
     encode_frame,
 )
-from client.signing import Signer, private_key_from_text
-from tests.support import RawApi, error_code, raw_session
+from wire.signing import Signer, private_key_from_text
 
 pytestmark = pytest.mark.asyncio
 BODY_LIMIT = 1 << 20
@@ -184,7 +184,7 @@ async def test_a_signature_over_another_body_is_refused(api: RawApi) -> None:
 
 
 async def test_a_signature_by_an_unknown_client_is_refused(api: RawApi) -> None:
-    from client.signing import new_private_key
+    from wire.signing import new_private_key
     stranger = RawApi(api.session, api.url, Signer("c-nobody", new_private_key()))
     status, answer, _ = await stranger.request("GET", "/v1/queues")
     assert status == 401 and error_code(answer) == "E_UNAUTHENTICATED"
@@ -339,7 +339,7 @@ async def test_removing_a_client_closes_its_websocket(api: RawApi) -> None:
     assert isinstance(item, OkReply) and len(item.result) == 1
     # Give the lease back so the fixture's queue holds its three messages unleased.
     row = item.result[0]
-    await ws_exchange(ws, encode_frame([__import__("client.protocol").protocol.ReleaseOp(2, "keep", row[0], row[1])]))
+    await ws_exchange(ws, encode_frame([__import__("wire.protocol").protocol.ReleaseOp(2, "keep", row[0], row[1])]))
     status, _, _ = await api.request("DELETE", f"/v1/clients/{consumer.signer.client_id}")  # type: ignore[union-attr]
     assert status == 200
     message = await asyncio.wait_for(ws.receive(), 5)

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from client import AsyncClient
-from qserver.devcluster import LocalCluster
-from qserver.storage import database_usage
+from qserver.dev.devcluster import LocalCluster
+from qserver.storage.lmdb_store import database_usage
 from tests.test_failover import drain, wait_for
 from tests.test_pairs import wait_converged
 

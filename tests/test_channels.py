@@ -15,12 +15,12 @@ import pytest
 from audit.inputs import read_records
 from audit.local import audit_records
 from client import AsyncClient, Client
-from client.errors import QueueError
-from client.protocol import ChannelSubscribeOp, ErrorReply, decode_server_frame, encode_frame
 from client.qctl import main as qctl
-from qserver.journal_export import export_environment
+from qserver.storage.journal_export import export_environment
 from tests.support import RawApi, raw_session
 from tests.test_client_integration import run_qctl
+from wire.errors import QueueError
+from wire.protocol import ChannelSubscribeOp, ErrorReply, decode_server_frame, encode_frame
 
 
 async def code_of(call: Any) -> str:

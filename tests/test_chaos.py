@@ -23,7 +23,7 @@ from chaos.scenario import load_scenario
 from chaos.toxiproxy_server import ToxiproxyHandle
 from chaos.toxiproxy_server import start as start_toxiproxy
 from client import AsyncClient, QueueError
-from qserver.devcluster import REPOSITORY
+from qserver.dev.devcluster import REPOSITORY
 
 SMOKE_TIME_MAX_S = 180
 

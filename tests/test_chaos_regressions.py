@@ -27,11 +27,10 @@ from typing import Any
 
 import pytest
 
-from client.errors import E_NOT_MASTER, E_QUEUE_UNAVAILABLE, E_UNAVAILABLE, QueueError
-from qserver import commands as c
-from qserver.forwarding import answer_from_master, forwarded_error
-from qserver.pairs import ClusterView
-from qserver.storage import SealedBatch, Storage
+from qserver.cluster.pairs import ClusterView
+from qserver.cluster.relay import answer_from_master, forwarded_error
+from qserver.core import commands as c
+from qserver.storage.lmdb_store import SealedBatch, Storage
 from replication.audit_checks import HistoryEnqueue, JournalRecord, check_group
 from replication.cluster_map import ClusterMap, PairState
 from replication.messages import encode_entry
@@ -39,6 +38,7 @@ from replication.operations import Enqueued, Operation
 from replication.options import QueueOptions, Strength, producer_key
 from replication.queue_core import SEQUENCE_FLOOR_HEADER, SEQUENCE_HEADER, SEQUENCE_KEY_HEADER, QueueCore, QueueRecord
 from replication.store import MemoryStore
+from wire.errors import E_NOT_MASTER, E_QUEUE_UNAVAILABLE, E_UNAVAILABLE, QueueError
 
 AT_MS = 1_700_000_000_000
 
@@ -203,7 +203,7 @@ def test_the_audit_matches_an_acknowledged_enqueue_with_the_copy_that_survived()
 
 # --- a full master without its lease takes no index --------------------------------------------
 def test_a_full_master_without_a_lease_does_not_expire_leases_on_its_own() -> None:
-    from qserver.engine import Engine
+    from qserver.core.engine import Engine
 
     class _Coordinator:
         valid = False
@@ -225,7 +225,7 @@ def test_a_replica_instance_recreated_for_a_full_transfer_keeps_the_epoch_it_rep
     from types import SimpleNamespace
 
     from qserver.config import NodeConfig
-    from qserver.engine import Engine
+    from qserver.core.engine import Engine
     storage = Storage(tmp_path / "lmdb", node_id="n1")
     engine = Engine(NodeConfig(data_dir=str(tmp_path)), storage)
     old = engine._create_core("events", QueueOptions(), AT_MS, None, incarnation=5, epoch=3)
@@ -249,7 +249,7 @@ def test_operations_applied_as_replica_in_the_batch_where_the_node_became_master
         tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from qserver.pairs import PairDriver
+    from qserver.cluster.pairs import PairDriver
     from replication.digest import EMPTY_DIGEST, fold
     from replication.master import MasterRole, ReplicationLimits
     store = MemoryStore()
@@ -302,8 +302,8 @@ def test_the_audit_replaces_a_discarded_suffix_with_what_the_new_epoch_put_at_th
 def test_a_core_without_a_role_yet_expires_no_lease_until_the_map_gives_it_one() -> None:
     from types import SimpleNamespace
 
-    from qserver.deadlines import DueQueues
-    from qserver.engine import Engine, OpenBatch
+    from qserver.core.deadlines import DueQueues
+    from qserver.core.engine import Engine, OpenBatch
     store = MemoryStore()
     lease_clock = [AT_MS]
     core = producer_core(store, lease_clock=lambda: lease_clock[0])
@@ -332,7 +332,7 @@ def test_a_core_without_a_role_yet_expires_no_lease_until_the_map_gives_it_one()
 async def test_a_link_whose_socket_breaks_under_the_reader_ends_and_leaves_the_dialer_alive() -> None:
     import aiohttp
 
-    from qserver.peers import LinkKeys, PeerTransport, _Link, _Peer
+    from qserver.transport.peers import LinkKeys, PeerTransport, _Link, _Peer
 
     class _Breaking:
         """aiohttp's receive() answers a ping with a pong; on a closing transport that raises."""
@@ -414,7 +414,7 @@ def test_storage_journals_a_role_record_where_it_happened_among_its_batchs_opera
 def test_a_lease_grant_counts_only_once_the_nodes_map_has_applied_what_the_leaders_had() -> None:
     from types import SimpleNamespace
 
-    from qserver.coordinator import Coordinator
+    from qserver.cluster.coordinator import Coordinator
     from replication.messages import LeaseGrant
     clock = [10_000]
     cluster_map = SimpleNamespace(version=5)       # restarted on its own copy: 2 commands behind
@@ -437,7 +437,7 @@ def test_a_lease_grant_counts_only_once_the_nodes_map_has_applied_what_the_leade
 def test_a_master_restarted_on_its_own_map_claims_no_commit_past_its_record_until_it_holds_a_lease() -> None:
     from types import SimpleNamespace
 
-    from qserver.pairs import PairDriver
+    from qserver.cluster.pairs import PairDriver
     pairs = PairDriver.__new__(PairDriver)
     lease = [False]
     # Its copy of the map says the replica is out of sync: everything it holds looks committed.
@@ -465,7 +465,7 @@ def test_a_forward_of_the_new_epoch_waits_while_the_map_has_changed_but_the_role
     (a client's enqueue hung for good in tests/test_failover.py, 1 run in 10 under load)."""
     from types import SimpleNamespace
 
-    from qserver.pairs import PairDriver
+    from qserver.cluster.pairs import PairDriver
     from replication.messages import Forward
     pairs = PairDriver.__new__(PairDriver)
     entry = SimpleNamespace(epoch=2, master="n2", replica="n1")          # the map: already epoch 2
@@ -515,7 +515,7 @@ def test_the_masters_handoff_request_wins_even_when_the_replicas_reached_the_mas
     of 10 real rounds). The replica is refused as soon as the master's own request arrives."""
     from types import SimpleNamespace
 
-    from qserver.coordinator import Coordinator
+    from qserver.cluster.coordinator import Coordinator
     from replication.cluster_map import AddNode, CreateQueue
     from replication.messages import HandoffAnswer, HandoffRequest
     cluster_map = ClusterMap()

@@ -23,17 +23,17 @@ import pytest
 
 from client import AsyncClient, QueueError
 from client.credentials import Credentials, save_credentials
-from client.protocol import AckOp, ErrorReply, ReceiveOp, decode_server_frame, encode_frame
 from client.qctl import build_parser, created_summary, forward_stats_shown, when_text
-from client.signing import Signer, new_private_key, private_key_from_text, private_key_to_text
 from qserver import cli as qserver_cli
-from qserver import local as qserver_local
-from qserver.devcluster import free_port
-from qserver.macro_api import _attempt
+from qserver.dev import local as qserver_local
+from qserver.dev.devcluster import free_port
+from qserver.features.macro.api import _attempt
 from replication.cluster_map import CreateMacro, DeleteMacro, PutMacroMember, RemoveMacroMember
 from replication.options import OptionError, parse_options, range_text
 from tests.support import RawApi, raw_session
 from tests.test_client_integration import run_qctl
+from wire.protocol import AckOp, ErrorReply, ReceiveOp, decode_server_frame, encode_frame
+from wire.signing import Signer, new_private_key, private_key_from_text, private_key_to_text
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 
@@ -73,7 +73,7 @@ def test_every_qctl_option_has_a_help_text() -> None:
 def test_every_qserver_and_local_demo_option_has_a_help_text(monkeypatch: pytest.MonkeyPatch) -> None:
     qserver = parser_built_by(lambda: qserver_cli.main(["run"]), monkeypatch)
     demo = parser_built_by(lambda: qserver_local._parse([]), monkeypatch)
-    assert options_without_help(qserver, "qserver") + options_without_help(demo, "qserver.local") == []
+    assert options_without_help(qserver, "qserver") + options_without_help(demo, "qserver.dev.local") == []
 
 
 def test_the_top_level_help_names_the_clients_commands_as_they_are_and_a_consumers_grant() -> None:

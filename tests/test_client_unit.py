@@ -1,8 +1,8 @@
 """Unit tests of the client library and qctl that need no qserver.
 
 The WebSocket and REST behaviour is checked against `FakeNode`, a small aiohttp server in
-this file that verifies signatures with client/signing.py and speaks the frame protocol
-with client/protocol.py, so coalescing, reconnects, dedupe-id retries, subscriptions and
+this file that verifies signatures with wire/signing.py and speaks the frame protocol
+with wire/protocol.py, so coalescing, reconnects, dedupe-id retries, subscriptions and
 credit can be observed frame by frame, including failures a real server rarely shows.
 """
 from __future__ import annotations
@@ -26,7 +26,8 @@ from aiohttp import WSMsgType, web
 from client import AsyncClient, Client, Credentials, QueueError, load_credentials, save_credentials
 from client.credentials import ENV_CREDENTIALS
 from client.http import HttpClient, queue_path
-from client.protocol import (
+from client.qctl import build_parser, format_fields, format_table, main, parse_grant
+from wire.protocol import (
     AckBatchOp,
     Closing,
     CreditOp,
@@ -43,8 +44,7 @@ from client.protocol import (
     decode_client_frame,
     encode_frame,
 )
-from client.qctl import build_parser, format_fields, format_table, main, parse_grant
-from client.signing import (
+from wire.signing import (
     HEADER_CLIENT,
     HEADER_NONCE,
     HEADER_SIGNATURE,

@@ -1,4 +1,4 @@
-"""Stopping a whole local cluster (qserver/devcluster.py `stop_all`, which the demo uses).
+"""Stopping a whole local cluster (qserver/dev/devcluster.py `stop_all`, which the demo uses).
 
 SIGTERM makes a node hand its masters off before it stops. Stopped one at a time with the
 membership leader last, each handoff goes to a node still running and the leader is there to

@@ -1,5 +1,5 @@
 """A credential says which cluster it belongs to, and a refusal says which file was used
-(client/credentials.py), and the demo's rule for the convenience copy (qserver/demo_credentials.py).
+(client/credentials.py), and the demo's rule for the convenience copy (qserver/dev/demo_credentials.py).
 
 Pure tests: no node runs. The demo and `qctl` against real clusters are in tests/test_demo_credentials.py.
 """
@@ -19,11 +19,11 @@ from client.credentials import (
     load_credentials,
     save_credentials,
 )
-from client.errors import QueueError
 from client.qctl import main as qctl
-from client.signing import new_private_key, private_key_to_text
-from qserver.demo_credentials import CopyPlan, own_credential, plan_copy
-from qserver.devcluster import free_port
+from qserver.dev.demo_credentials import CopyPlan, own_credential, plan_copy
+from qserver.dev.devcluster import free_port
+from wire.errors import QueueError
+from wire.signing import new_private_key, private_key_to_text
 
 OURS = {"http://127.0.0.1:7101", "http://127.0.0.1:7102", "http://127.0.0.1:7103"}
 

@@ -1,4 +1,4 @@
-"""The demo (`python -m qserver.local`) keeps its cluster's credential with the cluster, prints a
+"""The demo (`python -m qserver.dev.local`) keeps its cluster's credential with the cluster, prints a
 qctl command that works for this cluster, never lets ./.qserver/credentials.json silently
 name another one, creates its queues with --no-demo, and stops its nodes leader last.
 
@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 from client.credentials import Credentials, load_credentials, save_credentials
-from client.signing import new_private_key, private_key_to_text
-from qserver.devcluster import REPOSITORY, TEST_TLS_ENV, LocalCluster, free_port, port_free
+from qserver.dev.devcluster import REPOSITORY, TEST_TLS_ENV, LocalCluster, free_port, port_free
+from wire.signing import new_private_key, private_key_to_text
 
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 60.0
@@ -50,14 +50,14 @@ def free_base_port() -> int:
 
 
 class DemoRun:
-    """One `python -m qserver.local --no-demo` process: its first lines, then Ctrl-C."""
+    """One `python -m qserver.dev.local --no-demo` process: its first lines, then Ctrl-C."""
 
     def __init__(self, workdir: Path, data_dir: Path, base_port: int) -> None:
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONPATH": str(REPOSITORY), "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "qserver.local", "--data-dir", str(data_dir), "--base-port", str(base_port),
+            [sys.executable, "-m", "qserver.dev.local", "--data-dir", str(data_dir), "--base-port", str(base_port),
              "--no-demo"], cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: queue.Queue[str] = queue.Queue()
         self.output: list[str] = []

@@ -1,4 +1,4 @@
-"""The demo tells the truth about its clients (qserver/demo_progress.py, qserver/local.py).
+"""The demo tells the truth about its clients (qserver/dev/demo_progress.py, qserver/dev/local.py).
 
 A consumer that stops taking messages while its queue fills, or a producer whose enqueues stop
 succeeding, raises no error by itself; the demo's view must still say so. The trackers are
@@ -14,9 +14,8 @@ from typing import Any
 import pytest
 
 from client import QueueError
-from client.errors import E_FORBIDDEN, E_NOT_MASTER, E_UNAVAILABLE
-from qserver import local
-from qserver.demo_progress import (
+from qserver.dev import local
+from qserver.dev.demo_progress import (
     ProgressTracker,
     errors_text,
     make_clients,
@@ -24,6 +23,7 @@ from qserver.demo_progress import (
     status_lines,
     summary,
 )
+from wire.errors import E_FORBIDDEN, E_NOT_MASTER, E_UNAVAILABLE
 
 
 class FakeClock:
@@ -122,7 +122,7 @@ def test_errors_are_shown_by_client_and_code() -> None:
     assert errors_text(clients.values()) == "orders consumer E_NOT_MASTER 2, events producer E_UNAVAILABLE 1"
 
 
-# --- the demo's traffic loops (qserver/local.py), with a fake client -----------------------------
+# --- the demo's traffic loops (qserver/dev/local.py), with a fake client -----------------------------
 class FakeMessage:
     def __init__(self, payload: bytes = struct.pack(">d", 0.0) + b"demo message") -> None:
         self.payload = payload

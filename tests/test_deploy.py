@@ -28,7 +28,7 @@ def test_the_compose_file_names_one_configuration_per_node_and_the_dockerfile_co
 
 
 def test_every_supervisor_starts_a_node_again_after_it_fails_stop() -> None:
-    """A broken invariant ends the process with code 70 (qserver/failstop.py): each way of
+    """A broken invariant ends the process with code 70 (qserver/core/failstop.py): each way of
     running a node starts it again."""
     assert "restart: on-failure" in (DEPLOY / "compose.yaml").read_text()
     assert "Restart=on-failure" in (DEPLOY / "qserver.service").read_text()

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import pytest
 
-from qserver.coordinator import Coordinator
+from qserver.cluster.coordinator import Coordinator
 from replication.digest import EMPTY_DIGEST
 from replication.invariants import (
     epochs_with_two_masters,

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from client import AsyncClient, QueueError
-from qserver.devcluster import LocalCluster
+from qserver.dev.devcluster import LocalCluster
 from tests.test_pairs import wait_converged
 
 pytestmark = pytest.mark.asyncio

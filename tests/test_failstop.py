@@ -20,9 +20,9 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from client import Client as SyncClient
 from client import QueueError
-from qserver import commands as c
 from qserver.config import NodeConfig
-from qserver.failstop import EXIT_BROKEN_INVARIANT
+from qserver.core import commands as c
+from qserver.core.failstop import EXIT_BROKEN_INVARIANT
 from qserver.node import Node
 from replication.invariants import InvariantViolation
 from tests.conftest import QNode

@@ -13,12 +13,10 @@ from typing import Any
 import pytest
 
 from client import AsyncClient
-from client.errors import QueueError
-from client.protocol import ForwardSessionOp
-from qserver import forward_root
-from qserver.devcluster import LocalCluster
-from qserver.forward_root import compute_rates
-from qserver.forwarder import TokenBucket, weight_of
+from qserver.dev.devcluster import LocalCluster
+from qserver.features.forwards import root as forward_root
+from qserver.features.forwards.forwarder import TokenBucket, weight_of
+from qserver.features.forwards.root import compute_rates
 from replication.cluster_map import (
     AddNode,
     ClusterMap,
@@ -34,6 +32,8 @@ from replication.cluster_map import (
 from tests.support import RawApi, error_code, raw_session
 from tests.test_client_integration import run_qctl
 from tests.test_surveillance import until
+from wire.errors import QueueError
+from wire.protocol import ForwardSessionOp
 
 
 async def drain(client: AsyncClient, queue: str, into: list[bytes], want: int, timeout_s: float = 60.0) -> None:

@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 
 from client import AsyncClient, QueueError
-from qserver.devcluster import LocalCluster
+from qserver.dev.devcluster import LocalCluster
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(150)]
 MIB = 1 << 20
@@ -355,9 +355,9 @@ async def test_a_voter_whose_disk_is_full_waits_with_its_raft_write_and_stores_i
 async def test_a_raft_write_refused_for_lack_of_room_is_stored_again_and_the_member_goes_on(tmp_path: Path) -> None:
     """The driver's part, in one process: a Raft write that finds the map full grows it; one
     the disk refuses (StorageFull) waits and is written again; the task never ends."""
-    from qserver.membership import RaftMembership, raft_limits, tick_ms
-    from qserver.raft_store import RaftStore
-    from qserver.storage import MapGrowthNeeded, Storage, StorageFull
+    from qserver.cluster.membership import RaftMembership, raft_limits, tick_ms
+    from qserver.storage.lmdb_store import MapGrowthNeeded, Storage, StorageFull
+    from qserver.storage.raft_store import RaftStore
     from replication.cluster_map import PutClient
     from replication.raft import Ready
 

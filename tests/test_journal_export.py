@@ -1,4 +1,4 @@
-"""Journal export (qserver/journal_export.py): segments sealed by size, age and on demand,
+"""Journal export (qserver/storage/journal_export.py): segments sealed by size, age and on demand,
 written where pyarrow.fs can write, continued after a restart, pruned only when exported, safe
 and past the retention; what the files say is what LMDB said, and the audit reads it."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 
 from audit.inputs import read_records
 from audit.local import audit_records
-from qserver.journal_export import (
+from qserver.storage.journal_export import (
     ExportSettings,
     JournalExporter,
     JournalSource,
@@ -24,8 +24,8 @@ from qserver.journal_export import (
     export_in_process,
     safe_sequence_for,
 )
-from qserver.storage import JOURNAL_FIELDS as STORAGE_FIELDS
-from qserver.storage import SealedBatch, Storage
+from qserver.storage.lmdb_store import JOURNAL_FIELDS as STORAGE_FIELDS
+from qserver.storage.lmdb_store import SealedBatch, Storage
 from replication import audit_checks as checks
 from replication.operations import Acked, Enqueued, Leased
 from replication.snapshot import ROW_MESSAGE, message_row

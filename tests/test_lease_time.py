@@ -19,16 +19,16 @@ from typing import Any
 import pytest
 
 from client import AsyncClient
-from client.errors import QueueError
-from client.protocol import DeliveredMessage
-from qserver import commands as c
 from qserver.config import NodeConfig
-from qserver.engine import Engine
-from qserver.storage import Storage
+from qserver.core import commands as c
+from qserver.core.engine import Engine
+from qserver.storage.lmdb_store import Storage
 from replication.operations import Extended, Operation
 from replication.options import QueueOptions, Strength
 from replication.queue_core import QueueCore, QueueRecord
 from replication.store import MemoryStore
+from wire.errors import QueueError
+from wire.protocol import DeliveredMessage
 
 STEP_MS = 60_000
 

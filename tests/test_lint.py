@@ -1,4 +1,4 @@
-"""The code stays ruff- and mypy-clean (STYLE.md): checked here so CI holds us to it."""
+"""The code stays ruff- and mypy-clean (docs/ARCHITECTURE.md, "Conventions"): checked here so CI holds us to it."""
 from __future__ import annotations
 
 import subprocess

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from client import AsyncClient, QueueError
-from qserver.devcluster import LocalCluster
+from qserver.dev.devcluster import LocalCluster
 
 pytestmark = pytest.mark.asyncio
 

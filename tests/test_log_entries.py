@@ -12,7 +12,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from qserver.storage import SealedBatch, Storage
+from qserver.storage.lmdb_store import SealedBatch, Storage
 from replication.digest import EMPTY_DIGEST, fold
 from replication.invariants import InvariantViolation, history_disagreements
 from replication.master import APPEND_BYTES_MAX, MasterRole

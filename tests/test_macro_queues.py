@@ -15,11 +15,9 @@ from typing import Any
 import pytest
 
 from client import AsyncClient, Client
-from client.errors import QueueError
 from client.macro import MacroEnqueued, MacroEnqueueError, MacroQueue, member_dedupe_id
-from client.protocol import EnqueueOp, ErrorReply, decode_server_frame, encode_frame
 from client.qctl import main as qctl
-from qserver.macro_service import DelegatedSigner
+from qserver.features.macro.service import DelegatedSigner
 from replication.cluster_map import (
     AddNode,
     ClusterMap,
@@ -36,6 +34,8 @@ from replication.cluster_map import (
 )
 from tests.support import RawApi, error_code, raw_session
 from tests.test_client_integration import drain, run_qctl
+from wire.errors import QueueError
+from wire.protocol import EnqueueOp, ErrorReply, decode_server_frame, encode_frame
 
 # a on n1, b on n2, c on n3: every member's master on its own node.
 PLACEMENT = {"a": ["n1", "n2"], "b": ["n2", "n3"], "c": ["n3", "n1"]}

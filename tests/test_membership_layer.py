@@ -1,6 +1,6 @@
 """The membership layer's node side: the codec of its frames and values, its durable state in
-LMDB (qserver/raft_store.py), the snapshot encoding of the cluster map, and the driver
-(qserver/membership.py) on a virtual loop. The core itself
+LMDB (qserver/storage/raft_store.py), the snapshot encoding of the cluster map, and the driver
+(qserver/cluster/membership.py) on a virtual loop. The core itself
 is tests/test_raft.py and tests/test_raft_simulation.py; real clusters run it in every
 real-process test (tests/test_failover.py, tests/test_pairs.py, ...)."""
 from __future__ import annotations
@@ -17,10 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qserver.membership import RaftMembership, raft_limits, tick_ms
-from qserver.peers import MemoryPeerNetwork
-from qserver.raft_store import MemoryRaftStore, RaftStorage, RaftStore, storage_id_bytes
-from qserver.storage import Storage
+from qserver.cluster.membership import RaftMembership, raft_limits, tick_ms
+from qserver.storage.lmdb_store import Storage
+from qserver.storage.raft_store import MemoryRaftStore, RaftStorage, RaftStore, storage_id_bytes
+from qserver.transport.peers import MemoryPeerNetwork
 from replication.cluster_map import (
     AddNode,
     ChangePair,
@@ -197,7 +197,7 @@ def test_the_cluster_map_survives_its_snapshot_encoding() -> None:
     assert decode_map(b"") == ClusterMap()
 
 
-# --- the driver (qserver/membership.py) on a virtual loop ------------------------------------------
+# --- the driver (qserver/cluster/membership.py) on a virtual loop ------------------------------------------
 class DriverCluster:
     """Three `RaftMembership` drivers over an in-memory network on a virtual-time loop, n1 the
     founder, n2 and n3 joining: the node side without engines, deterministic."""

@@ -11,12 +11,12 @@ import msgpack
 import pytest
 
 from client import AsyncClient, QueueError
-from client.protocol import DeliveredMessage, OkReply, decode_server_frame, encode_frame, messages_from_result
-from qserver.storage import SealedBatch, Storage
+from qserver.storage.lmdb_store import SealedBatch, Storage
 from replication.operations import Acked, DeadLettered, Enqueued, Leased
 from replication.options import HEADERS_MAX, OptionError, checked_headers
 from tests.test_client_integration import run_qctl
 from tests.test_failover import map_of, wait_for
+from wire.protocol import DeliveredMessage, OkReply, decode_server_frame, encode_frame, messages_from_result
 
 TRACE = {"trace-id": "4bf92f3577b34da6", "content-type": "application/json"}
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from client import AsyncClient, Client, QueueError, qctl
-from qserver.devcluster import LocalCluster
+from qserver.dev.devcluster import LocalCluster
 from replication.cluster_map import AddNode, ClusterMap, CreateQueue, plan_member_moves, plan_rebalance
 from tests.test_failover import drain, map_of, wait_for
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import msgpack
 
-from qserver.storage import SealedBatch, Storage
+from qserver.storage.lmdb_store import SealedBatch, Storage
 from replication.messages import encode_entry
 from replication.operations import Acked, DeadLettered, Enqueued, Operation
 from replication.options import QueueOptions

@@ -1,4 +1,4 @@
-"""The peer transport (qserver/peers.py): real aiohttp links on loopback, and its in-memory twin.
+"""The peer transport (qserver/transport/peers.py): real aiohttp links on loopback, and its in-memory twin.
 
 Every wait is bounded by `eventually`; the whole file runs in a few seconds.
 """
@@ -15,7 +15,7 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from qserver.peers import (
+from qserver.transport.peers import (
     HEADER_NONCE,
     PEER_PATH,
     FrameError,

@@ -1,4 +1,4 @@
-"""The WebSocket frame codec under random input (client/protocol.py, docs/PROTOCOL.md).
+"""The WebSocket frame codec under random input (wire/protocol.py, docs/PROTOCOL.md).
 
 A client frame of garbage must cost the server nothing but a `FrameError`; a bad item in a
 good frame fails only its own request; every item type survives a round trip. Hypothesis
@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from client import protocol
-from client.protocol import (
+from wire import protocol
+from wire.protocol import (
     INT64_MAX,
     PROTOCOL_VERSION,
     AckOp,

@@ -17,7 +17,12 @@ from typing import Any, TypeVar
 
 import pytest
 
-from client.errors import (
+from replication import queue_core
+from replication.operations import Acked, DeadLettered, Enqueued, Leased, Operation, Purged, Released
+from replication.options import QUEUE_STATE_TRANSITIONS, QueueOptions, QueueState, QueueType, Strength, producer_key
+from replication.queue_core import InvariantViolation, QueueCore, QueueRecord
+from replication.store import MemoryStore, StoreReader
+from wire.errors import (
     E_INVALID_OPTION,
     E_LEASE_EXPIRED,
     E_OVERLOADED,
@@ -26,11 +31,6 @@ from client.errors import (
     E_WRONG_QUEUE_TYPE,
     QueueError,
 )
-from replication import queue_core
-from replication.operations import Acked, DeadLettered, Enqueued, Leased, Operation, Purged, Released
-from replication.options import QUEUE_STATE_TRANSITIONS, QueueOptions, QueueState, QueueType, Strength, producer_key
-from replication.queue_core import InvariantViolation, QueueCore, QueueRecord
-from replication.store import MemoryStore, StoreReader
 
 QUEUE_ID = 1
 DEAD_LETTER_QUEUE_ID = 2

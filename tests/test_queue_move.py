@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from client import AsyncClient, QueueError, qctl
-from qserver.devcluster import LocalCluster
+from qserver.dev.devcluster import LocalCluster
 from tests.test_failover import drain, map_of, wait_for
 
 pytestmark = pytest.mark.asyncio

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from qserver.devcluster import REPOSITORY, TEST_TLS_CA_ENV, TEST_TLS_ENV, free_port, port_free
+from qserver.dev.devcluster import REPOSITORY, TEST_TLS_CA_ENV, TEST_TLS_ENV, free_port, port_free
 
 README = REPOSITORY / "README.md"
 RUN_LANGUAGES = ("sh", "python")
@@ -155,7 +155,7 @@ def run(argv: list[str], cwd: Path, env: dict[str, str], timeout_s: float) -> Ra
 
 @dataclass
 class Demo:
-    """A `python -m qserver.local` the test started: its own process group (its nodes are in
+    """A `python -m qserver.dev.local` the test started: its own process group (its nodes are in
     sessions of their own, which its Ctrl-C stops one at a time)."""
     process: subprocess.Popen[bytes]
     output_path: Path
@@ -191,7 +191,7 @@ def ctrl_c_not_ignored() -> Iterator[None]:
 def start_demo(arguments: list[str], cwd: Path, env: dict[str, str], name: str, budget: Budget) -> Demo:
     output_path = cwd / f"{name}.out"
     with open(output_path, "wb") as output, ctrl_c_not_ignored():
-        process = subprocess.Popen([sys.executable, "-m", "qserver.local", *arguments], cwd=cwd, env=env,
+        process = subprocess.Popen([sys.executable, "-m", "qserver.dev.local", *arguments], cwd=cwd, env=env,
                                    stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
                                    start_new_session=True)
     demo = Demo(process, output_path)

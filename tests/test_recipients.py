@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 
 from client import AsyncClient, Client
-from client.errors import QueueError
 from client.qctl import _recipient_text
 from replication.cluster_map import (
     RECIPIENTS_PER_CLIENT_MAX,
@@ -28,6 +27,7 @@ from replication.cluster_map import (
     encode_map,
 )
 from tests.test_client_integration import run_qctl
+from wire.errors import QueueError
 
 
 def test_the_map_keeps_a_chain_in_order_and_an_empty_one_clears_it() -> None:

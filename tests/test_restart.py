@@ -160,7 +160,7 @@ async def test_a_second_qserver_on_a_data_directory_in_use_refuses_to_start_and_
     import sys
     import urllib.request
 
-    from qserver.devcluster import free_port
+    from qserver.dev.devcluster import free_port
     from tests.conftest import REPOSITORY
     second = subprocess.run([sys.executable, "-m", "qserver", "run", "--data-dir", str(qnode.data_dir),
                              "--port", str(free_port()), "--log-level", "WARNING"],

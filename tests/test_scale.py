@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from qserver.deadlines import REBUILD_SLACK, DueQueues
-from qserver.pairs import TICK_SWEEP_ROLES
+from qserver.cluster.pairs import TICK_SWEEP_ROLES
+from qserver.core.deadlines import REBUILD_SLACK, DueQueues
 from replication.invariants import InvariantViolation
 from tests.sim.idle_queues import IdleQueuesSimulation
 

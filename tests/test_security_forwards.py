@@ -15,12 +15,12 @@ import pytest
 
 from client import AsyncClient, QueueError
 from client.credentials import Credentials, load_credentials
-from client.signing import new_private_key, private_key_to_text, public_key_text
-from qserver import forward_root
-from qserver.devcluster import LocalCluster
-from qserver.forwarder import SEALED_PREFIX, open_secret, seal_secret
+from qserver.dev.devcluster import LocalCluster
+from qserver.features.forwards import root as forward_root
+from qserver.features.forwards.forwarder import SEALED_PREFIX, open_secret, seal_secret
 from replication.cluster_map import ForwardEntry, PutForward
 from replication.options import HEADERS_CHARS_MAX, HEADERS_MAX
+from wire.signing import new_private_key, private_key_to_text, public_key_text
 
 COMPACT_EVERY = 10          # map commands between two snapshots of the map (the default is 1,000)
 
@@ -225,7 +225,7 @@ async def test_a_forward_checks_the_other_clusters_certificates_against_that_clu
     trusted whatever this cluster's CA signed. Now the forward carries that cluster's CA
     (`credentials.ca`, PEM; `ca_file` in a credentials file), sealed with its key, and its TLS
     uses it; something that is not a certificate is refused."""
-    from qserver.tls import make_tls_files
+    from qserver.transport.tls import make_tls_files
     other_ca = Path(make_tls_files(tmp_path / "other", "other-ca")["tls_ca_file"]).read_text()
     cluster: LocalCluster = qcluster_factory(2, {"collect": ["n1", "n2"], "outbox": ["n2", "n1"]})
     async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as admin:

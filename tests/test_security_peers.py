@@ -1,6 +1,6 @@
 """Attack tests for issue 32, item 6 (peer and membership links): each performs the attack against
 real `qserver` processes on loopback where the link is between processes, and against the real
-transport (qserver/peers.py, real sockets) where what is checked is inside one process.
+transport (qserver/transport/peers.py, real sockets) where what is checked is inside one process.
 
 The attacks are on plaintext links (TLS would hide the captured bytes), so these clusters run
 without TLS whatever $QSERVER_TEST_TLS says.
@@ -27,11 +27,11 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from qserver.devcluster import REPOSITORY, LocalCluster, free_port, start_qserver
-from qserver.membership import RaftMembership, raft_limits, tick_ms
-from qserver.peers import HEADER_NONCE, PEER_PATH, PeerTransport, auth_headers, dial_handshake, encode_frame
-from qserver.raft_store import MemoryRaftStore, RaftStore, storage_id_bytes
-from qserver.storage import MapGrowthNeeded, Storage
+from qserver.cluster.membership import RaftMembership, raft_limits, tick_ms
+from qserver.dev.devcluster import REPOSITORY, LocalCluster, free_port, start_qserver
+from qserver.storage.lmdb_store import MapGrowthNeeded, Storage
+from qserver.storage.raft_store import MemoryRaftStore, RaftStore, storage_id_bytes
+from qserver.transport.peers import HEADER_NONCE, PEER_PATH, PeerTransport, auth_headers, dial_handshake, encode_frame
 from replication.cluster_map import PutClient, encode_map
 from replication.raft import Ready
 from replication.raft_codec import encode_frame as encode_raft
@@ -543,7 +543,7 @@ def test_a_raft_write_that_finds_the_map_full_asks_for_growth_and_is_stored_afte
     """Issue 32, Low. A Raft write (here a snapshot install bigger than the whole map) hit
     LMDB's MapFullError, which the membership task did not expect: the task died and the node
     stopped. Now the store turns it into MapGrowthNeeded, nothing of the transaction is stored,
-    and once the map has grown the same Ready is written whole (qserver/membership.py retries)."""
+    and once the map has grown the same Ready is written whole (qserver/cluster/membership.py retries)."""
     storage = Storage(tmp_path / "lmdb", node_id="n1", map_size_bytes=1 << 20, disk_reserve_bytes=0)
     try:
         store = RaftStore(storage)

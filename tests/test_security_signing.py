@@ -1,8 +1,8 @@
 """Attack tests for request signing (issue 32, items 4 and 5, and the Low findings of
-qserver/auth.py): each performs the attack against real nodes on loopback (or, for the nonce
+qserver/api/auth.py): each performs the attack against real nodes on loopback (or, for the nonce
 tables, against the real Authenticator) and checks that it no longer works. A captured request
 is made the way an on-path observer would record it: the exact headers and body the client
-sent, signed here with client/signing.py as the client library signs them."""
+sent, signed here with wire/signing.py as the client library signs them."""
 from __future__ import annotations
 
 import asyncio
@@ -18,12 +18,12 @@ import pytest
 from client import AsyncClient, QueueError
 from client.credentials import Credentials, load_credentials
 from client.http import queue_path
-from client.signing import Signer, new_private_key, private_key_from_text, public_key_text
-from qserver import auth
-from qserver.auth import CLUSTER_CLIENT, Authenticator, relay_headers
-from qserver.devcluster import LocalCluster
-from qserver.macro_service import DelegatedSigner
+from qserver.api import auth
+from qserver.api.auth import CLUSTER_CLIENT, Authenticator, relay_headers
+from qserver.dev.devcluster import LocalCluster
+from qserver.features.macro.service import DelegatedSigner
 from tests.support import raw_session
+from wire.signing import Signer, new_private_key, private_key_from_text, public_key_text
 
 pytestmark = pytest.mark.asyncio
 
@@ -190,7 +190,7 @@ async def test_a_relay_envelope_holds_only_at_the_node_it_names(qcluster_factory
 
 
 def qs1_headers(creds: Credentials, method: str, path: str, body: bytes) -> dict[str, str]:
-    """A request signed the way clients signed before QS2 (client/signing.py at dfe307a)."""
+    """A request signed the way clients signed before QS2 (wire/signing.py at dfe307a)."""
     stamp, nonce = int(time.time() * 1000), os.urandom(16).hex()
     text = "\n".join(("QS1", method, path, "", str(stamp), nonce, hashlib.sha256(body).hexdigest())).encode()
     signature = base64.b64encode(private_key_from_text(creds.private_key_text).sign(text)).decode()

@@ -18,7 +18,7 @@ import pytest
 
 from client import AsyncClient, QueueError
 from client.credentials import Credentials, load_credentials
-from qserver.storage import SealedBatch, Storage
+from qserver.storage.lmdb_store import SealedBatch, Storage
 from replication.cluster_map import ClusterMap, PutClient
 from replication.operations import Acked, Enqueued, Leased, Operation
 from replication.options import QueueOptions
@@ -142,7 +142,7 @@ async def test_a_status_row_names_its_producer_and_an_older_row_reads_as_the_adm
     [state, at_ms, reply], so once the message row was gone nothing said whose status and reply
     it was, and any `post` client read them. The row now keeps the producer (from the message
     row, read before it goes); a row written before keeps reading, with no producer: only an
-    admin of the queue reads it (qserver/engine.py, _check_status)."""
+    admin of the queue reads it (qserver/core/engine.py, _check_status)."""
     at_ms = 1_700_000_000_000
     storage = Storage(tmp_path / "db", node_id="n1", map_size_bytes=64 << 20)
     try:

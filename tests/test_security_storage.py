@@ -17,9 +17,9 @@ import pytest
 
 from client import AsyncClient
 from qserver.cli import init
-from qserver.devcluster import LocalCluster
-from qserver.journal_export import ExportSettings, JournalExporter, JournalSource
-from qserver.storage import MapGrowthNeeded, SealedBatch, Storage
+from qserver.dev.devcluster import LocalCluster
+from qserver.storage.journal_export import ExportSettings, JournalExporter, JournalSource
+from qserver.storage.lmdb_store import MapGrowthNeeded, SealedBatch, Storage
 from replication.audit_checks import check_journal_sequences
 from replication.digest import EMPTY_DIGEST
 from replication.master import MasterRole, ReplicaProgress, ReplicationLimits

@@ -12,7 +12,7 @@ import pytest
 
 from client import AsyncClient, QueueError
 from client.credentials import Credentials, load_credentials
-from client.protocol import (
+from wire.protocol import (
     Closing,
     ErrorReply,
     OkReply,

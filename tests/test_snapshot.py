@@ -17,7 +17,7 @@ from typing import Any
 import lmdb
 import pytest
 
-from qserver.storage import SCHEMA_VERSION, SealedBatch, Storage, StorageLayoutError
+from qserver.storage.lmdb_store import SCHEMA_VERSION, SealedBatch, Storage, StorageLayoutError
 from replication.digest import EMPTY_DIGEST
 from replication.master import MasterRole, ReplicaProgress, ReplicationLimits
 from replication.messages import AppendAck, Open, SnapshotChunk, SyncBegin, decode_message, encode_message
@@ -264,7 +264,7 @@ def test_storage_truncates_the_log_in_bounded_steps_and_serves_nothing_below_its
 
 
 def test_snapshot_rows_are_appended_only_where_they_sort_after_every_stored_key(tmp_path: Path) -> None:
-    from qserver.storage import _put_in_order
+    from qserver.storage.lmdb_store import _put_in_order
     env = lmdb.open(str(tmp_path / "db"), max_dbs=1)
     rows = env.open_db(b"rows")
     key = struct.Struct(">QQ").pack
@@ -284,7 +284,7 @@ def test_an_lmdb_view_carries_each_messages_lease_or_deliveries_and_the_dedupe_w
     message once, in order, with its lease (leased) or its delivery count (released, or
     never delivered), then the dedupe window's entries; a lease of another queue that sorts
     among them is not taken for one of this queue's."""
-    from qserver.storage import SealedBatch, Storage
+    from qserver.storage.lmdb_store import SealedBatch, Storage
     from replication.operations import Enqueued, Leased, Released
     from replication.snapshot import ROW_DEDUPE, ROW_MESSAGE
     at_ms = 1_700_000_000_000
@@ -325,7 +325,7 @@ def test_a_node_sends_at_most_snapshot_views_max_snapshots_at_once_and_the_rest_
     every slot and the node died on MDB_READERS_FULL (issue 31). Past SNAPSHOT_VIEWS_MAX the
     master gets no view (its replica's Open is answered by the next Open), and a view closed
     frees its place; other readers keep their slots."""
-    from qserver.storage import READERS_MAX, SNAPSHOT_VIEWS_MAX
+    from qserver.storage.lmdb_store import READERS_MAX, SNAPSHOT_VIEWS_MAX
     assert SNAPSHOT_VIEWS_MAX < READERS_MAX // 2
     storage = Storage(tmp_path / "lmdb", node_id="n1")
     try:

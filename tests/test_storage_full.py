@@ -50,8 +50,8 @@ async def test_the_map_grows_between_two_writer_jobs_never_during_one(tmp_path) 
 
     import lmdb
 
-    from qserver.engine import LockedWriter
-    from qserver.storage import Storage
+    from qserver.core.engine import LockedWriter
+    from qserver.storage.lmdb_store import Storage
     storage = Storage(tmp_path / "lmdb", node_id="n1", map_size_bytes=8 << 20, disk_reserve_bytes=0)
     writer = LockedWriter(ThreadPoolExecutor(max_workers=1))
     in_transaction, finish = threading.Event(), threading.Event()

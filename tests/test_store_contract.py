@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import msgpack
 import pytest
 
-from qserver.storage import JOURNAL_FIELDS, MapGrowthNeeded, SealedBatch, Storage, StorageFull
+from qserver.storage.lmdb_store import JOURNAL_FIELDS, MapGrowthNeeded, SealedBatch, Storage, StorageFull
 from replication.operations import Acked, DeadLettered, Enqueued, Expired, Leased, Matured, Operation, Purged, Released
 from replication.options import QueueOptions, producer_key
 from replication.queue_core import InvariantViolation, QueueCore, QueueRecord

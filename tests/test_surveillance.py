@@ -22,13 +22,13 @@ from audit.inputs import read_records
 from audit.local import audit_records
 from client import AsyncClient
 from client.credentials import load_credentials
-from client.errors import QueueError
-from client.protocol import ErrorReply, SubscribeOp, decode_server_frame, encode_frame
 from client.qctl import _recipient_text
-from qserver.devcluster import REPOSITORY, LocalCluster
-from qserver.journal_export import export_environment
+from qserver.dev.devcluster import REPOSITORY, LocalCluster
+from qserver.storage.journal_export import export_environment
 from tests.support import raw_session
 from tests.test_client_integration import run_qctl
+from wire.errors import QueueError
+from wire.protocol import ErrorReply, SubscribeOp, decode_server_frame, encode_frame
 
 PLACEMENT = {"billing": ["n1", "n2"], "billing-b": ["n2", "n3"], "billing-c": ["n3", "n1"], "returns": ["n1", "n3"]}
 

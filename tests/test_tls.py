@@ -1,4 +1,4 @@
-"""TLS on every link (issue 13, qserver/tls.py): a cluster made with `qserver init --tls` links
+"""TLS on every link (issue 13, qserver/transport/tls.py): a cluster made with `qserver init --tls` links
 its nodes (peer and membership links) and serves its clients over TLS only; a plaintext
 connection, or a client that does not trust the cluster's CA, gets nowhere."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ from client import AsyncClient, QueueError
 from client.credentials import load_credentials
 from client.http import HttpClient
 from client.qctl import main as qctl
-from qserver.tls import make_tls_files
+from qserver.transport.tls import make_tls_files
 from tests.conftest import fail_on_unexpected_ends
 
 pytestmark = pytest.mark.asyncio
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.asyncio
 
 @pytest.fixture
 def tls_cluster(tmp_path: Path) -> Any:
-    from qserver.devcluster import LocalCluster
+    from qserver.dev.devcluster import LocalCluster
     cluster = LocalCluster(tmp_path / "cluster", 3, {"orders": ["n1", "n2"]}, tls=True)
     cluster.start_all()
     try:

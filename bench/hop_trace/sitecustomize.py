@@ -32,7 +32,11 @@ def _install() -> None:
                     note(end_event)
         setattr(owner, name, traced)
 
-    from qserver import engine, pairs, peers, storage, ws_api
+    from qserver.api import ws_api
+    from qserver.cluster import pairs
+    from qserver.core import engine
+    from qserver.storage.lmdb_store import lmdb_store as storage
+    from qserver.transport import peers
 
     wrap(ws_api.ClientConnection, "_handle_frame", "client frame in")
     wrap(ws_api, "encode_frame", "client answer encoded")

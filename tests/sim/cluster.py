@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from client.errors import QueueError
 from replication.digest import EMPTY_DIGEST
 from replication.master import InSyncProposal, MasterRole, ReplicationLimits
 from replication.messages import Forward, Message, decode_message, encode_message
@@ -30,6 +29,7 @@ from replication.queue_core import QueueCore, QueueRecord
 from replication.replica import ReplicaRole, SnapshotInstall
 from replication.snapshot import InstalledState, MemorySnapshotView, SnapshotView, memory_rows
 from replication.store import MemoryStore
+from wire.errors import QueueError
 
 QUEUE = "q"
 QUEUE_IDS = {"n1": 1, "n2": 7}    # node-local storage ids differ, as they do between real nodes

@@ -1,7 +1,7 @@
 """Deterministic simulation of a three-node cluster built from real engines (STYLE.md, after
-TigerBeetle's VOPR): the node driver of qserver/engine.py with its group commit, pair driver,
+TigerBeetle's VOPR): the node driver of qserver/core/engine.py with its group commit, pair driver,
 held answers and coordinator (leases, failover, handoff), the real membership layer (the Raft
-core of replication/raft.py run by qserver/membership.py, its state in a `MemoryRaftStore`
+core of replication/raft.py run by qserver/cluster/membership.py, its state in a `MemoryRaftStore`
 written through the node's disk), on a virtual-time event loop, in-memory peer and membership
 networks and in-memory storage whose commits are durable when they run, after a seeded fsync
 delay.
@@ -37,18 +37,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from client.errors import QueueError
-from qserver import commands as c
+from qserver.cluster.membership import ChangeAll, RaftMembership, raft_limits, tick_ms
 from qserver.config import NodeConfig
-from qserver.engine import Engine
-from qserver.membership import ChangeAll, RaftMembership, raft_limits, tick_ms
-from qserver.peers import MemoryPeerNetwork
-from qserver.raft_store import MemoryRaftStore
+from qserver.core import commands as c
+from qserver.core.engine import Engine
+from qserver.storage.raft_store import MemoryRaftStore
+from qserver.transport.peers import MemoryPeerNetwork
 from replication.cluster_map import ChangePair, ChangePairs, ClusterMap, QueueEntry, decode_command, encode_command
 from replication.master import ReplicaProgress
 from replication.options import Strength
 from tests.sim.memory_storage import MemoryStorage
 from tests.sim.virtual_loop import DelayedExecutor, VirtualTimeLoop
+from wire.errors import QueueError
 
 QUEUE = "q"
 NODES = ("n1", "n2", "n3")

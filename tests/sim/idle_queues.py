@@ -14,7 +14,7 @@ import collections
 import dataclasses
 from typing import Any
 
-from qserver import commands as c
+from qserver.core import commands as c
 from replication.queue_core import QueueCore
 from tests.sim.engine_cluster import FIRST_MASTER, FIRST_REPLICA, NODES, QUEUE, EngineSimulation
 

@@ -38,9 +38,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from client.errors import QueueError
-from qserver import commands as c
-from qserver.storage import SealedBatch
+from qserver.core import commands as c
+from qserver.storage.lmdb_store import SealedBatch
 from replication.cluster_map import ChangePair
 from replication.options import Strength
 from tests.sim.engine_cluster import (
@@ -53,6 +52,7 @@ from tests.sim.engine_cluster import (
     EngineSimulation,
     SimNode,
 )
+from wire.errors import QueueError
 
 MOMENTS = ("any moment", "after persist", "before persist")
 RESTARTS = 2 * len(MOMENTS)

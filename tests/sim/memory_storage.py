@@ -1,4 +1,4 @@
-"""An in-memory twin of `qserver.storage.Storage`: what the engine, the pair driver, the
+"""An in-memory twin of `qserver.storage.lmdb_store.Storage`: what the engine, the pair driver, the
 cores and the replication roles call, and nothing else.
 
 Messages, ready lists, leases, statuses and dedupe ids live in a `MemoryStore` (the same
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from qserver.storage import CommitResult, SealedBatch
+from qserver.storage.lmdb_store import CommitResult, SealedBatch
 from replication.digest import EMPTY_DIGEST
 from replication.messages import decode_entry
 from replication.operations import Enqueued

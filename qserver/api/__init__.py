@@ -1,0 +1,1 @@
+"""What clients reach: REST, the WebSocket, authentication and grants."""

@@ -1,0 +1,1 @@
+"""The node in its cluster: queue pairs, the coordinator, the membership layer, relays."""

@@ -1,0 +1,1 @@
+"""The local cluster of real processes, the demo and their helpers."""

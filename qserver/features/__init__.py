@@ -1,0 +1,1 @@
+"""Features built on the queues: each reaches the node through qserver.services only."""

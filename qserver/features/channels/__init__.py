@@ -1,0 +1,1 @@
+"""Publish/subscribe channels (seed 002)."""

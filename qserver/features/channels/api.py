@@ -1,0 +1,185 @@
+"""Channels (seed 002) in the REST API: their definitions (create, characterize, set the resend
+interval, typeof, delete, list) and publishing one message. Subscribing is a stream: it is on
+the WebSocket (docs/PROTOCOL.md, "Channels"), where the client library does it."""
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from qserver.api.http_api import (
+    FORWARDED_BY,
+    NAMES_PAGE_DEFAULT,
+    NAMES_PAGE_MAX,
+    NODE,
+    call,
+    coordinator_of,
+    json_body,
+    page_of,
+    page_params,
+    principal,
+    propose,
+    proxy_to,
+)
+from qserver.core import commands as c
+from qserver.features.channels.hub import PublishReplier
+from replication.cluster_map import (
+    CHANNEL_RESEND_MAX_S,
+    DeleteChannel,
+    DeliveryClass,
+    PutChannel,
+    channel_queue,
+    choose_pair,
+)
+from replication.options import DEAD_LETTER_SUFFIX, is_valid_queue_name, valid_dedupe_id
+from replication.queue_core import SUBSCRIPTION_PRIORITY
+from wire import errors as e
+from wire.errors import QueueError
+
+
+def channel_name(request: web.Request, privilege: str) -> str:
+    name = request.match_info["c"]
+    if not is_valid_queue_name(name) or name.endswith(DEAD_LETTER_SUFFIX):
+        raise QueueError(e.E_INVALID_NAME, "channel names are queue names (1-196 of A-Z a-z 0-9 . _ : -, starting "
+                                           "alphanumeric)")
+    principal(request).require(privilege, name)
+    return name
+
+
+def describe(request: web.Request, name: str) -> dict[str, Any]:
+    cluster = coordinator_of(request).membership.cluster_map
+    entry = cluster.channels.get(name)
+    if entry is None:
+        raise QueueError(e.E_UNKNOWN_CHANNEL, f"no channel named {name!r}")
+    described = entry.to_json()
+    pair = cluster.queues.get(channel_queue(name))
+    if pair is not None:
+        described.update({"master": pair.master, "replica": pair.replica, "epoch": pair.epoch})
+    hub = request.app[NODE].channels
+    described["subscribers_here"] = len(hub.subscribers.get(name, ()))
+    return described
+
+
+async def put_channel(request: web.Request) -> web.Response:
+    """Create a channel, or characterize it: its delivery class and resend interval (from the
+    next publish on)."""
+    name = channel_name(request, "admin")
+    coordinator = coordinator_of(request)
+    body = await json_body(request)
+    if not isinstance(body, dict) or set(body) - {"class", "resend_interval_s"}:
+        raise QueueError(e.E_INVALID_OPTION, 'the body is {"class": "latest"|"acked"|"durable", '
+                                             '"resend_interval_s": seconds}')
+    cluster = coordinator.membership.cluster_map
+    existing = cluster.channels.get(name)
+    delivery_class = body.get("class", existing.delivery_class if existing else DeliveryClass.LATEST.value)
+    resend = body.get("resend_interval_s", existing.resend_interval_s if existing else 0.0)
+    if delivery_class not in set(DeliveryClass) or type(resend) not in (int, float) \
+            or not 0 <= resend <= CHANNEL_RESEND_MAX_S:
+        raise QueueError(e.E_INVALID_OPTION, f"class is latest, acked or durable, resend_interval_s "
+                                             f"0-{CHANNEL_RESEND_MAX_S}")
+    if existing is None and channel_queue(name) in cluster.queues:
+        raise QueueError(e.E_RESERVED_NAME, f"{channel_queue(name)} exists")
+    pair = choose_pair(cluster) if existing is None else ("", "")
+    if pair is None:
+        raise QueueError(e.E_QUEUE_UNAVAILABLE, f"no two live nodes for channel {name}")
+    incarnation = request.app[NODE].engine.random_bits(62) | 1
+    command = PutChannel(name, str(delivery_class), float(resend), pair[0], pair[1], incarnation)
+    outcome = await propose(request, command)
+    if not outcome.applied:
+        raise QueueError(e.E_INVALID_OPTION, f"channel {name}: {outcome.reason}")
+    return web.json_response(describe(request, name), status=201 if outcome.reason == "created" else 200)
+
+
+async def list_channels(request: web.Request) -> web.Response:
+    """The channels the caller may see, by name, a page at a time (`limit`, `after`, `next`
+    as GET /v1/queues); only the page's channels are described."""
+    who = principal(request)
+    limit, after = page_params(request, NAMES_PAGE_DEFAULT, NAMES_PAGE_MAX)
+    names, cursor = page_of(sorted(coordinator_of(request).membership.cluster_map.channels), after, limit,
+                            who.may_see)
+    return web.json_response({"channels": [describe(request, name) for name in names], "next": cursor})
+
+
+async def get_channel(request: web.Request) -> web.Response:
+    """typeof: the channel's class and resend interval, and where it is served."""
+    name = request.match_info["c"]
+    if not principal(request).may_see(name):
+        raise QueueError(e.E_FORBIDDEN, f"no grant covers {name}")
+    return web.json_response(describe(request, name))
+
+
+async def delete_channel(request: web.Request) -> web.Response:
+    name = channel_name(request, "admin")
+    if not (await propose(request, DeleteChannel(name))).applied:
+        raise QueueError(e.E_UNKNOWN_CHANNEL, f"no channel named {name!r}")
+    return web.json_response({"channel": name, "deleted": True})
+
+
+async def publish(request: web.Request) -> web.Response:
+    """One message (the request itself says the caller publishes: no advertisement needed),
+    answered once committed, and sent to every subscriber at the channel's master."""
+    name = channel_name(request, "post")
+    node = request.app[NODE]
+    hub = node.channels
+    hub.entry(name)
+    dedupe_id = request.headers.get("X-Dedupe-Id")
+    if dedupe_id is not None and not valid_dedupe_id(dedupe_id):
+        raise QueueError(e.E_INVALID_OPTION, "X-Dedupe-Id must be 1-128 printable UTF-8 characters")
+    entry = node.engine.pairs.view.entry(channel_queue(name))
+    if entry is not None and entry.master != node.config.node_id and FORWARDED_BY not in request.headers:
+        return await proxy_to(request, node, entry.master)
+    payload = await request.read()
+    client = principal(request).client_id
+
+    def command(replier: c.FutureReplier) -> c.Enqueue:
+        return c.Enqueue(channel_queue(name), payload, SUBSCRIPTION_PRIORITY, dedupe_id, client,
+                         PublishReplier(hub, replier, name, payload))
+    message_id, epoch = await call(node.engine, command, may_have_applied=True)
+    return web.json_response({"channel": name, "id": message_id, "epoch": epoch}, status=201)
+
+
+async def _at_master(request: web.Request, name: str) -> web.Response | None:
+    """The channel's master answers about its durable subscriptions: a proxied answer from it,
+    or None when this node is the master."""
+    node = request.app[NODE]
+    node.channels.entry(name)
+    entry = node.engine.pairs.view.entry(channel_queue(name))
+    if entry is not None and entry.master != node.config.node_id and FORWARDED_BY not in request.headers:
+        return await proxy_to(request, node, entry.master)
+    return None
+
+
+async def list_subscriptions(request: web.Request) -> web.Response:
+    """A durable channel's subscriptions, as its master holds them."""
+    name = channel_name(request, "get")
+    proxied = await _at_master(request, name)
+    if proxied is not None:
+        return proxied
+    return web.json_response({"channel": name, "subscriptions": request.app[NODE].channels.durable_subscriptions(name)})
+
+
+async def drop_subscription(request: web.Request) -> web.Response:
+    """End a durable subscription for good (a replicated step on the channel's queue)."""
+    name = channel_name(request, "admin")
+    subscription = request.match_info["s"]
+    if not is_valid_queue_name(subscription):
+        raise QueueError(e.E_INVALID_NAME, "a durable subscription's name is a queue name")
+    proxied = await _at_master(request, name)
+    if proxied is not None:
+        return proxied
+    node = request.app[NODE]
+    client = principal(request).client_id
+    answer = await call(node.engine, lambda replier: node.channels.drop_subscription_command(
+        name, subscription, client, replier), may_have_applied=True)
+    return web.json_response(answer)
+
+
+def add_routes(app: web.Application) -> None:
+    r = app.router
+    r.add_get("/v1/channels", list_channels)
+    r.add_put("/v1/channels/{c}", put_channel)
+    r.add_get("/v1/channels/{c}", get_channel)
+    r.add_delete("/v1/channels/{c}", delete_channel)
+    r.add_post("/v1/channels/{c}/messages", publish)
+    r.add_get("/v1/channels/{c}/subscriptions", list_subscriptions)
+    r.add_delete("/v1/channels/{c}/subscriptions/{s}", drop_subscription)

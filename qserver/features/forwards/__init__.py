@@ -1,0 +1,1 @@
+"""Store-and-forward between clusters (seed 003): forwarders and the forward root."""

@@ -1,0 +1,136 @@
+"""Forwards (seed 003 store-and-forward: qserver/features/forwards/forwarder.py, qserver/features/forwards/root.py) in the
+REST API. A forward lives in the cluster map (`PutForward`, `DeleteForward`), so the master of
+its source queue, wherever that is, runs it; its figures are that master's (other nodes pass
+the request on)."""
+from __future__ import annotations
+
+import os
+import ssl
+import time
+
+from aiohttp import web
+
+from qserver.api.http_api import NODE, coordinator_of, json_body, path_name, principal, propose, proxy_to
+from qserver.features.forwards.forwarder import seal_secret
+from replication.cluster_map import DeleteForward, PutForward
+from replication.options import is_valid_queue_name
+from wire import errors as e
+from wire.errors import QueueError
+from wire.signing import private_key_from_text
+
+URLS_MAX = 16
+CA_CHARS_MAX = 64 * 1024
+
+
+def _checked_ca(ca: object) -> str:
+    """The other cluster's CA certificate(s), PEM: what the forward's TLS checks that cluster's
+    nodes against ("": this cluster's CA, as before)."""
+    if ca in ("", None):
+        return ""
+    if not isinstance(ca, str) or len(ca) > CA_CHARS_MAX:
+        raise QueueError(e.E_INVALID_OPTION, f"credentials.ca is a PEM certificate of at most {CA_CHARS_MAX} characters")
+    try:
+        ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cadata=ca)
+    except (ssl.SSLError, ValueError):
+        raise QueueError(e.E_INVALID_OPTION, "credentials.ca is not a PEM certificate") from None
+    return ca
+
+
+def forward_name(request: web.Request) -> str:
+    return path_name(request, "f", "forward")
+
+
+async def create_forward(request: web.Request) -> web.Response:
+    """{"name", "source", "destination", "urls": [...], "credentials": {"client_id",
+    "private_key", "ca"?}}: forward `source` (a `full` queue here) into `destination` of the
+    cluster at `urls` signed with those credentials, checking its nodes' TLS certificates
+    against `ca` (PEM; none: this cluster's CA) (no urls: a queue of this cluster, sent by the
+    cluster itself). Admin only: the credentials act in another cluster."""
+    principal(request).require("admin", "*")
+    body = await json_body(request)
+    if not isinstance(body, dict):
+        raise QueueError(e.E_INVALID_OPTION, "the body is a JSON object")
+    for field in ("name", "source", "destination"):
+        if not isinstance(body.get(field), str) or not is_valid_queue_name(body[field]):
+            raise QueueError(e.E_INVALID_OPTION, f"{field} must be a valid name")
+    name, source, destination = str(body["name"]), str(body["source"]), str(body["destination"])
+    urls = body.get("urls") or []
+    if not isinstance(urls, list) or len(urls) > URLS_MAX or not all(
+            isinstance(url, str) and url.startswith(("http://", "https://")) for url in urls):
+        raise QueueError(e.E_INVALID_OPTION, f"urls is a list of at most {URLS_MAX} http(s) URLs of the "
+                                             "destination's cluster")
+    client_id, secret = "", ""
+    if urls:
+        credentials = body.get("credentials")
+        if not isinstance(credentials, dict) or not isinstance(credentials.get("client_id"), str) \
+                or not isinstance(credentials.get("private_key"), str):
+            raise QueueError(e.E_INVALID_OPTION, 'a forward to another cluster needs "credentials": '
+                                                 '{"client_id", "private_key"} registered there')
+        try:
+            private_key_from_text(credentials["private_key"])
+        except Exception:   # the key parser raises several unrelated types for garbage
+            raise QueueError(e.E_INVALID_OPTION, "credentials.private_key is not a private key") from None
+        client_id = credentials["client_id"]
+        ca = _checked_ca(credentials.get("ca", ""))
+        # Sealed with the cluster secret: the map's log, snapshots and LMDB files, on every node,
+        # hold it encrypted (docs/PROTOCOL.md "Forwards").
+        secret = seal_secret(request.app[NODE].auth.cluster_secret, name, client_id, credentials["private_key"], ca)
+    elif source == destination:
+        raise QueueError(e.E_INVALID_OPTION, "a forward into its own source")
+    outcome = await propose(request, PutForward(name, source, destination, tuple(u.rstrip("/") for u in urls),
+                                                client_id, secret, int(time.time() * 1000), os.urandom(8).hex()))
+    if not outcome.applied:
+        if outcome.reason.startswith("no queue"):
+            raise QueueError(e.E_UNKNOWN_QUEUE, outcome.reason)
+        raise QueueError(e.E_FORWARD_REFUSED, outcome.reason)
+    entry = coordinator_of(request).membership.cluster_map.forwards.get(name)
+    return web.json_response(entry.to_json() if entry is not None else {"name": name}, status=201)
+
+
+async def list_forwards(request: web.Request) -> web.Response:
+    cluster = coordinator_of(request).membership.cluster_map
+    out = []
+    for entry in sorted(cluster.forwards.values(), key=lambda f: f.name):
+        source = cluster.queues.get(entry.source)
+        out.append({**entry.to_json(), "runs_on": source.master if source is not None else None})
+    return web.json_response({"forwards": out})
+
+
+async def forward_stats(request: web.Request) -> web.StreamResponse:
+    """The forwarder's figures, from the master of its source (where it runs)."""
+    name = forward_name(request)
+    node = request.app[NODE]
+    cluster = coordinator_of(request).membership.cluster_map
+    entry = cluster.forwards.get(name)
+    if entry is None and "X-Forwarded-By" in request.headers:
+        # Passed on by a node that knows the forward: this one (its source's master) has not
+        # applied that map change yet, and will start it once it has.
+        return web.json_response({"name": name, "node": node.config.node_id, "state": "starting",
+                                  "error": "this node has not applied the forward yet"})
+    if entry is None:
+        raise QueueError(e.E_UNKNOWN_FORWARD, f"no forward {name}")
+    stats = node.forwarders.stats(name)
+    if stats is not None:
+        return web.json_response(stats)
+    source = cluster.queues.get(entry.source)
+    if source is not None and source.master != node.config.node_id and "X-Forwarded-By" not in request.headers:
+        return await proxy_to(request, node, source.master)
+    return web.json_response({**entry.to_json(), "node": node.config.node_id, "state": "not running",
+                              "error": "its source's master has not started it (yet)"})
+
+
+async def delete_forward(request: web.Request) -> web.Response:
+    principal(request).require("admin", "*")
+    name = forward_name(request)
+    outcome = await propose(request, DeleteForward(name))
+    if not outcome.applied:
+        raise QueueError(e.E_UNKNOWN_FORWARD, f"no forward {name}")
+    return web.json_response({"name": name, "deleted": True})
+
+
+def add_routes(app: web.Application) -> None:
+    r = app.router
+    r.add_post("/v1/forwards", create_forward)
+    r.add_get("/v1/forwards", list_forwards)
+    r.add_get("/v1/forwards/{f}", forward_stats)
+    r.add_delete("/v1/forwards/{f}", delete_forward)

@@ -1,0 +1,1 @@
+"""Macro queues (seed 004): one name over member queues."""

@@ -1,0 +1,119 @@
+"""Macro queues for callers that do not run their policies: REST (and so `curl`).
+
+The client library runs a macro queue's policies itself and calls the members' masters
+directly (client/macro.py). A plain REST call on a macro queue's name is served here, by the
+same code: the node keeps a client library instance per calling client and makes the member
+calls in that client's name, signed with the cluster secret (qserver/api/auth.py,
+`delegated_signature`), so they carry exactly the caller's grants and every member call keeps
+its own guarantees (dedupe ids, acknowledgement after commit, failover handling). The answer
+names the member: acks, releases and extensions go to the member's own path.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from client.aio import AsyncClient, Message
+from client.credentials import Credentials
+from client.macro import MacroEnqueued
+from qserver.api.auth import delegated_signature
+from qserver.metrics import render_family
+from wire.errors import QueueError
+from wire.signing import Signer
+
+log = logging.getLogger("qserver.macro")
+CLIENTS_MAX = 32                # callers with a client library instance kept here (least recently used go)
+
+
+class DelegatedSigner(Signer):
+    """Signs as client `client_id` with the cluster secret (`QD2:`, qserver/api/auth.py): over the
+    QS2 canonical string, so the signature names the client and the node it is sent to and
+    holds nowhere else (docs/PROTOCOL.md, "Signing")."""
+
+    def __init__(self, client_id: str, secret: bytes) -> None:
+        self.client_id = client_id
+        self._secret = secret
+
+    def signature(self, message: bytes) -> str:
+        return delegated_signature(self._secret, message)
+
+
+@dataclass(frozen=True, slots=True)
+class DelegatedCredentials(Credentials):
+    secret: bytes = b""
+
+    def signer(self) -> DelegatedSigner:
+        return DelegatedSigner(self.client_id, self.secret)
+
+
+class MacroService:
+    def __init__(self, node: Any, secret: bytes) -> None:
+        self._node = node
+        self._secret = secret
+        self._clients: OrderedDict[str, AsyncClient] = OrderedDict()
+        self.calls: collections.Counter[str] = collections.Counter()    # REST calls served, by outcome
+
+    def is_macro(self, name: str) -> bool:
+        coordinator = self._node.engine.coordinator
+        return coordinator is not None and name in coordinator.membership.cluster_map.macros
+
+    def client_for(self, client_id: str) -> AsyncClient:
+        """A client library instance that calls in `client_id`'s name (delegated; qserver/api/auth.py)."""
+        client = self._clients.get(client_id)
+        if client is not None and not client.usable:
+            del self._clients[client_id]         # its grants changed or it was removed: start afresh
+            client = None
+        if client is None:
+            tls = self._node.config.tls_files()
+            credentials = DelegatedCredentials(client_id, "", self._node.url, tls[2] if tls else "", self._secret)
+            client = self._clients[client_id] = AsyncClient(self._node.url, credentials)
+            while len(self._clients) > CLIENTS_MAX:
+                _, oldest = self._clients.popitem(last=False)
+                asyncio.get_running_loop().create_task(oldest.close())
+        self._clients.move_to_end(client_id)
+        return client
+
+    async def enqueue(self, client_id: str, name: str, payload: bytes, priority: int, dedupe_id: str, **extra: Any
+                      ) -> MacroEnqueued:
+        try:
+            answer = await self.client_for(client_id).enqueue(name, payload, priority, dedupe_id, **extra)
+        except QueueError as error:
+            self.calls[f"enqueue {error.code}"] += 1
+            raise
+        self.calls["enqueue ok"] += 1
+        return answer if isinstance(answer, MacroEnqueued) else MacroEnqueued(answer, name)
+
+    async def receive(self, client_id: str, name: str, wait_s: float, visibility_timeout_s: float | None
+                      ) -> list[Message]:
+        try:
+            messages = await self.client_for(client_id).receive(name, 1, wait_s, visibility_timeout_s)
+        except QueueError as error:
+            self.calls[f"receive {error.code}"] += 1
+            raise
+        self.calls["receive ok"] += 1
+        return messages
+
+    def render_metrics(self) -> list[str]:
+        coordinator = self._node.engine.coordinator
+        macros = coordinator.membership.cluster_map.macros if coordinator is not None else {}
+        calls = [({"op": key.split()[0], "outcome": key.split()[1]}, count) for key, count in sorted(self.calls.items())]
+        return (render_family("qserver_macro_queues", "gauge", "macro queues in the cluster map", [({}, len(macros))])
+                + render_family("qserver_macro_members", "gauge", "member queues per macro queue",
+                                [({"macro": name}, len(macro.members)) for name, macro in sorted(macros.items())])
+                + render_family("qserver_macro_rest_calls_total", "counter",
+                                "REST calls on macro queues this node served, by outcome", calls)
+                + render_family("qserver_macro_delegating_clients", "gauge",
+                                "callers with a client library instance here (REST on macro queues)",
+                                [({}, len(self._clients))]))
+
+    async def close(self) -> None:
+        clients, self._clients = list(self._clients.values()), OrderedDict()
+        for client in clients:
+            try:
+                await client.close()
+            except Exception:   # closing is best effort at shutdown
+                log.exception("closing a macro client")

@@ -1,0 +1,1 @@
+"""Fault surveillance of recipients with alternative recipients (seed 001)."""

@@ -1,0 +1,1 @@
+"""LMDB storage of one node: queue records and messages, the membership log, journal export."""

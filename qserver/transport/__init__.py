@@ -1,0 +1,1 @@
+"""Links between nodes: the peer transport and TLS."""
