@@ -15,16 +15,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from audit.checks.violations import AuditSettings
 from audit.html import render_html
 from audit.inputs import resolve_journals
-from replication.audit_checks import AuditSettings
 
 EXIT_CLEAN, EXIT_VIOLATIONS, EXIT_ERROR = 0, 1, 2
 
 
 def parser() -> argparse.ArgumentParser:
     parse = argparse.ArgumentParser(prog="qaudit", description="Audit queue journals: nothing lost, duplicated "
-                                    "or reordered (DESIGN.md 4.6).")
+                                    "or reordered (docs/AUDIT.md).")
     parse.add_argument("--journals", nargs="+", required=True, metavar="PATH",
                        help="exported segment directories or files (local or hdfs://, s3://, ...), or node "
                             "LMDB environments / data directories (exported on the fly)")

@@ -19,8 +19,9 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from audit.checks.history import HistoryEnqueue
 from qserver.storage.journal_export import export_environment, filesystem_for
-from replication.audit_checks import RECORD_COLUMNS, HistoryEnqueue, JournalRecord
+from replication.journal import RECORD_COLUMNS, JournalRecord
 
 HISTORY_STRING_FIELDS = ("queue", "status", "dedupe_id", "client", "op")
 HISTORY_INT_FIELDS = ("id", "payload_crc32", "at_ms")

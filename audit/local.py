@@ -1,25 +1,21 @@
 """The pure-Python path: the same checkers over records read with pyarrow, no JVM.
 
 For small inputs (tests, a single node's journal, a quick look) and as the reference the
-Spark job is compared with (tests/test_audit_spark.py).
+Spark job is compared with (tests/test_audit.py).
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from audit.checks.group import check_group
+from audit.checks.history import HistoryEnqueue, history_as_record
+from audit.checks.journals import check_journal_sequences
+from audit.checks.report import assemble_report
+from audit.checks.units import group_of
+from audit.checks.violations import DEFAULT_SETTINGS, AuditSettings
 from audit.inputs import read_history, read_records
-from replication.audit_checks import (
-    DEFAULT_SETTINGS,
-    AuditSettings,
-    HistoryEnqueue,
-    JournalRecord,
-    assemble_report,
-    check_group,
-    check_journal_sequences,
-    group_of,
-    history_as_record,
-)
+from replication.journal import JournalRecord
 
 Progress = Callable[[str], None]
 

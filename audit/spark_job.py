@@ -17,7 +17,7 @@ Groups are spread over partitions; one group is checked by one worker, so the la
 records must fit one worker's memory (about 1 GB per 2 million records).
 
 `local[*]` by default; `--master spark://host:7077`, `yarn` or `k8s://...` run it on a
-cluster unchanged (the audit and replication packages are shipped to the executors as a zip;
+cluster unchanged (the audit, replication and wire packages are shipped to the executors as a zip;
 executors need Python 3.11+ with msgpack and pyarrow).
 """
 from __future__ import annotations
@@ -38,20 +38,15 @@ from typing import Any
 
 import pyarrow as pa
 
+from audit.checks.group import check_group
+from audit.checks.history import HISTORY_OP
+from audit.checks.journals import check_journal_runs, sequence_runs
+from audit.checks.report import assemble_report
+from audit.checks.units import group_of
+from audit.checks.violations import DEFAULT_SETTINGS, AuditSettings
 from qserver.storage.journal_export import INT_COLUMNS
-from replication.audit_checks import (
-    DEAD_LETTER_SUFFIX,
-    DEFAULT_SETTINGS,
-    HISTORY_OP,
-    RECORD_COLUMNS,
-    AuditSettings,
-    JournalRecord,
-    assemble_report,
-    check_group,
-    check_journal_runs,
-    group_of,
-    sequence_runs,
-)
+from replication.journal import RECORD_COLUMNS, JournalRecord
+from replication.options import DEAD_LETTER_SUFFIX
 
 Progress = Callable[[str], None]
 REPOSITORY = Path(__file__).resolve().parent.parent
@@ -146,12 +141,13 @@ def stop_session(spark: Any) -> None:
 
 
 def _code_zip() -> Path:
-    """The audit and replication packages (pure Python) for executors on other machines."""
+    """The audit's and the checks' packages (pure Python) for executors on other machines: the
+    checks read the journal format and queue names from replication/, which reads wire/."""
     target = Path(tempfile.mkdtemp(prefix="qaudit-")) / "qaudit-code.zip"
     with zipfile.ZipFile(target, "w") as archive:
-        for package in ("audit", "replication"):
-            for path in sorted((REPOSITORY / package).glob("*.py")):
-                archive.write(path, f"{package}/{path.name}")
+        for package in ("audit", "replication", "wire"):
+            for path in sorted((REPOSITORY / package).rglob("*.py")):
+                archive.write(path, path.relative_to(REPOSITORY).as_posix())
     return target
 
 
@@ -253,7 +249,7 @@ def audit_spark(spark: Any, journals: list[str], history_path: str | None = None
     rows = records
     if history_path:
         rows = rows.unionByName(_history_rows(spark, history_path))
-    # Partitioned by each record's group (audit_checks.group_of, in Spark), which is not shipped:
+    # Partitioned by each record's group (audit/checks/units.py group_of, in Spark), which is not shipped:
     # the workers group by queue and merge each queue with its dead-letter queue.
     queue = F.col("queue")
     group = F.when(queue.endswith(DEAD_LETTER_SUFFIX),
@@ -334,7 +330,7 @@ def footer_starts(journals: list[str]) -> dict[tuple[str, str], int] | None:
 
 
 def _history_rows(spark: Any, history_path: str) -> Any:
-    """History entries shaped as records (audit_checks.history_as_record, in Spark)."""
+    """History entries shaped as records (audit/checks/history.py history_as_record, in Spark)."""
     from pyspark.sql import functions as F
     from pyspark.sql.types import BinaryType, LongType
 

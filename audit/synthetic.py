@@ -21,7 +21,7 @@ import msgpack
 import pyarrow.parquet as pq
 
 from qserver.storage.journal_export import columns_table
-from replication.audit_checks import JOURNAL_FIELDS, RECORD_COLUMNS
+from replication.journal import JOURNAL_FIELDS, RECORD_COLUMNS
 
 NODES = ("n1", "n2", "n3")
 BASE_MS = 1_790_000_000_000

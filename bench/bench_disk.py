@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.bench import drain, fill  # noqa: E402
 from client import AsyncClient  # noqa: E402
 from qserver.dev.devcluster import LocalCluster  # noqa: E402
-from qserver.storage.lmdb_store import database_usage  # noqa: E402
+from qserver.storage.space import database_usage  # noqa: E402
 
 TARGET_BYTES = 64 << 20
 SETTLE_TIMEOUT_S = 600     # after the retentions: pruning goes in bounded steps per housekeeping

@@ -66,7 +66,7 @@ async def one_round(client: AsyncClient, queue: str, seconds: float) -> list[dic
 
 
 async def rest_latency(client: AsyncClient, url: str, queue: str, seconds: float) -> dict[str, Any]:
-    http = client._route_to(url).http
+    http = client._router.route_to(url).http
     latencies = []
     stop_at = time.perf_counter() + seconds
     while time.perf_counter() < stop_at:

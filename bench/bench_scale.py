@@ -89,9 +89,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.bench import percentile  # noqa: E402
 from bench.bench_failover import summarise  # noqa: E402
 from client import AsyncClient, QueueError  # noqa: E402
-from client.aio import PLACEMENT_QUEUES_MAX  # noqa: E402
 from client.credentials import Credentials, load_credentials  # noqa: E402
 from client.http import HttpClient  # noqa: E402
+from client.router import PLACEMENT_QUEUES_MAX  # noqa: E402
 from qserver.dev.devcluster import REPOSITORY, LocalCluster, NodeRun, start_qserver  # noqa: E402
 
 PARTS = ("queues", "failover", "restart", "connections")
@@ -108,7 +108,7 @@ FILL_IN_FLIGHT = 32
 CLIENTS_PER_PROCESS = 2_500
 CONNECT_IN_FLIGHT = 50            # upgrades in flight per generator (the node's listen backlog is 128)
 LATE_S = 0.05                     # a send that starts this late is counted late (the generator fell behind)
-MAP_READ_TARGET_S = 0.3           # client/aio.py MAP_READ_TIMEOUT_S: a slower map is passed over
+MAP_READ_TARGET_S = 0.3           # client/router.py MAP_READ_TIMEOUT_S: a slower map is passed over
 NODE_START_TIMEOUT_S = 120.0      # a node restarted with a big state (devcluster's default is 20 s)
 TARGET_RSS_MB = 512
 TARGET_LATENCY_RATIO = 1.2
@@ -628,7 +628,7 @@ async def part_queues(bench: Bench) -> None:
     map_read = await timed(lambda: bench.rest(at).cluster(), 5)
     answer = await bench.rest(at).request("GET", "/v1/cluster")
     report.line("queues", "cluster_map_read", target=f"GET /v1/cluster <= {MAP_READ_TARGET_S * 1000:g} ms "
-                "(client/aio.py MAP_READ_TIMEOUT_S: a slower map is passed over)",
+                "(client/router.py MAP_READ_TIMEOUT_S: a slower map is passed over)",
                 met=statistics.median(map_read) <= MAP_READ_TARGET_S * 1000, queues=total,
                 read=latency_summary(map_read), bytes=len(answer.body))
     scrape, scraped = [], 0

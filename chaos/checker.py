@@ -79,8 +79,8 @@ from typing import Any
 
 from chaos.liveness import LIVENESS_STALL_MAX_S, judge
 from replication.invariants import epochs_with_two_masters, lost_acknowledged
+from replication.options import DEAD_LETTER_SUFFIX
 
-DEAD_LETTER_SUFFIX = ".dlq"
 LISTED_MAX = 20          # violations listed per kind (all are counted)
 MEMBER_ANY = "*"         # under `full` the members' consumption is one state
 

@@ -374,7 +374,7 @@ def liveness_summary(liveness: dict[str, Any]) -> list[str]:
 
 def parser() -> argparse.ArgumentParser:
     parse = argparse.ArgumentParser(prog="python -m chaos.run", description="Run a chaos scenario against a real "
-                                    "cluster through Toxiproxy and judge it (DESIGN.md 4.7).")
+                                    "cluster through Toxiproxy and judge it (chaos/README.md).")
     parse.add_argument("scenario", help=f"a scenario file or name ({', '.join(available())})")
     parse.add_argument("--seed", type=int, help="seed of the fault schedule and the workload (default: the scenario's)")
     parse.add_argument("--time", type=float, dest="time_s", help="seconds of workload with faults (default: the scenario's)")

@@ -79,7 +79,6 @@ from typing import Any, TypeVar
 from chaos.liveness import LIVENESS_STALL_MAX_S
 from chaos.nemesis import FAULT_KINDS, MODES, RING_NODES_MIN, TARGETS, Fault, FaultSpec, ScheduledFault
 from chaos.workload import PUSH_PREFETCH, ChannelSpec, MacroSpec, QueueSpec
-from replication.cluster_map import CHANNEL_PREFIX
 from replication.options import QueueType
 
 Spec = TypeVar("Spec", QueueSpec, MacroSpec, ChannelSpec)
@@ -135,10 +134,6 @@ class Scenario:
 
     def one_way_queues(self) -> list[str]:
         return [queue.name for queue in self.queues if queue.type == QueueType.ONE_WAY]
-
-    def fault_targets(self) -> list[str]:
-        """The queues whose members the nemesis may aim at (a channel's is its queue)."""
-        return [queue.name for queue in self.queues] + [CHANNEL_PREFIX + channel.name for channel in self.channels]
 
     def placement(self) -> dict[str, list[str]]:
         return {queue.name: list(queue.placement) for queue in self.queues if queue.placement}

@@ -1,7 +1,7 @@
 """A server that speaks Toxiproxy's HTTP API (Shopify/toxiproxy v2), for chaos tests.
 
 No Toxiproxy server binary is packaged for pip or Debian, so this module proxies TCP on
-loopback and lets the real `toxiproxy-python` client add toxics to the links (DESIGN.md 4.7).
+loopback and lets the real `toxiproxy-python` client add toxics to the links (chaos/README.md).
 A real `toxiproxy-server` found on PATH is preferred by `start()`.
 
     client --> [listen] Proxy --upstream Link--> [upstream address]
@@ -65,7 +65,7 @@ VERSION = "2.12.0-qcluster"
 API_PORT_DEFAULT = 8474
 LISTEN_DEFAULT = "127.0.0.1:0"
 
-# Limits (STYLE.md: a limit on everything).
+# Limits (docs/ARCHITECTURE.md, "Conventions": a limit on everything).
 PROXIES_MAX = 256
 TOXICS_PER_PROXY_MAX = 32
 CONNECTIONS_PER_PROXY_MAX = 256

@@ -43,6 +43,7 @@ from client import AsyncClient, Message, QueueError
 from client.credentials import load_credentials
 from client.http import HttpClient
 from client.macro import MacroEnqueueError, member_dedupe_id
+from replication.options import dead_letter_name
 
 log = logging.getLogger("chaos.workload")
 
@@ -689,7 +690,7 @@ class Workload:
                 if spec.name in self.forwarded:
                     outcome[f"{spec.name}@{member}"] = await self._forwarded_away(spec.name, member, timeout_s)
                     continue
-                for queue in (spec.name, spec.name + ".dlq") if spec.dead_letter else (spec.name,):
+                for queue in (spec.name, dead_letter_name(spec.name)) if spec.dead_letter else (spec.name,):
                     outcome[f"{queue}@{member}"] = await self._drain_one(queue, member, timeout_s)
         return outcome
 

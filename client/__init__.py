@@ -23,12 +23,13 @@ from typing import TYPE_CHECKING, Any
 from wire.errors import QueueError
 
 if TYPE_CHECKING:
-    from client.aio import AsyncClient, Consumer, Message
+    from client.aio import AsyncClient
+    from client.consumer import Consumer, Message
     from client.credentials import Credentials, load_credentials, save_credentials
     from client.sync import Client, SyncConsumer, SyncMessage
 
 _HOMES = {
-    "AsyncClient": "client.aio", "Consumer": "client.aio", "Message": "client.aio",
+    "AsyncClient": "client.aio", "Consumer": "client.consumer", "Message": "client.consumer",
     "Credentials": "client.credentials", "load_credentials": "client.credentials",
     "save_credentials": "client.credentials",
     "Client": "client.sync", "SyncConsumer": "client.sync", "SyncMessage": "client.sync",

@@ -2,7 +2,7 @@
 to, and the messages waiting to be read.
 
 A channel is served by the master of its queue `channel:<name>` (qserver/features/channels/hub.py); this
-client subscribes there, through the client of that node, and follows the channel when the
+client subscribes there, through its connection to that node, and follows the channel when the
 node ends the subscription (a handoff or failover: `ChannelEnded`) or the connection drops.
 Subscribing to several channels is all or none: the channels are asked node by node, and when
 one node refuses, those already subscribed are unsubscribed again before the error is raised.
@@ -26,13 +26,10 @@ import itertools
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from wire.errors import E_NOT_MASTER, E_SUBSCRIPTION_TAKEN, E_UNAVAILABLE, E_UNKNOWN_SUBSCRIPTION, QueueError
-from wire.protocol import ChannelAckOp, ChannelEnded, ChannelMessage, ChannelSubscribeOp
-
-if TYPE_CHECKING:
-    from client.aio import AsyncClient
+from wire.protocol import ChannelAckOp, ChannelEnded, ChannelMessage, ChannelSubscribeOp, ClientOp
 
 CHANNEL_PREFIX = "channel:"      # replication/cluster_map.py CHANNEL_PREFIX
 ACKED_BUFFER_MAX = 10_000        # unread messages of an `acked` channel kept (the oldest go first)
@@ -42,6 +39,28 @@ FOLLOW_ATTEMPT_S = 2.0           # one such attempt (a node that is down does no
 
 def channel_queue(channel: str) -> str:
     return CHANNEL_PREFIX + channel
+
+
+class ChannelNode(Protocol):
+    """One node's connection as the inbox uses it (client/connection.py NodeConnection)."""
+
+    channels_here: set[str]         # the channels subscribed through its socket
+
+    def next_id(self) -> int: ...
+    async def call(self, op: ClientOp) -> Any: ...
+    def listen_channels(self, listener: ChannelInbox) -> None: ...
+
+
+class ChannelRouter(Protocol):
+    """The cluster map as the inbox uses it (client/router.py Router): where a channel's queue
+    is served, and the channel's delivery class."""
+
+    @property
+    def closed(self) -> bool: ...
+    def knows_master(self, queue: str) -> bool: ...
+    def consume_target(self, queue: str) -> ChannelNode: ...
+    def channel_class(self, channel: str) -> str: ...
+    async def refresh_placement(self, queue: str | None = None) -> None: ...
 
 
 @dataclass
@@ -65,10 +84,10 @@ class ChannelDelivery:
 class ChannelInbox:
     """One client's channel subscriptions and unread messages."""
 
-    def __init__(self, router: AsyncClient) -> None:
+    def __init__(self, router: ChannelRouter) -> None:
         self._router = router
         self._wanted: set[str] = set()                    # what the application subscribed to
-        self._serving: dict[str, AsyncClient] = {}       # channel -> the node client it is subscribed through
+        self._serving: dict[str, ChannelNode] = {}       # channel -> the node connection it is subscribed through
         self._unread: dict[str, deque[tuple[int, ChannelDelivery]]] = {}
         self._seen: dict[str, int] = {}                   # channel -> the highest id handed in
         self._arrivals = itertools.count()
@@ -91,7 +110,7 @@ class ChannelInbox:
             else:
                 self._durable.pop(name, None)
         groups = await self._by_node(wanted)
-        done: list[tuple[AsyncClient, list[str]]] = []
+        done: list[tuple[ChannelNode, list[str]]] = []
         answer: dict[str, int | None] = {}
         try:
             for node, names in groups.items():
@@ -101,41 +120,41 @@ class ChannelInbox:
             for node, names in done:                      # all or none
                 self._unregister(names)
                 with contextlib.suppress(QueueError):
-                    await node._call(ChannelSubscribeOp(next(node._ids), tuple(names), False))
+                    await node.call(ChannelSubscribeOp(node.next_id(), tuple(names), False))
             for name in wanted:
                 self._durable.pop(name, None)
             raise
         self._wanted.update(wanted)
         return answer
 
-    async def _by_node(self, channels: list[str]) -> dict[AsyncClient, list[str]]:
+    async def _by_node(self, channels: list[str]) -> dict[ChannelNode, list[str]]:
         router = self._router
-        if any(channel_queue(name) not in router._master_urls for name in channels):
+        if not all(router.knows_master(channel_queue(name)) for name in channels):
             with contextlib.suppress(QueueError):
                 await router.refresh_placement()
-        groups: dict[AsyncClient, list[str]] = {}
+        groups: dict[ChannelNode, list[str]] = {}
         for name in channels:
-            groups.setdefault(router._consume_target(channel_queue(name)), []).append(name)
+            groups.setdefault(router.consume_target(channel_queue(name)), []).append(name)
         return groups
 
-    async def _subscribe_at(self, node: AsyncClient, names: list[str], *, again: bool = True
+    async def _subscribe_at(self, node: ChannelNode, names: list[str], *, again: bool = True
                             ) -> dict[str, int | None]:
         """At one node; once more where the map says after E_NOT_MASTER (the map was stale)."""
-        node._channel_inbox = self
+        node.listen_channels(self)
         for name in names:            # registered first: the last values follow the answer at once
             self._serving[name] = node
-            node._channels_here.add(name)
+            node.channels_here.add(name)
         durable = {self._durable.get(name) for name in names}
         if len(durable) > 1:
             raise ValueError("subscribe to durable and live channels in separate calls")
         try:
-            answer = await node._call(ChannelSubscribeOp(next(node._ids), tuple(names), True, durable.pop()))
+            answer = await node.call(ChannelSubscribeOp(node.next_id(), tuple(names), True, durable.pop()))
         except BaseException as error:
             self._unregister(names)
             if not isinstance(error, QueueError):
                 raise
             if again and error.code in (E_NOT_MASTER.code, E_UNAVAILABLE.code) and await self._map_moved(names[0], node):
-                return await self._subscribe_at(self._router._consume_target(channel_queue(names[0])), names,
+                return await self._subscribe_at(self._router.consume_target(channel_queue(names[0])), names,
                                                 again=False)
             raise
         return {str(name): last for name, last in dict(answer).items()}
@@ -144,15 +163,15 @@ class ChannelInbox:
         for name in names:
             node = self._serving.pop(name, None)
             if node is not None:
-                node._channels_here.discard(name)
+                node.channels_here.discard(name)
 
-    async def _map_moved(self, name: str, node: AsyncClient) -> bool:
+    async def _map_moved(self, name: str, node: ChannelNode) -> bool:
         with contextlib.suppress(QueueError):
             await self._router.refresh_placement()
-        return self._router._consume_target(channel_queue(name)) is not node
+        return self._router.consume_target(channel_queue(name)) is not node
 
     async def unsubscribe(self, channels: Iterable[str]) -> None:
-        by_node: dict[AsyncClient, list[str]] = {}
+        by_node: dict[ChannelNode, list[str]] = {}
         for name in dict.fromkeys(channels):
             self._wanted.discard(name)
             self._durable.pop(name, None)
@@ -166,10 +185,10 @@ class ChannelInbox:
                 by_node.setdefault(node, []).append(name)
         for node, names in by_node.items():
             with contextlib.suppress(QueueError):
-                await node._call(ChannelSubscribeOp(next(node._ids), tuple(names), False))
+                await node.call(ChannelSubscribeOp(node.next_id(), tuple(names), False))
 
     # --- what the nodes send ------------------------------------------------------------------
-    def deliver(self, item: ChannelMessage, node: AsyncClient) -> None:
+    def deliver(self, item: ChannelMessage, node: ChannelNode) -> None:
         if self._serving.get(item.channel) is not node:
             return                          # not ours (any more)
         if item.channel in self._durable:
@@ -181,7 +200,7 @@ class ChannelInbox:
         # again after a failover): handed out again, as the channel asks.
         self._seen[item.channel] = item.message_id
         unread = self._unread.setdefault(item.channel, deque())
-        if self._router._channel_classes.get(item.channel, "latest") == "latest":
+        if self._router.channel_class(item.channel) == "latest":
             unread.clear()                  # only the newest value waits
         elif len(unread) >= ACKED_BUFFER_MAX:
             unread.popleft()
@@ -189,7 +208,7 @@ class ChannelInbox:
                                                              item.resent, node, self)))
         self._wake()
 
-    def _deliver_durable(self, item: ChannelMessage, node: AsyncClient) -> None:
+    def _deliver_durable(self, item: ChannelMessage, node: ChannelNode) -> None:
         """Every message of the backlog, once while it waits unread (the node resends what is
         not acknowledged; the window it sends is bounded, so is this)."""
         unread = self._unread.setdefault(item.channel, deque())
@@ -205,7 +224,7 @@ class ChannelInbox:
         if node is None:
             raise QueueError(E_UNAVAILABLE, f"channel {delivery.channel} is being subscribed again: the message "
                                             "comes again, acknowledge it then")
-        await node._call(ChannelAckOp(next(node._ids), delivery.channel, delivery.id))
+        await node.call(ChannelAckOp(node.next_id(), delivery.channel, delivery.id))
         unread = self._unread.get(delivery.channel)
         if unread and delivery.channel in self._durable:
             # A resend sent before the ack was committed arrived before its answer: acknowledged
@@ -220,9 +239,9 @@ class ChannelInbox:
             if not waiter.done():
                 waiter.set_result(None)
 
-    def ended(self, item: ChannelEnded, node: AsyncClient) -> None:
+    def ended(self, item: ChannelEnded, node: ChannelNode) -> None:
         """The node no longer serves the channel: subscribe again where the map says."""
-        node._channels_here.discard(item.channel)
+        node.channels_here.discard(item.channel)
         if self._serving.get(item.channel) is not node:
             return
         if item.code in (E_SUBSCRIPTION_TAKEN.code, E_UNKNOWN_SUBSCRIPTION.code):
@@ -234,7 +253,7 @@ class ChannelInbox:
             return
         self._follow(item.channel)
 
-    def reconnected(self, node: AsyncClient) -> None:
+    def reconnected(self, node: ChannelNode) -> None:
         """The node's socket dropped or came back (a node forgets a socket's subscriptions):
         subscribe again there, or where the map says once it no longer serves them."""
         for name in [n for n, serving in self._serving.items() if serving is node]:
@@ -247,8 +266,8 @@ class ChannelInbox:
     async def _move(self, name: str) -> None:
         pause = FOLLOW_PAUSE_S[0]
         try:
-            while name in self._wanted and not self._router._closed:
-                node = self._router._consume_target(channel_queue(name))
+            while name in self._wanted and not self._router.closed:
+                node = self._router.consume_target(channel_queue(name))
                 try:
                     await asyncio.wait_for(self._subscribe_at(node, [name]), FOLLOW_ATTEMPT_S)
                     return

@@ -36,6 +36,7 @@ from wire.errors import (
     E_UNAVAILABLE,
     QueueError,
 )
+from wire.http_session import signed_session
 from wire.protocol import DeliveredMessage
 from wire.signing import Signer
 
@@ -84,20 +85,6 @@ def query_number(value: float) -> str:
 
 def _segment(text: str | int) -> str:
     return quote(str(text), safe="")
-
-
-def signed_session(connector: aiohttp.BaseConnector | None = None) -> aiohttp.ClientSession:
-    """An aiohttp session for signed requests. aiohttp sends a GET, PUT or DELETE once more,
-    with the same headers, when the pooled connection it went out on turns out broken; the
-    node may have taken the first, and then refuses the copy as a replay (its nonce was
-    used): a WebSocket upgrade refused E_REPLAYED_REQUEST ended a client for good after a
-    link was cut and healed (bench/bench_failover.py --blackholes). Every send here is signed
-    anew by our own retries, so aiohttp's resend is switched off."""
-    session = aiohttp.ClientSession(connector=connector)
-    if not hasattr(session, "_retry_connection"):
-        raise RuntimeError("this aiohttp has no _retry_connection switch: check how it resends requests")
-    session._retry_connection = False
-    return session
 
 
 def _page_query(limit: int, after: str | None) -> list[tuple[str, str]]:

@@ -32,7 +32,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, Protocol, Self
 
 from wire.errors import (
     E_MACRO_EMPTY,
@@ -45,7 +45,8 @@ from wire.errors import (
 )
 
 if TYPE_CHECKING:
-    from client.aio import AsyncClient, Message
+    from client.consumer import Message
+    from client.http import HttpClient
 
 # The policies' names, as the cluster map checks them (replication/cluster_map.py).
 PRODUCER_POLICIES = ("all", "round_robin", "first_available", "fastest")
@@ -61,6 +62,24 @@ DEDUPE_MEMORY_MAX = 100_000     # dedupe id -> member chosen, so that a retry go
 HEAD_WAIT_SLICE_S = 20.0        # one round of waiting on every member's head (a receive waits in rounds)
 CONSUME_BATCH_MAX = 1000       # a macro consumer's receive takes at most this many (and at most its prefetch)
 DEFINITION_MAX_AGE_S = 5.0      # the definition is read again from the map (in the background) this often
+
+
+class MacroClient(Protocol):
+    """The calls a macro queue makes on its members: `AsyncClient`'s public surface."""
+
+    async def refresh_placement(self, queue: str | None = None) -> None: ...
+    async def enqueue(self, queue: str, payload: bytes, priority: int = 4, dedupe_id: str | None = None, *,
+                      ttl_s: float | None = None, delay_s: float | None = None,
+                      headers: Mapping[str, str] | None = None) -> int: ...
+    async def receive(self, queue: str, max_messages: int = 1, wait_s: float = 0.0,
+                      visibility_timeout_s: float | None = None) -> list[Message]: ...
+    async def queue_stats(self, name: str) -> dict[str, Any]: ...
+
+
+class MacroRouter(Protocol):
+    """Where a member is served (client/router.py Router): its head is read at its master."""
+
+    def http_for(self, queue: str) -> HttpClient: ...
 
 
 @dataclass(slots=True)
@@ -120,8 +139,9 @@ class MacroQueue:
     """A macro queue as one client sees it: its definition from the cluster map, and what the
     policies remember (turns, response times, members' lengths)."""
 
-    def __init__(self, client: AsyncClient, definition: Mapping[str, Any]) -> None:
+    def __init__(self, client: MacroClient, definition: Mapping[str, Any], router: MacroRouter) -> None:
         self._client = client
+        self._router = router
         self._state: dict[str, _MemberState] = {}
         self._consumer_turn = 0
         self._chosen: OrderedDict[str, str] = OrderedDict()    # dedupe id -> member (see DEDUPE_MEMORY_MAX)
@@ -255,7 +275,7 @@ class MacroQueue:
         async def one(queue: str) -> None:
             with contextlib.suppress(QueueError, TimeoutError):
                 async with asyncio.timeout(STATS_MAX_AGE_S * 2):
-                    stats = await self._client.http.queue_stats(queue)
+                    stats = await self._client.queue_stats(queue)
                 state = self._state[queue]
                 state.depth, state.service_ms = float(stats.get("depth", 0)), float(stats.get("average_service_ms", 0))
                 state.stats_at = time.monotonic()
@@ -312,7 +332,7 @@ class MacroQueue:
         return sorted(order, key=lambda q: self._state[q].suspect_until > now)
 
     async def _head(self, queue: str, wait_s: float) -> dict[str, Any] | None:
-        return await self._client._route(queue).http.head(queue, wait_s)
+        return await self._router.http_for(queue).head(queue, wait_s)
 
     async def _any_head(self, wait_s: float) -> None:
         """Wait until some member has a message (or `wait_s` passes): nothing is leased."""

@@ -12,8 +12,9 @@ import threading
 from collections.abc import Coroutine, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Self, TypeVar
 
-from client.aio import AsyncClient, Consumer, CredentialsArg, LeaseKeeper, Message
+from client.aio import AsyncClient, CredentialsArg
 from client.channels import ChannelDelivery
+from client.consumer import Consumer, LeaseKeeper, Message
 from client.http import Grant
 from client.macro import MacroConsumer
 

@@ -20,15 +20,15 @@ from typing import IO, Any
 import aiohttp
 from aiohttp import web
 
-from client.http import signed_session
 from qserver.api.auth import CLUSTER_CLIENT, Authenticator
 from qserver.api.http_api import NODE, add_routes, errors_and_auth
-from qserver.api.http_errors import EnvelopeAppRunner
+from qserver.api.http_common import pass_on_to
+from qserver.api.queue_routes import REDRIVE
 from qserver.api.ws_api import ClientConnection, websocket
+from qserver.assembly import build_engine
 from qserver.cluster.membership import RaftMembership, raft_limits, tick_ms
 from qserver.config import NodeConfig
 from qserver.core import commands as c
-from qserver.core.engine import Engine
 from qserver.core.failstop import loop_exception_handler, stop_process
 from qserver.features.channels import api as channel_api
 from qserver.features.channels.hub import ChannelHub
@@ -37,9 +37,12 @@ from qserver.features.forwards.forwarder import Forwarders
 from qserver.features.forwards.root import ForwardRoot
 from qserver.features.macro import api as macro_api
 from qserver.features.macro.service import MacroService
+from qserver.features.redrive import redrive
 from qserver.features.surveillance import api as recipient_api
 from qserver.features.surveillance.watch import RecipientWatch
+from qserver.http_errors import EnvelopeAppRunner
 from qserver.metrics import COLLECTOR_PAUSES, LoopLag, render_family
+from qserver.services import SERVICES, NodeServices
 from qserver.storage.journal_export import (
     ExportSettings,
     JournalExporter,
@@ -49,10 +52,12 @@ from qserver.storage.journal_export import (
 )
 from qserver.storage.lmdb_store import Storage
 from qserver.storage.raft_store import RaftStore
-from qserver.transport.peers import PEER_PATH, PeerTransport
+from qserver.transport.peer_link import PEER_PATH
+from qserver.transport.peers import PeerTransport
 from qserver.transport.tls import client_context, server_context
 from wire import errors as e
 from wire.errors import QueueError
+from wire.http_session import signed_session
 
 log = logging.getLogger("qserver")
 GIL_SWITCH_INTERVAL_S = 0.0002
@@ -71,7 +76,7 @@ class Node:
                                map_size_max_bytes=config.map_size_max_bytes, disk_reserve_bytes=config.disk_reserve_bytes,
                                journal_enabled=config.journal_enabled, payload_hold_bytes=config.payload_hold_bytes)
         self.membership, self.membership_peers = self._membership()
-        self.engine = Engine(config, self.storage, membership=self.membership, on_fatal=on_fatal)
+        self.engine = build_engine(config, self.storage, membership=self.membership, on_fatal=on_fatal)
         self.peers = self._peer_transport()
         self.auth = Authenticator(self.engine.clients, skew_max_s=config.signature_skew_max_s,
                                   enabled=config.auth_enabled)
@@ -79,11 +84,15 @@ class Node:
         if len(config.cluster_nodes) >= 2:
             secret = (Path(config.data_dir) / "cluster.secret").read_text().strip().encode()
             self.auth.cluster_secret = secret      # nodes call members in a client's name (macro queues)
-        self.macros = MacroService(self, secret)
-        self.channels = ChannelHub(self)
-        self.surveillance = RecipientWatch(self)
-        self.forward_root = ForwardRoot(self)
-        self.forwarders = Forwarders(self)
+        # The features reach the node through its services only (qserver/services.py).
+        self.services = NodeServices(self.engine, self.storage, config, cluster_secret=secret,
+                                     auth_enabled=self.auth.enabled,
+                                     pass_on=lambda request, target: pass_on_to(request, self, target))
+        self.macros = MacroService(self.services)
+        self.channels = ChannelHub(self.services)
+        self.surveillance = RecipientWatch(self.services, self.macros)
+        self.forward_root = ForwardRoot(self.services)
+        self.forwarders = Forwarders(self.services, self.macros)
         self.connections: set[ClientConnection] = set()
         self.bad_frames = 0
         self._http_session: aiohttp.ClientSession | None = None
@@ -441,11 +450,13 @@ class Node:
     def application(self) -> web.Application:
         app = web.Application(middlewares=[errors_and_auth], client_max_size=self.config.body_bytes_max + 4096)
         app[NODE] = self
+        app[SERVICES] = self.services
+        app[REDRIVE] = redrive
         add_routes(app)
         macro_api.add_routes(app)
-        channel_api.add_routes(app)
+        channel_api.add_routes(app, self.channels)
         recipient_api.add_routes(app)
-        forward_api.add_routes(app)
+        forward_api.add_routes(app, self.forwarders)
         app.router.add_get("/v1/ws", websocket)
         if self.peers is not None:
             app.router.add_get(PEER_PATH, self.peers.handle)
@@ -468,7 +479,7 @@ async def serve(config: NodeConfig, *, ready: asyncio.Event | None = None) -> No
         # [cluster.membership] (peers may dial a proxy in front of it).
         host, port = (config.membership_bind or config.membership_nodes[config.node_id]).rsplit(":", 1)
         # The envelope runner here too: a dialer that hung up before its upgrade was answered (a
-        # node paused or restarting) is one INFO line, not a traceback (qserver/api/http_errors.py).
+        # node paused or restarting) is one INFO line, not a traceback (qserver/http_errors.py).
         membership_runner = EnvelopeAppRunner(membership_app, access_log=None, handle_signals=False)
         await membership_runner.setup()
         await web.TCPSite(membership_runner, host, int(port), reuse_address=True, ssl_context=node.server_tls).start()

@@ -1,4 +1,5 @@
-"""The cluster map: what the membership layer replicates (DESIGN.md 4.2), as a pure state machine.
+"""The cluster map: what the membership layer replicates (docs/PROTOCOL.md "Cluster map
+commands"), as a pure state machine.
 
 Every node holds a copy; the membership layer (a Raft core driven by `qserver/cluster/membership.py`, an
 in-memory twin in the simulations) applies the same commands in the same order to each copy,
@@ -6,496 +7,105 @@ so `apply` must be deterministic: no clock, no randomness, no I/O. Reads are loc
 
 Writes are rare commands: creating or deleting a queue, node state changes, client records,
 changes of a queue's pair, and the definitions of macro queues (one name over member queues,
-seed 004; each member stays an ordinary queue with its own pair). A pair change is a compare-and-set: it names the
-(epoch, master, replica, in_sync) it expects and is refused when applied against anything
-else, so a late or repeated proposal never undoes a newer one (DESIGN.md 4.1). A change of
-master or replica raises the epoch by exactly one; an in-sync flip keeps it.
+seed 004; each member stays an ordinary queue with its own pair). A pair change is a
+compare-and-set: it names the (epoch, master, replica, in_sync) it expects and is refused when
+applied against anything else, so a late or repeated proposal never undoes a newer one (the
+same section, tag 5). A change of master or replica raises the epoch by exactly one; an
+in-sync flip keeps it.
 
-The module also holds the pure decisions the membership leader and the nodes make from the
-map: placement of a new queue, the failover plan for nodes whose lease lapsed, the moves
-that replace a long-lost replica, and the handoffs that spread masters evenly.
+This module owns the map (`ClusterMap`, its `MapIndex`, `apply`) and its snapshot codec. Its
+vocabulary lives beside it and is re-exported from here, where most readers import it:
+`replication/map_entries.py` (the entries and their limits), `replication/map_commands.py`
+(the commands and their codec) and `replication/map_planning.py` (the pure decisions made from
+the map: placement, failover, moves, rebalance).
 """
 from __future__ import annotations
 
 import bisect
 import copy
-import enum
 import heapq
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
-
-class NodeState(enum.StrEnum):
-    UP = "up"
-    DRAINING = "draining"      # hands off its masters and moves its replicas away; takes none
-    DOWN = "down"              # its lease lapsed (set by the membership leader)
-    REMOVED = "removed"        # gone for good; may not rejoin under the same id
-
-
-class Reason(enum.StrEnum):
-    """Why a pair changed; the journals record it and the audit reads it."""
-    CREATE = "create"
-    HANDOFF = "handoff"
-    FAILOVER = "failover"
-    UNCLEAN = "unclean"        # `qctl promote --unclean`: a replica not known to be in sync
-    MOVE = "move"
-    IN_SYNC = "in_sync"        # an in-sync flip (no change of epoch)
-    RESTARTED_MASTER = "restarted_master"   # the same members in a new epoch (docs/PROTOCOL.md)
-    REBALANCE = "rebalance"
-
-
-@dataclass(frozen=True, slots=True)
-class PairState:
-    epoch: int
-    master: str
-    replica: str
-    in_sync: bool
-
-
-@dataclass(slots=True)
-class NodeEntry:
-    node_id: str
-    url: str
-    state: NodeState = NodeState.UP
-    voter: bool = True
-    storage_id: int = 0      # which disk it runs on: another one means it lost its data
-
-
-@dataclass(slots=True)
-class QueueEntry:
-    name: str
-    options: dict[str, Any]
-    master: str
-    replica: str
-    epoch: int
-    in_sync: bool
-    incarnation: int
-    unclean_promotions: int = 0
-    last_reason: str = Reason.CREATE.value
-
-    @property
-    def pair(self) -> PairState:
-        return PairState(self.epoch, self.master, self.replica, self.in_sync)
-
-    def to_json(self) -> dict[str, Any]:
-        # What dataclasses.asdict gave (the same keys, in order, and a copy of the options),
-        # without its recursive walk: /v1/cluster describes every queue of the map.
-        return {"name": self.name, "options": _copied(self.options), "master": self.master, "replica": self.replica,
-                "epoch": self.epoch, "in_sync": self.in_sync, "incarnation": self.incarnation,
-                "unclean_promotions": self.unclean_promotions, "last_reason": self.last_reason}
-
-
-def _copied(options: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a queue's options that shares no container with them (options are flat
-    scalars; a nested value, from some older writer, is copied deeply as asdict did)."""
-    return {key: copy.deepcopy(value) if isinstance(value, (dict, list, tuple)) else value
-            for key, value in options.items()}
-
-
-class ProducerPolicy(enum.StrEnum):
-    """Which member(s) an enqueue on a macro queue goes to (seed 004 SetProducerOptions)."""
-    ALL = "all"                          # a copy to every member
-    ROUND_ROBIN = "round_robin"          # the members in turn, `weight` turns each per cycle
-    FIRST_AVAILABLE = "first_available"  # the first member, in member order, that takes it
-    FASTEST = "fastest"                  # by `fastest_by`
-
-
-class ConsumerPolicy(enum.StrEnum):
-    """Which member a receive on a macro queue leases from (seed 004 SetConsumerOptions)."""
-    PRIORITIZED = "prioritized"          # the highest-priority member that has a message
-    CHRONOLOGICAL = "chronological"      # the member whose head was enqueued first
-    ROUND_ROBIN = "round_robin"          # the members in turn, skipping empty ones
-
-
-class FastestBy(enum.StrEnum):
-    """What `fastest` compares (seed 004: response time, number queued, average service time)."""
-    RESPONSE_TIME = "response_time"
-    QUEUE_LENGTH = "queue_length"
-    SERVICE_TIME = "service_time"
-
-
-MACRO_MEMBERS_MAX = 64
-MACRO_MEMBER_WEIGHT_MAX = 100
-
-
-@dataclass(slots=True)
-class MacroMember:
-    queue: str
-    priority: int = 0       # prioritized consumer policy: the highest drains first (0-9)
-    weight: int = 1         # round_robin producer policy: turns per cycle (1-100)
-
-
-@dataclass(slots=True)
-class MacroEntry:
-    """A macro queue: routing only. It holds no message; every message lives in a member."""
-    name: str
-    producer: str
-    consumer: str
-    fastest_by: str
-    members: list[MacroMember] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "producer": self.producer, "consumer": self.consumer,
-                "fastest_by": self.fastest_by, "members": [asdict(member) for member in self.members]}
-
-    def member(self, queue: str) -> MacroMember | None:
-        return next((member for member in self.members if member.queue == queue), None)
-
-
-class DeliveryClass(enum.StrEnum):
-    """A channel's delivery class (seed 002 UDP / UDP_ACK / UDP_ACK_RETRY, in our terms)."""
-    LATEST = "latest"        # best effort: the last value on subscribe, then each new one; no backlog
-    ACKED = "acked"          # each subscriber acknowledges; what is not acknowledged is reported, not resent
-    DURABLE = "durable"      # a replicated backlog per durable subscriber, resent until acknowledged
-
-
-RECIPIENTS_MAX = 10_000          # named push consumers in the map (fault surveillance)
-RECIPIENTS_PER_CLIENT_MAX = 100  # of them, names one client may bind by subscribing
-FORWARDS_MAX = 256               # forwards in the map (store-and-forward, seed 003)
-# Clients removed from the map, remembered (by id, with the map version that removed them) so
-# that a node catching up by a snapshot removes them too: a snapshot holds the clients that
-# exist, and a node that missed the removal would otherwise keep a revoked key (issue 32).
-# Client ids are random and never reused; the oldest are forgotten beyond this many.
-REVOKED_CLIENTS_MAX = 100_000
-CHANNEL_PREFIX = "channel:"      # a channel's messages live in the queue `channel:<name>` (its pair)
-CHANNEL_RESEND_MAX_S = 86_400
-
-
-def channel_queue(channel: str) -> str:
-    return CHANNEL_PREFIX + channel
-
-
-@dataclass(slots=True)
-class ChannelEntry:
-    """A publish/subscribe channel (seed 002). Its last values live in the queue
-    `channel:<name>`, an ordinary `full` pair created and deleted with it: the channel's master
-    is that queue's master, where publishes are ordered and subscribers are served."""
-    name: str
-    delivery_class: str
-    resend_interval_s: float = 0.0      # `latest`: the last value is sent again after this long without a publish
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "class": self.delivery_class, "resend_interval_s": self.resend_interval_s,
-                "queue": channel_queue(self.name)}
-
-
-CHANNEL_QUEUE_OPTIONS = {"strength": "full", "dead_letter": False, "type": "queued_ack", "max_depth": 100_000}
-
-
-# --- commands --------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class AddNode:
-    """A node enters the map, or comes back with another disk (`storage_id`): then it holds
-    none of its queues' data, so it is recorded out of sync wherever it is the replica, and
-    its in-sync replicas take over wherever it was the master."""
-    TAG = 1
-    node_id: str
-    url: str
-    voter: bool = True
-    storage_id: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class SetNodeState:
-    TAG = 2
-    node_id: str
-    state: str
-    expected: str | None = None       # compare-and-set on the current state when given
-
-
-@dataclass(frozen=True, slots=True)
-class CreateQueue:
-    TAG = 3
-    name: str
-    options: dict[str, Any]
-    master: str
-    replica: str
-    incarnation: int
-
-
-@dataclass(frozen=True, slots=True)
-class DeleteQueue:
-    TAG = 4
-    name: str
-    incarnation: int
-
-
-@dataclass(frozen=True, slots=True)
-class ChangePair:
-    """Compare-and-set of one queue's pair. Several in one command (a failover of every queue
-    of a dead node) are applied one by one, each on its own expectation."""
-    TAG = 5
-    name: str
-    expected: tuple[int, str, str, bool]      # PairState fields: epoch, master, replica, in_sync
-    new: tuple[int, str, str, bool]
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class ChangePairs:
-    TAG = 6
-    changes: tuple[ChangePair, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class PutClient:
-    TAG = 7
-    client_id: str
-    record: dict[str, Any] | None       # None removes it
-
-
-ALTERNATIVES_MAX = 16
-
-
-@dataclass(frozen=True, slots=True)
-class SetAlternatives:
-    """Alternative recipients of a push recipient, an ordered chain (seed 001 fault
-    surveillance: a recipient in the fault state has its messages tried at each in turn).
-    The administrator names the queue of each alternative (`queues`, one for one): a move goes
-    into that queue and no other, and the chain binds each alternative's name to its queue, so
-    a client that took the name first cannot have the messages moved to a queue of its own.
-    `set_by`: the administrator's client id; a move needs its `post` grant on the queue."""
-    TAG = 8
-    recipient: str
-    alternatives: tuple[str, ...]
-    queues: tuple[str, ...] = ()
-    set_by: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class CreateMacro:
-    """Define a macro queue; again with the same policies it is a no-op, with others refused."""
-    TAG = 9
-    name: str
-    producer: str
-    consumer: str
-    fastest_by: str = FastestBy.RESPONSE_TIME.value
-
-
-@dataclass(frozen=True, slots=True)
-class DeleteMacro:
-    """Forget a macro queue; its members and their messages stay as they are."""
-    TAG = 10
-    name: str
-
-
-@dataclass(frozen=True, slots=True)
-class PutMacroMember:
-    """Add a member queue to a macro queue, or set a member's priority and weight."""
-    TAG = 11
-    name: str
-    queue: str
-    priority: int = 0
-    weight: int = 1
-
-
-@dataclass(frozen=True, slots=True)
-class RemoveMacroMember:
-    TAG = 12
-    name: str
-    queue: str
-
-
-@dataclass(frozen=True, slots=True)
-class PutChannel:
-    """Create a channel (with its queue, on the nodes the proposer chose) or change its delivery
-    class and resend interval (a change applies from the next publish)."""
-    TAG = 13
-    name: str
-    delivery_class: str
-    resend_interval_s: float
-    master: str
-    replica: str
-    incarnation: int
-
-
-@dataclass(frozen=True, slots=True)
-class DeleteChannel:
-    """Forget a channel and delete its queue."""
-    TAG = 14
-    name: str
-
-
-class RecipientState(enum.StrEnum):
-    """Fault surveillance (seed 001): a recipient takes its messages (ok), took none for its
-    queue's fault interval while some waited (fault: its messages fail over), or stayed in
-    fault for the defunct interval (defunct: its subscriptions were ended)."""
-    OK = "ok"
-    FAULT = "fault"
-    DEFUNCT = "defunct"
-
-
-@dataclass(slots=True)
-class RecipientEntry:
-    """A named push consumer of a queue (qserver/features/surveillance/watch.py) and its state, which every
-    node knows and which outlives a failover of the queue's master."""
-    name: str
-    queue: str
-    state: str = RecipientState.OK.value
-    since_ms: int = 0
-    reason: str = ""
-    owner: str = ""          # the client that bound the name by subscribing ("": an administrator's chain)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "queue": self.queue, "state": self.state, "since_ms": self.since_ms,
-                "reason": self.reason, "owner": self.owner}
-
-
-@dataclass(frozen=True, slots=True)
-class PutRecipient:
-    """Register a recipient of `queue`, or change its state (fault surveillance). A recipient
-    receives from one queue: naming another is refused."""
-    TAG = 15
-    name: str
-    queue: str
-    state: str
-    since_ms: int
-    reason: str = ""
-    owner: str = ""          # the subscribing client, when this binds a new name (see RecipientEntry)
-
-
-@dataclass(slots=True)
-class ForwardEntry:
-    """A forward (seed 003 store-and-forward; qserver/features/forwards/forwarder.py): the master of `source`
-    moves its messages into `destination`, a queue of the cluster at `urls` (none: this
-    cluster), signed as `client_id` there. The secret stays in the map (like the clients'
-    secrets): it is never shown."""
-    name: str
-    source: str
-    destination: str
-    urls: tuple[str, ...] = ()
-    client_id: str = ""
-    # Sealed with the cluster secret (qserver/features/forwards/forwarder.py seal_secret); never in a repr.
-    secret: str = field(default="", repr=False)
-    created_ms: int = 0
-    token: str = ""          # random, made at creation: with the name, unique across clusters
-
-    @property
-    def identity(self) -> str:
-        """What the destination knows the forward by (its session, its streams' keys): forwards
-        of several clusters into one root may share a name, never this."""
-        return f"{self.name}.{self.token}" if self.token else self.name
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "id": self.identity, "source": self.source, "destination": self.destination,
-                "urls": list(self.urls), "client_id": self.client_id, "created_ms": self.created_ms}
-
-
-@dataclass(frozen=True, slots=True)
-class PutForward:
-    """Create a forward (its source must be a `full` queue of this cluster: under `producer`
-    a replica's copy of a message would never be forwarded); one per source queue."""
-    TAG = 16
-    name: str
-    source: str
-    destination: str
-    urls: tuple[str, ...]
-    client_id: str
-    secret: str = field(repr=False)      # sealed (qserver/features/forwards/forwarder.py seal_secret); never in a repr
-    created_ms: int
-    token: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class DeleteForward:
-    TAG = 17
-    name: str
-
-
-@dataclass(frozen=True, slots=True)
-class RemoveRecipient:
-    """Forget a recipient (fault surveillance): its state and its own chain of alternatives.
-    Chains of other recipients that name it keep the name, as they may name recipients that
-    never subscribed; a process still consuming under it is registered again by its next
-    subscription or fault."""
-    TAG = 18
-    name: str
-
-
-@dataclass(frozen=True, slots=True)
-class NoteRecipient:
-    """Restate why a recipient is in its state, the state and `since_ms` kept: its queue's
-    master does when what made it so no longer holds (a purge emptied the queue of a recipient
-    in fault). A compare-and-set on the state and since: a note about an earlier spell is refused."""
-    TAG = 19
-    name: str
-    queue: str
-    state: str
-    since_ms: int
-    reason: str
-
-
-Command = (AddNode | SetNodeState | CreateQueue | DeleteQueue | ChangePair | ChangePairs | PutClient | SetAlternatives
-           | CreateMacro | DeleteMacro | PutMacroMember | RemoveMacroMember | PutChannel | DeleteChannel | PutRecipient
-           | PutForward | DeleteForward | RemoveRecipient | NoteRecipient)
-COMMAND_TYPES: dict[int, type] = {kind.TAG: kind for kind in (AddNode, SetNodeState, CreateQueue, DeleteQueue,
-                                                              ChangePair, ChangePairs, PutClient, SetAlternatives,
-                                                              CreateMacro, DeleteMacro, PutMacroMember,
-                                                              RemoveMacroMember, PutChannel, DeleteChannel,
-                                                              PutRecipient, PutForward, DeleteForward,
-                                                              RemoveRecipient, NoteRecipient)}
-
-
-class CommandError(ValueError):
-    """Bytes that are not a well-formed map command."""
-
-
-def encode_command(command: Command) -> bytes:
-    """Commands travel as msgpack (the membership library pickles only this byte string)."""
-    return msgpack.packb(_row(command), use_bin_type=True)
-
-
-def _row(command: Command) -> list[Any]:
-    if isinstance(command, ChangePairs):
-        return [command.TAG, [_row(change) for change in command.changes]]
-    if isinstance(command, ChangePair):
-        return [command.TAG, command.name, list(command.expected), list(command.new), command.reason]
-    if isinstance(command, SetAlternatives):
-        return [command.TAG, command.recipient, list(command.alternatives), list(command.queues), command.set_by]
-    if isinstance(command, PutForward):
-        return [command.TAG, command.name, command.source, command.destination, list(command.urls),
-                command.client_id, command.secret, command.created_ms, command.token]
-    return [command.TAG, *(getattr(command, name) for name in command.__dataclass_fields__)]
-
-
-def decode_command(data: bytes) -> Command:
-    try:
-        row = msgpack.unpackb(data, raw=False)
-    except Exception as exc:  # msgpack raises several unrelated types for garbage
-        raise CommandError(f"not msgpack: {type(exc).__name__}") from None
-    return _from_row(row)
-
-
-def _from_row(row: Any) -> Command:
-    if not isinstance(row, list) or not row or row[0] not in COMMAND_TYPES:
-        raise CommandError("a command is [tag, fields...]")
-    tag, values = row[0], row[1:]
-    try:
-        if tag == ChangePairs.TAG:
-            return ChangePairs(tuple(_from_row(change) for change in values[0]))  # type: ignore[misc]
-        if tag == ChangePair.TAG:
-            name, expected, new, reason = values
-            return ChangePair(name, tuple(expected), tuple(new), reason)  # type: ignore[arg-type]
-        if tag == SetAlternatives.TAG:
-            recipient, names, *rest = values     # a chain from before queues were named has none
-            return SetAlternatives(recipient, tuple(names), tuple(rest[0]) if rest else (), *rest[1:])
-        if tag == PutForward.TAG:
-            name, source, destination, urls, *rest = values
-            return PutForward(name, source, destination, tuple(urls), *rest)
-        return COMMAND_TYPES[tag](*values)  # type: ignore[no-any-return]
-    except (TypeError, ValueError) as exc:
-        raise CommandError(str(exc)) from None
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """What applying one command (or one change of a batch) did."""
-    name: str
-    applied: bool
-    reason: str = ""
+from replication.map_commands import (
+    ALTERNATIVES_MAX,
+    AddNode,
+    ChangePair,
+    ChangePairs,
+    Command,
+    CommandError,
+    CreateMacro,
+    CreateQueue,
+    DeleteChannel,
+    DeleteForward,
+    DeleteMacro,
+    DeleteQueue,
+    NoteRecipient,
+    Outcome,
+    PutChannel,
+    PutClient,
+    PutForward,
+    PutMacroMember,
+    PutRecipient,
+    RemoveMacroMember,
+    RemoveRecipient,
+    SetAlternatives,
+    SetNodeState,
+    decode_command,
+    encode_command,
+)
+from replication.map_entries import (
+    CHANNEL_PREFIX,
+    CHANNEL_QUEUE_OPTIONS,
+    CHANNEL_RESEND_MAX_S,
+    FORWARDS_MAX,
+    MACRO_MEMBER_WEIGHT_MAX,
+    MACRO_MEMBERS_MAX,
+    RECIPIENTS_MAX,
+    RECIPIENTS_PER_CLIENT_MAX,
+    REVOKED_CLIENTS_MAX,
+    ChannelEntry,
+    ConsumerPolicy,
+    DeliveryClass,
+    FastestBy,
+    ForwardEntry,
+    MacroEntry,
+    MacroMember,
+    NodeEntry,
+    NodeState,
+    PairState,
+    ProducerPolicy,
+    QueueEntry,
+    Reason,
+    RecipientEntry,
+    RecipientState,
+    astuple,
+    channel_queue,
+    macro_policy_problem,
+)
+from replication.map_planning import (
+    choose_pair,
+    plan_failover,
+    plan_member_moves,
+    plan_rebalance,
+    plan_replacements,
+)
+
+# The map's vocabulary and decisions are re-exported: most of the project imports them from here.
+__all__ = ["ALTERNATIVES_MAX", "AddNode", "CHANNEL_PREFIX", "CHANNEL_QUEUE_OPTIONS", "CHANNEL_RESEND_MAX_S",
+           "ChangePair", "ChangePairs", "ChannelEntry", "ClusterMap", "Command", "CommandError", "ConsumerPolicy",
+           "CreateMacro", "CreateQueue", "DeleteChannel", "DeleteForward", "DeleteMacro", "DeleteQueue",
+           "DeliveryClass", "FORWARDS_MAX", "FastestBy", "ForwardEntry", "MACRO_MEMBERS_MAX",
+           "MACRO_MEMBER_WEIGHT_MAX", "MacroEntry", "MacroMember", "MapIndex", "NodeEntry", "NodeState",
+           "NoteRecipient", "Outcome", "PairState", "ProducerPolicy", "PutChannel", "PutClient", "PutForward",
+           "PutMacroMember", "PutRecipient", "QueueEntry", "RECIPIENTS_MAX", "RECIPIENTS_PER_CLIENT_MAX",
+           "REVOKED_CLIENTS_MAX", "Reason", "RecipientEntry", "RecipientState", "RemoveMacroMember",
+           "RemoveRecipient", "SUMMARY_NAMES_MAX", "SetAlternatives", "SetNodeState", "astuple", "channel_queue",
+           "choose_pair", "decode_command", "decode_map", "encode_command", "encode_map", "macro_policy_problem",
+           "plan_failover", "plan_member_moves", "plan_rebalance", "plan_replacements"]
 
 
 # --- the map ---------------------------------------------------------------------------------
@@ -1016,131 +626,6 @@ class ClusterMap:
             return Outcome(command.node_id, False, "it still holds queue members: drain it first")
         entry.state = state
         return Outcome(command.node_id, True)
-
-
-# --- decisions from the map (pure; proposed as commands) -----------------------------------------
-def choose_pair(cluster: ClusterMap, preferred: tuple[str | None, str | None] = (None, None)) -> tuple[str, str] | None:
-    """Master and replica for a new queue: two different live nodes; the master where fewest
-    masters are, the replica where fewest members are (ties by id). None: fewer than two."""
-    live = cluster.live_nodes()
-    want_master, want_replica = preferred
-    if len(live) < 2 or (want_master and want_master not in live) or (want_replica and want_replica not in live):
-        return None
-    masters, members = cluster.masters_per_node(), cluster.members_per_node()
-    master = want_master or min((n for n in live if n != want_replica), key=lambda n: (masters[n], members[n], n))
-    replica = want_replica or min((n for n in live if n != master), key=lambda n: (members[n], masters[n], n))
-    return (master, replica) if master != replica else None
-
-
-def plan_failover(cluster: ClusterMap, lapsed: set[str]) -> tuple[list[ChangePair], list[str]]:
-    """Promote the in-sync replica of every queue mastered by a node whose lease lapsed (epoch+1).
-    The old master stays in the pair as the replica and rejoins by state transfer; the
-    replica it gets is recorded out of sync until then. Returns the changes and the queues that
-    stay unavailable (replica out of sync or itself lapsed: DESIGN.md 3.4)."""
-    changes, stuck = [], []
-    for name in cluster.index.holding(lapsed, replicas=False):      # what the lapsed nodes master, by name
-        entry = cluster.queues[name]
-        replica_node = cluster.nodes.get(entry.replica)
-        if not entry.in_sync or entry.replica in lapsed or replica_node is None \
-                or replica_node.state not in (NodeState.UP, NodeState.DRAINING):
-            stuck.append(name)
-            continue
-        changes.append(ChangePair(name, astuple(entry.pair),
-                                  (entry.epoch + 1, entry.replica, entry.master, False), Reason.FAILOVER.value))
-    return changes, stuck
-
-
-def plan_replacements(cluster: ClusterMap, gone: set[str]) -> list[ChangePair]:
-    """A node down longer than `replica_replace_after_s` (or draining) loses its replicas: each
-    is re-created on another live node (a move; the new one is out of sync until transferred)."""
-    changes: list[ChangePair] = []
-    if not gone:
-        return changes
-    members = cluster.members_per_node()
-    live = cluster.live_nodes()
-    for name in cluster.index.holding(gone, masters=False):         # the replicas on gone nodes, by name
-        entry = cluster.queues[name]
-        if entry.master in gone:
-            continue
-        candidates = [n for n in live if n not in (entry.master, entry.replica)]
-        if not candidates:
-            continue
-        target = min(candidates, key=lambda n: (members[n], n))
-        members[target] += 1
-        changes.append(ChangePair(name, astuple(entry.pair), (entry.epoch + 1, entry.master, target, False),
-                                  Reason.MOVE.value))
-    return changes
-
-
-def plan_member_moves(cluster: ClusterMap) -> list[ChangePair]:
-    """Replicas to move onto up nodes that hold fewer members than others. Handoffs alone
-    cannot reach a node that holds no member (one back from a drain, a new one), so the
-    members spread first: from the node with most to the one with fewest while they differ
-    by two or more. A queue whose master's node masters most goes first, so the handoffs
-    that follow can relieve that node; a `min_in_sync` 2 queue goes last (it refuses writes
-    until its new replica is in sync). Only in-sync pairs move; each new replica is out of
-    sync until its state transfer ends."""
-    members, masters = cluster.members_per_node(), cluster.masters_per_node()
-    changes: list[ChangePair] = []
-
-    def last_of_pair(entry: QueueEntry) -> tuple[bool, str]:
-        return int(entry.options.get("min_in_sync", 1)) >= 2, entry.name
-
-    # Each move takes the first queue by (min_in_sync 2 last, its master's masters most, its
-    # replica's members most, name). Within one (master, replica) pair only the first and last
-    # of these differ, so each pair offers its queues in that order (a stack, best on top), and
-    # a move looks at one queue per pair, not at the whole map.
-    by_pair: dict[tuple[str, str], list[QueueEntry]] = {}
-    for entry in cluster.queues.values():
-        if entry.in_sync and entry.master in members and entry.replica in members:
-            by_pair.setdefault((entry.master, entry.replica), []).append(entry)
-    for stack in by_pair.values():
-        stack.sort(key=last_of_pair, reverse=True)
-    while members:
-        low = min(members, key=lambda n: (members[n], n))
-        best: tuple[tuple[bool, int, int, str], list[QueueEntry]] | None = None
-        for (master, replica), stack in by_pair.items():
-            if not stack or low in (master, replica) or members[replica] - members[low] < 2:
-                continue
-            in_sync_two, name = last_of_pair(stack[-1])
-            key = (in_sync_two, -masters[master], -members[replica], name)
-            if best is None or key < best[0]:
-                best = (key, stack)
-        if best is None:
-            return changes
-        entry = best[1].pop()
-        members[entry.replica] -= 1
-        members[low] += 1
-        changes.append(ChangePair(entry.name, astuple(entry.pair), (entry.epoch + 1, entry.master, low, False),
-                                  Reason.MOVE.value))
-    return changes
-
-
-def plan_rebalance(cluster: ClusterMap) -> list[str]:
-    """Queues whose master should hand off to its replica so that masters spread evenly:
-    from the node with most masters to its replica while that lowers the spread."""
-    masters = cluster.masters_per_node()
-    chosen: list[str] = []
-    for name, entry in sorted(cluster.queues.items()):
-        if entry.master not in masters or entry.replica not in masters or not entry.in_sync:
-            continue
-        if masters[entry.master] - masters[entry.replica] >= 2:
-            masters[entry.master] -= 1
-            masters[entry.replica] += 1
-            chosen.append(name)
-    return chosen
-
-
-def macro_policy_problem(producer: str, consumer: str, fastest_by: str) -> str:
-    for value, kind in ((producer, ProducerPolicy), (consumer, ConsumerPolicy), (fastest_by, FastestBy)):
-        allowed = [member.value for member in kind]
-        if value not in allowed:
-            return f"{value!r} is not one of {', '.join(allowed)}"
-    return ""
-
-
-def astuple(pair: PairState) -> tuple[int, str, str, bool]:
-    return (pair.epoch, pair.master, pair.replica, pair.in_sync)
 
 
 # --- snapshots of the map (the membership layer compacts its log below one) ------------------

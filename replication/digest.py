@@ -1,4 +1,4 @@
-"""The rolling digest of a queue's replicated history (STYLE.md: checksums across every
+"""The rolling digest of a queue's replicated history (docs/ARCHITECTURE.md, "Conventions": checksums across every
 boundary). Each member folds every log entry (a run of replicated operations) into it in
 ordering-index order, so master and replica compare one value at index N (the end of an
 entry) instead of their whole histories: equal digests at equal indices mean equal histories

@@ -1,7 +1,7 @@
 """Broken invariants: programmer errors, never bad input.
 
 Raised instead of `assert` (which `python -O` strips); the node lets it crash the process and
-restarts from what is durable (STYLE.md "three kinds of failure"). The pure invariant checkers
+restarts from what is durable (docs/ARCHITECTURE.md, "Conventions": three kinds of failure). The pure invariant checkers
 of the replication release (acknowledged never lost, one master per epoch, ...) live here too,
 so the simulator, the chaos runner and the audit share them.
 """
@@ -23,7 +23,7 @@ def lost_acknowledged(acknowledged: Iterable[int], still_held: Iterable[int], co
 
 def seen_but_uncommitted(delivered: Iterable[int], surviving_enqueues: Iterable[int]) -> set[int]:
     """Messages a consumer received whose enqueue is not in the surviving history: they were
-    visible before they were committed (DESIGN.md 3.2)."""
+    visible before they were committed (docs/ARCHITECTURE.md, Guarantee 2)."""
     return set(delivered) - set(surviving_enqueues)
 
 

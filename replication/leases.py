@@ -1,4 +1,4 @@
-"""Node leases from the membership layer (DESIGN.md 4.2 "Leases"), pure.
+"""Node leases from the membership layer (docs/ARCHITECTURE.md, "Membership"), pure.
 
 One lease per node covers every queue it masters. A node renews it by a message to the
 membership leader (never a Raft write) and counts it from the moment it *sent* the renewal,

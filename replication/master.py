@@ -4,7 +4,7 @@ The queue core decides (which message, which lease) and gives each replicated op
 next ordering index; this role streams those operations to the replica in order, learns from
 the replica's acknowledgements which index it holds durably, and computes the commit point:
 only operations at or below `commit_order` may be answered to clients or be visible to them
-(DESIGN.md 3.1, 4.1). It runs state transfer for a (re)joining replica: from the op log when
+(docs/ARCHITECTURE.md, Guarantee 1 and "Queue pairs"). It runs state transfer for a (re)joining replica: from the op log when
 the log still reaches back to the replica's position and their histories agree, otherwise by
 snapshot (`replication/snapshot.py`); it says how far the op log may be truncated
 (`log_floor`), and asks the membership layer to record the replica in or out of sync.
@@ -103,7 +103,7 @@ STORAGE_FULL = "E_STORAGE_FULL"   # Refused code from a replica: its storage is 
 @dataclass(frozen=True, slots=True)
 class InSyncProposal:
     """Ask the membership layer to record the replica in (or out of) sync, as a
-    compare-and-set on the record it expects (DESIGN.md 4.1 "Compare-and-set")."""
+    compare-and-set on the record it expects (docs/ARCHITECTURE.md, "Queue pairs": compare-and-set)."""
     queue: str
     epoch: int
     replica: str
@@ -191,7 +191,7 @@ class MasterRole:
         return self.local_durable
 
     def check_writable(self) -> None:
-        """Refuse before anything is persisted (DESIGN.md 3.8, E_NOT_ENOUGH_REPLICAS)."""
+        """Refuse before anything is persisted (docs/ARCHITECTURE.md, Guarantee 8: E_NOT_ENOUGH_REPLICAS)."""
         if self.progress is ReplicaProgress.FENCED:
             raise QueueError(E_NOT_MASTER, f"queue {self.core.name}: a newer epoch than {self.epoch} exists")
         if self.core.options.min_in_sync < 2:
@@ -599,7 +599,7 @@ class MasterRole:
     # --- the bounded log -------------------------------------------------------------------
     @property
     def log_floor(self) -> int:
-        """Op-log records below this order may be deleted (DESIGN.md 4.1 "Bounded log"): it
+        """Op-log records below this order may be deleted (docs/ARCHITECTURE.md, "Queue pairs": bounded log): it
         is at most the commit point and the order of a snapshot being transferred, and at most
         the replica's durable order while the replica is recorded in sync (it may need any
         record after that to catch up). A replica recorded out of sync holds the log back only

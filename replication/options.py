@@ -1,12 +1,12 @@
 """Queue options, types, strengths and states, validated in one place.
 
-The option names are the public API of DESIGN.md 4.4 (`PUT /v1/queues/{q}` JSON). Queue
+The option names are the public API of docs/PROTOCOL.md, "REST" (`PUT /v1/queues/{q}` JSON). Queue
 types follow seed 004 ("Management of message queues", US 2003/0182464):
 - one_way: the producer is answered as soon as the node accepted the message, before it is
   durable, and no completion status is kept (seed 004 One_Way: no RQP_ENQUEUE_ACK);
 - one_way_ack: answered once durable; the producer can wait for the consumer's ack
   (seed 004 One_Way_Acknowledged and its CheckMsgCompletion);
-- queued_ack: answered once durable (the default; DESIGN.md 3.1);
+- queued_ack: answered once durable (the default; docs/ARCHITECTURE.md, Guarantee 1);
 - two_way: as queued_ack, and the consumer sends a reply the producer can wait for
   (seed 004 Two_Way, SendReply).
 """
@@ -17,19 +17,14 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any
 
+# What a message may carry is wire/message_input.py's: the queue options are bounded by the
+# same limits, and the queue core (its ready set per priority) takes PRIORITY_MAX from here.
+from wire.message_input import PRIORITY_MAX as PRIORITY_MAX
+from wire.message_input import TTL_MAX_S, VISIBILITY_MAX_S
+
 DEAD_LETTER_SUFFIX = ".dlq"
 # 196 characters, so that a queue's dead-letter queue name (+ ".dlq") stays within 200.
 QUEUE_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,195}")
-PRIORITY_MAX = 9
-PRIORITY_DEFAULT = 4
-TTL_MAX_S = 1_209_600.0     # a message's time to live: at most 14 days (SQS's longest retention)
-DELAY_MAX_S = 900.0         # a message's delivery delay: at most 15 minutes (as SQS)
-HEADERS_MAX = 16             # a message's headers: at most this many names,
-HEADER_NAME_CHARS_MAX = 64   # each name 1-64 printable characters,
-HEADERS_CHARS_MAX = 4_096    # and all names and values together at most this many characters,
-# besides a numbered stream's (replication/queue_core.py SEQUENCE_*_HEADER), each value at most 256.
-STREAM_HEADERS = frozenset({"x-sequence-key", "x-sequence", "x-sequence-floor"})
-STREAM_HEADER_CHARS_MAX = 256
 
 
 class QueueType(enum.StrEnum):
@@ -122,7 +117,7 @@ SURVEILLANCE_OPTIONS = frozenset({"fault_interval_s", "defunct_interval_s", "mes
 SURVEILLANCE_INTERVAL_MAX_S = 86_400.0
 FORWARD_MODES = ("adaptive", "static")
 # Placement options are requests about where the pair lives, not properties of the queue:
-# they are validated but never stored or compared (DESIGN.md 4.4, seed 004 MASTER_REQUIRED).
+# they are validated but never stored or compared (docs/PROTOCOL.md, "REST"; seed 004 MASTER_REQUIRED).
 PLACEMENT_OPTION_NAMES = frozenset({"master_required", "master", "replica"})
 
 
@@ -163,7 +158,7 @@ def parse_options(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split a create/open request into (queue options given, placement requests), validated.
 
     Only the options the caller named are returned, so `open` can compare just those with
-    an existing queue's (DESIGN.md: different options -> E_OPTIONS_MISMATCH)."""
+    an existing queue's (different options -> E_OPTIONS_MISMATCH)."""
     if not isinstance(raw, dict):
         raise OptionError("options must be a JSON object")
     unknown = set(raw) - OPTION_NAMES - PLACEMENT_OPTION_NAMES
@@ -180,7 +175,7 @@ def parse_options(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
                 raise OptionError("dead_letter must be true or false")
             given[name] = raw[name]
         elif name == "visibility_timeout_s":
-            given[name] = float(_number(raw, name, 0.0, 43_200.0, False))
+            given[name] = float(_number(raw, name, 0.0, VISIBILITY_MAX_S, False))
         elif name == "message_ttl_s":
             given[name] = float(_number(raw, name, 0.0, TTL_MAX_S, False))
         elif name in SURVEILLANCE_OPTIONS:
@@ -230,52 +225,10 @@ def mismatched_options(existing: QueueOptions, given: dict[str, Any]) -> list[st
     return sorted(name for name, value in given.items() if getattr(existing, name) != value)
 
 
-def checked_headers(headers: Any) -> dict[str, str] | None:
-    """A message's headers as given (a small map of printable names to strings, within the
-    limits above; empty: None), or OptionError naming what is wrong."""
-    if headers is None or headers == {}:
-        return None
-    # The stream headers a forward sets (docs/PROTOCOL.md "Forwards") count apart, so that a
-    # message accepted at its source, at the limits, can be forwarded (issue 32, Low).
-    if not isinstance(headers, dict) or len(headers) > HEADERS_MAX + len(STREAM_HEADERS) \
-            or sum(1 for name in headers if name not in STREAM_HEADERS) > HEADERS_MAX:
-        raise OptionError(f"headers are a map of at most {HEADERS_MAX} names to strings")
-    total = 0
-    for name, value in headers.items():
-        if not isinstance(name, str) or not 0 < len(name) <= HEADER_NAME_CHARS_MAX or not name.isprintable():
-            raise OptionError(f"a header name is 1-{HEADER_NAME_CHARS_MAX} printable characters")
-        if not isinstance(value, str) or not value.isprintable():
-            raise OptionError(f"header {name!r} must be a string of printable characters")
-        if name not in STREAM_HEADERS:
-            total += len(name) + len(value)
-        elif len(value) > STREAM_HEADER_CHARS_MAX:
-            raise OptionError(f"header {name!r} holds at most {STREAM_HEADER_CHARS_MAX} characters")
-    if total > HEADERS_CHARS_MAX:
-        raise OptionError(f"headers hold at most {HEADERS_CHARS_MAX} characters")
-    return dict(headers)
-
-
 def is_valid_queue_name(name: str) -> bool:
     if name.endswith(DEAD_LETTER_SUFFIX):
         return bool(QUEUE_NAME_PATTERN.fullmatch(name[:-len(DEAD_LETTER_SUFFIX)]))
     return bool(QUEUE_NAME_PATTERN.fullmatch(name))
-
-
-def valid_dedupe_id(dedupe_id: str) -> bool:
-    """1-128 printable characters. Lone surrogates, which is how aiohttp hands over header
-    bytes that are not UTF-8 and which storage could not encode, are not printable."""
-    return 0 < len(dedupe_id) <= 128 and dedupe_id.isprintable()
-
-
-# Headers the cluster itself sets on a message it moves (fault surveillance: docs/PROTOCOL.md
-# "Fault surveillance"); an ordinary enqueue naming one is refused (E_RESERVED_HEADER): a client
-# could otherwise pass a message off as failed over, or as another producer's.
-FAILED_OVER_FROM = "x-failed-over-from"
-RETURNED_FROM = "x-returned-from"
-FAULT = "x-fault"
-ORIGIN_PRODUCER = "x-origin-producer"      # the client that enqueued a message the cluster moved
-RESERVED_HEADERS = frozenset({FAILED_OVER_FROM, RETURNED_FROM, FAULT, ORIGIN_PRODUCER})
-REPLY_TO = "reply-to"                      # the queue a message returns to (its producer must be allowed to post there)
 
 
 def producer_key(client: str, name: str) -> str:

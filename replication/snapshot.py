@@ -1,4 +1,4 @@
-"""State transfer by snapshot (seed 004 FIG. 22; DESIGN.md 4.1 "State transfer").
+"""State transfer by snapshot (seed 004 FIG. 22; docs/ARCHITECTURE.md, "Queue pairs": state transfer).
 
 A member that is new, wiped, diverged or behind the start of the master's op log cannot
 catch up from the log: it gets the queue's *state* at one ordering index instead, the

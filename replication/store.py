@@ -96,6 +96,23 @@ class MemoryStore:
     def dedupe_lookup(self, queue_id: int, dedupe_id: str) -> tuple[int, int] | None:
         return self._queue(queue_id).dedupe.get(dedupe_id)
 
+    def message_status(self, queue_id: int, index: int) -> tuple[str, int, bytes | None] | None:
+        """As Storage.message_status: the completed status, or 'delivered' (with its deliveries),
+        'delayed' or 'queued' from where the message waits; None when none of them holds it."""
+        queue = self.queues.get(queue_id)
+        if queue is None:
+            return None
+        if index in queue.status:
+            state, reply = queue.status[index]
+            return state, 0, reply
+        if index in queue.leases:
+            return "delivered", queue.leases[index].deliveries, None
+        if index in queue.delayed:
+            return "delayed", 0, None
+        if index in queue.messages:
+            return "queued", 0, None
+        return None
+
     def status_producer(self, queue_id: int, index: int) -> str | None:
         """As Storage.status_producer: who enqueued a message whose status is reported."""
         queue = self._queue(queue_id)

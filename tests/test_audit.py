@@ -25,6 +25,10 @@ import msgpack
 import pyarrow.parquet as pq
 import pytest
 
+from audit.checks import violations
+from audit.checks.group import check_group
+from audit.checks.history import HistoryEnqueue
+from audit.checks.units import group_of
 from audit.cli import main as qaudit_main
 from audit.inputs import read_history, read_records
 from audit.local import audit_paths, audit_records
@@ -32,8 +36,7 @@ from client import AsyncClient, QueueError
 from client.credentials import load_credentials
 from qserver.dev.devcluster import REPOSITORY, LocalCluster, free_port
 from qserver.storage.journal_export import columns_table, export_environment
-from replication import audit_checks as checks
-from replication.audit_checks import RECORD_COLUMNS, HistoryEnqueue, JournalRecord
+from replication.journal import RECORD_COLUMNS, JournalRecord
 from tests.conftest import fail_on_unexpected_ends
 from tests.support import RawApi, raw_session
 from tests.test_failover import wait_for
@@ -265,13 +268,13 @@ def _acked_twice(records: list[JournalRecord], history: list[HistoryEnqueue]) ->
     return [*records, _checksummed(ack._replace(sequence=last + 1))], history
 
 
-FAULTS = [Fault("dropped record", checks.INDEX_GAP, _drop_record),
-          Fault("reordered pair", checks.INDEX_OUT_OF_ORDER, _reorder_pair),
-          Fault("second master in one epoch", checks.TWO_MASTERS, _second_master),
-          Fault("payload checksum mismatch", checks.PAYLOAD_MISMATCH, _payload_mismatch),
-          Fault("acknowledged enqueue missing", checks.ACKNOWLEDGED_MISSING, _acknowledged_missing),
-          Fault("record checksum broken", checks.RECORD_CHECKSUM, _corrupt_record),
-          Fault("message acknowledged twice", checks.DUPLICATED, _acked_twice)]
+FAULTS = [Fault("dropped record", violations.INDEX_GAP, _drop_record),
+          Fault("reordered pair", violations.INDEX_OUT_OF_ORDER, _reorder_pair),
+          Fault("second master in one epoch", violations.TWO_MASTERS, _second_master),
+          Fault("payload checksum mismatch", violations.PAYLOAD_MISMATCH, _payload_mismatch),
+          Fault("acknowledged enqueue missing", violations.ACKNOWLEDGED_MISSING, _acknowledged_missing),
+          Fault("record checksum broken", violations.RECORD_CHECKSUM, _corrupt_record),
+          Fault("message acknowledged twice", violations.DUPLICATED, _acked_twice)]
 
 
 @pytest.mark.parametrize("fault", FAULTS, ids=[fault.name for fault in FAULTS])
@@ -287,7 +290,7 @@ def test_each_planted_fault_is_caught_and_named(real_run: RealRun, fault: Fault)
 def test_a_dropped_record_also_shows_as_a_gap_in_its_journals_sequence_numbers(real_run: RealRun) -> None:
     records, history = _drop_record(list(real_run.records), list(real_run.entries))
     report = audit_records(records, history)
-    assert report["violation_counts"].get(checks.SEQUENCE_GAP) == 1
+    assert report["violation_counts"].get(violations.SEQUENCE_GAP) == 1
 
 
 def _write_journals(records: list[JournalRecord], directory: Path, *, statistics: bool = True) -> None:
@@ -350,12 +353,12 @@ def test_a_partition_gives_check_groups_answers_and_leaves_the_collector_on(real
     table = pa.table({name: [getattr(r, name) for r in records] for name in RECORD_COLUMNS})
     starts = {(r.node, r.journal_id): 1 for r in records}
     results = [(batch.column("kind")[0].as_py(), json.loads(batch.column("result")[0].as_py()))
-               for batch in group_partition(checks.DEFAULT_SETTINGS, starts, iter(table.to_batches(max_chunksize=97)))]
+               for batch in group_partition(violations.DEFAULT_SETTINGS, starts, iter(table.to_batches(max_chunksize=97)))]
     assert gc.isenabled()
     by_group: dict[str, list[JournalRecord]] = {}
     for record in records:
-        by_group.setdefault(checks.group_of(record.queue), []).append(record)
-    expected = [json.loads(json.dumps(checks.check_group(group, by_group[group], checks.DEFAULT_SETTINGS, starts)))
+        by_group.setdefault(group_of(record.queue), []).append(record)
+    expected = [json.loads(json.dumps(check_group(group, by_group[group], violations.DEFAULT_SETTINGS, starts)))
                 for group in sorted(by_group)]
     assert [result for kind, result in results if kind == "group"] == expected
     assert [kind for kind, _ in results] == ["group"] * len(by_group) + ["runs"]
@@ -388,8 +391,8 @@ def test_qaudit_writes_the_report_and_page_and_exits_non_zero_on_a_violation(rea
                          "--quiet"])
     assert failed == 1
     report = json.loads((tmp_path / "bad" / "report.json").read_text())
-    assert report["violation_counts"] == {checks.PAYLOAD_MISMATCH: 1}
-    assert checks.PAYLOAD_MISMATCH in (tmp_path / "bad" / "report.html").read_text()
+    assert report["violation_counts"] == {violations.PAYLOAD_MISMATCH: 1}
+    assert violations.PAYLOAD_MISMATCH in (tmp_path / "bad" / "report.html").read_text()
 
 
 # --- a real standalone Spark cluster ------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The pure audit checkers (replication/audit_checks.py) on small hand-written journals: each
+"""The pure audit checkers (audit/checks/) on small hand-written journals: each
 rule says what it means, and a journal that breaks it is named for it."""
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ from typing import Any
 
 import msgpack
 
+from audit.checks import violations
+from audit.checks.history import HistoryEnqueue
+from audit.checks.journals import check_journal_runs, check_journal_sequences, sequence_runs
 from audit.local import audit_records
-from replication import audit_checks as checks
-from replication.audit_checks import HistoryEnqueue, JournalRecord
+from replication.journal import JournalRecord
 
 
 class Journal:
@@ -50,7 +52,7 @@ def audit(*journals: Journal, history: list[HistoryEnqueue] | None = None) -> di
 def test_a_message_delivered_while_an_earlier_one_of_the_same_priority_waits_breaks_fifo() -> None:
     journal = Journal("n1").enqueue(1, 2).add("lease", 0, 2).add("ack", 0, 2)
     report = audit(journal)
-    assert kinds(report) == {checks.DELIVERY_ORDER: 1}
+    assert kinds(report) == {violations.DELIVERY_ORDER: 1}
     assert "message 1 (priority 4) was ready" in report["violations"][0]["detail"]
 
 
@@ -59,7 +61,7 @@ def test_a_higher_priority_goes_first_and_a_later_higher_priority_is_not_judged(
         .add("lease", 0, 1, priority=2).enqueue(3, priority=9).add("ack", 0, 1, priority=2)
     assert audit(good)["verdict"] == "clean"
     bad = Journal("n1").enqueue(1, priority=8).enqueue(2, priority=2).add("lease", 0, 2, priority=2)
-    assert kinds(audit(bad)) == {checks.DELIVERY_ORDER: 1}
+    assert kinds(audit(bad)) == {violations.DELIVERY_ORDER: 1}
 
 
 def test_redeliveries_are_explained_by_release_expiry_or_a_change_of_master() -> None:
@@ -72,13 +74,13 @@ def test_redeliveries_are_explained_by_release_expiry_or_a_change_of_master() ->
     counts = report["incarnations"][0]["queues"][0]["counts"]
     assert (counts["redelivered_release"], counts["redelivered_expire"], counts["redelivered_change_of_master"]) == (1, 1, 1)
     unexplained = Journal("n1").enqueue(1).add("lease", 0, 1).add("lease", 0, 1)
-    assert kinds(audit(unexplained)) == {checks.UNEXPLAINED_REDELIVERY: 1}
+    assert kinds(audit(unexplained)) == {violations.UNEXPLAINED_REDELIVERY: 1}
 
 
 def test_an_ack_twice_or_without_a_lease_and_an_ack_of_a_message_never_enqueued_are_named() -> None:
     journal = Journal("n1").enqueue(1, 2).add("lease", 0, 1).add("ack", 0, 1).add("ack", 0, 1) \
         .add("ack", 0, 2).add("ack", 0, 9)
-    assert kinds(audit(journal)) == {checks.DUPLICATED: 1, checks.CONSUMED_WITHOUT_LEASE: 1, checks.UNEXPECTED: 1}
+    assert kinds(audit(journal)) == {violations.DUPLICATED: 1, violations.CONSUMED_WITHOUT_LEASE: 1, violations.UNEXPECTED: 1}
 
 
 def test_members_of_a_full_pair_must_agree_op_for_op_within_an_epoch() -> None:
@@ -86,7 +88,7 @@ def test_members_of_a_full_pair_must_agree_op_for_op_within_an_epoch() -> None:
     replica = Journal("n2").enqueue(1, role="replica").enqueue(2, role="replica", crc=5).add(
         "lease", 3, 1, role="replica").add("ack", 4, 2, role="replica")
     report = audit(master, replica)
-    assert kinds(report)[checks.PAYLOAD_MISMATCH] == 1 and kinds(report)[checks.MEMBER_DISAGREEMENT] == 1
+    assert kinds(report)[violations.PAYLOAD_MISMATCH] == 1 and kinds(report)[violations.MEMBER_DISAGREEMENT] == 1
     assert report["totals"]["incarnations"] == 1, "the shared records link the two members"
 
 
@@ -97,7 +99,7 @@ def test_a_suffix_of_an_older_epoch_replaced_in_a_newer_one_is_flagged_not_faile
         .add("enqueue", 3, 3, epoch=2, dedupe_id="d3-new")
     report = audit(old_master, new_master)
     assert report["verdict"] == "clean", report["violations"]
-    assert {flag["kind"] for flag in report["flags"]} == {checks.DISCARDED_SUFFIX}
+    assert {flag["kind"] for flag in report["flags"]} == {violations.DISCARDED_SUFFIX}
     epochs = report["incarnations"][0]["epochs"]
     assert [(e["epoch"], e["masters"], e["reason"]) for e in epochs] == [(1, ["n1"], "create"), (2, ["n2"], "failover")]
 
@@ -105,27 +107,27 @@ def test_a_suffix_of_an_older_epoch_replaced_in_a_newer_one_is_flagged_not_faile
 def test_two_masters_in_one_epoch_and_a_forced_promotion() -> None:
     one = Journal("n1").enqueue(1, 2)
     other = Journal("n2").enqueue(1, 2)
-    assert kinds(audit(one, other)) == {checks.TWO_MASTERS: 1}
+    assert kinds(audit(one, other)) == {violations.TWO_MASTERS: 1}
     forced = Journal("n2").enqueue(1, role="replica").add("epoch", 1, 0, epoch=2, dedupe_id="unclean").enqueue(2, epoch=2)
     report = audit(Journal("n1").enqueue(1), forced)
-    assert report["verdict"] == "clean" and [f["kind"] for f in report["flags"]] == [checks.UNCLEAN_PROMOTION]
+    assert report["verdict"] == "clean" and [f["kind"] for f in report["flags"]] == [violations.UNCLEAN_PROMOTION]
 
 
 def test_index_gaps_repeats_and_the_head_of_a_complete_journal() -> None:
     journal = Journal("n1").enqueue(2, 3, 5).add("enqueue", 5, 5, dedupe_id="again")
     found = audit(journal)["violations"]
-    assert [(v["kind"], v["index"]) for v in found] == [(checks.INDEX_GAP, 1), (checks.INDEX_GAP, 4),
-                                                         (checks.INDEX_REPEATED, 5)]
+    assert [(v["kind"], v["index"]) for v in found] == [(violations.INDEX_GAP, 1), (violations.INDEX_GAP, 4),
+                                                         (violations.INDEX_REPEATED, 5)]
 
 
 def test_journal_sequence_numbers_run_without_gaps_or_repeats_however_they_are_split() -> None:
-    assert checks.sequence_runs([1, 2, 3, 7, 8, 5]) == [(1, 3), (7, 8), (5, 5)]
-    result = checks.check_journal_runs("n1", "j", [(5, 9), (1, 3), (9, 10), (12, 12)])
+    assert sequence_runs([1, 2, 3, 7, 8, 5]) == [(1, 3), (7, 8), (5, 5)]
+    result = check_journal_runs("n1", "j", [(5, 9), (1, 3), (9, 10), (12, 12)])
     assert [(v["kind"], v["index"]) for v in result["violations"]] == [
-        (checks.SEQUENCE_GAP, 4), (checks.SEQUENCE_GAP, 11), (checks.SEQUENCE_REPEATED, 9)]
+        (violations.SEQUENCE_GAP, 4), (violations.SEQUENCE_GAP, 11), (violations.SEQUENCE_REPEATED, 9)]
     assert (result["records"], result["first_sequence"], result["last_sequence"]) == (11, 1, 12)
-    whole = checks.check_journal_sequences("n1", "j", range(1, 100))
-    assert whole == checks.check_journal_runs("n1", "j", [(1, 50), (51, 99)]) and not whole["violations"]
+    whole = check_journal_sequences("n1", "j", range(1, 100))
+    assert whole == check_journal_runs("n1", "j", [(1, 50), (51, 99)]) and not whole["violations"]
 
 
 def test_dead_letter_queue_messages_arrive_by_dead_lettering_under_both_strengths() -> None:
@@ -137,7 +139,7 @@ def test_dead_letter_queue_messages_arrive_by_dead_lettering_under_both_strength
     assert dead["counts"]["acked"] == 1 and dead["members"][0]["first_index"] == 1
     producer = (Journal("n1").enqueue(1).add("lease", 0, 1).add("dead_letter", 0, 1)
                 .add("lease", 0, 1, queue="q.dlq", queue_id=2).add("lease", 0, 2, queue="q.dlq", queue_id=2))
-    assert kinds(audit(producer)) == {checks.UNEXPECTED: 1}, "only one message was dead-lettered"
+    assert kinds(audit(producer)) == {violations.UNEXPECTED: 1}, "only one message was dead-lettered"
 
 
 def test_a_committed_message_the_final_master_lacks_is_lost() -> None:
@@ -146,9 +148,9 @@ def test_a_committed_message_the_final_master_lacks_is_lost() -> None:
     survivor = Journal("n3").enqueue(1, 2, role="replica").add("epoch", 2, 0, epoch=3, dedupe_id="unclean") \
         .enqueue(4, epoch=3)
     report = audit(old, new, survivor)
-    lost = [v for v in report["violations"] if v["kind"] == checks.LOST]
+    lost = [v for v in report["violations"] if v["kind"] == violations.LOST]
     assert [(v["message_id"], v["node"]) for v in lost] == [(3, "n3")]
-    assert report["total_queue"]["lost"] == 1 and report["flags"][0]["kind"] == checks.UNCLEAN_PROMOTION
+    assert report["total_queue"]["lost"] == 1 and report["flags"][0]["kind"] == violations.UNCLEAN_PROMOTION
 
 
 def test_history_acknowledged_missing_misnumbered_failed_but_applied_and_recovered() -> None:
@@ -158,21 +160,21 @@ def test_history_acknowledged_missing_misnumbered_failed_but_applied_and_recover
                HistoryEnqueue("q", "unknown", None, "d8"), HistoryEnqueue("q", "unknown", None, "d1"),
                HistoryEnqueue("q", "maybe", None, "d1")]
     report = audit(journal, history=history)
-    assert kinds(report) == {checks.HISTORY_MISMATCH: 1, checks.ACKNOWLEDGED_MISSING: 1, checks.UNEXPECTED: 1,
-                             checks.HISTORY_MALFORMED: 1}
+    assert kinds(report) == {violations.HISTORY_MISMATCH: 1, violations.ACKNOWLEDGED_MISSING: 1, violations.UNEXPECTED: 1,
+                             violations.HISTORY_MALFORMED: 1}
     assert report["history"] == {"ok": 3, "unknown": 2, "fail": 1, "recovered": 1}
     assert report["total_queue"]["lost"] == 1 and report["total_queue"]["recovered"] == 1
 
 
 def test_one_dedupe_id_stored_as_two_messages_is_a_duplicate() -> None:
     journal = Journal("n1").add("enqueue", 1, 1, dedupe_id="same").add("enqueue", 2, 2, dedupe_id="same")
-    assert kinds(audit(journal)) == {checks.DUPLICATED: 1}
+    assert kinds(audit(journal)) == {violations.DUPLICATED: 1}
 
 
 def test_a_record_that_does_not_match_its_checksum_is_named() -> None:
     journal = Journal("n1").enqueue(1, 2)
     journal.records[1] = journal.records[1]._replace(priority=9)
-    assert kinds(audit(journal)) == {checks.RECORD_CHECKSUM: 1}
+    assert kinds(audit(journal)) == {violations.RECORD_CHECKSUM: 1}
 
 
 def test_a_member_that_took_the_queue_over_by_snapshot_counts_what_was_consumed_before_it() -> None:
@@ -206,4 +208,4 @@ def test_a_channel_message_trimmed_before_a_durable_subscription_acknowledged_it
     skipped = Journal("n1").enqueue(1, queue=queue).add("subscribe", 2, 0, queue=queue, dedupe_id="s") \
         .enqueue(3, queue=queue).add("purge", 4, 3, queue=queue).add("subscriber_ack", 5, 1, queue=queue,
                                                                       dedupe_id="s")
-    assert kinds(audit(skipped)) == {checks.DURABLE_SKIPPED: 1, checks.DURABLE_UNKNOWN: 1}
+    assert kinds(audit(skipped)) == {violations.DURABLE_SKIPPED: 1, violations.DURABLE_UNKNOWN: 1}

@@ -1,4 +1,4 @@
-"""Bad input never costs data (DESIGN.md 3.7): every malformed request, unknown name,
+"""Bad input never costs data (docs/ARCHITECTURE.md, Guarantee 7): every malformed request, unknown name,
 oversized body, bad signature or missing grant gets a stable E_* code, and afterwards the
 stored messages and other clients' connections are exactly as they were."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The bounded op log and state transfer by snapshot, on real processes (DESIGN.md 4.1).
+"""The bounded op log and state transfer by snapshot, on real processes (docs/ARCHITECTURE.md, "Queue pairs").
 
 Records below what both members hold are truncated as the pair goes, so an emptied queue
 leaves a small constant on disk; a member re-created elsewhere takes the queue's state, not
@@ -13,7 +13,7 @@ import pytest
 
 from client import AsyncClient
 from qserver.dev.devcluster import LocalCluster
-from qserver.storage.lmdb_store import database_usage
+from qserver.storage.space import database_usage
 from tests.test_failover import drain, wait_for
 from tests.test_pairs import wait_converged
 

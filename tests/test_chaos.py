@@ -1,4 +1,4 @@
-"""Chaos on real processes through Toxiproxy (DESIGN.md 4.7).
+"""Chaos on real processes through Toxiproxy (chaos/README.md).
 
 The smoke scenario (chaos/scenarios/smoke.toml: one partition, one kill, one pause, one
 handoff) runs the whole runner as a user would, and must come out valid with a clean audit.

@@ -3,8 +3,8 @@ real processes; these tests hold the layer itself).
 
 * A deposed `producer` master that rejoined as replica took the new master's whole history
   (its histories differed only by an uncommitted suffix), losing its consumers' acks: acked
-  messages came back at that member (DESIGN.md 4.1: a returning member keeps its consumption
-  state; an uncommitted suffix is discarded).
+  messages came back at that member (docs/PROTOCOL.md, "The bounded op log and snapshots": a
+  returning member keeps its consumption state; an uncommitted suffix is discarded).
 * A replica instance re-created for a full transfer started at epoch 1: its journal records
   named the wrong epoch and its durable epoch went backwards.
 * E_NOT_MASTER answering a forwarded enqueue said the outcome was known, and a retry's
@@ -27,12 +27,14 @@ from typing import Any
 
 import pytest
 
-from qserver.cluster.pairs import ClusterView
+from audit.checks.group import check_group
+from audit.checks.history import HistoryEnqueue, history_as_record
 from qserver.cluster.relay import answer_from_master, forwarded_error
+from qserver.cluster.view import ClusterView
 from qserver.core import commands as c
 from qserver.storage.lmdb_store import SealedBatch, Storage
-from replication.audit_checks import HistoryEnqueue, JournalRecord, check_group
 from replication.cluster_map import ClusterMap, PairState
+from replication.journal import JournalRecord
 from replication.messages import encode_entry
 from replication.operations import Enqueued, Operation
 from replication.options import QueueOptions, Strength, producer_key
@@ -146,7 +148,7 @@ def test_a_forwarded_enqueue_answered_not_master_has_an_unknown_outcome() -> Non
 
 @pytest.mark.asyncio
 async def test_a_retry_that_fails_definitely_keeps_the_first_attempts_unknown_outcome() -> None:
-    from client.aio import _retried_once
+    from client.router import retried_once as _retried_once
 
     async def refused() -> int:
         raise QueueError(E_QUEUE_UNAVAILABLE, "cannot serve")
@@ -161,18 +163,14 @@ async def test_a_retry_that_fails_definitely_keeps_the_first_attempts_unknown_ou
 
 
 # --- where a node dials its peers -------------------------------------------------------------------
-class _Membership:
-    def __init__(self, cluster_map: ClusterMap) -> None:
-        self.cluster_map = cluster_map
-
-
 def test_http_passing_on_dials_the_nodes_own_table_before_the_published_url() -> None:
     from replication.cluster_map import AddNode
+    from tests.cluster_fakes import FakeMembership
     cluster_map = ClusterMap()
     cluster_map.apply(AddNode("n2", "http://127.0.0.1:9002"))          # what clients are told
     cluster_map.apply(AddNode("n3", "http://127.0.0.1:9003"))
     view = ClusterView("n1", {"n1": "http://127.0.0.1:9001", "n2": "http://127.0.0.1:7012"},
-                       _Membership(cluster_map))   # type: ignore[arg-type]
+                       FakeMembership(cluster_map))
     assert view.url("n2") == "http://127.0.0.1:7012"                   # n1's proxy to n2
     assert view.url("n3") == "http://127.0.0.1:9003"                   # not in the table: the map's
 
@@ -195,7 +193,6 @@ def test_the_audit_matches_an_acknowledged_enqueue_with_the_copy_that_survived()
     ]
     history = [HistoryEnqueue("orders", "ok", 1, "a", 7), HistoryEnqueue("orders", "ok", 3, "b", 7),
                HistoryEnqueue("orders", "ok", 2, "c", 7)]
-    from replication.audit_checks import history_as_record
     result = check_group("orders", records + [history_as_record(h) for h in history])
     kinds = {v["kind"] for v in result["violations"]}
     assert "history_mismatch" not in kinds, result["violations"]
@@ -203,36 +200,34 @@ def test_the_audit_matches_an_acknowledged_enqueue_with_the_copy_that_survived()
 
 # --- a full master without its lease takes no index --------------------------------------------
 def test_a_full_master_without_a_lease_does_not_expire_leases_on_its_own() -> None:
+    from qserver.config import NodeConfig
     from qserver.core.engine import Engine
+    from tests.sim.fakes import FakeGate, FakePairs, FakeRelay
+    from tests.sim.memory_storage import MemoryStorage
 
-    class _Coordinator:
-        valid = False
-
-        def lease_valid(self) -> bool:
-            return self.valid
-    engine = Engine.__new__(Engine)
-    coordinator = _Coordinator()
-    engine.coordinator = coordinator      # type: ignore[assignment]
-    assert not engine._full_master_may_decide()
-    coordinator.valid = True
-    assert engine._full_master_may_decide()
-    engine.coordinator = None
-    assert engine._full_master_may_decide()
+    engine: Engine[Any, Any] = Engine(NodeConfig(), MemoryStorage("n1"))     # type: ignore[arg-type]
+    pairs, coordinator = FakePairs(clustered=True), FakeGate(lease=False)
+    engine.connect(pairs, coordinator, FakeRelay())
+    assert not engine.full_master_may_decide()
+    coordinator.lease = True
+    assert engine.full_master_may_decide()
+    engine.connect(pairs, None, FakeRelay())
+    assert engine.full_master_may_decide()
 
 
 # --- a replica instance re-created for a full transfer ----------------------------------------------
 def test_a_replica_instance_recreated_for_a_full_transfer_keeps_the_epoch_it_replaces(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
+    from qserver.assembly import build_engine
     from qserver.config import NodeConfig
-    from qserver.core.engine import Engine
     storage = Storage(tmp_path / "lmdb", node_id="n1")
-    engine = Engine(NodeConfig(data_dir=str(tmp_path)), storage)
-    old = engine._create_core("events", QueueOptions(), AT_MS, None, incarnation=5, epoch=3)
+    engine = build_engine(NodeConfig(data_dir=str(tmp_path)), storage)
+    old = engine.registry.create_core("events", QueueOptions(), AT_MS, None, incarnation=5, epoch=3)
     role = SimpleNamespace(core=old, incarnation=5, visible_order=0)
-    engine.reset_replica_instance(role, old.record.to_json())
+    engine.registry.reset_replica_instance(role, old.record.to_json())    # type: ignore[arg-type]
     assert role.core is not old and role.core.record.epoch == 3
-    assert engine._open.sealed.epochs["events"] == 3
+    assert engine.pipeline.open.sealed.epochs["events"] == 3
     storage.close()
 
 
@@ -247,19 +242,15 @@ def test_qaudit_reads_the_journal_of_a_node_that_holds_no_queue(tmp_path: Path) 
 # --- a batch that spans a change of role --------------------------------------------------------------
 def test_operations_applied_as_replica_in_the_batch_where_the_node_became_master_are_not_streamed_again(
         tmp_path: Path) -> None:
-    from types import SimpleNamespace
-
-    from qserver.cluster.pairs import PairDriver
     from replication.digest import EMPTY_DIGEST, fold
-    from replication.master import MasterRole, ReplicationLimits
+    from replication.master import MasterRole
+    from tests.cluster_fakes import FakeCore, FakeStorage, pair_driver
     store = MemoryStore()
     core = producer_core(store, Strength.FULL)
     applied = Enqueued(1, 1, 4, AT_MS, "a", "c", b"x")        # received from the old master
     digest = fold(EMPTY_DIGEST, applied)
-    engine = SimpleNamespace(config=SimpleNamespace(node_id="n2", commit_wait_max_s=10.0), random_bits=lambda bits: 1,
-                             listeners_may_see_more=lambda name: None)
-    driver = PairDriver(engine, ClusterView("n2", {}, None), ReplicationLimits())   # type: ignore[arg-type]
-    role = MasterRole(core, storage_stub(), node_id="n2", replica_id="n1", epoch=2, incarnation=1,
+    driver = pair_driver("n2", FakeCore())
+    role = MasterRole(core, FakeStorage(), node_id="n2", replica_id="n1", epoch=2, incarnation=1,
                       recorded_in_sync=True, last_order=1, digest=digest)
     driver.masters["events"] = role
     decided = Enqueued(1, 2, 4, AT_MS, "b", "c", b"y")          # its first own operation
@@ -269,18 +260,7 @@ def test_operations_applied_as_replica_in_the_batch_where_the_node_became_master
     assert role.digest == fold(digest, decided) and role.last_order == 2
 
 
-def storage_stub() -> Any:
-    class _OpLog:
-        def read(self, queue_id: int, after_order: int, limit: int, bytes_max: int = 0) -> list[tuple[int, int, bytes]]:
-            return []
-
-        def digest_at(self, queue_id: int, order: int) -> bytes | None:
-            return None
-    return _OpLog()
-
-
 def test_the_audit_replaces_a_discarded_suffix_with_what_the_new_epoch_put_at_the_same_ids() -> None:
-    from replication.audit_checks import history_as_record
     records = [
         _record("n1", 1, 1, 0, "epoch", "create", "master"), _record("n2", 1, 1, 0, "epoch", "create", "replica"),
         _record("n1", 2, 1, 1, "enqueue", "a", "master"), _record("n2", 2, 1, 1, "enqueue", "a", "replica"),
@@ -300,31 +280,27 @@ def test_the_audit_replaces_a_discarded_suffix_with_what_the_new_epoch_put_at_th
 
 # --- a restarted member decides nothing before it has its role ----------------------------------------
 def test_a_core_without_a_role_yet_expires_no_lease_until_the_map_gives_it_one() -> None:
-    from types import SimpleNamespace
-
-    from qserver.core.deadlines import DueQueues
-    from qserver.core.engine import Engine, OpenBatch
+    from qserver.config import NodeConfig
+    from qserver.core.engine import Engine
+    from tests.sim.fakes import FakePairs, FakeRelay
+    from tests.sim.memory_storage import MemoryStorage
     store = MemoryStore()
     lease_clock = [AT_MS]
     core = producer_core(store, lease_clock=lambda: lease_clock[0])
     enqueue(core, store, 1, "e")
     core.lease(1, 1, "c", AT_MS, [])                          # a lease that ran out long ago
     lease_clock[0] += 60_000
-    engine = Engine.__new__(Engine)
-    engine._open = OpenBatch()
-    engine.coordinator = None
-    engine.cores = {"events": core}
-    engine._to_serve = set()
-    engine._due, engine._may_decide_time = DueQueues(), True
-    engine._due.changed_all(engine.cores)
-    engine.pairs = SimpleNamespace(masters={}, replicas={}, clustered=True,   # type: ignore[assignment]
-                                   note_decided=lambda core, ops: None, restarting=lambda name: False)
+    engine: Engine[Any, Any] = Engine(NodeConfig(), MemoryStorage("n1"))     # type: ignore[arg-type]
+    pairs = FakePairs(clustered=True)
+    engine.connect(pairs, None, FakeRelay())
+    engine.registry.cores = {"events": core}
+    engine.role_changed("events")                  # as the registry's load does for every core
     engine._run_timed_steps(AT_MS + 60_000, lease_clock[0])
-    assert engine._open.sealed.operations == []               # restarted, no role yet: wait
-    engine.pairs.replicas["events"] = object()     # type: ignore[assignment]
+    assert engine.pipeline.open.sealed.operations == []       # restarted, no role yet: wait
+    pairs.replicas["events"] = object()            # type: ignore[assignment]
     engine.role_changed("events")                  # as PairDriver._assume tells it
     engine._run_timed_steps(AT_MS + 60_000, lease_clock[0])
-    assert [type(op).__name__ for op in engine._open.sealed.operations] == ["Released"]
+    assert [type(op).__name__ for op in engine.pipeline.open.sealed.operations] == ["Released"]
 
 
 # --- a peer link whose socket breaks under its reader -------------------------------------------------
@@ -332,7 +308,8 @@ def test_a_core_without_a_role_yet_expires_no_lease_until_the_map_gives_it_one()
 async def test_a_link_whose_socket_breaks_under_the_reader_ends_and_leaves_the_dialer_alive() -> None:
     import aiohttp
 
-    from qserver.transport.peers import LinkKeys, PeerTransport, _Link, _Peer
+    from qserver.transport.peer_link import LinkKeys
+    from qserver.transport.peers import PeerTransport, _Link, _Peer
 
     class _Breaking:
         """aiohttp's receive() answers a ping with a pong; on a closing transport that raises."""
@@ -348,7 +325,6 @@ async def test_a_link_whose_socket_breaks_under_the_reader_ends_and_leaves_the_d
 
 
 def test_the_audit_takes_a_replacement_journaled_before_its_epoch_record_as_the_suffixs_end() -> None:
-    from replication.audit_checks import history_as_record
     records = [
         _record("n1", 1, 1, 0, "epoch", "create", "master"), _record("n2", 1, 1, 0, "epoch", "create", "replica"),
         _record("n1", 2, 1, 1, "enqueue", "a", "master"), _record("n2", 2, 1, 1, "enqueue", "a", "replica"),
@@ -379,7 +355,6 @@ def test_a_restarted_core_drops_its_suffix_past_the_recorded_commit_point_even_o
 
 # --- a restarted `producer` member's journal ------------------------------------------------------------
 def test_the_audit_takes_a_restart_record_below_what_the_member_held_as_the_end_of_its_discarded_suffix() -> None:
-    from replication.audit_checks import history_as_record
     records = [
         _record("n1", 1, 1, 0, "epoch", "create", "master"), _record("n2", 1, 1, 0, "epoch", "create", "replica"),
         _record("n1", 2, 1, 1, "enqueue", "a", "master"), _record("n2", 2, 1, 1, "enqueue", "a", "replica"),
@@ -412,17 +387,16 @@ def test_storage_journals_a_role_record_where_it_happened_among_its_batchs_opera
 
 # --- a lease counts only on a map as new as the leader's ------------------------------------------------
 def test_a_lease_grant_counts_only_once_the_nodes_map_has_applied_what_the_leaders_had() -> None:
-    from types import SimpleNamespace
-
-    from qserver.cluster.coordinator import Coordinator
     from replication.messages import LeaseGrant
+    from tests.cluster_fakes import FakeCore, FakeMembership, pair_driver
+    from tests.cluster_fakes import coordinator as make_coordinator
     clock = [10_000]
-    cluster_map = SimpleNamespace(version=5)       # restarted on its own copy: 2 commands behind
-    engine = SimpleNamespace(pairs=None, config=SimpleNamespace(node_id="n1"), random_bits=lambda bits: 1)
-    coordinator = Coordinator(engine, SimpleNamespace(cluster_map=cluster_map),  # type: ignore[arg-type]
-                              lease_ms=800, lease_margin_ms=400, renew_interval_ms=200,
-                              replica_replace_after_ms=60_000, accept_replica_handoffs=True,
-                              monotonic_ms=lambda: clock[0])
+    core = FakeCore(lambda: clock[0])
+    cluster_map = ClusterMap()
+    cluster_map.version = 5                         # restarted on its own copy: 2 commands behind
+    membership = FakeMembership(cluster_map)
+    coordinator = make_coordinator(pair_driver("n1", core, membership), core, membership, lease_ms=800,
+                                   lease_margin_ms=400, lease_renew_interval_ms=200)
     sequence = coordinator.lease.renewal(clock[0])
     coordinator.on_message("n2", LeaseGrant("", 0, 3, sequence, 7))
     assert not coordinator.lease_valid()            # its map may still name it master of a queue that failed over
@@ -435,26 +409,26 @@ def test_a_lease_grant_counts_only_once_the_nodes_map_has_applied_what_the_leade
 
 # --- a master taken up at a restart, on the node's own (possibly stale) copy of the map ----------------
 def test_a_master_restarted_on_its_own_map_claims_no_commit_past_its_record_until_it_holds_a_lease() -> None:
-    from types import SimpleNamespace
-
-    from qserver.cluster.pairs import PairDriver
-    pairs = PairDriver.__new__(PairDriver)
-    lease = [False]
+    from replication.digest import EMPTY_DIGEST
+    from replication.master import MasterRole
+    from tests.cluster_fakes import FakeCore, FakeMembership, FakeStorage, coordinator, pair_driver
+    clock = [10_000]
+    core = FakeCore(lambda: clock[0])
+    membership = FakeMembership()
+    pairs = pair_driver("n1", core, membership)
+    lease = coordinator(pairs, core, membership).lease
     # Its copy of the map says the replica is out of sync: everything it holds looks committed.
-    pairs.masters = {"events": SimpleNamespace(commit_order=3678)}  # type: ignore[dict-item]
-    pairs.replicas = {}
+    pairs.masters["events"] = MasterRole(producer_core(MemoryStore()), FakeStorage(), node_id="n1", replica_id="n2",
+                                         epoch=1, incarnation=1, recorded_in_sync=False, last_order=3678,
+                                         digest=EMPTY_DIGEST)
     pairs.unconfirmed = {"events": 3677}                  # the commit point its queue record kept
-    pairs.coordinator = SimpleNamespace(lease_valid=lambda: lease[0])  # type: ignore[assignment]
-    served: list[str] = []
-    pairs.engine = SimpleNamespace(listeners_may_see_more=served.append)  # type: ignore[assignment]
-    pairs._ticking, pairs._floors_changed, pairs._commits_changed = {}, {}, {}
     assert pairs.commit_order("events") == 3677          # what it persists and drops a suffix past
     pairs.confirm_restarted_masters()
     assert pairs.commit_order("events") == 3677          # no lease yet: the map may still move on
-    lease[0] = True                                      # granted against a map as new as the leader's
+    lease.granted(lease.renewal(clock[0]))               # granted against a map as new as the leader's
     pairs.confirm_restarted_masters()
     assert pairs.commit_order("events") == 3678 and pairs.unconfirmed == {}
-    assert "events" in served and "events" in pairs._ticking     # its listeners may see more now
+    assert "events" in core.served and "events" in pairs._ticking     # its listeners may see more now
 
 
 # --- a message of the new epoch between the map's change and the roles' -----------------------------
@@ -463,22 +437,29 @@ def test_a_forward_of_the_new_epoch_waits_while_the_map_has_changed_but_the_role
     driver takes the new roles when the engine's task gets to it. A Forward from the new
     replica arriving in between went to the old, fenced replica role and was never answered
     (a client's enqueue hung for good in tests/test_failover.py, 1 run in 10 under load)."""
-    from types import SimpleNamespace
-
-    from qserver.cluster.pairs import PairDriver
+    from replication.cluster_map import AddNode, ChangePair, CreateQueue, Reason
+    from replication.digest import EMPTY_DIGEST
+    from replication.master import MasterRole
     from replication.messages import Forward
-    pairs = PairDriver.__new__(PairDriver)
-    entry = SimpleNamespace(epoch=2, master="n2", replica="n1")          # the map: already epoch 2
-    pairs.view = SimpleNamespace(entry=lambda queue: entry)  # type: ignore[assignment]
-    pairs.masters = {}
-    pairs.replicas = {"orders": SimpleNamespace(epoch=1)}  # type: ignore[dict-item]   # still epoch 1's replica
-    pairs.early = {}
-    forward = Forward("orders", 7, 2, 1, ["enqueue", 4, [b"x"], None, "c"])
-    assert pairs._ahead_of_map("n1", forward)              # kept until the roles follow the map
-    assert len(pairs.early["orders"]) == 1
-    pairs.replicas = {}
-    pairs.masters = {"orders": SimpleNamespace(epoch=2)}  # type: ignore[dict-item]
-    assert not pairs._ahead_of_map("n1", forward)          # the master of epoch 2 takes it
+    from replication.replica import ReplicaRole
+    from tests.cluster_fakes import FakeCore, FakeMembership, FakeStorage, pair_driver
+    cluster_map = ClusterMap()
+    for node in ("n1", "n2"):
+        cluster_map.apply(AddNode(node, f"http://{node}", True, 1))
+    cluster_map.apply(CreateQueue("orders", {}, "n1", "n2", 7))
+    handoff = ChangePair("orders", (1, "n1", "n2", True), (2, "n2", "n1", True), Reason.HANDOFF.value)
+    assert cluster_map.apply(handoff)[0].applied                          # the map: already epoch 2
+    pairs = pair_driver("n1", FakeCore(), FakeMembership(cluster_map))
+    core = producer_core(MemoryStore())
+    pairs.replicas["orders"] = ReplicaRole(core, FakeStorage(), node_id="n1", master_id="n2", epoch=1,
+                                           incarnation=7, applied_order=0, digest=EMPTY_DIGEST, last_epoch=1)
+    forward = Forward("orders", 7, 2, 1, ["enqueue", 4, [b"x"], None, "c"])    # still epoch 1's replica
+    assert pairs.inbox.ahead_of_map("n1", forward)         # kept until the roles follow the map
+    assert len(pairs.inbox.early["orders"]) == 1
+    del pairs.replicas["orders"]
+    pairs.masters["orders"] = MasterRole(core, FakeStorage(), node_id="n1", replica_id="n2", epoch=2, incarnation=7,
+                                         recorded_in_sync=False, last_order=0, digest=EMPTY_DIGEST)
+    assert not pairs.inbox.ahead_of_map("n1", forward)     # the master of epoch 2 takes it
 
 
 # --- a master that lost its disk right after its promotion -----------------------------------------
@@ -513,32 +494,33 @@ def test_the_masters_handoff_request_wins_even_when_the_replicas_reached_the_mas
     """Both members asked at once and the replica's HandoffRequest arrived first: the master
     started the handoff for it, and its own request then joined it (both callers got 200 in 2
     of 10 real rounds). The replica is refused as soon as the master's own request arrives."""
-    from types import SimpleNamespace
-
-    from qserver.cluster.coordinator import Coordinator
     from replication.cluster_map import AddNode, CreateQueue
-    from replication.messages import HandoffAnswer, HandoffRequest
+    from replication.digest import EMPTY_DIGEST
+    from replication.master import MasterRole
+    from replication.messages import HandoffAnswer, HandoffRequest, Message
+    from tests.cluster_fakes import FakeCore, FakeMembership, FakeStorage, pair_driver
+    from tests.cluster_fakes import coordinator as make_coordinator
     cluster_map = ClusterMap()
     for node in ("n1", "n2", "n3"):
         cluster_map.apply(AddNode(node, f"http://{node}", True, 1))
     cluster_map.apply(CreateQueue("q", {}, "n1", "n2", 5))
-    sent: list[tuple[str, Any]] = []
-    role = SimpleNamespace(replica_id="n2", epoch=1, incarnation=5, recorded_in_sync=True, caught_up=False,
-                           core=SimpleNamespace(name="q", record=SimpleNamespace(dead_letter_of=None)))
-    pairs = SimpleNamespace(masters={"q": role}, replicas={}, link_up=lambda node: True,
-                            send_message=lambda peer, message: sent.append((peer, message)))
-    coordinator = Coordinator.__new__(Coordinator)
-    coordinator.pairs, coordinator.handoffs, coordinator.node_id = pairs, {}, "n1"   # type: ignore[assignment]
-    coordinator.accept_replica_handoffs = True
-    coordinator.monotonic_ms = lambda: AT_MS                                          # type: ignore[method-assign]
-    coordinator.membership = SimpleNamespace(cluster_map=cluster_map)                # type: ignore[assignment]
+    assert cluster_map.queues["q"].pair == PairState(1, "n1", "n2", True)      # a handoff needs it in sync
+    sent: list[tuple[str, Message]] = []
+    core, membership = FakeCore(lambda: AT_MS), FakeMembership(cluster_map)
+    pairs = pair_driver("n1", core, membership, sent)
+    pairs.link_up = lambda node: True
+    queue = QueueCore(QueueRecord(1, "q", QueueOptions(), AT_MS), MemoryStore(), random.Random(1), lease_clock=lambda: AT_MS)
+    pairs.masters["q"] = MasterRole(queue, FakeStorage(), node_id="n1", replica_id="n2", epoch=1, incarnation=5,
+                                    recorded_in_sync=True, last_order=3, digest=EMPTY_DIGEST)   # not caught up
+    coordinator = make_coordinator(pairs, core, membership)
     coordinator._replica_asks("n2", HandoffRequest("q", 5, 1, 77))
     assert coordinator.handoffs["q"].initiator == "replica" and not sent
     answers: list[Any] = []
     coordinator.handoff("q", "master", answers.append)
-    assert [(peer, type(message), message.request_id, message.accepted) for peer, message in sent] == \
-        [("n2", HandoffAnswer, 77, False)]
-    assert "master's request wins" in sent[0][1].reason
+    assert [(peer, type(message)) for peer, message in sent] == [("n2", HandoffAnswer)]
+    answer = sent[0][1]
+    assert isinstance(answer, HandoffAnswer) and answer.request_id == 77 and not answer.accepted
+    assert "master's request wins" in answer.reason
     handoff = coordinator.handoffs["q"]
     assert handoff.initiator == "master" and handoff.replica_request is None and not answers
     coordinator._end_handoff("q", None)          # the swap committed: the master's caller is answered

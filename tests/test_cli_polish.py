@@ -23,7 +23,10 @@ import pytest
 
 from client import AsyncClient, QueueError
 from client.credentials import Credentials, save_credentials
-from client.qctl import build_parser, created_summary, forward_stats_shown, when_text
+from client.qctl import build_parser
+from client.qctl_features import forward_stats_shown
+from client.qctl_queues import created_summary
+from client.qctl_render import when_text
 from qserver import cli as qserver_cli
 from qserver.dev import local as qserver_local
 from qserver.dev.devcluster import free_port

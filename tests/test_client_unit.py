@@ -26,7 +26,8 @@ from aiohttp import WSMsgType, web
 from client import AsyncClient, Client, Credentials, QueueError, load_credentials, save_credentials
 from client.credentials import ENV_CREDENTIALS
 from client.http import HttpClient, queue_path
-from client.qctl import build_parser, format_fields, format_table, main, parse_grant
+from client.qctl import build_parser, main, parse_grant
+from client.qctl_render import format_fields, format_table
 from wire.protocol import (
     AckBatchOp,
     Closing,
@@ -983,7 +984,7 @@ async def test_calls_that_need_the_map_at_once_share_one_reading_of_it(fake_node
     # queues) share readings too, each asking for the names its callers took,
     # PLACEMENT_QUEUES_MAX to a request, never the whole map (bench_scale: 10,000 queues'
     # map is 5.6 MB, read from every node by every stalled call's reading).
-    from client.aio import PLACEMENT_QUEUES_MAX
+    from client.router import PLACEMENT_QUEUES_MAX
     before = readings()
     await asyncio.gather(*(client.refresh_placement(f"q{n}") for n in range(10)), client.refresh_placement("q3.dlq"))
     scoped = [r for r in fake_node.rest_requests if r["path"] == "/v1/cluster"][before:]
@@ -1027,7 +1028,7 @@ async def test_a_signed_request_is_never_resent_by_aiohttp_with_the_same_nonce(f
 
 
 def test_a_call_tried_at_two_nodes_reports_its_first_failure_unknown_when_any_attempt_may_have_been_applied() -> None:
-    from client.aio import _first_failure
+    from client.router import first_failure as _first_failure
     definite = QueueError("E_UNAVAILABLE", "cannot reach n1")
     unknown = QueueError("E_UNAVAILABLE", "the connection failed after the request went out", outcome_unknown=True)
     combined = _first_failure(_first_failure(None, definite), unknown)

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from audit.checks import violations as checks
 from client import AsyncClient
-from replication import audit_checks as checks
 from replication.operations import Enqueued, Expired, Leased, Matured, Purged
 from replication.options import Strength
 from replication.queue_core import QueueCore

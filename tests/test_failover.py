@@ -187,7 +187,7 @@ async def test_a_replica_asked_handoff_is_refused_when_the_master_does_not_accep
 
 
 async def test_when_master_and_replica_ask_a_handoff_at_once_never_both_succeed(qcluster_factory) -> None:  # type: ignore[no-untyped-def]
-    """DESIGN.md 4.1: the master's request wins whenever it reaches the master before the
+    """docs/ARCHITECTURE.md, "Queue pairs": the master's request wins whenever it reaches the master before the
     swap commits; the replica's is then refused. Each round the replica's request leaves first
     and the master's follows 0-8 ms later, so that the replica's often reaches the master
     first (before, both were then answered 200 for the one swap). Two successes are two swaps."""

@@ -8,7 +8,7 @@ import asyncio
 import json
 import signal
 import time
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -17,6 +17,7 @@ from qserver.dev.devcluster import LocalCluster
 from qserver.features.forwards import root as forward_root
 from qserver.features.forwards.forwarder import TokenBucket, weight_of
 from qserver.features.forwards.root import compute_rates
+from qserver.services import NodeServices
 from replication.cluster_map import (
     AddNode,
     ClusterMap,
@@ -204,6 +205,23 @@ async def test_a_forwarder_leaves_a_silent_root_and_opens_its_session_at_the_new
         assert sorted(received) == sorted(sent)
 
 
+class _OneQueueOutsideACluster:
+    """What ForwardRoot reads of the node's services (qserver/services.py), for a node outside
+    a cluster that holds one queue: it serves that queue's sessions itself."""
+    clustered = False
+    cluster_map = None
+
+    def __init__(self, queue: str, options: Any) -> None:
+        import types
+        self._queue, self._core = queue, types.SimpleNamespace(options=options)
+
+    def held_core(self, queue: str) -> Any:
+        return self._core if queue == self._queue else None
+
+    def is_master(self, queue: str) -> bool:
+        return False
+
+
 def test_the_root_drops_a_session_it_has_not_heard_from_for_its_hold_time(monkeypatch: Any) -> None:
     """The root's side of §3.2: a forwarder silent for the hold time leaves the weight table
     (its share goes to the others); one that keeps alive stays."""
@@ -212,8 +230,7 @@ def test_the_root_drops_a_session_it_has_not_heard_from_for_its_hold_time(monkey
     monkeypatch.setattr(forward_root.time, "monotonic", lambda: now[0])
     options = types.SimpleNamespace(forward_rate=30.0, forward_interval_s=2.0, forward_mode="adaptive",
                                     forward_bands=10)
-    engine = types.SimpleNamespace(cores={"dst": types.SimpleNamespace(options=options)}, coordinator=None)
-    root = forward_root.ForwardRoot(types.SimpleNamespace(engine=engine))
+    root = forward_root.ForwardRoot(cast(NodeServices, _OneQueueOutsideACluster("dst", options)))
     sent: list[Any] = []
     def client(client_id: str) -> Any:
         return types.SimpleNamespace(client_id=client_id, allows=lambda privilege, queue: False)

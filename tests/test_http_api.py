@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import pytest_asyncio
 
-from qserver.api.http_api import until_map_version
+from qserver.api.http_common import until_map_version
 from tests.support import RawApi, error_code, raw_session
 
 pytestmark = pytest.mark.asyncio

@@ -14,6 +14,7 @@ import msgpack
 import pyarrow.parquet as pq
 import pytest
 
+from audit.checks.violations import RECORD_CHECKSUM
 from audit.inputs import read_records
 from audit.local import audit_records
 from qserver.storage.journal_export import (
@@ -24,9 +25,8 @@ from qserver.storage.journal_export import (
     export_in_process,
     safe_sequence_for,
 )
-from qserver.storage.lmdb_store import JOURNAL_FIELDS as STORAGE_FIELDS
 from qserver.storage.lmdb_store import SealedBatch, Storage
-from replication import audit_checks as checks
+from replication.journal import JOURNAL_FIELDS, RECORD_COLUMNS, UNDECODABLE_OP, record_checksum_ok
 from replication.operations import Acked, Enqueued, Leased
 from replication.snapshot import ROW_MESSAGE, message_row
 
@@ -57,9 +57,23 @@ def storage(tmp_path: Path) -> Storage:
     store.close()
 
 
-def test_the_audit_reads_the_same_fields_storage_writes() -> None:
-    assert checks.JOURNAL_FIELDS == STORAGE_FIELDS
-    assert checks.RECORD_COLUMNS == ("journal_id", "sequence", *STORAGE_FIELDS, "record_crc32", "extra")
+def test_each_exported_column_holds_what_storage_wrote_under_its_name(storage: Storage, tmp_path: Path) -> None:
+    """Storage writes a record as a list in JOURNAL_FIELDS order and the audit reads the files by
+    column name (RECORD_COLUMNS): an enqueue, its lease and its ack read back field by field."""
+    commit_enqueues(storage, 1, 1, 1)
+    consume(storage, 1, 1)
+    JournalExporter(JournalSource.from_storage(storage), ExportSettings(str(tmp_path / "out"))).export(NOW_MS, force=True)
+    table = pq.read_table(next((tmp_path / "out" / "n1").glob("*.parquet")))
+    assert tuple(table.column_names) == RECORD_COLUMNS
+    enqueue, lease, ack = table.to_pylist()
+    assert {name: enqueue[name] for name in JOURNAL_FIELDS} == {
+        "at_ms": NOW_MS, "queue": "q1", "queue_id": 1, "epoch": 1, "index": 1, "op": "enqueue", "message_id": 1,
+        "dedupe_id": "d1-1", "priority": 4, "payload_size": 2, "payload_crc32": zlib.crc32(b"m1"), "role": "master",
+        "node": "n1", "client": "producer-1"}
+    assert (lease["op"], lease["message_id"], lease["client"], lease["at_ms"]) == ("lease", 1, "consumer", NOW_MS)
+    assert (ack["op"], ack["message_id"], ack["client"], ack["at_ms"]) == ("ack", 1, "consumer", NOW_MS + 1)
+    assert [row["sequence"] for row in (enqueue, lease, ack)] == [1, 2, 3]
+    assert all(row["journal_id"] == f"{storage.storage_id:016x}" for row in (enqueue, lease, ack))
 
 
 def test_full_segments_are_sealed_by_size_and_the_tail_on_demand(storage: Storage, tmp_path: Path) -> None:
@@ -91,7 +105,7 @@ def test_a_producers_batch_is_one_run_record_exported_as_one_row_per_message(sto
     records = read_records([str(tmp_path / "out")])
     assert [record[1] for record in records] == list(range(1, 28)), "a sequence per message"
     assert [list(record[2:16]) for record in records] == rows
-    assert all(checks.record_checksum_ok(record) for record in records)
+    assert all(record_checksum_ok(record) for record in records)
     report = audit_records(records)
     assert report["verdict"] == "clean", report["violations"]
     assert report["total_queue"]["enqueued"] == 25 and report["total_queue"]["acked"] == 1
@@ -140,7 +154,7 @@ def test_the_files_hold_what_the_journal_holds_and_audit_clean(storage: Storage,
     JournalExporter(JournalSource.from_storage(storage), ExportSettings(str(tmp_path / "out"))).export(NOW_MS, force=True)
     records = read_records([str(tmp_path / "out")])
     assert [list(record[2:16]) for record in records] == storage.journal_records()
-    assert all(checks.record_checksum_ok(record) for record in records)
+    assert all(record_checksum_ok(record) for record in records)
     report = audit_records(records)
     assert report["verdict"] == "clean", report["violations"]
     assert report["total_queue"] == {"lost": 0, "unexpected": 0, "duplicated": 0, "recovered": 0, "enqueued": 5,
@@ -247,9 +261,9 @@ def test_an_undecodable_record_is_exported_and_named_by_the_audit(storage: Stora
         txn.put(struct.pack(">Q", 4), body + struct.pack(">I", zlib.crc32(body)))
     JournalExporter(JournalSource.from_storage(storage), ExportSettings(str(tmp_path / "out"))).export(NOW_MS, force=True)
     table = pq.read_table(next((tmp_path / "out" / "n1").glob("*.parquet")))
-    assert table.column("op").to_pylist()[-1] == checks.UNDECODABLE_OP and table.column("extra")[-1].as_py() == body
+    assert table.column("op").to_pylist()[-1] == UNDECODABLE_OP and table.column("extra")[-1].as_py() == body
     report = audit_records(read_records([str(tmp_path / "out")]))
-    assert report["violation_counts"] == {checks.RECORD_CHECKSUM: 1} and report["journals"][0]["records"] == 4
+    assert report["violation_counts"] == {RECORD_CHECKSUM: 1} and report["journals"][0]["records"] == 4
 
 
 def test_a_node_that_lost_its_disk_exports_a_new_journal_beside_the_old(tmp_path: Path) -> None:
@@ -320,7 +334,7 @@ def test_a_snapshots_rows_are_journaled_as_runs_and_exported_one_row_per_message
     assert columns["dedupe_id"] == ["d1", "d2", "d3", "d4", "d5", None, None, None]
     assert columns["payload_crc32"] == [zlib.crc32(row[6]) for row in rows]
     assert set(columns["queue"]) == {"q1"} and set(columns["epoch"]) == {3} and set(columns["role"]) == {"replica"}
-    fields = [columns[name] for name in STORAGE_FIELDS]
+    fields = [columns[name] for name in JOURNAL_FIELDS]
     for position, checksum in enumerate(columns["record_crc32"]):
         record = [column[position] for column in fields]
         assert checksum == zlib.crc32(msgpack.packb(record, use_bin_type=True)), "a row checks like a plain record"

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from client import AsyncClient
+from qserver.assembly import build_engine
 from qserver.config import NodeConfig
 from qserver.core import commands as c
 from qserver.core.engine import Engine
@@ -51,8 +52,8 @@ async def call(engine: Engine, make: Callable[[c.FutureReplier], c.Command]) -> 
 
 
 async def start(tmp_path: Path, wall: SteppedWallClock) -> Engine:
-    engine = Engine(NodeConfig(data_dir=str(tmp_path)), Storage(tmp_path / "lmdb", node_id="n1"),
-                    rng=random.Random(1), clock_ms=wall)
+    engine = build_engine(NodeConfig(data_dir=str(tmp_path)), Storage(tmp_path / "lmdb", node_id="n1"),
+                          rng=random.Random(1), clock_ms=wall)
     await engine.start()
     return engine
 

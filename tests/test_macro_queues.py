@@ -89,7 +89,7 @@ class _FakeClient:
 def test_weighted_round_robin_spreads_turns_and_fastest_prefers_the_smaller_number() -> None:
     definition = {"name": "m", "producer": "round_robin", "consumer": "prioritized",
                   "members": [{"queue": "a", "weight": 3}, {"queue": "b", "weight": 1}, {"queue": "c", "weight": 1}]}
-    macro = MacroQueue(_FakeClient(), definition)  # type: ignore[arg-type]
+    macro = MacroQueue(_FakeClient(), definition, None)  # type: ignore[arg-type]
     turns = [macro._producer_order()[0] for _ in range(10)]
     assert collections.Counter(turns) == {"a": 6, "b": 2, "c": 2}
     assert all(turns[i:i + 2] != ["a", "a"] or turns[i + 2:i + 3] != ["a"] for i in range(8))   # spread out

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from qserver.cluster.membership import RaftMembership, raft_limits, tick_ms
 from qserver.storage.lmdb_store import Storage
 from qserver.storage.raft_store import MemoryRaftStore, RaftStorage, RaftStore, storage_id_bytes
-from qserver.transport.peers import MemoryPeerNetwork
+from qserver.transport.memory_peers import MemoryPeerNetwork
 from replication.cluster_map import (
     AddNode,
     ChangePair,

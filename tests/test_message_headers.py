@@ -13,9 +13,9 @@ import pytest
 from client import AsyncClient, QueueError
 from qserver.storage.lmdb_store import SealedBatch, Storage
 from replication.operations import Acked, DeadLettered, Enqueued, Leased
-from replication.options import HEADERS_MAX, OptionError, checked_headers
 from tests.test_client_integration import run_qctl
 from tests.test_failover import map_of, wait_for
+from wire.message_input import HEADERS_MAX, checked_headers
 from wire.protocol import DeliveredMessage, OkReply, decode_server_frame, encode_frame, messages_from_result
 
 TRACE = {"trace-id": "4bf92f3577b34da6", "content-type": "application/json"}
@@ -26,8 +26,9 @@ def test_the_limits_refuse_what_does_not_fit_and_an_empty_map_is_none() -> None:
     assert checked_headers(TRACE) == TRACE
     for bad in ({"n": 1}, {"": "v"}, {"x" * 65: "v"}, {f"n{i}": "v" for i in range(HEADERS_MAX + 1)},
                 {"n": "v" * 4_096}, {"n": "line\nbreak"}, ["n", "v"]):
-        with pytest.raises(OptionError):
+        with pytest.raises(QueueError) as refused:
             checked_headers(bad)
+        assert refused.value.code == "E_INVALID_OPTION"
 
 
 def test_a_delivery_carries_its_headers_on_the_wire_and_one_without_stays_five_fields() -> None:

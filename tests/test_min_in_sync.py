@@ -2,7 +2,7 @@
 E_NOT_ENOUGH_REPLICAS before anything is stored, and an enqueue caught as the replica went is
 never acknowledged on the master's disk alone; with 1 (the default) the master records the
 replica out of sync and goes on alone. Both take writes again, on both members, once the
-replica is back in sync (DESIGN.md 3.8)."""
+replica is back in sync (docs/ARCHITECTURE.md, Guarantee 8)."""
 from __future__ import annotations
 
 import asyncio

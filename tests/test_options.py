@@ -1,4 +1,4 @@
-"""Queue options and names, validated in one place (replication/options.py, DESIGN.md 4.4)."""
+"""Queue options and names, validated in one place (replication/options.py, docs/PROTOCOL.md "REST")."""
 from __future__ import annotations
 
 from typing import Any

@@ -15,19 +15,18 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from qserver.transport.peers import (
+from qserver.transport.memory_peers import MemoryPeerNetwork, MemoryPeerTransport
+from qserver.transport.peer_link import (
     HEADER_NONCE,
     PEER_PATH,
     FrameError,
     LinkKeys,
-    MemoryPeerNetwork,
-    MemoryPeerTransport,
-    PeerTransport,
     auth_headers,
     decode_frame,
     dial_handshake,
     encode_frame,
 )
+from qserver.transport.peers import PeerTransport
 from tests.conftest import free_port
 from tests.support import raw_session
 

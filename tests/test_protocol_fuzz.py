@@ -313,7 +313,7 @@ def test_a_bad_field_is_named_and_carries_the_request_id(row: list[Any], field: 
 @example([[103, 1, [[1, "r", "not a number", 1, b""]]]])
 @example([[103, 1, 5]])
 def test_a_malformed_server_frame_only_ever_raises_a_frame_error(rows: list[Any]) -> None:
-    # The client catches FrameError alone (client/aio.py); anything else kills its reader.
+    # The client catches FrameError alone (client/connection.py); anything else kills its reader.
     try:
         decode_server_frame(pack([PROTOCOL_VERSION, rows]))
     except FrameError:

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from audit.checks import violations as checks
 from client import AsyncClient, QueueError
-from replication import audit_checks as checks
 from replication.operations import Operation, Purged
 from tests.test_audit_checks import Journal, audit
 from tests.test_client_integration import run_qctl

@@ -1,4 +1,4 @@
-"""The protocol cores in replication/ stay pure (STYLE.md, replication/__init__.py).
+"""The protocol cores in replication/ stay pure (docs/ARCHITECTURE.md, "Conventions"; replication/__init__.py).
 
 They import no asyncio, aiohttp, lmdb, time, socket or threading: time arrives as arguments,
 storage through `StoreReader`. Randomness is an injected `random.Random`; a core module may

@@ -1,7 +1,7 @@
 """The pure queue core, driven against the in-memory store twin.
 
-Every command goes through the steps the node takes (DESIGN.md 4.3, STYLE.md "effects in
-order"): the core stages operations, the batch is sealed, persisted (`MemoryStore.apply`)
+Every command goes through the steps the node takes (docs/ARCHITECTURE.md, "Conventions": one task owns
+the effect order): the core stages operations, the batch is sealed, persisted (`MemoryStore.apply`)
 and the core advanced. One set of invariant checkers (`check_*` below) judges every commit
 of the scenario tests and every step of the randomized model test, which replays from its
 seed: `pytest tests/test_queue_core.py -k "seed_<n>"`.
@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from replication import queue_core
+from replication import queue_core, queue_streams, ready_set
 from replication.operations import Acked, DeadLettered, Enqueued, Leased, Operation, Purged, Released
 from replication.options import QUEUE_STATE_TRANSITIONS, QueueOptions, QueueState, QueueType, Strength, producer_key
 from replication.queue_core import InvariantViolation, QueueCore, QueueRecord
@@ -643,12 +643,12 @@ def test_a_restarted_core_delivers_exactly_the_remaining_messages_in_order_loadi
     assert set(counts) == everything - acked, "lost or unexpected messages"
     assert all(count == 1 for count in counts.values()), "duplicated deliveries"
     assert driver.core.record.ready_count == 0 and driver.core.in_flight == len(everything - acked)
-    assert all(pages <= 5_000 // queue_core.READY_PAGE_SIZE + 2 for pages in reader.pages.values()), reader.pages
+    assert all(pages <= 5_000 // ready_set.READY_PAGE_SIZE + 2 for pages in reader.pages.values()), reader.pages
 
 
 def test_a_restart_keeps_the_leases_in_flight_and_runs_each_its_whole_duration_again() -> None:
     # Leases are durations timed on the member's own clock: one inherited at a restart (or a
-    # takeover) counts as granted then, so it never expires early (DESIGN.md 4.1).
+    # takeover) counts as granted then, so it never expires early (docs/ARCHITECTURE.md, "Queue pairs").
     driver = Driver()
     driver.enqueue(b"a")
     driver.enqueue(b"b")
@@ -907,7 +907,7 @@ class ModelRun:
                          ids=lambda seed: f"seed_{seed}")
 def test_random_commands_keep_order_and_lose_or_duplicate_nothing(seed: int, page_size: int,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(queue_core, "READY_PAGE_SIZE", page_size)
+    monkeypatch.setattr(ready_set, "READY_PAGE_SIZE", page_size)
     run = ModelRun(seed)
     try:
         for _ in range(400):
@@ -1035,15 +1035,23 @@ def test_a_stream_with_a_declared_floor_takes_numbers_out_of_order_and_each_once
     assert queue_core.sequences_from_json({"k": [4, 17]}) == {"k": [4, {4: 17}]}
 
 
+def test_a_record_stored_with_the_retired_in_sync_field_still_loads_and_is_written_without_it() -> None:
+    """Issue 33: `QueueRecord.in_sync` was stored and never read; records on disk still carry it."""
+    record = QueueRecord(QUEUE_ID, "orders", QueueOptions(), START_MS, next_index=7, total_enqueued=6)
+    stored = {**record.to_json(), "in_sync": False}
+    loaded = QueueRecord.from_json(stored)
+    assert loaded == record and "in_sync" not in loaded.to_json()
+
+
 
 def test_a_stream_and_a_dedupe_id_are_their_producers_own_and_bounded_per_producer(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 32, item 3: another client naming a producer's stream key, or sending its dedupe id
     first, numbers a stream of its own and stores a message of its own; what one producer keeps
     in the queue's record is bounded (streams, and numbers over all of them; smaller bounds here)."""
-    monkeypatch.setattr(queue_core, "SEQUENCE_KEYS_PER_PRODUCER_MAX", 10)
-    monkeypatch.setattr(queue_core, "SEQUENCE_STREAM_FEW", 8)
-    monkeypatch.setattr(queue_core, "SEQUENCE_NUMBERS_PER_PRODUCER_MAX", 64)
+    monkeypatch.setattr(queue_streams, "SEQUENCE_KEYS_PER_PRODUCER_MAX", 10)
+    monkeypatch.setattr(queue_streams, "SEQUENCE_STREAM_FEW", 8)
+    monkeypatch.setattr(queue_streams, "SEQUENCE_NUMBERS_PER_PRODUCER_MAX", 64)
     master = Driver(QueueOptions(strength=Strength.FULL), with_dead_letter_queue=False)
 
     def send(client: str, key: str, number: int, floor: int | None = None, dedupe_id: str | None = None
@@ -1056,12 +1064,12 @@ def test_a_stream_and_a_dedupe_id_are_their_producers_own_and_bounded_per_produc
     claimed, _ = send("attacker", "fwd@1/p4", 999_999_999_999, dedupe_id="order-1")
     stored, repeated = send("forwarder", "fwd@1/p4", 1, dedupe_id="order-1")
     assert not repeated and stored == claimed + 1
-    for number in range(queue_core.SEQUENCE_KEYS_PER_PRODUCER_MAX):
+    for number in range(queue_streams.SEQUENCE_KEYS_PER_PRODUCER_MAX):
         send("greedy", f"s{number}", 1)
     assert error_code(lambda: send("greedy", "one-more", 1)) == E_INVALID_OPTION.code
     assert send("modest", "one-more", 1)[1] is False
-    few = queue_core.SEQUENCE_STREAM_FEW
-    streams = queue_core.SEQUENCE_NUMBERS_PER_PRODUCER_MAX // few
+    few = queue_streams.SEQUENCE_STREAM_FEW
+    streams = queue_streams.SEQUENCE_NUMBERS_PER_PRODUCER_MAX // few
     for stream in range(streams):     # out of order, each number above a floor of 1: all kept
         for number in range(2, few + 2):
             send("hoarder", f"h{stream}", number, floor=1)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from client import AsyncClient, Client
-from client.qctl import _recipient_text
+from client.qctl_features import _recipient_text
 from replication.cluster_map import (
     RECIPIENTS_PER_CLIENT_MAX,
     AddNode,

@@ -19,7 +19,7 @@ from qserver.dev.devcluster import LocalCluster
 from qserver.features.forwards import root as forward_root
 from qserver.features.forwards.forwarder import SEALED_PREFIX, open_secret, seal_secret
 from replication.cluster_map import ForwardEntry, PutForward
-from replication.options import HEADERS_CHARS_MAX, HEADERS_MAX
+from wire.message_input import HEADERS_CHARS_MAX, HEADERS_MAX
 from wire.signing import new_private_key, private_key_to_text, public_key_text
 
 COMPACT_EVERY = 10          # map commands between two snapshots of the map (the default is 1,000)

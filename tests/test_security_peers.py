@@ -31,7 +31,8 @@ from qserver.cluster.membership import RaftMembership, raft_limits, tick_ms
 from qserver.dev.devcluster import REPOSITORY, LocalCluster, free_port, start_qserver
 from qserver.storage.lmdb_store import MapGrowthNeeded, Storage
 from qserver.storage.raft_store import MemoryRaftStore, RaftStore, storage_id_bytes
-from qserver.transport.peers import HEADER_NONCE, PEER_PATH, PeerTransport, auth_headers, dial_handshake, encode_frame
+from qserver.transport.peer_link import HEADER_NONCE, PEER_PATH, auth_headers, dial_handshake, encode_frame
+from qserver.transport.peers import PeerTransport
 from replication.cluster_map import PutClient, encode_map
 from replication.raft import Ready
 from replication.raft_codec import encode_frame as encode_raft

@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
+from audit.checks.journals import check_journal_sequences
 from client import AsyncClient
 from qserver.cli import init
 from qserver.dev.devcluster import LocalCluster
 from qserver.storage.journal_export import ExportSettings, JournalExporter, JournalSource
 from qserver.storage.lmdb_store import MapGrowthNeeded, SealedBatch, Storage
-from replication.audit_checks import check_journal_sequences
 from replication.digest import EMPTY_DIGEST
 from replication.master import MasterRole, ReplicaProgress, ReplicationLimits
 from replication.messages import Refused, SnapshotChunk, SyncBegin, decode_message, encode_message

@@ -33,7 +33,7 @@ def client_of(cluster: Any, node: str, record: dict[str, Any]) -> AsyncClient:
 
 async def raw_socket(client: AsyncClient) -> aiohttp.ClientWebSocketResponse:
     """A WebSocket signed and opened as the client library does, driven here frame by frame."""
-    return await client._open_socket()
+    return await client._home.open_socket()
 
 
 async def read_items(ws: aiohttp.ClientWebSocketResponse, quiet_s: float) -> tuple[list[Any], int | None]:
@@ -250,13 +250,13 @@ async def test_sessions_end_when_their_client_is_removed_or_narrowed_and_at_thei
             ws = await raw_socket(producer)
             opened = time.monotonic()
             await producer.enqueue("work", b"before")
-            sessions = producer._sessions
+            sessions = producer._home.sessions
             items = await until_closed(ws, timeout_s=lifetime_s + 4.0)
             assert time.monotonic() - opened > lifetime_s - 1.0
             assert [item.code for item in items if isinstance(item, Closing)] == ["E_SESSION_EXPIRED"], items
             await asyncio.sleep(1.0)
             await producer.enqueue_many("work", [b"after"])        # on a new session, transparently
-            assert producer._sessions > sessions
+            assert producer._home.sessions > sessions
             taken = await producer.receive("work", max_messages=10, wait_s=1.0)
             assert sorted(m.payload for m in taken) == [b"after", b"before"]
 

@@ -264,15 +264,15 @@ def test_storage_truncates_the_log_in_bounded_steps_and_serves_nothing_below_its
 
 
 def test_snapshot_rows_are_appended_only_where_they_sort_after_every_stored_key(tmp_path: Path) -> None:
-    from qserver.storage.lmdb_store import _put_in_order
+    from qserver.storage.rows import put_in_order
     env = lmdb.open(str(tmp_path / "db"), max_dbs=1)
     rows = env.open_db(b"rows")
     key = struct.Struct(">QQ").pack
     with env.begin(write=True) as txn:
-        _put_in_order(txn.cursor(db=rows), [(key(2, i), b"a") for i in range(1, 4)])     # appended
-        _put_in_order(txn.cursor(db=rows), [(key(1, i), b"b") for i in (5, 6)])          # before them: put
-        _put_in_order(txn.cursor(db=rows), [(key(3, 2), b"c"), (key(3, 1), b"c")])       # not ascending: put
-        _put_in_order(txn.cursor(db=rows), [(key(2, 9), b"d")])                          # after its queue: put
+        put_in_order(txn.cursor(db=rows), [(key(2, i), b"a") for i in range(1, 4)])     # appended
+        put_in_order(txn.cursor(db=rows), [(key(1, i), b"b") for i in (5, 6)])          # before them: put
+        put_in_order(txn.cursor(db=rows), [(key(3, 2), b"c"), (key(3, 1), b"c")])       # not ascending: put
+        put_in_order(txn.cursor(db=rows), [(key(2, 9), b"d")])                          # after its queue: put
     with env.begin(db=rows) as txn:
         stored = [(struct.Struct(">QQ").unpack(k), bytes(v)) for k, v in txn.cursor()]
     assert stored == [((1, 5), b"b"), ((1, 6), b"b"), ((2, 1), b"a"), ((2, 2), b"a"), ((2, 3), b"a"),

@@ -42,7 +42,7 @@ async def test_a_full_disk_refuses_enqueues_keeps_what_was_stored_and_goes_on_se
 async def test_the_map_grows_between_two_writer_jobs_never_during_one(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """LMDB refuses to resize the map while a write transaction is active. The membership
     layer's writes and journal prunes share the writer with the commits, so the engine grows
-    the map under the writer's lock (Engine._grow_and_retry): before, a Raft write running at
+    the map under the writer's lock (CommitPipeline._grow_and_retry): before, a Raft write running at
     that moment made the growth raise inside the commit's callback, and the engine kept its
     batch committing for ever (seen in a benchmark: no answers, no stop)."""
     import threading
@@ -50,7 +50,7 @@ async def test_the_map_grows_between_two_writer_jobs_never_during_one(tmp_path) 
 
     import lmdb
 
-    from qserver.core.engine import LockedWriter
+    from qserver.core.pipeline import LockedWriter
     from qserver.storage.lmdb_store import Storage
     storage = Storage(tmp_path / "lmdb", node_id="n1", map_size_bytes=8 << 20, disk_reserve_bytes=0)
     writer = LockedWriter(ThreadPoolExecutor(max_workers=1))

@@ -3,12 +3,17 @@
 The same operations, applied by `MemoryStore.apply` and by `Storage.commit`, must give the
 same answers to every read a queue core makes (`ready_page`, `dedupe_lookup`), the same
 leases at start-up and the same payloads; otherwise tests run against the twin prove nothing
-about the node. LMDB-only promises follow: durability across reopen, the checksummed
-journal, and a full map that grows once, then refuses, losing nothing.
+about the node. Each store writes each operation's rows in code of its own (`BatchWriter` in
+qserver/storage/commit.py, `MemoryStore._apply_*`): the random run below holds them equal on
+every Operation type, every read the twin answers (statuses, times to live, delays, headers),
+snapshots cut and installed, and a discarded suffix. LMDB-only promises follow: durability
+across reopen, the checksummed journal, and a full map that grows once, then refuses, losing
+nothing.
 """
 from __future__ import annotations
 
 import random
+import typing
 import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -17,11 +22,28 @@ from typing import Any, Protocol
 import msgpack
 import pytest
 
-from qserver.storage.lmdb_store import JOURNAL_FIELDS, MapGrowthNeeded, SealedBatch, Storage, StorageFull
-from replication.operations import Acked, DeadLettered, Enqueued, Expired, Leased, Matured, Operation, Purged, Released
-from replication.options import QueueOptions, producer_key
-from replication.queue_core import InvariantViolation, QueueCore, QueueRecord
+from qserver.storage.lmdb_store import MapGrowthNeeded, SealedBatch, Storage, StorageFull
+from replication.journal import JOURNAL_FIELDS
+from replication.operations import (
+    Acked,
+    DeadLettered,
+    Enqueued,
+    Expired,
+    Extended,
+    Leased,
+    Matured,
+    Operation,
+    Purged,
+    Released,
+    SubscriberAcked,
+    SubscriptionDropped,
+    SubscriptionOpened,
+)
+from replication.options import QueueOptions, Strength, producer_key
+from replication.queue_core import SUBSCRIPTION_PRIORITY, InvariantViolation, QueueCore, QueueRecord
+from replication.snapshot import memory_rows
 from replication.store import MemoryStore, StoredLease
+from wire.errors import QueueError
 
 QUEUE = 1
 PRODUCER = "producer"    # every enqueue's client here: dedupe ids are kept per producer (producer_key)
@@ -40,6 +62,14 @@ class Backend(Protocol):
     def payload(self, queue_id: int, index: int) -> bytes | None: ...
     def ttl_rows(self, queue_id: int) -> list[tuple[int, int, int]]: ...
     def delayed_rows(self, queue_id: int) -> list[tuple[int, int, int]]: ...
+    def message_status(self, queue_id: int, index: int) -> tuple[str, int, bytes | None] | None: ...
+    def status_producer(self, queue_id: int, index: int) -> str | None: ...
+    def payloads_and_headers(self, reads: list[tuple[int, int]]) -> list[tuple[bytes | None, dict[str, str] | None]]:
+        """As a commit's payload reads give them (a batch of leases: CommitResult)."""
+        ...
+    def snapshot_rows(self, name: str, queue_id: int) -> list[list[Any]]: ...
+    def install(self, queue_id: int, rows: list[list[Any]]) -> None: ...
+    def discard_after(self, queue_id: int, order: int) -> None: ...
 
 
 class MemoryBackend:
@@ -71,6 +101,24 @@ class MemoryBackend:
 
     def delayed_rows(self, queue_id: int) -> list[tuple[int, int, int]]:
         return self.store.delayed_rows(queue_id)
+
+    def message_status(self, queue_id: int, index: int) -> tuple[str, int, bytes | None] | None:
+        return self.store.message_status(queue_id, index)
+
+    def status_producer(self, queue_id: int, index: int) -> str | None:
+        return self.store.status_producer(queue_id, index)
+
+    def payloads_and_headers(self, reads: list[tuple[int, int]]) -> list[tuple[bytes | None, dict[str, str] | None]]:
+        return [(self.store.payload(queue_id, index), self.store.headers(queue_id, index)) for queue_id, index in reads]
+
+    def snapshot_rows(self, name: str, queue_id: int) -> list[list[Any]]:
+        return memory_rows(self.store, queue_id, consumption=True, after_index=0)
+
+    def install(self, queue_id: int, rows: list[list[Any]]) -> None:
+        self.store.put_snapshot_rows(queue_id, None, rows)
+
+    def discard_after(self, queue_id: int, order: int) -> None:
+        self.store.discard_after(queue_id, order)
 
     def close(self) -> None:
         pass
@@ -107,6 +155,35 @@ class LmdbBackend:
 
     def delayed_rows(self, queue_id: int) -> list[tuple[int, int, int]]:
         return self.storage.delayed_rows(queue_id)
+
+    def message_status(self, queue_id: int, index: int) -> tuple[str, int, bytes | None] | None:
+        return self.storage.message_status(queue_id, index)
+
+    def status_producer(self, queue_id: int, index: int) -> str | None:
+        return self.storage.status_producer(queue_id, index)
+
+    def payloads_and_headers(self, reads: list[tuple[int, int]]) -> list[tuple[bytes | None, dict[str, str] | None]]:
+        result = self.storage.commit(SealedBatch(payload_reads=reads))
+        self.storage.end_read()
+        return list(zip(result.payloads, result.headers or [None] * len(reads), strict=True))
+
+    def snapshot_rows(self, name: str, queue_id: int) -> list[list[Any]]:
+        view = self.storage.open_snapshot(name, queue_id, consumption=True, after_index=0, dead_letter=None)
+        assert view is not None
+        try:
+            return view.next_rows(1 << 40)
+        finally:
+            view.close()
+
+    def install(self, queue_id: int, rows: list[list[Any]]) -> None:
+        self.commit_batch(SealedBatch(snapshot_rows=[(queue_id, None, rows)]))
+
+    def discard_after(self, queue_id: int, order: int) -> None:
+        self.commit_batch(SealedBatch(truncations=[(queue_id, order)]))
+
+    def commit_batch(self, batch: SealedBatch) -> None:
+        self.storage.commit(batch)
+        self.storage.end_read()
 
     def close(self) -> None:
         self.storage.close()
@@ -280,14 +357,30 @@ def test_dead_lettering_a_message_without_a_body_is_an_invariant_violation(store
 
 
 # --- the two stores side by side on random operation sequences --------------------------------
-def random_batches(seed: int, batches: int) -> Iterator[tuple[list[Operation], dict[str, dict[str, Any]]]]:
-    """Batches a real QueueCore decides (with a dead-letter queue) on random commands."""
+# Every Operation type reaches both stores (COVERED is checked against replication/operations.py),
+# with times to live, delays, headers, replies and dedupe ids, under both strengths (durable
+# subscriptions need `full`); after every batch both answer every read the node makes of them
+# alike, a snapshot cut from each is the same rows and installs alike, and so does a discarded
+# suffix (`Storage._truncate` beside `MemoryStore.discard_after`).
+COVERED = {Enqueued, Leased, Extended, Released, Acked, DeadLettered, Purged, Expired, Matured,
+           SubscriptionOpened, SubscriberAcked, SubscriptionDropped}
+SNAPSHOT_EVERY = 15          # batches between snapshots of QUEUE into a queue of its own
+COPIES = 100                 # the first such queue's id
+
+
+def random_batches(seed: int, batches: int, seen: set[type] | None = None
+                   ) -> Iterator[tuple[list[Operation], dict[str, dict[str, Any]]]]:
+    """Batches a real QueueCore decides on random commands: odd seeds run the queue under
+    `full` (every step ordered; durable subscriptions), and seeds 2 and 5 without its dead-letter
+    queue (a message past its time to live or its deliveries then leaves as Expired)."""
     rng = random.Random(seed)
     reference = MemoryStore()
     now_ms = AT_MS
-    core = QueueCore(QueueRecord(QUEUE, "orders", QueueOptions(max_deliveries=3), AT_MS), reference, rng,
-                     lease_clock=lambda: now_ms, dedupe_window_ms=1_000)
-    dead = QueueCore(QueueRecord(OTHER, "orders.dlq", QueueOptions(dead_letter=False), AT_MS,
+    strength = Strength.FULL if seed % 2 else Strength.PRODUCER
+    options = QueueOptions(strength=strength, max_deliveries=3, dead_letter=seed % 3 != 2)
+    core = QueueCore(QueueRecord(QUEUE, "orders", options, AT_MS), reference, rng, lease_clock=lambda: now_ms,
+                     dedupe_window_ms=1_000)
+    dead = QueueCore(QueueRecord(OTHER, "orders.dlq", QueueOptions(strength=strength, dead_letter=False), AT_MS,
                                  dead_letter_of="orders"), reference, rng, lease_clock=lambda: now_ms)
     core.dead_letter_core = dead
     held: list[Leased] = []
@@ -296,66 +389,126 @@ def random_batches(seed: int, batches: int) -> Iterator[tuple[list[Operation], d
         for _ in range(rng.randint(1, 12)):
             now_ms += rng.randint(0, 300)
             roll = rng.random()
-            if roll < 0.45:
+            if roll < 0.4:
                 dedupe_id = f"d{rng.randrange(5)}" if rng.random() < 0.3 else None
-                core.enqueue(rng.randbytes(rng.randrange(64)), rng.randrange(10), dedupe_id, "p", now_ms, out)
-            elif roll < 0.7:
-                held += core.lease(rng.randint(1, 4), rng.randint(100, 1_500), "c", now_ms, out)
-            elif roll < 0.9 and held:
+                ttl_ms = rng.randint(200, 3_000) if rng.random() < 0.2 else 0
+                delay_ms = rng.randint(100, 2_000) if rng.random() < 0.15 else 0
+                headers = {"h": str(rng.randrange(100))} if rng.random() < 0.2 else None
+                core.enqueue(rng.randbytes(rng.randrange(64)), rng.randrange(10), dedupe_id, PRODUCER, now_ms, out,
+                             ttl_ms, delay_ms, headers)
+            elif roll < 0.6:
+                held += core.lease(rng.randint(1, 4), rng.randint(100, 6_000), "c", now_ms, out)
+            elif roll < 0.78 and held:
                 lease = held.pop(rng.randrange(len(held)))
                 try:
                     if rng.random() < 0.6:
-                        core.ack(lease.index, lease.receipt, "c", now_ms, out)
+                        reply = rng.randbytes(8) if rng.random() < 0.3 else None
+                        core.ack(lease.index, lease.receipt, "c", now_ms, out, reply=reply)
                     else:
                         core.release(lease.index, lease.receipt, now_ms, out)
                 except Exception as error:  # an overdue or superseded lease: refused, maybe ended
                     assert getattr(error, "code", None) == "E_LEASE_EXPIRED", error
-            elif roll < 0.95 and held:
+            elif roll < 0.83 and held:
                 lease = held[rng.randrange(len(held))]
                 try:
                     core.extend(lease.index, lease.receipt, rng.randint(0, 1_500), "c", now_ms, out)
                 except Exception as error:  # as above
                     assert getattr(error, "code", None) == "E_LEASE_EXPIRED", error
-            elif roll < 0.96:
+            elif roll < 0.85:
                 core.purge(core.record.next_index - 1 - rng.randint(0, 8), rng.randint(1, 6), now_ms, out)
-            else:
+            elif roll < 0.88:
                 core.expire_leases(now_ms, out)
+            elif roll < 0.91:
+                core.expire_messages(now_ms, out)
+            elif roll < 0.94:
+                core.mature_messages(now_ms, out)
+            elif strength is Strength.FULL:
+                subscription = f"s{rng.randrange(2)}"
+                try:
+                    if subscription not in core.record.subscriptions and rng.random() < 0.5:
+                        core.open_subscription(subscription, "c", now_ms, out)
+                    elif rng.random() < 0.85:
+                        rows = reference.ready_page(QUEUE, SUBSCRIPTION_PRIORITY, 0, EVERYTHING, 20)
+                        if rows:
+                            core.subscriber_ack(subscription, rng.choice(rows)[0], "c", now_ms, out)
+                    else:
+                        core.drop_subscription(subscription, "c", now_ms, out)
+                except QueueError:          # no such subscription (yet), or no such message
+                    pass
         core.seal()
         reference.apply(out)
         core.advance()
+        if seen is not None:
+            seen.update(type(op) for op in out)
         yield out, {"orders": core.record.to_json(), "orders.dlq": dead.record.to_json()}
 
 
-def everything_read(store: Backend, rng: random.Random, top_index: int) -> dict[str, Any]:
+def everything_read(store: Backend, rng: random.Random, queue_ids: Sequence[int], top_index: int) -> dict[str, Any]:
     reads: dict[str, Any] = {}
-    for queue_id in (QUEUE, OTHER):
+    indices = range(top_index + 2)
+    dedupe_ids = [f"d{n}" for n in range(6)]
+    for queue_id in queue_ids:
         for priority in range(10):
             reads[f"ready {queue_id}/{priority}"] = whole(store, queue_id, priority)
             after, before, limit = rng.randrange(top_index + 2), rng.randrange(top_index + 2), rng.randint(0, 5)
             reads[f"page {queue_id}/{priority} ({after}, {before}, {limit})"] = store.ready_page(
                 queue_id, priority, after, before, limit)
         reads[f"leases {queue_id}"] = store.leases(queue_id)
-        reads[f"dedupe {queue_id}"] = [store.dedupe_lookup(queue_id, f"d{n}") for n in range(6)]
-        reads[f"payloads {queue_id}"] = [store.payload(queue_id, index) for index in range(top_index + 2)]
+        reads[f"dedupe {queue_id}"] = [store.dedupe_lookup(queue_id, dedupe_id) for dedupe_id in dedupe_ids]
+        reads[f"dedupe many {queue_id}"] = store.dedupe_lookup_many(queue_id, dedupe_ids)
+        reads[f"ttl rows {queue_id}"] = store.ttl_rows(queue_id)
+        reads[f"delayed rows {queue_id}"] = store.delayed_rows(queue_id)
+        reads[f"payloads {queue_id}"] = [store.payload(queue_id, index) for index in indices]
+        reads[f"statuses {queue_id}"] = [store.message_status(queue_id, index) for index in indices]
+        reads[f"status producers {queue_id}"] = [store.status_producer(queue_id, index) for index in indices]
+        reads[f"payloads and headers {queue_id}"] = store.payloads_and_headers([(queue_id, i) for i in indices])
     return reads
+
+
+def assert_alike(memory: Backend, lmdb_store: Backend, queue_ids: Sequence[int], top_index: int, seed: int,
+                 what_happened: str) -> None:
+    memory_reads = everything_read(memory, random.Random(seed), queue_ids, top_index)
+    lmdb_reads = everything_read(lmdb_store, random.Random(seed), queue_ids, top_index)
+    for what, answer in memory_reads.items():
+        assert lmdb_reads[what] == answer, f"{what_happened}: {what}"
 
 
 @pytest.mark.parametrize("seed", range(6), ids=lambda seed: f"seed_{seed}")
 def test_the_two_stores_answer_alike_after_every_batch_of_a_random_run(seed: int, tmp_path: Path) -> None:
     memory, lmdb_store = MemoryBackend(tmp_path), LmdbBackend(tmp_path)
+    seen: set[type] = set()
+    queue_ids = [QUEUE, OTHER]
     try:
         top_index = 0
-        for number, (operations, records) in enumerate(random_batches(seed, 60)):
+        for number, (operations, records) in enumerate(random_batches(seed, 60, seen)):
             memory.commit(operations, records)
             lmdb_store.commit(operations, records)
-            top_index += sum(isinstance(op, (Enqueued, DeadLettered)) for op in operations)
-            reads_seed = seed * 1_000 + number
-            memory_reads = everything_read(memory, random.Random(reads_seed), top_index)
-            lmdb_reads = everything_read(lmdb_store, random.Random(reads_seed), top_index)
-            for what, answer in memory_reads.items():
-                assert lmdb_reads[what] == answer, f"seed {seed}, batch {number}: {what}"
+            top_index = max(record["next_index"] for record in records.values())
+            assert_alike(memory, lmdb_store, queue_ids, top_index, seed * 1_000 + number, f"seed {seed}, batch {number}")
+            if number % SNAPSHOT_EVERY == SNAPSHOT_EVERY - 1:
+                rows = memory.snapshot_rows("orders", QUEUE)
+                assert lmdb_store.snapshot_rows("orders", QUEUE) == rows, f"seed {seed}, batch {number}: snapshot"
+                copy = COPIES + number
+                memory.install(copy, rows)
+                lmdb_store.install(copy, rows)
+                queue_ids.append(copy)
+                assert_alike(memory, lmdb_store, [copy], top_index, seed, f"seed {seed}, batch {number}: installed")
+        order = random.Random(seed).randrange(top_index + 1)
+        for queue_id in queue_ids:
+            memory.discard_after(queue_id, order)
+            lmdb_store.discard_after(queue_id, order)
+        assert_alike(memory, lmdb_store, queue_ids, top_index, seed, f"seed {seed}: discarded after {order}")
     finally:
         lmdb_store.close()
+    expected = COVERED - ({Expired} if seed % 3 != 2 else {DeadLettered})   # with a dead-letter queue or not
+    if not seed % 2:
+        expected -= {SubscriptionOpened, SubscriberAcked, SubscriptionDropped}   # under full only
+    assert seen == expected, f"seed {seed}: {sorted(kind.__name__ for kind in seen ^ expected)}"
+
+
+def test_the_random_run_covers_every_operation_type() -> None:
+    """A new Operation type must join COVERED (and the random run) to be held equal in both stores."""
+    assert set(typing.get_args(Operation)) == COVERED
 
 
 # --- LMDB only --------------------------------------------------------------------------------

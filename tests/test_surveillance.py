@@ -22,7 +22,7 @@ from audit.inputs import read_records
 from audit.local import audit_records
 from client import AsyncClient
 from client.credentials import load_credentials
-from client.qctl import _recipient_text
+from client.qctl_features import _recipient_text
 from qserver.dev.devcluster import REPOSITORY, LocalCluster
 from qserver.storage.journal_export import export_environment
 from tests.support import raw_session

@@ -38,7 +38,7 @@ E_BAD_FRAME = _kind("E_BAD_FRAME", 400, False, "a WebSocket frame is not valid m
 E_INVALID_NAME = _kind("E_INVALID_NAME", 400, False, "a queue or client name is empty, too long or has forbidden characters")
 E_INVALID_OPTION = _kind("E_INVALID_OPTION", 400, False, "a queue option or parameter is out of range")
 E_PAYLOAD_TOO_LARGE = _kind("E_PAYLOAD_TOO_LARGE", 413, False, "the body exceeds the configured maximum")
-E_NOT_IMPLEMENTED = _kind("E_NOT_IMPLEMENTED", 501, False, "this route arrives in a later release")
+# E_NOT_IMPLEMENTED (501) is retired: nothing raised it. Codes are append-only: never reuse it.
 E_METHOD_NOT_ALLOWED = _kind("E_METHOD_NOT_ALLOWED", 405, False, "the method is not allowed on this path")
 E_NOT_FOUND = _kind("E_NOT_FOUND", 404, False, "no such route")
 # --- security -------------------------------------------------------------------------------
@@ -102,10 +102,6 @@ E_INTERNAL = _kind("E_INTERNAL", 500, True, "an unexpected server error")
 def kind_of(code: str) -> ErrorKind:
     """The catalog entry for a code; codes unknown to this version map to E_INTERNAL's traits."""
     return _CATALOG.get(code) or ErrorKind(code, 500, False, "unknown error code")
-
-
-def all_kinds() -> list[ErrorKind]:
-    return list(_CATALOG.values())
 
 
 class QueueError(Exception):

@@ -13,13 +13,24 @@ from typing import Any, ClassVar
 
 import msgpack
 
+# The limits of what a message carries are wire/message_input.py's; a frame outside them is
+# refused here (E_BAD_FRAME), before it becomes a command.
+from wire.message_input import (
+    DELAY_MS_MAX,
+    PRIORITY_MAX,
+    PRIORITY_MIN,
+    RECEIVE_MESSAGES_MAX,
+    TTL_MS_MAX,
+    VISIBILITY_MS_MAX,
+)
+
 PROTOCOL_VERSION = 1
 FRAME_ITEMS_MAX = 10_000
 # msgpack objects in one client frame, every element of every array and every key and value of
 # every map counted (docs/PROTOCOL.md, "WebSocket frames"). Each object takes at least one byte,
 # so a frame of this many bytes or fewer is within it without counting; a larger one is counted
 # while it is decoded (issue 32, item 10: 16 MiB of tiny objects cost ~1 GB and seconds of the
-# event loop). The client library cuts its frames well below it (AsyncClient._frames).
+# event loop). The client library cuts its frames well below it (client/batching.py frames).
 FRAME_OBJECTS_MAX = 250_000
 
 
@@ -421,8 +432,6 @@ def _str(value: Any, name: str, request_id: int, *, optional: bool = False) -> A
 
 
 INT64_MAX = 2**63 - 1
-TTL_MS_MAX = 1_209_600_000      # 14 days (replication.options.TTL_MAX_S)
-DELAY_MS_MAX = 900_000          # 15 minutes (replication.options.DELAY_MAX_S)
 _OP_ARITY = {1: (5, 9), 2: (3, 6), 3: (5, 5), 4: (5, 5), 5: (4, 6), 6: (4, 4), 7: (3, 3), 8: (2, 2),
              9: (5, 9), 10: (4, 4), 11: (6, 6), 12: (4, 5), 13: (4, 4), 14: (4, 5), 15: (4, 4), 16: (4, 4),
              17: (6, 6), 18: (8, 8)}
@@ -456,15 +465,17 @@ def _decode_op(row: Any) -> ClientOp:
         ttl_ms = _int(args[4], "ttl_ms", 0, TTL_MS_MAX, request_id) if len(args) > 4 else 0
         delay_ms = _int(args[5], "delay_ms", 0, DELAY_MS_MAX, request_id) if len(args) > 5 else 0
         return EnqueueOp(request_id, _str(args[0], "queue", request_id), bytes(payload),
-                         _int(args[2], "priority", 0, 9, request_id), dedupe, ttl_ms, delay_ms,
+                         _int(args[2], "priority", PRIORITY_MIN, PRIORITY_MAX, request_id), dedupe, ttl_ms, delay_ms,
                          _headers(args[6] if len(args) > 6 else None, request_id))
     if tag == ReceiveOp.TAG:
         padded = args + [None] * (4 - len(args))
         visibility = padded[3]
         return ReceiveOp(request_id, _str(padded[0], "queue", request_id),
-                         _int(1 if padded[1] is None else padded[1], "max_messages", 1, 10_000, request_id),
+                         _int(1 if padded[1] is None else padded[1], "max_messages", 1, RECEIVE_MESSAGES_MAX,
+                              request_id),
                          _int(0 if padded[2] is None else padded[2], "wait_ms", 0, 3_600_000, request_id),
-                         None if visibility is None else _int(visibility, "visibility_ms", 0, 43_200_000, request_id))
+                         None if visibility is None else _int(visibility, "visibility_ms", 0, VISIBILITY_MS_MAX,
+                                                              request_id))
     if tag in (AckOp.TAG, ReleaseOp.TAG):
         cls = AckOp if tag == AckOp.TAG else ReleaseOp
         return cls(request_id, _str(args[0], "queue", request_id),
@@ -472,13 +483,14 @@ def _decode_op(row: Any) -> ClientOp:
     if tag == ExtendOp.TAG:
         return ExtendOp(request_id, _str(args[0], "queue", request_id),
                         _int(args[1], "message_id", 1, INT64_MAX, request_id), _str(args[2], "receipt", request_id),
-                        _int(args[3], "visibility_ms", 0, 43_200_000, request_id))
+                        _int(args[3], "visibility_ms", 0, VISIBILITY_MS_MAX, request_id))
     if tag == SubscribeOp.TAG:
         visibility = args[2] if len(args) > 2 else None
         recipient = _str(args[3], "recipient", request_id, optional=True) if len(args) > 3 else None
         return SubscribeOp(request_id, _str(args[0], "queue", request_id),
                            _int(args[1], "credit", 1, 100_000, request_id),
-                           None if visibility is None else _int(visibility, "visibility_ms", 0, 43_200_000, request_id),
+                           None if visibility is None else _int(visibility, "visibility_ms", 0, VISIBILITY_MS_MAX,
+                                                                request_id),
                            recipient)
     if tag == CreditOp.TAG:
         return CreditOp(request_id, _int(args[0], "subscription_id", 1, INT64_MAX, request_id),
@@ -520,7 +532,7 @@ def _decode_op(row: Any) -> ClientOp:
 
 def _decode_enqueue_batch(request_id: int, args: list[Any]) -> EnqueueBatchOp:
     queue = _str(args[0], "queue", request_id)
-    priority = _int(args[1], "priority", 0, 9, request_id)
+    priority = _int(args[1], "priority", PRIORITY_MIN, PRIORITY_MAX, request_id)
     payloads, dedupe_ids = args[2], args[3] if len(args) > 3 else None
     ttl_ms = _int(args[4], "ttl_ms", 0, TTL_MS_MAX, request_id) if len(args) > 4 else 0
     delay_ms = _int(args[5], "delay_ms", 0, DELAY_MS_MAX, request_id) if len(args) > 5 else 0
@@ -547,7 +559,7 @@ def _decode_forward_data(request_id: int, args: list[Any]) -> ForwardDataOp:
     for row in rows:
         if not isinstance(row, list) or len(row) != 5 or not isinstance(row[0], (bytes, bytearray)):
             raise FrameError("a forwarded item is [payload, priority, number, ttl_ms, headers]", request_id)
-        items.append((bytes(row[0]), _int(row[1], "priority", 0, 9, request_id),
+        items.append((bytes(row[0]), _int(row[1], "priority", PRIORITY_MIN, PRIORITY_MAX, request_id),
                       _int(row[2], "number", 1, INT64_MAX, request_id), _int(row[3], "ttl_ms", 0, TTL_MS_MAX, request_id),
                       _headers(row[4], request_id)))
     return ForwardDataOp(request_id, _str(args[0], "queue", request_id), _str(args[1], "forward", request_id),

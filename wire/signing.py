@@ -41,7 +41,7 @@ HEADER_TIMESTAMP = "X-Timestamp"
 HEADER_NONCE = "X-Nonce"
 HEADER_SIGNATURE = "X-Signature"
 SIGNED_HEADERS = (HEADER_CLIENT, HEADER_TIMESTAMP, HEADER_NONCE, HEADER_SIGNATURE)
-# The request headers the HTTP API reads that change what a request does (qserver/api/http_api.py,
+# The request headers the HTTP API reads that change what a request does (qserver/api/message_routes.py,
 # qserver/features/channels/api.py): covered by the signature, in this order, absent = empty.
 SIGNED_REQUEST_HEADERS = ("X-Priority", "X-Dedupe-Id", "X-Headers")
 SECURE_SCHEMES = frozenset({"https", "wss"})

@@ -33,28 +33,29 @@ def _install() -> None:
         setattr(owner, name, traced)
 
     from qserver.api import ws_api
-    from qserver.cluster import pairs
-    from qserver.core import engine
-    from qserver.storage.lmdb_store import lmdb_store as storage
+    from qserver.cluster import pairs, peer_inbox
+    from qserver.core import engine, pipeline
+    from qserver.storage import commit
+    from qserver.storage import lmdb_store as storage
     from qserver.transport import peers
 
     wrap(ws_api.ClientConnection, "_handle_frame", "client frame in")
     wrap(ws_api, "encode_frame", "client answer encoded")
     wrap(engine.Engine, "_step_inbox", "engine steps inbox")
-    wrap(engine.Engine, "_start_commit", "batch sealed", end_event="commit started")
-    wrap(engine.Engine, "_commit_done", "commit done (loop)")
+    wrap(pipeline.CommitPipeline, "start_commit", "batch sealed", end_event="commit started")
+    wrap(pipeline.CommitPipeline, "_commit_done", "commit done (loop)")
     wrap(storage.Storage, "commit", "lmdb commit begins", end_event="lmdb commit ends (fsync'd)")
-    wrap(storage.Storage, "_write", "txn write begins", end_event="txn write ends")
+    wrap(commit.BatchWriter, "write", "txn write begins", end_event="txn write ends")
     wrap(peers, "encode_frame", "peer frame encoded")
     wrap(peers.PeerTransport, "_deliver", "peer frame in")
 
-    original_decode = pairs.decode_message
+    original_decode = peer_inbox.decode_message
 
     def decode_message(data: bytes) -> object:
         message = original_decode(data)
         note(f"peer message in: {type(message).__name__}")
         return message
-    pairs.decode_message = decode_message
+    peer_inbox.decode_message = decode_message
     original_encode = pairs.encode_message
 
     def encode_message(message: object) -> bytes:

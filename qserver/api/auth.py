@@ -40,6 +40,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from qserver.core.grants import CLUSTER_CLIENT, grants_allow
 from wire.errors import (
     E_BAD_REQUEST,
     E_FORBIDDEN,
@@ -71,13 +72,12 @@ DELEGATED_VERSION = "QD2"
 DELEGATED_PREFIX = DELEGATED_VERSION + ":"   # X-Signature of a node acting for a client (see delegated_signature)
 RELAY_VERSION = "QR1"
 RELAY_PREFIX = RELAY_VERSION + ":"           # X-Signature of a node passing a request on (see relay_signature)
-CLUSTER_CLIENT = "@cluster"     # the client id of a node acting for the cluster itself (never a client's)
-FORWARDED_BY = "X-Forwarded-By"     # the node passing a request on (the relay's sender)
+PASSED_ON_BY = "X-Forwarded-By"     # the node passing a request on (the header keeps its wire name)
 RELAY_TO = "X-Relay-To"             # the node it is passed on to
-# Headers only a node passing a request on sets (qserver/api/http_api.py): signed in its envelope,
+# Headers only a node passing a request on sets (qserver/api/http_common.py): signed in its envelope,
 # honoured only on a relayed request, refused from a client.
 RELAY_CONTROL_HEADERS = ("X-Placement", "X-Own-Copy", "X-Map-Version")
-SERVER_CONTROL_HEADERS = (FORWARDED_BY, RELAY_TO, *RELAY_CONTROL_HEADERS)
+SERVER_CONTROL_HEADERS = (PASSED_ON_BY, RELAY_TO, *RELAY_CONTROL_HEADERS)
 RELAY_SIGNED_HEADERS = SIGNED_REQUEST_HEADERS + RELAY_CONTROL_HEADERS
 CLIENT_ID_CHARS_MAX = 128
 TIMESTAMP_DIGITS_MAX = 16
@@ -119,7 +119,7 @@ def relay_headers(secret: bytes, from_id: str, to_id: str, client_id: str, metho
     stamp = int(time.time() * 1000)
     nonce = os.urandom(16).hex()
     message = relay_message(from_id, to_id, client_id, method, path, query, stamp, nonce, headers, body)
-    return {HEADER_CLIENT: client_id, HEADER_TIMESTAMP: str(stamp), HEADER_NONCE: nonce, FORWARDED_BY: from_id,
+    return {HEADER_CLIENT: client_id, HEADER_TIMESTAMP: str(stamp), HEADER_NONCE: nonce, PASSED_ON_BY: from_id,
             RELAY_TO: to_id, HEADER_SIGNATURE: relay_signature(secret, message)}
 
 
@@ -131,7 +131,6 @@ ADMIN_GRANTS = [{"pattern": "*", "privileges": sorted(PRIVILEGES)}]
 NONCES_PER_CLIENT_MAX = 250_000
 NONCES_PER_RELAY_MAX = 2_000_000
 NONCES_KEPT_MAX = 4_000_000
-CLUSTER_WIDE = "*"          # the "queue" of cluster-wide privileges: only a grant of exactly "*" covers it
 GRANTS_MAX = 100
 
 
@@ -163,12 +162,7 @@ class Principal:
         key = (privilege, queue)
         allowed = self._cache.get(key)
         if allowed is None:
-            # "*" is no queue name: asked for it, a privilege is cluster-wide (clients, nodes,
-            # the journal), which only a grant of exactly "*" gives; as a pattern matched
-            # against "*", `?` or `[*]` would give it too (issue 32, Low).
-            allowed = any(privilege in g["privileges"] and (
-                g["pattern"] == CLUSTER_WIDE if queue == CLUSTER_WIDE else fnmatch.fnmatchcase(queue, g["pattern"]))
-                for g in self.grants)
+            allowed = grants_allow(self.grants, privilege, queue)
             if len(self._cache) < 10_000:
                 self._cache[key] = allowed
         return allowed
@@ -229,7 +223,7 @@ class Authenticator:
         """The principal of a request (`secure`: it came over TLS, for the default port of a
         `Host` without one)."""
         if not self.enabled:
-            relayed_by = headers.get(FORWARDED_BY)
+            relayed_by = headers.get(PASSED_ON_BY)
             return ANONYMOUS_ADMIN if relayed_by is None else Principal("anonymous", ADMIN_GRANTS,
                                                                         relayed_by=relayed_by)
         try:
@@ -297,7 +291,7 @@ class Authenticator:
         """A request another node authenticated and passes on (relay_signature): the envelope
         must name this node, and the principal is looked up in this node's own registry (a
         client removed here is refused here, whatever the passing node still knows)."""
-        from_id, to_id = headers.get(FORWARDED_BY) or "", headers.get(RELAY_TO) or ""
+        from_id, to_id = headers.get(PASSED_ON_BY) or "", headers.get(RELAY_TO) or ""
         if not self.cluster_secret or not from_id or len(from_id) > CLIENT_ID_CHARS_MAX:
             raise QueueError(E_UNAUTHENTICATED, "unknown client or bad signature")
         if to_id != self.node_id:

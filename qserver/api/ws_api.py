@@ -15,12 +15,13 @@ from typing import Any
 from aiohttp import WSMsgType, web
 
 from qserver.api.auth import CLUSTER_CLIENT, Principal, refused_ack_text
-from qserver.api.http_api import NODE
+from qserver.api.http_common import NODE
 from qserver.core import commands as c
 from replication.cluster_map import CHANNEL_PREFIX
-from replication.options import is_valid_queue_name, valid_dedupe_id
+from replication.options import is_valid_queue_name
 from wire import errors as e
 from wire.errors import QueueError
+from wire.message_input import check_dedupe_id, check_payload
 from wire.protocol import (
     AckBatchOp,
     AckOp,
@@ -222,10 +223,8 @@ class ClientConnection:
         kind = type(op)
         client = self.principal.client_id
         if kind is EnqueueOp:
-            if len(op.payload) > self._body_bytes_max:
-                raise QueueError(e.E_PAYLOAD_TOO_LARGE, f"message over {self._body_bytes_max} bytes")
-            if op.dedupe_id is not None and not valid_dedupe_id(op.dedupe_id):
-                raise QueueError(e.E_INVALID_OPTION, "dedupe ids are 1-128 printable characters")
+            check_payload(op.payload, self._body_bytes_max)
+            check_dedupe_id(op.dedupe_id)
             if op.queue not in self.queues_produced:
                 self.queues_produced.add(self._queue(op.queue, "post", op.request_id))
             return c.Enqueue(op.queue, op.payload, op.priority, op.dedupe_id, client, self, op.request_id, op.ttl_ms,
@@ -290,10 +289,8 @@ class ClientConnection:
         hub = self.node.channels
         kind = type(op)
         if kind is PublishOp:
-            if len(op.payload) > self._body_bytes_max:
-                raise QueueError(e.E_PAYLOAD_TOO_LARGE, f"message over {self._body_bytes_max} bytes")
-            if op.dedupe_id is not None and not valid_dedupe_id(op.dedupe_id):
-                raise QueueError(e.E_INVALID_OPTION, "dedupe ids are 1-128 printable characters")
+            check_payload(op.payload, self._body_bytes_max)
+            check_dedupe_id(op.dedupe_id)
             return hub.publish_command(self, op.channel, op.payload, op.dedupe_id, op.request_id)
         if kind is ChannelSubscribeOp:
             if op.subscribe and op.durable is not None:

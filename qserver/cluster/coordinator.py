@@ -2,10 +2,11 @@
 duties (failover, node states, replacing lost replicas), handoffs, and the operator's
 commands that change the map (create, delete, move, promote --unclean, drain, undrain, rebalance).
 
-Runs on the engine's task (the engine calls `tick`, peer messages and map changes in; the
-results of proposals come back through `Engine.invoke`). Decisions are the pure functions of
-`replication/cluster_map.py` and `replication/leases.py`; this module only times them,
-proposes them and keeps the bookkeeping of what is in flight.
+Runs on the core's task (the core calls `tick`, the pair driver passes peer messages and map
+changes in; the results of proposals come back through `Scheduler.invoke`, one of the ports of
+qserver/core/ports.py). Decisions are the pure functions of `replication/cluster_map.py` and
+`replication/leases.py`; this module only times them, proposes them and keeps the bookkeeping
+of what is in flight.
 """
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from qserver.cluster.view import base_name
+from qserver.config import NodeConfig
+from qserver.core.ports import Instances, Scheduler
 from replication.cluster_map import (
     AddNode,
     ChangePair,
@@ -46,7 +50,8 @@ from wire.errors import (
 
 if TYPE_CHECKING:
     from qserver.cluster.membership import Membership
-    from qserver.core.engine import Engine
+    from qserver.cluster.pairs import PairDriver
+    from qserver.core.commands import Command as CoreCommand
 
 log = logging.getLogger("qserver.cluster.coordinator")
 Finish = Callable[[Any], None]          # finish(result) or finish(QueueError)
@@ -70,27 +75,33 @@ class Handoff:
     finishes: list[Finish] = field(default_factory=list)
     replica_request: tuple[str, int] | None = None      # (peer, request id) when the replica asked
     proposed: bool = False
-    parked: list[Any] = field(default_factory=list)
+    parked: list[CoreCommand] = field(default_factory=list)
 
 
 class Coordinator:
-    def __init__(self, engine: Engine, membership: Membership, *, lease_ms: int, lease_margin_ms: int,
-                 renew_interval_ms: int, replica_replace_after_ms: int, accept_replica_handoffs: bool,
-                 monotonic_ms: Callable[[], int]) -> None:
-        self.engine = engine
-        self.pairs = engine.pairs
+    """`storage_id`: this node's storage's (a node on another disk than the map knows gets no
+    lease until the map records it); lease timings, node id and URL from `config`; every
+    deadline on `scheduler.monotonic_ms`."""
+
+    def __init__(self, pairs: PairDriver, membership: Membership, *, config: NodeConfig, storage_id: int,
+                 scheduler: Scheduler, instances: Instances) -> None:
+        self.pairs = pairs
         self.membership = membership
-        self.node_id = engine.config.node_id
-        self.monotonic_ms = monotonic_ms
-        self.lease = NodeLease(lease_ms, first_sequence=(engine.random_bits(40) << 20) + 1)
-        self.table = LeaseTable(lease_ms, lease_margin_ms)
-        self.renew_interval_ms = renew_interval_ms
-        self.replica_replace_after_ms = replica_replace_after_ms
-        self.accept_replica_handoffs = accept_replica_handoffs
+        self.config = config
+        self.storage_id = storage_id
+        self.scheduler = scheduler
+        self.instances = instances
+        self.node_id = config.node_id
+        self.monotonic_ms = scheduler.monotonic_ms
+        self.lease = NodeLease(config.lease_ms, first_sequence=(scheduler.random_bits(40) << 20) + 1)
+        self.table = LeaseTable(config.lease_ms, config.lease_margin_ms)
+        self.renew_interval_ms = config.lease_renew_interval_ms
+        self.replica_replace_after_ms = int(config.replica_replace_after_s * 1000)
+        self.accept_replica_handoffs = config.accept_replica_handoffs
         self.handoffs: dict[str, Handoff] = {}
         self.asked: dict[int, tuple[str, Finish, int]] = {}     # replica's handoff request id -> (queue, finish, deadline)
         self.promised: dict[str, tuple[Finish, int]] = {}      # accepted: waiting for the local map to show it
-        self._next_request = (engine.random_bits(40) << 20) + 1
+        self._next_request = (scheduler.random_bits(40) << 20) + 1
         self._next_renew_ms = 0
         # (map version, renewal sequence) of grants this node's map has not caught up with;
         # bounded like the renewals they answer (older ones no longer count).
@@ -146,13 +157,13 @@ class Coordinator:
         if leader == self.node_id:
             known = self.membership.cluster_map.nodes.get(self.node_id)
             if self.membership.is_leader() and known is not None \
-                    and known.storage_id == self.engine.storage.storage_id:
+                    and known.storage_id == self.storage_id:
                 self.table.grant(self.node_id, mono)
                 # Its own log may hold a failover of its queues decided by a predecessor.
                 self._grants_waiting.append((self.membership.version_when_applied(), sequence))
                 self._accept_grants()
             return
-        self.pairs.send_message(leader, LeaseRenew("", self.engine.storage.storage_id, self.membership.term(), sequence))
+        self.pairs.send_message(leader, LeaseRenew("", self.storage_id, self.membership.term(), sequence))
 
     def on_message(self, peer: str, message: Message) -> None:
         if isinstance(message, LeaseRenew):
@@ -186,7 +197,7 @@ class Coordinator:
         """A node enters the map by proposing itself (once a membership leader exists)."""
         cluster = self.membership.cluster_map
         known = cluster.nodes.get(self.node_id)
-        storage_id = self.engine.storage.storage_id
+        storage_id = self.storage_id
         if (known is not None and known.storage_id == storage_id) or self._registering \
                 or self.membership.leader_id() is None:
             return
@@ -194,8 +205,8 @@ class Coordinator:
 
         def done(outcomes: list[Outcome] | None) -> None:
             self._registering = False
-        voter = self.node_id in self.engine.config.membership_nodes
-        self.membership.propose(AddNode(self.node_id, self.engine.config.own_url, voter, storage_id), done)
+        voter = self.node_id in self.config.membership_nodes
+        self.membership.propose(AddNode(self.node_id, self.config.own_url, voter, storage_id), done)
 
     # --- the membership leader's duties ------------------------------------------------------
     def _lead(self, mono: int) -> None:
@@ -321,11 +332,12 @@ class Coordinator:
         return entry is not None and entry.state is NodeState.UP and (not linked or bool(self.pairs.link_up(node)))
 
     def parks(self, queue: str) -> bool:
-        return queue in self.handoffs or (queue.endswith(".dlq") and queue[:-4] in self.handoffs)
+        """Whether commands for `queue` wait: a handoff of it (or of its dead-letter queue's
+        queue) is under way."""
+        return queue in self.handoffs or base_name(queue) in self.handoffs
 
-    def park(self, queue: str, command: Any) -> None:
-        base = queue if queue in self.handoffs else queue[:-4]
-        self.handoffs[base].parked.append(command)
+    def park(self, queue: str, command: CoreCommand) -> None:
+        self.handoffs[queue if queue in self.handoffs else base_name(queue)].parked.append(command)
 
     def check_handoffs(self) -> None:
         """After a commit or a tick: a handoff whose replica had caught up before this node's
@@ -359,7 +371,7 @@ class Coordinator:
                     return     # it ends when the local copy of the map shows it (map_changed)
                 self._end_handoff(name, f"the membership layer did not commit the swap "
                                         f"({outcomes[0].reason if outcomes else 'no answer'})")
-            self.engine.invoke(settle)
+            self.scheduler.invoke(settle)
         self.membership.propose(change, decided)
 
     def map_changed(self, name: str) -> None:
@@ -394,7 +406,7 @@ class Coordinator:
         if handoff.replica_request is not None:
             self._answer_replica(name, handoff.replica_request, failure)
         for command in handoff.parked:           # they meet the new roles (a replica forwards)
-            self.engine.resubmit(command)
+            self.scheduler.resubmit(command)
 
     def _answer_replica(self, name: str, request: tuple[str, int], failure: str | None) -> None:
         peer, request_id = request
@@ -435,7 +447,7 @@ class Coordinator:
                     finish(QueueError(E_QUEUE_UNAVAILABLE, "the membership layer did not answer (no majority?)"))
                 else:
                     finish(result(outcomes))
-            self.engine.invoke(settle)
+            self.scheduler.invoke(settle)
         self.membership.propose(command, decided)
 
     def rebalance(self) -> list[str]:
@@ -497,7 +509,7 @@ class Coordinator:
         for name in sorted(self.pairs.masters):
             if limit is not None and len(self.handoffs) >= limit:
                 break
-            core = self.engine.cores.get(name)
+            core = self.instances.cores.get(name)
             if core is None or core.record.dead_letter_of is not None or name in self.handoffs:
                 continue
             self.start_handoff(name, "master", None, linked=True)

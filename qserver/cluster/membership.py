@@ -35,7 +35,7 @@ from qserver.core.failstop import stop_process
 from qserver.metrics import Histogram, render_family
 from qserver.storage.lmdb_store import MapGrowthNeeded, StorageFull
 from qserver.storage.raft_store import RaftStorage, storage_id_bytes
-from qserver.transport.peers import RefusedMessage
+from qserver.transport.peer_link import RefusedMessage
 from replication.cluster_map import (
     ClusterMap,
     Command,

@@ -1,5 +1,5 @@
-"""The node side of queue pairs: the cluster map's view, the replication roles, and their glue
-to the engine.
+"""The node's side of queue pairs: one replication role per queue it holds, taken from the
+cluster map, and the effects of those roles performed in order.
 
 Who holds each queue comes from the cluster map the membership layer replicates
 (`replication/cluster_map.py`, `qserver/cluster/membership.py`): its master, replica, epoch and
@@ -8,27 +8,35 @@ node in a new role (creation, handoff, failover, move), `reconcile` rebuilds the
 from the old one's in-memory state, so nothing staged but not yet durable is forgotten, and
 the epoch it persists with the next batch never goes backwards.
 
-Everything runs on the engine's task: the engine calls in after stepping commands, before
-and after each group commit, for peer messages, link changes, map changes and ticks. The
-roles are pure (`replication/master.py`, `replication/replica.py`); this module performs
-their effects in the required order: persist (into the engine's open batch), then send,
-then answer.
+Everything runs on the core's task: the core calls in after stepping commands, before and
+after each group commit, for peer messages, link changes, map changes and ticks. The roles are
+pure (`replication/master.py`, `replication/replica.py`); this module performs their effects in
+the required order: persist (into the open batch, `Staging`), then send, then answer. What it
+needs of the core it reaches through the ports of `qserver/core/ports.py`. This module decides
+which role each queue has and when it runs (attach, assume, become, reload, ticks); its
+neighbours here own the rest: `view.py` (the map as read), `peer_inbox.py` (routing peer
+messages), `master_effects.py` and `replica_effects.py` (what a role asks for, carried out),
+`batches.py` (the roles' side of each group commit), `holds.py` (answers held for a commit
+point), `relay_answers.py` (requests relayed to the master), `proposals.py` (in-sync records
+and new epochs asked of the map).
 """
 from __future__ import annotations
 
-import asyncio
 import collections
-import functools
-import heapq
 import logging
-from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from qserver.cluster.batches import PairBatches
+from qserver.cluster.holds import DeadLetterGate, HeldAnswers
+from qserver.cluster.master_effects import MasterEffects
+from qserver.cluster.peer_inbox import PeerInbox
+from qserver.cluster.proposals import MapProposals
+from qserver.cluster.relay_answers import RelayAnswers
+from qserver.cluster.replica_effects import ReplicaEffects
+from qserver.cluster.view import ClusterView, base_name
+from qserver.config import NodeConfig
+from qserver.core.ports import Instances, PairEvents, Scheduler, Staging
 from replication.cluster_map import (
-    ChangePair,
-    ChangePairs,
-    ClusterMap,
     Command,
     CreateQueue,
     DeleteChannel,
@@ -37,124 +45,54 @@ from replication.cluster_map import (
     PutChannel,
     PutClient,
     QueueEntry,
-    Reason,
     channel_queue,
 )
-from replication.digest import EMPTY_DIGEST
 from replication.invariants import InvariantViolation
-from replication.master import InSyncProposal, MasterRole, ReplicationLimits, is_replicated
+from replication.master import MasterRole, ReplicationLimits, is_replicated
 from replication.messages import (
     Create,
-    Delete,
-    ForwardResult,
-    HandoffAnswer,
-    HandoffOrder,
-    HandoffRequest,
-    LeaseGrant,
-    LeaseRenew,
     Message,
-    MessageError,
     Open,
-    decode_message,
     encode_message,
 )
-from replication.operations import DeadLettered, Operation
+from replication.operations import Operation
+from replication.oplog import OpLogReader
 from replication.options import DEAD_LETTER_SUFFIX, Strength, dead_letter_name
 from replication.queue_core import QueueCore
-from replication.replica import ReplicaPhase, ReplicaRole, SnapshotInstall
-from replication.snapshot import InstalledState
-from wire.errors import (
-    E_NOT_ENOUGH_REPLICAS,
-    E_NOT_MASTER,
-    E_QUEUE_UNAVAILABLE,
-    E_TIMEOUT,
-    E_UNAVAILABLE,
-    E_UNKNOWN_QUEUE,
-    ErrorKind,
-    QueueError,
-)
+from replication.replica import ReplicaPhase, ReplicaRole
+from replication.snapshot import SnapshotSource
+from wire.errors import E_NOT_MASTER, E_QUEUE_UNAVAILABLE, E_UNAVAILABLE, QueueError
 
 if TYPE_CHECKING:
     from qserver.cluster.coordinator import Coordinator
-    from qserver.cluster.membership import Membership
-    from qserver.core.engine import Engine
 
 log = logging.getLogger("qserver.cluster.pairs")
-OUTCOME_UNKNOWN = -1      # in place of a held answer's required order: see Engine.outcomes_unknown
-EARLY_MESSAGES_MAX = 10_000     # per queue; beyond it the protocol's resends recover
 ANNOUNCE_INTERVAL_MS = 1_000    # how often a master repeats Create to a replica that has not opened
-NEW_EPOCH_ASK_INTERVAL_MS = 200  # how often restarted masters ask again for their new epochs
 STORAGE_FULL_NOTICE_MS = 1_000  # how often a replica on a full node tells its master it follows no more
 # Roles with nothing in flight are not ticked (issue 31); besides those with work, each tick
 # looks at this many others in turn, so a role nothing woke is still looked at now and then.
 TICK_SWEEP_ROLES = 32
-IN_SYNC_CHANGES_MAX = 500       # in-sync records per map command (see _propose_in_sync_changes)
 
 
-
-def base_name(queue: str) -> str:
-    return queue[:-len(DEAD_LETTER_SUFFIX)] if queue.endswith(DEAD_LETTER_SUFFIX) else queue
-
-
-class Redirect(QueueError):
-    """E_NOT_MASTER naming the node that must handle the request (e.g. a new queue's master)."""
-
-    def __init__(self, node: str, message: str, placement: tuple[str, str] | None = None) -> None:
-        super().__init__(E_NOT_MASTER, message)
-        self.node = node
-        self.placement = placement      # a new queue's chosen (master, replica), passed along
-
-
-class ClusterView:
-    """The local copy of the cluster map, as the engine reads it (None outside a cluster)."""
-
-    def __init__(self, node_id: str, urls: dict[str, str], membership: Membership | None) -> None:
-        self.node_id = node_id
-        self.urls = dict(urls)
-        self.membership = membership
-
-    @property
-    def clustered(self) -> bool:
-        return self.membership is not None
-
-    @property
-    def cluster_map(self) -> ClusterMap:
-        return self.membership.cluster_map if self.membership is not None else ClusterMap()
-
-    def entry(self, queue: str) -> QueueEntry | None:
-        if self.membership is None:
-            return None
-        return self.membership.cluster_map.queues.get(base_name(queue))
-
-    def url(self, node: str) -> str:
-        """Where this node dials `node` (HTTP passing-on): its own [cluster.nodes] entry first,
-        as for the peer link, so a proxy on that link carries both (DESIGN.md 4.7); the URL
-        the map publishes (how clients reach the node) only for nodes the table lacks."""
-        if self.urls.get(node):
-            return self.urls[node]
-        entry = self.cluster_map.nodes.get(node)
-        return entry.url if entry is not None and entry.url else ""
-
-
-@dataclass(slots=True)
-class HeldAnswer:
-    """An answer released once the queue's commit point passes `required_order`."""
-    required_order: int
-    release: Any              # a no-argument callable: answer
-    refuse: Any = None        # callable(QueueError): the queue went away first, or the deadline passed
-    deadline_ms: int = 0      # refused (outcome unknown) if still held then: see expire_waiting
-    write: bool = False       # an enqueue's answer (see refuse_unreplicated_writes)
+class PairStorage(OpLogReader, SnapshotSource, Protocol):
+    """What the roles read of this node's storage: the op log and snapshots of committed state."""
 
 
 class PairDriver:
     """The node's side of its queue pairs: one role per queue it holds. Every `mono_ms` here
-    is the engine's monotonic clock (the roles' timers, held answers, forwards)."""
+    is the core's monotonic clock (`Scheduler.monotonic_ms`: the roles' timers, held answers,
+    relayed requests)."""
 
-    def __init__(self, engine: Engine, view: ClusterView, limits: ReplicationLimits) -> None:
-        self.engine = engine
+    def __init__(self, view: ClusterView, limits: ReplicationLimits, *, config: NodeConfig, storage: PairStorage,
+                 staging: Staging, instances: Instances, scheduler: Scheduler, events: PairEvents) -> None:
         self.view = view
         self.limits = limits
-        self.node_id = engine.config.node_id
+        self.storage = storage
+        self.staging = staging
+        self.instances = instances
+        self.scheduler = scheduler
+        self.events = events
+        self.node_id = config.node_id
         self.masters: dict[str, MasterRole] = {}
         # Masters taken up at a restart from this node's own copy of the map, which may be
         # stale (the queue failed over while the node was down): until the node holds a lease,
@@ -166,55 +104,52 @@ class PairDriver:
         # to the replica before this member's own fsync, so the replica may hold orders of this
         # epoch that this member lost, and would assign again to other operations. Such a master
         # serves nothing (no index, no delivery, no answer) until the map gives it a new epoch,
-        # with the same replica recorded out of sync (_ask_new_epochs; docs/PROTOCOL.md, "A
-        # master restarted inside its lease"): one operation per (epoch, order), always.
+        # with the same replica recorded out of sync (MapProposals.ask_new_epochs; docs/PROTOCOL.md,
+        # "A master restarted inside its lease"): one operation per (epoch, order), always.
         self.restarted: dict[str, int] = {}      # queue (map entry) name -> the epoch it restarted in
-        self._next_epoch_ask_ms = 0
-        self._epoch_ask_pending = False
-        # Dead letters enter a dead-letter queue through its source queue's stream, so under
-        # `full` one becomes visible when the source's DeadLettered is committed:
-        # dead-letter queue name -> (source order, dead-letter index) not yet committed.
-        self.dead_letters_pending: dict[str, collections.deque[tuple[int, int]]] = {}
         self.replicas: dict[str, ReplicaRole] = {}
-        self.held: dict[str, collections.deque[HeldAnswer]] = {}
-        self.forwards: dict[int, tuple[str, Any]] = {}   # forward request id -> (queue, callback(outcome))
-        # Peer messages of an epoch this node's map does not know yet (see _ahead_of_map).
-        self.early: dict[str, collections.deque[tuple[str, bytes]]] = {}
-        self.received: dict[str, InstalledState] = {}     # queue name -> rows of the snapshot under way
-        self._log_floors: dict[int, int] = {}             # queue id -> the floor last sent to storage
+        wait_max_ms = int(config.commit_wait_max_s * 1000)
+        self.holds = HeldAnswers(self, scheduler.monotonic_ms, clustered=view.clustered, wait_max_ms=wait_max_ms)
+        self.dead_letters = DeadLetterGate(self.masters, lambda: instances.cores)
+        # Unique per node run: an answer the master sends to a crashed predecessor must never
+        # match one of our requests.
+        self.relayed = RelayAnswers(self.holds, scheduler.monotonic_ms, first_id=(scheduler.random_bits(40) << 20) + 1,
+                                    wait_max_ms=wait_max_ms)
+        self.proposals = MapProposals(view, scheduler, config.node_id)
         # Work proportional to what changed (issue 31), as ordered sets (dicts: a simulation
-        # replays the same order): roles with something in flight, which the tick visits; roles
-        # whose log floor may have moved since the last batch was sealed; masters whose commit
-        # point may have passed their record's since housekeeping last looked.
+        # replays the same order): roles with something in flight, which the tick visits;
+        # masters whose commit point may have passed their record's since housekeeping last
+        # looked (and PairBatches.floors_changed).
         self._ticking: dict[str, None] = {}
-        self._floors_changed: dict[str, None] = {}
         self._commits_changed: dict[str, None] = {}
         self._sweep: list[str] = []
-        self._in_sync_changes: list[tuple[ChangePair, Any]] = []   # to propose at the end of this turn
-        # Queues whose snapshot install is being written: a replica role made meanwhile (a new
-        # epoch) opens only once it is in memory too (see _installed).
-        self.installing: set[str] = set()
-        self.snapshots_installed = 0
-        self.snapshots_resumed = 0
         self._next_announce_ms = 0
         self._unopened: dict[str, None] = {}     # masters announced whose replica has not opened
-        # This node's storage is full (Engine._check_space): its replicas follow no more.
+        # This node's storage is full (the core's space check): its replicas follow no more.
         self.storage_full = False
         self._next_full_notice_ms = 0
         self.role_starts: collections.Counter[str] = collections.Counter()   # "master"/"replica" -> roles made
         self.opens_sent = 0            # Opens this node's replicas sent (a role that keeps restarting shows here)
-        # Unique per engine instance: an answer the master sends to a crashed predecessor of
-        # this engine must never match one of our requests.
-        self._next_forward = (engine.random_bits(40) << 20) + 1
-        self._forward_deadlines: list[tuple[int, int]] = []      # heap of (deadline ms, forward request id)
-        self.commit_wait_max_ms = int(engine.config.commit_wait_max_s * 1000)
         self.link_up: Any = lambda peer: False       # set by the node: PeerTransport.is_up
         self.send: Any = lambda peer, data: False   # set by the node: PeerTransport.send
-        self.coordinator: Coordinator | None = None  # set by the engine in a cluster
+        self.coordinator: Coordinator | None = None  # set in a cluster, once it is made
+        self.replica_effects = ReplicaEffects(self, self.replicas, staging, instances, self.relayed)
+        self.master_effects = MasterEffects(self, self.masters, view=view, proposals=self.proposals, holds=self.holds,
+                                            scheduler=scheduler, events=events)
+        self.inbox = PeerInbox(self, view, instances, scheduler, self.master_effects, self.replica_effects)
+        self.batches = PairBatches(self, self.masters, self.replicas, self.replica_effects.received, staging, scheduler)
 
     @property
     def clustered(self) -> bool:
         return self.view.clustered
+
+    @property
+    def snapshots_installed(self) -> int:
+        return self.replica_effects.snapshots_installed
+
+    @property
+    def snapshots_resumed(self) -> int:
+        return self.replica_effects.snapshots_resumed
 
     # --- roles -----------------------------------------------------------------------------
     def attach(self, core: QueueCore, *, created: bool = False) -> None:
@@ -238,7 +173,7 @@ class PairDriver:
             return
         incarnation = record.incarnation or record.queue_id
         if previous is None:
-            last_order, digest = self.engine.storage.last(core.queue_id)
+            last_order, digest = self.storage.last(core.queue_id)
             durable, commit = last_order, min(commit_known, last_order)
         elif isinstance(previous, MasterRole):
             last_order, digest, durable, commit = (previous.last_order, previous.digest, previous.local_durable,
@@ -248,15 +183,15 @@ class PairDriver:
                                                    previous.visible_order)
         role: MasterRole | ReplicaRole
         if entry.master == self.node_id:
-            log_start = max(self.engine.storage.first(core.queue_id), self._log_floors.get(core.queue_id, 0))
+            log_start = max(self.storage.first(core.queue_id), self.batches.sent_floors.get(core.queue_id, 0))
             role = self.masters[core.name] = MasterRole(
-                core, self.engine.storage, node_id=self.node_id, replica_id=entry.replica, epoch=entry.epoch,
+                core, self.storage, node_id=self.node_id, replica_id=entry.replica, epoch=entry.epoch,
                 incarnation=incarnation, recorded_in_sync=entry.in_sync, last_order=last_order, digest=digest,
                 limits=self.limits, durable_order=durable,
                 replica_durable=commit if isinstance(previous, ReplicaRole) else min(replica_holds, last_order),
-                snapshots=self.engine.storage, log_start=log_start,
+                snapshots=self.storage, log_start=log_start,
                 replica_returns_from=previous.master_recorded_commit if isinstance(previous, ReplicaRole) else None)
-            self.received.pop(core.name, None)
+            self.replica_effects.received.pop(core.name, None)
             self.replicas.pop(core.name, None)
             if isinstance(previous, ReplicaRole):
                 core.inherit_leases()      # a takeover: leases run from now on this clock
@@ -282,7 +217,7 @@ class PairDriver:
             # only once the new master holds everything the old one assigned, so nothing it holds
             # is uncommitted; its record's commit point lags what it acknowledged, and dropping
             # past that point would lose acknowledged writes should it be promoted again before
-            # it has caught up (found by the engine simulation, seed 2092 under `producer`).
+            # it has caught up (found by the node simulation, seed 2092 under `producer`).
             if (previous is None and record.epoch == entry.epoch) or entry.in_sync:
                 known_commit = 0
             if known_commit and last_order > known_commit:
@@ -290,11 +225,11 @@ class PairDriver:
                 if kept is not None:
                     last_order, digest, durable = known_commit, kept, min(durable, known_commit)
             role = self.replicas[core.name] = ReplicaRole(
-                core, self.engine.storage, node_id=self.node_id, master_id=entry.master, epoch=entry.epoch,
+                core, self.storage, node_id=self.node_id, master_id=entry.master, epoch=entry.epoch,
                 incarnation=incarnation, applied_order=last_order, digest=digest, last_epoch=record.epoch,
-                limits=self.limits, session_base=self.engine.random_bits(40) << 20, durable_order=durable,
+                limits=self.limits, session_base=self.scheduler.random_bits(40) << 20, durable_order=durable,
                 commit_order=commit, known_committed=record.commit_order)
-            self.received.pop(core.name, None)
+            self.replica_effects.received.pop(core.name, None)
             self.masters.pop(core.name, None)
             self.unconfirmed.pop(core.name, None)
             self.restarted.pop(core.name, None)
@@ -302,8 +237,8 @@ class PairDriver:
                 # What its clients forwarded in the older epoch the master of this one refuses
                 # (E_FENCED) and never answers: they ask again now (dedupe ids make it safe),
                 # not after commit_wait_max_s (a master killed and started again at once).
-                self._fail_forwards(core.name, f"the master of {core.name} serves epoch {entry.epoch} now",
-                                    E_UNAVAILABLE)
+                self.relayed.fail(core.name, f"the master of {core.name} serves epoch {entry.epoch} now",
+                                  E_UNAVAILABLE)
             role_name = "replica"
         else:
             return
@@ -314,12 +249,12 @@ class PairDriver:
             reason = entry.last_reason if previous is not None or record.epoch != entry.epoch else first_reason
             if record.epoch != entry.epoch:
                 record.epoch = entry.epoch
-                self.engine.touch(core)
-            self.engine.journal_mark(core, role_name, last_order, reason)
+                self.staging.touch(core)
+            self.staging.journal_mark(core, role_name, last_order, reason)
             log.info("queue %s: %s at epoch %d (%s), last order %d", core.name, role_name, entry.epoch, reason,
                      last_order)
         if record.dead_letter_of is not None:
-            # Its messages arrive through the source queue's stream (see _gate_dead_letters).
+            # Its messages arrive through the source queue's stream (see DeadLetterGate).
             role.gates_visibility = False
             core.visible_upto = None
 
@@ -327,18 +262,16 @@ class PairDriver:
         master, replica = self.masters.pop(name, None), self.replicas.pop(name, None)
         for role in (master, replica):
             if role is not None:
-                self._log_floors.pop(role.core.queue_id, None)
+                self.batches.sent_floors.pop(role.core.queue_id, None)
         self.unconfirmed.pop(name, None)
         self.restarted.pop(name, None)
-        self.installing.discard(name)
+        self.replica_effects.installing.discard(name)
         self._role_changed(name)
-        for held in self.held.pop(name, ()):
-            if held.refuse is not None:   # never committed: the queue is gone
-                held.refuse(QueueError(E_UNKNOWN_QUEUE, f"queue {name} was deleted", outcome_unknown=True))
-        self._fail_forwards(name, "the queue left this node")
+        self.holds.drop(name)           # never committed: the queue is gone
+        self.relayed.fail(name, "the queue left this node")
 
     def reload(self, name: str, core: QueueCore | None, reached: set[int], mono_ms: int) -> None:
-        """A batch touching queue `name` could not be stored, and the engine rebuilt its core from
+        """A batch touching queue `name` could not be stored, and the core rebuilt it from
         storage (`core`; None: nothing of it was stored). A role the lost batch did not reach
         (`reached`: queue ids whose op log, snapshot or suffix it wrote) goes on with the rebuilt
         core, so a full disk does not make every role start again. One it reached starts again
@@ -355,7 +288,7 @@ class PairDriver:
             if entry is not None:
                 self._assume(core, entry, None, "reload")
             return
-        last_order = self.engine.storage.last(core.queue_id)[0]
+        last_order = self.storage.last(core.queue_id)[0]
         position = old.last_order if isinstance(old, MasterRole) else old.applied_order
         if old.core.queue_id == core.queue_id and core.queue_id not in reached and position == last_order \
                 and core.record.epoch == old.epoch:      # else the lost batch held the role's epoch mark
@@ -363,8 +296,7 @@ class PairDriver:
             return
         self.masters.pop(name, None)
         self.replicas.pop(name, None)
-        self.received.pop(name, None)
-        self.installing.discard(name)       # the lost batch held it, or it committed
+        self.replica_effects.forget(name)       # the lost batch held its install, or it committed
         self._role_changed(name)
         if entry is None:
             return
@@ -374,12 +306,12 @@ class PairDriver:
                      replica.visible_order if replica is not None else 0)
         rebuilt = self.masters.get(name)
         if rebuilt is not None:
-            pending = self.dead_letters_pending.get(dead_letter_name(name))
+            pending = self.dead_letters.pending.get(dead_letter_name(name))
             if pending:      # dead letters the lost batch decided: their orders are given again
-                self.dead_letters_pending[dead_letter_name(name)] = collections.deque(
+                self.dead_letters.pending[dead_letter_name(name)] = collections.deque(
                     item for item in pending if item[0] <= last_order)
             rebuilt.resync_replica(mono_ms)
-            self._flush(rebuilt)
+            self.flush(rebuilt)
 
     def storage_full_changed(self, full: bool, mono_ms: int) -> None:
         """This node's storage ran out of room, or has room again. Its replicas stop taking their
@@ -391,13 +323,13 @@ class PairDriver:
         self.storage_full = full
         self._next_full_notice_ms = mono_ms + STORAGE_FULL_NOTICE_MS
         if not full:
-            for name in self.replicas:      # those that waited to open (_may_open) start now
-                self._wake(name)
+            for name in self.replicas:      # those that waited to open (may_open) start now
+                self.wake(name)
             return
         for replica in self.replicas.values():
             replica.refuse_for_storage()
-            self._flush(replica)
-            self._fail_forwards(replica.core.name, "this replica's storage is full: ask the master")
+            self.flush(replica)
+            self.relayed.fail(replica.core.name, "this replica's storage is full: ask the master")
 
     def refuse_forward_when_full(self, name: str) -> None:
         """A replica on a full node passes no client request on: its answer would wait for a
@@ -410,31 +342,31 @@ class PairDriver:
         """The map changed for queue `name` (and its dead-letter queue): take the role it gives
         this node, create the master's instance, or drop an instance that moved away."""
         entry = self.view.cluster_map.queues.get(name)
-        cores = [core for core in (self.engine.cores.get(name), self.engine.cores.get(dead_letter_name(name)))
+        cores = [core for core in (self.instances.cores.get(name), self.instances.cores.get(dead_letter_name(name)))
                  if core is not None]
         if entry is None:
             if deleted:
                 for core in cores:
-                    self.engine.drop_instance(core)
+                    self.instances.drop_instance(core)
             return
-        if entry.master == self.node_id and self.engine.cores.get(name) is None:
-            self.engine.create_master_instance(entry)
+        if entry.master == self.node_id and self.instances.cores.get(name) is None:
+            self.instances.create_master_instance(entry)
             return
         member = self.node_id in (entry.master, entry.replica)
         for core in cores:
             expected = entry.incarnation + (1 if core.record.dead_letter_of is not None else 0)
             if expected != (core.record.incarnation or core.queue_id):
                 if member or core.record.epoch <= entry.epoch:
-                    self.engine.drop_instance(core)     # an older incarnation of the name
+                    self.instances.drop_instance(core)     # an older incarnation of the name
                 continue
             if not member:
                 if core.record.epoch <= entry.epoch:
-                    self.engine.drop_instance(core)     # moved away from this node
+                    self.instances.drop_instance(core)     # moved away from this node
                 continue
             self._become(core, entry)
         if self.coordinator is not None:
             self.coordinator.map_changed(name)
-        self._replay_early(name)
+        self.inbox.replay_early(name)
 
     def _become(self, core: QueueCore, entry: QueueEntry) -> None:
         name = core.name
@@ -444,17 +376,17 @@ class PairDriver:
                 if master.recorded_in_sync != entry.in_sync and not master.proposal_pending:
                     master.membership_decided(entry.in_sync)
                     if not entry.in_sync and core.options.min_in_sync >= 2:
-                        self.refuse_unreplicated_writes(master)
-                    self._flush(master)
+                        self.holds.refuse_unreplicated_writes(master)
+                    self.flush(master)
                 return
             previous: MasterRole | ReplicaRole | None = master or replica
-            self._fail_forwards(name, "this member became the master")
+            self.relayed.fail(name, "this member became the master")
             self._assume(core, entry, previous)
             new = self.masters.get(name)
             if new is not None:
                 self.announce(core)
-                new.tick(self.engine.monotonic_ms())
-                self._flush(new)
+                new.tick(self.scheduler.monotonic_ms())
+                self.flush(new)
             self.release_committed()
             return
         if replica is not None and replica.epoch == entry.epoch and replica.master_id == entry.master:
@@ -462,14 +394,14 @@ class PairDriver:
         previous = master or replica
         self.release_committed()
         if master is not None:
-            self._stream_staged(master)
+            self.batches.stream_staged(master)
             deposed_commit = master.commit_order
         self._assume(core, entry, previous)
         if master is not None:
             # Answers the batches in flight still owe about what it decided past its commit
             # point are released after this: their fate is the new master's to decide.
-            self.engine.outcomes_unknown(name, deposed_commit)
-            self.engine.master_left(core, entry.master)
+            self.staging.outcomes_unknown(name, deposed_commit)
+            self.events.master_left(core, entry.master)
         role = self.replicas.get(name)
         if role is None:
             return
@@ -477,60 +409,22 @@ class PairDriver:
             # What it decided past its commit point may not survive, even after a handoff (the
             # handoff covered what it had decided then; a `producer` suffix after it is
             # discarded): the new master gives those indices to its own operations.
-            self._refuse_held(name, QueueError(E_NOT_MASTER, f"queue {name} has a new master {entry.master}",
-                                               outcome_unknown=True), deposed_commit)
-        if self._may_open(role):
-            role.start(self.engine.monotonic_ms())
-            self._flush(role)
-
-    def _stream_staged(self, role: MasterRole) -> None:
-        """A master deposed while its core has decided operations still in the engine's open
-        batch (not yet streamed): take them into its history, with their op-log rows, so the
-        replica role it becomes starts after them and they count as its uncommitted suffix
-        (discarded, or the new master resets it). Left out, they would be committed beside
-        the stream, and the new master's operations at the same indices would collide with
-        them. Nobody in the old epoch takes them any more: nothing is sent."""
-        staged = self.engine.staged()
-        # Not what it applied as replica earlier in this batch: that is in its history already.
-        ops = [op for op in staged.operations if op.queue_id == role.core.queue_id and op.order > role.last_order]
-        if not ops:
-            return
-        role.replicate(ops, self.engine.monotonic_ms())
-        for entry in role.to_log:
-            staged.oplog_rows.append(entry.row(role.core.queue_id))
-        role.to_log.clear()
-        role.outbox.clear()
+            self.holds.settle(name, QueueError(E_NOT_MASTER, f"queue {name} has a new master {entry.master}",
+                                              outcome_unknown=True), deposed_commit)
+        if self.may_open(role):
+            role.start(self.scheduler.monotonic_ms())
+            self.flush(role)
 
     def _discard_uncommitted(self, core: QueueCore, commit: int) -> bytes | None:
         """A deposed master about to follow: under `producer`, drop what it holds past its
         commit point and open from there (the new master holds everything committed), so its
         consumers keep their own acks and leases; the digest at `commit`, or None when the
         suffix stays (then the master finds the histories differ and sends everything)."""
-        digest = self.engine.storage.digest_at(core.queue_id, commit)
-        if digest is None or not self.engine.discard_uncommitted(core, commit):
+        digest = self.storage.digest_at(core.queue_id, commit)
+        if digest is None or not self.staging.discard_uncommitted(core, commit):
             return None
         log.info("queue %s: uncommitted suffix after %d discarded", core.name, commit)
         return digest
-
-    def _refuse_held(self, name: str, error: QueueError, commit: int) -> None:
-        """Answer every held answer: released when committed (up to `commit`), else refused."""
-        waiting = self.held.get(name)
-        if not waiting:
-            return
-        kept: collections.deque[HeldAnswer] = collections.deque()
-        for held in waiting:
-            if held.required_order <= commit:
-                held.release()
-            elif held.refuse is not None:
-                held.refuse(error)
-            # a push without refusal is dropped: its lease runs out and it is delivered again
-        self.held[name] = kept
-
-    def _fail_forwards(self, name: str, why: str, kind: ErrorKind = E_NOT_MASTER) -> None:
-        failed = [request_id for request_id, (queue, _) in self.forwards.items() if queue == name]
-        for request_id in failed:
-            _, answer = self.forwards.pop(request_id)
-            answer([kind.code, f"{why}; the outcome is unknown, retry (dedupe ids make it safe)"])
 
     def refuse_if_not_master(self, name: str) -> None:
         """Client commands for a queue this node neither masters nor holds go to its master."""
@@ -538,11 +432,11 @@ class PairDriver:
             return
         entry = self.view.entry(name)
         if entry is None:
-            if name in self.engine.cores:
+            if name in self.instances.cores:
                 raise QueueError(E_QUEUE_UNAVAILABLE, f"queue {name}: this node's map does not list it yet")
             return
         if entry.master == self.node_id:
-            if self.engine.cores.get(name) is None:
+            if self.instances.cores.get(name) is None:
                 return                   # ours to master: the instance is being created
             raise QueueError(E_QUEUE_UNAVAILABLE, f"queue {name} is taking its new role here; retry")
         raise QueueError(E_NOT_MASTER, f"queue {name} is mastered by {entry.master} at {self.view.url(entry.master)}")
@@ -555,28 +449,6 @@ class PairDriver:
     def check_serving(self, name: str) -> None:
         if self.restarting(name):
             raise QueueError(E_QUEUE_UNAVAILABLE, f"queue {name}: its master restarted and waits for its new epoch")
-
-    def _ask_new_epochs(self, mono_ms: int) -> None:
-        """Propose a new epoch, same members, replica out of sync, for each master restarted
-        here (one command for all of them, one at a time). A compare-and-set: if the map moved
-        on meanwhile (a failover), it fails, and the change of role the map brings ends the wait."""
-        membership = self.view.membership
-        if not self.restarted or membership is None or self._epoch_ask_pending or mono_ms < self._next_epoch_ask_ms:
-            return
-        self._next_epoch_ask_ms = mono_ms + NEW_EPOCH_ASK_INTERVAL_MS
-        changes = []
-        for name, epoch in self.restarted.items():
-            entry = self.view.entry(name)
-            if entry is not None and entry.master == self.node_id and entry.epoch == epoch:
-                changes.append(ChangePair(name, (epoch, self.node_id, entry.replica, entry.in_sync),
-                                          (epoch + 1, self.node_id, entry.replica, False), Reason.RESTARTED_MASTER.value))
-        if not changes:
-            return
-        self._epoch_ask_pending = True
-
-        def decided(outcomes: list[Outcome] | None) -> None:
-            self.engine.invoke(lambda now_ms: setattr(self, "_epoch_ask_pending", False))
-        membership.propose(changes[0] if len(changes) == 1 else ChangePairs(tuple(changes)), decided)
 
     def check_writable(self, role: MasterRole) -> None:
         self.check_serving(role.core.name)
@@ -604,101 +476,34 @@ class PairDriver:
             else:
                 self.announce(role.core)
 
-    def retire(self, name: str) -> None:
-        role = self.masters.get(name)
-        if role is not None:
-            self._send(role.replica_id, Delete(name, role.incarnation, role.epoch))
-        self.detach(name)
-
-    # --- the engine's batches --------------------------------------------------------------
+    # --- the core's batches -----------------------------------------------------------------
     def before_commit(self, operations: list[Operation], oplog_rows: list[tuple[int, int, int, bytes, bytes]],
                       mono_ms: int, touched: dict[str, QueueCore]) -> None:
-        """Stream the batch's replicated operations (persist and send in the same step) and
-        add their op-log rows to the transaction. `touched`: the queues the batch holds
-        anything of (every operation's queue among them)."""
-        if not self.masters:
-            return
-        by_queue: dict[int, list[Operation]] = {}
-        for op in operations:
-            by_queue.setdefault(op.queue_id, []).append(op)
-        for role in filter(None, map(self.masters.get, touched)):
-            # Only what this master decided: operations it applied as replica earlier in the
-            # same batch (it was promoted or handed the queue before the batch sealed) are in
-            # its history already, and folding them in again would break its digest chain.
-            ops = [op for op in by_queue.get(role.core.queue_id, ()) if op.order > role.last_order]
-            if ops:
-                role.replicate(ops, mono_ms)
-                for entry in role.to_log:
-                    oplog_rows.append(entry.row(role.core.queue_id))
-                role.to_log.clear()
-                self._flush(role)
+        """The batch is being sealed: stream what its masters decided (PairBatches.stream)."""
+        self.batches.stream(operations, oplog_rows, mono_ms, touched)
 
     def after_commit(self, operations: list[Operation], mono_ms: int, touched: dict[str, QueueCore],
                      installed: list[tuple[int, int]] | None = None) -> None:
-        """The batch is durable: advance each role's durable point and answer what committed.
-        `touched`: the queues the batch held anything of (their records were written)."""
-        durable: dict[int, int] = dict(installed or ())
-        for op in operations:
-            if op.order > durable.get(op.queue_id, 0):
-                durable[op.queue_id] = op.order
-        for role in filter(None, map(self.masters.get, touched)):
-            # No batch was sealed since this one: the record's commit point is what storage holds.
-            role.recorded_commit = role.core.record.commit_order
-            order = durable.get(role.core.queue_id)
-            if order:
-                role.local_durable_to(order, mono_ms)
-                self._flush(role)
-        for replica in filter(None, map(self.replicas.get, touched)):
-            order = durable.get(replica.core.queue_id)
-            if order:
-                replica.local_durable_to(order)
-                self._flush(replica)
+        """The batch is durable: advance each role's durable point and answer what committed."""
+        self.batches.durable(operations, mono_ms, touched, installed)
         self.release_committed()
         if self.coordinator is not None and self.coordinator.handoffs:
             self.coordinator.check_handoffs()
 
-    def hold(self, name: str, required_order: int, release: Any, refuse: Any = None, *, write: bool = False) -> bool:
-        """Park an answer until the commit point passes required_order; False: answer now.
-        `write`: an enqueue's answer (see refuse_unreplicated_writes)."""
-        commit = self.commit_order(name)
-        if required_order == OUTCOME_UNKNOWN or (commit is None and self.clustered):
-            # Decided here as the master, which this node stopped being (or it no longer holds
-            # the queue) before it committed: it may or may not survive.
-            if refuse is not None:
-                refuse(QueueError(E_NOT_MASTER, f"queue {name}: this node stopped being its master before the "
-                                                "operation committed", outcome_unknown=True))
-            return True          # a push is dropped: its lease runs out and it is delivered again
-        if commit is None or (required_order <= commit and self._may_answer(name)):
-            return False
-        self.held.setdefault(name, collections.deque()).append(
-            HeldAnswer(required_order, release, refuse, self.engine.monotonic_ms() + self.commit_wait_max_ms, write))
-        return True
+    def log_floors(self) -> dict[int, int]:
+        return self.batches.log_floors()
 
-    def refuse_unreplicated_writes(self, role: MasterRole) -> None:
-        """Under min_in_sync 2 a replica just recorded out of sync: the enqueues waiting for it
-        are not acknowledged on this member's disk alone. They are stored here and may yet be
-        delivered (committed once the replica is back, or by this member's commit point), so
-        their answer says the outcome is unknown; a retry with the same dedupe id is safe."""
-        name = role.core.name
-        waiting = self.held.get(name)
-        if not waiting:
-            return
-        error = QueueError(E_NOT_ENOUGH_REPLICAS, f"queue {name}: its replica {role.replica_id} was recorded out of "
-                                                  "sync before it held this message", outcome_unknown=True)
-        kept: collections.deque[HeldAnswer] = collections.deque()
-        for held in waiting:
-            if held.write and held.refuse is not None and held.required_order > role.replica_durable:
-                held.refuse(error)
-            else:
-                kept.append(held)
-        self.held[name] = kept
+    def passed_by_every_member(self) -> dict[int, int]:
+        return self.batches.passed_by_every_member()
+
+    # --- answers held for a commit point (holds.py) ------------------------------------------
+    def hold(self, name: str, required_order: int, release: Any, refuse: Any = None, *, write: bool = False) -> bool:
+        """Park an answer until the commit point passes required_order; False: answer now."""
+        return self.holds.hold(name, required_order, release, refuse, write=write)
 
     def may_answer(self, name: str) -> bool:
-        return self._may_answer(name)
-
-    def _may_answer(self, name: str) -> bool:
-        """A master whose lease lapsed stops acknowledging (DESIGN.md 3.3), and so does one
-        restarted in its role until its new epoch."""
+        """A master whose lease lapsed stops acknowledging (docs/PROTOCOL.md, "Replication
+        messages": LeaseGrant), and so does one restarted in its role until its new epoch."""
         if name not in self.masters:
             return True
         return (self.coordinator is None or self.coordinator.lease_valid()) and not self.restarting(name)
@@ -712,63 +517,21 @@ class PairDriver:
         return None if replica is None else replica.visible_order
 
     def note_decided(self, core: QueueCore, ops: list[Operation]) -> None:
-        """Called as soon as a master's core decided `ops`: a replicated dead-lettering must
-        not make its message visible in the dead-letter queue before it commits."""
-        dead = core.dead_letter_core
-        if dead is None or core.name not in self.masters:
-            return
-        added = False
-        for op in ops:
-            if type(op) is DeadLettered and op.order:
-                self.dead_letters_pending.setdefault(dead.name, collections.deque()).append(
-                    (op.order, op.dead_letter_index))
-                added = True
-        if added:
-            self._gate_dead_letters()
-
-    def _gate_dead_letters(self) -> None:
-        """A dead-letter queue shows messages up to its first dead letter not yet committed."""
-        for name, pending in self.dead_letters_pending.items():
-            dead = self.engine.cores.get(name)
-            source = self.masters.get(dead.record.dead_letter_of or "") if dead is not None else None
-            if dead is None or source is None:
-                pending.clear()
-                continue
-            while pending and pending[0][0] <= source.commit_order:
-                pending.popleft()
-            dead.visible_upto = pending[0][1] - 1 if pending else None
-        # Only queues with something pending are looked at again (issue 31).
-        for name in [name for name, pending in self.dead_letters_pending.items() if not pending]:
-            del self.dead_letters_pending[name]
+        """Called as soon as a master's core decided `ops` (see DeadLetterGate)."""
+        self.dead_letters.note_decided(core, ops)
 
     def release_committed(self, name: str | None = None) -> None:
         """Answer what the commit point has passed: of queue `name` (and its dead-letter
         queue) after something happened to its role, or of every queue. Not every queue
         after each message: a burst of 2,000 writes to 2,000 queues held 2,000 answers,
         each AppendAck looked at all of them, and the burst took 10 s (issue 31)."""
-        if self.dead_letters_pending:
-            self._gate_dead_letters()
+        if self.dead_letters.pending:
+            self.dead_letters.gate()
         if name is None:
-            names: Iterable[str] = list(self.held)
+            self.holds.release(list(self.holds.held))
         else:
             base = base_name(name)
-            names = [queue for queue in (base, dead_letter_name(base)) if queue in self.held]
-        for queue in names:
-            waiting = self.held[queue]
-            if not waiting or not self._may_answer(queue):
-                continue
-            commit = self.commit_order(queue)
-            # Answers are held in (nearly) increasing order: release from the front. One that
-            # needs less than the one before it only waits for that one.
-            while waiting and commit is not None and waiting[0].required_order <= commit:
-                waiting.popleft().release()
-            if not waiting:
-                del self.held[queue]
-
-    def _forget_answered(self) -> None:
-        """Only queues with answers still held are looked at again (issue 31)."""
-        for name in [name for name, waiting in self.held.items() if not waiting]:
-            del self.held[name]
+            self.holds.release((base, dead_letter_name(base)))
 
     def replicated_order(self, core: QueueCore, ops: list[Operation]) -> int:
         """The ordering index a client answer about these operations must wait for."""
@@ -777,123 +540,33 @@ class PairDriver:
         strength = core.options.strength
         return max((op.order for op in ops if is_replicated(op, strength)), default=0)
 
-    # --- forwarding (a replica's clients) --------------------------------------------------
+    # --- relaying (a replica's clients; relay_answers.py) ------------------------------------
     def forward(self, name: str, request: list[Any], answer: Any) -> None:
-        """Send a client's operation to the master; `answer(outcome)` once it is visible here."""
+        """Relay a client's operation to the master; `answer(outcome)` once it is visible here."""
         role = self.replicas[name]
         if not self.link_up(role.master_id):
             # Sent now, it would be lost and answered only by expire_waiting: the client asks
             # again (the link comes back, or the map names another master) instead.
             answer([E_UNAVAILABLE.code, f"no link to the master {role.master_id} of {name} now"])
             return
-        request_id = self._next_forward
-        self._next_forward += 1
-        self.forwards[request_id] = (name, answer)
-        wait_ms = request[2] if request[0] == "receive" else 0
-        heapq.heappush(self._forward_deadlines, (self.engine.monotonic_ms() + self.commit_wait_max_ms + wait_ms, request_id))
-        role.forward(request_id, request)
-        self._flush(role)
+        role.forward(self.relayed.add(name, request, answer), request)
+        self.flush(role)
 
     def expire_waiting(self, mono_ms: int) -> None:
-        """Forwards and held answers past their deadline end with an outcome-unknown E_TIMEOUT
-        (the node's commit_wait_max_s: an answer held for a commit point that does not come, a
-        Forward lost with a broken link; nothing waits for ever or leaks). A late ForwardResult then finds no entry and is dropped."""
-        deadlines = self._forward_deadlines
-        while deadlines and (deadlines[0][0] <= mono_ms or deadlines[0][1] not in self.forwards):
-            _, request_id = heapq.heappop(deadlines)
-            entry = self.forwards.pop(request_id, None)
-            if entry is not None:
-                entry[1]([E_TIMEOUT.code, f"the master of {entry[0]} did not answer a forwarded request in "
-                                          f"{self.commit_wait_max_ms} ms; the outcome is unknown"])
-        for name, waiting in self.held.items():
-            while waiting and waiting[0].deadline_ms <= mono_ms:
-                held = waiting.popleft()
-                if held.refuse is not None:      # a push without refusal: its lease runs out instead
-                    held.refuse(QueueError(E_TIMEOUT, f"queue {name}: not committed within {self.commit_wait_max_ms} ms "
-                                                      "(no lease or no replica?)", outcome_unknown=True))
-        self._forget_answered()
-
-    def _forward_answered(self, name: str, result: ForwardResult) -> None:
-        entry = self.forwards.pop(result.request_id, None)
-        if entry is None:
-            return
-        answer = entry[1]
-        commit, outcome = result.outcomes
-        if not self.hold(name, commit, lambda: answer(outcome), answer):   # refused: answer(the QueueError)
-            answer(outcome)
+        """Relayed requests and held answers past their deadline end with an outcome-unknown
+        E_TIMEOUT (the node's commit_wait_max_s)."""
+        self.relayed.expire(mono_ms)
+        self.holds.expire(mono_ms)
 
     # --- peers -----------------------------------------------------------------------------
     def on_peer_message(self, peer: str, data: bytes, mono_ms: int) -> None:
-        try:
-            message = decode_message(data)
-        except MessageError as error:
-            log.warning("bad replication message from %s: %s", peer, error)
-            return
-        if isinstance(message, (LeaseRenew, LeaseGrant, HandoffRequest, HandoffAnswer, HandoffOrder)):
-            if self.coordinator is not None:
-                self.coordinator.on_message(peer, message)
-            return
-        if isinstance(message, Create) and self._ahead_of_map(peer, message):
-            return      # e.g. a move to this node that this node's map has not applied yet
-        if isinstance(message, Create):
-            entry = self.view.entry(message.queue)
-            if entry is not None and (entry.replica != self.node_id or entry.master != peer):
-                return      # a stale announcement: the map says otherwise
-            self.engine.hold_replica_instance(message.queue, message.incarnation, message.record)
-            role = self.replicas.get(message.queue)
-            if role is not None and role.phase.value == "opening" and self._may_open(role):
-                role.start(mono_ms)
-                self._flush(role)
-            return
-        if isinstance(message, Delete):
-            self.engine.drop_replica_instance(message.queue, message.incarnation)
-            return
-        if self._ahead_of_map(peer, message):
-            return
-        master = self.masters.get(message.queue)
-        if master is not None and master.incarnation == message.incarnation:
-            master.receive(message, mono_ms)
-            self._drain_master(master)
-            if self.coordinator is not None:
-                self.coordinator.master_progress(master)
-            return
-        replica = self.replicas.get(message.queue)
-        if replica is not None and replica.incarnation == message.incarnation:
-            replica.receive(message, mono_ms)
-            self._drain_replica(replica)
-
-    def _ahead_of_map(self, peer: str, message: Message) -> bool:
-        """A message from a newer epoch than this node has acted on (the peer applied a
-        handoff or failover first) waits until this node has taken its role in that epoch:
-        delivered now, it would fence the role this node is about to leave and be lost. The
-        node's copy of the map is not enough: it changes as soon as the membership layer
-        applies a command, and the roles follow when the engine's task gets to it (a Forward
-        that arrived in between reached the old, fenced replica and was never answered)."""
-        entry = self.view.entry(message.queue)
-        if entry is None:
-            return False
-        role = self.masters.get(message.queue) or self.replicas.get(message.queue)
-        acted_on = entry.epoch if role is None else min(entry.epoch, role.epoch)
-        if message.epoch <= acted_on:
-            return False
-        waiting = self.early.setdefault(message.queue, collections.deque())
-        if len(waiting) < EARLY_MESSAGES_MAX:
-            waiting.append((peer, encode_message(message)))
-        return True
-
-    def _replay_early(self, name: str) -> None:
-        for queue in (name, dead_letter_name(name)):
-            waiting = self.early.pop(queue, None)
-            entry = self.view.entry(queue)
-            while waiting and entry is not None:
-                peer, data = waiting.popleft()
-                self.on_peer_message(peer, data, self.engine.monotonic_ms())
+        self.inbox.receive(peer, data, mono_ms)
 
     def on_link_change(self, peer: str, up: bool, mono_ms: int) -> None:
         for role in self.masters.values():
             if role.replica_id != peer:
                 continue
-            self._wake(role.core.name)       # probing from now on: the tick counts how long
+            self.wake(role.core.name)       # probing from now on: the tick counts how long
             if up:
                 self.announce(role.core)
             else:
@@ -901,28 +574,28 @@ class PairDriver:
         for replica in self.replicas.values():
             if replica.master_id != peer:
                 continue
-            self._wake(replica.core.name)
-            if up and self._may_open(replica):
+            self.wake(replica.core.name)
+            if up and self.may_open(replica):
                 replica.start(mono_ms)
-                self._flush(replica)
+                self.flush(replica)
             elif not up:
                 replica.link_down()
                 # A Forward on the lost link is answered by no one (a master killed and started
                 # again at once keeps its role, so no map change fails it either): its client
                 # asks again now, with the same dedupe ids, rather than after commit_wait_max_s.
-                self._fail_forwards(replica.core.name, f"the link to the master {peer} was lost", E_UNAVAILABLE)
+                self.relayed.fail(replica.core.name, f"the link to the master {peer} was lost", E_UNAVAILABLE)
 
     def confirm_restarted_masters(self) -> None:
         """With a lease, this node's map is as new as the leader's was when it granted: the
         masters that map still gives this node are confirmed (see `unconfirmed`)."""
         if self.unconfirmed and (self.coordinator is None or self.coordinator.lease_valid()):
             for name in self.unconfirmed:
-                self._wake(name)          # their commit points count now: listeners may see more
+                self.wake(name)          # their commit points count now: listeners may see more
             self.unconfirmed.clear()
 
     def tick(self, mono_ms: int) -> None:
         self.confirm_restarted_masters()
-        self._ask_new_epochs(mono_ms)
+        self.proposals.ask_new_epochs(self.restarted, mono_ms)
         announce = mono_ms >= self._next_announce_ms
         if announce:
             self._next_announce_ms = mono_ms + ANNOUNCE_INTERVAL_MS
@@ -942,7 +615,7 @@ class PairDriver:
             role = self.masters.get(name)
             if role is not None:
                 role.tick(mono_ms)
-                self._drain_master(role)
+                self.master_effects.drain(role)
                 if role.quiet:
                     self._ticking.pop(name, None)
                 continue
@@ -951,13 +624,13 @@ class PairDriver:
                 continue
             if notice:
                 replica.refuse_for_storage()     # a new master, or one that missed the last notice
-            if replica.phase.value == "opening" and replica.never_opened and self._may_open(replica):
+            if replica.phase.value == "opening" and replica.never_opened and self.may_open(replica):
                 replica.start(mono_ms)       # the link came up before this role existed (or it waited)
             replica.tick(mono_ms)
-            self._drain_replica(replica)
+            self.replica_effects.drain(replica)
             if replica.quiet:
                 self._ticking.pop(name, None)
-        if self.engine.self_checks:
+        if self.scheduler.self_checks:
             self._check_ticking()
         self.release_committed()
         self.expire_waiting(mono_ms)
@@ -970,187 +643,15 @@ class PairDriver:
                 raise InvariantViolation(f"queue {name}: its {_role_name(role)} role has work in flight "
                                          f"({self.describe(name)}) and is not ticked")
             if name not in self._ticking and isinstance(role, ReplicaRole) and role.phase is ReplicaPhase.OPENING \
-                    and role.never_opened and self._may_open(role):
+                    and role.never_opened and self.may_open(role):
                 raise InvariantViolation(f"queue {name}: its replica role may open ({self.describe(name)}) "
                                          f"and is not ticked")
 
-    def _drain_master(self, role: MasterRole) -> None:
-        forwarded, role.forwarded = role.forwarded, []
-        for request in forwarded:
-            self.engine.run_forwarded(role, request)
-        for proposal in role.proposals:
-            self._propose_in_sync(role, proposal)
-        role.proposals.clear()
-        # Answers first: a commit point that moved on an AppendAck is what the clients wait
-        # for; the replica's notice of it (in the outbox) only widens what it may expose.
-        self.release_committed(role.core.name)
-        self._flush(role)
-
-    def _propose_in_sync(self, role: MasterRole, proposal: InSyncProposal) -> None:
-        """Record the replica in (or out of) sync: a compare-and-set on the map; until the
-        outcome is known the role holds acknowledgements (see MasterRole.commit_order)."""
-        membership = self.view.membership
-        if membership is None:
-            return
-        name = role.core.name
-        if role.core.record.dead_letter_of is not None:
-            # A dead-letter queue shares its queue's map entry: that queue's role proposes.
-            entry = self.view.entry(name)
-            role.membership_decided(entry.in_sync if entry is not None else role.recorded_in_sync)
-            return
-        change = ChangePair(name, (proposal.epoch, self.node_id, proposal.replica, proposal.expected_in_sync),
-                            (proposal.epoch, self.node_id, proposal.replica, proposal.in_sync), Reason.IN_SYNC.value)
-
-        def decided(outcomes: list[Outcome] | None) -> None:
-            def settle(now_ms: int) -> None:
-                if self.masters.get(name) is not role:
-                    return
-                entry = self.view.entry(name)
-                applied = bool(outcomes) and outcomes[0].applied    # type: ignore[index]
-                recorded = proposal.in_sync if applied else (entry.in_sync if entry is not None
-                                                              and entry.epoch == role.epoch else role.recorded_in_sync)
-                role.membership_decided(recorded)
-                log.info("queue %s: replica %s recorded %s%s", name, proposal.replica,
-                         "in sync" if recorded else "out of sync", "" if applied else " (proposal not applied)")
-                if not recorded and role.core.options.min_in_sync >= 2:
-                    self.refuse_unreplicated_writes(role)
-                self._drain_master(role)
-            self.engine.invoke(settle)
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:          # a driver outside a loop (a unit test): at once
-            membership.propose(change, decided)
-            return
-        if not self._in_sync_changes:
-            loop.call_soon(self._propose_in_sync_changes)
-        self._in_sync_changes.append((change, decided))
-
-    def _propose_in_sync_changes(self) -> None:
-        """The in-sync records asked for in one turn of the loop, in one map command per
-        IN_SYNC_CHANGES_MAX (ChangePairs: each change decided on its own): when a node dies,
-        every master whose replica it held records it out of sync at about the same moment,
-        and 2,000 commands of one change each held the membership layer, and the failover
-        behind them, for 20 s (issue 31)."""
-        batch, self._in_sync_changes = self._in_sync_changes, []
-        membership = self.view.membership
-        if membership is None:
-            return
-        for start in range(0, len(batch), IN_SYNC_CHANGES_MAX):
-            part = batch[start:start + IN_SYNC_CHANGES_MAX]
-            if len(part) == 1:
-                membership.propose(*part[0])
-                continue
-
-            def decided(outcomes: list[Outcome] | None, part: list[Any] = part) -> None:
-                for position, (_, done) in enumerate(part):
-                    done(None if outcomes is None else outcomes[position:position + 1])
-            membership.propose(ChangePairs(tuple(change for change, _ in part)), decided)
-
-    def _drain_replica(self, replica: ReplicaRole) -> None:
-        if replica.dead_letter_resyncs:
-            replica.dead_letter_resyncs = 0
-            log.warning("queue %s: a dead letter's index and the dead-letter queue's own stream disagree here; "
-                        "both states are taken again from one snapshot of the queue", replica.core.name)
-        for record in replica.resets:
-            self.engine.reset_replica_instance(replica, record)
-            self.received.pop(replica.core.name, None)
-            self._reset_dead_letters_with(replica)
-        replica.resets.clear()
-        for order in replica.discards:
-            self.received.pop(replica.core.name, None)
-            if not self.engine.discard_uncommitted(replica.core, order):
-                raise InvariantViolation(f"queue {replica.core.name}: a producer member cannot keep its state "
-                                         f"up to {order}")
-        replica.discards.clear()
-        if replica.snapshots_resumed:
-            log.info("queue %s: the snapshot at order %s goes on after a broken link", replica.core.name,
-                     replica.snapshot_order)
-            self.snapshots_resumed += replica.snapshots_resumed
-            replica.snapshots_resumed = 0
-        if replica.snapshot_rows_through is not None:
-            received = self.received.setdefault(replica.core.name, InstalledState(replica.snapshot_keep_upto > 0))
-            received.take(replica.snapshot_rows)
-            self.engine.stage_snapshot_rows(replica.core, replica.snapshot_rows,
-                                            functools.partial(self._snapshot_rows_stored, replica,
-                                                              *replica.snapshot_rows_through))
-            replica.snapshot_rows, replica.snapshot_rows_through = [], None
-        for install in replica.installs:
-            self.installing.add(replica.core.name)
-            received = self.received.pop(replica.core.name, InstalledState())
-            self.engine.stage_snapshot_install(replica.core, install, received,
-                                               functools.partial(self._installed, replica, install, received))
-        replica.installs.clear()
-        if replica.resync_source:
-            replica.resync_source = False
-            source = self.replicas.get(replica.core.record.dead_letter_of or "")
-            if source is not None:
-                log.info("queue %s: its dead-letter queue is behind the log: taking a snapshot of both",
-                         source.core.name)
-                source.wipe(source.core.record.to_json())
-                self._drain_replica(source)
-        if replica.applied:
-            self.engine.stage_applied(replica.core, replica.applied)
-            replica.applied.clear()
-        results, replica.forward_results = replica.forward_results, []
-        for result in results:
-            self._forward_answered(replica.core.name, result)
-        self._flush(replica)
-        self.release_committed(replica.core.name)
-        if replica.phase is ReplicaPhase.FOLLOWING and replica.core.record.dead_letter_of is None:
-            # Its dead-letter queue's member may have waited for this one to follow (_may_open).
-            dead = self.replicas.get(dead_letter_name(replica.core.name))
-            if dead is not None and dead.never_opened:
-                self._wake(dead.core.name)
-
-    # --- snapshots on the replica ----------------------------------------------------------
-    def _reset_dead_letters_with(self, replica: ReplicaRole) -> None:
-        """Under `full` a queue's snapshot carries its dead-letter queue's state from the same
-        view: wipe that member too; it opens again once the snapshot is installed."""
-        core = replica.core
-        dead = core.dead_letter_core
-        dead_role = self.replicas.get(dead.name) if dead is not None else None
-        if dead_role is None or core.options.strength is not Strength.FULL:
-            return
-        self.engine.reset_replica_instance(dead_role, dead_role.core.record.to_json())
-        core.dead_letter_core = dead_role.core
-        dead_role.rebase(0, EMPTY_DIGEST)
-
-    def _snapshot_rows_stored(self, replica: ReplicaRole, transfer_number: int, sequence: int) -> None:
-        if self.replicas.get(replica.core.name) is replica:
-            replica.snapshot_rows_durable(transfer_number, sequence)
-            self._flush(replica)
-
-    def _installed(self, replica: ReplicaRole, install: SnapshotInstall, received: InstalledState) -> None:
-        """The batch installing a snapshot committed: the core serves its messages (and the
-        dead-letter queue's member follows on from the same view)."""
-        core = replica.core
-        self.installing.discard(core.name)
-        if self.engine.cores.get(core.name) is not core:
-            return              # the instance was wiped or removed meanwhile: nothing to serve
-        # Even when a new epoch gave the member a new role meanwhile: that role took its
-        # position from this one (the snapshot's order), and storage holds the snapshot, so
-        # the core must serve it; left empty, it refused the first release or ack of a lease
-        # the snapshot carried (the engine simulation, seed 480194086 under `full`). That role
-        # has not opened yet (_may_open waits for `installing`): nothing it applied comes
-        # before the snapshot's state (a chaos run saw acked messages delivered again when it
-        # had opened, and applied acks, before this install).
-        core.install_snapshot(received.ready if install.keep_upto else None, received.leases)
-        self._wake(core.name)     # a role made meanwhile opens now (the tick starts it)
-        self.snapshots_installed += 1
-        log.info("queue %s: snapshot at order %d installed (%d messages)", core.name, install.order,
-                 received.ready_count + received.delayed_count + len(received.leases))
-        dead = core.dead_letter_core
-        dead_role = self.replicas.get(dead.name) if dead is not None else None
-        if install.dead_letter is None or dead is None or dead_role is None:
-            return
-        dead.install_snapshot(None, received.dead_letter_leases)
-        dead_role.rebase(int(install.dead_letter[0]), bytes(install.dead_letter[1]))
-
-    def _may_open(self, replica: ReplicaRole) -> bool:
+    def may_open(self, replica: ReplicaRole) -> bool:
         """A dead-letter queue's member under `full` opens once its queue's member follows
         (its state may come with that queue's snapshot). None opens while this node's storage
         is full."""
-        if self.storage_full or not self.link_up(replica.master_id) or replica.core.name in self.installing:
+        if self.storage_full or not self.link_up(replica.master_id) or replica.core.name in self.replica_effects.installing:
             return False
         source_name = replica.core.record.dead_letter_of
         if source_name is None or replica.core.options.strength is not Strength.FULL:
@@ -1164,69 +665,23 @@ class PairDriver:
         their records, so a restart keeps more and the replica may truncate to the end."""
         changed, self._commits_changed = self._commits_changed, {}
         return [role.core for role in filter(None, map(self.masters.get, changed))
-                if role.commit_order > role.core.record.commit_order and self._may_answer(role.core.name)]
-
-    def log_floors(self) -> dict[int, int]:
-        """For the batch being sealed: queue id -> delete op-log records below this order, for
-        each queue whose floor moved (DESIGN.md 4.1 "Bounded log")."""
-        floors: dict[int, int] = {}
-        changed, self._floors_changed = self._floors_changed, {}
-        for name in changed:
-            queue_id, floor = self._log_floor(name)
-            if queue_id is None:
-                continue
-            if floor is None:
-                self._log_floors.pop(queue_id, None)     # a snapshot under way: looked at once installed
-                continue
-            done = self._log_floors.get(queue_id, 0)
-            if floor > done:
-                floors[queue_id] = floor
-            self._log_floors[queue_id] = max(floor, done)
-            master = self.masters.get(name)
-            if master is not None:
-                master.truncated_to(self._log_floors[queue_id])
-        if self.engine.self_checks:
-            for name in [*self.masters, *self.replicas]:
-                queue_id, floor = self._log_floor(name)
-                if queue_id is not None and floor is not None and self._log_floors.get(queue_id, 0) < floor:
-                    raise InvariantViolation(f"queue {name}: its log floor moved to {floor} unnoticed "
-                                             f"(the last one sent to storage is {self._log_floors.get(queue_id)})")
-        return floors
-
-    def _log_floor(self, name: str) -> tuple[int | None, int | None]:
-        """(queue id, the floor of its role's op log now); None for the floor while a replica
-        receives a snapshot, for both when this node holds no role of `name`."""
-        role = self.masters.get(name)
-        if role is not None:
-            floor = role.log_floor
-            source = self.masters.get(role.core.record.dead_letter_of or "")
-            if source is not None and source.snapshot_dead_letter_order is not None:
-                floor = min(floor, source.snapshot_dead_letter_order)
-            return role.core.queue_id, floor
-        replica = self.replicas.get(name)
-        if replica is None:
-            return None, None
-        if replica.receiving_snapshot or name in self.received:
-            return replica.core.queue_id, None
-        # What the master committed and this member holds: if it becomes master, the other
-        # member returns at or above it, or takes a snapshot.
-        return replica.core.queue_id, replica.log_floor
+                if role.commit_order > role.core.record.commit_order and self.may_answer(role.core.name)]
 
     def map_applied(self, command: Command, outcomes: list[Outcome]) -> None:
         """A command the membership layer applied to the local copy of the map."""
         if isinstance(command, PutClient):
             if not outcomes or outcomes[0].applied:     # refused: its name was taken first
-                self.engine.store_client(command.client_id, command.record)
+                self.events.store_client(command.client_id, command.record)
             return
         if not outcomes:        # a snapshot replaced the whole map: the registry too
             cluster = self.view.cluster_map
             for client_id, record in cluster.clients.items():
-                self.engine.store_client(client_id, record)
+                self.events.store_client(client_id, record)
             # Removals this node missed (the log that held them was compacted while it was
             # away): a revoked key must not go on working here (issue 32). A client the map
             # never held (the first admin `qserver init` stored on the founding node) stays.
-            for client_id in [client_id for client_id in self.engine.clients if client_id in cluster.revoked_clients]:
-                self.engine.store_client(client_id, None)
+            for client_id in [client_id for client_id in self.events.clients if client_id in cluster.revoked_clients]:
+                self.events.store_client(client_id, None)
         if isinstance(command, (CreateQueue, DeleteQueue)):
             if outcomes and outcomes[0].applied:
                 self.reconcile(command.name, deleted=isinstance(command, DeleteQueue))
@@ -1237,7 +692,7 @@ class PairDriver:
             return
         names = [o.name for o in outcomes if o.applied and o.name in self.view.cluster_map.queues]
         if not outcomes:        # a snapshot replaced the whole map
-            names = sorted(set(self.view.cluster_map.queues) | {base_name(n) for n in self.engine.cores})
+            names = sorted(set(self.view.cluster_map.queues) | {base_name(n) for n in self.instances.cores})
         for name in names:
             self.reconcile(name)
 
@@ -1247,30 +702,28 @@ class PairDriver:
             return "(unknown: not in this node's map yet)"
         return f"{entry.master} ({self.view.url(entry.master)})"
 
-    def flush(self, role: MasterRole | ReplicaRole) -> None:
-        self._flush(role)
-
     def _role_changed(self, name: str) -> None:
         """Queue `name` got a role, lost it, or its role changed state: it is ticked, its log
-        floor looked at, and the engine asks again who decides its timed steps."""
-        self._wake(name)
-        self.engine.role_changed(name)
+        floor looked at, and the core asks again who decides its timed steps."""
+        self.wake(name)
+        self.events.role_changed(name)
 
-    def _wake(self, name: str) -> None:
+    def wake(self, name: str) -> None:
         """Something happened to the role of `name` (a message, a write, a commit, a link)."""
         self._ticking[name] = None
-        self._floors_changed[name] = None
+        self.batches.floors_changed[name] = None
         self._commits_changed[name] = None
-        self.engine.listeners_may_see_more(name)      # its commit point may have moved
+        self.events.listeners_may_see_more(name)      # its commit point may have moved
         if not name.endswith(DEAD_LETTER_SUFFIX):
             # Its dead-letter queue's floor follows its snapshot, and dead letters become
-            # visible as its stream commits (_gate_dead_letters).
+            # visible as its stream commits (DeadLetterGate).
             dead_letters = dead_letter_name(name)
-            self._floors_changed[dead_letters] = None
-            self.engine.listeners_may_see_more(dead_letters)
+            self.batches.floors_changed[dead_letters] = None
+            self.events.listeners_may_see_more(dead_letters)
 
-    def _flush(self, role: MasterRole | ReplicaRole) -> None:
-        self._wake(role.core.name)
+    def flush(self, role: MasterRole | ReplicaRole) -> None:
+        """Look at the role's queue again and send what it queued."""
+        self.wake(role.core.name)
         for peer, message in role.outbox:
             self._send(peer, message)
         role.outbox.clear()
@@ -1283,13 +736,6 @@ class PairDriver:
 
     def send_message(self, peer: str, message: Message) -> None:
         self._send(peer, message)
-
-    def passed_by_every_member(self) -> dict[int, int]:
-        """Local queue id -> the highest ordering index both members hold durably (a journal
-        record at or below it is no longer needed for catch-up)."""
-        floors = {role.core.queue_id: min(role.local_durable, role.replica_durable) for role in self.masters.values()}
-        floors.update({role.core.queue_id: role.visible_order for role in self.replicas.values()})
-        return floors
 
     def describe(self, name: str) -> dict[str, Any]:
         """Replication fields of the queue statistics (seed 004 QueueStats)."""

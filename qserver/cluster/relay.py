@@ -15,10 +15,6 @@ from qserver.core import commands as c
 from wire.errors import E_BAD_REQUEST, E_NOT_MASTER, E_TIMEOUT, E_UNAVAILABLE, QueueError
 from wire.protocol import DeliveredMessage
 
-QUEUE_TRAFFIC = frozenset({c.Enqueue, c.EnqueueMany, c.Receive, c.Ack, c.AckMany, c.Purge, c.Subscribe,
-                           c.DurableSubscription})
-WRITES = frozenset({c.Enqueue, c.EnqueueMany})
-
 
 def forwarded_request(command: Any) -> list[Any]:
     """A replica's client operation as the request of a Forward message."""
@@ -94,7 +90,7 @@ def forwarded_error(code: str, message: Any) -> QueueError:
     """The error a forwarded request was answered with. Its [code, message] form cannot say
     whether the operation was applied, and E_NOT_MASTER comes from a master deposed while the
     request was held, or from this node failing the forwards still in flight when it became
-    the master (qserver/cluster/pairs.py `_fail_forwards`), E_UNAVAILABLE from the link to the master
+    the master (qserver/cluster/relay_answers.py `RelayAnswers.fail`), E_UNAVAILABLE from the link to the master
     lost while the forward was in flight (`on_link_change`), and E_TIMEOUT from a forward the
     master never answered (`expire_waiting`): each may have been applied, so its outcome is
     unknown (the client retries with the same dedupe id, or reports it unknown)."""

@@ -109,7 +109,7 @@ class Ack:
 
 @dataclass(slots=True)
 class Purge:
-    """An operator's purge, run in bounded steps (Engine._step_purge)."""
+    """An operator's purge, run in bounded steps (qserver/core/admin_steps.py)."""
     queue: str
     replier: Replier
     request_id: int = 0
@@ -219,3 +219,7 @@ class Invoke:
 
 
 Command = (Enqueue | EnqueueMany | AckMany | Receive | Head | Ack | Purge | DurableSubscription | Subscribe | Credit | Unsubscribe | CreateQueue | DeleteQueue | MessageStatus | PutClient | PeerMessage | LinkChange | Invoke)
+# A client's operations on a queue's messages: in a pair, routed by the queue's role here (a
+# replica passes some on to its master: qserver/cluster/relay.py).
+QUEUE_TRAFFIC = frozenset({Enqueue, EnqueueMany, Receive, Ack, AckMany, Purge, Subscribe, DurableSubscription})
+WRITES = frozenset({Enqueue, EnqueueMany})      # always ordered by the master

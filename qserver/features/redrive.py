@@ -14,11 +14,17 @@ it runs waits in the dead-letter queue for the next one instead of going round f
 """
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
+from qserver.api.http_common import call
 from qserver.core import commands as c
 from replication.options import dead_letter_name
 from wire.errors import E_INVALID_OPTION, E_UNKNOWN_QUEUE, QueueError
+from wire.protocol import DeliveredMessage
+
+if TYPE_CHECKING:
+    from qserver.services import NodeServices
 
 ROUND_MESSAGES_MAX = 500         # leased from the dead-letter queue per round
 IDS_LISTED_MAX = 10_000          # new ids listed in the answer (the count covers them all)
@@ -26,13 +32,12 @@ LEASE_MS = 60_000                # the dead letters' lease while their copies ar
 DEDUPE_PREFIX = "redrive:"
 
 
-async def redrive(engine: Any, queue: str, limit: int | None, client: str,
-                  call: Any) -> dict[str, Any]:
+async def redrive(services: NodeServices, queue: str, limit: int | None, client: str) -> dict[str, Any]:
     """Move up to `limit` (all when None) of `queue`'s dead letters back into it, in delivery
-    order, each at its priority. `call(engine, factory)` runs one engine command (the HTTP
-    layer's, with its deadline). Raises what the first step raises (E_NOT_MASTER at a node
-    that holds neither member: the HTTP layer passes the request on)."""
-    source = engine.cores.get(queue)
+    order, each at its priority; each step is one engine command with the REST API's deadline
+    (it answers POST /v1/queues/{q}/redrive). Raises what the first step raises (E_NOT_MASTER
+    at a node that holds neither member: the HTTP layer passes the request on)."""
+    source = services.held_core(queue)
     if source is not None and not source.options.dead_letter:
         raise QueueError(E_INVALID_OPTION, f"queue {queue} has no dead-letter queue (dead_letter is off)")
     dead = dead_letter_name(queue)
@@ -42,25 +47,24 @@ async def redrive(engine: Any, queue: str, limit: int | None, client: str,
     truncated = False
     while budget is None or moved < budget:
         want = ROUND_MESSAGES_MAX if budget is None else min(ROUND_MESSAGES_MAX, budget - moved)
-        leased = await _lease_dead_letters(engine, queue, want, client, call)
+        leased = await _lease_dead_letters(services, queue, want, client)
         if budget is None:
             # The dead letters there are now (this member's copy): later ones wait for the next redrive.
-            core = engine.cores.get(dead)
+            core = services.held_core(dead)
             budget = len(leased) + (core.record.ready_count if core is not None else 0)
         if not leased:
             break
-        incarnation = _incarnation(engine, dead)
+        incarnation = _incarnation(services, dead)
         kept: list[tuple[int, str]] = []
         give_back: list[tuple[int, str]] = []
         # One batch per priority and headers (the messages keep both), highest priority first.
-        groups: dict[tuple[int, tuple[tuple[str, str], ...]], list[Any]] = {}
+        groups: dict[tuple[int, tuple[tuple[str, str], ...]], list[DeliveredMessage]] = {}
         for message in leased:
             groups.setdefault((message.priority, tuple(sorted((message.headers or {}).items()))), []).append(message)
         for (priority, headers), group in sorted(groups.items(), key=lambda item: -item[0][0]):
             payloads = tuple(m.payload for m in group)
             ids = tuple(f"{DEDUPE_PREFIX}{incarnation}:{m.message_id}" for m in group)
-            _, outcomes = await call(engine, lambda r, p=payloads, i=ids, priority=priority, h=headers: c.EnqueueMany(
-                queue, priority, p, i, client, r, headers=dict(h) or None))
+            _, outcomes = await call(services, _enqueue_many(queue, priority, payloads, ids, client, dict(headers)))
             for message, outcome in zip(group, outcomes, strict=True):
                 if isinstance(outcome, list):          # [code, message]: not stored (the queue is full...)
                     stopped = stopped or outcome[0]
@@ -72,11 +76,11 @@ async def redrive(engine: Any, queue: str, limit: int | None, client: str,
                     else:
                         truncated = True
         if kept:
-            outcomes = await call(engine, lambda r, items=tuple(kept): c.AckMany(dead, items, client, r))
+            outcomes = await call(services, _ack_many(dead, tuple(kept), client))
             moved += sum(1 for outcome in outcomes if outcome is None)
         for message_id, receipt in give_back:
             try:
-                await call(engine, lambda r, m=message_id, t=receipt: c.Ack(dead, m, t, client, r, release=True))
+                await call(services, _release(dead, message_id, receipt, client))
             except QueueError:
                 pass          # its lease runs out instead: it is a dead letter again either way
         if stopped:
@@ -90,18 +94,31 @@ async def redrive(engine: Any, queue: str, limit: int | None, client: str,
     return result
 
 
-async def _lease_dead_letters(engine: Any, queue: str, want: int, client: str, call: Any) -> list[Any]:
+def _enqueue_many(queue: str, priority: int, payloads: tuple[bytes, ...], ids: tuple[str, ...], client: str,
+                  headers: dict[str, str]) -> Callable[[c.FutureReplier], c.Command]:
+    return lambda r: c.EnqueueMany(queue, priority, payloads, ids, client, r, headers=headers or None)
+
+
+def _ack_many(queue: str, items: tuple[tuple[int, str], ...], client: str) -> Callable[[c.FutureReplier], c.Command]:
+    return lambda r: c.AckMany(queue, items, client, r)
+
+
+def _release(queue: str, message_id: int, receipt: str, client: str) -> Callable[[c.FutureReplier], c.Command]:
+    return lambda r: c.Ack(queue, message_id, receipt, client, r, release=True)
+
+
+async def _lease_dead_letters(services: NodeServices, queue: str, want: int, client: str) -> list[DeliveredMessage]:
     """Up to `want` of the queue's dead letters, leased. A queue unknown here is named as the
     caller typed it, not as its dead-letter queue (which the caller never named)."""
     try:
-        return list(await call(engine, lambda r: c.Receive(dead_letter_name(queue), want, 0, LEASE_MS, client, r)))
+        return list(await call(services, lambda r: c.Receive(dead_letter_name(queue), want, 0, LEASE_MS, client, r)))
     except QueueError as error:
-        if error.code == E_UNKNOWN_QUEUE.code and engine.pairs.view.entry(queue) is None \
-                and queue not in engine.cores:
+        if error.code == E_UNKNOWN_QUEUE.code and services.entry(queue) is None \
+                and services.held_core(queue) is None:
             raise QueueError(E_UNKNOWN_QUEUE, f"no queue named {queue!r}") from None
         raise
 
 
-def _incarnation(engine: Any, name: str) -> int:
-    core = engine.cores.get(name)
+def _incarnation(services: NodeServices, name: str) -> int:
+    core = services.held_core(name)
     return 0 if core is None else core.record.incarnation or core.record.queue_id

@@ -19,8 +19,8 @@ The *journal id* names one journal of a node: a node that lost its disk starts a
 (sequence 1 again) under the same node id. It is the environment's `storage_id` (LMDB `meta`,
 written by storage.py once per disk), in hex. Nothing here writes to `meta`.
 
-Columns (replication.audit_checks.RECORD_COLUMNS): journal_id, sequence, the 14 journal fields
-(storage.JOURNAL_FIELDS), record_crc32 (as stored; the audit recomputes it from the fields),
+Columns (replication/journal.py RECORD_COLUMNS): journal_id, sequence, the 14 journal fields
+(JOURNAL_FIELDS), record_crc32 (as stored; the audit recomputes it from the fields),
 extra (msgpack of any fields past the 14, so new fields never break the checksum). A record
 whose body does not decode is exported with op "undecodable" and the raw body in `extra`:
 the audit names it instead of the exporter hiding it.
@@ -72,7 +72,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from replication.audit_checks import JOURNAL_FIELDS, RECORD_COLUMNS, UNDECODABLE_OP, is_run, run_count, run_rows
+from replication.journal import JOURNAL_FIELDS, RECORD_COLUMNS, UNDECODABLE_OP, is_run, run_count, run_rows
 
 _Q = struct.Struct(">Q")
 _U32 = struct.Struct(">I")

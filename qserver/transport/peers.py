@@ -1,4 +1,4 @@
-"""Peer transport: one authenticated WebSocket per pair of nodes (DESIGN.md 4.1 and 4.7).
+"""Peer transport: one authenticated WebSocket per pair of nodes (docs/PROTOCOL.md, "Peer links").
 
 Replication messages are opaque bytes here (their codec lives in replication/); this module
 only moves them between two nodes, in order and batched, over exactly one link per pair that
@@ -20,236 +20,80 @@ message the layer above cannot take (a malformed Raft message), so the frame is 
 and the link dropped, like a frame that fails its shape. Anything else they raise is a
 programmer error and ends that link's task.
 
-Wire (peer protocol 2, docs/PROTOCOL.md "Peer links"): the upgrade request carries the headers
-of `auth_headers`, bound to the link's purpose (replication or membership: each port serves one)
-and both ids. That alone is replayable, so it only keeps strangers from holding a socket open: the
-link is a challenge-response after it. The responder's first message is its fresh nonce and its
-proof over both nonces; the dialer checks it (a responder without the cluster secret gets nothing
-beyond the upgrade request) and answers with its own proof over both nonces, which the responder
-checks before it delivers or sends anything. Both derive a per-link key from the secret, the
-purpose, both ids and both nonces (`LinkKeys`); every later binary message is msgpack
-`[PEER_FRAME_VERSION, [message, ...]]` (bin items) followed by a 32-byte HMAC-SHA256 tag over the
-direction, a per-direction frame counter and the frame, so a frame altered, dropped, replayed or
-reflected fails its tag and ends the link. `MemoryPeerNetwork` is the in-memory twin with the same
-surface, for the simulator and unit tests.
+The link's wire (its upgrade headers, the challenge-response, the per-link keys and the
+framing with a MAC on every frame) is qserver/transport/peer_link.py's; `MemoryPeerNetwork`,
+the in-memory twin with the same surface for the simulator and unit tests, is
+qserver/transport/memory_peers.py's. This module is the links' lifecycle: dialing, accepting,
+one link per pair, the send queues, heartbeats and reconnects.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
 import hmac
 import logging
-import os
 import random
 import ssl
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-import msgpack
 from aiohttp import WSCloseCode, WSMsgType, web
-from yarl import URL
 
-from client.http import signed_session
-from qserver.api.http_errors import error_response
 from qserver.core.failstop import stop_process
+from qserver.http_errors import error_response
+from qserver.transport.peer_link import (
+    FRAME_OVERHEAD_BYTES,
+    HEADER_AUTH,
+    HEADER_FROM,
+    HEADER_NONCE,
+    HEADER_PROTOCOL,
+    HEADER_PURPOSE,
+    HEADER_TIMESTAMP,
+    HEADER_TO,
+    ITEM_OVERHEAD_BYTES,
+    PEER_PROTOCOL,
+    PEER_PROTOCOL_NAME,
+    PURPOSES,
+    FrameError,
+    LinkKeys,
+    OnLinkChange,
+    OnMessage,
+    RefusedMessage,
+    auth_headers,
+    check_dialer_answer,
+    decode_frame,
+    dial_handshake,
+    dial_url,
+    encode_frame,
+    ignore_link_change,
+    peer_signature,
+    responder_hello,
+)
 from wire import errors as e
 from wire.errors import QueueError
+from wire.http_session import signed_session
 
 log = logging.getLogger("qserver.transport.peers")
-
-PEER_PATH = "/v1/peer"
-# Protocol 1 ("QP1") was a dialer-only HMAC over the ids, a timestamp and a nonce: it named no
-# purpose, authenticated no responder and left frames unprotected (issue 32, item 6). A dialer
-# still speaking it is refused with a message naming protocol 2.
-PEER_PROTOCOL = "2"
-PEER_PROTOCOL_NAME = "QP2 (challenge-response bound to the link's purpose, both ids and both nonces; MAC on every frame)"
-PEER_FRAME_VERSION = 1
-SIGNATURE_PREFIX = "QP2"
-PURPOSES = ("replication", "membership")
-HEADER_PURPOSE = "X-Peer-Purpose"
-HEADER_FROM = "X-Peer-From"
-HEADER_TO = "X-Peer-To"
-HEADER_TIMESTAMP = "X-Peer-Timestamp"
-HEADER_NONCE = "X-Peer-Nonce"
-HEADER_PROTOCOL = "X-Peer-Protocol"
-HEADER_AUTH = "X-Peer-Auth"
 TIMESTAMP_SKEW_MAX_MS = 300_000
 NONCE_CHARACTERS_MAX = 64
 NONCES_KEPT_MAX = 100_000
-NONCE_BYTES = 16
-TAG_BYTES = 32          # HMAC-SHA256
-# Upper bounds of msgpack's headers: a bin32 item, and the frame's array and version (and its MAC).
-ITEM_OVERHEAD_BYTES = 5
-FRAME_OVERHEAD_BYTES = 16 + 32
+
+
 # Only the lower id dials, so a restarted peer waits for the next dial before anything
 # reaches it: this ceiling on the redial backoff bounds how long a restarted replica waits to
 # start catching up (with 2 s it waited 0.3 - 1.4 s of a 10k-message catch-up). A dial to a
 # peer that is down is one refused connect, or one connect timeout where the network drops it.
 RECONNECT_DELAY_MAX_S = 0.25
+
+
 CONNECT_TIMEOUT_S = 5.0
 CLOSE_TIMEOUT_S = 1.0
-
-OnMessage = Callable[[str, bytes], None]
-OnLinkChange = Callable[[str, bool], None]
 Socket = web.WebSocketResponse | aiohttp.ClientWebSocketResponse
 
 
-def _ignore_link_change(peer_id: str, up: bool) -> None:
-    """The default: a caller that does not care about link state."""
-
-
-# --- handshake ---------------------------------------------------------------------------
-def peer_signature(secret: bytes, from_id: str, to_id: str, timestamp_ms: int, nonce: str,
-                   purpose: str = "replication") -> str:
-    """The upgrade request's HMAC: it filters strangers before any upgrade, nothing more (it is
-    replayable within the clock window at a node that forgot the nonce): the link itself is
-    authenticated by the challenge-response that follows."""
-    text = f"{SIGNATURE_PREFIX}\nupgrade\n{purpose}\n{from_id}\n{to_id}\n{timestamp_ms}\n{nonce}"
-    return hmac.new(secret, text.encode("utf-8", "replace"), hashlib.sha256).hexdigest()
-
-
-def auth_headers(secret: bytes, from_id: str, to_id: str, *, purpose: str = "replication",
-                 timestamp_ms: int | None = None, nonce: str | None = None) -> dict[str, str]:
-    """The headers a dialer signs its upgrade request with; X-Peer-Nonce is its fresh challenge."""
-    stamp_ms = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
-    nonce_text = os.urandom(NONCE_BYTES).hex() if nonce is None else nonce
-    return {HEADER_FROM: from_id, HEADER_TO: to_id, HEADER_TIMESTAMP: str(stamp_ms), HEADER_NONCE: nonce_text,
-            HEADER_PROTOCOL: PEER_PROTOCOL, HEADER_PURPOSE: purpose,
-            HEADER_AUTH: peer_signature(secret, from_id, to_id, stamp_ms, nonce_text, purpose)}
-
-
-def _handshake_mac(secret: bytes, role: str, purpose: str, dialer: str, responder: str,
-                   dialer_nonce: str, responder_nonce: bytes) -> bytes:
-    """What `role` (responder, dialer, or key) computes over the link's purpose, both ids and both
-    nonces: a proof that answers the other side's fresh nonce, so it cannot be replayed to
-    another link, port or node."""
-    text = f"{SIGNATURE_PREFIX}\n{role}\n{purpose}\n{dialer}\n{responder}\n{dialer_nonce}\n".encode("utf-8", "replace")
-    return hmac.digest(secret, text + responder_nonce, "sha256")
-
-
-class LinkKeys:
-    """One link's frame protection: a key derived from the handshake, a MAC per frame over
-    (direction, per-direction counter, frame bytes). The counters are implicit (each side counts
-    what it sent and received), so a frame replayed, dropped, reordered or reflected back to its
-    sender fails its tag. One HMAC per frame, and frames are batches."""
-
-    def __init__(self, key: bytes, *, dialer: bool) -> None:
-        outgoing, incoming = (b"dialer>responder", b"responder>dialer")[::1 if dialer else -1]
-        self._send = hmac.new(key, outgoing, hashlib.sha256)
-        self._receive = hmac.new(key, incoming, hashlib.sha256)
-        self.sent = 0
-        self.received = 0
-
-    @classmethod
-    def derive(cls, secret: bytes, purpose: str, dialer_id: str, responder_id: str, dialer_nonce: str,
-               responder_nonce: bytes, *, dialer: bool) -> LinkKeys:
-        key = _handshake_mac(secret, "key", purpose, dialer_id, responder_id, dialer_nonce, responder_nonce)
-        return cls(key, dialer=dialer)
-
-    def _tag(self, base: hmac.HMAC, counter: int, frame: bytes | memoryview) -> bytes:
-        mac = base.copy()
-        mac.update(counter.to_bytes(8, "big"))
-        mac.update(frame)
-        return mac.digest()
-
-    def seal(self, frame: bytes) -> bytes:
-        self.sent += 1
-        return frame + self._tag(self._send, self.sent, frame)
-
-    def open(self, data: bytes) -> memoryview:
-        """The frame inside `data`, or FrameError: a bad tag (altered, replayed, out of order)."""
-        if len(data) < TAG_BYTES:
-            raise FrameError("a frame is shorter than its MAC")
-        view = memoryview(data)
-        frame, tag = view[:-TAG_BYTES], view[-TAG_BYTES:]
-        if not hmac.compare_digest(self._tag(self._receive, self.received + 1, frame), tag):
-            raise FrameError(f"bad MAC on frame {self.received + 1} (altered, replayed or out of order)")
-        self.received += 1
-        return frame
-
-
-def responder_hello(secret: bytes, purpose: str, dialer_id: str, responder_id: str,
-                    dialer_nonce: str) -> tuple[bytes, LinkKeys]:
-    """The responder's first message (its fresh nonce and its proof) and its link keys."""
-    nonce = os.urandom(NONCE_BYTES)
-    proof = _handshake_mac(secret, "responder", purpose, dialer_id, responder_id, dialer_nonce, nonce)
-    keys = LinkKeys.derive(secret, purpose, dialer_id, responder_id, dialer_nonce, nonce, dialer=False)
-    return nonce + proof, keys
-
-
-def dialer_answer(secret: bytes, purpose: str, dialer_id: str, responder_id: str, dialer_nonce: str,
-                  hello: bytes) -> tuple[bytes, LinkKeys]:
-    """Check the responder's hello (FrameError: it does not hold the cluster secret, or answers
-    another challenge); the dialer's proof to send back and its link keys."""
-    if len(hello) != NONCE_BYTES + TAG_BYTES:
-        raise FrameError("the responder's hello is not a nonce and a proof")
-    nonce, proof = hello[:NONCE_BYTES], hello[NONCE_BYTES:]
-    expected = _handshake_mac(secret, "responder", purpose, dialer_id, responder_id, dialer_nonce, nonce)
-    if not hmac.compare_digest(expected, proof):
-        raise FrameError("the responder's proof does not verify (not a node of this cluster, or another purpose)")
-    answer = _handshake_mac(secret, "dialer", purpose, dialer_id, responder_id, dialer_nonce, nonce)
-    return answer, LinkKeys.derive(secret, purpose, dialer_id, responder_id, dialer_nonce, nonce, dialer=True)
-
-
-def check_dialer_answer(secret: bytes, purpose: str, dialer_id: str, responder_id: str, dialer_nonce: str,
-                        hello: bytes, answer: bytes) -> bool:
-    expected = _handshake_mac(secret, "dialer", purpose, dialer_id, responder_id, dialer_nonce, hello[:NONCE_BYTES])
-    return hmac.compare_digest(expected, answer)
-
-
-async def dial_handshake(ws: aiohttp.ClientWebSocketResponse, secret: bytes, purpose: str, dialer_id: str,
-                         responder_id: str, dialer_nonce: str, timeout_s: float) -> LinkKeys:
-    """The dialer's half after the upgrade: check the responder's hello, send the proof.
-    FrameError when the responder fails (the caller closes the socket; nothing else was sent)."""
-    async with asyncio.timeout(timeout_s):
-        hello = await ws.receive()
-    if hello.type is not WSMsgType.BINARY:
-        raise FrameError(f"the responder sent a {hello.type.name} message, not its hello")
-    answer, keys = dialer_answer(secret, purpose, dialer_id, responder_id, dialer_nonce, hello.data)
-    await ws.send_bytes(answer)
-    return keys
-
-
-def dial_url(base_url: str) -> str:
-    """A peer's base URL gets the peer path; a URL that already has a path is used as is."""
-    trimmed = base_url.rstrip("/")
-    return trimmed + PEER_PATH if URL(trimmed).path in ("", "/") else base_url
-
-
-# --- frames ------------------------------------------------------------------------------
-class FrameError(ValueError):
-    """A peer sent a frame that is not msgpack `[PEER_FRAME_VERSION, [bin, ...]]`."""
-
-
-class RefusedMessage(ValueError):
-    """Raised by `on_message`: an authenticated peer sent a message that is bad input for the
-    layer above. The transport counts the frame as bad and drops the link (never the node)."""
-
-
-def encode_frame(messages: list[bytes]) -> bytes:
-    return msgpack.packb([PEER_FRAME_VERSION, messages], use_bin_type=True)
-
-
-def decode_frame(data: bytes | memoryview) -> list[bytes]:
-    try:
-        frame = msgpack.unpackb(data, raw=False, use_list=True)
-    except Exception as error:  # msgpack raises several unrelated types for bad input
-        raise FrameError(f"not msgpack: {type(error).__name__}") from None
-    if type(frame) is not list or len(frame) != 2:
-        raise FrameError("a frame is a two-item array")
-    version, messages = frame
-    if type(version) is not int or version != PEER_FRAME_VERSION:
-        raise FrameError(f"frame version {version!r} is not {PEER_FRAME_VERSION}")
-    if type(messages) is not list or any(type(message) is not bytes for message in messages):
-        raise FrameError("a frame carries an array of bin messages")
-    return messages
-
-
-# --- the real transport --------------------------------------------------------------------
 @dataclass(eq=False)
 class _Peer:
     peer_id: str
@@ -275,7 +119,7 @@ class PeerTransport:
     """The real transport: aiohttp WebSockets, dialed by the lower id, accepted at `handle`."""
 
     def __init__(self, node_id: str, cluster_secret: bytes, peers: dict[str, str], *,
-                 on_message: OnMessage, on_link_change: OnLinkChange = _ignore_link_change,
+                 on_message: OnMessage, on_link_change: OnLinkChange = ignore_link_change,
                  send_queue_bytes_max: int = 8 << 20, frame_bytes_max: int = 1 << 20,
                  reconnect_delay_initial_s: float = 0.05, reconnect_delay_max_s: float = RECONNECT_DELAY_MAX_S,
                  heartbeat_s: float = 2.0, connect_timeout_s: float = CONNECT_TIMEOUT_S,
@@ -706,153 +550,3 @@ def _check_limits(secret: bytes, send_queue_bytes_max: int, frame_bytes_max: int
         raise ValueError("reconnect delays must satisfy 0 < initial <= max")
     if heartbeat_s <= 0:
         raise ValueError("heartbeat_s must be positive")
-
-
-# --- the in-memory twin ----------------------------------------------------------------------
-class MemoryPeerNetwork:
-    """Peers in one process: delivery by `loop.call_soon`, FIFO per pair; partitions on demand.
-
-    A pair's link is up when both transports are started, each lists the other as a peer
-    and the pair is not partitioned. Each time a link goes down its generation advances, so
-    what was in flight on it is dropped, as on a socket that broke."""
-
-    def __init__(self) -> None:
-        self._transports: dict[str, MemoryPeerTransport] = {}
-        self._cut: set[frozenset[str]] = set()
-        self._up: set[frozenset[str]] = set()
-        self._generation: collections.Counter[frozenset[str]] = collections.Counter()
-
-    def transport(self, node_id: str, on_message: OnMessage, on_link_change: OnLinkChange = _ignore_link_change,
-                  *, peers: Iterable[str] | None = None, send_queue_bytes_max: int = 8 << 20) -> MemoryPeerTransport:
-        """A node's transport; `peers` defaults to every other node of the network."""
-        if node_id in self._transports:
-            raise ValueError(f"node {node_id} already has a transport on this network")
-        transport = MemoryPeerTransport(self, node_id, on_message, on_link_change, peers, send_queue_bytes_max)
-        self._transports[node_id] = transport
-        return transport
-
-    def partition(self, a: str, b: str) -> None:
-        self._cut.add(frozenset((a, b)))
-        self._refresh(a, b)
-
-    def heal(self, a: str, b: str) -> None:
-        self._cut.discard(frozenset((a, b)))
-        self._refresh(a, b)
-
-    def heal_all(self) -> None:
-        cut, self._cut = self._cut, set()
-        for pair in cut:
-            self._refresh(*sorted(pair))
-
-    def is_up(self, a: str, b: str) -> bool:
-        return frozenset((a, b)) in self._up
-
-    def _refresh_all(self, node_id: str) -> None:
-        for other in list(self._transports):
-            if other != node_id:
-                self._refresh(node_id, other)
-
-    def _refresh(self, a: str, b: str) -> None:
-        pair = frozenset((a, b))
-        up = pair not in self._cut and self._wants(a, b) and self._wants(b, a)
-        if up == (pair in self._up):
-            return
-        loop = asyncio.get_running_loop()
-        if up:
-            self._up.add(pair)
-        else:
-            self._up.discard(pair)
-            self._generation[pair] += 1   # drops what is in flight on the old link
-        for here, there in ((a, b), (b, a)):
-            transport = self._transports[here]
-            loop.call_soon(transport.notify_link_change, there, up)
-        if up:   # after the notifications, so a node learns of the link before its messages
-            self._transports[a].flush(b)
-            self._transports[b].flush(a)
-
-    def _wants(self, here: str, there: str) -> bool:
-        transport = self._transports.get(here)
-        return transport is not None and transport.running and transport.has_peer(there)
-
-    def _carry(self, source: str, target: str, message: bytes) -> None:
-        pair = frozenset((source, target))
-        generation = self._generation[pair]
-        asyncio.get_running_loop().call_soon(self._arrive, pair, generation, source, target, message)
-
-    def _arrive(self, pair: frozenset[str], generation: int, source: str, target: str, message: bytes) -> None:
-        if self._generation[pair] == generation and pair in self._up:
-            self._transports[target].receive(source, message)
-
-
-class MemoryPeerTransport:
-    """The twin of `PeerTransport`: same send/is_up/pending_bytes/start/stop/set_peers."""
-
-    def __init__(self, network: MemoryPeerNetwork, node_id: str, on_message: OnMessage,
-                 on_link_change: OnLinkChange, peers: Iterable[str] | None, send_queue_bytes_max: int) -> None:
-        self.node_id = node_id
-        self.running = False
-        self._network = network
-        self._on_message = on_message
-        self._on_link_change = on_link_change
-        self._peers: set[str] | None = None if peers is None else set(peers) - {node_id}
-        self._send_queue_bytes_max = send_queue_bytes_max
-        self._queues: dict[str, collections.deque[bytes]] = collections.defaultdict(collections.deque)
-        self._queued_bytes: collections.Counter[str] = collections.Counter()
-
-    async def start(self) -> None:
-        self.running = True
-        self._network._refresh_all(self.node_id)
-
-    async def stop(self) -> None:
-        self.running = False
-        self._network._refresh_all(self.node_id)
-        self._queues.clear()
-        self._queued_bytes.clear()
-
-    def set_peers(self, peers: dict[str, str] | Iterable[str]) -> None:
-        self._peers = set(peers) - {self.node_id}
-        for peer_id in list(self._queues):
-            if peer_id not in self._peers:
-                del self._queues[peer_id]
-                del self._queued_bytes[peer_id]
-        self._network._refresh_all(self.node_id)
-
-    def has_peer(self, peer_id: str) -> bool:
-        return peer_id != self.node_id and (self._peers is None or peer_id in self._peers)
-
-    def send(self, peer_id: str, message: bytes) -> bool:
-        # Like the real transport, it queues before start() too.
-        if not self.has_peer(peer_id) or peer_id not in self._network._transports:
-            return False
-        if self._network.is_up(self.node_id, peer_id):
-            self._network._carry(self.node_id, peer_id, message)
-            return True
-        if self._queued_bytes[peer_id] + len(message) > self._send_queue_bytes_max:
-            return False
-        self._queues[peer_id].append(message)
-        self._queued_bytes[peer_id] += len(message)
-        return True
-
-    def is_up(self, peer_id: str) -> bool:
-        return self._network.is_up(self.node_id, peer_id)
-
-    def pending_bytes(self, peer_id: str) -> int:
-        return self._queued_bytes[peer_id]
-
-    def flush(self, peer_id: str) -> None:
-        """The link came up: what waited goes out, in order."""
-        queue = self._queues.pop(peer_id, None)
-        self._queued_bytes.pop(peer_id, None)
-        for message in queue or ():
-            self._network._carry(self.node_id, peer_id, message)
-
-    def notify_link_change(self, peer_id: str, up: bool) -> None:
-        if self.running or not up:
-            self._on_link_change(peer_id, up)
-
-    def receive(self, peer_id: str, message: bytes) -> None:
-        if self.running:
-            try:
-                self._on_message(peer_id, message)
-            except RefusedMessage:
-                pass          # the real transport drops the link too; here the message goes

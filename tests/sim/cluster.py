@@ -1,5 +1,6 @@
 """Deterministic simulation of one queue pair: real cores and replication roles on a seeded
-fake clock, fake network and fake disk (STYLE.md, after TigerBeetle's VOPR).
+fake clock, fake network and fake disk (docs/ARCHITECTURE.md, "Conventions": deterministic
+simulation from one seed, after TigerBeetle's VOPR).
 
 Everything runs from one `random.Random(seed)`: message delays, drops, duplicates and
 reordering on the network, fsync latency, crashes that lose whatever was not yet fsync'd,

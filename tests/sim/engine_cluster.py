@@ -1,5 +1,6 @@
-"""Deterministic simulation of a three-node cluster built from real engines (STYLE.md, after
-TigerBeetle's VOPR): the node driver of qserver/core/engine.py with its group commit, pair driver,
+"""Deterministic simulation of a three-node cluster built from real engines
+(docs/ARCHITECTURE.md, "Conventions"; after TigerBeetle's VOPR): the engine of qserver/core/ with
+its group commit, as qserver/assembly.py builds it with its pair driver,
 held answers and coordinator (leases, failover, handoff), the real membership layer (the Raft
 core of replication/raft.py run by qserver/cluster/membership.py, its state in a `MemoryRaftStore`
 written through the node's disk), on a virtual-time event loop, in-memory peer and membership
@@ -37,12 +38,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from qserver.assembly import build_engine
 from qserver.cluster.membership import ChangeAll, RaftMembership, raft_limits, tick_ms
 from qserver.config import NodeConfig
 from qserver.core import commands as c
 from qserver.core.engine import Engine
 from qserver.storage.raft_store import MemoryRaftStore
-from qserver.transport.peers import MemoryPeerNetwork
+from qserver.transport.memory_peers import MemoryPeerNetwork
 from replication.cluster_map import ChangePair, ChangePairs, ClusterMap, QueueEntry, decode_command, encode_command
 from replication.master import ReplicaProgress
 from replication.options import Strength
@@ -224,10 +226,10 @@ class SimNode:
             send=self.membership_transport.send, writer=lambda: disk, loop=self.sim.loop,
             limits=raft_limits(self.config.election_timeout_ms, self.config.raft_heartbeat_ms),
             tick_s=tick_ms(self.config.raft_heartbeat_ms) / 1000 / self.clock_rate, seed=rng.getrandbits(64))
-        engine = Engine(self.config, self.storage, rng=random.Random(rng.getrandbits(64)),  # type: ignore[arg-type]
-                        clock_ms=self.wall_ms, writer=self.disk, membership=membership,
-                        monotonic_ms=self.monotonic_ms,
-                        on_fatal=lambda reason, error: self.sim.engine_failed(self.node_id, reason, error))
+        engine = build_engine(self.config, self.storage, rng=random.Random(rng.getrandbits(64)),  # type: ignore[arg-type]
+                              clock_ms=self.wall_ms, writer=self.disk, membership=membership,
+                              monotonic_ms=self.monotonic_ms,
+                              on_fatal=lambda reason, error: self.sim.engine_failed(self.node_id, reason, error))
         engine.pairs.send = self.transport.send
         engine.pairs.link_up = self.transport.is_up
         engine.self_checks = self.sim.self_checks

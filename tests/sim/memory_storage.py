@@ -97,19 +97,7 @@ class MemoryStorage:
         return self.store.delayed_rows(queue_id)
 
     def message_status(self, queue_id: int, index: int) -> tuple[str, int, bytes | None] | None:
-        queue = self.store.queues.get(queue_id)
-        if queue is None:
-            return None
-        if index in queue.status:
-            state, reply = queue.status[index]
-            return state, 0, reply
-        if index in queue.leases:
-            return "delivered", queue.leases[index].deliveries, None
-        if index in queue.delayed:
-            return "delayed", 0, None
-        if index in queue.messages:
-            return "queued", 0, None
-        return None
+        return self.store.message_status(queue_id, index)
 
     def status_producer(self, queue_id: int, index: int) -> str | None:
         return self.store.status_producer(queue_id, index)
@@ -150,7 +138,7 @@ class MemoryStorage:
 
     # --- the one writer --------------------------------------------------------------------
     def commit(self, batch: SealedBatch) -> CommitResult:
-        """Apply the whole batch (same order as `Storage._write`); durable on return."""
+        """Apply the whole batch (same order as `BatchWriter.write`, qserver/storage/commit.py); durable on return."""
         # A deposed master's uncommitted suffix goes first (older batches may lack the field).
         for queue_id, order in getattr(batch, "truncations", ()):
             self._truncate(queue_id, order)

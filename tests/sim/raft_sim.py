@@ -1,6 +1,6 @@
 """Deterministic simulation of a Raft cluster: N real cores (replication/raft.py) on a virtual
 tick clock, a faulty network and disks that keep only what a Ready had them write, all from
-one seed (STYLE.md, after TigerBeetle's VOPR). `RaftSimulation(seed).run()` replays a seed.
+one seed (docs/ARCHITECTURE.md, "Conventions"; after TigerBeetle's VOPR). `RaftSimulation(seed).run()` replays a seed.
 
 The safety phase runs the faults: message loss, duplication, reordering and delay;
 symmetric and one-way partitions; crashes between any two steps of a Ready's handling (the

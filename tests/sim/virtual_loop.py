@@ -8,7 +8,7 @@ no I/O in a simulation, so nothing is ever selected; `call_soon_threadsafe` need
 Timers due at the same virtual moment run in the order they were set (asyncio's heap alone
 would not keep it, and a simulated link that delivers in order relies on it).
 Runs are therefore exactly repeatable and take as long as the work they do, not the virtual
-time they cover (STYLE.md "Deterministic simulation from one seed").
+time they cover (docs/ARCHITECTURE.md, "Conventions": deterministic simulation from one seed).
 """
 from __future__ import annotations
 

@@ -7,22 +7,20 @@ from typing import Any
 
 from aiohttp import web
 
-from qserver.api.http_api import (
-    FORWARDED_BY,
+from qserver.api.http_common import (
     NAMES_PAGE_DEFAULT,
     NAMES_PAGE_MAX,
-    NODE,
+    PASSED_ON_BY,
     call,
-    coordinator_of,
     json_body,
     page_of,
     page_params,
     principal,
     propose,
-    proxy_to,
 )
 from qserver.core import commands as c
-from qserver.features.channels.hub import PublishReplier
+from qserver.features.channels.hub import ChannelHub, PublishReplier
+from qserver.services import SERVICES
 from replication.cluster_map import (
     CHANNEL_RESEND_MAX_S,
     DeleteChannel,
@@ -31,10 +29,13 @@ from replication.cluster_map import (
     channel_queue,
     choose_pair,
 )
-from replication.options import DEAD_LETTER_SUFFIX, is_valid_queue_name, valid_dedupe_id
+from replication.options import DEAD_LETTER_SUFFIX, is_valid_queue_name
 from replication.queue_core import SUBSCRIPTION_PRIORITY
 from wire import errors as e
 from wire.errors import QueueError
+from wire.message_input import check_dedupe_id
+
+HUB: web.AppKey[ChannelHub] = web.AppKey("channel_hub", ChannelHub)     # this node's channel hub
 
 
 def channel_name(request: web.Request, privilege: str) -> str:
@@ -47,7 +48,7 @@ def channel_name(request: web.Request, privilege: str) -> str:
 
 
 def describe(request: web.Request, name: str) -> dict[str, Any]:
-    cluster = coordinator_of(request).membership.cluster_map
+    cluster = request.app[SERVICES].require_cluster_map()
     entry = cluster.channels.get(name)
     if entry is None:
         raise QueueError(e.E_UNKNOWN_CHANNEL, f"no channel named {name!r}")
@@ -55,7 +56,7 @@ def describe(request: web.Request, name: str) -> dict[str, Any]:
     pair = cluster.queues.get(channel_queue(name))
     if pair is not None:
         described.update({"master": pair.master, "replica": pair.replica, "epoch": pair.epoch})
-    hub = request.app[NODE].channels
+    hub = request.app[HUB]
     described["subscribers_here"] = len(hub.subscribers.get(name, ()))
     return described
 
@@ -64,12 +65,12 @@ async def put_channel(request: web.Request) -> web.Response:
     """Create a channel, or characterize it: its delivery class and resend interval (from the
     next publish on)."""
     name = channel_name(request, "admin")
-    coordinator = coordinator_of(request)
+    services = request.app[SERVICES]
+    cluster = services.require_cluster_map()
     body = await json_body(request)
     if not isinstance(body, dict) or set(body) - {"class", "resend_interval_s"}:
         raise QueueError(e.E_INVALID_OPTION, 'the body is {"class": "latest"|"acked"|"durable", '
                                              '"resend_interval_s": seconds}')
-    cluster = coordinator.membership.cluster_map
     existing = cluster.channels.get(name)
     delivery_class = body.get("class", existing.delivery_class if existing else DeliveryClass.LATEST.value)
     resend = body.get("resend_interval_s", existing.resend_interval_s if existing else 0.0)
@@ -82,7 +83,7 @@ async def put_channel(request: web.Request) -> web.Response:
     pair = choose_pair(cluster) if existing is None else ("", "")
     if pair is None:
         raise QueueError(e.E_QUEUE_UNAVAILABLE, f"no two live nodes for channel {name}")
-    incarnation = request.app[NODE].engine.random_bits(62) | 1
+    incarnation = services.random_bits(62) | 1
     command = PutChannel(name, str(delivery_class), float(resend), pair[0], pair[1], incarnation)
     outcome = await propose(request, command)
     if not outcome.applied:
@@ -95,7 +96,7 @@ async def list_channels(request: web.Request) -> web.Response:
     as GET /v1/queues); only the page's channels are described."""
     who = principal(request)
     limit, after = page_params(request, NAMES_PAGE_DEFAULT, NAMES_PAGE_MAX)
-    names, cursor = page_of(sorted(coordinator_of(request).membership.cluster_map.channels), after, limit,
+    names, cursor = page_of(sorted(request.app[SERVICES].require_cluster_map().channels), after, limit,
                             who.may_see)
     return web.json_response({"channels": [describe(request, name) for name in names], "next": cursor})
 
@@ -119,33 +120,31 @@ async def publish(request: web.Request) -> web.Response:
     """One message (the request itself says the caller publishes: no advertisement needed),
     answered once committed, and sent to every subscriber at the channel's master."""
     name = channel_name(request, "post")
-    node = request.app[NODE]
-    hub = node.channels
+    services, hub = request.app[SERVICES], request.app[HUB]
     hub.entry(name)
     dedupe_id = request.headers.get("X-Dedupe-Id")
-    if dedupe_id is not None and not valid_dedupe_id(dedupe_id):
-        raise QueueError(e.E_INVALID_OPTION, "X-Dedupe-Id must be 1-128 printable UTF-8 characters")
-    entry = node.engine.pairs.view.entry(channel_queue(name))
-    if entry is not None and entry.master != node.config.node_id and FORWARDED_BY not in request.headers:
-        return await proxy_to(request, node, entry.master)
+    check_dedupe_id(dedupe_id)
+    entry = services.entry(channel_queue(name))
+    if entry is not None and entry.master != services.node_id and PASSED_ON_BY not in request.headers:
+        return await services.pass_on(request, entry.master)
     payload = await request.read()
     client = principal(request).client_id
 
     def command(replier: c.FutureReplier) -> c.Enqueue:
         return c.Enqueue(channel_queue(name), payload, SUBSCRIPTION_PRIORITY, dedupe_id, client,
                          PublishReplier(hub, replier, name, payload))
-    message_id, epoch = await call(node.engine, command, may_have_applied=True)
+    message_id, epoch = await call(services, command, may_have_applied=True)
     return web.json_response({"channel": name, "id": message_id, "epoch": epoch}, status=201)
 
 
 async def _at_master(request: web.Request, name: str) -> web.Response | None:
     """The channel's master answers about its durable subscriptions: a proxied answer from it,
     or None when this node is the master."""
-    node = request.app[NODE]
-    node.channels.entry(name)
-    entry = node.engine.pairs.view.entry(channel_queue(name))
-    if entry is not None and entry.master != node.config.node_id and FORWARDED_BY not in request.headers:
-        return await proxy_to(request, node, entry.master)
+    services = request.app[SERVICES]
+    request.app[HUB].entry(name)
+    entry = services.entry(channel_queue(name))
+    if entry is not None and entry.master != services.node_id and PASSED_ON_BY not in request.headers:
+        return await services.pass_on(request, entry.master)
     return None
 
 
@@ -155,7 +154,7 @@ async def list_subscriptions(request: web.Request) -> web.Response:
     proxied = await _at_master(request, name)
     if proxied is not None:
         return proxied
-    return web.json_response({"channel": name, "subscriptions": request.app[NODE].channels.durable_subscriptions(name)})
+    return web.json_response({"channel": name, "subscriptions": request.app[HUB].durable_subscriptions(name)})
 
 
 async def drop_subscription(request: web.Request) -> web.Response:
@@ -167,14 +166,15 @@ async def drop_subscription(request: web.Request) -> web.Response:
     proxied = await _at_master(request, name)
     if proxied is not None:
         return proxied
-    node = request.app[NODE]
+    hub = request.app[HUB]
     client = principal(request).client_id
-    answer = await call(node.engine, lambda replier: node.channels.drop_subscription_command(
+    answer = await call(request.app[SERVICES], lambda replier: hub.drop_subscription_command(
         name, subscription, client, replier), may_have_applied=True)
     return web.json_response(answer)
 
 
-def add_routes(app: web.Application) -> None:
+def add_routes(app: web.Application, hub: ChannelHub) -> None:
+    app[HUB] = hub
     r = app.router
     r.add_get("/v1/channels", list_channels)
     r.add_put("/v1/channels/{c}", put_channel)

@@ -27,17 +27,20 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from qserver.cluster.pairs import Redirect
 from qserver.core import commands as c
 from qserver.metrics import render_family
+from qserver.services import Redirect
 from replication.cluster_map import ChannelEntry, DeliveryClass, channel_queue
 from replication.options import is_valid_queue_name
 from replication.queue_core import SUBSCRIPTION_PRIORITY, QueueCore
 from wire import errors as e
 from wire.errors import QueueError
 from wire.protocol import ChannelEnded, ChannelMessage
+
+if TYPE_CHECKING:
+    from qserver.services import NodeServices
 
 log = logging.getLogger("qserver.features.channels.hub")
 TRIM_ABOVE = 64                  # a channel's queue is trimmed to its newest message past this depth
@@ -114,8 +117,8 @@ class _Quiet:
 
 
 class ChannelHub:
-    def __init__(self, node: Any) -> None:
-        self._node = node
+    def __init__(self, services: NodeServices) -> None:
+        self._services = services
         self.subscribers: dict[str, dict[Any, None]] = {}          # channel -> connections, in order
         self._last: dict[str, tuple[int, bytes]] = {}              # channel -> its newest (id, payload) known here
         self._last_sent_at: dict[str, float] = {}
@@ -128,19 +131,18 @@ class ChannelHub:
 
     # --- the map ----------------------------------------------------------------------------
     def entry(self, channel: str) -> ChannelEntry:
-        coordinator = self._node.engine.coordinator
-        found = coordinator.membership.cluster_map.channels.get(channel) if coordinator is not None else None
+        cluster = self._services.cluster_map
+        found = cluster.channels.get(channel) if cluster is not None else None
         if found is None:
             raise QueueError(e.E_UNKNOWN_CHANNEL, f"no channel named {channel!r}")
-        return found  # type: ignore[no-any-return]
+        return found
 
     def _served_here(self, channel: str) -> None:
         """Raise unless this node masters the channel's queue (E_NOT_MASTER names the node)."""
         queue = channel_queue(channel)
-        pairs = self._node.engine.pairs
-        if queue in pairs.masters and queue in self._node.engine.cores:
+        if self._services.master_core(queue) is not None:
             return
-        entry = pairs.view.entry(queue)
+        entry = self._services.entry(queue)
         if entry is None:
             raise QueueError(e.E_QUEUE_UNAVAILABLE, f"channel {channel}: its queue is not in this node's map yet")
         raise Redirect(entry.master, f"channel {channel} is served by its master {entry.master}")
@@ -228,7 +230,7 @@ class ChannelHub:
             for opened in channels:
                 self._attach(connection, opened, name)
         for channel in channels:
-            self._node.engine.submit(c.DurableSubscription(
+            self._services.submit(c.DurableSubscription(
                 channel_queue(channel), "open", name, 0, connection.principal.client_id,
                 _Step(lambda _, ch=channel: settle(ch, self._floor(ch, name)),
                       lambda error, ch=channel: settle(ch, error))))
@@ -239,7 +241,7 @@ class ChannelHub:
         return None if state is None else int(state[0])
 
     def _core(self, channel: str) -> QueueCore | None:
-        return self._node.engine.cores.get(channel_queue(channel))  # type: ignore[no-any-return]
+        return self._services.held_core(channel_queue(channel))
 
     def _attach(self, connection: Any, channel: str, name: str) -> None:
         readers = self.durable.setdefault(channel, {})
@@ -283,8 +285,7 @@ class ChannelHub:
         if room <= 0:
             return
         floor, acked = state
-        with self._node.storage.reads() as storage:
-            rows = storage.messages_after(core.queue_id, max(reader.cursor, floor), room + len(acked))
+        rows = self._services.messages_after(core.queue_id, max(reader.cursor, floor), room + len(acked))
         visible, skip, now = core.visible_upto, set(acked), time.monotonic()
         reader.caught_up = len(rows) < room + len(acked)
         for index, payload in rows:
@@ -352,15 +353,15 @@ class ChannelHub:
         core = self._core(channel)
         if core is None:
             return []
+        subscriptions = sorted(core.record.subscriptions.items())
+        # Counted from the ready index (no payload read): every channel message is ready.
+        ready = self._services.ready_counts(core.queue_id, SUBSCRIPTION_PRIORITY,
+                                            [floor for _, (floor, _) in subscriptions], core.depth + 1)
         out = []
-        with self._node.storage.reads() as storage:
-            for name, (floor, acked) in sorted(core.record.subscriptions.items()):
-                # Counted from the ready index (no payload read): every channel message is ready.
-                waiting = len(storage.ready_page(core.queue_id, SUBSCRIPTION_PRIORITY, floor, 2**63,
-                                                 core.depth + 1)) - len(acked)
-                reader = self.durable.get(channel, {}).get(name)
-                out.append({"name": name, "floor": floor, "waiting": waiting, "attached": reader is not None,
-                            "unacknowledged": 0 if reader is None else len(reader.sent)})
+        for (name, (floor, acked)), count in zip(subscriptions, ready, strict=True):
+            reader = self.durable.get(channel, {}).get(name)
+            out.append({"name": name, "floor": floor, "waiting": count - len(acked), "attached": reader is not None,
+                        "unacknowledged": 0 if reader is None else len(reader.sent)})
         return out
 
     def _resend_durable(self, entry: ChannelEntry, now: float) -> None:
@@ -371,9 +372,7 @@ class ChannelHub:
         for reader in list(self.durable.get(entry.name, {}).values()):
             due = [index for index, sent_at in reader.sent.items() if now - sent_at >= interval]
             if due:
-                with self._node.storage.reads() as storage:
-                    payloads = [(index, storage.read_client_payload(core.queue_id, index)) for index in due]
-                for index, payload in payloads:
+                for index, payload in self._services.payloads(core.queue_id, due):
                     if payload is None:              # acknowledged meanwhile and trimmed
                         reader.sent.pop(index, None)
                         continue
@@ -475,8 +474,7 @@ class ChannelHub:
         if core is None or core.depth <= TRIM_ABOVE or channel in self._trimming:
             return
         self._trimming.add(channel)
-        engine = self._node.engine
-        engine.submit(c.Purge(channel_queue(channel), _Quiet(), upto=newest - 1))
+        self._services.submit(c.Purge(channel_queue(channel), _Quiet(), upto=newest - 1))
         asyncio.get_running_loop().call_later(1.0, self._trimming.discard, channel)
 
     def _last_value(self, channel: str) -> tuple[int, bytes] | None:
@@ -485,8 +483,7 @@ class ChannelHub:
         if last is None:
             core = self._core(channel)
             if core is not None:
-                with self._node.storage.reads() as storage:
-                    last = storage.newest_message(core.queue_id)
+                last = self._services.newest_message(core.queue_id)
                 if last is not None:
                     self._last[channel] = last
         return last

@@ -10,14 +10,16 @@ import time
 
 from aiohttp import web
 
-from qserver.api.http_api import NODE, coordinator_of, json_body, path_name, principal, propose, proxy_to
-from qserver.features.forwards.forwarder import seal_secret
+from qserver.api.http_common import PASSED_ON_BY, json_body, path_name, principal, propose
+from qserver.features.forwards.forwarder import Forwarders, seal_secret
+from qserver.services import SERVICES
 from replication.cluster_map import DeleteForward, PutForward
 from replication.options import is_valid_queue_name
 from wire import errors as e
 from wire.errors import QueueError
 from wire.signing import private_key_from_text
 
+FORWARDERS: web.AppKey[Forwarders] = web.AppKey("forwarders", Forwarders)     # this node's forwarders
 URLS_MAX = 16
 CA_CHARS_MAX = 64 * 1024
 
@@ -74,7 +76,7 @@ async def create_forward(request: web.Request) -> web.Response:
         ca = _checked_ca(credentials.get("ca", ""))
         # Sealed with the cluster secret: the map's log, snapshots and LMDB files, on every node,
         # hold it encrypted (docs/PROTOCOL.md "Forwards").
-        secret = seal_secret(request.app[NODE].auth.cluster_secret, name, client_id, credentials["private_key"], ca)
+        secret = seal_secret(request.app[SERVICES].cluster_secret, name, client_id, credentials["private_key"], ca)
     elif source == destination:
         raise QueueError(e.E_INVALID_OPTION, "a forward into its own source")
     outcome = await propose(request, PutForward(name, source, destination, tuple(u.rstrip("/") for u in urls),
@@ -83,12 +85,12 @@ async def create_forward(request: web.Request) -> web.Response:
         if outcome.reason.startswith("no queue"):
             raise QueueError(e.E_UNKNOWN_QUEUE, outcome.reason)
         raise QueueError(e.E_FORWARD_REFUSED, outcome.reason)
-    entry = coordinator_of(request).membership.cluster_map.forwards.get(name)
+    entry = request.app[SERVICES].require_cluster_map().forwards.get(name)
     return web.json_response(entry.to_json() if entry is not None else {"name": name}, status=201)
 
 
 async def list_forwards(request: web.Request) -> web.Response:
-    cluster = coordinator_of(request).membership.cluster_map
+    cluster = request.app[SERVICES].require_cluster_map()
     out = []
     for entry in sorted(cluster.forwards.values(), key=lambda f: f.name):
         source = cluster.queues.get(entry.source)
@@ -99,23 +101,23 @@ async def list_forwards(request: web.Request) -> web.Response:
 async def forward_stats(request: web.Request) -> web.StreamResponse:
     """The forwarder's figures, from the master of its source (where it runs)."""
     name = forward_name(request)
-    node = request.app[NODE]
-    cluster = coordinator_of(request).membership.cluster_map
+    services = request.app[SERVICES]
+    cluster = services.require_cluster_map()
     entry = cluster.forwards.get(name)
-    if entry is None and "X-Forwarded-By" in request.headers:
+    if entry is None and PASSED_ON_BY in request.headers:
         # Passed on by a node that knows the forward: this one (its source's master) has not
         # applied that map change yet, and will start it once it has.
-        return web.json_response({"name": name, "node": node.config.node_id, "state": "starting",
+        return web.json_response({"name": name, "node": services.node_id, "state": "starting",
                                   "error": "this node has not applied the forward yet"})
     if entry is None:
         raise QueueError(e.E_UNKNOWN_FORWARD, f"no forward {name}")
-    stats = node.forwarders.stats(name)
+    stats = request.app[FORWARDERS].stats(name)
     if stats is not None:
         return web.json_response(stats)
     source = cluster.queues.get(entry.source)
-    if source is not None and source.master != node.config.node_id and "X-Forwarded-By" not in request.headers:
-        return await proxy_to(request, node, source.master)
-    return web.json_response({**entry.to_json(), "node": node.config.node_id, "state": "not running",
+    if source is not None and source.master != services.node_id and PASSED_ON_BY not in request.headers:
+        return await services.pass_on(request, source.master)
+    return web.json_response({**entry.to_json(), "node": services.node_id, "state": "not running",
                               "error": "its source's master has not started it (yet)"})
 
 
@@ -128,7 +130,8 @@ async def delete_forward(request: web.Request) -> web.Response:
     return web.json_response({"name": name, "deleted": True})
 
 
-def add_routes(app: web.Application) -> None:
+def add_routes(app: web.Application, forwarders: Forwarders) -> None:
+    app[FORWARDERS] = forwarders
     r = app.router
     r.add_post("/v1/forwards", create_forward)
     r.add_get("/v1/forwards", list_forwards)

@@ -36,7 +36,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -51,6 +51,11 @@ from replication.cluster_map import ForwardEntry
 from wire import errors as e
 from wire.errors import QueueError
 from wire.protocol import DeliveredMessage
+
+if TYPE_CHECKING:
+    from qserver.features.macro.service import MacroService
+    from qserver.services import NodeServices
+    from replication.queue_core import QueueCore
 
 log = logging.getLogger("qserver.features.forwards.forwarder")
 RECONCILE_INTERVAL_S = 0.5       # how often a node looks for forwards to start or stop
@@ -172,11 +177,29 @@ def weight_of(depth: int, max_depth: int, bands: int) -> int:
     return min(bands - 1, depth * bands // max(1, max_depth))
 
 
+# The commands the forwarder sends the engine, each made by a factory of its replier; built by
+# these functions so that each binds the values of its moment, not a loop's variables.
+Factory = Callable[[c.FutureReplier], c.Command]
+
+
+def _receive(source: str, most: int, wait_ms: int) -> Factory:
+    return lambda r: c.Receive(source, most, wait_ms, VISIBILITY_MS, CLUSTER_CLIENT, r)
+
+
+def _ack_many(source: str, acks: tuple[tuple[int, str], ...]) -> Factory:
+    return lambda r: c.AckMany(source, acks, CLUSTER_CLIENT, r)
+
+
+def _extend(source: str, message: DeliveredMessage) -> Factory:
+    return lambda r: c.Ack(source, message.message_id, message.receipt, CLUSTER_CLIENT, r, extend_ms=VISIBILITY_MS)
+
+
 class Forwarder:
     """One forward's task on the master of its source queue."""
 
-    def __init__(self, node: Any, entry: ForwardEntry) -> None:
-        self._node = node
+    def __init__(self, services: NodeServices, macros: MacroService, entry: ForwardEntry) -> None:
+        self._services = services
+        self._macros = macros        # its client in the cluster's name sends into a queue of this cluster
         self.entry = entry
         self.state = "starting"
         self.error = ""
@@ -199,10 +222,9 @@ class Forwarder:
         self._url_turn = 0
 
     # --- the source -------------------------------------------------------------------------
-    def _core(self) -> Any:
-        engine = self._node.engine
-        core = engine.cores.get(self.entry.source)
-        if core is None or self.entry.source not in engine.pairs.masters:
+    def _core(self) -> QueueCore:
+        core = self._services.master_core(self.entry.source)
+        if core is None:
             raise QueueError(e.E_NOT_MASTER, f"this node is not the master of {self.entry.source}")
         return core
 
@@ -220,7 +242,7 @@ class Forwarder:
     # --- the destination -----------------------------------------------------------------------
     def _destination(self) -> AsyncClient:
         if not self.entry.urls:          # a queue of this cluster: the cluster itself sends
-            return self._node.macros.client_for(CLUSTER_CLIENT)  # type: ignore[no-any-return]
+            return self._macros.client_for(CLUSTER_CLIENT)
         if self._client is None:
             url = self.entry.urls[self._url_turn % len(self.entry.urls)]
             key, ca_file = self._credentials()
@@ -233,15 +255,14 @@ class Forwarder:
         against: its own (that cluster's, given at creation), else this cluster's (an older
         forward, or one made without it), else the system's."""
         entry = self.entry
-        key, ca = open_secret(self._node.auth.cluster_secret, entry.name, entry.client_id, entry.secret)
+        key, ca = open_secret(self._services.cluster_secret, entry.name, entry.client_id, entry.secret)
         if ca:
-            folder = Path(self._node.config.data_dir) / FORWARD_CA_DIR
+            folder = Path(self._services.config.data_dir) / FORWARD_CA_DIR
             folder.mkdir(mode=0o700, exist_ok=True)
             path = folder / f"{entry.identity}.pem"
             path.write_text(ca)
             return key, str(path)
-        tls = self._node.config.tls_files()
-        return key, tls[2] if tls else ""
+        return key, self._services.tls_ca_file()
 
     async def _drop_client(self) -> None:
         """After a failed session: the next attempt starts afresh, at the next URL given."""
@@ -320,7 +341,7 @@ class Forwarder:
             self._set_rate(rate)
 
     async def _pump(self, client: AsyncClient) -> None:
-        engine, entry = self._node.engine, self.entry
+        services, entry = self._services, self.entry
         core = self._core()
         incarnation = core.record.incarnation or core.queue_id
         while True:
@@ -331,8 +352,7 @@ class Forwarder:
                 # rise: the message holding it down (delayed until now, say) is taken meanwhile.
                 wanted = await self._bucket.acquire(BATCH_MAX)
                 wait_ms = 0 if self._held else RECEIVE_WAIT_MS
-                got = await engine.call(lambda r, n=wanted, w=wait_ms: c.Receive(entry.source, n, w, VISIBILITY_MS,
-                                                                                 CLUSTER_CLIENT, r))
+                got = await services.call(_receive(entry.source, wanted, wait_ms))
                 self._bucket.give_back(wanted - len(got))
                 if not got and not self._held:
                     continue
@@ -371,7 +391,7 @@ class Forwarder:
             if stored:
                 # An ack refused (its lease ran out) leaves the message to be sent again: a repeat there.
                 acks = tuple((m.message_id, m.receipt) for m in stored)
-                await engine.call(lambda r, a=acks: c.AckMany(entry.source, a, CLUSTER_CLIENT, r))
+                await services.call(_ack_many(entry.source, acks))
                 self.stored += len(stored)
                 for priority in {m.priority for m in stored}:
                     self._floors[priority] = max(self._floors.get(priority, 1), candidates[priority])
@@ -405,8 +425,8 @@ class Forwarder:
 
     async def _release(self, message: DeliveredMessage) -> None:
         """Give a held message back to the source (one delivery more)."""
-        await self._node.engine.call(lambda r: c.Ack(self.entry.source, message.message_id, message.receipt,
-                                                     CLUSTER_CLIENT, r, release=True))
+        await self._services.call(lambda r: c.Ack(self.entry.source, message.message_id, message.receipt,
+                                                  CLUSTER_CLIENT, r, release=True))
 
     async def _keep_leases(self) -> None:
         """Extend the leases of what the forwarder holds (also between sessions: a partition
@@ -415,12 +435,10 @@ class Forwarder:
         later, a repeat at the destination if it got there)."""
         if not self._held or time.monotonic() - self._leased_at < VISIBILITY_MS / 2000:
             return
-        engine, source = self._node.engine, self.entry.source
         kept = []
         for message in self._held:
             try:
-                await engine.call(lambda r, m=message: c.Ack(source, m.message_id, m.receipt, CLUSTER_CLIENT, r,
-                                                             extend_ms=VISIBILITY_MS))
+                await self._services.call(_extend(self.entry.source, message))
                 kept.append(message)
             except QueueError as error:
                 if error.code != e.E_LEASE_EXPIRED.code:
@@ -437,8 +455,8 @@ class Forwarder:
                 await asyncio.wait_for(self._release(message), 2.0)
 
     def stats(self) -> dict[str, Any]:
-        core = self._node.engine.cores.get(self.entry.source)
-        return {**self.entry.to_json(), "node": self._node.config.node_id, "state": self.state, "error": self.error,
+        core = self._services.held_core(self.entry.source)
+        return {**self.entry.to_json(), "node": self._services.node_id, "state": self.state, "error": self.error,
                 "rate": self.rate, "weight": self.weight, "terms": self.terms, "sent": self.sent,
                 "stored": self.stored, "refused": self.refused, "sessions": self.sessions, "held": len(self._held),
                 "floors": {str(priority): floor for priority, floor in sorted(self._floors.items())},
@@ -451,8 +469,9 @@ class Forwarder:
 class Forwarders:
     """This node's forwarders: one per forward whose source queue it masters."""
 
-    def __init__(self, node: Any) -> None:
-        self._node = node
+    def __init__(self, services: NodeServices, macros: MacroService) -> None:
+        self._services = services
+        self._macros = macros
         self.running: dict[str, tuple[Forwarder, asyncio.Task[None]]] = {}
         self._task: asyncio.Task[None] | None = None
 
@@ -468,12 +487,11 @@ class Forwarders:
             await asyncio.sleep(RECONCILE_INTERVAL_S)
 
     def _reconcile(self) -> None:
-        engine = self._node.engine
-        if engine.coordinator is None:
+        cluster = self._services.cluster_map
+        if cluster is None:
             return
-        forwards = engine.coordinator.membership.cluster_map.forwards
-        wanted = {name: entry for name, entry in forwards.items()
-                  if entry.source in engine.pairs.masters and entry.source in engine.cores}
+        wanted = {name: entry for name, entry in cluster.forwards.items()
+                  if self._services.master_core(entry.source) is not None}
         for name, (forwarder, task) in list(self.running.items()):
             entry = wanted.get(name)
             if entry is None or entry.created_ms != forwarder.entry.created_ms or task.done():
@@ -481,7 +499,7 @@ class Forwarders:
                 del self.running[name]
         for name, entry in wanted.items():
             if name not in self.running:
-                forwarder = Forwarder(self._node, entry)
+                forwarder = Forwarder(self._services, self._macros, entry)
                 log.info("forward %s: starting here (%s -> %s)", name, entry.source, entry.destination)
                 self.running[name] = (forwarder, asyncio.get_running_loop().create_task(forwarder.run()))
 

@@ -37,7 +37,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from qserver.core import commands as c
 from qserver.metrics import render_family
@@ -45,7 +45,13 @@ from replication.options import is_valid_queue_name
 from replication.queue_core import SEQUENCE_FLOOR_HEADER, SEQUENCE_HEADER, SEQUENCE_KEY_HEADER
 from wire import errors as e
 from wire.errors import QueueError
+from wire.message_input import payload_refusal
 from wire.protocol import ForwardDataOp, ForwardRate, ForwardSessionOp
+
+if TYPE_CHECKING:
+    from qserver.services import NodeServices
+    from replication.options import QueueOptions
+    from replication.queue_core import QueueCore
 
 log = logging.getLogger("qserver.features.forwards.root")
 KEEPALIVE_MAX_S = 1.0       # a forwarder keeps its session alive at least this often (and every T, if shorter)
@@ -74,8 +80,8 @@ class Session:
 
 
 class ForwardRoot:
-    def __init__(self, node: Any) -> None:
-        self._node = node
+    def __init__(self, services: NodeServices) -> None:
+        self._services = services
         self._sessions: dict[str, dict[Key, Session]] = {}    # queue -> (client, forward) -> session
         self._computed: dict[str, float] = {}                 # queue -> when its rates were last sent
         self._task: asyncio.Task[None] | None = None
@@ -128,12 +134,13 @@ class ForwardRoot:
                                                  f"at most {STREAM_CHARS_MAX} printable characters")
         session.weight, session.heard = op.weight, time.monotonic()
         session.received += len(op.items)
-        body_bytes_max = self._node.config.body_bytes_max
+        body_bytes_max = self._services.config.body_bytes_max
         gathered = _Gathered(connection, op.request_id, len(op.items))
-        submit = self._node.engine.submit
+        submit = self._services.submit
         for position, (payload, priority, number, ttl_ms, headers) in enumerate(op.items):
-            if len(payload) > body_bytes_max:
-                gathered.fail(position, QueueError(e.E_PAYLOAD_TOO_LARGE, f"message over {body_bytes_max} bytes"))
+            refusal = payload_refusal(payload, body_bytes_max)
+            if refusal is not None:
+                gathered.fail(position, refusal)
                 continue
             numbered = {**(headers or {}), SEQUENCE_KEY_HEADER: op.stream, SEQUENCE_HEADER: str(number),
                         SEQUENCE_FLOOR_HEADER: str(min(op.floor, number))}
@@ -145,24 +152,24 @@ class ForwardRoot:
                 del sessions[key]
                 log.info("forward %s of client %s: its connection to the root of %s closed", key[1], key[0], queue)
 
-    def _master_core(self, queue: str) -> Any:
-        engine = self._node.engine
-        core = engine.cores.get(queue)
+    def _master_core(self, queue: str) -> QueueCore:
+        services = self._services
+        core = services.held_core(queue)
         if core is None:
-            cluster = engine.coordinator.membership.cluster_map if engine.coordinator is not None else None
+            cluster = services.cluster_map
             if cluster is not None and queue not in cluster.queues:
                 raise QueueError(e.E_UNKNOWN_QUEUE, f"no queue {queue}")
             raise QueueError(e.E_NOT_MASTER, f"queue {queue} is not held here")
-        if engine.coordinator is not None and queue not in engine.pairs.masters:
+        if services.clustered and not services.is_master(queue):
             raise QueueError(e.E_NOT_MASTER, f"this node is not the master of {queue}")
         return core
 
     # --- rates ---------------------------------------------------------------------------------
     @staticmethod
-    def _hold_s(options: Any) -> float:
+    def _hold_s(options: QueueOptions) -> float:
         return max(HOLD_MIN_S, HOLD_INTERVALS * min(KEEPALIVE_MAX_S, options.forward_interval_s))
 
-    def _assign(self, queue: str, options: Any, *, opening: Session | None = None) -> None:
+    def _assign(self, queue: str, options: QueueOptions, *, opening: Session | None = None) -> None:
         """Compute the queue's rates and send them (a session being opened learns its own in
         the answer: the paper's initial R/n)."""
         sessions = self._sessions.get(queue, {})
@@ -196,9 +203,9 @@ class ForwardRoot:
         """Drop silent sessions (and all of a queue mastered here no more); send the rates
         every T. Returns how soon to look again."""
         sessions = self._sessions[queue]
-        engine = self._node.engine
-        core = engine.cores.get(queue)
-        if core is None or (engine.coordinator is not None and queue not in engine.pairs.masters):
+        services = self._services
+        core = services.held_core(queue)
+        if core is None or (services.clustered and not services.is_master(queue)):
             del self._sessions[queue]
             self._computed.pop(queue, None)
             return TICK_MAX_S
@@ -261,7 +268,7 @@ def _check_forward_id(forward: str) -> None:
                                        f"{forward[:40]!r}")
 
 
-def _check_weight(weight: int, options: Any) -> None:
+def _check_weight(weight: int, options: QueueOptions) -> None:
     """A weight is a fill band of the queue's `forward_bands` (qserver/features/forwards/forwarder.py weight_of):
     a larger one would take the others' share (docs/PROTOCOL.md "Forwards")."""
     if not 0 <= weight < options.forward_bands:

@@ -15,12 +15,10 @@ from typing import Any
 
 from aiohttp import web
 
-from qserver.api.http_api import (
+from qserver.api.http_common import (
     NAMES_PAGE_DEFAULT,
     NAMES_PAGE_MAX,
-    NODE,
     call,
-    coordinator_of,
     json_body,
     number_param,
     page_of,
@@ -30,7 +28,9 @@ from qserver.api.http_api import (
     queue_name,
 )
 from qserver.core import commands as c
+from qserver.services import SERVICES
 from replication.cluster_map import (
+    ClusterMap,
     CreateMacro,
     DeleteMacro,
     FastestBy,
@@ -52,8 +52,8 @@ def macro_name(request: web.Request) -> str:
     return name
 
 
-def _cluster_map(request: web.Request) -> Any:
-    return coordinator_of(request).membership.cluster_map
+def _cluster_map(request: web.Request) -> ClusterMap:
+    return request.app[SERVICES].require_cluster_map()
 
 
 def describe(request: web.Request, name: str) -> dict[str, Any]:
@@ -149,9 +149,9 @@ async def head(request: web.Request) -> web.Response:
     """The message a receive would lease next, leased by no one (200 `{"id", "priority",
     "enqueued_ms"}`), waiting up to `wait_s` for one (204 when none came)."""
     name = queue_name(request, "get")
-    node = request.app[NODE]
-    wait_s = number_param(request, "wait_s", 0.0, 0.0, node.config.receive_wait_max_s)
-    found = await call(node.engine, lambda r: c.Head(name, int(wait_s * 1000), r), wait_s)
+    services = request.app[SERVICES]
+    wait_s = number_param(request, "wait_s", 0.0, 0.0, services.config.receive_wait_max_s)
+    found = await call(services, lambda r: c.Head(name, int(wait_s * 1000), r), wait_s)
     if not found:
         return web.Response(status=204)
     return web.json_response(found[0])

@@ -15,7 +15,7 @@ import collections
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from client.aio import AsyncClient, Message
 from client.credentials import Credentials
@@ -24,6 +24,9 @@ from qserver.api.auth import delegated_signature
 from qserver.metrics import render_family
 from wire.errors import QueueError
 from wire.signing import Signer
+
+if TYPE_CHECKING:
+    from qserver.services import NodeServices
 
 log = logging.getLogger("qserver.macro")
 CLIENTS_MAX = 32                # callers with a client library instance kept here (least recently used go)
@@ -51,15 +54,15 @@ class DelegatedCredentials(Credentials):
 
 
 class MacroService:
-    def __init__(self, node: Any, secret: bytes) -> None:
-        self._node = node
-        self._secret = secret
+    def __init__(self, services: NodeServices) -> None:
+        self._services = services
+        self._secret = services.cluster_secret
         self._clients: OrderedDict[str, AsyncClient] = OrderedDict()
         self.calls: collections.Counter[str] = collections.Counter()    # REST calls served, by outcome
 
     def is_macro(self, name: str) -> bool:
-        coordinator = self._node.engine.coordinator
-        return coordinator is not None and name in coordinator.membership.cluster_map.macros
+        cluster = self._services.cluster_map
+        return cluster is not None and name in cluster.macros
 
     def client_for(self, client_id: str) -> AsyncClient:
         """A client library instance that calls in `client_id`'s name (delegated; qserver/api/auth.py)."""
@@ -68,9 +71,9 @@ class MacroService:
             del self._clients[client_id]         # its grants changed or it was removed: start afresh
             client = None
         if client is None:
-            tls = self._node.config.tls_files()
-            credentials = DelegatedCredentials(client_id, "", self._node.url, tls[2] if tls else "", self._secret)
-            client = self._clients[client_id] = AsyncClient(self._node.url, credentials)
+            url = self._services.url
+            credentials = DelegatedCredentials(client_id, "", url, self._services.tls_ca_file(), self._secret)
+            client = self._clients[client_id] = AsyncClient(url, credentials)
             while len(self._clients) > CLIENTS_MAX:
                 _, oldest = self._clients.popitem(last=False)
                 asyncio.get_running_loop().create_task(oldest.close())
@@ -98,8 +101,8 @@ class MacroService:
         return messages
 
     def render_metrics(self) -> list[str]:
-        coordinator = self._node.engine.coordinator
-        macros = coordinator.membership.cluster_map.macros if coordinator is not None else {}
+        cluster = self._services.cluster_map
+        macros = cluster.macros if cluster is not None else {}
         calls = [({"op": key.split()[0], "outcome": key.split()[1]}, count) for key, count in sorted(self.calls.items())]
         return (render_family("qserver_macro_queues", "gauge", "macro queues in the cluster map", [({}, len(macros))])
                 + render_family("qserver_macro_members", "gauge", "member queues per macro queue",

@@ -8,10 +8,9 @@ from typing import Any
 
 from aiohttp import web
 
-from qserver.api.http_api import (
+from qserver.api.http_common import (
     NAMES_PAGE_DEFAULT,
     NAMES_PAGE_MAX,
-    coordinator_of,
     json_body,
     page_of,
     page_params,
@@ -19,6 +18,7 @@ from qserver.api.http_api import (
     principal,
     propose,
 )
+from qserver.services import SERVICES
 from replication.cluster_map import ALTERNATIVES_MAX, RemoveRecipient, SetAlternatives
 from replication.options import is_valid_queue_name
 from wire import errors as e
@@ -40,7 +40,7 @@ async def put_alternatives(request: web.Request) -> web.Response:
             isinstance(item, str) for item in items):
         raise QueueError(e.E_INVALID_OPTION, f'the body is {{"alternatives": ["recipient=queue", ...]}}, at most '
                                              f'{ALTERNATIVES_MAX}')
-    cluster = coordinator_of(request).membership.cluster_map
+    cluster = request.app[SERVICES].require_cluster_map()
     chain, queues = [], []
     for item in items:
         other, _, queue = item.partition("=")
@@ -63,7 +63,7 @@ async def put_alternatives(request: web.Request) -> web.Response:
 async def get_alternatives(request: web.Request) -> web.Response:
     principal(request).require("admin", "*")
     name = recipient_name(request)
-    cluster = coordinator_of(request).membership.cluster_map
+    cluster = request.app[SERVICES].require_cluster_map()
     return web.json_response({"recipient": name, "alternatives": list(cluster.alternatives.get(name, ())),
                               "queues": list(cluster.alternative_queues.get(name, ()))})
 
@@ -75,7 +75,7 @@ async def list_recipients(request: web.Request) -> web.Response:
     as GET /v1/queues)."""
     limit, after = page_params(request, NAMES_PAGE_DEFAULT, NAMES_PAGE_MAX)
     caller = principal(request)
-    cluster = coordinator_of(request).membership.cluster_map
+    cluster = request.app[SERVICES].require_cluster_map()
     chains: dict[str, Any] = cluster.alternatives
 
     def visible(name: str) -> bool:     # an administrator sees all; a client, the recipients of its queues
@@ -102,7 +102,7 @@ async def remove_recipient(request: web.Request) -> web.Response:
     if not outcome.applied:
         raise QueueError(e.E_UNKNOWN_RECIPIENT, f"no recipient {name}: it never subscribed and has no "
                                                 "alternatives, or was removed")
-    chains: dict[str, Any] = coordinator_of(request).membership.cluster_map.alternatives
+    chains: dict[str, Any] = request.app[SERVICES].require_cluster_map().alternatives
     named_by = sorted(other for other, chain in chains.items() if name in chain)
     return web.json_response({"recipient": name, "removed": True, "named_by": named_by})
 

@@ -40,7 +40,7 @@ import contextlib
 import json
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qserver.api.auth import CLUSTER_CLIENT, Principal
 from qserver.core import commands as c
@@ -52,10 +52,18 @@ from replication.cluster_map import (
     RecipientEntry,
     RecipientState,
 )
-from replication.options import FAILED_OVER_FROM, FAULT, ORIGIN_PRODUCER, REPLY_TO, RETURNED_FROM, QueueType, Strength
+from replication.options import QueueType, Strength
 from wire import errors as e
 from wire.errors import QueueError
+from wire.message_input import FAILED_OVER_FROM, FAULT, ORIGIN_PRODUCER, REPLY_TO, RETURNED_FROM
 from wire.protocol import DeliveredMessage
+
+if TYPE_CHECKING:
+    from client.aio import AsyncClient
+    from qserver.features.macro.service import MacroService
+    from qserver.services import NodeServices, Subscription
+    from replication.cluster_map import ClusterMap
+    from replication.queue_core import QueueCore
 
 log = logging.getLogger("qserver.features.surveillance.watch")
 WATCH_INTERVAL_S = 0.2
@@ -69,8 +77,9 @@ WAIT_AGAIN = "messages wait for it again"
 
 
 class RecipientWatch:
-    def __init__(self, node: Any) -> None:
-        self._node = node
+    def __init__(self, services: NodeServices, macros: MacroService) -> None:
+        self._services = services
+        self._macros = macros          # its client in the cluster's name moves and returns messages
         self._last_take: dict[tuple[str, str], float] = {}      # (queue, recipient) -> monotonic
         self._waiting_since: dict[str, float] = {}               # queue -> monotonic, since seen not empty
         self._proposing: dict[str, str] = {}                    # recipient -> state proposed, unanswered
@@ -85,19 +94,18 @@ class RecipientWatch:
         self._task: asyncio.Task[None] | None = None
 
     # --- the map ----------------------------------------------------------------------------
-    def _map(self) -> Any:
-        coordinator = self._node.engine.coordinator
-        return None if coordinator is None else coordinator.membership.cluster_map
+    def _map(self) -> ClusterMap | None:
+        return self._services.cluster_map
 
     def entry(self, recipient: str) -> RecipientEntry | None:
         cluster = self._map()
-        return None if cluster is None else cluster.recipients.get(recipient)  # type: ignore[no-any-return]
+        return None if cluster is None else cluster.recipients.get(recipient)
 
     def _propose(self, recipient: str, queue: str, state: str, reason: str, owner: str = "") -> None:
         """Propose a state (once at a time per recipient); the map is the authority. `owner`:
         the client subscribing, should this bind a new name (the map bounds the names each
         client binds, RECIPIENTS_PER_CLIENT_MAX)."""
-        if self._node.engine.coordinator is None or self._proposing.get(recipient) == state:
+        if not self._services.clustered or self._proposing.get(recipient) == state:
             return
         self._proposing[recipient] = state
 
@@ -110,7 +118,7 @@ class RecipientWatch:
     def _note(self, entry: RecipientEntry, reason: str) -> None:
         """Propose a restated reason (once at a time per recipient), for the spell of the state
         the entry is in: a note about a spell that ended meanwhile is refused by the map."""
-        if self._node.engine.coordinator is None or entry.name in self._noting:
+        if not self._services.clustered or entry.name in self._noting:
             return
         self._noting.add(entry.name)
 
@@ -121,8 +129,7 @@ class RecipientWatch:
         self._submit(NoteRecipient(entry.name, entry.queue, entry.state, entry.since_ms, reason), finish)
 
     def _submit(self, command: PutRecipient | NoteRecipient, finish: Any) -> None:
-        engine = self._node.engine
-        engine.invoke(lambda _: engine.coordinator.propose_checked(command, finish, lambda outcomes: outcomes))
+        self._services.propose(command, finish, lambda outcomes: outcomes)
 
     # --- what the recipients do (qserver/api/ws_api.py) --------------------------------------------
     def check_subscribe(self, queue: str, recipient: str, client_id: str) -> None:
@@ -157,7 +164,7 @@ class RecipientWatch:
     def took(self, queue: str, recipient: str, message_ids: list[int]) -> None:
         """The recipient acknowledged or released messages: it is alive (its probe, in fault)."""
         self._last_take[(queue, recipient)] = time.monotonic()
-        for subscription in self._node.engine.recipient_subscriptions(queue, recipient):
+        for subscription in self._services.recipient_subscriptions(queue, recipient):
             for message_id in message_ids:
                 subscription.pushed.pop(message_id, None)
         entry = self.entry(recipient)
@@ -181,14 +188,13 @@ class RecipientWatch:
         cluster = self._map()
         if cluster is None:
             return
-        engine = self._node.engine
-        masters = engine.pairs.masters
+        services = self._services
         now, now_ms = time.monotonic(), int(time.time() * 1000)
-        here = engine.recipients_here()
+        here = services.recipients_here()
         self._forget_gone(cluster, here, now)
         for (queue, recipient), subscriptions in here.items():
-            core = engine.cores.get(queue)
-            if core is None or queue not in masters:
+            core = services.master_core(queue)
+            if core is None:
                 continue
             entry = cluster.recipients.get(recipient)
             state = entry.state if entry is not None else None
@@ -205,15 +211,14 @@ class RecipientWatch:
                               f"took no message for {options.fault_interval_s:g} s while {core.depth} waited")
             if options.message_interval_s and state == RecipientState.OK:
                 head = core.head()
-                with self._node.storage.reads() as storage:
-                    enqueued = storage.enqueued_ms(core.queue_id, head[0]) if head else None
+                enqueued = services.enqueued_ms(core.queue_id, head[0]) if head else None
                 if enqueued is not None and now_ms - enqueued >= options.message_interval_s * 1000:
                     self._ensure_mover(recipient, queue, overdue_only=True)
         for entry in list(cluster.recipients.values()):
-            if entry.queue not in masters or entry.queue not in engine.cores:
+            core = services.master_core(entry.queue)
+            if core is None:
                 self._unsettled.pop(entry.name, None)         # its master judges it
                 continue
-            core = engine.cores[entry.queue]
             options = core.options
             if entry.state == RecipientState.OK and options.fault_interval_s and options.strength is Strength.FULL \
                     and (entry.queue, entry.name) not in here:
@@ -236,13 +241,13 @@ class RecipientWatch:
             if seen != entry.state:
                 # Announced by the master of its queue, once (every node follows the states);
                 # a node that starts announces the recipients it finds not ok.
-                if entry.queue in masters and (seen is not None or entry.state != RecipientState.OK):
+                if services.is_master(entry.queue) and (seen is not None or entry.state != RecipientState.OK):
                     self._event(entry)
                 self._seen[entry.name] = entry.state
-        for queue in [queue for queue in self._waiting_since if queue not in masters]:
+        for queue in [queue for queue in self._waiting_since if not services.is_master(queue)]:
             del self._waiting_since[queue]
 
-    def _forget_gone(self, cluster: Any, here: dict[tuple[str, str], list[Any]], now: float) -> None:
+    def _forget_gone(self, cluster: ClusterMap, here: dict[tuple[str, str], list[Subscription]], now: float) -> None:
         """Forget what this node keeps for recipients the map no longer holds (removed, or gone
         with their queue): every node applies the same map, and each forgets its own. One still
         subscribed here starts afresh, with its whole interval, and is registered again when it
@@ -261,7 +266,7 @@ class RecipientWatch:
         for key in [key for key in self._last_take if key[1] not in cluster.recipients and key not in here]:
             del self._last_take[key]
 
-    def _restate(self, entry: RecipientEntry, core: Any, now: float) -> None:
+    def _restate(self, entry: RecipientEntry, core: QueueCore, now: float) -> None:
         """Keep the reason of a recipient in fault or defunct true to what waits for it. It
         says how many messages waited when it entered the state; once none waits (a purge took
         them, its probe too) it says "nothing waits for it now", and when some wait again, so.
@@ -277,7 +282,7 @@ class RecipientWatch:
         cause = entry.reason.split(";", 1)[0].split(" while ", 1)[0]    # "took no message for 5 s"
         self._note(entry, f"{cause}; {WAIT_AGAIN if waiting else NOTHING_WAITS}")
 
-    def _idle_while_waiting(self, core: Any, recipient: str, now: float) -> float:
+    def _idle_while_waiting(self, core: QueueCore, recipient: str, now: float) -> float:
         """How long the recipient has taken no message while its queue held some: counted
         from its last take or from when the queue was last seen empty, whichever came later
         (a recipient idle for an hour over an empty queue is not in fault the moment one
@@ -288,13 +293,13 @@ class RecipientWatch:
         waiting_since = self._waiting_since.setdefault(core.name, now)
         return now - max(waiting_since, self._last_take.setdefault((core.name, recipient), now))
 
-    def _apply(self, queue: str, state: str | None, subscriptions: list[Any]) -> None:
+    def _apply(self, queue: str, state: str | None, subscriptions: list[Subscription]) -> None:
         """Make the recipient's subscriptions here match its state in the map."""
-        engine = self._node.engine
+        services = self._services
         if state == RecipientState.DEFUNCT:
             for subscription in subscriptions:
                 self._release(queue, subscription, keep_probe=False)
-                engine.end_subscription(subscription, QueueError(
+                services.end_subscription(subscription, QueueError(
                     e.E_RECIPIENT_DEFUNCT, f"recipient {subscription.recipient} is defunct: subscribe again"))
             return
         held = state == RecipientState.FAULT
@@ -304,28 +309,25 @@ class RecipientWatch:
                 self._release(queue, subscription, keep_probe=True)
             elif not held and subscription.held:
                 subscription.held = False
-                engine.invoke(lambda _, q=queue: engine.serve_soon(q))
+                services.serve_soon(queue)
 
-    def _release(self, queue: str, subscription: Any, *, keep_probe: bool) -> None:
+    def _release(self, queue: str, subscription: Subscription, *, keep_probe: bool) -> None:
         """What the recipient was pushed and has not taken goes back to the queue (to fail
         over), the oldest excepted while in fault: its probe."""
         pushed = sorted(subscription.pushed.items())
         if keep_probe:
             pushed = pushed[1:]
-        engine = self._node.engine
         for message_id, receipt in pushed:
             subscription.pushed.pop(message_id, None)
-            engine.submit(c.Ack(queue, message_id, receipt, CLUSTER_CLIENT, _Quiet(), release=True))
+            self._services.submit(c.Ack(queue, message_id, receipt, CLUSTER_CLIENT, _Quiet(), release=True))
 
     def _event(self, entry: RecipientEntry) -> None:
         """A state change this node is to announce (it masters the recipient's queue)."""
         self.events[(entry.name, entry.state)] += 1
         log.warning("recipient %s of %s: %s (%s)", entry.name, entry.queue, entry.state, entry.reason)
-        engine = self._node.engine
-        core = engine.cores.get(entry.queue)
+        core = self._services.held_core(entry.queue)
         if core is not None:
-            engine.invoke(lambda _: engine.journal_event(core, "recipient", entry.name,
-                                                         f"{entry.state}: {entry.reason}"))
+            self._services.journal_event(core, "recipient", entry.name, f"{entry.state}: {entry.reason}")
         cluster = self._map()
         if cluster is not None and EVENTS_CHANNEL in cluster.channels:
             document = json.dumps({"event": "recipient_state", **entry.to_json()}).encode()
@@ -349,7 +351,7 @@ class RecipientWatch:
         nothing can take now stays leased to the mover, its lease extended, and is tried again:
         given back and leased anew at each try, its delivery count would grow to the queue's
         max_deliveries and dead-letter it. What the mover holds when it stops goes back."""
-        engine = self._node.engine
+        services = self._services
         count = 1 if overdue_only else MOVE_BATCH
         held: list[DeliveredMessage] = []
         leased_at = 0.0
@@ -357,9 +359,10 @@ class RecipientWatch:
             while True:
                 if not self._may_move(recipient, queue, overdue_only):
                     return
-                entry, core = self.entry(recipient), engine.cores[queue]
+                entry, core = self.entry(recipient), services.held_core(queue)
+                assert entry is not None and core is not None, "_may_move holds both"
                 if not held:
-                    held = await engine.call(lambda r: c.Receive(queue, count, 0, MOVE_VISIBILITY_MS,
+                    held = await services.call(lambda r: c.Receive(queue, count, 0, MOVE_VISIBILITY_MS,
                                                                  CLUSTER_CLIENT, r))
                     leased_at = time.monotonic()
                     if not held:
@@ -370,14 +373,13 @@ class RecipientWatch:
                     if overdue_only and not self._overdue(core, held[0]):
                         return        # given back below
                 while held and self._may_move(recipient, queue, overdue_only) \
-                        and await self._fail_over(entry, core, held[0]):     # type: ignore[arg-type]
+                        and await self._fail_over(entry, core, held[0]):
                     held.pop(0)
                 if held:              # nothing takes it now: hold on, and try again in a moment
                     await self._pause(recipient, queue, overdue_only)
                     if time.monotonic() - leased_at > MOVE_VISIBILITY_MS / 2000:
                         for message in held:
-                            await engine.call(lambda r, m=message: c.Ack(
-                                queue, m.message_id, m.receipt, CLUSTER_CLIENT, r, extend_ms=MOVE_VISIBILITY_MS))
+                            await self._settle(queue, message, extend_ms=MOVE_VISIBILITY_MS)
                         leased_at = time.monotonic()
         except QueueError as error:
             log.info("recipient %s: fail-over paused: %s", recipient, error)
@@ -400,23 +402,22 @@ class RecipientWatch:
         """The overdue mover runs while the recipient is ok, the other while it is not; both
         only on the queue's master."""
         entry = self.entry(recipient)
-        engine = self._node.engine
-        if entry is None or queue not in engine.cores or queue not in engine.pairs.masters:
+        if entry is None or self._services.master_core(queue) is None:
             return False
         return overdue_only == (entry.state == RecipientState.OK)
 
-    def _overdue(self, core: Any, message: DeliveredMessage) -> bool:
-        with self._node.storage.reads() as storage:
-            enqueued = storage.enqueued_ms(core.queue_id, message.message_id)
+    def _overdue(self, core: QueueCore, message: DeliveredMessage) -> bool:
+        enqueued = self._services.enqueued_ms(core.queue_id, message.message_id)
         return enqueued is not None and \
             int(time.time() * 1000) - enqueued >= core.options.message_interval_s * 1000
 
-    async def _fail_over(self, entry: RecipientEntry, core: Any, message: DeliveredMessage) -> bool:
+    async def _fail_over(self, entry: RecipientEntry, core: QueueCore, message: DeliveredMessage) -> bool:
         """To the first ok alternative, else back to its sender; True once it left the queue.
         An alternative takes the message only in the queue the administrator's chain names for
         it, and only while that administrator may `post` there: the cluster enqueues as itself
         (the headers it sets are its own), on the chain's authority, never on a client's."""
         cluster = self._map()
+        assert cluster is not None, "movers run in a cluster only (_check)"
         dedupe = f"fo:{core.record.incarnation or core.queue_id}:{message.message_id}"
         headers = {**(message.headers or {}), FAILED_OVER_FROM: entry.name,
                    ORIGIN_PRODUCER: self._producer_of(core, message)}
@@ -446,7 +447,7 @@ class RecipientWatch:
             return True
         return await self._return_to_sender(entry, core, message, dedupe)
 
-    async def _return_to_sender(self, entry: RecipientEntry, core: Any, message: DeliveredMessage,
+    async def _return_to_sender(self, entry: RecipientEntry, core: QueueCore, message: DeliveredMessage,
                                 dedupe: str) -> bool:
         fault = f"recipient {entry.name} is {entry.state} and no alternative is ok"
         reply_to = (message.headers or {}).get(REPLY_TO)
@@ -477,28 +478,28 @@ class RecipientWatch:
         return True
 
     async def _settle(self, queue: str, message: DeliveredMessage, *, release: bool = False,
-                      reply: bytes | None = None) -> None:
-        await self._node.engine.call(lambda r: c.Ack(queue, message.message_id, message.receipt, CLUSTER_CLIENT, r,
-                                                     release=release, reply_payload=reply))
+                      reply: bytes | None = None, extend_ms: int | None = None) -> None:
+        """Acknowledge a message the watch leased (or release it, answer it, extend its lease)."""
+        await self._services.call(lambda r: c.Ack(queue, message.message_id, message.receipt, CLUSTER_CLIENT, r,
+                                                  release=release, reply_payload=reply, extend_ms=extend_ms))
 
-    def _cluster_client(self) -> Any:
-        return self._node.macros.client_for(CLUSTER_CLIENT)
+    def _cluster_client(self) -> AsyncClient:
+        return self._macros.client_for(CLUSTER_CLIENT)
 
-    def _producer_of(self, core: Any, message: DeliveredMessage) -> str:
+    def _producer_of(self, core: QueueCore, message: DeliveredMessage) -> str:
         """The client that enqueued the message first: the origin a move recorded, else the
         message's own producer ("" when the storage no longer knows it)."""
         origin = (message.headers or {}).get(ORIGIN_PRODUCER)
         if origin:
             return origin
-        with self._node.storage.reads() as storage:
-            return storage.producer(core.queue_id, message.message_id) or ""
+        return self._services.producer(core.queue_id, message.message_id) or ""
 
     def _may_post(self, client_id: str, queue: str) -> bool:
         """Whether `client_id`, as the registry holds it now, may post to `queue` (always, with
         authentication off: no client has grants then)."""
-        if not self._node.auth.enabled:
+        if not self._services.auth_enabled:
             return True
-        record = self._node.engine.clients.get(client_id)
+        record = self._services.client_record(client_id)
         return record is not None and Principal(client_id, record["grants"]).allows("post", queue)
 
     # --- metrics and the end -------------------------------------------------------------------

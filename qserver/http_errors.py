@@ -1,4 +1,4 @@
-"""The error envelope of DESIGN.md 4.4 as an aiohttp response, for every HTTP surface,
+"""The error envelope (docs/PROTOCOL.md, "Errors") as an aiohttp response, for every HTTP surface,
 including what aiohttp refuses itself before any handler runs."""
 from __future__ import annotations
 

@@ -1,0 +1,202 @@
+"""`AdminCalls`: the client's admin and REST-only calls, signed REST through `client/http.py`.
+
+Each is one request to the node the client was given (`self.http`); those that change the
+cluster map (macro queues, channels) read it again after, so the client's own next call sees
+the change. Kept apart from `AsyncClient` (client/aio.py), which mixes it in, because none of
+it touches the WebSocket, the batching or the router: it is the REST API's surface, one method
+per route.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from typing import Any, Protocol, cast
+
+from client.http import Grant, HttpClient
+from wire.errors import QueueError
+
+
+class _MapReader(Protocol):
+    """What the class mixing this in has: reading the cluster map again (AsyncClient)."""
+
+    async def refresh_placement(self, queue: str | None = None) -> None: ...
+
+
+class AdminCalls:
+    """Admin and REST-only calls, mixed into `AsyncClient`; `http` is its REST client."""
+
+    http: HttpClient
+
+    # --- queues, macro queues, clients and the cluster ------------------------------------------
+    async def create_queue(self, name: str, **options: Any) -> dict[str, Any]:
+        return await self.http.create_queue(name, **options)
+
+    async def delete_queue(self, name: str) -> dict[str, Any]:
+        return await self.http.delete_queue(name)
+
+    async def purge(self, name: str) -> dict[str, Any]:
+        """Take every message the queue holds now, ready or leased, out of it for good (admin
+        grant): `{"queue", "purged"}`, and under `producer` `"members"`, each member's count."""
+        return await self.http.purge(name)
+
+    async def redrive(self, name: str, limit: int | None = None) -> dict[str, Any]:
+        """Move up to `limit` (all there are now when None) of the queue's dead letters back
+        into it, each at its priority as a new message (admin grant): `{"queue", "redriven"}`,
+        `"stopped"` with the error code that ended it early, and under `producer` `"members"`."""
+        return await self.http.redrive(name, limit)
+
+    async def list_queues(self) -> list[dict[str, Any]]:
+        """Every queue this client may see, by name (the client walks the server's pages)."""
+        return await self.http.list_queues()
+
+    async def queue_page(self, limit: int = 1000, after: str | None = None) -> dict[str, Any]:
+        """One page of the queues: `{"queues": [...], "next": name or None}` (1 <= limit <= 1000;
+        `after`: the previous page's `next`)."""
+        return await self.http.queue_page(limit, after)
+
+    async def create_macro(self, name: str, producer: str = "round_robin", consumer: str = "prioritized",
+                           fastest_by: str = "response_time") -> dict[str, Any]:
+        """Define a macro queue (admin; client/macro.py says what the policies do); add its
+        members with `add_macro_member`. Enqueue, receive and consume on it as on a queue."""
+        return await self._changed_map(self.http.create_macro(name, producer, consumer, fastest_by))
+
+    async def delete_macro(self, name: str) -> dict[str, Any]:
+        """Forget a macro queue; its members and their messages stay."""
+        return await self._changed_map(self.http.delete_macro(name))
+
+    async def add_macro_member(self, name: str, queue: str, priority: int = 0, weight: int = 1) -> dict[str, Any]:
+        """Add a queue to a macro queue (or set its `priority`, 0-9, for the `prioritized`
+        consumer policy, and its `weight`, 1-100, for the `round_robin` producer policy)."""
+        return await self._changed_map(self.http.add_macro_member(name, queue, priority, weight))
+
+    async def remove_macro_member(self, name: str, queue: str) -> dict[str, Any]:
+        return await self._changed_map(self.http.remove_macro_member(name, queue))
+
+    async def list_macros(self) -> list[dict[str, Any]]:
+        return await self.http.list_macros()
+
+    async def describe_macro(self, name: str) -> dict[str, Any]:
+        """A macro queue's definition, each member with its pair (master, replica, epoch)."""
+        return await self.http.macro(name)
+
+    async def queue_stats(self, name: str) -> dict[str, Any]:
+        return await self.http.queue_stats(name)
+
+    async def reply(self, queue: str, message_id: int, receipt: str, body: bytes) -> None:
+        await self.http.reply(queue, message_id, receipt, body)
+
+    async def message_status(self, queue: str, message_id: int, wait_s: float = 0.0,
+                             until: str | None = None) -> dict[str, Any]:
+        return await self.http.message_status(queue, message_id, wait_s, until)
+
+    async def register_client(self, name: str, grants: Iterable[Grant],
+                              public_key: str | None = None) -> dict[str, Any]:
+        return await self.http.register_client(name, grants, public_key)
+
+    async def list_clients(self) -> list[dict[str, Any]]:
+        return await self.http.list_clients()
+
+    async def remove_client(self, client_id: str) -> dict[str, Any]:
+        return await self.http.remove_client(client_id)
+
+    async def set_grants(self, client_id: str, grants: Iterable[Grant]) -> dict[str, Any]:
+        return await self.http.set_grants(client_id, grants)
+
+    async def cluster(self) -> dict[str, Any]:
+        return await self.http.cluster()
+
+    async def handoff(self, queue: str, initiator: str = "master") -> dict[str, Any]:
+        return await self.http.handoff(queue, initiator)
+
+    async def promote(self, queue: str, *, unclean: bool = False) -> dict[str, Any]:
+        return await self.http.promote(queue, unclean=unclean)
+
+    async def move_queue(self, queue: str, member: str, to: str) -> dict[str, Any]:
+        return await self.http.move_queue(queue, member, to)
+
+    async def rebalance(self) -> dict[str, Any]:
+        return await self.http.rebalance()
+
+    async def add_node(self, node_id: str, url: str) -> dict[str, Any]:
+        return await self.http.add_node(node_id, url)
+
+    async def drain_node(self, node_id: str) -> dict[str, Any]:
+        return await self.http.drain_node(node_id)
+
+    async def remove_node(self, node_id: str) -> dict[str, Any]:
+        return await self.http.remove_node(node_id)
+
+    async def undrain_node(self, node_id: str) -> dict[str, Any]:
+        """A draining node serves again (draining -> up); `rebalance` then brings it members."""
+        return await self.http.undrain_node(node_id)
+
+    async def _changed_map(self, change: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
+        result = await change
+        with contextlib.suppress(QueueError):     # this client's own calls see the change at once
+            await cast(_MapReader, self).refresh_placement()
+        return result
+
+    # --- channels, recipients and forwards (seeds 001-003) ----------------------------------------
+    async def create_channel(self, name: str, delivery_class: str = "latest",
+                             resend_interval_s: float = 0.0) -> dict[str, Any]:
+        """Define a channel (admin): `latest` or `acked`; `resend_interval_s` > 0 sends the last
+        value again after that long without a publish."""
+        return await self._changed_map(self.http.put_channel(name, delivery_class, resend_interval_s))
+
+    async def characterize(self, name: str, delivery_class: str) -> dict[str, Any]:
+        """Change a channel's delivery class (from its next publish)."""
+        return await self._changed_map(self.http.put_channel(name, delivery_class))
+
+    async def set_resend_interval(self, name: str, seconds: float) -> dict[str, Any]:
+        return await self._changed_map(self.http.put_channel(name, resend_interval_s=seconds))
+
+    async def typeof(self, name: str) -> dict[str, Any]:
+        """A channel's delivery class, resend interval and where it is served."""
+        return await self.http.channel(name)
+
+    async def delete_channel(self, name: str) -> dict[str, Any]:
+        return await self._changed_map(self.http.delete_channel(name))
+
+    async def list_channels(self) -> list[dict[str, Any]]:
+        return await self.http.list_channels()
+
+    async def subscriptions(self, channel: str) -> list[dict[str, Any]]:
+        """A durable channel's subscriptions: each one's `floor`, the messages `waiting` for it,
+        whether a reader is `attached` and how many it holds `unacknowledged`."""
+        return await self.http.subscriptions(channel)
+
+    async def drop_subscription(self, channel: str, name: str) -> dict[str, Any]:
+        """End a durable subscription for good (admin): its backlog is no longer kept."""
+        return await self.http.drop_subscription(channel, name)
+
+    async def set_alternatives(self, recipient: str, alternatives: Sequence[str]) -> dict[str, Any]:
+        """A push recipient's ordered chain of alternative recipients (seed 001; admin)."""
+        return await self.http.set_alternatives(recipient, alternatives)
+
+    async def create_forward(self, name: str, source: str, destination: str, *, urls: Sequence[str] = (),
+                             credentials: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """Store-and-forward (seed 003; admin): the master of `source` (a `full` queue here)
+        moves its messages into `destination` of the cluster at `urls`, signed there with
+        `credentials` ({"client_id", "private_key"}); no urls: a queue of this cluster."""
+        return await self.http.create_forward(name, source, destination, urls=urls, credentials=credentials)
+
+    async def forwards(self) -> list[dict[str, Any]]:
+        return await self.http.forwards()
+
+    async def forward_stats(self, name: str) -> dict[str, Any]:
+        return await self.http.forward_stats(name)
+
+    async def delete_forward(self, name: str) -> dict[str, Any]:
+        return await self.http.delete_forward(name)
+
+    async def recipients(self) -> list[dict[str, Any]]:
+        """Every recipient with its queue, state (ok, fault, defunct) and alternatives."""
+        return await self.http.recipients()
+
+    async def alternatives(self, recipient: str) -> list[str]:
+        return await self.http.alternatives(recipient)
+
+    async def remove_recipient(self, recipient: str) -> dict[str, Any]:
+        """Forget a recipient (admin): its state and alternatives; what fault surveillance holds
+        for it goes back to its queue. E_UNKNOWN_RECIPIENT when the cluster does not know it."""
+        return await self.http.remove_recipient(recipient)

@@ -1,0 +1,137 @@
+"""`qctl` commands of queues and their messages: queue create, list, stats, delete, purge,
+redrive, and put, get, ack, extend (with reading a payload from the command line or stdin).
+
+One of the command groups client/qctl.py's parser dispatches to (qctl_render.py renders).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from client.http import HttpClient
+from client.qctl_render import Outcome, format_fields, payload_fields, queue_table
+from replication.options import QueueOptions
+from wire.errors import E_INVALID_OPTION, QueueError
+
+DEFAULT_OPTIONS = QueueOptions().to_json()     # `queue create` shows the options that differ from these
+
+
+async def cmd_queue_create(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    description = await http.create_queue(
+        args.name, strength=args.strength, type=args.queue_type, max_depth=args.max_depth,
+        visibility_timeout_s=args.visibility_timeout_s, max_deliveries=args.max_deliveries,
+        dead_letter=args.dead_letter, min_in_sync=args.min_in_sync, message_ttl_s=args.message_ttl_s,
+        fault_interval_s=args.fault_interval_s, defunct_interval_s=args.defunct_interval_s,
+        message_interval_s=args.message_interval_s, forward_rate=args.forward_rate,
+        forward_interval_s=args.forward_interval_s, forward_mode=args.forward_mode, forward_bands=args.forward_bands)
+    return Outcome(description, format_fields(created_summary(description)))
+
+
+def created_summary(description: dict[str, Any]) -> dict[str, Any]:
+    """What a person set when creating a queue: its name, strength, type, the options that
+    differ from the defaults and where its pair lives. The rest (counters, replication
+    internals) is in --json and `qctl queue stats`."""
+    options = description.get("options") or {}
+    state = "created" if description.get("created") else "it existed: opened"
+    summary: dict[str, Any] = {"queue": f"{description.get('name')} ({state})",
+                               "strength": options.get("strength"), "type": options.get("type")}
+    summary.update({name: value for name, value in options.items()
+                    if name not in ("strength", "type") and name in DEFAULT_OPTIONS and value != DEFAULT_OPTIONS[name]})
+    summary.update(master=description.get("master"), replica=description.get("replica"))
+    return summary
+
+
+async def cmd_queue_list(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    queues = await http.list_queues()
+    return Outcome({"queues": queues}, queue_table(queues) if queues else "no queues")
+
+
+async def cmd_queue_stats(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    stats = await http.queue_stats(args.name)
+    return Outcome(stats, format_fields(stats))
+
+
+async def cmd_queue_delete(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    answer = await http.delete_queue(args.name)
+    return Outcome(answer, f"deleted {args.name}")
+
+
+async def cmd_queue_purge(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    answer = await http.purge(args.name)
+    return Outcome(answer, f"purged {answer['purged']} messages from {args.name}{_each_member(answer)}")
+
+
+async def cmd_queue_redrive(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    answer = await http.redrive(args.name, args.limit)
+    stopped = f"; stopped by {answer['stopped']}" if answer.get("stopped") else ""
+    return Outcome(answer, f"moved {answer['redriven']} dead letters back into {args.name}{_each_member(answer)}{stopped}")
+
+
+def _each_member(answer: dict[str, Any]) -> str:
+    """What each member did, when the operation ran on each member's own copy (`producer`)."""
+    members = answer.get("members")
+    return "" if not members else " (" + ", ".join(f"{node}: {did}" for node, did in sorted(members.items())) + ")"
+
+
+def read_payload(args: argparse.Namespace) -> bytes:
+    """The payload argument, or stdin for "-". A terminal is told that stdin is read (it would
+    otherwise wait in silence), and an empty stdin (say /dev/null, or a pipe whose writer failed)
+    is refused unless --empty says it is meant; an explicit "" argument is meant."""
+    if args.data != "-":
+        return args.data.encode()
+    if sys.stdin.isatty():
+        print("reading the payload from stdin: end it with Ctrl-D (or give it as an argument)", file=sys.stderr)
+    payload = sys.stdin.buffer.read()
+    if not payload and not args.empty:
+        raise QueueError(E_INVALID_OPTION, 'the payload from stdin is empty: pass --empty (or "") to send an empty '
+                                           "message")
+    return payload
+
+
+async def cmd_put(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    payload = read_payload(args)
+    answer = await http.enqueue_answer(args.queue, payload, args.priority, args.dedupe_id, ttl_s=args.ttl_s,
+                                       delay_s=args.delay_s, headers=_headers(args.header))
+    if "macro" not in answer:
+        return Outcome({"queue": args.queue, "id": answer["id"]}, f"id: {answer['id']}")
+    copies = answer["copies"]          # a macro queue: its producer policy chose the member(s)
+    return Outcome(answer, f"id: {answer['id']} in {answer['queue']}" + (f" (copies: {copies})" if len(copies) > 1
+                                                                          else ""))
+
+
+def _headers(given: list[str]) -> dict[str, str] | None:
+    """--header NAME=VALUE, repeated."""
+    headers = {}
+    for item in given:
+        name, equals, value = item.partition("=")
+        if not equals or not name:
+            raise QueueError(E_INVALID_OPTION, f"--header takes NAME=VALUE, not {item!r}")
+        headers[name] = value
+    return headers or None
+
+
+async def cmd_get(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    found = await http.receive_from(args.queue, args.wait_s, args.visibility_timeout_s)
+    if found is None:
+        return Outcome(None, "no message")
+    queue, message = found          # on a macro queue, the member its consumer policy chose
+    if args.ack:
+        await http.ack_http(queue, message.message_id, message.receipt)
+    document = {"queue": queue, "id": message.message_id, "receipt": message.receipt,
+                "priority": message.priority, "deliveries": message.deliveries,
+                "headers": message.headers or {}, "acked": bool(args.ack), **payload_fields(message.payload)}
+    shown = {key: value for key, value in document.items() if key not in ("payload", "payload_b64")}
+    shown["payload"] = message.payload.decode(errors="backslashreplace")
+    return Outcome(document, format_fields(shown))
+
+
+async def cmd_ack(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    await http.ack_http(args.queue, args.message_id, args.receipt)
+    return Outcome({"queue": args.queue, "acked": args.message_id}, f"acked {args.message_id}")
+
+
+async def cmd_extend(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    await http.extend_http(args.queue, args.message_id, args.receipt, args.visibility_timeout_s)
+    return Outcome({"queue": args.queue, "extended": args.message_id, "visibility_timeout_s": args.visibility_timeout_s},
+                   f"extended {args.message_id} by {args.visibility_timeout_s:g} s from now")

@@ -1,0 +1,150 @@
+"""REST routes of queues as a whole: create, list, describe, delete, purge and redrive
+(docs/PROTOCOL.md, "REST"); a `producer` pair's purge and redrive run on each member.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from qserver.api.auth import PASSED_ON_BY
+from qserver.api.http_common import (
+    NODE,
+    PLACEMENT,
+    call,
+    json_body,
+    number_param,
+    page_of,
+    page_params,
+    pass_on_to,
+    principal,
+    queue_name,
+)
+from qserver.core import commands as c
+from qserver.services import SERVICES, NodeServices
+from replication.options import OptionError, is_valid_queue_name, parse_options
+from wire import errors as e
+from wire.errors import QueueError
+
+QUEUES_PAGE_DEFAULT, QUEUES_PAGE_MAX = 100, 1000       # GET /v1/queues
+# The redrive (qserver/features/redrive.py: services, queue, limit, client -> its answer), given
+# to the application by qserver/node.py: the API room imports no feature (tests/test_layers.py).
+REDRIVE: web.AppKey[Callable[[NodeServices, str, int | None, str], Awaitable[dict[str, Any]]]] = \
+    web.AppKey("redrive")
+
+
+async def put_queue(request: web.Request) -> web.Response:
+    name = queue_name(request, "admin")
+    try:
+        options, placement = parse_options(await json_body(request))
+    except OptionError as error:
+        raise QueueError(e.E_INVALID_OPTION, str(error)) from None
+    engine = request.app[NODE].engine
+    chosen = request.headers.get(PLACEMENT, "").split(",")
+    if PASSED_ON_BY in request.headers and len(chosen) == 2:
+        placement.setdefault("master", chosen[0])
+        placement.setdefault("replica", chosen[1])
+    result = await call(engine, lambda r: c.CreateQueue(name, options, placement, r))
+    return web.json_response(result, status=201 if result["created"] else 200)
+
+
+async def empty_queue_name(request: web.Request) -> web.Response:
+    raise QueueError(e.E_INVALID_NAME, "the queue name is empty")
+
+
+async def list_queues(request: web.Request) -> web.Response:
+    """Every queue the caller may see, by name, a page at a time (`limit`, `after`: the last
+    name of the previous page; `next` names this page's last when more follow). In a cluster
+    the list is the map's, the same at every node: each queue with its master, replica, epoch
+    and in-sync state, and the statistics of the members this node holds (`held_here`: the
+    master's numbers are authoritative; a replica's follow them). Only the page's queues are
+    described: the map keeps its names sorted (ClusterMap.queue_names)."""
+    engine = request.app[NODE].engine
+    who = principal(request)
+    limit, after = page_params(request, QUEUES_PAGE_DEFAULT, QUEUES_PAGE_MAX)
+    coordinator = engine.coordinator
+    cluster_map = coordinator.membership.cluster_map if coordinator is not None else None
+    entries = cluster_map.queues if cluster_map is not None else {}
+    names = cluster_map.queue_names() if cluster_map is not None else sorted(engine.cores)
+    chosen, cursor = page_of(names, after, limit, who.may_see)
+    page: list[dict[str, Any]] = []
+    for name in chosen:
+        core = engine.cores.get(name)
+        listed = engine.describe(core) if core is not None else {"name": name}
+        entry = entries.get(name)
+        if entry is not None:            # the map's placement wins over what this node describes
+            listed.update({"options": listed.get("options", entry.options), "master": entry.master,
+                           "replica": entry.replica, "epoch": entry.epoch, "in_sync": entry.in_sync,
+                           "incarnation": entry.incarnation, "last_reason": entry.last_reason,
+                           "held_here": core is not None})
+        page.append(listed)
+    return web.json_response({"queues": page, "next": cursor})
+
+
+async def get_queue(request: web.Request) -> web.Response:
+    name = request.match_info["q"]
+    if not is_valid_queue_name(name):
+        raise QueueError(e.E_INVALID_NAME, "invalid queue name")
+    if not principal(request).may_see(name):
+        raise QueueError(e.E_FORBIDDEN, f"no grant covers {name}")
+    engine = request.app[NODE].engine
+    core = engine.cores.get(name)
+    if core is None:
+        engine.pairs.refuse_if_not_master(name)    # in a cluster, another node may hold it
+        raise QueueError(e.E_UNKNOWN_QUEUE, f"no queue named {name!r}")
+    stats = engine.describe(core)
+    stats.update(request.app[NODE].client_counts(name))
+    sessions = request.app[NODE].forward_root.sessions_of(name)
+    if sessions:                  # the root of forwards (seed 003): their sessions here
+        stats["forward_sessions"] = sessions
+    return web.json_response(stats)
+
+
+async def delete_queue(request: web.Request) -> web.Response:
+    name = queue_name(request, "admin")
+    return web.json_response(await call(request.app[NODE].engine, lambda r: c.DeleteQueue(name, r)))
+
+
+OWN_COPY = "X-Own-Copy"     # set by a member passing a `producer` purge or redrive on to the other
+
+
+async def purge(request: web.Request) -> web.Response:
+    """Take every message the queue holds now (ready or leased) out of it, for good. Under
+    `full` the master decides and the purge is replicated; under `producer`, see on_each_member."""
+    name = queue_name(request, "admin")
+    node = request.app[NODE]
+    result = await call(node.engine, lambda r: c.Purge(name, r))
+    return await on_each_member(request, name, result, "purged")
+
+
+async def redrive(request: web.Request) -> web.Response:
+    """Move the queue's dead letters (up to `limit`) back into it (qserver/features/redrive.py)."""
+    name = queue_name(request, "admin")
+    limit = int(number_param(request, "limit", 0, 1, 10_000_000)) or None
+    result = await request.app[REDRIVE](request.app[SERVICES], name, limit, principal(request).client_id)
+    return await on_each_member(request, name, result, "redriven")
+
+
+async def on_each_member(request: web.Request, name: str, result: dict[str, Any], count: str) -> web.Response:
+    """Under `producer` each member holds its own copy of the messages and of their
+    consumption (dead letters included): the member that ran an operator's purge or redrive
+    passes it on to the other, which runs it on its own copy; `members` says what each did,
+    or why not (a member that is down keeps its copy, as it keeps messages acked at the other)."""
+    node = request.app[NODE]
+    core = node.engine.cores.get(name)
+    entry = node.engine.pairs.view.entry(name)
+    if core is None or entry is None or core.options.strength.value != "producer" or OWN_COPY in request.headers:
+        return web.json_response(result)
+    me = node.config.node_id
+    other = entry.replica if entry.master == me else entry.master
+    members: dict[str, Any] = {me: result[count]}
+    if other:
+        answer = await pass_on_to(request, node, other, extra={OWN_COPY: "1"})
+        try:
+            document = json.loads(answer.body)       # type: ignore[arg-type]
+            members[other] = document[count] if answer.status == 200 else document["error"]["code"]
+        except (ValueError, KeyError, TypeError):
+            members[other] = e.E_INTERNAL.code
+    return web.json_response({**result, "members": members})
