@@ -17,7 +17,7 @@ from typing import Any
 from qserver.cluster.coordinator import Coordinator
 from qserver.cluster.membership import Membership
 from qserver.cluster.pairs import PairDriver
-from qserver.cluster.relay import ForwardReplier, answer_from_master, command_from_forward, forwarded_request
+from qserver.cluster.relay import RelayReplier, answer_from_master, command_from_relay, relayed_request
 from qserver.cluster.view import ClusterView
 from qserver.config import NodeConfig
 from qserver.core import commands as c
@@ -65,12 +65,12 @@ class PairRelay:
     def __init__(self, pairs: PairDriver) -> None:
         self.pairs = pairs
 
-    def forward(self, queue: str, command: c.Command) -> None:
-        self.pairs.forward(queue, forwarded_request(command), answer_from_master(command))
+    def relay(self, queue: str, command: c.Command) -> None:
+        self.pairs.relay(queue, relayed_request(command), answer_from_master(command))
 
     def run_relayed(self, role: MasterRole, request: Forward, step: Callable[[c.Command], None]) -> None:
-        replier: Any = ForwardReplier(self.pairs, role, request)
+        replier: Any = RelayReplier(self.pairs, role, request)
         try:
-            step(command_from_forward(request, replier))
+            step(command_from_relay(request, replier))
         except (QueueError, ValueError, TypeError) as error:
             replier.fail(0, error if isinstance(error, QueueError) else QueueError(E_BAD_REQUEST, str(error)))

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SERVICES", "NodeServices", "PassOn", "Redirect"]
 
-# Pass an HTTP request on to another node (qserver/api/http_api.py, proxy_to): its answer.
+# Pass an HTTP request on to another node (qserver/api/http_common.py, pass_on_to): its answer.
 PassOn = Callable[[web.Request, str], Awaitable[web.Response]]
 # finish(result) or finish(QueueError), on the engine's task (qserver/cluster/coordinator.py).
 Finish = Callable[[Any], None]

@@ -29,7 +29,7 @@ import pytest
 
 from audit.checks.group import check_group
 from audit.checks.history import HistoryEnqueue, history_as_record
-from qserver.cluster.relay import answer_from_master, forwarded_error
+from qserver.cluster.relay import answer_from_master, relayed_error
 from qserver.cluster.view import ClusterView
 from qserver.core import commands as c
 from qserver.storage.lmdb_store import SealedBatch, Storage
@@ -143,7 +143,7 @@ def test_a_forwarded_enqueue_answered_not_master_has_an_unknown_outcome() -> Non
     command = c.EnqueueMany("events", 4, (b"x",), ("d1",), "client", replier)
     answer_from_master(command)([E_NOT_MASTER.code, "this member became the master"])
     assert replier.failed[0].code == E_NOT_MASTER.code and replier.failed[0].outcome_unknown
-    assert not forwarded_error(E_QUEUE_UNAVAILABLE.code, "no member may serve").outcome_unknown
+    assert not relayed_error(E_QUEUE_UNAVAILABLE.code, "no member may serve").outcome_unknown
 
 
 @pytest.mark.asyncio
@@ -209,7 +209,7 @@ def test_a_full_master_without_a_lease_does_not_expire_leases_on_its_own() -> No
     pairs, coordinator = FakePairs(clustered=True), FakeGate(lease=False)
     engine.connect(pairs, coordinator, FakeRelay())
     assert not engine.full_master_may_decide()
-    coordinator.lease = True
+    coordinator.lease.held = True
     assert engine.full_master_may_decide()
     engine.connect(pairs, None, FakeRelay())
     assert engine.full_master_may_decide()

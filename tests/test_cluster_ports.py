@@ -28,11 +28,8 @@ class _Points:
         self.commit: int | None = 3
         self.answering = True
 
-    def commit_order(self, name: str) -> int | None:
-        return self.commit
-
-    def may_answer(self, name: str) -> bool:
-        return self.answering
+    def answer_point(self, name: str) -> tuple[int | None, bool]:
+        return self.commit, self.answering
 
 
 def test_a_held_answer_goes_out_once_the_commit_point_passes_it_and_only_while_answers_may_go() -> None:

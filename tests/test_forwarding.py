@@ -222,15 +222,15 @@ class _OneQueueOutsideACluster:
         return False
 
 
-def test_the_root_drops_a_session_it_has_not_heard_from_for_its_hold_time(monkeypatch: Any) -> None:
+def test_the_root_drops_a_session_it_has_not_heard_from_for_its_hold_time() -> None:
     """The root's side of §3.2: a forwarder silent for the hold time leaves the weight table
     (its share goes to the others); one that keeps alive stays."""
     import types
     now = [1_000.0]
-    monkeypatch.setattr(forward_root.time, "monotonic", lambda: now[0])
     options = types.SimpleNamespace(forward_rate=30.0, forward_interval_s=2.0, forward_mode="adaptive",
                                     forward_bands=10)
-    root = forward_root.ForwardRoot(cast(NodeServices, _OneQueueOutsideACluster("dst", options)))
+    root = forward_root.ForwardRoot(cast(NodeServices, _OneQueueOutsideACluster("dst", options)),
+                                    clock=lambda: now[0])
     sent: list[Any] = []
     def client(client_id: str) -> Any:
         return types.SimpleNamespace(client_id=client_id, allows=lambda privilege, queue: False)

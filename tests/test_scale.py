@@ -3,6 +3,7 @@ does not grow with the number of queues a node holds and the request never names
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import pytest
 
@@ -54,20 +55,25 @@ def test_masters_waiting_for_a_dead_replica_cost_nothing_per_request(caplog: pyt
         f"down, {few.visits_per_request():.0f} with {FEW}; most read: {many.visits.most_common(8)}")
 
 
+def asked(deadlines: dict[str, int | None]) -> Callable[[list[str]], list[int | None]]:
+    """The engine's answer to DueQueues.refresh: the deadline of each queue asked about."""
+    return lambda names: [deadlines.get(name) for name in names]
+
+
 def test_due_queues_pop_what_is_due_in_deadline_order_and_forget_superseded_deadlines() -> None:
     deadlines = {"a": 30, "b": 10, "c": None}
     due = DueQueues()
-    due.changed_all(deadlines)
-    due.refresh(deadlines.get)
+    due.changed.update(deadlines)
+    due.refresh(asked(deadlines))
     assert due.next_deadline() == 10 and len(due) == 2
     deadlines["b"] = 50                 # b's lease was acked: its next deadline moved on
-    due.changed("b")
-    due.refresh(deadlines.get)
+    due.changed.add("b")
+    due.refresh(asked(deadlines))
     assert due.next_deadline() == 30
     assert due.pop_due(40) == ["a"]
     assert due.pop_due(40) == []        # the superseded (10, "b") is never due
     deadlines["a"] = None               # its steps ran; nothing else is timed
-    due.refresh(deadlines.get)          # popped queues are asked again
+    due.refresh(asked(deadlines))          # popped queues are asked again
     assert due.next_deadline() == 50 and len(due) == 1
 
 
@@ -76,8 +82,8 @@ def test_due_queues_rebuild_their_heap_when_superseded_entries_pile_up() -> None
     deadlines = {"far": 1_000_000}
     for moment in range(10 * REBUILD_SLACK):
         deadlines["busy"] = 2_000_000 - moment     # earlier and earlier: every entry stays below
-        due.changed_all(deadlines)
-        due.refresh(deadlines.get)
+        due.changed.update(deadlines)
+        due.refresh(asked(deadlines))
     assert len(due._heap) <= 2 * len(deadlines) + REBUILD_SLACK
     assert due.pop_due(2_000_000) == ["far", "busy"]
 
@@ -85,8 +91,8 @@ def test_due_queues_rebuild_their_heap_when_superseded_entries_pile_up() -> None
 def test_due_queues_check_finds_a_deadline_that_moved_unannounced() -> None:
     deadlines = {"a": 30}
     due = DueQueues()
-    due.changed("a")
-    due.refresh(deadlines.get)
+    due.changed.add("a")
+    due.refresh(asked(deadlines))
     deadlines["a"] = 20                 # changed without changed("a"): the timer would be late
     with pytest.raises(InvariantViolation, match="queue a"):
-        due.check(deadlines, deadlines.get)
+        due.check(deadlines, asked(deadlines))

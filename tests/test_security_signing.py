@@ -19,7 +19,7 @@ from client import AsyncClient, QueueError
 from client.credentials import Credentials, load_credentials
 from client.http import queue_path
 from qserver.api import auth
-from qserver.api.auth import CLUSTER_CLIENT, Authenticator, relay_headers
+from qserver.api.auth import CLUSTER_CLIENT, Authenticator, pass_on_headers
 from qserver.dev.devcluster import LocalCluster
 from qserver.features.macro.service import DelegatedSigner
 from tests.support import raw_session
@@ -136,7 +136,7 @@ async def test_server_control_headers_from_a_client_get_no_server_behaviour(qclu
     """Issue 32, item 5. X-Forwarded-By, X-Placement and X-Own-Copy were honoured from anyone:
     a client (or an on-path party adding them) purged one member of a `producer` pair only,
     placed a new queue where it chose, and kept a non-master from passing a request on. Only a
-    relayed request (node-authenticated) may carry them now; from a client they are refused
+    request passed on (node-authenticated) may carry them now; from a client they are refused
     with E_BAD_REQUEST and nothing happens."""
     cluster: LocalCluster = qcluster_factory(3, {"events": ["n1", "n2"]})
     async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as admin:
@@ -160,7 +160,7 @@ async def test_server_control_headers_from_a_client_get_no_server_behaviour(qclu
             assert set(answer["members"]) == {"n1", "n2"}, answer
 
 
-async def test_a_relay_envelope_holds_only_at_the_node_it_names(qcluster_factory: Any) -> None:
+async def test_a_pass_on_envelope_holds_only_at_the_node_it_names(qcluster_factory: Any) -> None:
     """Issue 32, item 4. A node passing a request on signs an envelope with the cluster secret
     naming itself, the target and the principal (it no longer passes the client's replayable
     signature on). The envelope made for n1 is refused at n3 and a second time at n1, one made
@@ -171,19 +171,19 @@ async def test_a_relay_envelope_holds_only_at_the_node_it_names(qcluster_factory
     path = queue_path("jobs", "messages")
     async with AsyncClient(cluster.urls["n2"], cluster.credentials_path) as admin, raw_session() as session:
         await admin.create_queue("jobs", strength="full")
-        await admin.enqueue("jobs", b"through n2")          # an honest client at the replica: relayed
+        await admin.enqueue("jobs", b"through n2")          # an honest client at the replica: passed on
         fields = {"X-Priority": "3"}
-        envelope = {**fields, **relay_headers(secret, "n2", "n1", creds.client_id, "POST", path, [], fields, b"job")}
+        envelope = {**fields, **pass_on_headers(secret, "n2", "n1", creds.client_id, "POST", path, [], fields, b"job")}
         status, code, _ = await send(session, cluster, cluster.urls["n3"], "POST", path, b"job", envelope)
         assert (status, code) == (401, "E_UNAUTHENTICATED")
         status, code, _ = await send(session, cluster, cluster.urls["n1"], "POST", path, b"job", envelope)
         assert status == 201, code
         status, code, _ = await send(session, cluster, cluster.urls["n1"], "POST", path, b"job", envelope)
         assert (status, code) == (401, "E_REPLAYED_REQUEST")
-        forged = relay_headers(b"not the secret", "n2", "n1", creds.client_id, "POST", path, [], {}, b"job")
+        forged = pass_on_headers(b"not the secret", "n2", "n1", creds.client_id, "POST", path, [], {}, b"job")
         status, code, _ = await send(session, cluster, cluster.urls["n1"], "POST", path, b"job", forged)
         assert (status, code) == (401, "E_UNAUTHENTICATED")
-        stranger = relay_headers(secret, "n2", "n1", "c-removed", "POST", path, [], {}, b"job")
+        stranger = pass_on_headers(secret, "n2", "n1", "c-removed", "POST", path, [], {}, b"job")
         status, code, _ = await send(session, cluster, cluster.urls["n1"], "POST", path, b"job", stranger)
         assert (status, code) == (401, "E_UNAUTHENTICATED")
         assert (await admin.queue_stats("jobs"))["depth"] == 2

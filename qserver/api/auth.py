@@ -12,11 +12,11 @@ cluster-wide privileges (clients, nodes, the journal) need a grant whose pattern
 Three schemes, told apart by X-Signature's prefix: `QS2:` a client's Ed25519 signature; `QD2:`
 a node acting in a client's name (delegated_signature, macro queues over REST and the cluster
 itself); `QR1:` a node passing on a request it authenticated to the node that serves it
-(relay_signature): the envelope names both nodes and the principal, which the receiving node
-looks up in its own registry. Only a relayed request may carry the server-control headers
-(RELAY_CONTROL_HEADERS); qserver/api/http_api.py refuses them from anyone else.
+(pass_on_signature): the envelope names both nodes and the principal, which the receiving node
+looks up in its own registry. Only a request passed on may carry the server-control headers
+(PASS_ON_CONTROL_HEADERS); qserver/api/http_api.py refuses them from anyone else.
 
-Nonces are kept per client (and per relaying node), each table bounded: a client that fills
+Nonces are kept per client (and per passing node), each table bounded: a client that fills
 its own gets E_OVERLOADED, the others are not affected. Across a restart: an orderly stop
 saves the nonces of the window (`save_nonces`) and the next start loads them; after a crash
 nothing was saved, so the node refuses every request signed before it started
@@ -70,15 +70,15 @@ from wire.signing import (
 
 DELEGATED_VERSION = "QD2"
 DELEGATED_PREFIX = DELEGATED_VERSION + ":"   # X-Signature of a node acting for a client (see delegated_signature)
-RELAY_VERSION = "QR1"
-RELAY_PREFIX = RELAY_VERSION + ":"           # X-Signature of a node passing a request on (see relay_signature)
+PASS_ON_VERSION = "QR1"
+PASS_ON_PREFIX = PASS_ON_VERSION + ":"           # X-Signature of a node passing a request on (see pass_on_signature)
 PASSED_ON_BY = "X-Forwarded-By"     # the node passing a request on (the header keeps its wire name)
-RELAY_TO = "X-Relay-To"             # the node it is passed on to
+PASS_ON_TO = "X-Relay-To"             # the node it is passed on to
 # Headers only a node passing a request on sets (qserver/api/http_common.py): signed in its envelope,
-# honoured only on a relayed request, refused from a client.
-RELAY_CONTROL_HEADERS = ("X-Placement", "X-Own-Copy", "X-Map-Version")
-SERVER_CONTROL_HEADERS = (PASSED_ON_BY, RELAY_TO, *RELAY_CONTROL_HEADERS)
-RELAY_SIGNED_HEADERS = SIGNED_REQUEST_HEADERS + RELAY_CONTROL_HEADERS
+# honoured only on a request passed on, refused from a client.
+PASS_ON_CONTROL_HEADERS = ("X-Placement", "X-Own-Copy", "X-Map-Version")
+SERVER_CONTROL_HEADERS = (PASSED_ON_BY, PASS_ON_TO, *PASS_ON_CONTROL_HEADERS)
+PASS_ON_SIGNED_HEADERS = SIGNED_REQUEST_HEADERS + PASS_ON_CONTROL_HEADERS
 CLIENT_ID_CHARS_MAX = 128
 TIMESTAMP_DIGITS_MAX = 16
 NONCE_CHARS_MAX = 64
@@ -98,38 +98,38 @@ def delegated_signature(secret: bytes, message: bytes) -> str:
                                        hashlib.sha256).hexdigest()
 
 
-def relay_message(from_id: str, to_id: str, client_id: str, method: str, path: str,
+def pass_on_message(from_id: str, to_id: str, client_id: str, method: str, path: str,
                   query: Iterable[tuple[str, str]], timestamp_ms: int, nonce: str,
                   headers: Mapping[str, str] | None, body: bytes) -> bytes:
-    return canonical_text(RELAY_VERSION, (from_id, to_id, client_id), method, path, query, timestamp_ms, nonce,
-                          header_values(headers, RELAY_SIGNED_HEADERS), body)
+    return canonical_text(PASS_ON_VERSION, (from_id, to_id, client_id), method, path, query, timestamp_ms, nonce,
+                          header_values(headers, PASS_ON_SIGNED_HEADERS), body)
 
 
-def relay_signature(secret: bytes, message: bytes) -> str:
+def pass_on_signature(secret: bytes, message: bytes) -> str:
     """The envelope of a request a node passes on (docs/PROTOCOL.md, "Signing"): HMAC-SHA256
-    with the cluster secret over relay_message, which names the passing node, the node it goes
+    with the cluster secret over pass_on_message, which names the passing node, the node it goes
     to, the principal the passing node authenticated, the request, a fresh timestamp and nonce."""
-    return RELAY_PREFIX + hmac.new(secret, message, hashlib.sha256).hexdigest()
+    return PASS_ON_PREFIX + hmac.new(secret, message, hashlib.sha256).hexdigest()
 
 
-def relay_headers(secret: bytes, from_id: str, to_id: str, client_id: str, method: str, path: str,
+def pass_on_headers(secret: bytes, from_id: str, to_id: str, client_id: str, method: str, path: str,
                   query: Iterable[tuple[str, str]], headers: Mapping[str, str], body: bytes) -> dict[str, str]:
     """The headers that make a request node-authenticated, to add to `headers` (whose
-    X-Priority, X-Dedupe-Id, X-Headers and RELAY_CONTROL_HEADERS it signs)."""
+    X-Priority, X-Dedupe-Id, X-Headers and PASS_ON_CONTROL_HEADERS it signs)."""
     stamp = int(time.time() * 1000)
     nonce = os.urandom(16).hex()
-    message = relay_message(from_id, to_id, client_id, method, path, query, stamp, nonce, headers, body)
+    message = pass_on_message(from_id, to_id, client_id, method, path, query, stamp, nonce, headers, body)
     return {HEADER_CLIENT: client_id, HEADER_TIMESTAMP: str(stamp), HEADER_NONCE: nonce, PASSED_ON_BY: from_id,
-            RELAY_TO: to_id, HEADER_SIGNATURE: relay_signature(secret, message)}
+            PASS_ON_TO: to_id, HEADER_SIGNATURE: pass_on_signature(secret, message)}
 
 
 PRIVILEGES = frozenset({"post", "get", "delete", "admin"})
 ADMIN_GRANTS = [{"pattern": "*", "privileges": sorted(PRIVILEGES)}]
 # Nonces kept: per client (its requests inside the window: 250,000 is over 800 signed REST
-# requests a second for the whole window), per relaying node, and in all; past the whole bound
+# requests a second for the whole window), per passing node, and in all; past the whole bound
 # a client holding more than its fair share is refused (E_OVERLOADED), the others go on.
 NONCES_PER_CLIENT_MAX = 250_000
-NONCES_PER_RELAY_MAX = 2_000_000
+NONCES_PER_PASSING_NODE_MAX = 2_000_000
 NONCES_KEPT_MAX = 4_000_000
 GRANTS_MAX = 100
 
@@ -156,7 +156,7 @@ class Principal:
     client_id: str
     grants: list[dict[str, Any]]
     _cache: dict[tuple[str, str], bool] = field(default_factory=dict)
-    relayed_by: str | None = None       # the node that passed the request on (a relay's sender), if any
+    passed_on_by: str | None = None       # the node that passed the request on (its envelope's sender), if any
 
     def allows(self, privilege: str, queue: str) -> bool:
         key = (privilege, queue)
@@ -203,10 +203,10 @@ class Authenticator:
         self.not_before_ms = not_before_ms  # requests signed earlier are refused (see the module)
         self.enabled = enabled
         self._keys: dict[str, tuple[str, Ed25519PublicKey]] = {}
-        self.cluster_secret = b""         # set in a cluster: accepts delegated and relayed requests
-        self.node_id = node_id            # this node: relayed requests must name it
+        self.cluster_secret = b""         # set in a cluster: accepts delegated requests and requests passed on
+        self.node_id = node_id            # this node: requests passed on must name it
         self.audiences = frozenset(audiences)   # this node's own addresses (audience_of): see bind
-        # Per client (and "relay:<node>"): nonce -> the ms until which it must be kept.
+        # Per client (and "passed-on:<node>"): nonce -> the ms until which it must be kept.
         self._nonces: dict[str, collections.OrderedDict[str, int]] = {}
         self._nonces_total = 0
         self._next_sweep_ms = 0
@@ -214,7 +214,7 @@ class Authenticator:
 
     def bind(self, node_id: str, audiences: Iterable[str]) -> None:
         """This node's id and the addresses it answers at (host:port, audience_of): a request
-        addressed to another is refused, a relayed one must name `node_id`."""
+        addressed to another is refused, one passed on must name `node_id`."""
         self.node_id = node_id
         self.audiences = frozenset(audience_of(a) for a in audiences)
 
@@ -223,9 +223,9 @@ class Authenticator:
         """The principal of a request (`secure`: it came over TLS, for the default port of a
         `Host` without one)."""
         if not self.enabled:
-            relayed_by = headers.get(PASSED_ON_BY)
-            return ANONYMOUS_ADMIN if relayed_by is None else Principal("anonymous", ADMIN_GRANTS,
-                                                                        relayed_by=relayed_by)
+            passed_on_by = headers.get(PASSED_ON_BY)
+            return ANONYMOUS_ADMIN if passed_on_by is None else Principal("anonymous", ADMIN_GRANTS,
+                                                                        passed_on_by=passed_on_by)
         try:
             return self._authenticate(method, path, list(query), headers, body, secure)
         except QueueError as error:
@@ -245,7 +245,7 @@ class Authenticator:
             raise QueueError(E_UNAUTHENTICATED, "malformed signing headers (X-Client-Id up to 128 characters, "
                                                 "X-Timestamp digits, X-Nonce up to 64, X-Signature up to 256)")
         scheme = signature[:4]
-        if scheme not in (SIGNATURE_PREFIX, DELEGATED_PREFIX, RELAY_PREFIX):
+        if scheme not in (SIGNATURE_PREFIX, DELEGATED_PREFIX, PASS_ON_PREFIX):
             raise QueueError(E_UNAUTHENTICATED, "this request is signed with another scheme: " + SCHEME_TEXT)
         getall = getattr(headers, "getall", None)
         if getall is not None:
@@ -258,8 +258,8 @@ class Authenticator:
             raise QueueError(E_STALE_REQUEST, "the request timestamp is outside the accepted window")
         if timestamp_ms < self.not_before_ms:
             raise QueueError(E_STALE_REQUEST, "the request was signed before this node restarted: sign it again")
-        if scheme == RELAY_PREFIX:
-            return self._relayed(client_id, method, path, query, timestamp_ms, nonce, signature, headers, body,
+        if scheme == PASS_ON_PREFIX:
+            return self._passed_on(client_id, method, path, query, timestamp_ms, nonce, signature, headers, body,
                                  now_ms)
         host = headers.get("Host") or ""
         audience = audience_of(host, secure=secure)
@@ -286,26 +286,26 @@ class Authenticator:
         self._remember_nonce(client_id, nonce, timestamp_ms, now_ms, NONCES_PER_CLIENT_MAX)
         return Principal(client_id, record["grants"])
 
-    def _relayed(self, client_id: str, method: str, path: str, query: list[tuple[str, str]], timestamp_ms: int,
+    def _passed_on(self, client_id: str, method: str, path: str, query: list[tuple[str, str]], timestamp_ms: int,
                  nonce: str, signature: str, headers: Any, body: bytes, now_ms: int) -> Principal:
-        """A request another node authenticated and passes on (relay_signature): the envelope
+        """A request another node authenticated and passes on (pass_on_signature): the envelope
         must name this node, and the principal is looked up in this node's own registry (a
         client removed here is refused here, whatever the passing node still knows)."""
-        from_id, to_id = headers.get(PASSED_ON_BY) or "", headers.get(RELAY_TO) or ""
+        from_id, to_id = headers.get(PASSED_ON_BY) or "", headers.get(PASS_ON_TO) or ""
         if not self.cluster_secret or not from_id or len(from_id) > CLIENT_ID_CHARS_MAX:
             raise QueueError(E_UNAUTHENTICATED, "unknown client or bad signature")
         if to_id != self.node_id:
             raise QueueError(E_UNAUTHENTICATED, f"a request passed on to node {to_id[:100]!r} reached "
-                                                f"{self.node_id}: a relay holds only at the node it names")
-        expected = relay_signature(self.cluster_secret, relay_message(
+                                                f"{self.node_id}: a request passed on holds only at the node it names")
+        expected = pass_on_signature(self.cluster_secret, pass_on_message(
             from_id, to_id, client_id, method, path, query, timestamp_ms, nonce, headers, body))
         if not hmac.compare_digest(signature.encode("utf-8", "surrogateescape"), expected.encode()):
             raise QueueError(E_UNAUTHENTICATED, "unknown client or bad signature")
         record = {"grants": ADMIN_GRANTS} if client_id == CLUSTER_CLIENT else self._clients.get(client_id)
         if record is None:
             raise QueueError(E_UNAUTHENTICATED, f"client {client_id} is not registered at this node (removed?)")
-        self._remember_nonce("relay:" + from_id, nonce, timestamp_ms, now_ms, NONCES_PER_RELAY_MAX)
-        return Principal(client_id, record["grants"], relayed_by=from_id)
+        self._remember_nonce("passed-on:" + from_id, nonce, timestamp_ms, now_ms, NONCES_PER_PASSING_NODE_MAX)
+        return Principal(client_id, record["grants"], passed_on_by=from_id)
 
     def _public_key(self, client_id: str, record: dict[str, Any]) -> Ed25519PublicKey:
         cached = self._keys.get(client_id)
@@ -340,7 +340,7 @@ class Authenticator:
                 continue
             kept = self._nonces.setdefault(str(owner), collections.OrderedDict())
             for nonce, until_ms in sorted(table.items(), key=lambda item: item[1] if isinstance(item[1], int) else 0):
-                if isinstance(until_ms, int) and until_ms >= now_ms and len(kept) < NONCES_PER_RELAY_MAX:
+                if isinstance(until_ms, int) and until_ms >= now_ms and len(kept) < NONCES_PER_PASSING_NODE_MAX:
                     kept[str(nonce)] = until_ms
                     self._nonces_total += 1
         return True

@@ -48,7 +48,7 @@ async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamR
             who = node.auth.authenticate(request.method, raw_path, request.rel_url.query.items(), request.headers,
                                          body, secure=request.secure)
             request["principal"] = who
-            if who.relayed_by is None:
+            if who.passed_on_by is None:
                 refuse_server_control_headers(request)
             else:
                 await until_map_version(node, request.headers.get(MAP_VERSION))
@@ -99,7 +99,7 @@ def own_addresses(config: Any) -> set[str]:
 
 def refuse_server_control_headers(request: web.Request) -> None:
     """The headers a node sets when it passes a request on change what the next node does (a
-    new queue's placement, a purge of one member's copy only); only a relayed request, whose
+    new queue's placement, a purge of one member's copy only); only a request passed on, whose
     envelope signs them, may carry them (docs/PROTOCOL.md, "Signing")."""
     for name in SERVER_CONTROL_HEADERS:
         if name in request.headers:

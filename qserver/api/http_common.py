@@ -18,7 +18,7 @@ import aiohttp
 import yarl
 from aiohttp import web
 
-from qserver.api.auth import PASSED_ON_BY, SERVER_CONTROL_HEADERS, Principal, relay_headers
+from qserver.api.auth import PASSED_ON_BY, SERVER_CONTROL_HEADERS, Principal, pass_on_headers
 from qserver.core import commands as c
 from qserver.core.engine import Engine
 from qserver.http_errors import error_response
@@ -205,7 +205,7 @@ async def pass_on_to(request: web.Request, node: Any, target: str, placement: tu
                      extra: Mapping[str, str] | None = None) -> web.Response:
     """Pass the request on to node `target`, once (the X-Forwarded-By header), in an envelope
     signed with the cluster secret that names this node, `target` and the principal this node
-    authenticated (qserver/api/auth.py, relay_headers; docs/PROTOCOL.md, "Signing"): the client's
+    authenticated (qserver/api/auth.py, pass_on_headers; docs/PROTOCOL.md, "Signing"): the client's
     own signature is not passed on, so it never holds at a node it did not address, and the
     target looks the principal up in its own registry."""
     master = target
@@ -220,7 +220,7 @@ async def pass_on_to(request: web.Request, node: Any, target: str, placement: tu
     body = await request.read()
     # Exactly the path this node saw: a URL built from a string is normalized (yarl decodes
     # %3A in `channel%3Aname` to `:`), and the target would check another path.
-    headers.update(relay_headers(node.auth.cluster_secret, node.config.node_id, master, principal(request).client_id,
+    headers.update(pass_on_headers(node.auth.cluster_secret, node.config.node_id, master, principal(request).client_id,
                                  request.method, request.raw_path.split("?", 1)[0], request.rel_url.query.items(),
                                  headers, body))
     url = yarl.URL(node.engine.pairs.view.url(master) + request.raw_path, encoded=True)

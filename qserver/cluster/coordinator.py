@@ -405,7 +405,7 @@ class Coordinator:
             finish(result)
         if handoff.replica_request is not None:
             self._answer_replica(name, handoff.replica_request, failure)
-        for command in handoff.parked:           # they meet the new roles (a replica forwards)
+        for command in handoff.parked:           # they meet the new roles (a replica relays)
             self.scheduler.resubmit(command)
 
     def _answer_replica(self, name: str, request: tuple[str, int], failure: str | None) -> None:

@@ -24,12 +24,10 @@ if TYPE_CHECKING:
 
 class CommitPoints(Protocol):
     """Where a queue's commit point is here (None: this node holds no role of it), and whether
-    its answers may go out now (a master without its lease, or restarted in its role, holds them)."""
+    its answers may go out now (a master without its lease, or restarted in its role, holds
+    them): both in one call, asked for every answer held or released."""
 
-    def commit_order(self, name: str) -> int | None:
-        ...
-
-    def may_answer(self, name: str) -> bool:
+    def answer_point(self, name: str) -> tuple[int | None, bool]:
         ...
 
 
@@ -57,7 +55,7 @@ class HeldAnswers:
     def hold(self, name: str, required_order: int, release: Any, refuse: Any = None, *, write: bool = False) -> bool:
         """Park an answer until the commit point passes required_order; False: answer now.
         `write`: an enqueue's answer (see refuse_unreplicated_writes)."""
-        commit = self.points.commit_order(name)
+        commit, may_answer = self.points.answer_point(name)
         if required_order == OUTCOME_UNKNOWN or (commit is None and self.clustered):
             # Decided here as the master, which this node stopped being (or it no longer holds
             # the queue) before it committed: it may or may not survive.
@@ -65,7 +63,7 @@ class HeldAnswers:
                 refuse(QueueError(E_NOT_MASTER, f"queue {name}: this node stopped being its master before the "
                                                 "operation committed", outcome_unknown=True))
             return True          # a push is dropped: its lease runs out and it is delivered again
-        if commit is None or (required_order <= commit and self.points.may_answer(name)):
+        if commit is None or (required_order <= commit and may_answer):
             return False
         self.held.setdefault(name, collections.deque()).append(
             HeldAnswer(required_order, release, refuse, self.monotonic_ms() + self.wait_max_ms, write))
@@ -75,9 +73,11 @@ class HeldAnswers:
         """Answer what the commit point of each of `names` has passed."""
         for queue in names:
             waiting = self.held.get(queue)
-            if not waiting or not self.points.may_answer(queue):
+            if not waiting:
                 continue
-            commit = self.points.commit_order(queue)
+            commit, may_answer = self.points.answer_point(queue)
+            if not may_answer:
+                continue
             # Answers are held in (nearly) increasing order: release from the front. One that
             # needs less than the one before it only waits for that one.
             while waiting and commit is not None and waiting[0].required_order <= commit:

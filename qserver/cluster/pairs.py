@@ -86,6 +86,9 @@ class PairDriver:
     def __init__(self, view: ClusterView, limits: ReplicationLimits, *, config: NodeConfig, storage: PairStorage,
                  staging: Staging, instances: Instances, scheduler: Scheduler, events: PairEvents) -> None:
         self.view = view
+        # Whether the node is in a cluster, fixed with its view's membership: an attribute, as
+        # the core asks it several times a command (its turn, its steps).
+        self.clustered = view.clustered
         self.limits = limits
         self.storage = storage
         self.staging = staging
@@ -138,10 +141,6 @@ class PairDriver:
                                             scheduler=scheduler, events=events)
         self.inbox = PeerInbox(self, view, instances, scheduler, self.master_effects, self.replica_effects)
         self.batches = PairBatches(self, self.masters, self.replicas, self.replica_effects.received, staging, scheduler)
-
-    @property
-    def clustered(self) -> bool:
-        return self.view.clustered
 
     @property
     def snapshots_installed(self) -> int:
@@ -234,7 +233,7 @@ class PairDriver:
             self.unconfirmed.pop(core.name, None)
             self.restarted.pop(core.name, None)
             if isinstance(previous, ReplicaRole) and previous.epoch != entry.epoch:
-                # What its clients forwarded in the older epoch the master of this one refuses
+                # What its clients relayed in the older epoch the master of this one refuses
                 # (E_FENCED) and never answers: they ask again now (dedupe ids make it safe),
                 # not after commit_wait_max_s (a master killed and started again at once).
                 self.relayed.fail(core.name, f"the master of {core.name} serves epoch {entry.epoch} now",
@@ -318,7 +317,7 @@ class PairDriver:
         masters' streams (which would eat the reserve that acknowledgements and the membership
         layer need) and tell their masters, which record them out of sync at once and go on
         alone, or refuse writes under min_in_sync 2, instead of holding every answer until it
-        times out. The requests their clients forwarded are answered: they ask the master. With
+        times out. The requests their clients relayed are answered: they ask the master. With
         room again, they open and catch up (the tick starts them)."""
         self.storage_full = full
         self._next_full_notice_ms = mono_ms + STORAGE_FULL_NOTICE_MS
@@ -331,8 +330,8 @@ class PairDriver:
             self.flush(replica)
             self.relayed.fail(replica.core.name, "this replica's storage is full: ask the master")
 
-    def refuse_forward_when_full(self, name: str) -> None:
-        """A replica on a full node passes no client request on: its answer would wait for a
+    def refuse_relay_when_full(self, name: str) -> None:
+        """A replica on a full node relays no client request: its answer would wait for a
         commit point this member no longer follows. The client asks the master instead."""
         if self.storage_full:
             raise QueueError(E_NOT_MASTER, f"queue {name}: this replica's storage is full; its master is "
@@ -446,15 +445,20 @@ class PairDriver:
         master restarted in its role, waiting for its new epoch (see `restarted`)."""
         return bool(self.restarted) and base_name(name) in self.restarted
 
-    def check_serving(self, name: str) -> None:
-        if self.restarting(name):
+    def admit(self, name: str, *, write: bool) -> MasterRole | None:
+        """A client's operation here, at a node that is not the queue's replica (Pairs.admit in
+        qserver/core/replication_port.py): the master role that takes it, None, or refused."""
+        master = self.masters.get(name)
+        if master is None:
+            self.refuse_if_not_master(name)
+            return None
+        if self.restarting(name):       # a master restarted in its role, before its new epoch
             raise QueueError(E_QUEUE_UNAVAILABLE, f"queue {name}: its master restarted and waits for its new epoch")
-
-    def check_writable(self, role: MasterRole) -> None:
-        self.check_serving(role.core.name)
-        role.check_writable()
-        if self.coordinator is not None and not self.coordinator.lease_valid():
-            raise QueueError(E_QUEUE_UNAVAILABLE, "this node's lease from the membership layer has lapsed")
+        if write or master.core.options.strength is Strength.FULL:
+            master.check_writable()
+            if self.coordinator is not None and not self.coordinator.lease_valid():
+                raise QueueError(E_QUEUE_UNAVAILABLE, "this node's lease from the membership layer has lapsed")
+        return master
 
     def announce(self, core: QueueCore) -> None:
         """A queue mastered here: tell its replica to hold an instance (and repeat it when
@@ -508,6 +512,10 @@ class PairDriver:
             return True
         return (self.coordinator is None or self.coordinator.lease_valid()) and not self.restarting(name)
 
+    def answer_point(self, name: str) -> tuple[int | None, bool]:
+        """The queue's commit point here and whether its answers may go out now, together."""
+        return self.commit_order(name), self.may_answer(name)
+
     def commit_order(self, name: str) -> int | None:
         master = self.masters.get(name)
         if master is not None:
@@ -516,9 +524,11 @@ class PairDriver:
         replica = self.replicas.get(name)
         return None if replica is None else replica.visible_order
 
-    def note_decided(self, core: QueueCore, ops: list[Operation]) -> None:
-        """Called as soon as a master's core decided `ops` (see DeadLetterGate)."""
+    def note_decided(self, core: QueueCore, ops: list[Operation]) -> int:
+        """Called as soon as a master's core decided `ops` (see DeadLetterGate); the ordering
+        index a client answer about them waits for (replicated_order)."""
         self.dead_letters.note_decided(core, ops)
+        return self.replicated_order(core, ops)
 
     def release_committed(self, name: str | None = None) -> None:
         """Answer what the commit point has passed: of queue `name` (and its dead-letter
@@ -541,7 +551,7 @@ class PairDriver:
         return max((op.order for op in ops if is_replicated(op, strength)), default=0)
 
     # --- relaying (a replica's clients; relay_answers.py) ------------------------------------
-    def forward(self, name: str, request: list[Any], answer: Any) -> None:
+    def relay(self, name: str, request: list[Any], answer: Any) -> None:
         """Relay a client's operation to the master; `answer(outcome)` once it is visible here."""
         role = self.replicas[name]
         if not self.link_up(role.master_id):
@@ -580,7 +590,7 @@ class PairDriver:
                 self.flush(replica)
             elif not up:
                 replica.link_down()
-                # A Forward on the lost link is answered by no one (a master killed and started
+                # A relayed request on the lost link is answered by no one (a master killed and started
                 # again at once keeps its role, so no map change fails it either): its client
                 # asks again now, with the same dedupe ids, rather than after commit_wait_max_s.
                 self.relayed.fail(replica.core.name, f"the link to the master {peer} was lost", E_UNAVAILABLE)
@@ -713,13 +723,15 @@ class PairDriver:
         self._ticking[name] = None
         self.batches.floors_changed[name] = None
         self._commits_changed[name] = None
-        self.events.listeners_may_see_more(name)      # its commit point may have moved
-        if not name.endswith(DEAD_LETTER_SUFFIX):
-            # Its dead-letter queue's floor follows its snapshot, and dead letters become
-            # visible as its stream commits (DeadLetterGate).
-            dead_letters = dead_letter_name(name)
-            self.batches.floors_changed[dead_letters] = None
-            self.events.listeners_may_see_more(dead_letters)
+        if name.endswith(DEAD_LETTER_SUFFIX):
+            self.events.listeners_may_see_more(name)      # its commit point may have moved
+            return
+        # Its dead-letter queue's floor follows its snapshot, and dead letters become visible
+        # as its stream commits (DeadLetterGate).
+        dead_letters = dead_letter_name(name)
+        self.batches.floors_changed[dead_letters] = None
+        self.events.listeners_may_see_more(name)
+        self.events.listeners_may_see_more(dead_letters)
 
     def flush(self, role: MasterRole | ReplicaRole) -> None:
         """Look at the role's queue again and send what it queued."""

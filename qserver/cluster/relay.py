@@ -1,10 +1,11 @@
-"""Forwarding between the members of a pair: a replica's clients, served by its master.
+"""Relaying between the members of a pair: a replica's clients, served by its master.
 
-A replica passes on what only the master may decide (every enqueue; under `full` also
-receives, acks, releases, lease extensions and purges) as a Forward message; the master runs it like a request of its
-own clients and answers, once committed, with the commit point the replica must reach before
-it answers its client (DESIGN.md 4.1). These helpers translate between engine commands and
-the [kind, args...] requests of Forward messages.
+A replica relays what only the master may decide (every enqueue; under `full` also
+receives, acks, releases, lease extensions and purges) in a Forward message (the replication
+message keeps its name on the wire: docs/PROTOCOL.md, "Replication messages"); the master runs
+it like a request of its own clients and answers, once committed, with the commit point the
+replica must reach before it answers its client (the ForwardResult row of that table). These
+helpers translate between engine commands and the [kind, args...] requests relayed.
 """
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from wire.errors import E_BAD_REQUEST, E_NOT_MASTER, E_TIMEOUT, E_UNAVAILABLE, Q
 from wire.protocol import DeliveredMessage
 
 
-def forwarded_request(command: Any) -> list[Any]:
-    """A replica's client operation as the request of a Forward message."""
+def relayed_request(command: Any) -> list[Any]:
+    """A replica's client operation as the request it relays (in a Forward message)."""
     kind = type(command)
     if kind is c.Enqueue:
         return ["enqueue", command.priority, [command.payload], [command.dedupe_id], command.client,
@@ -41,8 +42,8 @@ def forwarded_request(command: Any) -> list[Any]:
     raise QueueError(E_NOT_MASTER, f"send this to the master of {command.queue}")
 
 
-class ForwardReplier:
-    """Answers a forwarded request back to the replica (after commit, like any answer)."""
+class RelayReplier:
+    """Answers a relayed request back to the replica (after commit, like any answer)."""
 
     def __init__(self, pairs: Any, role: Any, request: Any) -> None:
         self.pairs, self.role, self.request = pairs, role, request
@@ -60,8 +61,8 @@ class ForwardReplier:
         self.pairs.flush(self.role)
 
 
-def command_from_forward(request: Any, replier: Any) -> c.Command:
-    """The engine command for a Forward message's request (the inverse of forwarded_request)."""
+def command_from_relay(request: Any, replier: Any) -> c.Command:
+    """The engine command for a relayed request (a Forward message's; the inverse of relayed_request)."""
     kind, *args = request.request
     name = request.queue
     if kind == "enqueue":
@@ -86,12 +87,12 @@ def command_from_forward(request: Any, replier: Any) -> c.Command:
     raise QueueError(E_BAD_REQUEST, f"unknown forwarded request {kind!r}")
 
 
-def forwarded_error(code: str, message: Any) -> QueueError:
-    """The error a forwarded request was answered with. Its [code, message] form cannot say
+def relayed_error(code: str, message: Any) -> QueueError:
+    """The error a relayed request was answered with. Its [code, message] form cannot say
     whether the operation was applied, and E_NOT_MASTER comes from a master deposed while the
-    request was held, or from this node failing the forwards still in flight when it became
+    request was held, or from this node failing the relays still in flight when it became
     the master (qserver/cluster/relay_answers.py `RelayAnswers.fail`), E_UNAVAILABLE from the link to the master
-    lost while the forward was in flight (`on_link_change`), and E_TIMEOUT from a forward the
+    lost while the relay was in flight (`on_link_change`), and E_TIMEOUT from a relay the
     master never answered (`expire_waiting`): each may have been applied, so its outcome is
     unknown (the client retries with the same dedupe id, or reports it unknown)."""
     return QueueError(code, str(message), outcome_unknown=code in (E_NOT_MASTER.code, E_TIMEOUT.code,
@@ -107,17 +108,17 @@ def answer_from_master(command: Any) -> Callable[[Any], None]:
             replier.fail(request_id, outcome)
         elif isinstance(outcome, list) and len(outcome) == 2 and isinstance(outcome[0], str) \
                 and outcome[0].startswith("E_"):
-            replier.fail(request_id, forwarded_error(outcome[0], outcome[1]))
+            replier.fail(request_id, relayed_error(outcome[0], outcome[1]))
         elif kind is c.Enqueue:
             epoch, [single] = outcome
             if isinstance(single, list):
-                replier.fail(request_id, forwarded_error(single[0], single[1]))
+                replier.fail(request_id, relayed_error(single[0], single[1]))
             else:
                 replier.reply(request_id, [single, epoch])
         elif kind is c.Receive:
             replier.reply(request_id, [DeliveredMessage(*row) for row in outcome])
         elif kind is c.Ack and not command.release and command.extend_ms is None:
-            [single] = outcome          # forwarded as a one-item ack batch
+            [single] = outcome          # relayed as a one-item ack batch
             if single is None:
                 replier.reply(request_id, None)
             else:

@@ -114,7 +114,7 @@ class Purge:
     replier: Replier
     request_id: int = 0
     upto: int = 0                  # set at the first step: what is enqueued after it stays
-    purged: int = 0                # so far, over the steps (and a forward to a new master)
+    purged: int = 0                # so far, over the steps (and a relay to a new master)
 
 
 @dataclass(slots=True)

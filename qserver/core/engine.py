@@ -32,7 +32,7 @@ from qserver.core.deadlines import DueQueues
 from qserver.core.listeners import Listeners, Subscription
 from qserver.core.pipeline import CommitPipeline
 from qserver.core.registry import QueueRegistry
-from qserver.core.replication_port import HandoffGate, Pairs, Relay
+from qserver.core.replication_port import HandoffGate, LeaseCheck, Pairs, Relay
 from qserver.core.space import StorageRoom
 from qserver.core.steps import CommandSteps
 from qserver.metrics import Histogram
@@ -98,8 +98,8 @@ class Engine(Generic[P, G]):
         self.storage = storage
         # Two clocks. `clock_ms` (the wall clock) is what records say: enqueue and lease times,
         # the dedupe window, the journal. `monotonic_ms` times everything that waits: leases,
-        # receive waits, held answers, forwards, handoffs, replication ticks; a wall clock that
-        # steps (NTP) or differs between nodes must not move a deadline.
+        # receive waits, held answers, relayed requests, handoffs, replication ticks; a wall
+        # clock that steps (NTP) or differs between nodes must not move a deadline.
         self.clock_ms = clock_ms
         self.monotonic_ms = monotonic_ms or monotonic_clock_ms
         self._rng = rng or random.Random()
@@ -130,10 +130,11 @@ class Engine(Generic[P, G]):
         # timed steps (see _decides_time); a replica's relayed request is stepped here.
         self.listeners_may_see_more = self.listeners.listeners_may_see_more
         self.master_left = self.listeners.master_left
-        self.role_changed = self._due.changed
+        self.role_changed = self._due.changed.add
         self.run_relayed = self.steps.run_relayed
         self.store_client = self.registry.store_client
         self.coordinator = None
+        self._lease: LeaseCheck | None = None    # the coordinator's lease (full_master_may_decide)
         self._may_decide_time = True             # full_master_may_decide() as of the last turn
         self._next_housekeeping_ms = 0
         self._next_replication_tick_ms = 0
@@ -146,6 +147,7 @@ class Engine(Generic[P, G]):
         """The cluster side: the pair driver (every node has one; outside a cluster it holds no
         role), the coordinator (None outside a cluster), the relay between pair members."""
         self.pairs, self.coordinator = pairs, coordinator
+        self._lease = coordinator.lease if coordinator is not None else None
         self.registry.pairs = self.listeners.pairs = self.pipeline.pairs = pairs
         self.steps.connect(pairs, coordinator, relay)
 
@@ -301,10 +303,10 @@ class Engine(Generic[P, G]):
         deadlines = [self._next_housekeeping_ms]
         if self.pairs.clustered:
             deadlines.append(self._next_replication_tick_ms)
-        may_decide = self._refresh_deadlines()
+        may_decide, deadlines_of = self._deadlines_asked()
+        timed = self._due.refresh(deadlines_of)
         if self.self_checks and may_decide:
-            self._due.check(self.cores, functools.partial(self._deadline_decided_here, may_decide=True))
-        timed = self._due.next_deadline()
+            self._due.check(self.cores, functools.partial(self._deadlines_decided_here, may_decide=True))
         if timed is not None:
             deadlines.append(timed)
         waits = self.listeners.next_deadline()
@@ -321,18 +323,23 @@ class Engine(Generic[P, G]):
         receives) only while it holds its lease: one cut off, or just restarted on a map that
         has moved on, would write a suffix in its old epoch at indices the pair's history uses
         for other operations (its replica never accepts them; the audit sees two operations at
-        one index of one epoch)."""
-        return self.coordinator is None or self.coordinator.lease_valid()
+        one index of one epoch). The engine asks the lease itself, against a clock read at each
+        call as the coordinator's `lease_valid` does: three times a turn, a round trip through
+        the coordinator for it crossed six files."""
+        lease = self._lease
+        return lease is None or lease.valid(self.monotonic_ms())
 
     def _run_timed_steps(self, now_ms: int, mono_ms: int) -> None:
         """The timed steps whose time has come: leases run out, delayed messages mature,
         messages past their time to live expire (each queue this node decides them for)."""
         operations = self.pipeline.open.sealed.operations
         cores = self.registry.cores
-        may_decide = self._refresh_deadlines()
-        for name in self._due.pop_due(mono_ms):
+        may_decide, deadlines_of = self._deadlines_asked()
+        due = self._due
+        due.refresh(deadlines_of)
+        for name in due.pop_due(mono_ms):
             core = cores.get(name)
-            if core is None or not self._decides_time(core, may_decide):
+            if core is None or not self._decides_time(name, core, may_decide):
                 continue
             deadline = core.next_deadline()
             if deadline is None or deadline > mono_ms:
@@ -343,39 +350,45 @@ class Engine(Generic[P, G]):
             if ended:
                 self.pipeline.decided(core, operations[mark:])
 
-    def _refresh_deadlines(self) -> bool:
-        """Bring the timer heap up to date with what changed; returns whether a `full` master
-        may decide now. A node that regains its lease has every queue asked again (rare): the
-        `full` masters it holds were left out while it could not decide."""
+    def _deadlines_asked(self) -> tuple[bool, Callable[[list[str]], list[int | None]]]:
+        """Before the timer heap is brought up to date with what changed (DueQueues.refresh,
+        which the caller runs next to its own use of the heap): whether a `full` master may
+        decide now, and how the heap asks the changed queues for their deadlines. A node that
+        regains its lease has every queue asked again (rare): the `full` masters it holds were
+        left out while it could not decide."""
         may_decide = self.full_master_may_decide()
         if may_decide and not self._may_decide_time:
-            self._due.changed_all(self.registry.cores)
+            self._due.changed.update(self.registry.cores)
             self.listeners.to_serve.update(self.listeners.listened())   # their waiters waited on
         self._may_decide_time = may_decide
-        self._due.refresh(functools.partial(self._deadline_decided_here, may_decide=may_decide))
-        return may_decide
+        return may_decide, functools.partial(self._deadlines_decided_here, may_decide=may_decide)
 
-    def _deadline_decided_here(self, name: str, *, may_decide: bool) -> int | None:
-        core = self.registry.cores.get(name)
-        return core.next_deadline() if core is not None and self._decides_time(core, may_decide) else None
+    def _deadlines_decided_here(self, names: list[str], *, may_decide: bool) -> list[int | None]:
+        """Each queue's next timed step, where this node decides it (None: not here, or none)."""
+        cores, decides_time = self.registry.cores, self._decides_time
+        deadlines: list[int | None] = []
+        for name in names:
+            core = cores.get(name)
+            deadlines.append(core.next_deadline() if core is not None and decides_time(name, core, may_decide) else None)
+        return deadlines
 
-    def _decides_time(self, core: QueueCore, may_decide: bool) -> bool:
-        """Whether this node decides the queue's timed steps: under `full` the master, while it
-        may decide (see full_master_may_decide), and the replica applies its decisions; under
-        `producer` each member for its own copy (each serves its own consumers). A core with no
-        role yet (the map not replayed after a restart) decides nothing: under `full` it would
-        take ordering indices outside the stream, under `producer` its steps would be journaled
-        under no member's role. Nor does its timer wake for them: a `full` replica's applied
+    def _decides_time(self, name: str, core: QueueCore, may_decide: bool) -> bool:
+        """Whether this node decides the timed steps of queue `name` (its core `core`): under
+        `full` the master, while it may decide (see full_master_may_decide), and the replica
+        applies its decisions; under `producer` each member for its own copy (each serves its
+        own consumers). A core with no role yet (the map not replayed after a restart) decides
+        nothing: under `full` it would take ordering indices outside the stream, under
+        `producer` its steps would be journaled under no member's role. Nor does its timer wake for them: a `full` replica's applied
         leases left deadlines in its heap that nothing popped, and once the first had passed its
         node woke every millisecond for good (0.06 of a core on an idle cluster against 0.02)."""
         pairs = self.pairs
         if not pairs.clustered:
             return True
-        if pairs.restarting(core.name):
+        if pairs.restarting(name):
             return False
         if core.options.strength is Strength.FULL:
-            return may_decide and core.name in pairs.masters
-        return core.name in pairs.masters or core.name in pairs.replicas
+            return may_decide and name in pairs.masters
+        return name in pairs.masters or name in pairs.replicas
 
     def _storage_full_changed(self, full: bool, mono_ms: int) -> None:
         self.pairs.storage_full_changed(full, mono_ms)

@@ -109,7 +109,7 @@ class CommitPipeline:
     def touch(self, core: QueueCore) -> None:
         """The queue's record changed: written with the open batch."""
         self.open.touched[core.name] = core
-        self._due.changed(core.name)      # what changed it may have moved its next timed step
+        self._due.changed.add(core.name)      # what changed it may have moved its next timed step
 
     def decided(self, core: QueueCore, ops: list[Operation]) -> None:
         """The core decided `ops` on its own (expiries): replicated and stored like a command's."""
@@ -257,10 +257,10 @@ class CommitPipeline:
         replicas = pairs.replicas
         sealed.replica_queue_ids = {core.queue_id for name, core in touched.items() if name in replicas}
         for name, core in batch.touched.items():
-            known = pairs.commit_order(name)
+            known, may_answer = pairs.answer_point(name)
             # A master without a lease acknowledges nothing (docs/PROTOCOL.md, "A master restarted inside its lease"): what it commits
             # alone meanwhile is not known committed (a snapshot lets a member keep what is).
-            if known is not None and pairs.may_answer(name):
+            if known is not None and may_answer:
                 core.record.commit_order = known
             sealed.queue_records[name] = core.record.to_json(streams=False)
             if core.record.changed_streams:

@@ -62,7 +62,7 @@ class QueueRegistry:
         self.pairs.replicas.clear()
         for core in self.cores.values():
             self.pairs.attach(core)
-        self._due.changed_all(self.cores)
+        self._due.changed.update(self.cores)
         self.storage.end_read()
         self.clients = self.storage.load_clients()
         self._next_queue_id = self.storage.next_queue_id()
@@ -72,7 +72,7 @@ class QueueRegistry:
         and leases, as at a start, with their dead-letter partners), and give each its role
         again (Pairs.reload); `reached`: queue ids whose op log, snapshot or suffix the
         lost batch wrote."""
-        self._due.changed_all(names)
+        self._due.changed.update(names)
         stored = {record.name: record for record in self.storage.load_queue_records() if record.name in names}
         for name in names:
             old = self.cores.pop(name, None)
@@ -146,7 +146,7 @@ class QueueRegistry:
         del self.cores[core.name]
         open_batch = self.pipeline.open
         open_batch.touched.pop(core.name, None)
-        self._due.changed(core.name)
+        self._due.changed.add(core.name)
         open_batch.sealed.deleted_queues.append((core.name, core.queue_id))
         self.listeners.drop_queue_listeners(core.name)
         if not keep_role:

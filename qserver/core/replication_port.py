@@ -11,7 +11,7 @@ the pair driver, the coordinator and the relay.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -63,18 +63,32 @@ class Pairs(Protocol):
 
     # Routing a client's operation.
     def refuse_if_not_master(self, name: str) -> None: ...
-    def check_serving(self, name: str) -> None: ...
-    def check_writable(self, role: MasterRole) -> None: ...
-    def refuse_forward_when_full(self, name: str) -> None: ...
-    def forward(self, name: str, request: list[Any], answer: Any) -> None: ...
+
+    def admit(self, name: str, *, write: bool) -> MasterRole | None:
+        """A client's operation of queue `name` at a node that is not its replica: the master
+        role that takes it, or None (no role here: the node steps it on its own, or the
+        instance is being created). Raises where the queue is mastered elsewhere, or its master
+        here may not take it now (restarted in its role; for a write or any `full` operation:
+        fenced by a newer epoch, its replica out of sync under min_in_sync 2, the node's lease
+        lapsed). One call for the checks of a command."""
+        ...
+
+    def refuse_relay_when_full(self, name: str) -> None: ...
+    def relay(self, name: str, request: list[Any], answer: Any) -> None: ...
 
     # What the engine decided, and the commit points its answers wait for.
-    def note_decided(self, core: QueueCore, ops: list[Operation]) -> None: ...
+    def note_decided(self, core: QueueCore, ops: list[Operation]) -> int:
+        """The core decided `ops`: the ordering index a client answer about them waits for."""
+        ...
+
     def replicated_order(self, core: QueueCore, ops: list[Operation]) -> int: ...
     def hold(self, name: str, required_order: int, release: Any, refuse: Any = None, *,
              write: bool = False) -> bool: ...
-    def may_answer(self, name: str) -> bool: ...
-    def commit_order(self, name: str) -> int | None: ...
+    def answer_point(self, name: str) -> tuple[int | None, bool]:
+        """The queue's commit point here (None: no role of it) and whether its answers may go
+        out now (a master without its lease, or restarted in its role, holds them)."""
+        ...
+
     def release_committed(self, name: str | None = None) -> None: ...
 
     # Around each group commit.
@@ -93,11 +107,27 @@ class Pairs(Protocol):
     def tick(self, mono_ms: int) -> None: ...
 
 
+class LeaseCheck(Protocol):
+    """The node's lease from the membership layer (replication/leases.py, docs/RAFT.md)."""
+
+    def valid(self, now_ms: int) -> bool:
+        """Whether it holds at `now_ms` on the core's monotonic clock."""
+        ...
+
+
 class HandoffGate(Protocol):
     """The coordinator: the node's lease, handoffs under way (their queues' commands wait),
     and map commands proposed through the membership layer (qserver/cluster/coordinator.py)."""
 
-    def lease_valid(self) -> bool: ...
+    @property
+    def lease(self) -> LeaseCheck:
+        ...
+
+    @property
+    def handoffs(self) -> Mapping[str, Any]:
+        """The handoffs under way, by queue (empty nearly always: `parks` need not be asked)."""
+        ...
+
     def parks(self, queue: str) -> bool: ...
     def park(self, queue: str, command: Any) -> None: ...
     def propose_checked(self, command: MapCommand, finish: Callable[[Any], None],
@@ -106,10 +136,10 @@ class HandoffGate(Protocol):
 
 
 class Relay(Protocol):
-    """Requests between the members of a pair (qserver/cluster/relay.py): a replica passes a
-    client's operation on to its master, and the master runs one passed on to it."""
+    """Requests between the members of a pair (qserver/cluster/relay.py): a replica relays a
+    client's operation to its master, and the master runs one relayed to it."""
 
-    def forward(self, queue: str, command: Command) -> None:
+    def relay(self, queue: str, command: Command) -> None:
         """At the replica: send the command to the queue's master; its client is answered
         with the master's answer."""
         ...

@@ -87,26 +87,20 @@ class CommandSteps:
 
     def _step_clustered(self, command: c.Command, queue: str, now_ms: int) -> bool:
         """Route a client's queue operation in a cluster: True when it was handled here (a
-        replica forwards to its master); raises for a node that holds neither member."""
+        replica relays it to its master); raises for a node that holds neither member."""
         pairs, gate = self.pairs, self.gate
-        if gate is not None and gate.parks(queue):
+        if gate is not None and gate.handoffs and gate.parks(queue):
             gate.park(queue, command)      # a handoff: no new index until it ends
             return True
         if queue in pairs.replicas:
             return self._step_at_replica(command, queue)
-        pairs.refuse_if_not_master(queue)
-        master = pairs.masters.get(queue)
+        master = pairs.admit(queue, write=type(command) in c.WRITES)
         if master is None:
             return False
-        pairs.check_serving(queue)          # a master restarted in its role, before its new epoch
-        if type(command) in c.WRITES or master.core.options.strength.value == "full":
-            pairs.check_writable(master)
         batch = self.pipeline.open
         op_mark, reply_mark = len(batch.sealed.operations), len(batch.replies)
         self.step_local(command, now_ms)
-        decided = batch.sealed.operations[op_mark:]
-        pairs.note_decided(master.core, decided)
-        required = pairs.replicated_order(master.core, decided)
+        required = pairs.note_decided(master.core, batch.sealed.operations[op_mark:])
         if type(command) in ANSWERED_AFTER_EVERYTHING_DECIDED:
             required = max(required, master.core.record.next_index - 1)
         if required:
@@ -124,8 +118,8 @@ class CommandSteps:
             raise QueueError(E_NOT_MASTER, f"subscribe to {queue} at its master {self.pairs.masters_hint(queue)}")
         if type(command) not in c.WRITES and not full:
             return False
-        self.pairs.refuse_forward_when_full(queue)
-        self.relay.forward(queue, command)
+        self.pairs.refuse_relay_when_full(queue)
+        self.relay.relay(queue, command)
         return True
 
     def run_relayed(self, role: MasterRole, request: Forward) -> None:
@@ -252,7 +246,7 @@ class CommandSteps:
     def _head(self, command: c.Head, now_ms: int) -> None:
         """The message a receive here would lease next, leased by no one: `[]` when none (after
         `wait_ms`), else `[{"id", "priority", "enqueued_ms"}]`. Where a receive would be
-        forwarded (a `full` queue's replica) or a node holds no member, the master answers."""
+        relayed (a `full` queue's replica) or a node holds no member, the master answers."""
         pairs = self.pairs
         if pairs.clustered:
             if command.queue in pairs.replicas and self.registry.cores[command.queue].options.strength.value == "full":

@@ -59,13 +59,15 @@ class FakePairs:
         return False
 
     def refuse_if_not_master(self, name: str) -> None: ...
-    def check_serving(self, name: str) -> None: ...
-    def check_writable(self, role: MasterRole) -> None: ...
-    def refuse_forward_when_full(self, name: str) -> None: ...
-    def forward(self, name: str, request: list[Any], answer: Any) -> None: ...
+    def admit(self, name: str, *, write: bool) -> MasterRole | None:
+        return self.masters.get(name)
 
-    def note_decided(self, core: QueueCore, ops: list[Operation]) -> None:
+    def refuse_relay_when_full(self, name: str) -> None: ...
+    def relay(self, name: str, request: list[Any], answer: Any) -> None: ...
+
+    def note_decided(self, core: QueueCore, ops: list[Operation]) -> int:
         self.decided.extend(ops)
+        return self.replicated_order(core, ops)
 
     def replicated_order(self, core: QueueCore, ops: list[Operation]) -> int:
         return 0
@@ -73,11 +75,8 @@ class FakePairs:
     def hold(self, name: str, required_order: int, release: Any, refuse: Any = None, *, write: bool = False) -> bool:
         return False
 
-    def may_answer(self, name: str) -> bool:
-        return True
-
-    def commit_order(self, name: str) -> int | None:
-        return None
+    def answer_point(self, name: str) -> tuple[int | None, bool]:
+        return None, True
 
     def release_committed(self, name: str | None = None) -> None: ...
     def before_commit(self, operations: list[Operation], oplog_rows: list[tuple[int, int, int, bytes, bytes]],
@@ -98,14 +97,25 @@ class FakePairs:
     def tick(self, mono_ms: int) -> None: ...
 
 
+class FakeLease:
+    """The node's lease, held or not as the test says (at any time)."""
+
+    def __init__(self, held: bool) -> None:
+        self.held = held
+
+    def valid(self, now_ms: int) -> bool:
+        return self.held
+
+
 class FakeGate:
     """A coordinator whose lease a test turns on and off; no handoff, no proposal."""
 
     def __init__(self, *, lease: bool = True) -> None:
-        self.lease = lease
+        self.lease = FakeLease(lease)
+        self.handoffs: dict[str, Any] = {}
 
     def lease_valid(self) -> bool:
-        return self.lease
+        return self.lease.held
 
     def parks(self, queue: str) -> bool:
         return False
@@ -117,5 +127,5 @@ class FakeGate:
 
 
 class FakeRelay:
-    def forward(self, queue: str, command: c.Command) -> None: ...
+    def relay(self, queue: str, command: c.Command) -> None: ...
     def run_relayed(self, role: MasterRole, request: Forward, step: Callable[[c.Command], None]) -> None: ...

@@ -26,10 +26,13 @@ import collections
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from qserver.core import commands as c
+from qserver.features.channels import decide
+from qserver.features.channels.decide import Offer
 from qserver.metrics import render_family
 from qserver.services import Redirect
 from replication.cluster_map import ChannelEntry, DeliveryClass, channel_queue
@@ -44,8 +47,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("qserver.features.channels.hub")
 TRIM_ABOVE = 64                  # a channel's queue is trimmed to its newest message past this depth
-DURABLE_WINDOW = 256             # a durable subscription's messages sent and not yet acknowledged
-DURABLE_RESEND_S = 5.0           # a durable channel's resend interval when it sets none
 REPORTS_KEPT = 10_000            # per channel: the newest publishes whose state `report` can tell
 WATCH_INTERVAL_S = 0.25          # how often resends are due and masters checked
 
@@ -117,8 +118,13 @@ class _Quiet:
 
 
 class ChannelHub:
-    def __init__(self, services: NodeServices) -> None:
+    """The driver of channels on this node: it keeps the subscriptions, reads the clock
+    (`clock`: monotonic seconds) and storage, and sends what the pure rules
+    (qserver/features/channels/decide.py) decide."""
+
+    def __init__(self, services: NodeServices, clock: Callable[[], float] = time.monotonic) -> None:
         self._services = services
+        self._clock = clock
         self.subscribers: dict[str, dict[Any, None]] = {}          # channel -> connections, in order
         self._last: dict[str, tuple[int, bytes]] = {}              # channel -> its newest (id, payload) known here
         self._last_sent_at: dict[str, float] = {}
@@ -281,34 +287,29 @@ class ChannelHub:
         state = None if core is None else core.record.subscriptions.get(reader.name)
         if core is None or state is None:
             return
-        room = DURABLE_WINDOW - len(reader.sent)
+        room = decide.window_room(len(reader.sent))
         if room <= 0:
             return
         floor, acked = state
-        rows = self._services.messages_after(core.queue_id, max(reader.cursor, floor), room + len(acked))
-        visible, skip, now = core.visible_upto, set(acked), time.monotonic()
-        reader.caught_up = len(rows) < room + len(acked)
-        for index, payload in rows:
-            if visible is not None and index > visible:
-                reader.caught_up = True          # the rest is sent as its publishes commit
-                break
-            if room <= 0:
-                reader.caught_up = False
-                break
-            reader.cursor = index
-            if index in skip:
-                continue
+        asked = room + len(acked)
+        rows = self._services.messages_after(core.queue_id, max(reader.cursor, floor), asked)
+        fill = decide.plan_fill(rows, asked=asked, room=room, acked=set(acked), visible_upto=core.visible_upto,
+                                cursor=reader.cursor)
+        now = self._clock()
+        reader.cursor, reader.caught_up = fill.cursor, fill.caught_up
+        for index, payload in fill.send:
             reader.sent[index] = now
             reader.connection.emit(ChannelMessage(reader.channel, index, payload, False))
             self.delivered_total += 1
-            room -= 1
 
     def _publish_durable(self, channel: str, message_id: int, payload: bytes) -> None:
-        now = time.monotonic()
+        now = self._clock()
         for reader in self.durable.get(channel, {}).values():
-            if message_id <= reader.cursor:
+            verdict = decide.offer(message_id, cursor=reader.cursor, caught_up=reader.caught_up,
+                                   unacknowledged=len(reader.sent))
+            if verdict is Offer.SENT:
                 continue
-            if reader.caught_up and len(reader.sent) < DURABLE_WINDOW:
+            if verdict is Offer.SEND:
                 reader.cursor = message_id
                 reader.sent[message_id] = now
                 reader.connection.emit(ChannelMessage(channel, message_id, payload, False))
@@ -365,12 +366,12 @@ class ChannelHub:
         return out
 
     def _resend_durable(self, entry: ChannelEntry, now: float) -> None:
-        interval = entry.resend_interval_s or DURABLE_RESEND_S
+        interval = decide.durable_resend_interval(entry.resend_interval_s)
         core = self._core(entry.name)
         if core is None:
             return
         for reader in list(self.durable.get(entry.name, {}).values()):
-            due = [index for index, sent_at in reader.sent.items() if now - sent_at >= interval]
+            due = decide.resends_due(reader.sent, now, interval)
             if due:
                 for index, payload in self._services.payloads(core.queue_id, due):
                     if payload is None:              # acknowledged meanwhile and trimmed
@@ -408,7 +409,7 @@ class ChannelHub:
         if last is not None and last[0] >= message_id:
             return                   # an older publish answered late (a retried dedupe id)
         self._last[channel] = (message_id, payload)
-        self._last_sent_at[channel] = time.monotonic()
+        self._last_sent_at[channel] = self._clock()
         self.published_total += 1
         subscribers = list(self.subscribers.get(channel, ()))
         item = ChannelMessage(channel, message_id, payload, False)
@@ -496,7 +497,7 @@ class ChannelHub:
     async def _watch(self) -> None:
         while self.subscribers or self.durable:
             await asyncio.sleep(WATCH_INTERVAL_S)
-            now = time.monotonic()
+            now = self._clock()
             for channel in list(dict.fromkeys([*self.subscribers, *self.durable])):
                 try:
                     entry = self.entry(channel)
@@ -509,11 +510,9 @@ class ChannelHub:
                     self._resend_durable(entry, now)
 
     def _resend_if_due(self, entry: ChannelEntry) -> None:
-        if not entry.resend_interval_s:
-            return
         channel = entry.name
-        now = time.monotonic()
-        if now - self._last_sent_at.get(channel, 0.0) < entry.resend_interval_s:
+        now = self._clock()
+        if not decide.last_value_due(entry.resend_interval_s, self._last_sent_at.get(channel, 0.0), now):
             return
         last = self._last_value(channel)
         if last is None:

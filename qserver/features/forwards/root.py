@@ -36,10 +36,12 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from qserver.core import commands as c
+from qserver.features.forwards.decide import TICK_MAX_S, Heard, compute_rates, hold_s, keepalive_s, review
 from qserver.metrics import render_family
 from replication.options import is_valid_queue_name
 from replication.queue_core import SEQUENCE_FLOOR_HEADER, SEQUENCE_HEADER, SEQUENCE_KEY_HEADER
@@ -54,16 +56,11 @@ if TYPE_CHECKING:
     from replication.queue_core import QueueCore
 
 log = logging.getLogger("qserver.features.forwards.root")
-KEEPALIVE_MAX_S = 1.0       # a forwarder keeps its session alive at least this often (and every T, if shorter)
-HOLD_INTERVALS = 3          # a session silent for this many keepalive intervals (at least HOLD_MIN_S) is dropped
-HOLD_MIN_S = 3.0
-TICK_MAX_S = 0.25           # the root looks at its sessions at least this often
 SESSIONS_MAX = 256          # forward sessions one root queue holds (the map's forwards of one cluster, at most)
 SESSIONS_PER_CLIENT_MAX = 32   # ... of them one client holds (a client with `admin` on the queue: any number)
 TOKEN_CHARS = 16            # a forward id is `<forward name>.<16 hex digits>` (replication/cluster_map.py ForwardEntry)
 STREAM_CHARS_MAX = 256      # `<forward id>@<source incarnation>/p<priority>` (qserver/features/forwards/forwarder.py)
 Key = tuple[str, str]       # a session: (client id, forward id)
-K = TypeVar("K")
 
 
 @dataclass(slots=True)
@@ -80,8 +77,13 @@ class Session:
 
 
 class ForwardRoot:
-    def __init__(self, services: NodeServices) -> None:
+    """The driver of the root: it keeps the sessions, reads the clock (`clock`: monotonic
+    seconds), and sends the rates and drops the sessions the pure rules
+    (qserver/features/forwards/decide.py) decide."""
+
+    def __init__(self, services: NodeServices, clock: Callable[[], float] = time.monotonic) -> None:
         self._services = services
+        self._clock = clock
         self._sessions: dict[str, dict[Key, Session]] = {}    # queue -> (client, forward) -> session
         self._computed: dict[str, float] = {}                 # queue -> when its rates were last sent
         self._task: asyncio.Task[None] | None = None
@@ -92,7 +94,7 @@ class ForwardRoot:
         core = self._master_core(op.queue)
         options = core.options
         _check_weight(op.weight, options)
-        now = time.monotonic()
+        now = self._clock()
         client = connection.principal.client_id
         key = (client, op.forward)
         sessions = self._sessions.setdefault(op.queue, {})
@@ -111,9 +113,9 @@ class ForwardRoot:
                      op.weight)
             self._assign(op.queue, options, opening=session)
             self._start()
-            keepalive = min(KEEPALIVE_MAX_S, options.forward_interval_s)
             return {"rate": session.rate, "interval_s": options.forward_interval_s, "bands": options.forward_bands,
-                    "mode": options.forward_mode, "keepalive_s": keepalive, "hold_s": self._hold_s(options)}
+                    "mode": options.forward_mode, "keepalive_s": keepalive_s(options.forward_interval_s),
+                    "hold_s": hold_s(options.forward_interval_s)}
         if session is None or session.connection is not connection:
             raise QueueError(e.E_UNKNOWN_FORWARD, f"no session of forward {op.forward} into {op.queue} here")
         session.weight, session.heard = op.weight, now
@@ -132,7 +134,7 @@ class ForwardRoot:
                 or not op.stream.isprintable():
             raise QueueError(e.E_INVALID_OPTION, f"a stream of forward {op.forward} is `{op.forward}@...`, "
                                                  f"at most {STREAM_CHARS_MAX} printable characters")
-        session.weight, session.heard = op.weight, time.monotonic()
+        session.weight, session.heard = op.weight, self._clock()
         session.received += len(op.items)
         body_bytes_max = self._services.config.body_bytes_max
         gathered = _Gathered(connection, op.request_id, len(op.items))
@@ -165,10 +167,6 @@ class ForwardRoot:
         return core
 
     # --- rates ---------------------------------------------------------------------------------
-    @staticmethod
-    def _hold_s(options: QueueOptions) -> float:
-        return max(HOLD_MIN_S, HOLD_INTERVALS * min(KEEPALIVE_MAX_S, options.forward_interval_s))
-
     def _assign(self, queue: str, options: QueueOptions, *, opening: Session | None = None) -> None:
         """Compute the queue's rates and send them (a session being opened learns its own in
         the answer: the paper's initial R/n)."""
@@ -182,7 +180,7 @@ class ForwardRoot:
             session.rate = rates[key]
             if session is not opening:
                 session.connection.emit(ForwardRate(queue, session.forward, session.rate))
-        self._computed[queue] = time.monotonic()
+        self._computed[queue] = self._clock()
 
     def _start(self) -> None:
         if self._task is None or self._task.done():
@@ -210,28 +208,27 @@ class ForwardRoot:
             self._computed.pop(queue, None)
             return TICK_MAX_S
         options = core.options
-        now = time.monotonic()
-        hold_s = self._hold_s(options)
-        silent = [key for key, session in sessions.items() if now - session.heard > hold_s or session.connection.closed]
-        for key in silent:
+        now = self._clock()
+        plan = review({key: Heard(session.heard, session.connection.closed) for key, session in sessions.items()},
+                      now, computed_at=self._computed.get(queue, 0.0), forward_interval_s=options.forward_interval_s,
+                      mode=options.forward_mode)
+        for key in plan.silent:
             log.info("forward %s of client %s: silent for %.1f s, its session into %s is dropped", key[1], key[0],
-                     hold_s, queue)
+                     hold_s(options.forward_interval_s), queue)
             del sessions[key]
-        if not sessions:
+        if plan.emptied:
             del self._sessions[queue]
             self._computed.pop(queue, None)
-            return TICK_MAX_S
-        if silent and options.forward_mode == "static":
+            return plan.next_look_s
+        if plan.rates_at_once:
             self._assign(queue, options, opening=None)
-        due = self._computed.get(queue, 0.0) + options.forward_interval_s
-        if now >= due:       # static: R/n again (n may have changed), so a forwarder knows it is heard
+        if plan.rates_due:
             self._assign(queue, options)
-            due = now + options.forward_interval_s
-        return max(0.01, min(TICK_MAX_S, due - now))
+        return plan.next_look_s
 
     # --- what it shows ------------------------------------------------------------------------
     def sessions_of(self, queue: str) -> list[dict[str, Any]]:
-        now = time.monotonic()
+        now = self._clock()
         return [{"forward": s.forward, "client": s.client, "weight": s.weight, "rate": s.rate, "received": s.received,
                  "open_s": round(now - s.opened, 3), "heard_s_ago": round(now - s.heard, 3)}
                 for s in sorted(self._sessions.get(queue, {}).values(), key=lambda s: (s.forward, s.client))]
@@ -273,25 +270,6 @@ def _check_weight(weight: int, options: QueueOptions) -> None:
     a larger one would take the others' share (docs/PROTOCOL.md "Forwards")."""
     if not 0 <= weight < options.forward_bands:
         raise QueueError(e.E_INVALID_OPTION, f"a weight is a band, 0..{options.forward_bands - 1}: {weight}")
-
-
-def compute_rates(total: float, mode: str, weights: dict[K, int], *, opening: K | None = None) -> dict[K, float | None]:
-    """Seed 003 §3.3 (figure 6): each session's rate from the weight table. `opening`: a session
-    being opened (it gets R/n; in static mode every session is given R/n again, n having
-    changed; in adaptive mode the others keep theirs until the next interval)."""
-    if not weights:
-        return {}
-    if not total:
-        return dict.fromkeys(weights)
-    share = total / len(weights)
-    if mode == "static":
-        return dict.fromkeys(weights, share)
-    if opening is not None:
-        return {opening: share}
-    weight_sum = sum(weights.values())
-    if weight_sum == 0:
-        return dict.fromkeys(weights, share)
-    return {name: total * weight / weight_sum for name, weight in weights.items()}
 
 
 class _Gathered:

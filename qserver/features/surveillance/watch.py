@@ -44,6 +44,8 @@ from typing import TYPE_CHECKING, Any
 
 from qserver.api.auth import CLUSTER_CLIENT, Principal
 from qserver.core import commands as c
+from qserver.features.surveillance import decide
+from qserver.features.surveillance.decide import Clock, ReturnRoute
 from qserver.metrics import render_family
 from replication.cluster_map import (
     RECIPIENTS_PER_CLIENT_MAX,
@@ -52,7 +54,6 @@ from replication.cluster_map import (
     RecipientEntry,
     RecipientState,
 )
-from replication.options import QueueType, Strength
 from wire import errors as e
 from wire.errors import QueueError
 from wire.message_input import FAILED_OVER_FROM, FAULT, ORIGIN_PRODUCER, REPLY_TO, RETURNED_FROM
@@ -71,14 +72,16 @@ MOVE_BATCH = 50                   # messages leased for fail-over at a time
 MOVE_VISIBILITY_MS = 30_000       # their lease: a move retried after it runs out stores nothing twice (dedupe)
 MOVE_PAUSE_S = 1.0                # when nothing can take a message: look again after this long
 EVENTS_CHANNEL = "qcluster.events"
-NOTE_SETTLE_S = 1.0               # what waits must stay so this long before a reason is restated
-NOTHING_WAITS = "nothing waits for it now"
-WAIT_AGAIN = "messages wait for it again"
+REAL_CLOCK = Clock(time.monotonic, lambda: int(time.time() * 1000))
 
 
 class RecipientWatch:
-    def __init__(self, services: NodeServices, macros: MacroService) -> None:
+    """The driver of surveillance: it reads the clock, the map and the queues, asks the pure
+    rules (qserver/features/surveillance/decide.py) what to do, and does it."""
+
+    def __init__(self, services: NodeServices, macros: MacroService, clock: Clock = REAL_CLOCK) -> None:
         self._services = services
+        self._clock = clock
         self._macros = macros          # its client in the cluster's name moves and returns messages
         self._last_take: dict[tuple[str, str], float] = {}      # (queue, recipient) -> monotonic
         self._waiting_since: dict[str, float] = {}               # queue -> monotonic, since seen not empty
@@ -113,7 +116,7 @@ class RecipientWatch:
             self._proposing.pop(recipient, None)
             if isinstance(outcome, QueueError):
                 log.info("recipient %s: %s not recorded: %s", recipient, state, outcome)
-        self._submit(PutRecipient(recipient, queue, state, int(time.time() * 1000), reason, owner), finish)
+        self._submit(PutRecipient(recipient, queue, state, self._clock.wall_ms(), reason, owner), finish)
 
     def _note(self, entry: RecipientEntry, reason: str) -> None:
         """Propose a restated reason (once at a time per recipient), for the spell of the state
@@ -155,21 +158,23 @@ class RecipientWatch:
         self._start()
 
     def subscribed(self, queue: str, recipient: str, client_id: str) -> None:
-        self._last_take[(queue, recipient)] = time.monotonic()
+        self._last_take[(queue, recipient)] = self._clock.monotonic()
         entry = self.entry(recipient)
-        if entry is None or entry.state != RecipientState.OK:
-            self._propose(recipient, queue, RecipientState.OK, "subscribed", client_id)
+        verdict = decide.on_subscribe(entry.state if entry is not None else None)
+        if verdict is not None:
+            self._propose(recipient, queue, *verdict, client_id)
         self._start()
 
     def took(self, queue: str, recipient: str, message_ids: list[int]) -> None:
         """The recipient acknowledged or released messages: it is alive (its probe, in fault)."""
-        self._last_take[(queue, recipient)] = time.monotonic()
+        self._last_take[(queue, recipient)] = self._clock.monotonic()
         for subscription in self._services.recipient_subscriptions(queue, recipient):
             for message_id in message_ids:
                 subscription.pushed.pop(message_id, None)
         entry = self.entry(recipient)
-        if entry is not None and entry.state != RecipientState.OK:
-            self._propose(recipient, queue, RecipientState.OK, "took a message")
+        verdict = decide.on_take(entry.state if entry is not None else None)
+        if verdict is not None:
+            self._propose(recipient, queue, *verdict)
 
     # --- the watch --------------------------------------------------------------------------
     def _start(self) -> None:
@@ -189,7 +194,7 @@ class RecipientWatch:
         if cluster is None:
             return
         services = self._services
-        now, now_ms = time.monotonic(), int(time.time() * 1000)
+        now, now_ms = self._clock.monotonic(), self._clock.wall_ms()
         here = services.recipients_here()
         self._forget_gone(cluster, here, now)
         for (queue, recipient), subscriptions in here.items():
@@ -205,14 +210,15 @@ class RecipientWatch:
                 # the mover's pause, it was back in fault before it was offered a message).
                 self._last_take[(queue, recipient)] = now
             options = core.options
-            if options.fault_interval_s and state in (None, RecipientState.OK) \
-                    and self._idle_while_waiting(core, recipient, now) >= options.fault_interval_s:
-                self._propose(recipient, queue, RecipientState.FAULT,
-                              f"took no message for {options.fault_interval_s:g} s while {core.depth} waited")
+            if decide.watches_idleness(state, options, subscribed_here=True):
+                verdict = decide.fault_verdict(self._idle_while_waiting(core, recipient, now), core.depth, options,
+                                               subscribed_here=True)
+                if verdict is not None:
+                    self._propose(recipient, queue, *verdict)
             if options.message_interval_s and state == RecipientState.OK:
                 head = core.head()
                 enqueued = services.enqueued_ms(core.queue_id, head[0]) if head else None
-                if enqueued is not None and now_ms - enqueued >= options.message_interval_s * 1000:
+                if decide.is_overdue(enqueued, now_ms, options):
                     self._ensure_mover(recipient, queue, overdue_only=True)
         for entry in list(cluster.recipients.values()):
             core = services.master_core(entry.queue)
@@ -220,17 +226,16 @@ class RecipientWatch:
                 self._unsettled.pop(entry.name, None)         # its master judges it
                 continue
             options = core.options
-            if entry.state == RecipientState.OK and options.fault_interval_s and options.strength is Strength.FULL \
-                    and (entry.queue, entry.name) not in here:
+            if (entry.queue, entry.name) not in here \
+                    and decide.watches_idleness(entry.state, options, subscribed_here=False):
                 # Not subscribed at all (gone, or still on a master that died): it takes nothing.
-                # (Under `producer` a member serves its own consumers: it may be at the other.)
-                if self._idle_while_waiting(core, entry.name, now) >= options.fault_interval_s:
-                    self._propose(entry.name, entry.queue, RecipientState.FAULT,
-                                  f"not subscribed for {options.fault_interval_s:g} s while {core.depth} waited")
-            if entry.state == RecipientState.FAULT and options.defunct_interval_s \
-                    and now_ms - entry.since_ms >= options.defunct_interval_s * 1000:
-                self._propose(entry.name, entry.queue, RecipientState.DEFUNCT,
-                              f"in fault for {options.defunct_interval_s:g} s")
+                verdict = decide.fault_verdict(self._idle_while_waiting(core, entry.name, now), core.depth, options,
+                                               subscribed_here=False)
+                if verdict is not None:
+                    self._propose(entry.name, entry.queue, *verdict)
+            verdict = decide.defunct_verdict(entry.state, entry.since_ms, now_ms, options)
+            if verdict is not None:
+                self._propose(entry.name, entry.queue, *verdict)
             if entry.state != RecipientState.OK:
                 self._restate(entry, core, now)
                 self._ensure_mover(entry.name, entry.queue, overdue_only=False)
@@ -239,9 +244,7 @@ class RecipientWatch:
         for entry in cluster.recipients.values():
             seen = self._seen.get(entry.name)
             if seen != entry.state:
-                # Announced by the master of its queue, once (every node follows the states);
-                # a node that starts announces the recipients it finds not ok.
-                if services.is_master(entry.queue) and (seen is not None or entry.state != RecipientState.OK):
+                if decide.announces(seen, entry.state, master_here=services.is_master(entry.queue)):
                     self._event(entry)
                 self._seen[entry.name] = entry.state
         for queue in [queue for queue in self._waiting_since if not services.is_master(queue)]:
@@ -269,29 +272,24 @@ class RecipientWatch:
     def _restate(self, entry: RecipientEntry, core: QueueCore, now: float) -> None:
         """Keep the reason of a recipient in fault or defunct true to what waits for it. It
         says how many messages waited when it entered the state; once none waits (a purge took
-        them, its probe too) it says "nothing waits for it now", and when some wait again, so.
-        The reason is restated once it has been untrue for NOTE_SETTLE_S: a queue whose messages
-        fail over as they come empties and fills with each one, and a reason is not worth a
-        Raft write per message."""
-        waiting = core.depth > 0
-        if waiting != entry.reason.endswith(NOTHING_WAITS):      # it says what holds now
+        them, its probe too) it says "nothing waits for it now", and when some wait again, so
+        (decide.restated_reason), once it has been untrue for a while (decide.settled)."""
+        reason = decide.restated_reason(entry.reason, core.depth > 0)
+        if reason is None:            # it says what holds now
             self._unsettled.pop(entry.name, None)
             return
-        if now - self._unsettled.setdefault(entry.name, now) < NOTE_SETTLE_S:
-            return
-        cause = entry.reason.split(";", 1)[0].split(" while ", 1)[0]    # "took no message for 5 s"
-        self._note(entry, f"{cause}; {WAIT_AGAIN if waiting else NOTHING_WAITS}")
+        if decide.settled(self._unsettled.setdefault(entry.name, now), now):
+            self._note(entry, reason)
 
     def _idle_while_waiting(self, core: QueueCore, recipient: str, now: float) -> float:
-        """How long the recipient has taken no message while its queue held some: counted
-        from its last take or from when the queue was last seen empty, whichever came later
-        (a recipient idle for an hour over an empty queue is not in fault the moment one
-        message arrives: it has its interval to take it)."""
+        """How long the recipient has taken no message while its queue held some
+        (decide.idle_for), keeping when the queue was last seen empty and when the recipient
+        took a message as first seen, now, if not known."""
         if core.depth == 0:
             self._waiting_since.pop(core.name, None)
             return 0.0
         waiting_since = self._waiting_since.setdefault(core.name, now)
-        return now - max(waiting_since, self._last_take.setdefault((core.name, recipient), now))
+        return decide.idle_for(now, waiting_since, self._last_take.setdefault((core.name, recipient), now))
 
     def _apply(self, queue: str, state: str | None, subscriptions: list[Subscription]) -> None:
         """Make the recipient's subscriptions here match its state in the map."""
@@ -364,7 +362,7 @@ class RecipientWatch:
                 if not held:
                     held = await services.call(lambda r: c.Receive(queue, count, 0, MOVE_VISIBILITY_MS,
                                                                  CLUSTER_CLIENT, r))
-                    leased_at = time.monotonic()
+                    leased_at = self._clock.monotonic()
                     if not held:
                         if overdue_only:
                             return
@@ -377,10 +375,10 @@ class RecipientWatch:
                     held.pop(0)
                 if held:              # nothing takes it now: hold on, and try again in a moment
                     await self._pause(recipient, queue, overdue_only)
-                    if time.monotonic() - leased_at > MOVE_VISIBILITY_MS / 2000:
+                    if self._clock.monotonic() - leased_at > MOVE_VISIBILITY_MS / 2000:
                         for message in held:
                             await self._settle(queue, message, extend_ms=MOVE_VISIBILITY_MS)
-                        leased_at = time.monotonic()
+                        leased_at = self._clock.monotonic()
         except QueueError as error:
             log.info("recipient %s: fail-over paused: %s", recipient, error)
         finally:
@@ -394,8 +392,8 @@ class RecipientWatch:
     async def _pause(self, recipient: str, queue: str, overdue_only: bool) -> None:
         """MOVE_PAUSE_S, cut short once the mover is to stop (its recipient ok again, or
         removed): what it holds goes back to the queue at once, not up to a second later."""
-        deadline = time.monotonic() + MOVE_PAUSE_S
-        while time.monotonic() < deadline and self._may_move(recipient, queue, overdue_only):
+        deadline = self._clock.monotonic() + MOVE_PAUSE_S
+        while self._clock.monotonic() < deadline and self._may_move(recipient, queue, overdue_only):
             await asyncio.sleep(WATCH_INTERVAL_S)
 
     def _may_move(self, recipient: str, queue: str, overdue_only: bool) -> bool:
@@ -404,12 +402,11 @@ class RecipientWatch:
         entry = self.entry(recipient)
         if entry is None or self._services.master_core(queue) is None:
             return False
-        return overdue_only == (entry.state == RecipientState.OK)
+        return decide.mover_runs(entry.state, overdue_only=overdue_only)
 
     def _overdue(self, core: QueueCore, message: DeliveredMessage) -> bool:
-        enqueued = self._services.enqueued_ms(core.queue_id, message.message_id)
-        return enqueued is not None and \
-            int(time.time() * 1000) - enqueued >= core.options.message_interval_s * 1000
+        return decide.is_overdue(self._services.enqueued_ms(core.queue_id, message.message_id),
+                                 self._clock.wall_ms(), core.options)
 
     async def _fail_over(self, entry: RecipientEntry, core: QueueCore, message: DeliveredMessage) -> bool:
         """To the first ok alternative, else back to its sender; True once it left the queue.
@@ -422,11 +419,9 @@ class RecipientWatch:
         headers = {**(message.headers or {}), FAILED_OVER_FROM: entry.name,
                    ORIGIN_PRODUCER: self._producer_of(core, message)}
         set_by = cluster.alternatives_set_by.get(entry.name, "")
-        queues = cluster.alternative_queues.get(entry.name, ())
-        for alternative, queue in zip(cluster.alternatives.get(entry.name, ()), queues, strict=False):
-            target = cluster.recipients.get(alternative)
-            if target is None or target.state != RecipientState.OK or target.queue != queue or queue == entry.queue:
-                continue
+        for alternative, queue in decide.ok_alternatives(
+                entry, cluster.alternatives.get(entry.name, ()), cluster.alternative_queues.get(entry.name, ()),
+                lambda name: cluster.recipients.get(name)):
             if not self._may_post(set_by, queue):
                 log.warning("recipient %s: alternative %s skipped: %s, who set the chain, may not post to %s",
                             entry.name, alternative, set_by or "nobody", queue)
@@ -449,9 +444,11 @@ class RecipientWatch:
 
     async def _return_to_sender(self, entry: RecipientEntry, core: QueueCore, message: DeliveredMessage,
                                 dedupe: str) -> bool:
-        fault = f"recipient {entry.name} is {entry.state} and no alternative is ok"
+        fault = decide.fault_text(entry)
         reply_to = (message.headers or {}).get(REPLY_TO)
-        if reply_to:
+        route = decide.return_route(reply_to, core.options.type)
+        if route is ReturnRoute.REPLY_TO:
+            assert reply_to is not None, "decide.return_route: the reply-to header names it"
             # In its producer's name: the client that enqueued it first, through any moves (a
             # move is the cluster's enqueue, and it may post anywhere).
             producer = self._producer_of(core, message)
@@ -469,7 +466,7 @@ class RecipientWatch:
                          reply_to, error)
                 return False
             await self._settle(entry.queue, message)
-        elif core.options.type is QueueType.TWO_WAY:
+        elif route is ReturnRoute.REPLY:
             reply = json.dumps({"returned": True, "recipient": entry.name, "fault": fault}).encode()
             await self._settle(entry.queue, message, reply=reply)
         else:
