@@ -24,7 +24,7 @@ from qserver.core import commands as c
 from qserver.core.engine import Engine, wall_ms
 from qserver.storage.lmdb_store import Storage
 from replication.master import MasterRole, ReplicationLimits
-from replication.messages import Forward
+from replication.messages import RelayRequest
 from wire.errors import E_BAD_REQUEST, QueueError
 
 
@@ -68,7 +68,7 @@ class PairRelay:
     def relay(self, queue: str, command: c.Command) -> None:
         self.pairs.relay(queue, relayed_request(command), answer_from_master(command))
 
-    def run_relayed(self, role: MasterRole, request: Forward, step: Callable[[c.Command], None]) -> None:
+    def run_relayed(self, role: MasterRole, request: RelayRequest, step: Callable[[c.Command], None]) -> None:
         replier: Any = RelayReplier(self.pairs, role, request)
         try:
             step(command_from_relay(request, replier))

@@ -29,12 +29,12 @@ from replication.digest import fold_encoded
 from replication.messages import (
     Append,
     AppendAck,
-    Forward,
-    ForwardResult,
     Message,
     Open,
     OpenAck,
     Refused,
+    RelayRequest,
+    RelayResult,
     SnapshotAck,
     SnapshotChunk,
     SyncBegin,
@@ -165,7 +165,7 @@ class MasterRole:
         self.replica_storage_full = False     # the replica said its storage is full (until it opens)
         self.outbox: list[tuple[str, Message]] = []
         self.proposals: list[InSyncProposal] = []
-        self.forwarded: list[Forward] = []    # requests from the replica's clients, for the driver
+        self.relayed: list[RelayRequest] = []    # requests from the replica's clients, for the driver
         self.to_log: list[LogEntry] = []      # new log entries with their digests: the op log's rows
         # The op log holds every order from `log_start` on (its row at log_start may be a
         # snapshot's marker); below it, records were truncated (see log_floor).
@@ -246,8 +246,8 @@ class MasterRole:
             self._on_open_ack(message, now_ms)
         elif isinstance(message, SnapshotAck):
             self._on_snapshot_ack(message, now_ms)
-        elif isinstance(message, Forward):
-            self.forwarded.append(message)
+        elif isinstance(message, RelayRequest):
+            self.relayed.append(message)
 
     def _on_ack(self, ack: AppendAck, now_ms: int) -> None:
         if ack.session != self._session:
@@ -568,10 +568,10 @@ class MasterRole:
             self._send_resync(now_ms)
         self._pump(now_ms)
 
-    def answer_forward(self, request: Forward, outcomes: list[object]) -> None:
-        """The driver ran a request forwarded by the replica: each outcome is the ordering
+    def answer_relay(self, request: RelayRequest, outcomes: list[object]) -> None:
+        """The driver ran a request the replica relayed: each outcome is the ordering
         index that places it (after the operation itself in the stream), or [code, message]."""
-        self._send(ForwardResult(self.core.name, self.incarnation, self.epoch, request.request_id, list(outcomes)))
+        self._send(RelayResult(self.core.name, self.incarnation, self.epoch, request.request_id, list(outcomes)))
 
     def rebind(self, core: QueueCore) -> None:
         """The queue's core was rebuilt from storage after a batch that did not reach this

@@ -16,8 +16,8 @@ The flows (seed 004 FIG. 21-22, with ordering-index acknowledgements):
                         · Append after S... · SyncEnd(order, digest)      the queue's state at S
     replica -> master   SnapshotAck(sequence)          a chunk was taken (flow control)
     replica -> master   OpenAck(order)                 it matched the master's digest
-    replica -> master   Forward(request_id, request)   a client's operation received at the replica
-    master -> replica   ForwardResult(request_id, outcomes)   the orders that place it
+    replica -> master   RelayRequest(request_id, request)   a client's operation received at the replica
+    master -> replica   RelayResult(request_id, outcomes)   the orders that place it
     either              Refused(code, message)         fenced (older epoch), unknown queue, ...
 """
 from __future__ import annotations
@@ -201,17 +201,17 @@ class OpenAck:
 
 
 @dataclass(frozen=True, slots=True)
-class Forward:
+class RelayRequest:
     TAG: ClassVar[int] = 7
     queue: str
     incarnation: int
     epoch: int
     request_id: int
-    request: list[Any]         # [kind, args...]: see replication.replica.forwarded_request
+    request: list[Any]         # [kind, args...]: see qserver.cluster.relay.relayed_request
 
 
 @dataclass(frozen=True, slots=True)
-class ForwardResult:
+class RelayResult:
     TAG: ClassVar[int] = 8
     queue: str
     incarnation: int
@@ -306,11 +306,11 @@ class LeaseGrant:
     map_version: int
 
 
-Message = (Append | AppendAck | Open | SyncBegin | SyncEnd | OpenAck | Forward | ForwardResult | Refused | Create
+Message = (Append | AppendAck | Open | SyncBegin | SyncEnd | OpenAck | RelayRequest | RelayResult | Refused | Create
            | Delete | HandoffRequest | HandoffAnswer | HandoffOrder | LeaseRenew | LeaseGrant | SnapshotChunk
            | SnapshotAck)
 MESSAGE_TYPES: dict[int, type] = {kind.TAG: kind for kind in (Append, AppendAck, Open, SyncBegin, SyncEnd, OpenAck,
-                                                              Forward, ForwardResult, Refused, Create, Delete,
+                                                              RelayRequest, RelayResult, Refused, Create, Delete,
                                                               HandoffRequest, HandoffAnswer, HandoffOrder, LeaseRenew,
                                                               LeaseGrant, SnapshotChunk, SnapshotAck)}
 _MESSAGE_FIELDS = {tag: tuple(f.name for f in fields(kind)) for tag, kind in MESSAGE_TYPES.items()}

@@ -14,13 +14,13 @@ streams again from the replica's durable point; repeats are skipped.
 Acknowledgements carry 0 in the ordering field and, separately, the highest ordering index
 held durably (seed 004), which is what lets the master commit. Clients of the replica see
 only what the master has committed (`visible_order`), and operations its clients send are
-forwarded to the master, which answers with the ordering index that places each one.
+relayed to the master, which answers with the ordering index that places each one.
 
 Pure: effects accumulate in `resets` (wipe the queue and start from this record), `discards`
 (drop what is held past this order), `snapshot_rows` (rows of a snapshot to store, through the
 chunk `snapshot_rows_through` names: once stored, the driver calls `snapshot_rows_durable`), `installs`
 (a complete snapshot to install), `applied` (operations to persist with their digests),
-`outbox` and `forward_results`; the driver drains them in that order after every call.
+`outbox` and `relay_results`; the driver drains them in that order after every call.
 """
 from __future__ import annotations
 
@@ -35,13 +35,13 @@ from replication.master import RESYNC, STORAGE_FULL, ReplicationLimits
 from replication.messages import (
     Append,
     AppendAck,
-    Forward,
-    ForwardResult,
     Message,
     MessageError,
     Open,
     OpenAck,
     Refused,
+    RelayRequest,
+    RelayResult,
     SnapshotAck,
     SnapshotChunk,
     SyncBegin,
@@ -145,7 +145,7 @@ class ReplicaRole:
         self.installs: list[SnapshotInstall] = []
         self.applied: list[LogEntry] = []    # entries applied, for the driver to persist
         self.outbox: list[tuple[str, Message]] = []
-        self.forward_results: list[ForwardResult] = []
+        self.relay_results: list[RelayResult] = []
 
     @property
     def visible_order(self) -> int:
@@ -249,8 +249,8 @@ class ReplicaRole:
             self._on_snapshot_chunk(message, now_ms)
         elif isinstance(message, SyncEnd):
             self._on_sync_end(message, now_ms)
-        elif isinstance(message, ForwardResult):
-            self.forward_results.append(message)
+        elif isinstance(message, RelayResult):
+            self.relay_results.append(message)
 
     def _on_append(self, append: Append) -> None:
         if self.phase not in (ReplicaPhase.SYNCING, ReplicaPhase.FOLLOWING) or self._transfer is not None:
@@ -496,7 +496,7 @@ class ReplicaRole:
         self.last_epoch = self.epoch
         self._send(OpenAck(self.core.name, self.incarnation, self.epoch, end.order, self.session))
 
-    # --- durability and forwarding ---------------------------------------------------------
+    # --- durability and relays ------------------------------------------------------------
     def snapshot_rows_durable(self, transfer_number: int, sequence: int) -> None:
         """The rows of the transfer's chunks up to `sequence` are in local storage."""
         transfer = self._transfer
@@ -522,8 +522,8 @@ class ReplicaRole:
             return
         self._send(AppendAck(self.core.name, self.incarnation, self.epoch, 0, order, session=self.session))
 
-    def forward(self, request_id: int, request: list[Any]) -> None:
-        self._send(Forward(self.core.name, self.incarnation, self.epoch, request_id, request))
+    def relay(self, request_id: int, request: list[Any]) -> None:
+        self._send(RelayRequest(self.core.name, self.incarnation, self.epoch, request_id, request))
 
     # --- internals -------------------------------------------------------------------------
     def _localized(self, op: Operation) -> Operation:

@@ -19,7 +19,7 @@ from qserver.storage.batch import SealedBatch
 from replication.cluster_map import ClusterMap, QueueEntry
 from replication.cluster_map import Command as MapCommand
 from replication.master import MasterRole, ReplicationLimits
-from replication.messages import Forward, Message, decode_message
+from replication.messages import Message, RelayRequest, decode_message
 from replication.oplog import LogEntry
 from replication.queue_core import QueueCore
 from replication.replica import ReplicaRole, SnapshotInstall
@@ -110,7 +110,7 @@ class FakeCore:
     def master_left(self, core: QueueCore, new_master: str) -> None:
         pass
 
-    def run_relayed(self, role: MasterRole, request: Forward) -> None:
+    def run_relayed(self, role: MasterRole, request: RelayRequest) -> None:
         pass
 
     def store_client(self, client_id: str, record: dict[str, Any] | None) -> None:

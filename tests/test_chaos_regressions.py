@@ -434,13 +434,13 @@ def test_a_master_restarted_on_its_own_map_claims_no_commit_past_its_record_unti
 # --- a message of the new epoch between the map's change and the roles' -----------------------------
 def test_a_forward_of_the_new_epoch_waits_while_the_map_has_changed_but_the_roles_have_not() -> None:
     """The membership layer applies a handoff to the node's copy of the map at once; the pair
-    driver takes the new roles when the engine's task gets to it. A Forward from the new
+    driver takes the new roles when the engine's task gets to it. A RelayRequest from the new
     replica arriving in between went to the old, fenced replica role and was never answered
     (a client's enqueue hung for good in tests/test_failover.py, 1 run in 10 under load)."""
     from replication.cluster_map import AddNode, ChangePair, CreateQueue, Reason
     from replication.digest import EMPTY_DIGEST
     from replication.master import MasterRole
-    from replication.messages import Forward
+    from replication.messages import RelayRequest
     from replication.replica import ReplicaRole
     from tests.cluster_fakes import FakeCore, FakeMembership, FakeStorage, pair_driver
     cluster_map = ClusterMap()
@@ -453,7 +453,7 @@ def test_a_forward_of_the_new_epoch_waits_while_the_map_has_changed_but_the_role
     core = producer_core(MemoryStore())
     pairs.replicas["orders"] = ReplicaRole(core, FakeStorage(), node_id="n1", master_id="n2", epoch=1,
                                            incarnation=7, applied_order=0, digest=EMPTY_DIGEST, last_epoch=1)
-    forward = Forward("orders", 7, 2, 1, ["enqueue", 4, [b"x"], None, "c"])    # still epoch 1's replica
+    forward = RelayRequest("orders", 7, 2, 1, ["enqueue", 4, [b"x"], None, "c"])    # still epoch 1's replica
     assert pairs.inbox.ahead_of_map("n1", forward)         # kept until the roles follow the map
     assert len(pairs.inbox.early["orders"]) == 1
     del pairs.replicas["orders"]

@@ -280,7 +280,7 @@ async def test_every_node_lists_the_clusters_queues_from_the_map_a_page_at_a_tim
 
 async def test_a_forward_to_a_paused_master_and_an_answer_held_without_a_lease_end_at_the_nodes_deadline(
         qcluster_factory) -> None:  # type: ignore[no-untyped-def]
-    """commit_wait_max_s (0.4 s here): a replica's Forward its master does not answer, and an
+    """commit_wait_max_s (0.4 s here): a replica's RelayRequest its master does not answer, and an
     answer a master holds for a commit point it cannot reach (no lease: both other nodes
     paused), end with an outcome-unknown E_TIMEOUT from the node, before any failover and long
     before the client's own deadline (30 s)."""

@@ -96,7 +96,7 @@ async def test_a_wall_clock_step_neither_expires_a_lease_early_nor_stretches_it(
         granted = time.monotonic()
         wall.step(step_ms)
         await asyncio.sleep(0.2)
-        # Forward, a wall-clock deadline would have passed a minute ago: the next receive
+        # RelayRequest, a wall-clock deadline would have passed a minute ago: the next receive
         # would get message 1 again. It gets message 2.
         assert [m.message_id for m in await receive_now(engine)] == [2]
         # Back, a wall-clock deadline would lie a minute away. The lease ends after its 1.5 s.

@@ -34,7 +34,7 @@ class MasterEffects:
 
     def drain(self, role: MasterRole) -> None:
         """Carry out what the role asked for in its last step, then answer and send."""
-        forwarded, role.forwarded = role.forwarded, []
+        forwarded, role.relayed = role.relayed, []
         for request in forwarded:
             self.events.run_relayed(role, request)
         for proposal in role.proposals:

@@ -559,7 +559,7 @@ class PairDriver:
             # again (the link comes back, or the map names another master) instead.
             answer([E_UNAVAILABLE.code, f"no link to the master {role.master_id} of {name} now"])
             return
-        role.forward(self.relayed.add(name, request, answer), request)
+        role.relay(self.relayed.add(name, request, answer), request)
         self.flush(role)
 
     def expire_waiting(self, mono_ms: int) -> None:

@@ -119,7 +119,7 @@ class PeerInbox:
         handoff or failover first) waits until this node has taken its role in that epoch:
         delivered now, it would fence the role this node is about to leave and be lost. The
         node's copy of the map is not enough: it changes as soon as the membership layer
-        applies a command, and the roles follow when the core's task gets to it (a Forward
+        applies a command, and the roles follow when the core's task gets to it (a RelayRequest
         that arrived in between reached the old, fenced replica and was never answered)."""
         entry = self.view.entry(message.queue)
         if entry is None:

@@ -1,10 +1,10 @@
 """Relaying between the members of a pair: a replica's clients, served by its master.
 
 A replica relays what only the master may decide (every enqueue; under `full` also
-receives, acks, releases, lease extensions and purges) in a Forward message (the replication
+receives, acks, releases, lease extensions and purges) in a RelayRequest message (the replication
 message keeps its name on the wire: docs/PROTOCOL.md, "Replication messages"); the master runs
 it like a request of its own clients and answers, once committed, with the commit point the
-replica must reach before it answers its client (the ForwardResult row of that table). These
+replica must reach before it answers its client (the RelayResult row of that table). These
 helpers translate between engine commands and the [kind, args...] requests relayed.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from wire.protocol import DeliveredMessage
 
 
 def relayed_request(command: Any) -> list[Any]:
-    """A replica's client operation as the request it relays (in a Forward message)."""
+    """A replica's client operation as the request it relays (in a RelayRequest message)."""
     kind = type(command)
     if kind is c.Enqueue:
         return ["enqueue", command.priority, [command.payload], [command.dedupe_id], command.client,
@@ -57,12 +57,12 @@ class RelayReplier:
         self._answer([error.code, error.message])
 
     def _answer(self, outcome: Any) -> None:
-        self.role.answer_forward(self.request, [self.role.commit_order, outcome])
+        self.role.answer_relay(self.request, [self.role.commit_order, outcome])
         self.pairs.flush(self.role)
 
 
 def command_from_relay(request: Any, replier: Any) -> c.Command:
-    """The engine command for a relayed request (a Forward message's; the inverse of relayed_request)."""
+    """The engine command for a relayed request (a RelayRequest message's; the inverse of relayed_request)."""
     kind, *args = request.request
     name = request.queue
     if kind == "enqueue":

@@ -1,5 +1,5 @@
 """The requests a replica's clients made that this node relayed to the queue's master, waiting
-for its answer (a ForwardResult on the wire).
+for its answer (a RelayResult on the wire).
 
 Separate from the pair driver because it is bookkeeping with deadlines only: which relayed
 request belongs to which queue and client, when it times out, and what its client hears when the
@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from qserver.cluster.holds import HeldAnswers
-from replication.messages import ForwardResult
+from replication.messages import RelayResult
 from wire.errors import E_NOT_MASTER, E_TIMEOUT, ErrorKind
 
 Answer = Callable[[Any], None]       # answer(outcome); a QueueError when refused
@@ -39,7 +39,7 @@ class RelayAnswers:
         heapq.heappush(self._deadlines, (self.monotonic_ms() + self.wait_max_ms + wait_ms, request_id))
         return request_id
 
-    def answered(self, name: str, result: ForwardResult) -> None:
+    def answered(self, name: str, result: RelayResult) -> None:
         """The master's answer: given to the client once this member's commit point passes it."""
         entry = self.waiting.pop(result.request_id, None)
         if entry is None:
@@ -57,7 +57,7 @@ class RelayAnswers:
             answer([kind.code, f"{why}; the outcome is unknown, retry (dedupe ids make it safe)"])
 
     def expire(self, mono_ms: int) -> None:
-        """Requests past their deadline end with an outcome-unknown E_TIMEOUT (a Forward lost with
+        """Requests past their deadline end with an outcome-unknown E_TIMEOUT (a RelayRequest lost with
         a broken link: nothing waits for ever or leaks). A late answer then finds no entry."""
         deadlines = self._deadlines
         while deadlines and (deadlines[0][0] <= mono_ms or deadlines[0][1] not in self.waiting):

@@ -106,7 +106,7 @@ class ReplicaEffects:
         if replica.applied:
             self.staging.stage_applied(replica.core, replica.applied)
             replica.applied.clear()
-        results, replica.forward_results = replica.forward_results, []
+        results, replica.relay_results = replica.relay_results, []
         for result in results:
             self.relayed.answered(replica.core.name, result)
         self.output.flush(replica)

@@ -39,7 +39,7 @@ from qserver.metrics import Histogram
 from qserver.storage.lmdb_store import Storage, StorageSpace
 from replication.invariants import InvariantViolation
 from replication.master import MasterRole
-from replication.messages import Forward
+from replication.messages import RelayRequest
 from replication.options import Strength
 from replication.queue_core import QueueCore
 from wire.errors import E_INTERNAL, E_OVERLOADED, E_SHUTTING_DOWN, QueueError
@@ -80,7 +80,7 @@ class Engine(Generic[P, G]):
     listeners_may_see_more: Callable[[str], None]
     master_left: Callable[[QueueCore, str], None]
     role_changed: Callable[[str], None]
-    run_relayed: Callable[[MasterRole, Forward], None]
+    run_relayed: Callable[[MasterRole, RelayRequest], None]
     store_client: Callable[[str, dict[str, Any] | None], None]
 
     def __init__(self, config: NodeConfig, storage: Storage, *, rng: random.Random | None = None,

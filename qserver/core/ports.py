@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from qserver.storage.batch import SealedBatch
     from replication.cluster_map import QueueEntry
     from replication.master import MasterRole
-    from replication.messages import Forward
+    from replication.messages import RelayRequest
     from replication.oplog import LogEntry
     from replication.queue_core import QueueCore
     from replication.replica import ReplicaRole, SnapshotInstall
@@ -153,7 +153,7 @@ class PairEvents(Protocol):
     def master_left(self, core: QueueCore, new_master: str) -> None:
         ...
 
-    def run_relayed(self, role: MasterRole, request: Forward) -> None:
+    def run_relayed(self, role: MasterRole, request: RelayRequest) -> None:
         """At the master: run a request its replica relayed from a client of its own."""
         ...
 

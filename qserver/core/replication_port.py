@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from replication.cluster_map import ClusterMap, Outcome, QueueEntry
     from replication.cluster_map import Command as MapCommand
     from replication.master import MasterRole
-    from replication.messages import Forward
+    from replication.messages import RelayRequest
     from replication.operations import Operation
     from replication.queue_core import QueueCore
     from replication.replica import ReplicaRole
@@ -144,7 +144,7 @@ class Relay(Protocol):
         with the master's answer."""
         ...
 
-    def run_relayed(self, role: MasterRole, request: Forward, step: Callable[[Command], None]) -> None:
+    def run_relayed(self, role: MasterRole, request: RelayRequest, step: Callable[[Command], None]) -> None:
         """At the master: the command of a relayed request, answered to the replica, given to
         `step` (a request that makes no command is answered with its error)."""
         ...

@@ -37,7 +37,7 @@ from wire.message_input import (
 
 if TYPE_CHECKING:
     from replication.master import MasterRole
-    from replication.messages import Forward
+    from replication.messages import RelayRequest
 
 # Commands whose answer waits for everything the queue decided so far, not only their own
 # operations: a repeated dedupe id answers with an earlier id, which may not be committed yet;
@@ -122,7 +122,7 @@ class CommandSteps:
         self.relay.relay(queue, command)
         return True
 
-    def run_relayed(self, role: MasterRole, request: Forward) -> None:
+    def run_relayed(self, role: MasterRole, request: RelayRequest) -> None:
         """At the master: run a request a replica relayed, as if its client were here; the
         answer (sent after commit) carries the commit point the replica must reach first."""
         self.relay.run_relayed(role, request, lambda command: self.step(command, self.clock_ms()))

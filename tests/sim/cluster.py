@@ -22,7 +22,7 @@ from typing import Any
 
 from replication.digest import EMPTY_DIGEST
 from replication.master import InSyncProposal, MasterRole, ReplicationLimits
-from replication.messages import Forward, Message, decode_message, encode_message
+from replication.messages import Message, RelayRequest, decode_message, encode_message
 from replication.operations import Enqueued, Leased, Operation
 from replication.oplog import LogEntry, MemoryOpLog
 from replication.options import QueueOptions, QueueState, Strength
@@ -259,13 +259,13 @@ class SimNode:
                 self.staged_ops.extend(entry.ops)
             self.staged_log.extend(role.applied)
             role.applied.clear()
-            for result in role.forward_results:
+            for result in role.relay_results:
                 callback = self.waiting_forwards.pop(result.request_id, None)
                 if callback is not None:
                     callback(result.outcomes)
-            role.forward_results.clear()
+            role.relay_results.clear()
         else:
-            forwarded, role.forwarded = role.forwarded, []
+            forwarded, role.relayed = role.relayed, []
             for request in forwarded:
                 self._run_forwarded(request)
             self.staged_log.extend(role.to_log)
@@ -459,7 +459,7 @@ class SimNode:
                     self.pending.append(Pending(order, self.batch, lambda: history.acked_enqueues[self.name].add(order)))
                     self._answer_committed()
             self.waiting_forwards[request_id] = placed
-            self.role.forward(request_id, ["enqueue", payload, 4, None])
+            self.role.relay(request_id, ["enqueue", payload, 4, None])
             self.drain()
             return
         try:
@@ -473,7 +473,7 @@ class SimNode:
         self._after_this_batch(index, lambda: history.acked_enqueues[self.name].add(index))
         self.drain()
 
-    def _run_forwarded(self, request: Forward) -> None:
+    def _run_forwarded(self, request: RelayRequest) -> None:
         assert isinstance(self.role, MasterRole)
         kind, payload, priority, dedupe = request.request
         try:
@@ -482,13 +482,13 @@ class SimNode:
             index, _ = self.core.enqueue(payload, priority, dedupe, "forwarded", self.sim.clock.now_ms, ops)
             outcome: Any = index
         except QueueError as error:
-            self.role.answer_forward(request, [[error.code, error.message]])
+            self.role.answer_relay(request, [[error.code, error.message]])
             return
         self._stage(ops)
         role = self.role
         # As the engine does: the answer leaves once the operation is committed. Sent before,
         # it could name an order that dies with this master if it crashes before its fsync.
-        self._after_this_batch(index, lambda: (role.answer_forward(request, [outcome]), self.drain()))
+        self._after_this_batch(index, lambda: (role.answer_relay(request, [outcome]), self.drain()))
 
     def client_receive_and_ack(self) -> None:
         """Lease one message here; ack it once the lease is answered (committed)."""

@@ -10,7 +10,7 @@ from qserver.core import commands as c
 from replication.cluster_map import ClusterMap, Outcome, QueueEntry
 from replication.cluster_map import Command as MapCommand
 from replication.master import MasterRole
-from replication.messages import Forward
+from replication.messages import RelayRequest
 from replication.operations import Operation
 from replication.queue_core import QueueCore
 from replication.replica import ReplicaRole
@@ -128,4 +128,4 @@ class FakeGate:
 
 class FakeRelay:
     def relay(self, queue: str, command: c.Command) -> None: ...
-    def run_relayed(self, role: MasterRole, request: Forward, step: Callable[[c.Command], None]) -> None: ...
+    def run_relayed(self, role: MasterRole, request: RelayRequest, step: Callable[[c.Command], None]) -> None: ...
