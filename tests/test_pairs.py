@@ -129,7 +129,7 @@ async def test_a_client_of_a_node_that_holds_neither_member_is_sent_to_the_maste
         created = await outsider.create_queue("orders")          # HTTP: passed on to the master
         assert created["master"] == "n1" and created["replica"] == "n2"
         first = await outsider.enqueue("orders", b"one")         # WebSocket: E_NOT_MASTER, then routed
-        assert first == 1 and outsider._masters["orders"] == cluster.urls["n1"]
+        assert first == 1 and outsider._router.route("orders").url == cluster.urls["n1"]
         [message] = await outsider.receive("orders", wait_s=1)
         assert message.payload == b"one"
         await message.ack()
