@@ -241,3 +241,8 @@ def producer_key(client: str, name: str) -> str:
 
 def dead_letter_name(queue: str) -> str:
     return queue + DEAD_LETTER_SUFFIX
+
+
+def base_name(queue: str) -> str:
+    """The queue whose map entry `queue` shares: itself, or the queue of a dead-letter queue."""
+    return queue[:-len(DEAD_LETTER_SUFFIX)] if queue.endswith(DEAD_LETTER_SUFFIX) else queue

@@ -19,12 +19,10 @@ A module of its own because every check names these and none of them owns them.
 """
 from __future__ import annotations
 
-from replication.options import DEAD_LETTER_SUFFIX
+from replication.options import base_name
 
 StreamKey = tuple[str, str, str, int]     # (node, journal_id, queue, local queue id)
 ARRIVAL_OP = "dead_letter_arrival"       # derived, never stored
 
-
-def group_of(queue: str) -> str:
-    """The queue group a queue belongs to: a dead-letter queue goes with its source."""
-    return queue[:-len(DEAD_LETTER_SUFFIX)] if queue.endswith(DEAD_LETTER_SUFFIX) else queue
+# The queue group a queue belongs to: a dead-letter queue goes with its source.
+group_of = base_name

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from qserver.cluster.view import base_name
 from qserver.config import NodeConfig
 from qserver.core.ports import Instances, Scheduler
 from replication.cluster_map import (
@@ -37,7 +36,7 @@ from replication.cluster_map import (
 from replication.leases import LeaseTable, NodeLease
 from replication.master import MasterRole
 from replication.messages import HandoffAnswer, HandoffOrder, HandoffRequest, LeaseGrant, LeaseRenew, Message
-from replication.options import dead_letter_name
+from replication.options import base_name, dead_letter_name
 from wire.errors import (
     E_HANDOFF_REFUSED,
     E_INVALID_OPTION,

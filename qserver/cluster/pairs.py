@@ -33,7 +33,7 @@ from qserver.cluster.peer_inbox import PeerInbox
 from qserver.cluster.proposals import MapProposals
 from qserver.cluster.relay_answers import RelayAnswers
 from qserver.cluster.replica_effects import ReplicaEffects
-from qserver.cluster.view import ClusterView, base_name
+from qserver.cluster.view import ClusterView
 from qserver.config import NodeConfig
 from qserver.core.ports import Instances, PairEvents, Scheduler, Staging
 from replication.cluster_map import (
@@ -57,7 +57,7 @@ from replication.messages import (
 )
 from replication.operations import Operation
 from replication.oplog import OpLogReader
-from replication.options import DEAD_LETTER_SUFFIX, Strength, dead_letter_name
+from replication.options import DEAD_LETTER_SUFFIX, Strength, base_name, dead_letter_name
 from replication.queue_core import QueueCore
 from replication.replica import ReplicaPhase, ReplicaRole
 from replication.snapshot import SnapshotSource

@@ -1,11 +1,11 @@
 """Relaying between the members of a pair: a replica's clients, served by its master.
 
 A replica relays what only the master may decide (every enqueue; under `full` also
-receives, acks, releases, lease extensions and purges) in a RelayRequest message (the replication
-message keeps its name on the wire: docs/PROTOCOL.md, "Replication messages"); the master runs
-it like a request of its own clients and answers, once committed, with the commit point the
-replica must reach before it answers its client (the RelayResult row of that table). These
-helpers translate between engine commands and the [kind, args...] requests relayed.
+receives, acks, releases, lease extensions and purges) in a RelayRequest message
+(docs/PROTOCOL.md, "Replication messages"); the master runs it like a request of its own
+clients and answers, once committed, with a RelayResult naming the commit point the replica
+must reach before it answers its client. These helpers translate between the core's commands
+(qserver/core/commands.py) and the [kind, args...] requests relayed.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ class RelayReplier:
 
 
 def command_from_relay(request: Any, replier: Any) -> c.Command:
-    """The engine command for a relayed request (a RelayRequest message's; the inverse of relayed_request)."""
+    """The core's command for a relayed request (a RelayRequest message's; the inverse of relayed_request)."""
     kind, *args = request.request
     name = request.queue
     if kind == "enqueue":

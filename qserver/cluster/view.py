@@ -8,15 +8,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from replication.cluster_map import ClusterMap, QueueEntry
-from replication.options import DEAD_LETTER_SUFFIX
+from replication.options import base_name
 
 if TYPE_CHECKING:
     from qserver.cluster.membership import Membership
 
-
-def base_name(queue: str) -> str:
-    """The queue whose map entry `queue` shares: itself, or the queue of a dead-letter queue."""
-    return queue[:-len(DEAD_LETTER_SUFFIX)] if queue.endswith(DEAD_LETTER_SUFFIX) else queue
 
 
 class ClusterView:

@@ -38,7 +38,7 @@ from qserver.metrics import Histogram
 from qserver.storage.lmdb_store import CommitResult, MapGrowthNeeded, SealedBatch, Storage, StorageFull
 from replication.invariants import InvariantViolation
 from replication.operations import Leased, Operation
-from replication.options import DEAD_LETTER_SUFFIX, Strength, dead_letter_name
+from replication.options import Strength, base_name, dead_letter_name
 from replication.queue_core import QueueCore, sequences_from_json
 from wire.errors import E_INTERNAL, E_STORAGE_FULL, QueueError
 from wire.protocol import DeliveredMessage
@@ -431,7 +431,7 @@ class CommitPipeline:
             reached.update(row[0] for row in sealed.snapshot_rows)
             reached.update(row[0] for row in sealed.snapshot_installs)
             reached.update(queue_id for queue_id, _ in sealed.truncations)
-        names |= {dead_letter_name(base) for base in map(_base_name, names)} | set(map(_base_name, names))
+        names |= {dead_letter_name(base) for base in map(base_name, names)} | set(map(base_name, names))
         self.registry.reload(names, reached)
 
 
@@ -455,6 +455,3 @@ def _refusal(error: Exception, *, streamed: bool) -> QueueError:
         return QueueError(E_STORAGE_FULL, f"{error}; nothing was stored here", outcome_unknown=streamed)
     return QueueError(E_INTERNAL, f"storage failure: {error}", outcome_unknown=streamed)
 
-
-def _base_name(queue: str) -> str:
-    return queue[:-len(DEAD_LETTER_SUFFIX)] if queue.endswith(DEAD_LETTER_SUFFIX) else queue
