@@ -180,15 +180,8 @@ class AsyncClient(AdminCalls):
 
     # --- the cluster map (client/router.py) -------------------------------------------------------
     async def refresh_placement(self, queue: str | None = None) -> None:
-        """Read the cluster map from every node (each lists the queues it holds); with `queue`,
-        only that queue's entry (a map of thousands of queues is megabytes). Callers at once
-        share one reading: after a failover thousands of calls in flight fail together, on
-        one queue or on thousands, and read the map once, not once each against every node.
-        A reading takes the names of every caller until it begins, and begins once the one
-        before it has ended (so what made a caller ask is in what it reads); it asks for the
-        names it took, PLACEMENT_QUEUES_MAX to a request (2,000 queues' entries are 20 small
-        requests to each node, where the whole map of 10,000 is 5.6 MB from each), or for the
-        whole map if a caller wanted it."""
+        """Read the cluster map again (all of it, or `queue`'s entry): where each queue's master
+        is. Concurrent callers share one reading (client/router.py, `Router.refresh_placement`)."""
         await self._router.refresh_placement(queue)
 
     def _learn_macros(self, definitions: Mapping[str, Any], only: tuple[str, ...] | None = None) -> None:
