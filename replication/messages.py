@@ -1,7 +1,7 @@
 """Typed replication messages between the two members of a queue pair, and their one codec.
 
 Every message names the queue, its incarnation and the sender's epoch (fencing: a member
-refuses anything from an older epoch, DESIGN.md 4.1). Encoded as msgpack
+refuses anything from an older epoch: docs/ARCHITECTURE.md, "Queue pairs"). Encoded as msgpack
 `[PROTOCOL_VERSION, tag, field, ...]`; tags are fixed, never reused, only added. Operations
 travel in log entries: a run of consecutive replicated operations, encoded together by
 `encode_entry`, which is also what the rolling digest hashes and the op log stores, so both
@@ -281,7 +281,7 @@ class HandoffOrder:
 
 
 # Node-level messages on the same links (queue "", incarnation: the sender's storage id): the lease of a node from
-# the membership leader (DESIGN.md 4.2 "Leases"); `epoch` carries the leader's term.
+# the membership leader (docs/ARCHITECTURE.md, "Membership"); `epoch` carries the leader's term.
 @dataclass(frozen=True, slots=True)
 class LeaseRenew:
     """node -> membership leader: renew my lease (counted from when I sent this)."""
