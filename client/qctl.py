@@ -81,6 +81,7 @@ from client.qctl_queues import (
     cmd_queue_stats,
 )
 from client.qctl_render import Handler, Outcome
+from wire import versions
 from wire.errors import QueueError
 from wire.message_input import PRIORITY_DEFAULT, PRIORITY_MAX, PRIORITY_MIN
 
@@ -122,6 +123,8 @@ def _add_globals(parser: argparse.ArgumentParser, *, in_subcommand: bool) -> Non
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qctl", description="Operate a qserver cluster.")
+    parser.add_argument("--version", action="version",
+                        version=f"qctl {versions.RELEASE} (client protocol {versions.CLIENT_PROTOCOL.render()})")
     _add_globals(parser, in_subcommand=False)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

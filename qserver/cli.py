@@ -18,7 +18,9 @@ from qserver.config import NodeConfig, load_config
 from qserver.features.macro.service import DelegatedSigner
 from qserver.storage.lmdb_store import SealedBatch, Storage, read_clients
 from qserver.storage.raft_store import RaftStore
+from qserver.storage.rows import SCHEMA_VERSION
 from qserver.transport.tls import DEFAULT_HOSTS, make_tls_files
+from wire import versions
 from wire.errors import E_INVALID_OPTION, E_UNAUTHENTICATED, E_UNAVAILABLE, QueueError
 from wire.signing import new_private_key, private_key_to_text, public_key_text
 
@@ -151,8 +153,17 @@ def _mint_advice(error: QueueError, config: NodeConfig, url: str | None) -> str:
     return ""
 
 
+def version_text() -> str:
+    """The release and what it reads and speaks: an operator compares these before a roll."""
+    return (f"qserver {versions.RELEASE} (storage layout {SCHEMA_VERSION}; protocols: client "
+            f"{versions.CLIENT_PROTOCOL.render()}, replication {versions.REPLICATION_PROTOCOL.render()}, membership "
+            f"{versions.MEMBERSHIP_PROTOCOL.render()}; cluster feature levels {versions.OLDEST_FEATURE_LEVEL}-"
+            f"{versions.FEATURE_LEVEL})")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qserver", description="replicated queue server node")
+    parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", required=True)
     p_init = sub.add_parser("init", help="create the cluster secret and the first admin credential")
     p_init.add_argument("--data-dir", required=True, type=Path, help="the node's data directory (made if missing)")

@@ -97,6 +97,18 @@ E_QUEUE_UNAVAILABLE = _kind("E_QUEUE_UNAVAILABLE", 503, True, "no member of the 
 E_NOT_ENOUGH_REPLICAS = _kind("E_NOT_ENOUGH_REPLICAS", 503, True, "min_in_sync cannot be met; nothing was stored")
 E_HANDOFF_REFUSED = _kind("E_HANDOFF_REFUSED", 409, False, "the handoff was refused")
 E_INTERNAL = _kind("E_INTERNAL", 500, True, "an unexpected server error")
+# --- versions and upgrades (docs/OPERATIONS.md, "Upgrades") -------------------------------------
+E_FEATURE_DISABLED = _kind("E_FEATURE_DISABLED", 409, False,
+                           "the feature needs a higher cluster feature level: `qctl cluster finalize` raises it once "
+                           "every node runs a release that supports it")
+E_VERSION_MISMATCH = _kind("E_VERSION_MISMATCH", 426, False,
+                           "the two sides share no protocol version: one of them needs another release")
+E_NODES_BEHIND = _kind("E_NODES_BEHIND", 409, False,
+                       "not every node runs a release that supports the asked feature level (the message names them)")
+E_DRAIN_REFUSED = _kind("E_DRAIN_REFUSED", 409, False,
+                        "draining the node now would leave a queue without an in-sync copy (the message names them)")
+E_INVALID_DEFINITIONS = _kind("E_INVALID_DEFINITIONS", 400, False,
+                              "the definitions document is malformed or inconsistent; nothing was changed")
 
 
 def kind_of(code: str) -> ErrorKind:

@@ -24,7 +24,9 @@ from qserver.api import queue_routes as queues
 from qserver.api.auth import SERVER_CONTROL_HEADERS
 from qserver.api.http_common import MAP_VERSION, NODE, Handler, pass_on_to_master, until_map_version
 from qserver.http_errors import error_response
+from qserver.storage.rows import SCHEMA_VERSION
 from wire import errors as e
+from wire import versions
 from wire.errors import QueueError
 from wire.signing import audience_of
 
@@ -114,7 +116,12 @@ async def healthz(request: web.Request) -> web.Response:
     # A supervisor or load balancer reads the status code: 503 whenever the engine does not
     # take commands (starting, stopping, or failed and about to exit).
     status = "ok" if engine.serving else "failed" if engine.failed is not None else "not_serving"
-    answer: dict[str, Any] = {"status": status, "node": node.config.node_id, "queues": len(engine.cores)}
+    answer: dict[str, Any] = {"status": status, "node": node.config.node_id, "queues": len(engine.cores),
+                              "release": versions.RELEASE, "storage_layout": SCHEMA_VERSION,
+                              "protocols": {"client": versions.CLIENT_PROTOCOL.render(),
+                                            "replication": versions.REPLICATION_PROTOCOL.render(),
+                                            "membership": versions.MEMBERSHIP_PROTOCOL.render()},
+                              "feature_levels": [versions.OLDEST_FEATURE_LEVEL, versions.FEATURE_LEVEL]}
     coordinator = node.engine.coordinator
     if coordinator is not None:      # enough for a supervisor to see the node take part
         answer["membership"] = {"leader": coordinator.membership.leader_id(), "term": coordinator.membership.term(),
