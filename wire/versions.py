@@ -21,6 +21,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from wire.errors import E_FEATURE_DISABLED, QueueError
+
 RELEASE = "0.2.0.dev0"
 
 
@@ -67,7 +69,19 @@ FEATURE_LEVEL_RELEASES = {1: "0.1.0", 2: "0.2.0"}
 
 # Features that need a cluster feature level above the oldest, and which. A node of this release
 # refuses them with E_FEATURE_DISABLED until the map's level reaches theirs.
-FEATURES: dict[str, int] = {}
+FEATURES: dict[str, int] = {
+    "macro_highest_priority": 2,   # the macro consumer policy `highest_priority`: a map value 0.1.0 refuses
+}
+
+
+def require_feature(cluster_level: int, feature: str) -> None:
+    """Raise E_FEATURE_DISABLED unless the cluster's feature level (the map's) reaches `feature`'s."""
+    needed = FEATURES[feature]
+    if cluster_level < needed:
+        raise QueueError(E_FEATURE_DISABLED,
+                         f"{feature} needs cluster feature level {needed}: every node on release "
+                         f"{FEATURE_LEVEL_RELEASES[needed]} or later, then `qctl cluster finalize`; the cluster runs at "
+                         f"level {cluster_level}")
 
 
 def release_key(version: str) -> tuple[int, int, int, int]:
