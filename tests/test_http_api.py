@@ -10,7 +10,9 @@ import pytest
 import pytest_asyncio
 
 from qserver.api.http_common import until_map_version
+from qserver.storage.rows import SCHEMA_VERSION
 from tests.support import RawApi, error_code, raw_session
+from wire import versions
 
 pytestmark = pytest.mark.asyncio
 
@@ -232,6 +234,10 @@ async def test_health_and_metrics_need_no_signature(api: RawApi) -> None:
     await put(api, "metered", b"m")
     status, health, _ = await api.request("GET", "/healthz", sign=False)
     assert status == 200 and health["status"] == "ok"
+    # What an operator compares during a rolling upgrade (docs/OPERATIONS.md, "Releases and versions").
+    assert health["release"] == versions.RELEASE and health["storage_layout"] == SCHEMA_VERSION
+    assert health["protocols"]["replication"] == versions.REPLICATION_PROTOCOL.render()
+    assert health["feature_levels"] == [versions.OLDEST_FEATURE_LEVEL, versions.FEATURE_LEVEL]
     status, text, _ = await api.request("GET", "/metrics", sign=False)
     text = text.decode()
     for family in ("qserver_queue_depth{queue=\"metered\"} 1", "qserver_queue_in_flight",
