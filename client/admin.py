@@ -130,6 +130,28 @@ class AdminCalls:
         """A draining node serves again (draining -> up); `rebalance` then brings it members."""
         return await self.http.undrain_node(node_id)
 
+    async def drain_node_for_maintenance(self, node_id: str, timeout_s: float = 60.0) -> dict[str, Any]:
+        """Hand the node's masters off to their in-sync replicas and wait until it masters none
+        (its replicas stay: it comes back after a restart and catches up by log). Refused with
+        E_DRAIN_REFUSED when a queue would be left without an in-sync copy."""
+        return await self.http.drain_node_for_maintenance(node_id, timeout_s)
+
+    async def undrain_node_from_maintenance(self, node_id: str) -> dict[str, Any]:
+        """The node may take masters again (`rebalance` hands some back to it)."""
+        return await self.http.undrain_node_from_maintenance(node_id)
+
+    async def cluster_versions(self) -> dict[str, Any]:
+        """Every node's release, storage layout, protocols and feature levels, and the
+        cluster's feature level (docs/OPERATIONS.md, "The cluster feature level")."""
+        return await self.http.cluster_versions()
+
+    async def finalize_cluster(self, level: int | None = None) -> dict[str, Any]:
+        """Raise the cluster feature level (admin; default: the highest the node's release runs
+        at) once every node runs a release that supports it, and E_NODES_BEHIND naming the
+        nodes that lag before that: `{"level", "previous", "changed", "releases"}`. Idempotent;
+        the level never goes down."""
+        return await self.http.finalize_cluster(level)
+
     async def _changed_map(self, change: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
         result = await change
         with contextlib.suppress(QueueError):     # this client's own calls see the change at once
@@ -200,3 +222,23 @@ class AdminCalls:
         """Forget a recipient (admin): its state and alternatives; what fault surveillance holds
         for it goes back to its queue. E_UNKNOWN_RECIPIENT when the cluster does not know it."""
         return await self.http.remove_recipient(recipient)
+
+    # --- definitions (docs/OPERATIONS.md, "Definitions: export and import") ----------------------
+    async def export_definitions(self) -> dict[str, Any]:
+        """Everything the cluster defines (queues and their options, channels, macro queues and
+        members, recipients' chains, forwards without secrets, clients' public keys and grants)
+        as one JSON document (admin on `*`)."""
+        return await self.http.export_definitions()
+
+    async def import_definitions(self, document: Mapping[str, Any], dry_run: bool = False, *,
+                                 forward_credentials: Mapping[str, Mapping[str, str]] | None = None
+                                 ) -> dict[str, Any]:
+        """Create what `document` defines and the cluster lacks (admin on `*`): each item
+        `created`, `unchanged`, `conflict` (exists otherwise: left as it is) or `failed`; an
+        invalid document raises E_INVALID_DEFINITIONS and changes nothing. `dry_run`: only
+        check and say what would be created. `forward_credentials`: see HttpClient."""
+        answer = await self.http.import_definitions(document, dry_run=dry_run, forward_credentials=forward_credentials)
+        if not dry_run:
+            with contextlib.suppress(QueueError):     # this client's own calls see the new queues at once
+                await cast(_MapReader, self).refresh_placement()
+        return answer

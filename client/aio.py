@@ -161,6 +161,17 @@ class AsyncClient(AdminCalls):
         """Not closed, and not stopped by a fatal error (its credentials were refused)."""
         return self._home.usable
 
+    @property
+    def server_release(self) -> str | None:
+        """The release the client's node named in its last answer; None before any answer, or
+        when the node named none: qserver 0.1.0 or older (docs/PROTOCOL.md, "Versions and negotiation")."""
+        return self.http.server_release
+
+    @property
+    def cluster_feature_level(self) -> int | None:
+        """The cluster feature level the node named in its last answer (None: as server_release)."""
+        return self.http.cluster_feature_level
+
     async def connect(self) -> None:
         """Open the WebSocket now rather than on the first call; raises the first attempt's
         error (reconnecting goes on in the background unless the error is fatal)."""

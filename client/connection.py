@@ -52,6 +52,7 @@ from wire.errors import (
     E_TIMEOUT,
     E_UNAVAILABLE,
     E_UNKNOWN_MESSAGE,
+    E_VERSION_MISMATCH,
     QueueError,
 )
 from wire.protocol import (
@@ -77,6 +78,7 @@ from wire.protocol import (
     UnsubscribeOp,
     decode_server_frame,
 )
+from wire.version_headers import CLIENT_HEADER, NODE_HEADER, client_header
 
 if TYPE_CHECKING:
     from client.consumer import Consumer
@@ -468,19 +470,30 @@ class NodeConnection:
     async def open_socket(self) -> aiohttp.ClientWebSocketResponse:
         """A signed WebSocket upgrade to this node (the supervisor's; tests drive one by hand)."""
         headers = self._signer.headers("GET", self._ws_path, [], b"", audience=str(self._ws_url))
+        headers[CLIENT_HEADER] = client_header()     # this client's versions (a 0.1.0 node ignores them)
         try:
             async with asyncio.timeout(self._connect_timeout_s):
-                return await self.http.session().ws_connect(
+                ws = await self.http.session().ws_connect(
                     self._ws_url, headers=headers, heartbeat=self._heartbeat_s,
                     max_msg_size=FRAME_BYTES_IN_MAX, timeout=aiohttp.ClientWSTimeout(ws_close=CLEANUP_TIMEOUT_S))
         except aiohttp.WSServerHandshakeError as exc:
             code = exc.headers.get("X-Error-Code") if exc.headers else None
+            if exc.headers:
+                self.http.note_node(exc.headers)
+            if code == E_VERSION_MISMATCH.code:
+                # A refused upgrade's body does not reach the client: name both sides here.
+                raise QueueError(code, f"the node ({exc.headers.get(NODE_HEADER) if exc.headers else '?'}) shares no "
+                                       f"client protocol version with this client ({client_header()}): upgrade "
+                                       "the older side") from None
             raise (QueueError(code, f"the WebSocket was refused (HTTP {exc.status})") if code
                    else error_from_status(exc.status)) from None
         except TimeoutError:
             raise QueueError(E_UNAVAILABLE, f"no WebSocket from {self.url} in time") from None
         except (aiohttp.ClientError, OSError) as exc:
             raise QueueError(E_UNAVAILABLE, f"cannot reach {self.url}: {exc}") from None
+        answer = getattr(ws, "_response", None)     # the 101 answer (aiohttp keeps no public handle)
+        self.http.note_node(answer.headers if answer is not None else {})
+        return ws
 
     async def _serve(self, ws: aiohttp.ClientWebSocketResponse) -> QueueError:
         """Run the reader and the writer until either ends; return why the socket is done."""

@@ -26,6 +26,7 @@ import aiohttp
 from multidict import CIMultiDictProxy
 from yarl import URL
 
+from client.macro import cluster_too_old
 from wire.errors import (
     E_FORBIDDEN,
     E_INTERNAL,
@@ -39,10 +40,13 @@ from wire.errors import (
 from wire.http_session import signed_session
 from wire.protocol import DeliveredMessage
 from wire.signing import Signer
+from wire.version_headers import CLIENT_HEADER, NODE_HEADER, client_header, explain_older_node, parse_side
 
 REQUEST_TIMEOUT_S = 30.0
 MOVE_WAIT_S = 30.0          # beyond the request timeout: the server's wait for a moved master's state transfer
 REBALANCE_WAIT_S = 20.0     # likewise for the replicas a rebalance moves
+DEFINITIONS_WAIT_S, DEFINITIONS_WAIT_PER_ITEM_S = 30.0, 0.2     # an import creates its items at the node
+MAINTENANCE_WAIT_MARGIN_S = 15.0   # beyond a maintenance drain's own timeout: its last handoffs
 TLS_CLOSE_GRACE_S = 0.1   # see HttpClient.close
 ERROR_BODY_BYTES_MAX = 64 * 1024
 
@@ -119,6 +123,20 @@ class HttpClient:
         self._request_timeout_s = request_timeout_s
         self.ca_file = ca_file
         self._ssl = ssl.create_default_context(cafile=ca_file) if ca_file else None
+        # What the node named in its last answer (X-Qcluster-Node; docs/PROTOCOL.md, "Versions
+        # and negotiation"): None while none was seen, or when the node named none (0.1.0 or older).
+        self.server_release: str | None = None
+        self.cluster_feature_level: int | None = None
+        self.server_answered = False
+
+    def note_node(self, headers: Mapping[str, str]) -> None:
+        """Record the release and feature level an answer of the node named (or that it named none)."""
+        try:
+            node = parse_side(headers.get(NODE_HEADER))
+        except ValueError:
+            return      # a malformed header says nothing reliable; keep what was known
+        self.server_release, self.cluster_feature_level = node.release, node.feature_level
+        self.server_answered = True
 
     async def close(self) -> None:
         if self._owns_session and self._session is not None:
@@ -150,7 +168,7 @@ class HttpClient:
         # Signed for this node (its URL: the Host aiohttp sends), with the headers that change
         # what the request does (wire/signing.py, QS2).
         signed = self._signer.headers(method, full_path, list(query), body, audience=self.url, headers=headers)
-        all_headers = {**(headers or {}), **signed}
+        all_headers = {**(headers or {}), **signed, CLIENT_HEADER: client_header()}   # unsigned; 0.1.0 ignores it
         timeout = aiohttp.ClientTimeout(total=self._request_timeout_s + wait_s)
         session = self.session()
         try:
@@ -166,8 +184,11 @@ class HttpClient:
         except (aiohttp.ClientError, OSError) as exc:
             raise QueueError(E_UNAVAILABLE, f"{method} {full_path}: {exc or type(exc).__name__}",
                              outcome_unknown=not idempotent) from None
+        self.note_node(answer_headers)
         if not 200 <= status < 300:
-            raise error_from_status(status, data, outcome_unknown=not idempotent)
+            # Something this node's release lacks (a route, an option) says so, same code.
+            raise explain_older_node(error_from_status(status, data, outcome_unknown=not idempotent),
+                                     self.server_release, f"{method} {path}")
         return Response(status, answer_headers, data)
 
     def session(self) -> aiohttp.ClientSession:
@@ -250,9 +271,16 @@ class HttpClient:
     # --- macro queues (seed 004; the policies run in client/macro.py) -----------------------------
     async def create_macro(self, name: str, producer: str = "round_robin", consumer: str = "prioritized",
                            fastest_by: str = "response_time") -> dict[str, Any]:
-        """Define a macro queue (admin); the same definition again is a no-op."""
+        """Define a macro queue (admin); the same definition again is a no-op. A consumer policy
+        the answering node's release predates raises E_FEATURE_DISABLED (client/macro.py)."""
         document = {"producer": producer, "consumer": consumer, "fastest_by": fastest_by}
-        return dict(await self._json("PUT", macro_path(name), document=document))
+        try:
+            return dict(await self._json("PUT", macro_path(name), document=document))
+        except QueueError as error:
+            too_old = cluster_too_old(error, consumer)
+            if too_old is None:
+                raise
+            raise too_old from error
 
     async def delete_macro(self, name: str) -> dict[str, Any]:
         return dict(await self._json("DELETE", macro_path(name), idempotent=False))
@@ -506,9 +534,87 @@ class HttpClient:
         """A draining node serves again (draining -> up); `rebalance` then brings it members."""
         return dict(await self._json("POST", "/v1/cluster/nodes/" + _segment(node_id) + "/undrain"))
 
+    async def drain_node_for_maintenance(self, node_id: str, timeout_s: float = 60.0) -> dict[str, Any]:
+        """The maintenance drain (docs/OPERATIONS.md, "Rolling upgrade"): the node's masters hand
+        off to their in-sync replicas, its replicas stay; answers once it masters none, with each
+        handoff and its write pause. E_DRAIN_REFUSED (naming the queues) when that or stopping
+        the node would leave a queue without an in-sync copy; E_TIMEOUT after `timeout_s`."""
+        try:
+            return dict(await self._json("POST", "/v1/cluster/nodes/" + _segment(node_id) + "/maintenance",
+                                         document={"timeout_s": timeout_s}, idempotent=False,
+                                         wait_s=timeout_s + MAINTENANCE_WAIT_MARGIN_S))
+        except QueueError as error:
+            if error.code != E_NOT_FOUND.code:
+                raise
+        # A node of release 0.1.0 has no such route: the same drain by per-queue handoffs.
+        from client.maintenance import drain_by_handoffs
+        return await drain_by_handoffs(self, node_id, timeout_s)
+
+    async def undrain_node_from_maintenance(self, node_id: str) -> dict[str, Any]:
+        """The node is out of maintenance (a node the map holds draining is set up as well)."""
+        try:
+            return dict(await self._json("DELETE", "/v1/cluster/nodes/" + _segment(node_id) + "/maintenance"))
+        except QueueError as error:
+            if error.code != E_NOT_FOUND.code:
+                raise
+        # A node of release 0.1.0: no node holds a mark (client/maintenance.py); a decommissioning
+        # drain is undone as `undrain_node` does.
+        from client.maintenance import undrain_without_marks
+        return await undrain_without_marks(self, node_id)
+
     async def remove_node(self, node_id: str) -> dict[str, Any]:
         return dict(await self._json("DELETE", "/v1/cluster/nodes/" + _segment(node_id), idempotent=False))
 
     async def export_journal(self) -> dict[str, Any]:
         """Write this node's journal to Parquet now (sealed segments and the tail)."""
         return dict(await self._json("POST", "/v1/journal/export"))
+
+    # --- versions and the cluster feature level (docs/OPERATIONS.md, "The cluster feature level") ---
+    async def cluster_versions(self) -> dict[str, Any]:
+        """Every node's release, storage layout, protocols and feature levels, and the map's
+        feature level: `{"feature_level", "finalizable_to", "nodes": [...]}`."""
+        return dict(await self._json("GET", "/v1/cluster/versions"))
+
+    async def finalize_cluster(self, level: int | None = None) -> dict[str, Any]:
+        """Raise the cluster feature level (default: the highest the node's release runs at)
+        once every node supports it: `{"level", "previous", "changed", "releases"}`;
+        E_NODES_BEHIND naming the nodes that lag before that. Idempotent. (A node of release
+        0.1.0 has no such route: the error says the node is too old.)"""
+        document = {} if level is None else {"level": level}
+        return dict(await self._json("POST", "/v1/cluster/finalize", document=document))
+
+    # --- definitions (docs/OPERATIONS.md, "Definitions: export and import") ----------------------
+    async def export_definitions(self) -> dict[str, Any]:
+        """GET /v1/definitions: the queues, channels, macro queues, recipients' chains, forwards
+        and clients the cluster defines, as one document (admin on `*`)."""
+        return dict(await self._json("GET", "/v1/definitions"))
+
+    async def import_definitions(self, document: Mapping[str, Any], *, dry_run: bool = False,
+                                 forward_credentials: Mapping[str, Mapping[str, str]] | None = None
+                                 ) -> dict[str, Any]:
+        """POST /v1/definitions: checks the whole document (E_INVALID_DEFINITIONS, every problem
+        in the message, nothing changed), then creates what is missing: `{"dry_run", "results":
+        [{"kind", "name", "status", "detail"?}], "counts"}`. `forward_credentials`: per forward
+        to another cluster that is to be created, its client there ({"client_id",
+        "private_key"}, and "ca" (PEM) or "ca_file"): no export holds a private key."""
+        sent = dict(document)
+        if forward_credentials:
+            forwards = []
+            for item in sent.get("forwards") or []:
+                given = forward_credentials.get(item.get("name", "")) if isinstance(item, dict) else None
+                if given is not None:
+                    credentials = {"client_id": given["client_id"], "private_key": given["private_key"]}
+                    ca = given.get("ca") or ""
+                    if not ca and given.get("ca_file"):
+                        with open(given["ca_file"], encoding="utf-8") as ca_pem:
+                            ca = ca_pem.read()
+                    if ca:
+                        credentials["ca"] = ca
+                    item = {**item, "credentials": credentials}
+                forwards.append(item)
+            sent["forwards"] = forwards
+        items = sum(len(section) for section in sent.values() if isinstance(section, list))
+        # Each item is a map command at the node (a few at once): the answer may take a while.
+        return dict(await self._json("POST", "/v1/definitions", document=sent,
+                                     query=[("dry_run", "1")] if dry_run else [], idempotent=False,
+                                     wait_s=DEFINITIONS_WAIT_S + DEFINITIONS_WAIT_PER_ITEM_S * items))

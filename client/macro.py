@@ -20,8 +20,11 @@ unknown stays with its member (retried there under the same dedupe id), so it is
 Consumer policies look before they lease, and lease only the message they deliver (leasing
 and releasing others would raise delivery counts towards the dead-letter queue):
 `prioritized` (members by priority, highest first), `round_robin` (starting one member further
-each call), `chronological` (the member whose head was enqueued first). A receive with a wait
-waits on every member's head at once and wakes on the first message of any of them.
+each call), `chronological` (the member whose head was enqueued first), `highest_priority`
+(the highest-priority ready message of any member, by the message's own priority, the oldest
+first among equals: one lease at a time from the member whose head ranks first; cluster
+feature level 2). The choices are pure functions in client/macro_decide.py. A receive with a
+wait waits on every member's head at once and wakes on the first message of any of them.
 """
 from __future__ import annotations
 
@@ -34,7 +37,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Self
 
+from client.macro_decide import Head, chronological_order, highest_priority_pick
+from replication.map_entries import ConsumerPolicy, ProducerPolicy
 from wire.errors import (
+    E_FEATURE_DISABLED,
+    E_INVALID_OPTION,
     E_MACRO_EMPTY,
     E_NOT_ENOUGH_REPLICAS,
     E_QUEUE_FULL,
@@ -48,9 +55,12 @@ if TYPE_CHECKING:
     from client.consumer import Message
     from client.http import HttpClient
 
-# The policies' names, as the cluster map checks them (replication/cluster_map.py).
-PRODUCER_POLICIES = ("all", "round_robin", "first_available", "fastest")
-CONSUMER_POLICIES = ("prioritized", "chronological", "round_robin")
+# The policies' names, as the cluster map checks them (replication/map_entries.py).
+PRODUCER_POLICIES = tuple(policy.value for policy in ProducerPolicy)
+CONSUMER_POLICIES = tuple(policy.value for policy in ConsumerPolicy)
+# Consumer policies release 0.1.0 does not know, with the cluster feature level each needs
+# (wire/versions.py FEATURES): a node of 0.1.0 answers E_INVALID_OPTION for them.
+NEWER_CONSUMER_POLICIES = {ConsumerPolicy.HIGHEST_PRIORITY.value: "macro_highest_priority"}
 FASTEST_BY = ("response_time", "queue_length", "service_time")
 # Refusals after which the message surely is not stored in that member: it may go to the next.
 PASS_OVER = frozenset({E_QUEUE_FULL.code, E_QUEUE_UNAVAILABLE.code, E_UNAVAILABLE.code, E_NOT_ENOUGH_REPLICAS.code,
@@ -127,6 +137,20 @@ class MacroEnqueueError(QueueError):
                          + "; ".join(f"{queue}: {error.code} {error.message}" for queue, error in failed.items()),
                          outcome_unknown=any(error.outcome_unknown for error in failed.values()))
         self.outcomes = outcomes
+
+
+def cluster_too_old(error: QueueError, consumer: str) -> QueueError | None:
+    """What a create of a macro queue with a consumer policy of a later release says when the
+    node that answered predates it: release 0.1.0 refuses a policy it does not know with
+    E_INVALID_OPTION "'highest_priority' is not one of ..." (a node of this release answers
+    E_FEATURE_DISABLED itself until the cluster's feature level allows it). None when `error`
+    is something else."""
+    feature = NEWER_CONSUMER_POLICIES.get(consumer)
+    if feature is None or error.kind is not E_INVALID_OPTION or f"{consumer!r} is not one of" not in error.message:
+        return None
+    return QueueError(E_FEATURE_DISABLED, f"the cluster is too old for the macro consumer policy {consumer}: the node "
+                                          f"runs a release that does not know it ({error.code}: {error.message}); "
+                                          f"upgrade every node, then `qctl cluster finalize` ({feature})")
 
 
 def member_dedupe_id(dedupe_id: str, member: str) -> str:
@@ -289,15 +313,14 @@ class MacroQueue:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         while True:
-            order = await self._consumer_order()
-            failed: QueueError | None = None
-            for queue in order:
-                try:
-                    messages = await self._client.receive(queue, max_messages, 0.0, visibility_timeout_s)
-                except QueueError as error:     # this member cannot serve now: the others may
-                    failed = error
-                    self._state[queue].suspect_until = time.monotonic() + SUSPECT_S
-                    continue
+            if self.consumer == ConsumerPolicy.HIGHEST_PRIORITY:
+                messages, failed = await self._receive_highest(max_messages, visibility_timeout_s)
+                if messages:
+                    return messages
+                order = [member.queue for member in self.members]
+            else:
+                order = await self._consumer_order()
+                messages, failed = await self._receive_in_order(order, max_messages, visibility_timeout_s)
                 if messages:
                     return messages
             if failed is not None and len(order) == len(self.members) and \
@@ -307,6 +330,70 @@ class MacroQueue:
             if remaining <= 0:
                 return []
             await self._any_head(min(remaining, HEAD_WAIT_SLICE_S))
+
+    async def _receive_in_order(self, order: list[str], max_messages: int, visibility_timeout_s: float | None
+                                ) -> tuple[list[Message], QueueError | None]:
+        """The first member in `order` that has messages gives them (up to `max_messages`)."""
+        failed: QueueError | None = None
+        for queue in order:
+            try:
+                messages = await self._client.receive(queue, max_messages, 0.0, visibility_timeout_s)
+            except QueueError as error:     # this member cannot serve now: the others may
+                failed = error
+                self._state[queue].suspect_until = time.monotonic() + SUSPECT_S
+                continue
+            if messages:
+                return messages, failed
+        return [], failed
+
+    async def _receive_highest(self, max_messages: int, visibility_timeout_s: float | None
+                               ) -> tuple[list[Message], QueueError | None]:
+        """`highest_priority`: every member's head at once, then a lease of one message at a
+        time from the member whose head ranks first (client/macro_decide.py), reading that
+        member's head again after each; the rest of the batch at once when only one member has
+        any. Each lease is of a message this receive delivers (nothing is leased and given
+        back), and what was leased is delivered even when a later member call fails. A member
+        that answers a lease with nothing (another consumer took its head) sits out the rest of
+        this batch, so a batch makes at most `max_messages` + members lease calls."""
+        if max_messages < 1:
+            raise QueueError(E_INVALID_OPTION, "max_messages must be at least 1")
+        queues = [member.queue for member in self.members]
+        heads, failed = await self._heads(queues)
+        taken: list[Message] = []
+        while (pick := highest_priority_pick(queues, heads, max_messages - len(taken))) is not None:
+            try:
+                messages = await self._client.receive(pick.queue, pick.count, 0.0, visibility_timeout_s)
+            except QueueError as error:     # this member cannot serve now: the others may
+                failed = error
+                self._state[pick.queue].suspect_until = time.monotonic() + SUSPECT_S
+                heads[pick.queue] = None
+                continue
+            taken.extend(messages)
+            if len(taken) >= max_messages:
+                break
+            if len(messages) < pick.count:  # drained, or its head went to another consumer
+                heads[pick.queue] = None
+                continue
+            again, head_failed = await self._heads([pick.queue])
+            heads[pick.queue] = again[pick.queue]
+            failed = head_failed or failed
+        return taken, failed
+
+    async def _heads(self, queues: list[str]) -> tuple[dict[str, Head | None], QueueError | None]:
+        """Each member's head, read at its master at once; a member that cannot answer counts
+        as empty and is suspect for a while (the error is handed back)."""
+        answers = await asyncio.gather(*(self._head(queue, 0.0) for queue in queues), return_exceptions=True)
+        heads: dict[str, Head | None] = {}
+        failed: QueueError | None = None
+        for queue, answer in zip(queues, answers, strict=True):
+            if isinstance(answer, QueueError):
+                self._state[queue].suspect_until = time.monotonic() + SUSPECT_S
+                failed, heads[queue] = answer, None
+            elif isinstance(answer, BaseException):
+                raise answer
+            else:
+                heads[queue] = Head.of(answer)
+        return heads, failed
 
     async def _consumer_order(self) -> list[str]:
         """The members to lease from, in turn; members that failed lately go last."""
@@ -318,16 +405,8 @@ class MacroQueue:
             self._consumer_turn += 1
             order = queues[start:] + queues[:start]
         else:                                   # chronological: the oldest head first
-            heads = await asyncio.gather(*(self._head(queue, 0.0) for queue in queues), return_exceptions=True)
-            found = []
-            for queue, head in zip(queues, heads, strict=True):
-                if isinstance(head, QueueError):
-                    self._state[queue].suspect_until = time.monotonic() + SUSPECT_S
-                elif isinstance(head, BaseException):
-                    raise head
-                elif head:
-                    found.append((head["enqueued_ms"], head["id"], queue))
-            order = [queue for _, _, queue in sorted(found)]
+            heads, _ = await self._heads(queues)
+            order = chronological_order(queues, heads)
         now = time.monotonic()
         return sorted(order, key=lambda q: self._state[q].suspect_until > now)
 

@@ -34,6 +34,8 @@ from client.qctl_cluster import (
     cmd_clients_remove,
     cmd_handoff,
     cmd_journal_export,
+    cmd_node_drain,
+    cmd_node_undrain,
     cmd_nodes_add,
     cmd_nodes_drain,
     cmd_nodes_remove,
@@ -43,6 +45,7 @@ from client.qctl_cluster import (
     cmd_rebalance,
     cmd_status,
 )
+from client.qctl_definitions import add_parser as add_definitions_parser
 from client.qctl_features import (
     RECIPIENT_HELP,
     RECIPIENT_SETUP,
@@ -81,6 +84,7 @@ from client.qctl_queues import (
     cmd_queue_stats,
 )
 from client.qctl_render import Handler, Outcome
+from client.qctl_upgrade import add_parser as add_upgrade_parser
 from wire import versions
 from wire.errors import QueueError
 from wire.message_input import PRIORITY_DEFAULT, PRIORITY_MAX, PRIORITY_MIN
@@ -160,13 +164,30 @@ def build_parser() -> argparse.ArgumentParser:
     node_add.add_argument("node_id")
     node_add.add_argument("url")
     command(node_commands, "drain", cmd_nodes_drain,
-            "hand off the node's masters and move its replicas away").add_argument("node_id")
+            "decommissioning drain: hand off the node's masters and move its replicas away (for a node "
+            "leaving for good; for maintenance or an upgrade: qctl node drain)").add_argument("node_id")
     undrain_help = "a draining node serves again (up); then `qctl rebalance` brings it members and masters"
     undrain = node_commands.add_parser("undrain", aliases=["resume"], help=undrain_help, description=undrain_help)
     _add_globals(undrain, in_subcommand=True)
     undrain.set_defaults(handler=cmd_nodes_undrain)
     undrain.add_argument("node_id")
     command(node_commands, "remove", cmd_nodes_remove, "remove a drained node for good").add_argument("node_id")
+    node = commands.add_parser("node", help="maintenance of one node: drain it before a stop or an upgrade, "
+                                            "undrain it after")
+    one_node = node.add_subparsers(dest="node_command", required=True, metavar="ACTION")
+    node_drain = command(one_node, "drain", cmd_node_drain,
+                         "maintenance drain: hand the node's masters off to their in-sync replicas and wait until it "
+                         "masters none; its replicas stay (it catches up by log after a restart). Refused "
+                         "(E_DRAIN_REFUSED) when a queue would be left without an in-sync copy")
+    node_drain.add_argument("node_id")
+    node_drain.add_argument("--timeout-s", type=float, default=60.0,
+                            help="give up (E_TIMEOUT, the node stays in maintenance) after this long (default 60)")
+    node_drain.add_argument("--move-replicas", action="store_true",
+                            help="the decommissioning drain instead (= qctl nodes drain): replicas move away too")
+    node_undrain = command(one_node, "undrain", cmd_node_undrain,
+                           "end the node's maintenance (or a decommissioning drain): it may take masters again")
+    node_undrain.add_argument("node_id")
+    node_undrain.add_argument("--rebalance", action="store_true", help="then hand masters back to spread them evenly")
     queue = commands.add_parser("queue", help="create, list, inspect and delete queues")
     queue_commands = queue.add_subparsers(dest="queue_command", required=True, metavar="ACTION")
     create = command(queue_commands, "create", cmd_queue_create, "create or open a queue")
@@ -224,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     macro_create.add_argument("--producer", choices=PRODUCER_POLICIES, default="round_robin",
                               help="where an enqueue goes (default round_robin)")
     macro_create.add_argument("--consumer", choices=CONSUMER_POLICIES, default="prioritized",
-                              help="where a receive leases from (default prioritized)")
+                              help="where a receive leases from (default prioritized; highest_priority: "
+                                   "the message's own priority across members, after `qctl cluster finalize`)")
     macro_create.add_argument("--fastest-by", choices=FASTEST_BY, default="response_time",
                               help="what the fastest producer policy compares")
     command(macro_commands, "list", cmd_macro_list, "every macro queue with its members")
@@ -352,6 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("--out", type=Path, help="write the new client's credentials file here")
     command(client_commands, "list", cmd_clients_list, "registered clients and their grants")
     command(client_commands, "remove", cmd_clients_remove, "remove a client").add_argument("client_id")
+    add_upgrade_parser(commands, command)       # cluster versions, cluster finalize
+    add_definitions_parser(commands, command)   # definitions export, definitions import
     return parser
 
 

@@ -1,5 +1,6 @@
 """`qctl` commands of the cluster as a whole: status, handoff, promote, queue move, rebalance,
-journal export, nodes (add, drain, undrain, remove) and clients (add, list, remove).
+journal export, nodes (add, drain, undrain, remove), node (the maintenance drain and undrain)
+and clients (add, list, remove).
 
 One of the command groups client/qctl.py's parser dispatches to (each a coroutine of the
 HttpClient and the parsed arguments that returns an Outcome: qctl_render.py).
@@ -13,6 +14,7 @@ from typing import Any
 from client.credentials import Credentials, save_credentials
 from client.http import HttpClient
 from client.qctl_render import Outcome, format_fields, format_grants, format_table, queue_table
+from client.qctl_upgrade import add_releases, node_releases, status_level_lines, with_release
 from wire.errors import QueueError
 from wire.signing import new_private_key, private_key_to_text, public_key_text
 
@@ -53,9 +55,12 @@ async def cmd_status(http: HttpClient, args: argparse.Namespace) -> Outcome:
     def membership_role(node_id: str | None) -> str:
         role = "voter" if node_id in voters else "learner" if node_id in learners else "-"
         return f"{role}, leader" if node_id == leader else role
-    node_table = format_table(["NODE", "URL", "STATE", "MEMBERSHIP"],
-                              [[n.get("id"), n.get("url"), n.get("state"), membership_role(n.get("id"))]
-                               for n in nodes])
+    found = await node_releases(http)      # one call: every node's release (client/qctl_upgrade.py)
+    add_releases(nodes, found)
+    node_table = format_table(*with_release(["NODE", "URL", "STATE", "MEMBERSHIP"],
+                                            [[n.get("id"), n.get("url"), n.get("state"), membership_role(n.get("id"))]
+                                             for n in nodes], nodes))
+    node_table = "\n".join([node_table, *status_level_lines(cluster, found)])
     queues = cluster.get("queues", {})
     for name, entry in queues.items():
         entry["lag"] = lag.get(name)
@@ -100,9 +105,12 @@ def status_summary(summary: dict[str, Any]) -> Outcome:
     def membership_role(node_id: str | None) -> str:
         role = "voter" if node_id in voters else "learner" if node_id in learners else "-"
         return f"{role}, leader" if node_id == leader else role
-    node_table = format_table(["NODE", "URL", "STATE", "MEMBERSHIP", "MASTERS", "REPLICAS"],
-                              [[n.get("id"), n.get("url"), n.get("state"), membership_role(n.get("id")),
-                                n.get("masters"), n.get("replicas")] for n in nodes])
+    node_table = format_table(*with_release(["NODE", "URL", "STATE", "MEMBERSHIP", "MASTERS", "REPLICAS"],
+                                            [[n.get("id"), n.get("url"), n.get("state"), membership_role(n.get("id")),
+                                              n.get("masters"), n.get("replicas")] for n in nodes], nodes))
+    # The feature level below the nodes (a large map's status makes no call for releases:
+    # `qctl cluster versions` lists them).
+    node_table = "\n".join([node_table, *status_level_lines(summary)])
     lines = [f"membership leader: {leader or 'none'} (term {summary.get('term')})", "", node_table, "",
              f"{counts['queues']} queues, {counts['out_of_sync']} with a replica out of sync; "
              f"{counts['macros']} macro queues, {counts['channels']} channels, {counts['forwards']} forwards, "
@@ -196,6 +204,37 @@ async def cmd_nodes_undrain(http: HttpClient, args: argparse.Namespace) -> Outco
     return Outcome(await http.undrain_node(args.node_id),
                    f"node {args.node_id} is up again: it takes new queues, and qctl rebalance moves members "
                    "and masters onto it")
+
+
+async def cmd_node_drain(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    """`qctl node drain`: the maintenance drain (masters only, waits), or with --move-replicas
+    the decommissioning drain of `qctl nodes drain`."""
+    if args.move_replicas:
+        return await cmd_nodes_drain(http, args)
+    answer = await http.drain_node_for_maintenance(args.node_id, args.timeout_s)
+    lines = [f"{h['queue']}: master {h['from']} -> {h['to']} (epoch {h['epoch']}), writes paused "
+             f"{h['pause_ms'] if h.get('pause_ms') is not None else '?'} ms" for h in answer.get("handoffs", [])]
+    unmarked = sorted(n for n, held in answer.get("marked", {}).items() if held is None)
+    lines.append(f"node {args.node_id} masters no queue (took {answer.get('took_ms')} ms"
+                 + (f", longest write pause {answer['longest_pause_ms']} ms" if answer.get("longest_pause_ms")
+                    is not None else "") + "); its replicas stay. Stop it, upgrade it, start it, then "
+                 f"qctl node undrain {args.node_id}")
+    if unmarked:
+        lines.append(f"not told of the maintenance (an older release, or not reached): {', '.join(unmarked)}; "
+                     "a master they hand to it is handed back once it runs this release")
+    return Outcome(answer, "\n".join(lines))
+
+
+async def cmd_node_undrain(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    answer = await http.undrain_node_from_maintenance(args.node_id)
+    human = f"node {args.node_id} is out of maintenance (state {answer.get('state')}): it may take masters again"
+    if args.rebalance:
+        balance = await cmd_rebalance(http, args)
+        answer = {**answer, "rebalance": balance.document}
+        human += "\n" + balance.human
+    else:
+        human += "; qctl rebalance hands some back to it"
+    return Outcome(answer, human)
 
 
 async def cmd_nodes_remove(http: HttpClient, args: argparse.Namespace) -> Outcome:

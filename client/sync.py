@@ -164,6 +164,16 @@ class Client:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    @property
+    def server_release(self) -> str | None:
+        """As AsyncClient.server_release: None before any answer or from qserver 0.1.0 (or older)."""
+        return self._async.server_release
+
+    @property
+    def cluster_feature_level(self) -> int | None:
+        """As AsyncClient.cluster_feature_level."""
+        return self._async.cluster_feature_level
+
     # --- messages -----------------------------------------------------------------------------
     def enqueue(self, queue: str, payload: bytes, priority: int = 4, dedupe_id: str | None = None, *,
                 ttl_s: float | None = None, delay_s: float | None = None,
@@ -384,6 +394,30 @@ class Client:
     def undrain_node(self, node_id: str) -> dict[str, Any]:
         """A draining node serves again (draining -> up); `rebalance` then brings it members."""
         return self._run(self._async.undrain_node(node_id))
+
+    def cluster_versions(self) -> dict[str, Any]:
+        """See AsyncClient.cluster_versions."""
+        return self._run(self._async.cluster_versions())
+
+    def finalize_cluster(self, level: int | None = None) -> dict[str, Any]:
+        """See AsyncClient.finalize_cluster."""
+        return self._run(self._async.finalize_cluster(level))
+
+    def drain_node_for_maintenance(self, node_id: str, timeout_s: float = 60.0) -> dict[str, Any]:
+        """See AsyncClient.drain_node_for_maintenance."""
+        return self._run(self._async.drain_node_for_maintenance(node_id, timeout_s))
+
+    def undrain_node_from_maintenance(self, node_id: str) -> dict[str, Any]:
+        return self._run(self._async.undrain_node_from_maintenance(node_id))
+
+    def export_definitions(self) -> dict[str, Any]:
+        """See AsyncClient.export_definitions."""
+        return self._run(self._async.export_definitions())
+
+    def import_definitions(self, document: Mapping[str, Any], dry_run: bool = False, *,
+                           forward_credentials: Mapping[str, Mapping[str, str]] | None = None) -> dict[str, Any]:
+        """See AsyncClient.import_definitions."""
+        return self._run(self._async.import_definitions(document, dry_run, forward_credentials=forward_credentials))
 
 
 async def _on_loop(function: Any, *args: Any) -> Any:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from client.credentials import Credentials, save_credentials
 from client.http import HttpClient
+from qserver import migrate_cli
 from qserver.api.auth import ADMIN_GRANTS, CLUSTER_CLIENT
 from qserver.config import NodeConfig, load_config
 from qserver.features.macro.service import DelegatedSigner
@@ -201,7 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     p_run.add_argument("--port", type=int, help="the port to serve clients on (over the config's)")
     p_run.add_argument("--no-journal", action="store_true", help="benchmark only: do not write the journal")
     p_run.add_argument("--log-level", default="INFO", help="DEBUG, INFO (default), WARNING or ERROR")
+    migrate_cli.add_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "migrate":        # it prints its own report: the log says only what went wrong
+        logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return migrate_cli.run(args)
     if args.command == "init":
         tls_hosts = tuple(h.strip() for h in args.tls_hosts.split(",") if h.strip()) if args.tls else None
         if args.join is not None:

@@ -58,6 +58,8 @@ from qserver.transport.tls import client_context, server_context
 from wire import errors as e
 from wire.errors import QueueError
 from wire.http_session import signed_session
+from wire.version_headers import Side
+from wire.versions import peer_too_old
 
 log = logging.getLogger("qserver")
 GIL_SWITCH_INTERVAL_S = 0.0002
@@ -78,6 +80,9 @@ class Node:
         self.membership, self.membership_peers = self._membership()
         self.engine = build_engine(config, self.storage, membership=self.membership, on_fatal=on_fatal)
         self.peers = self._peer_transport()
+        for transport in (self.peers, self.membership_peers):
+            if transport is not None and self.membership is not None:
+                transport.admits = self._admits_peer
         self.auth = Authenticator(self.engine.clients, skew_max_s=config.signature_skew_max_s,
                                   enabled=config.auth_enabled)
         secret = b""
@@ -200,6 +205,13 @@ class Node:
             tick_s=tick_ms(config.raft_heartbeat_ms) / 1000, grow_storage=lambda: self.engine.grow_storage(),
             compact_every_entries=config.membership_compact_every, pending_bytes=transport.pending_bytes)
         return membership, transport
+
+    def _admits_peer(self, side: Side) -> str | None:
+        """Once the cluster's feature level is raised, a node of an older release may not link
+        (on either purpose): it would skip the map commands it cannot read (docs/OPERATIONS.md,
+        "The cluster feature level")."""
+        assert self.membership is not None
+        return peer_too_old(self.membership.cluster_map.feature_level, side.release)
 
     def membership_application(self) -> web.Application | None:
         """What the membership port serves: the membership transport's links only."""
@@ -445,6 +457,13 @@ class Node:
             lines += render_family("qserver_peer_responders_refused_total", "counter",
                                    "dialed peers that failed the challenge (no link, nothing sent)",
                                    [({"purpose": purpose}, t.responders_refused) for purpose, t in transports])
+            # Per link that is up: the negotiated protocol version, labelled with the peer's
+            # release ("unknown": it named none, 0.1.0 or older; docs/PROTOCOL.md, "Versions and negotiation").
+            lines += render_family("qserver_peer_link_version", "gauge", "the protocol version negotiated with a peer",
+                                   [({"purpose": purpose, "peer": peer, "release": state["release"] or "unknown"},
+                                     state["version"])
+                                    for purpose, t in transports if hasattr(t, "link_versions")
+                                    for peer, state in t.link_versions().items() if state["up"]])
         return lines
 
     def application(self) -> web.Application:

@@ -21,6 +21,7 @@ from aiohttp import web
 from qserver.core import commands as c
 from qserver.core.ports import Redirect
 from wire import errors as e
+from wire import versions
 from wire.errors import QueueError
 
 if TYPE_CHECKING:
@@ -104,6 +105,18 @@ class NodeServices:
         if cluster is None:
             raise QueueError(e.E_INVALID_OPTION, "this node is not part of a cluster")
         return cluster
+
+    @property
+    def feature_level(self) -> int:
+        """The cluster feature level as this node's map has it (wire/versions.py); outside a
+        cluster, this release's highest (no other node to keep compatible with)."""
+        cluster = self.cluster_map
+        return versions.FEATURE_LEVEL if cluster is None else cluster.feature_level
+
+    def require_feature(self, feature: str) -> None:
+        """E_FEATURE_DISABLED unless the cluster's feature level reaches `feature`'s
+        (wire/versions.py FEATURES): call it before proposing what needs that level."""
+        versions.require_feature(self.feature_level, feature)
 
     def entry(self, queue: str) -> QueueEntry | None:
         """The queue's pair as this node's map has it (a dead-letter queue's is its queue's)."""

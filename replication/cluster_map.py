@@ -6,8 +6,9 @@ in-memory twin in the simulations) applies the same commands in the same order t
 so `apply` must be deterministic: no clock, no randomness, no I/O. Reads are local.
 
 Writes are rare commands: creating or deleting a queue, node state changes, client records,
-changes of a queue's pair, and the definitions of macro queues (one name over member queues,
-seed 004; each member stays an ordinary queue with its own pair). A pair change is a
+changes of a queue's pair, the definitions of macro queues (one name over member queues,
+seed 004; each member stays an ordinary queue with its own pair), and the cluster feature level
+(`SetFeatureLevel`, raised by `qctl cluster finalize`, never lowered). A pair change is a
 compare-and-set: it names the (epoch, master, replica, in_sync) it expects and is refused when
 applied against anything else, so a late or repeated proposal never undoes a newer one (the
 same section, tag 5). A change of master or replica raises the epoch by exactly one; an
@@ -30,6 +31,7 @@ from typing import Any
 
 import msgpack
 
+from replication.invariants import InvariantViolation
 from replication.map_commands import (
     ALTERNATIVES_MAX,
     AddNode,
@@ -53,6 +55,7 @@ from replication.map_commands import (
     RemoveMacroMember,
     RemoveRecipient,
     SetAlternatives,
+    SetFeatureLevel,
     SetNodeState,
     decode_command,
     encode_command,
@@ -93,6 +96,7 @@ from replication.map_planning import (
     plan_rebalance,
     plan_replacements,
 )
+from wire.versions import FEATURE_LEVEL, FEATURES, OLDEST_FEATURE_LEVEL, RELEASE
 
 # The map's vocabulary and decisions are re-exported: most of the project imports them from here.
 __all__ = ["ALTERNATIVES_MAX", "AddNode", "CHANNEL_PREFIX", "CHANNEL_QUEUE_OPTIONS", "CHANNEL_RESEND_MAX_S",
@@ -103,7 +107,7 @@ __all__ = ["ALTERNATIVES_MAX", "AddNode", "CHANNEL_PREFIX", "CHANNEL_QUEUE_OPTIO
            "NoteRecipient", "Outcome", "PairState", "ProducerPolicy", "PutChannel", "PutClient", "PutForward",
            "PutMacroMember", "PutRecipient", "QueueEntry", "RECIPIENTS_MAX", "RECIPIENTS_PER_CLIENT_MAX",
            "REVOKED_CLIENTS_MAX", "Reason", "RecipientEntry", "RecipientState", "RemoveMacroMember",
-           "RemoveRecipient", "SUMMARY_NAMES_MAX", "SetAlternatives", "SetNodeState", "astuple", "channel_queue",
+           "RemoveRecipient", "SUMMARY_NAMES_MAX", "SetAlternatives", "SetFeatureLevel", "SetNodeState", "astuple", "channel_queue",
            "choose_pair", "decode_command", "decode_map", "encode_command", "encode_map", "macro_policy_problem",
            "plan_failover", "plan_member_moves", "plan_rebalance", "plan_replacements"]
 
@@ -235,6 +239,10 @@ class ClusterMap:
     forwards: dict[str, ForwardEntry] = field(default_factory=dict)
     revoked_clients: dict[str, int] = field(default_factory=dict)   # client id -> version that removed it
     version: int = 0          # commands applied; every copy agrees at the same version
+    # The cluster feature level (wire/versions.py; docs/OPERATIONS.md, "The cluster feature
+    # level"): raised by SetFeatureLevel, never lowered; a map that never recorded one (every
+    # map of release 0.1.0) is at the oldest level.
+    feature_level: int = OLDEST_FEATURE_LEVEL
     index: MapIndex = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -264,7 +272,7 @@ class ClusterMap:
         """Counts instead of entries, at the cost of the nodes (GET /v1/cluster?summary=1):
         each node with the queues it masters and replicates, and the map's sizes."""
         index = self.index
-        return {"version": self.version,
+        return {"version": self.version, "feature_level": self.feature_level,
                 "nodes": [{"id": n.node_id, "url": n.url, "state": n.state.value, "voter": n.voter,
                            "masters": len(index.mastered.get(n.node_id, ())),
                            "replicas": len(index.replicated.get(n.node_id, ()))}
@@ -278,7 +286,7 @@ class ClusterMap:
                 "recipients_not_ok": heapq.nsmallest(SUMMARY_NAMES_MAX, index.not_ok)}
 
     def to_json(self) -> dict[str, Any]:
-        return {"version": self.version,
+        return {"version": self.version, "feature_level": self.feature_level,
                 "nodes": [{"id": n.node_id, "url": n.url, "state": n.state.value, "voter": n.voter}
                           for n in sorted(self.nodes.values(), key=lambda n: n.node_id)],
                 "queues": {name: entry.to_json() for name, entry in sorted(self.queues.items())},
@@ -358,6 +366,8 @@ class ClusterMap:
             return [self._note_recipient(command)]
         if isinstance(command, PutForward):
             return [self._put_forward(command)]
+        if isinstance(command, SetFeatureLevel):
+            return [self._set_feature_level(command.level)]
         if isinstance(command, DeleteForward):
             gone = self.forwards.pop(command.name, None)
             if gone is None:
@@ -372,6 +382,14 @@ class ClusterMap:
                 self.index.removed(queue)
             return [Outcome(command.name, True)]
         return [Outcome("", False, f"unknown command {type(command).__name__}")]
+
+    def _set_feature_level(self, level: int) -> Outcome:
+        """Raise the level; asking for the level the map has, or a lower one, changes nothing."""
+        check_feature_level(level)
+        if level <= self.feature_level:
+            return Outcome("feature_level", False, f"the cluster runs at feature level {self.feature_level} already")
+        self.feature_level = level
+        return Outcome("feature_level", True, f"raised to {level}")
 
     def chain_binding(self, recipient: str) -> str | None:
         """The queue an administrator's chain binds `recipient` to (the first chain naming it
@@ -516,6 +534,11 @@ class ClusterMap:
             problem = macro_policy_problem(command.producer, command.consumer, command.fastest_by)
             if problem:
                 return Outcome(name, False, problem)
+            # Refused below its level on every node, as 0.1.0 refuses a policy it does not know: a
+            # proposal that bypassed the route's gate still leaves every copy of the map the same.
+            if command.consumer == "highest_priority" and self.feature_level < FEATURES["macro_highest_priority"]:
+                return Outcome(name, False, f"the consumer policy highest_priority needs cluster feature level "
+                                            f"{FEATURES['macro_highest_priority']}")
             if name in self.queues:
                 return Outcome(name, False, "a queue has this name")
             existing = self.macros.get(name)
@@ -628,6 +651,17 @@ class ClusterMap:
         return Outcome(command.node_id, True)
 
 
+def check_feature_level(level: int) -> None:
+    """A map at a level above what this code runs at holds what this code may misread: the
+    node cannot follow the cluster, and stops (a broken invariant, docs/ARCHITECTURE.md "Three
+    kinds of failure") rather than act on it. Only a node of an older release that came back
+    after `qctl cluster finalize` meets one (docs/OPERATIONS.md, "The cluster feature level")."""
+    if level > FEATURE_LEVEL:
+        raise InvariantViolation(f"the cluster runs at feature level {level}, above {FEATURE_LEVEL}, the highest this "
+                                 f"release ({RELEASE}) supports: this node cannot follow the cluster's map. Start it "
+                                 "with a release that supports that level (a finalized cluster is never rolled back)")
+
+
 # --- snapshots of the map (the membership layer compacts its log below one) ------------------
 def encode_map(cluster: ClusterMap) -> bytes:
     nodes = [[n.node_id, n.url, n.state.value, n.voter, n.storage_id] for n in cluster.nodes.values()]
@@ -642,8 +676,13 @@ def encode_map(cluster: ClusterMap) -> bytes:
                           cluster.alternatives_set_by.get(recipient, "")] for recipient in cluster.alternatives}
     forwards = [[f.name, f.source, f.destination, list(f.urls), f.client_id, f.secret, f.created_ms, f.token]
                 for f in cluster.forwards.values()]
-    return msgpack.packb([cluster.version, nodes, queues, cluster.clients, alternatives, macros, channels,
-                          recipients, forwards, list(cluster.revoked_clients.items()), chains], use_bin_type=True)
+    rows = [cluster.version, nodes, queues, cluster.clients, alternatives, macros, channels, recipients, forwards,
+            list(cluster.revoked_clients.items()), chains]
+    if cluster.feature_level > OLDEST_FEATURE_LEVEL:
+        # Only then: a map at the oldest level encodes byte for byte as release 0.1.0's does
+        # (whose decoder ignores rows beyond the eleventh anyway).
+        rows.append(cluster.feature_level)
+    return msgpack.packb(rows, use_bin_type=True)
 
 
 def decode_map(data: bytes) -> ClusterMap:
@@ -658,7 +697,10 @@ def decode_map(data: bytes) -> ClusterMap:
         forwards = rest[3] if len(rest) > 3 else []
         revoked = rest[4] if len(rest) > 4 else []      # nor one from before revoked clients were kept
         chains = rest[5] if len(rest) > 5 else {}       # nor one from before chains named queues
-        return ClusterMap(
+        level = rest[6] if len(rest) > 6 else OLDEST_FEATURE_LEVEL     # nor one at the oldest feature level
+        if not isinstance(level, int) or isinstance(level, bool) or level < OLDEST_FEATURE_LEVEL:
+            raise ValueError(f"a feature level is an integer from {OLDEST_FEATURE_LEVEL}, not {level!r}"[:120])
+        cluster = ClusterMap(
             nodes={row[0]: NodeEntry(row[0], row[1], NodeState(row[2]), row[3], row[4]) for row in nodes},
             queues={row[0]: QueueEntry(*row) for row in queues},
             clients=clients, alternatives={recipient: tuple(names) for recipient, names in alternatives.items()},
@@ -669,6 +711,9 @@ def decode_map(data: bytes) -> ClusterMap:
             channels={row[0]: ChannelEntry(row[0], row[1], row[2]) for row in channels},
             recipients={row[0]: RecipientEntry(*row) for row in recipients},
             forwards={row[0]: ForwardEntry(row[0], row[1], row[2], tuple(row[3]), *row[4:]) for row in forwards},
-            revoked_clients={str(client_id): int(at) for client_id, at in revoked}, version=version)
+            revoked_clients={str(client_id): int(at) for client_id, at in revoked}, version=version,
+            feature_level=level)
     except Exception as exc:  # msgpack and the constructors raise several unrelated types
         raise CommandError(f"not a cluster map snapshot: {type(exc).__name__}: {exc}") from None
+    check_feature_level(cluster.feature_level)      # outside the try: a broken invariant, not bad bytes
+    return cluster

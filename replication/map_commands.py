@@ -205,15 +205,25 @@ class NoteRecipient:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class SetFeatureLevel:
+    """Raise the cluster feature level (wire/versions.py; docs/OPERATIONS.md, "The cluster
+    feature level"), never lower it. Proposed only by `POST /v1/cluster/finalize` once every
+    node runs a release that supports `level`: release 0.1.0 does not know this tag (it logs
+    and skips an entry it cannot decode), so it must never reach one of its nodes."""
+    TAG = 20
+    level: int
+
+
 Command = (AddNode | SetNodeState | CreateQueue | DeleteQueue | ChangePair | ChangePairs | PutClient | SetAlternatives
            | CreateMacro | DeleteMacro | PutMacroMember | RemoveMacroMember | PutChannel | DeleteChannel | PutRecipient
-           | PutForward | DeleteForward | RemoveRecipient | NoteRecipient)
+           | PutForward | DeleteForward | RemoveRecipient | NoteRecipient | SetFeatureLevel)
 COMMAND_TYPES: dict[int, type] = {kind.TAG: kind for kind in (AddNode, SetNodeState, CreateQueue, DeleteQueue,
                                                               ChangePair, ChangePairs, PutClient, SetAlternatives,
                                                               CreateMacro, DeleteMacro, PutMacroMember,
                                                               RemoveMacroMember, PutChannel, DeleteChannel,
                                                               PutRecipient, PutForward, DeleteForward,
-                                                              RemoveRecipient, NoteRecipient)}
+                                                              RemoveRecipient, NoteRecipient, SetFeatureLevel)}
 
 
 class CommandError(ValueError):
@@ -262,6 +272,11 @@ def _from_row(row: Any) -> Command:
         if tag == PutForward.TAG:
             name, source, destination, urls, *rest = values
             return PutForward(name, source, destination, tuple(urls), *rest)
+        if tag == SetFeatureLevel.TAG:
+            (level,) = values
+            if not isinstance(level, int) or isinstance(level, bool) or level < 1:
+                raise CommandError(f"a feature level is an integer from 1, not {level!r}"[:120])
+            return SetFeatureLevel(level)
         return COMMAND_TYPES[tag](*values)  # type: ignore[no-any-return]
     except (TypeError, ValueError) as exc:
         raise CommandError(str(exc)) from None

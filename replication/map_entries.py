@@ -93,6 +93,10 @@ class ConsumerPolicy(enum.StrEnum):
     PRIORITIZED = "prioritized"          # the highest-priority member that has a message
     CHRONOLOGICAL = "chronological"      # the member whose head was enqueued first
     ROUND_ROBIN = "round_robin"          # the members in turn, skipping empty ones
+    # The highest-priority ready message of any member, the oldest first among equals. Release
+    # 0.1.0 refuses this value, so a node proposes it only at cluster feature level 2
+    # (wire/versions.py FEATURES, qserver/features/macro/api.py).
+    HIGHEST_PRIORITY = "highest_priority"
 
 
 class FastestBy(enum.StrEnum):

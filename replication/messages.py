@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from replication.operations import OPERATION_TYPES, Operation
+from wire.versions import REPLICATION_PROTOCOL
 
 PROTOCOL_VERSION = 8       # 8: durable subscriptions' operations (SubscriptionOpened, SubscriberAcked, SubscriptionDropped)
                            # 7: Enqueued.ttl_ms, Expired, DeadLettered.expired and .leased, a snapshot message row's ttl_ms.
@@ -316,8 +317,13 @@ MESSAGE_TYPES: dict[int, type] = {kind.TAG: kind for kind in (Append, AppendAck,
 _MESSAGE_FIELDS = {tag: tuple(f.name for f in fields(kind)) for tag, kind in MESSAGE_TYPES.items()}
 
 
-def encode_message(message: Message) -> bytes:
-    row: list[Any] = [PROTOCOL_VERSION, message.TAG]
+def encode_message(message: Message, version: int = PROTOCOL_VERSION) -> bytes:
+    """`version`: the one negotiated with the peer's link (qserver/transport/peers.py, `version`;
+    docs/PROTOCOL.md, "Versions and negotiation"). Version 8 is the only one so far: a release
+    that adds 9 writes a 9-only field here only when `version` >= 9."""
+    if not REPLICATION_PROTOCOL.low <= version <= REPLICATION_PROTOCOL.high:
+        raise ValueError(f"replication protocol {version} is outside {REPLICATION_PROTOCOL.render()}")
+    row: list[Any] = [version, message.TAG]
     for name in _MESSAGE_FIELDS[message.TAG]:
         value = getattr(message, name)
         row.append(list(value) if name == "entries" else value)
@@ -331,8 +337,10 @@ def decode_message(data: bytes) -> Message:
         raise MessageError(f"not msgpack: {type(exc).__name__}") from None
     if not isinstance(row, list) or len(row) < 2:
         raise MessageError("a message is [version, tag, fields...]")
-    if type(row[0]) is not int or row[0] != PROTOCOL_VERSION:
-        raise MessageError(f"unsupported replication protocol {row[0]!r}")
+    # Every version of this node's range is read (a peer encodes with the negotiated one).
+    if type(row[0]) is not int or not REPLICATION_PROTOCOL.low <= row[0] <= REPLICATION_PROTOCOL.high:
+        raise MessageError(f"unsupported replication protocol {row[0]!r}; this node speaks "
+                           f"{REPLICATION_PROTOCOL.render()}")
     kind = MESSAGE_TYPES.get(row[1]) if type(row[1]) is int else None
     if kind is None:
         raise MessageError(f"unknown message tag {row[1]!r}")

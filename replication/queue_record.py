@@ -89,10 +89,9 @@ class QueueRecord:
         # says whether a replica is in sync): it is dropped when read, and gone from the next write.
         fields.pop("in_sync", None)
         record = cls(**fields)
+        # Streams come with a record in a snapshot or the journal; a stored one (layout 8) has
+        # none: they are in rows of their own (qserver/storage/rows.py), which the store adds.
         record.sequences = sequences_from_json(raw.get("sequences", {}))
-        # A record stored before streams had rows of their own carries them: each is written to
-        # its row with the record's next write (which no longer holds them).
-        record.changed_streams = set(record.sequences)
         return record
 
 

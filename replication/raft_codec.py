@@ -35,6 +35,7 @@ from replication.raft_messages import (
     VoteRequest,
     VoteResponse,
 )
+from wire.versions import MEMBERSHIP_PROTOCOL
 
 # --- the driver's messages (not the core's: the core never sees them) --------------------------
 
@@ -176,10 +177,14 @@ TAGS: dict[type, int] = {PreVoteRequest: 1, PreVoteResponse: 2, VoteRequest: 3, 
 _TYPES: dict[int, type] = {tag: kind for kind, tag in TAGS.items()}
 
 
-def encode_frame(message: Frame) -> bytes:
+def encode_frame(message: Frame, version: int = PROTOCOL_VERSION) -> bytes:
+    """`version`: the one negotiated with the peer's membership link (docs/PROTOCOL.md, "Versions
+    and negotiation"); 1 is the only one so far."""
+    if not MEMBERSHIP_PROTOCOL.low <= version <= MEMBERSHIP_PROTOCOL.high:
+        raise ValueError(f"membership protocol {version} is outside {MEMBERSHIP_PROTOCOL.render()}")
     tag = TAGS[type(message)]
     if isinstance(message, RaftMessage):
-        head: list[Any] = [PROTOCOL_VERSION, tag, message.term, message.sender, message.recipient,
+        head: list[Any] = [version, tag, message.term, message.sender, message.recipient,
                            message.sender_storage_id]
         return msgpack.packb(head + _raft_fields(message), use_bin_type=True)
     if isinstance(message, JoinRequest):
@@ -190,7 +195,7 @@ def encode_frame(message: Frame) -> bytes:
         body = [message.sender, message.transfer, message.sequence, message.count, message.data]
     else:
         body = [message.sender, message.request_id, message.index, message.term, message.refusal]
-    return msgpack.packb([PROTOCOL_VERSION, tag, *body], use_bin_type=True)
+    return msgpack.packb([version, tag, *body], use_bin_type=True)
 
 
 def _raft_fields(message: RaftMessage) -> list[Any]:
@@ -213,8 +218,9 @@ def decode_frame(data: bytes) -> Frame:
     row = _unpack(data)
     if not isinstance(row, list) or len(row) < 2:
         raise MessageError("a membership frame is [version, tag, fields...]")
-    if row[0] != PROTOCOL_VERSION:
-        raise MessageError(f"membership protocol version {row[0]!r}; this node speaks {PROTOCOL_VERSION}")
+    # Every version of this node's range is read (a peer encodes with the negotiated one).
+    if type(row[0]) is not int or not MEMBERSHIP_PROTOCOL.low <= row[0] <= MEMBERSHIP_PROTOCOL.high:
+        raise MessageError(f"membership protocol version {row[0]!r}; this node speaks {MEMBERSHIP_PROTOCOL.render()}")
     kind = _TYPES.get(row[1]) if type(row[1]) is int else None
     if kind is None:
         raise MessageError(f"unknown membership message tag {row[1]!r}")

@@ -18,6 +18,7 @@ import lmdb
 import pytest
 
 from qserver.storage.lmdb_store import SCHEMA_VERSION, SealedBatch, Storage, StorageLayoutError
+from qserver.storage.migrate import OLDEST_LAYOUT
 from replication.digest import EMPTY_DIGEST
 from replication.master import MasterRole, ReplicaProgress, ReplicationLimits
 from replication.messages import AppendAck, Open, SnapshotChunk, SyncBegin, decode_message, encode_message
@@ -233,17 +234,20 @@ def test_a_producer_member_behind_the_logs_start_keeps_its_own_state_and_takes_o
 
 
 def test_a_data_directory_of_another_layout_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    """A layout older than any this release migrates (tests/test_migration.py: the ones it does,
+    and a newer one)."""
+    too_old = OLDEST_LAYOUT - 1
     Storage(tmp_path / "lmdb", node_id="n1").close()
     env = lmdb.open(str(tmp_path / "lmdb"), max_dbs=32)
     with env.begin(write=True, db=env.open_db(b"meta")) as txn:
-        txn.put(b"schema_version", (SCHEMA_VERSION - 1).to_bytes(8, "big"))
+        txn.put(b"schema_version", too_old.to_bytes(8, "big"))
     env.close()
-    with pytest.raises(StorageLayoutError, match=f"layout {SCHEMA_VERSION - 1}.*reads layout {SCHEMA_VERSION}.*empty one"):
+    with pytest.raises(StorageLayoutError, match=f"no migration from layout {too_old} to {SCHEMA_VERSION}.*empty one"):
         Storage(tmp_path / "lmdb", node_id="n1")
     (tmp_path / "node.toml").write_text(f'[node]\nnode_id = "n1"\ndata_dir = "{tmp_path}"\nport = 1\n')
     result = subprocess.run([sys.executable, "-m", "qserver", "run", "--config", str(tmp_path / "node.toml")],
                             cwd=REPOSITORY, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and f"storage layout {SCHEMA_VERSION - 1}" in result.stderr
+    assert result.returncode == 2 and f"from layout {too_old}" in result.stderr
     assert "Traceback" not in result.stderr
 
 

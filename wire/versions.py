@@ -91,3 +91,19 @@ def release_key(version: str) -> tuple[int, int, int, int]:
         raise ValueError(f"not a release version: {version[:40]!r}")
     major, minor, patch, dev = match.groups()
     return int(major), int(minor), int(patch), -1_000_000 + int(dev) if dev is not None else 0
+
+
+def peer_too_old(cluster_level: int, peer_release: str | None) -> str | None:
+    """Why a peer node of `peer_release` (None: it named none, 0.1.0 or older) may not link to a
+    cluster at `cluster_level`, or None when it may. A node older than the level's first release
+    would skip map commands it cannot read and serve a map that differs from everyone else's; a
+    development build of that release (0.2.0.dev0) counts as the release."""
+    needed = FEATURE_LEVEL_RELEASES.get(cluster_level, RELEASE)
+    try:
+        if release_key(peer_release or FEATURE_LEVEL_RELEASES[OLDEST_FEATURE_LEVEL])[:3] >= release_key(needed)[:3]:
+            return None
+    except ValueError:
+        pass
+    return (f"the cluster runs at feature level {cluster_level}, which needs release {needed} or later on every "
+            f"node; the peer runs {peer_release or '0.1.0 or older'}")
+

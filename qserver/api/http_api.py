@@ -5,8 +5,8 @@ Every handler authenticates (middleware), validates its input into a command, ha
 the engine and shapes the answer. Foreign exceptions become catalog errors here and only
 here; nothing a client sends can reach a core unvalidated. The handlers live by concern:
 queue_routes.py (queues as a whole), message_routes.py (a queue's messages),
-cluster_routes.py (the map, handoffs, moves, nodes), client_routes.py (clients and grants);
-what they share is http_common.py's.
+cluster_routes.py (the map, handoffs, moves, nodes), client_routes.py (clients and grants),
+definitions_routes.py (definitions export and import); what they share is http_common.py's.
 """
 from __future__ import annotations
 
@@ -19,10 +19,15 @@ from aiohttp import web
 
 from qserver.api import client_routes as clients
 from qserver.api import cluster_routes as clusters
+from qserver.api import definitions_routes as definitions
+from qserver.api import drain_routes as drains
 from qserver.api import message_routes as messages
 from qserver.api import queue_routes as queues
+from qserver.api import upgrade_routes as upgrades
 from qserver.api.auth import SERVER_CONTROL_HEADERS
 from qserver.api.http_common import MAP_VERSION, NODE, Handler, pass_on_to_master, until_map_version
+from qserver.api.versions_header import check_client_versions
+from qserver.api.versions_header import install as install_version_header
 from qserver.http_errors import error_response
 from qserver.storage.rows import SCHEMA_VERSION
 from wire import errors as e
@@ -39,6 +44,7 @@ async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamR
     """Translate every failure into the error envelope, and authenticate signed routes."""
     node = request.app[NODE]
     try:
+        check_client_versions(request)      # a client sharing no protocol version: E_VERSION_MISMATCH
         if request.path not in UNSIGNED_PATHS:
             length = request.content_length
             if length is not None and length > node.config.body_bytes_max:
@@ -128,14 +134,28 @@ async def healthz(request: web.Request) -> web.Response:
                                 "nodes": {n: entry.state.value for n, entry
                                           in sorted(coordinator.membership.cluster_map.nodes.items())},
                                 "lease_valid": coordinator.lease_valid(), "raft": coordinator.membership.status()}
+    # The cluster feature level as this node's map has it (outside a cluster: this release's
+    # highest, there is no other node to keep compatible with): docs/OPERATIONS.md.
+    answer["feature_level"] = (coordinator.membership.cluster_map.feature_level if coordinator is not None
+                               else versions.FEATURE_LEVEL)
+    # Per peer and link purpose: the negotiated protocol version and the peer's release
+    # (docs/PROTOCOL.md, "Versions and negotiation").
+    links = {purpose: transport.link_versions() for purpose, transport
+             in (("replication", node.peers), ("membership", getattr(node, "membership_peers", None)))
+             if transport is not None and hasattr(transport, "link_versions")}
+    if links:
+        answer["links"] = links
     return web.json_response(answer, status=200 if status == "ok" else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(text=request.app[NODE].render_metrics(), content_type="text/plain")
+    node = request.app[NODE]
+    text = node.render_metrics() + "\n".join(upgrades.feature_level_metrics(node)) + "\n"
+    return web.Response(text=text, content_type="text/plain")
 
 
 def add_routes(app: web.Application) -> None:
+    install_version_header(app)      # X-Qcluster-Node on every answer
     r = app.router
     r.add_put("/v1/queues/", queues.empty_queue_name)
     r.add_get("/v1/queues", queues.list_queues)
@@ -158,12 +178,18 @@ def add_routes(app: web.Application) -> None:
     r.add_post("/v1/cluster/nodes", clusters.add_node)
     r.add_post("/v1/cluster/nodes/{id}/drain", clusters.drain_node)
     r.add_post("/v1/cluster/nodes/{id}/undrain", clusters.undrain_node)
+    r.add_post("/v1/cluster/nodes/{id}/maintenance", drains.drain_for_maintenance)
+    r.add_delete("/v1/cluster/nodes/{id}/maintenance", drains.undrain_from_maintenance)
     r.add_delete("/v1/cluster/nodes/{id}", clusters.remove_node)
     r.add_post("/v1/journal/export", clusters.export_journal)
     r.add_get("/v1/cluster", clusters.cluster)
+    r.add_get("/v1/cluster/versions", upgrades.cluster_versions)
+    r.add_post("/v1/cluster/finalize", upgrades.finalize)
     r.add_post("/v1/clients", clients.register_client)
     r.add_get("/v1/clients", clients.list_clients)
     r.add_delete("/v1/clients/{id}", clients.remove_client)
     r.add_put("/v1/clients/{id}/grants", clients.set_grants)
+    r.add_get("/v1/definitions", definitions.export)
+    r.add_post("/v1/definitions", definitions.import_)
     r.add_get("/healthz", healthz)
     r.add_get("/metrics", metrics)

@@ -33,6 +33,7 @@ from replication.cluster_map import (
     plan_rebalance,
     plan_replacements,
 )
+from replication.drain_check import PairView, drain_refusals
 from replication.leases import LeaseTable, NodeLease
 from replication.master import MasterRole
 from replication.messages import HandoffAnswer, HandoffOrder, HandoffRequest, LeaseGrant, LeaseRenew, Message
@@ -57,6 +58,7 @@ Finish = Callable[[Any], None]          # finish(result) or finish(QueueError)
 HANDOFF_TIMEOUT_MS = 5_000
 LEADER_PROPOSAL_INTERVAL_MS = 250
 DRAIN_HANDOFFS_AT_ONCE = 16
+MAINTENANCE_HANDOFF_EVERY_MS = 1_000     # a node in maintenance hands back a master it gained, this often
 NOT_DRAINING_HINTS = {
     NodeState.UP: "it serves already (nothing to undo)",
     NodeState.DOWN: "it is set up again by itself once it runs and renews its lease",
@@ -110,6 +112,12 @@ class Coordinator:
         self._registering = False
         self.failovers = 0
         self.lease_lapses = 0
+        # Nodes this node knows to be drained for maintenance (docs/OPERATIONS.md, "Rolling
+        # upgrade"): node-local, never in the map, so a 0.1.0 node in the cluster reads nothing
+        # new. A master here hands off to none of them, a rebalance planned here picks none, and
+        # a node that finds itself here hands back any master it gains (a failover onto it).
+        self.maintenance: set[str] = set()
+        self._next_maintenance_ms = 0
 
     # --- the lease ---------------------------------------------------------------------------
     def lease_valid(self) -> bool:
@@ -147,6 +155,9 @@ class Coordinator:
         me = self.membership.cluster_map.nodes.get(self.node_id)
         if me is not None and me.state is NodeState.DRAINING and self.pairs.masters:
             self.hand_off_all(limit=DRAIN_HANDOFFS_AT_ONCE)
+        elif self.node_id in self.maintenance and self.pairs.masters and mono >= self._next_maintenance_ms:
+            self._next_maintenance_ms = mono + MAINTENANCE_HANDOFF_EVERY_MS
+            self.hand_back_in_maintenance()
 
     def _renew(self, mono: int) -> None:
         leader = self.membership.leader_id()
@@ -318,17 +329,19 @@ class Coordinator:
             # the handoff's timeout (every node of a stopping cluster waited ~10 s for peers
             # already gone, with no membership majority left to record them down).
             self.handoffs[queue] = handoff
-            self._end_handoff(queue, f"the replica's node {role.replica_id} is "
-                                     + ("unreachable or not up" if linked else "not up"))
+            self._end_handoff(queue, f"the replica's node {role.replica_id} is " + (
+                "drained for maintenance (qctl node undrain ends it)" if role.replica_id in self.maintenance
+                else "unreachable or not up" if linked else "not up"))
             return
         self.handoffs[queue] = handoff      # from here the master assigns no new index
         self.master_progress(role)
 
     def _may_take_over(self, node: str, *, linked: bool) -> bool:
-        """A node a handoff may go to: up in the map (not draining, down or removed) and, if
-        asked, linked to this one."""
+        """A node a handoff may go to: up in the map (not draining, down or removed), not in
+        maintenance as far as this node knows, and, if asked, linked to this one."""
         entry = self.membership.cluster_map.nodes.get(node)
-        return entry is not None and entry.state is NodeState.UP and (not linked or bool(self.pairs.link_up(node)))
+        return entry is not None and entry.state is NodeState.UP and node not in self.maintenance \
+            and (not linked or bool(self.pairs.link_up(node)))
 
     def parks(self, queue: str) -> bool:
         """Whether commands for `queue` wait: a handoff of it (or of its dead-letter queue's
@@ -452,7 +465,8 @@ class Coordinator:
     def rebalance(self) -> list[str]:
         """Hand masters back to spread them evenly: each chosen queue's master node is told to
         hand off (over the peer link; the masters run the handoffs concurrently)."""
-        chosen = plan_rebalance(self.membership.cluster_map)
+        cluster = self.membership.cluster_map
+        chosen = [name for name in plan_rebalance(cluster) if cluster.queues[name].replica not in self.maintenance]
         for name in chosen:
             self.order_handoff(name)
         return chosen
@@ -513,6 +527,33 @@ class Coordinator:
                 continue
             self.start_handoff(name, "master", None, linked=True)
         return len(self.handoffs)
+
+    # --- maintenance drain (docs/OPERATIONS.md, "Rolling upgrade") ------------------------------
+    def hand_back_in_maintenance(self) -> int:
+        """This node is in maintenance and masters queues (a failover or a 0.1.0 node's handoff
+        put them here): hand each back once its replica is in sync on a node that may take it.
+        Those that may not yet wait for the next try (no handoff is started only to fail)."""
+        started = 0
+        for name, role in sorted(self.pairs.masters.items()):
+            core = self.instances.cores.get(name)
+            if core is None or core.record.dead_letter_of is not None or name in self.handoffs \
+                    or not role.recorded_in_sync or not self._may_take_over(role.replica_id, linked=True):
+                continue
+            self.start_handoff(name, "master", None, linked=True)
+            started += 1
+        return started
+
+    def drain_refusals(self, node_id: str) -> list[str]:
+        """Why draining `node_id` for maintenance and stopping it would leave a queue without an
+        in-sync copy (replication/drain_check.py), on this node's map and maintenance marks."""
+        cluster = self.membership.cluster_map
+        up = {node for node, entry in cluster.nodes.items() if entry.state is NodeState.UP}
+        pairs = (PairView(name, entry.master, entry.replica, entry.in_sync) for name, entry in cluster.queues.items())
+        return drain_refusals(node_id, pairs, up, self.maintenance)
+
+    def masters_of(self, node_id: str) -> list[str]:
+        """The queues the map names `node_id` master of (a dead-letter queue goes with its queue)."""
+        return sorted(name for name, entry in self.membership.cluster_map.queues.items() if entry.master == node_id)
 
     def status(self) -> dict[str, Any]:
         cluster = self.membership.cluster_map.to_json()

@@ -350,6 +350,11 @@ class RaftMembership:
             if getattr(frame, "sender", peer) != peer:
                 raise MessageError(f"a message from {getattr(frame, 'sender', '?')!r} on {peer}'s link")
             _check_contents(frame)
+        except InvariantViolation as error:
+            # The cluster runs at a feature level this release cannot follow (it was finalized
+            # for a newer release): stop rather than serve a map that differs from everyone's.
+            stop_process(f"the membership leader {peer} sent a map this release cannot follow: {error}", error)
+            return
         except MessageError as error:
             self.bad_frames += 1
             log.warning("refused a bad membership frame from %s, dropping the link: %s", peer, error)
@@ -665,6 +670,8 @@ def _check_contents(frame: Any) -> None:
             raise MessageError("a snapshot's last entry is of a term after the sender's")
         try:
             decode_map(frame.snapshot.data)
+        except InvariantViolation:
+            raise           # a well-formed map at a feature level this release cannot run: see on_frame
         except Exception as error:  # noqa: BLE001 (garbage raises many types)
             raise MessageError(f"a snapshot whose map does not decode: {type(error).__name__}") from None
 

@@ -64,13 +64,24 @@ def port_free(port: int) -> bool:
     return True
 
 
+def code_environment(code: Path) -> dict[str, str]:
+    """The environment of a `python -m qserver` that runs the code tree `code` (this checkout,
+    or an older release's `git worktree`, tests/test_upgrade.py) with this interpreter: the tree
+    first on the path, ahead of the editable install of this checkout (its finder comes after
+    the path's entries)."""
+    environment = dict(os.environ)
+    if code.resolve() != REPOSITORY:
+        environment["PYTHONPATH"] = os.pathsep.join([str(code), *filter(None, [environment.get("PYTHONPATH")])])
+    return environment
+
+
 def start_qserver(run_args: list[str], url: str, log_path: Path, timeout_s: float = START_TIMEOUT_S,
-                  ssl_context: ssl.SSLContext | None = None) -> subprocess.Popen[bytes]:
-    """Start `qserver run ARGS...` (output to log_path) and wait for its /healthz; a node that
-    exits or stays silent raises RuntimeError with the end of its log."""
+                  ssl_context: ssl.SSLContext | None = None, code: Path = REPOSITORY) -> subprocess.Popen[bytes]:
+    """Start `qserver run ARGS...` (output to log_path) from the code tree `code` and wait for
+    its /healthz; a node that exits or stays silent raises RuntimeError with the end of its log."""
     with open(log_path, "ab") as log:
         process = subprocess.Popen([sys.executable, "-m", "qserver", "run", *run_args],
-                                   stdout=log, stderr=subprocess.STDOUT, cwd=REPOSITORY,
+                                   stdout=log, stderr=subprocess.STDOUT, cwd=code, env=code_environment(code),
                                    start_new_session=True)   # a Ctrl-C at the terminal is for the caller
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -117,9 +128,10 @@ class NodeRuns:
         self.name, self.log_path = name, log_path
         self.runs: list[NodeRun] = []
 
-    def start(self, run_args: list[str], url: str, ssl_context: ssl.SSLContext | None = None) -> subprocess.Popen[bytes]:
+    def start(self, run_args: list[str], url: str, ssl_context: ssl.SSLContext | None = None,
+              code: Path = REPOSITORY) -> subprocess.Popen[bytes]:
         log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        process = start_qserver(run_args, url, self.log_path, ssl_context=ssl_context)
+        process = start_qserver(run_args, url, self.log_path, ssl_context=ssl_context, code=code)
         self.runs.append(NodeRun(process, log_offset))
         return process
 
@@ -195,14 +207,18 @@ def _text(data: bytes) -> str:
 class LocalCluster:
     def __init__(self, root: Path, size: int, placement: dict[str, list[str]] | None = None,
                  settings: dict[str, object] | None = None, *, base_port: int | None = None,
-                 credentials_path: Path | None = None, voters: int | None = None, tls: bool | None = None) -> None:
+                 credentials_path: Path | None = None, voters: int | None = None, tls: bool | None = None,
+                 code: Path = REPOSITORY) -> None:
         """`settings`: extra [node] keys for every node (TOML literals, e.g. {"journal_enabled": "false"}).
         `base_port`: node i serves HTTP on base_port+i and Raft on base_port+100+i (else free
         ports). Data already under `root` is reused (the nodes were initialised before).
         `voters`: how many of the nodes (the first ones) vote in the membership layer (default all).
         `tls`: every link over TLS with a local CA (`qserver init --tls`); default from
-        $QSERVER_TEST_TLS ("1": on), so the whole suite can run with TLS on."""
+        $QSERVER_TEST_TLS ("1": on), so the whole suite can run with TLS on.
+        `code`: the code tree every node is initialised and started from (default this
+        checkout; an older release's `git worktree` for an upgrade, see `start`'s `code`)."""
         self.root = root
+        self.code = {f"n{i}": code for i in range(1, size + 1)}    # node -> the tree it runs
         self.tls = tls if tls is not None else os.environ.get(TEST_TLS_ENV) == "1"
         scheme = "https" if self.tls else "http"
         self.ids = [f"n{i}" for i in range(1, size + 1)]
@@ -229,7 +245,8 @@ class LocalCluster:
         shared_ca = os.environ.get(TEST_TLS_CA_ENV)     # tests: one CA for every cluster of the run
         tls = ["--tls", *(["--tls-ca", shared_ca] if shared_ca else [])] if self.tls else []
         subprocess.run([sys.executable, "-m", "qserver", "init", "--data-dir", str(self.root / node), "--node-id", node,
-                        *extra, *tls], check=True, capture_output=True, cwd=REPOSITORY)
+                        *extra, *tls], check=True, capture_output=True, cwd=self.code[node],
+                       env=code_environment(self.code[node]))
 
     def _write_config(self, node: str, placement: dict[str, list[str]], settings: dict[str, object]) -> None:
         port = self.urls[node].rsplit(":", 1)[1]
@@ -240,12 +257,16 @@ class LocalCluster:
         lines += ["[cluster.placement]"] + [f'"{q}" = ["{a}", "{b}"]' for q, (a, b) in placement.items()]
         (self.root / f"{node}.toml").write_text("\n".join(lines) + "\n")
 
-    def start(self, node: str, *, wait: bool = True) -> None:
+    def start(self, node: str, *, wait: bool = True, code: Path | None = None) -> None:
         """Start one node and wait for its /healthz (a node that exits raises with its log) and,
-        unless `wait` is false, until it takes part in the cluster (see wait_ready)."""
+        unless `wait` is false, until it takes part in the cluster (see wait_ready). `code`: run
+        it from this code tree from now on (a rolling upgrade starts a stopped node of the old
+        release with the new one on the same data directory and ports)."""
+        if code is not None:
+            self.code[node] = code
         self.processes[node] = self.runs[node].start(
             ["--config", str(self.root / f"{node}.toml"), "--log-level", self.log_level], self.urls[node],
-            ssl_context=self.ssl_context)
+            ssl_context=self.ssl_context, code=self.code[node])
         if wait and len(self.processes) > len(self.ids) // 2:
             self.wait_ready([node])
 

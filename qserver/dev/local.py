@@ -191,6 +191,7 @@ class Demo:
             await asyncio.sleep(SUPERVISE_INTERVAL_S)
             for event in await asyncio.to_thread(cluster.restart_exited):
                 self.event(event)
+                write_pid_files(cluster)
 
 
 @dataclass
@@ -396,8 +397,11 @@ def main(argv: list[str] | None = None) -> int:
     args.data_dir.mkdir(parents=True, exist_ok=True)
     cluster = LocalCluster(args.data_dir.resolve(), 3, base_port=args.base_port)
     cluster.log_level = "INFO"
+    logged = {node: _log_size(cluster, node) for node in cluster.ids}
     try:
         cluster.start_all()
+        _print_migrations(cluster, logged)
+        write_pid_files(cluster)
         access = credential_access(cluster, args.credentials)
         if args.no_demo:
             asyncio.run(create_queues_only(cluster, access.own_path))
@@ -418,6 +422,29 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             cluster.stop_all()      # whatever still runs when the report could not be printed (a closed pipe)
     return 0
+
+
+def _log_size(cluster: LocalCluster, node: str) -> int:
+    path = cluster.root / f"{node}.log"
+    return path.stat().st_size if path.exists() else 0
+
+
+def _print_migrations(cluster: LocalCluster, logged: dict[str, int]) -> None:
+    """Say which nodes migrated their data directory to this code's storage layout as they
+    started (qserver/storage/migrate.py logs it; docs/OPERATIONS.md, "Storage layouts and migration")."""
+    for node, start in logged.items():
+        with open(cluster.root / f"{node}.log", "rb") as log:
+            log.seek(start)
+            for line in log.read().decode(errors="replace").splitlines():
+                if "qserver.storage" in line and " migrated layout " in line:
+                    print(f"{node}: {line.split('qserver.storage: ', 1)[-1]}", flush=True)
+
+
+def write_pid_files(cluster: LocalCluster) -> None:
+    """DATA_DIR/nX.pid: the pid of node nX's process now, for `python -m qserver.dev.roll`, which
+    stops each node in turn (SIGTERM) and lets this supervisor start it again on the code on disk."""
+    for node, process in cluster.processes.items():
+        (cluster.root / f"{node}.pid").write_text(f"{process.pid}\n")
 
 
 def stop_cluster(cluster: LocalCluster) -> None:
@@ -481,6 +508,7 @@ def _supervise_only(cluster: LocalCluster) -> None:
         while len(cluster.left_down) < len(cluster.ids):
             for event in cluster.restart_exited():    # a node that failed stop is started again
                 print(_stamped(event), flush=True)
+                write_pid_files(cluster)
             time.sleep(SUPERVISE_INTERVAL_S)
 
 

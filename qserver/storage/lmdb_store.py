@@ -31,6 +31,7 @@ from qserver.storage.batch import CommitResult, SealedBatch
 from qserver.storage.commit import BatchWriter
 from qserver.storage.housekeeping import Housekeeper
 from qserver.storage.log_bound import LogBound
+from qserver.storage.migrate import StorageLayoutError, migrate, stamp
 from qserver.storage.rows import (
     DB_NAMES,
     ENTRY_AT,
@@ -60,10 +61,6 @@ from replication.store import StoredLease
 # 660 at once took every slot, and the engine died on MDB_READERS_FULL).
 READERS_MAX = 256
 SNAPSHOT_VIEWS_MAX = 64
-
-
-class StorageLayoutError(Exception):
-    """The data directory was written with another storage layout: never read it as ours."""
 
 
 def _owner_only(path: Path, mode: int) -> None:
@@ -107,10 +104,26 @@ class Storage:
         self._log_bound = LogBound(self.db, self._pack, payload_hold_bytes)
         self._housekeeper = Housekeeper(self.db)
         self._read_txn: lmdb.Transaction | None = None
-        self._check_schema()
+        try:
+            self._check_schema()
+        except BaseException:       # refused or failed: the environment is not left open in this process
+            self.env.close()
+            raise
 
     # --- lifecycle -------------------------------------------------------------------------
     def _check_schema(self) -> None:
+        # An older layout is migrated to ours before anything reads a row, a newer one refused
+        # (migrate.py; docs/OPERATIONS.md, "Storage layouts and migration").
+        for _ in range(16):
+            try:
+                report = migrate(self.env, self.db, str(self.path), target=SCHEMA_VERSION, readable=SCHEMA_VERSION)
+                break
+            except lmdb.MapFullError:       # the step stored nothing: grow the map, run it again
+                self.env.set_mapsize(grown_map_size(self.map_size(), self.map_size_max_bytes, self.path,
+                                                    self.disk_reserve_bytes))
+        else:
+            raise StorageFull(f"the storage migration of {self.path} does not fit in the map")
+        self.migrated = report.steps
         with self.env.begin(write=True, db=self.db["meta"]) as txn:
             stored = txn.get(b"schema_version")
             if stored is None:
@@ -120,13 +133,9 @@ class Storage:
                 # Who this disk is: a node that comes back with another one lost its data, and
                 # the membership layer must not count it as an in-sync replica (cluster_map.AddNode).
                 txn.put(b"storage_id", Q.pack(int.from_bytes(os.urandom(8), "big") >> 1 or 1))
-            if stored is not None and Q.unpack(stored)[0] != SCHEMA_VERSION:
-                raise StorageLayoutError(
-                    f"the data directory {self.path} holds storage layout {Q.unpack(stored)[0]}, and this "
-                    f"qserver reads layout {SCHEMA_VERSION} only. Nothing was changed. Either run the qserver "
-                    f"release that wrote it, or move the directory aside and start this node on an empty one: "
-                    f"it rejoins the cluster and its pairs give it their queues by state transfer (export the "
-                    f"journal first with the old release if the audit needs it).")
+            if stored is not None and Q.unpack(stored)[0] != SCHEMA_VERSION:     # migrate() refuses first
+                raise StorageLayoutError(f"the data directory {self.path} holds storage layout "
+                                         f"{Q.unpack(stored)[0]}, not {SCHEMA_VERSION}")
             self.storage_id = int(Q.unpack(txn.get(b"storage_id") or b"")[0])
             # The journal's last key is its sequence; meta keeps it only for a journal that the
             # exporter's prune emptied (a commit does not write it: one page less per fsync).
@@ -134,6 +143,7 @@ class Storage:
             last = txn.cursor(db=self.db["journal"])
             self._journal_sequence = max(Q.unpack(sequence)[0] if sequence else 0,
                                          Q.unpack(last.key())[0] if last.last() else 0)
+        stamp(self.env, self.db["meta"], SCHEMA_VERSION)
 
     def close(self) -> None:
         self.end_read()

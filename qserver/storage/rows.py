@@ -36,7 +36,9 @@ Key layout (big-endian integers so LMDB's byte order is numeric order):
                                                      below the start are gone)
     clients   client_id                           -> JSON client record
     meta      b"schema_version" | b"next_queue_id" | b"journal_sequence" | b"node_id" | b"storage_id"
-              (journal_sequence: written by the journal's prune, which may empty the journal)
+              | b"release" | b"layout_history"
+              (journal_sequence: written by the journal's prune, which may empty the journal;
+              release, layout_history: qserver/storage/migrate.py)
     raft_state, raft_log      the membership layer's Raft state (qserver/storage/raft_store.py reads and
                               writes them)
 """
@@ -65,9 +67,14 @@ from replication.operations import Enqueued
 #    in delayed and none in ready until they mature, messages with headers a row in headers; no
 #    reader of 6.
 #    Within 7: numbered streams have rows of their own in streams (written when they change, not
-#    with every batch that touches the queue); a record that still holds them is read as before
-#    and its streams move to rows at its next write.
-SCHEMA_VERSION = 7
+#    with every batch that touches the queue); a record that still held them was read as before
+#    and its streams moved to rows at its next write.
+# 8: every numbered stream is in its row of streams (in the form with a floor), none in a queue
+#    record, and no record holds the retired in_sync field: migrate.py's step 7 -> 8 finishes the
+#    moves layout 7 left to each record's next write, so nothing reads streams out of records.
+#    meta holds b"release" (the release that last wrote the directory) and b"layout_history".
+#    Layout 7's code reads layout 8 rows: `qserver migrate --to 7` only renumbers (migrate.py).
+SCHEMA_VERSION = 8
 DB_NAMES = ("queues", "messages", "ready", "leases", "status", "dedupe", "expiry", "doomed",
             "epochs", "journal", "clients", "meta", "oplog", "raft_state", "raft_log", "ttl", "delayed", "headers",
             "streams")

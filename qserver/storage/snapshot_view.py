@@ -72,8 +72,8 @@ class LmdbSnapshotView:
             raise KeyError(name)
         record = dict(msgpack.unpackb(raw))
         streams = streams_of(self._txn.cursor(db=self._db["streams"]), record["queue_id"])
-        if streams:
-            record["sequences"] = {**record.get("sequences", {}), **streams}
+        if streams:                 # a stored record holds none (layout 8): the snapshot's record carries them
+            record["sequences"] = streams
         return record
 
     def _last(self, queue_id: int) -> tuple[int, bytes]:

@@ -13,6 +13,10 @@ purpose, both ids and both nonces (`LinkKeys`); every later binary message is ms
 direction, a per-direction frame counter and the frame, so a frame altered, dropped, replayed or
 reflected fails its tag and ends the link.
 
+Beside the signed headers, the upgrade and its 101 answer carry each side's protocol range and
+release, and the responder's choice (wire/version_headers.py; docs/PROTOCOL.md, "Versions and
+negotiation"); qserver/transport/peers.py negotiates and keeps them per link.
+
 Separate from the links' lifecycle (qserver/transport/peers.py) so that the protocol of a link
 can be read, and tested (tests/test_security_peers.py), on its own; it also holds what both
 transports offer the layers above (OnMessage, OnLinkChange, RefusedMessage).

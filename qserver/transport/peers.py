@@ -35,7 +35,7 @@ import logging
 import random
 import ssl
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +75,7 @@ from qserver.transport.peer_link import (
 from wire import errors as e
 from wire.errors import QueueError
 from wire.http_session import signed_session
+from wire.version_headers import Side, dialer_outcome, negotiate, own_side, peer_answer, peer_offer, peer_side
 
 log = logging.getLogger("qserver.transport.peers")
 TIMESTAMP_SKEW_MAX_MS = 300_000
@@ -104,6 +105,7 @@ class _Peer:
     link: _Link | None = None
     dialer: asyncio.Task[None] | None = None
     removed: bool = False
+    refusal: str | None = None      # why the last link attempt failed on versions (None: it did not)
 
 
 @dataclass(eq=False)
@@ -111,6 +113,8 @@ class _Link:
     peer: _Peer
     ws: Socket
     keys: LinkKeys
+    version: int            # the protocol version negotiated for this link (docs/PROTOCOL.md, "Versions and negotiation")
+    other: Side             # what the peer named about itself (release None: 0.1.0 or older)
     writer: asyncio.Task[None] | None = None
     finished: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -134,6 +138,10 @@ class PeerTransport:
         if purpose not in PURPOSES:
             raise ValueError(f"purpose must be one of {PURPOSES}")
         self.purpose = purpose
+        self._mine = own_side(purpose)     # this side's versions (a test may offer others)
+        # Why a peer that negotiated a version may still not link (None: it may): the node refuses
+        # releases too old for the cluster's feature level (wire/versions.py peer_too_old).
+        self.admits: Callable[[Side], str | None] = lambda side: None
         _check_limits(cluster_secret, send_queue_bytes_max, frame_bytes_max, reconnect_delay_initial_s,
                       reconnect_delay_max_s, heartbeat_s)
         self.node_id = node_id
@@ -212,6 +220,23 @@ class PeerTransport:
         peer = self._peers.get(peer_id)
         return peer is not None and peer.link is not None
 
+    def version(self, peer_id: str) -> int | None:
+        """The protocol version negotiated with the peer's current link (None while it is down):
+        what an encoder of this purpose's messages writes to it."""
+        peer = self._peers.get(peer_id)
+        return None if peer is None or peer.link is None else peer.link.version
+
+    def link_versions(self) -> dict[str, dict[str, Any]]:
+        """Per peer: whether its link is up, the negotiated version, the peer's release (None:
+        it named none, 0.1.0 or older), and the last refusal on versions (/healthz `links`)."""
+        table: dict[str, dict[str, Any]] = {}
+        for peer_id, peer in sorted(self._peers.items()):
+            link = peer.link
+            table[peer_id] = {"up": link is not None, "version": None if link is None else link.version,
+                              "release": None if link is None else link.other.release,
+                              "refused": peer.refusal}
+        return table
+
     def pending_bytes(self, peer_id: str) -> int:
         """Bytes accepted by `send` and not yet written to a socket."""
         peer = self._peers.get(peer_id)
@@ -240,10 +265,24 @@ class PeerTransport:
             peer = self._authenticate(request.headers)
             if not ws.can_prepare(request).ok:
                 raise QueueError(e.E_BAD_REQUEST, "a peer link is a WebSocket upgrade")
+            other = peer_side(self.purpose, request.headers)
+            version = negotiate(self.purpose, self._mine, other)
+            too_old = self.admits(other)
+            if too_old is not None:
+                raise QueueError(e.E_VERSION_MISMATCH, too_old)
         except QueueError as error:
             self.refused[error.code] += 1
-            log.warning("refused a peer link from %s: %s", request.headers.get(HEADER_FROM, "?")[:64], error)
-            return error_response(error)
+            if error.code == e.E_VERSION_MISMATCH.code:
+                self._note_refusal(peer, error.message, "refused a peer link from")
+            else:
+                log.warning("refused a peer link from %s: %s", request.headers.get(HEADER_FROM, "?")[:64], error)
+            refusal = error_response(error)
+            # The refusal names this side's range too, so the dialer can say why (a refused
+            # upgrade's body does not reach an aiohttp dialer).
+            refusal.headers.update(peer_answer(self._mine, None))
+            return refusal
+        peer.refusal = None
+        ws.headers.update(peer_answer(self._mine, version))
         await ws.prepare(request)
         if self._stopping or peer.removed:
             await ws.close(code=WSCloseCode.GOING_AWAY, message=b"E_UNAVAILABLE")
@@ -252,7 +291,7 @@ class PeerTransport:
         if keys is None:
             return ws
         self.links_accepted += 1
-        await self._run_link(peer, ws, keys)
+        await self._run_link(peer, ws, keys, version, other)
         return ws
 
     async def _challenge(self, peer: _Peer, ws: web.WebSocketResponse, dialer_nonce: str) -> LinkKeys | None:
@@ -342,6 +381,7 @@ class PeerTransport:
         while not peer.removed:
             dialed = await self._dial_once(peer)
             if dialed is not None:
+                peer.refusal = None
                 self.links_dialed += 1
                 opened_s = time.monotonic()
                 await self._run_link(peer, *dialed)
@@ -352,10 +392,12 @@ class PeerTransport:
             await asyncio.sleep(delay_s * self._rng.uniform(0.5, 1.0))
             delay_s = min(delay_s * 2, self._delay_max_s)
 
-    async def _dial_once(self, peer: _Peer) -> tuple[aiohttp.ClientWebSocketResponse, LinkKeys] | None:
+    async def _dial_once(self, peer: _Peer) -> tuple[aiohttp.ClientWebSocketResponse, LinkKeys, int, Side] | None:
         if self._session is None:
             raise RuntimeError("the transport is not started")
+        # The signed headers and this side's versions (a 0.1.0 responder ignores the latter).
         headers = auth_headers(self._secret, self.node_id, peer.peer_id, purpose=self.purpose)
+        headers.update(peer_offer(self._mine))
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 ws = await self._session.ws_connect(
@@ -363,10 +405,23 @@ class PeerTransport:
                     max_msg_size=self._receive_bytes_max, timeout=aiohttp.ClientWSTimeout(ws_close=self._close_timeout_s))
         except aiohttp.WSServerHandshakeError as error:
             code = error.headers.get("X-Error-Code", "?") if error.headers else "?"
-            log.warning("peer %s at %s refused the link: HTTP %s %s", peer.peer_id, peer.url, error.status, code)
+            if code == e.E_VERSION_MISMATCH.code and error.headers:
+                self._refused_on_versions(peer, error.headers)
+            else:
+                log.warning("peer %s at %s refused the link: HTTP %s %s", peer.peer_id, peer.url, error.status, code)
             return None
         except (aiohttp.ClientError, OSError, TimeoutError) as error:
             log.debug("cannot reach peer %s at %s: %r", peer.peer_id, peer.url, error)
+            return None
+        try:
+            answer = getattr(ws, "_response", None)     # the 101 answer (aiohttp keeps no public handle)
+            version, other = dialer_outcome(self.purpose, answer.headers if answer is not None else {}, self._mine)
+            too_old = self.admits(other)
+            if too_old is not None:
+                raise QueueError(e.E_VERSION_MISMATCH, too_old)
+        except QueueError as error:
+            self._note_refusal(peer, error.message, "the link was closed to")
+            await ws.close(code=WSCloseCode.POLICY_VIOLATION, message=error.code.encode())
             return None
         try:
             keys = await dial_handshake(ws, self._secret, self.purpose, self.node_id, peer.peer_id,
@@ -379,13 +434,31 @@ class PeerTransport:
         except (aiohttp.ClientError, OSError, TimeoutError, RuntimeError) as error:
             log.info("handshake with peer %s at %s broke: %r", peer.peer_id, peer.url, error)
         else:
-            return ws, keys
+            return ws, keys, version, other
         await ws.close(code=WSCloseCode.POLICY_VIOLATION, message=b"E_UNAUTHENTICATED")
         return None
 
+    def _refused_on_versions(self, peer: _Peer, answer: Mapping[str, str]) -> None:
+        """The responder shares no version with this side: say so once per change (the dialer
+        keeps redialing, so an operator who upgrades the other side sees the link come up)."""
+        try:
+            negotiate(self.purpose, self._mine, peer_side(self.purpose, answer))
+            refusal = f"the peer refused this side's {self.purpose} versions {self._mine.protocol.render()}"
+        except QueueError as error:
+            refusal = error.message
+        self._note_refusal(peer, refusal, "the link was refused by")
+
+    @staticmethod
+    def _note_refusal(peer: _Peer, refusal: str, what: str) -> None:
+        """Keep a refusal on versions for /healthz, and log it once per change: the dialer
+        redials several times a second, and an operator watches for the link to come up."""
+        if refusal != peer.refusal:
+            log.warning("%s peer %s: %s", what, peer.peer_id, refusal)
+        peer.refusal = refusal
+
     # --- one link ------------------------------------------------------------------------------
-    async def _run_link(self, peer: _Peer, ws: Socket, keys: LinkKeys) -> None:
-        link = _Link(peer, ws, keys)
+    async def _run_link(self, peer: _Peer, ws: Socket, keys: LinkKeys, version: int, other: Side) -> None:
+        link = _Link(peer, ws, keys, version, other)
         self._attach(link)
         try:
             await self._read(link)

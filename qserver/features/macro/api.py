@@ -31,6 +31,7 @@ from qserver.core import commands as c
 from qserver.services import SERVICES
 from replication.cluster_map import (
     ClusterMap,
+    ConsumerPolicy,
     CreateMacro,
     DeleteMacro,
     FastestBy,
@@ -41,6 +42,7 @@ from replication.cluster_map import (
 from replication.options import DEAD_LETTER_SUFFIX, is_valid_queue_name
 from wire import errors as e
 from wire.errors import QueueError
+from wire.versions import OLDEST_FEATURE_LEVEL, require_feature
 
 
 def macro_name(request: web.Request) -> str:
@@ -89,6 +91,16 @@ def _attempt(command: Any) -> str:
     return f"cannot {verb} macro queue {command.name}"
 
 
+def require_macro_features(cluster: ClusterMap, consumer: str) -> None:
+    """A policy of a later release reaches the map only once every node knows it: release
+    0.1.0 refuses `highest_priority` when it applies the map command, so proposing it earlier
+    would split the nodes' maps. E_FEATURE_DISABLED below the feature's cluster level
+    (wire/versions.py; docs/OPERATIONS.md, "The cluster feature level"). Whatever creates a
+    macro queue calls this before it proposes."""
+    if consumer == ConsumerPolicy.HIGHEST_PRIORITY:
+        require_feature(getattr(cluster, "feature_level", OLDEST_FEATURE_LEVEL), "macro_highest_priority")
+
+
 async def put_macro(request: web.Request) -> web.Response:
     name = macro_name(request)
     body = await json_body(request)
@@ -99,6 +111,7 @@ async def put_macro(request: web.Request) -> web.Response:
     problem = macro_policy_problem(command.producer, command.consumer, command.fastest_by)
     if problem:
         raise QueueError(e.E_INVALID_OPTION, problem)
+    require_macro_features(_cluster_map(request), command.consumer)
     if name in _cluster_map(request).queues:
         raise QueueError(e.E_MACRO_REFUSED, f"{name} is a queue")
     outcome = await _propose(request, command)
