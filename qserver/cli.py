@@ -13,7 +13,7 @@ from pathlib import Path
 
 from client.credentials import Credentials, save_credentials
 from client.http import HttpClient
-from qserver import migrate_cli
+from qserver import backup_cli, migrate_cli
 from qserver.api.auth import ADMIN_GRANTS, CLUSTER_CLIENT
 from qserver.config import NodeConfig, load_config
 from qserver.features.macro.service import DelegatedSigner
@@ -203,7 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     p_run.add_argument("--no-journal", action="store_true", help="benchmark only: do not write the journal")
     p_run.add_argument("--log-level", default="INFO", help="DEBUG, INFO (default), WARNING or ERROR")
     migrate_cli.add_parser(sub)
+    backup_cli.add_parsers(sub)
     args = parser.parse_args(argv)
+    if args.command in ("backup", "restore"):
+        logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return backup_cli.run(args)
     if args.command == "migrate":        # it prints its own report: the log says only what went wrong
         logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return migrate_cli.run(args)

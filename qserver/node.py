@@ -482,11 +482,18 @@ class Node:
         return app
 
 
+SHUTDOWN_GRACE_S = 1.0       # what requests still in progress get once a stopping node's engine stopped
+
+
 async def serve(config: NodeConfig, *, ready: asyncio.Event | None = None) -> None:
     """Run a node until SIGTERM or SIGINT, then stop in order (answers first, then storage)."""
     node = Node(config)
     await node.start()
-    runner = EnvelopeAppRunner(node.application(), access_log=None, handle_signals=False)
+    # shutdown_timeout: by the time the runner cleans up, the masters are handed off and the engine
+    # has stopped, so a request still in progress can only wait for nothing; aiohttp's 60 s default
+    # kept a stopping node's clients (long polls, WebSockets closing) stalled for 15 s of a roll.
+    runner = EnvelopeAppRunner(node.application(), access_log=None, handle_signals=False,
+                               shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, reuse_address=True, backlog=1024,
                        ssl_context=node.server_tls)
@@ -499,7 +506,8 @@ async def serve(config: NodeConfig, *, ready: asyncio.Event | None = None) -> No
         host, port = (config.membership_bind or config.membership_nodes[config.node_id]).rsplit(":", 1)
         # The envelope runner here too: a dialer that hung up before its upgrade was answered (a
         # node paused or restarting) is one INFO line, not a traceback (qserver/http_errors.py).
-        membership_runner = EnvelopeAppRunner(membership_app, access_log=None, handle_signals=False)
+        membership_runner = EnvelopeAppRunner(membership_app, access_log=None, handle_signals=False,
+                                              shutdown_timeout=SHUTDOWN_GRACE_S)
         await membership_runner.setup()
         await web.TCPSite(membership_runner, host, int(port), reuse_address=True, ssl_context=node.server_tls).start()
     log.info("node %s serving on %s (data in %s)", config.node_id, node.url, config.data_dir)

@@ -25,6 +25,9 @@ from typing import Any
 import pytest
 
 from client import AsyncClient, Client, QueueError
+from client.maintenance import drain_by_handoffs
+from client.qctl import build_parser
+from client.qctl_cluster import cmd_node_drain
 from qserver.dev.devcluster import LocalCluster, code_environment, port_free
 from qserver.dev.roll import Demo, roll
 from replication.drain_check import PairView, drain_refusals
@@ -132,7 +135,15 @@ async def test_a_drain_that_would_leave_a_queue_without_an_in_sync_copy_is_refus
     cluster_map = await map_of(cluster, "n3")
     assert pairs_of(cluster_map)["a"][0] == "n1" and pairs_of(cluster_map)["b"][0] == "n3"
     async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as client:
-        assert (await client.handoff("b"))["master"] == "n1"    # not marked: nothing changed
+        # The client's own drain, for a node of 0.1.0 that has no maintenance route: the same
+        # check, then per-queue handoffs (here onto n1, which the refused drain left unmarked).
+        with pytest.raises(QueueError) as refused:
+            await drain_by_handoffs(client.http, "n1", 5.0)
+        assert refused.value.code == "E_DRAIN_REFUSED" and "a: its replica" in str(refused.value)
+        answer = await drain_by_handoffs(client.http, "n3", 10.0)
+        assert [(h["queue"], h["to"]) for h in answer["handoffs"]] == [("b", "n1")], answer
+        assert isinstance(answer["handoffs"][0]["pause_ms"], int) and answer["marked"]["n1"] is None, answer
+        assert (await client.cluster())["queues"]["b"]["master"] == "n1"
 
 
 def free_base_port() -> int:
@@ -199,3 +210,25 @@ async def test_the_roll_script_drains_restarts_and_undrains_each_node_of_the_run
 async def map_of_demo(demo: Demo) -> dict[str, Any]:
     async with demo.client("n3") as client:
         return await client.cluster()
+
+
+def test_qctl_node_drain_prints_each_handoff_its_pause_and_the_nodes_not_told() -> None:
+    class FakeHttp:
+        async def drain_node_for_maintenance(self, node_id: str, timeout_s: float) -> dict[str, Any]:
+            assert (node_id, timeout_s) == ("n1", 7.0)
+            return {"node": "n1", "masters": 0, "took_ms": 40, "longest_pause_ms": 12,
+                    "handoffs": [{"queue": "a", "from": "n1", "to": "n2", "epoch": 3, "pause_ms": 12},
+                                 {"queue": "b", "from": "n1", "to": "n3", "epoch": 5, "pause_ms": None}],
+                    "marked": {"n1": True, "n2": True, "n3": None}}
+    parser = build_parser()
+    args = parser.parse_args(["node", "drain", "n1", "--timeout-s", "7"])
+    outcome = asyncio.run(cmd_node_drain(FakeHttp(), args))  # type: ignore[arg-type]
+    assert outcome.human.splitlines() == [
+        "a: master n1 -> n2 (epoch 3), writes paused 12 ms",
+        "b: master n1 -> n3 (epoch 5), writes paused ? ms",
+        "node n1 masters no queue (took 40 ms, longest write pause 12 ms); its replicas stay. Stop it, upgrade it, "
+        "start it, then qctl node undrain n1",
+        "not told of the maintenance (an older release, or not reached): n3; a master they hand to it is handed "
+        "back once it runs this release"]
+    assert parser.parse_args(["node", "drain", "n1", "--move-replicas"]).move_replicas
+    assert parser.parse_args(["nodes", "drain", "n1"]).handler.__name__ == "cmd_nodes_drain"   # kept for scripts
