@@ -62,7 +62,12 @@ def summary_of(result: dict[str, Any]) -> dict[str, Any]:
                                  "longest_during_handoffs_s": pause.get("longest_during_handoffs_s"),
                                  "acknowledged": pause["acknowledged"], "rate_per_s": pause.get("rate_per_s"),
                                  "lost": queues.get(name, {}).get("lost"),
-                                 "duplicated": queues.get(name, {}).get("duplicated"),
+                                 # under `producer` each member serves its own consumers: a message
+                                 # delivered once by each is the design, not a duplicate
+                                 "duplicated": sum(count for why, count in queues.get(name, {}).get(
+                                     "duplicates_explained", {}).items() if why != "another_member"),
+                                 "delivered_by_both_members": queues.get(name, {}).get(
+                                     "duplicates_explained", {}).get("another_member", 0),
                                  "enqueue_unknown": queues.get(name, {}).get("enqueue_unknown")}
                           for name, pause in result.get("write_pauses", {}).items()},
             "roll_s": round(result.get("roll_ended_s", 0.0) - result.get("roll_began_s", 0.0), 2)}

@@ -11,7 +11,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from replication.drain_check import PairView, drain_refusals
-from wire.errors import E_DRAIN_REFUSED, E_INVALID_OPTION, E_TIMEOUT, QueueError
+from wire.errors import E_DRAIN_REFUSED, E_INVALID_OPTION, E_RESERVED_NAME, E_TIMEOUT, QueueError
 
 if TYPE_CHECKING:
     from client.http import HttpClient
@@ -19,8 +19,9 @@ if TYPE_CHECKING:
 RETRY_S = 0.5       # a handoff refused a moment (its replica lagging) is asked again after this
 
 
-def _masters_of(cluster: dict[str, Any], node_id: str) -> list[str]:
-    return sorted(name for name, entry in cluster.get("queues", {}).items() if entry.get("master") == node_id)
+def _masters_of(cluster: dict[str, Any], node_id: str, skipped: frozenset[str] | set[str] = frozenset()) -> list[str]:
+    return sorted(name for name, entry in cluster.get("queues", {}).items()
+                  if entry.get("master") == node_id and name not in skipped)
 
 
 async def drain_by_handoffs(http: HttpClient, node_id: str, timeout_s: float) -> dict[str, Any]:
@@ -40,25 +41,32 @@ async def drain_by_handoffs(http: HttpClient, node_id: str, timeout_s: float) ->
                                           "in-sync copy: " + "; ".join(refusals))
     handoffs: list[dict[str, Any]] = []
     refused: dict[str, str] = {}
-    while (left := _masters_of(cluster, node_id)) and time.monotonic() - started < timeout_s:
+    # Queues no client may hand off (a channel's queue: E_RESERVED_NAME on every release) are
+    # left to the node's orderly stop, which hands off every master it holds first.
+    left_to_the_stop: set[str] = set()
+    while (left := _masters_of(cluster, node_id, left_to_the_stop)) and time.monotonic() - started < timeout_s:
         for name in left:
             try:
                 answer = await http.handoff(name)
             except QueueError as error:
+                if error.code == E_RESERVED_NAME.code:
+                    left_to_the_stop.add(name)
+                    continue
                 refused[name] = error.message
                 continue
             refused.pop(name, None)
             handoffs.append({"queue": name, "from": node_id, "to": answer.get("master"),
                              "epoch": answer.get("epoch"), "pause_ms": answer.get("pause_ms")})
         cluster = await http.cluster()
-        if _masters_of(cluster, node_id):
+        if _masters_of(cluster, node_id, left_to_the_stop):
             await asyncio.sleep(RETRY_S)
-    left = _masters_of(cluster, node_id)
+    left = _masters_of(cluster, node_id, left_to_the_stop)
     if left:
         raise QueueError(E_TIMEOUT, f"{node_id} still masters {len(left)} queue(s) after {timeout_s:g} s: "
                          + "; ".join(f"{name} ({refused.get(name, 'not handed off yet')})" for name in left))
     pauses = [h["pause_ms"] for h in handoffs if isinstance(h.get("pause_ms"), int | float)]
-    return {"node": node_id, "masters": 0, "handoffs": handoffs, "longest_pause_ms": max(pauses, default=None),
+    return {"node": node_id, "masters": len(_masters_of(cluster, node_id)), "handoffs": handoffs,
+            "left_to_the_stop": sorted(left_to_the_stop), "longest_pause_ms": max(pauses, default=None),
             "marked": {n: None for n, state in nodes.items() if n and state != "removed"},
             "took_ms": round((time.monotonic() - started) * 1000), "by_client_handoffs": True}
 

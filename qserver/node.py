@@ -231,7 +231,8 @@ class Node:
         transport = PeerTransport(
             self.config.node_id, secret, {node: url for node, url in nodes.items() if node != self.config.node_id},
             on_message=lambda peer, data: engine.submit(c.PeerMessage(peer, data)),
-            on_link_change=lambda peer, up: engine.submit(c.LinkChange(peer, up)),
+            on_link_change=lambda peer, up: engine.submit(
+                c.LinkChange(peer, up, going_away=not up and transport.went_away(peer))),
             send_queue_bytes_max=self.config.peer_send_queue_bytes_max, ssl_context=self.client_tls)
         engine.pairs.send = transport.send
         engine.pairs.link_up = transport.is_up
@@ -263,8 +264,12 @@ class Node:
         COLLECTOR_PAUSES.uninstall()
         if self._export_pool is not None:
             self._export_pool.shutdown(wait=False, cancel_futures=True)
-        for connection in list(self.connections):
-            await connection.close_with(QueueError(e.E_SHUTTING_DOWN, "the node is stopping"))
+        # All at once and bounded: a client that does not answer the close handshake at once
+        # (aiohttp waits up to 10 s for it) must not hold the stop, nor the other clients.
+        closing = [asyncio.ensure_future(connection.close_with(QueueError(e.E_SHUTTING_DOWN, "the node is stopping")))
+                   for connection in list(self.connections)]
+        if closing:
+            await asyncio.wait(closing, timeout=CONNECTIONS_CLOSE_S)
         await self.macros.close()
         await self.channels.stop()
         await self.surveillance.stop()
@@ -482,6 +487,7 @@ class Node:
         return app
 
 
+CONNECTIONS_CLOSE_S = 0.5    # how long a stopping node waits for its clients' close handshakes
 SHUTDOWN_GRACE_S = 1.0       # what requests still in progress get once a stopping node's engine stopped
 
 

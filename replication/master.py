@@ -588,13 +588,19 @@ class MasterRole:
         if self.progress is ReplicaProgress.PROBING:
             self._send_resync(now_ms)
 
-    def link_down(self) -> None:
+    def link_down(self, *, going_away: bool = False) -> None:
         """The peer link broke: the replica must Open again before anything is streamed. A
         snapshot under way keeps its read view, so that the Open may resume it, until
-        `sync_view_max_ms` pass without progress (see tick)."""
+        `sync_view_max_ms` pass without progress (see tick). `going_away`: the replica's node
+        said it stops (an orderly stop, the last step of a drain in a rolling upgrade): it is
+        recorded out of sync now rather than after `replica_lag_max_ms` of silence, so writes
+        that need it pause for a map commit, not for the lag bound (recording a replica out of
+        sync is always safe: it only stops counting on it)."""
         self._resync_sent_ms = None       # the replica opens again once the link is back
         if self.progress is not ReplicaProgress.FENCED:
             self._set_progress(ReplicaProgress.PROBING)
+            if going_away and self.recorded_in_sync:
+                self._propose(False)
 
     # --- the bounded log -------------------------------------------------------------------
     @property

@@ -310,6 +310,8 @@ async def test_a_link_whose_socket_breaks_under_the_reader_ends_and_leaves_the_d
 
     from qserver.transport.peer_link import LinkKeys
     from qserver.transport.peers import PeerTransport, _Link, _Peer
+    from wire.version_headers import Side
+    from wire.versions import REPLICATION_PROTOCOL, SILENT_PEER
 
     class _Breaking:
         """aiohttp's receive() answers a ping with a pong; on a closing transport that raises."""
@@ -321,7 +323,8 @@ async def test_a_link_whose_socket_breaks_under_the_reader_ends_and_leaves_the_d
             raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
     transport = PeerTransport("n1", b"s" * 32, {"n2": "http://127.0.0.1:1"}, on_message=lambda peer, data: None)
     await transport._read(_Link(_Peer("n2", "http://127.0.0.1:1"), _Breaking(),   # type: ignore[arg-type]
-                                LinkKeys(b"k" * 32, dialer=False)))
+                                LinkKeys(b"k" * 32, dialer=False), REPLICATION_PROTOCOL.high,
+                                Side(None, SILENT_PEER["replication"])))
 
 
 def test_the_audit_takes_a_replacement_journaled_before_its_epoch_record_as_the_suffixs_end() -> None:

@@ -177,3 +177,17 @@ def test_a_dead_letter_queue_whose_dead_letters_ran_ahead_of_its_own_stream_take
     assert replica.resync_source and replica.dead_letter_resyncs == 1
     assert replica.applied_order == 0 and not replica.applied, "nothing of the stream was applied"
     assert target.core.record.next_index == 19
+
+
+def test_a_replica_whose_node_says_it_stops_is_recorded_out_of_sync_at_once() -> None:
+    # A broken link waits out replica_lag_max_ms of silence (a redial may mend it); a replica
+    # whose node closed the link going away (an orderly stop: the last step of a drain in a
+    # rolling upgrade) is recorded out of sync now, so writes that need it pause for one map
+    # commit instead of the lag bound (docs/OPERATIONS.md, "Rolling upgrade").
+    _, master, _, _ = pair()
+    master.link_down()
+    master.tick(LIMITS.replica_lag_max_ms // 2)
+    assert not master.proposals, "a broken link alone proposes nothing before the lag bound"
+    _, master, _, _ = pair()
+    master.link_down(going_away=True)
+    assert [(p.replica, p.in_sync) for p in master.proposals] == [("n2", False)]

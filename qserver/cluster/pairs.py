@@ -572,7 +572,7 @@ class PairDriver:
     def on_peer_message(self, peer: str, data: bytes, mono_ms: int) -> None:
         self.inbox.receive(peer, data, mono_ms)
 
-    def on_link_change(self, peer: str, up: bool, mono_ms: int) -> None:
+    def on_link_change(self, peer: str, up: bool, mono_ms: int, *, going_away: bool = False) -> None:
         for role in self.masters.values():
             if role.replica_id != peer:
                 continue
@@ -580,7 +580,7 @@ class PairDriver:
             if up:
                 self.announce(role.core)
             else:
-                role.link_down()
+                role.link_down(going_away=going_away)
         for replica in self.replicas.values():
             if replica.master_id != peer:
                 continue

@@ -207,6 +207,7 @@ class LinkChange:
     up: bool
     replier: None = None
     request_id: int = 0
+    going_away: bool = False        # down because the peer said it stops (qserver/transport/peers.py went_away)
 
 
 @dataclass(slots=True)

@@ -319,7 +319,7 @@ class CommandSteps:
         self.pairs.on_peer_message(command.peer, command.data, self.monotonic_ms())
 
     def _link_change(self, command: c.LinkChange, now_ms: int) -> None:
-        self.pairs.on_link_change(command.peer, command.up, self.monotonic_ms())
+        self.pairs.on_link_change(command.peer, command.up, self.monotonic_ms(), going_away=command.going_away)
 
     def _invoke(self, command: c.Invoke, now_ms: int) -> None:
         command.action(now_ms)

@@ -106,6 +106,7 @@ class _Peer:
     dialer: asyncio.Task[None] | None = None
     removed: bool = False
     refusal: str | None = None      # why the last link attempt failed on versions (None: it did not)
+    went_away: bool = False         # its last link ended with its GOING_AWAY close (it stopped)
 
 
 @dataclass(eq=False)
@@ -219,6 +220,11 @@ class PeerTransport:
     def is_up(self, peer_id: str) -> bool:
         peer = self._peers.get(peer_id)
         return peer is not None and peer.link is not None
+
+    def went_away(self, peer_id: str) -> bool:
+        """Whether the peer's last link ended with the peer saying it goes away (GOING_AWAY)."""
+        peer = self._peers.get(peer_id)
+        return peer is not None and peer.went_away
 
     def version(self, peer_id: str) -> int | None:
         """The protocol version negotiated with the peer's current link (None while it is down):
@@ -484,6 +490,10 @@ class PeerTransport:
             peer.link = None
         if link.writer is not None:
             link.writer.cancel()
+        # The peer closed the link saying it goes away (its orderly stop, or this node removed it),
+        # not a break that a redial may mend: its masters need not wait out the replica lag bound
+        # before recording it out of sync (replication/master.py link_down). 0.1.0 closes so too.
+        peer.went_away = not self._stopping and link.ws.close_code == WSCloseCode.GOING_AWAY
         try:
             if current:   # before the close handshake, which may wait on a dead socket
                 self._on_link_change(peer.peer_id, False)

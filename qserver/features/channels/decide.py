@@ -81,6 +81,14 @@ class Offer(enum.Enum):
     SENT = "sent"              # at or below its cursor: it has it already
 
 
+def passed_over(message_id: int, *, sent: Collection[int], floor: int, acked: Collection[int]) -> bool:
+    """A publish at or below a durable reader's cursor that the reader never got: its answer
+    came after a later publish's (a retried dedupe id answered late), whose SEND moved the
+    cursor past it. Neither sent and unacknowledged, nor acknowledged (at or below the floor,
+    or in the acked set)."""
+    return message_id > floor and message_id not in sent and message_id not in acked
+
+
 def offer(message_id: int, *, cursor: int, caught_up: bool, unacknowledged: int) -> Offer:
     if message_id <= cursor:
         return Offer.SENT

@@ -304,10 +304,17 @@ class ChannelHub:
 
     def _publish_durable(self, channel: str, message_id: int, payload: bytes) -> None:
         now = self._clock()
+        core = self._core(channel)
         for reader in self.durable.get(channel, {}).values():
             verdict = decide.offer(message_id, cursor=reader.cursor, caught_up=reader.caught_up,
                                    unacknowledged=len(reader.sent))
             if verdict is Offer.SENT:
+                state = None if core is None else core.record.subscriptions.get(reader.name)
+                if state is not None and decide.passed_over(message_id, sent=reader.sent, floor=state[0],
+                                                            acked=state[1]):
+                    reader.sent[message_id] = now       # the cursor went past it before its answer came
+                    reader.connection.emit(ChannelMessage(channel, message_id, payload, False))
+                    self.delivered_total += 1
                 continue
             if verdict is Offer.SEND:
                 reader.cursor = message_id
@@ -407,7 +414,11 @@ class ChannelHub:
         """A publish is committed: every subscriber here gets it (and nothing older after it)."""
         last = self._last.get(channel)
         if last is not None and last[0] >= message_id:
-            return                   # an older publish answered late (a retried dedupe id)
+            # An older publish answered late (a retried dedupe id): live subscribers keep only
+            # the newest, but a durable reader that went past it without it must still get it.
+            if channel in self.durable:
+                self._publish_durable(channel, message_id, payload)
+            return
         self._last[channel] = (message_id, payload)
         self._last_sent_at[channel] = self._clock()
         self.published_total += 1
