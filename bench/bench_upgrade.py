@@ -29,7 +29,8 @@ from typing import Any
 
 from chaos.workload import QueueSpec
 from qserver.dev.devcluster import REPOSITORY
-from tests.upgrade_roll import RollPlan, previous_release, release_tree, roll_upgrade, why_no_release_tree
+from tests.upgrade_roll import RollPlan, roll_upgrade
+from tests.upgrade_support import previous_release, release_tree, skip_reason
 
 MODES = ("drain", "sigterm", "kill")
 PRODUCER_RATE_MAX = 25.0         # messages/s one producer task sends (one call at a time: more tasks, more in flight)
@@ -99,7 +100,7 @@ async def bench(modes: list[str], runs: int, rate: float, audit: bool, out: Path
     release = previous_release()
     if release is None:
         raise SystemExit("releases.toml names no release older than this checkout")
-    why = why_no_release_tree(release["commit"])
+    why = skip_reason(release["commit"])
     if why:
         raise SystemExit(f"cannot check out release {release['version']}: {why}")
     results = []

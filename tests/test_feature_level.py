@@ -14,12 +14,10 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import shutil
 import subprocess
 import sys
 import tarfile
 import time
-import tomllib
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -41,6 +39,7 @@ from replication.cluster_map import (
     encode_map,
 )
 from replication.invariants import InvariantViolation
+from tests import upgrade_support
 from wire import versions
 
 # Builds the same map under whichever `replication` package is first on the path: this
@@ -66,7 +65,6 @@ def build():
     cluster.apply(PutForward("fw", "orders", "events", (), "c1", "sealed", 2000, "t"))
     return cluster
 """
-RELEASES_FILE = REPOSITORY / "releases.toml"
 
 
 def build_map() -> ClusterMap:
@@ -77,25 +75,15 @@ def build_map() -> ClusterMap:
 
 
 def previous_commit() -> str:
-    """The commit of the newest release older than this checkout's (releases.toml)."""
-    releases = tomllib.loads(RELEASES_FILE.read_text()).get("release", [])
-    older = [r for r in releases if versions.release_key(r["version"]) < versions.release_key(versions.RELEASE)]
-    return str(max(older, key=lambda r: versions.release_key(r["version"]))["commit"])
-
-
-def why_no_commit(commit: str) -> str | None:
-    if shutil.which("git") is None:
-        return "git is not installed"
-    found = subprocess.run(["git", "-C", str(REPOSITORY), "cat-file", "-e", f"{commit}^{{commit}}"],
-                           capture_output=True)
-    return None if found.returncode == 0 else f"this clone lacks the release commit {commit[:12]} (a shallow clone?)"
+    """Release 0.1.0's commit: the release of feature level 1 only, whose map these tests read."""
+    return str(next(r["commit"] for r in upgrade_support.releases() if r["version"] == "0.1.0"))
 
 
 @pytest.fixture(scope="module")
 def old_code(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Release 0.1.0's `replication/` and `wire/` (enough for its map and codec), unpacked."""
     commit = previous_commit()
-    reason = why_no_commit(commit)
+    reason = upgrade_support.skip_reason(commit)
     if reason:
         pytest.skip(reason)
     where = tmp_path_factory.mktemp("release-0.1.0")
@@ -294,17 +282,11 @@ def test_finalize_waits_for_every_node_then_raises_the_level_everywhere_once(qcl
 @pytest.fixture
 def old_tree(tmp_path: Path) -> Any:
     commit = previous_commit()
-    reason = why_no_commit(commit)
+    reason = upgrade_support.skip_reason(commit)
     if reason:
         pytest.skip(reason)
-    where = tmp_path / "release-0.1.0"
-    subprocess.run(["git", "-C", str(REPOSITORY), "worktree", "add", "--detach", "--force", str(where), commit],
-                   check=True, capture_output=True, timeout=60)
-    try:
+    with upgrade_support.release_tree(commit, tmp_path / "release-0.1.0") as where:
         yield where
-    finally:
-        subprocess.run(["git", "-C", str(REPOSITORY), "worktree", "remove", "--force", str(where)], capture_output=True)
-        subprocess.run(["git", "-C", str(REPOSITORY), "worktree", "prune"], capture_output=True)
 
 
 def test_finalize_is_refused_while_a_node_runs_release_0_1_0_and_names_it(tmp_path: Path, old_tree: Path) -> None:

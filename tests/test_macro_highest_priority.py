@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import inspect
 import subprocess
 import sys
 import time
@@ -35,12 +34,13 @@ from replication.cluster_map import (
     encode_map,
     macro_policy_problem,
 )
+from tests import upgrade_support
 from tests.support import RawApi, error_code, raw_session
 from tests.test_client_integration import run_qctl
 from wire.errors import E_FEATURE_DISABLED, E_INVALID_OPTION, E_UNAVAILABLE, QueueError
 
 REPOSITORY = Path(__file__).resolve().parent.parent
-RELEASE_0_1_0 = "9d8d6bfa8c2946af74fe655d4125168a8db6cb33"
+RELEASE_0_1_0 = next(r["commit"] for r in upgrade_support.releases() if r["version"] == "0.1.0")   # knows no highest_priority
 # a on n1, b on n2: the two members' masters on different nodes.
 PLACEMENT = {"a": ["n1", "n2"], "b": ["n2", "n3"]}
 
@@ -270,13 +270,10 @@ async def _finalize(cluster: Any, client: AsyncClient) -> str | None:
 async def test_a_cluster_of_release_0_1_0_is_named_too_old_and_keeps_nothing(tmp_path: Path) -> None:
     """Three nodes of release 0.1.0 (its `git worktree`, run with this interpreter) answer this
     client's create with E_INVALID_OPTION; the client says the cluster is too old for the policy."""
-    upgrade_roll = pytest.importorskip("tests.upgrade_roll")
-    if "code" not in inspect.signature(LocalCluster).parameters:
-        pytest.skip("this checkout's LocalCluster cannot run another release's code tree")
-    why = upgrade_roll.why_no_release_tree(RELEASE_0_1_0)
+    why = upgrade_support.skip_reason(RELEASE_0_1_0)
     if why is not None:
         pytest.skip(why)
-    with upgrade_roll.release_tree(RELEASE_0_1_0, tmp_path / "tree-0.1.0") as tree:
+    with upgrade_support.release_tree(RELEASE_0_1_0, tmp_path / "tree-0.1.0") as tree:
         cluster = LocalCluster(tmp_path / "old", 3, {}, code=tree, tls=False)
         try:
             cluster.start_all()

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from qserver.dev.devcluster import REPOSITORY
-from tests.upgrade_roll import RollPlan, previous_release, release_tree, roll_upgrade, why_no_release_tree
+from tests.upgrade_roll import RollPlan, roll_upgrade
+from tests.upgrade_support import previous_release, release_tree, skip_reason
 from wire import versions
 
 ROLL_TIMEOUT_S = 240.0
@@ -27,7 +28,7 @@ WRITE_PAUSE_MAX_S = 2.0          # the failover bound (issue 34's measure); a dr
 
 RELEASE = previous_release()
 WHY_NOT = "releases.toml names no release older than this one" if RELEASE is None \
-    else why_no_release_tree(RELEASE["commit"])
+    else skip_reason(RELEASE["commit"])
 
 
 @pytest.mark.slow

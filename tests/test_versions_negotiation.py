@@ -6,21 +6,15 @@ sides report why); real nodes for /healthz `links`, the client headers and E_VER
 and a real node of release 0.1.0 (its `git worktree`, run with this environment) in one cluster
 with a node of this release: queues mastered on either serve, and this release's client says
 "0.1.0 (or older)" on what the old node lacks. That last test is skipped, with the reason, when
-the clone lacks the release commit. The worktree fixture is this file's own (a few lines; the
-upgrade test has its own in tests/upgrade_roll.py).
+the clone lacks the release commit (tests/upgrade_support.py checks the release out).
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import io
 import json
 import logging
-import shutil
-import subprocess
-import tomllib
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +30,7 @@ from qserver.dev.devcluster import REPOSITORY, LocalCluster
 from qserver.transport.peer_link import HEADER_NONCE, PEER_PATH, auth_headers, dial_handshake
 from replication import raft_codec
 from replication.messages import AppendAck, MessageError, decode_message, encode_message
+from tests import upgrade_support
 from tests.conftest import fail_on_unexpected_ends, free_port
 from tests.support import raw_session
 from tests.test_peers import SECRET, eventually, make_node, url  # noqa: F401  (make_node is a fixture)
@@ -310,36 +305,11 @@ async def test_real_nodes_negotiate_links_and_clients(qcluster_factory, monkeypa
 
 
 # --- a real node of release 0.1.0 beside one of this release ---------------------------------------
-def _previous_release() -> dict[str, Any] | None:
-    releases = tomllib.loads((REPOSITORY / "releases.toml").read_text())["release"]
-    older = [r for r in releases if versions.release_key(r["version"]) < versions.release_key(versions.RELEASE)]
-    return max(older, key=lambda r: versions.release_key(r["version"])) if older else None
-
-
-def _why_not(release: dict[str, Any] | None) -> str | None:
-    if release is None:
-        return "releases.toml names no release older than this one"
-    if shutil.which("git") is None:
-        return "git is not installed"
-    found = subprocess.run(["git", "-C", str(REPOSITORY), "cat-file", "-e", f"{release['commit']}^{{commit}}"],
-                           capture_output=True)
-    return None if found.returncode == 0 else \
-        f"this clone lacks release {release['version']}'s commit {release['commit'][:12]} (`git fetch --unshallow`)"
-
-
-PREVIOUS = _previous_release()
-WHY_NOT = _why_not(PREVIOUS)
-
-
-@contextlib.contextmanager
-def _worktree(commit: str, where: Path) -> Iterator[Path]:
-    subprocess.run(["git", "-C", str(REPOSITORY), "worktree", "add", "--detach", "--force", str(where), commit],
-                   check=True, capture_output=True)
-    try:
-        yield where
-    finally:
-        subprocess.run(["git", "-C", str(REPOSITORY), "worktree", "remove", "--force", str(where)], capture_output=True)
-        subprocess.run(["git", "-C", str(REPOSITORY), "worktree", "prune"], capture_output=True)
+# Release 0.1.0 itself, not whichever release precedes this one: these checks are of a node that
+# names no versions (0.1.0 is the last release that did not); tests/test_upgrade.py rolls from
+# the previous release, whichever it is.
+PREVIOUS = next(r for r in upgrade_support.releases() if r["version"] == "0.1.0")
+WHY_NOT = upgrade_support.skip_reason(PREVIOUS["commit"])
 
 
 async def _serve_one(master: AsyncClient, replica: AsyncClient, queue: str) -> None:
@@ -364,8 +334,7 @@ async def _serve_one(master: AsyncClient, replica: AsyncClient, queue: str) -> N
 @pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
 @pytest.mark.asyncio
 async def test_a_node_of_the_previous_release_and_one_of_this_release_share_a_cluster(tmp_path: Path) -> None:
-    assert PREVIOUS is not None
-    with _worktree(PREVIOUS["commit"], tmp_path / f"release-{PREVIOUS['version']}") as old_tree:
+    with upgrade_support.release_tree(PREVIOUS["commit"], tmp_path / f"release-{PREVIOUS['version']}") as old_tree:
         # Both nodes initialised by the old release (as in a rolling upgrade); n1 then runs this
         # one. n1 sorts lower, so this release dials the old node on both purposes (the other
         # direction, a silent dialer, is the in-process test above).

@@ -24,12 +24,10 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
-import tomllib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,11 +36,10 @@ from chaos import checker
 from chaos.history import History, read_history, tag_of
 from chaos.workload import ChannelSpec, MacroSpec, Observer, QueueSpec, Workload, history_path
 from client import AsyncClient, QueueError
-from qserver.dev.devcluster import REPOSITORY, LocalCluster
+from qserver.dev.devcluster import LocalCluster
 from replication.cluster_map import CHANNEL_PREFIX
 from wire import versions
 
-RELEASES_FILE = REPOSITORY / "releases.toml"
 OLD_CLIENT_SCRIPT = Path(__file__).resolve().parent / "upgrade_old_client.py"
 HANDOFF_TIMEOUT_S = 10.0
 MASTERS_GONE_TIMEOUT_S = 20.0
@@ -50,39 +47,6 @@ POLL_S = 0.1
 FINALIZE_TIMEOUT_S = 20.0
 POST_CHECK_TIMEOUT_S = 20.0
 OLD_CLIENT_STOP_TIMEOUT_S = 60.0
-
-
-# --- the previous release's code ------------------------------------------------------------------
-def previous_release(releases_file: Path = RELEASES_FILE) -> dict[str, Any] | None:
-    """The newest release of `releases.toml` older than this checkout's (wire/versions.py)."""
-    releases = tomllib.loads(releases_file.read_text()).get("release", [])
-    older = [r for r in releases if versions.release_key(r["version"]) < versions.release_key(versions.RELEASE)]
-    return max(older, key=lambda r: versions.release_key(r["version"]), default=None)
-
-
-def why_no_release_tree(commit: str) -> str | None:
-    """Why the previous release's tree cannot be checked out here (None: it can)."""
-    if shutil.which("git") is None:
-        return "git is not installed"
-    probe = subprocess.run(["git", "-C", str(REPOSITORY), "rev-parse", "--git-dir"], capture_output=True)
-    if probe.returncode != 0:
-        return f"{REPOSITORY} is not a git checkout"
-    found = subprocess.run(["git", "-C", str(REPOSITORY), "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True)
-    if found.returncode != 0:
-        return f"this clone lacks the release commit {commit[:12]} (a shallow clone? `git fetch --unshallow`)"
-    return None
-
-
-@contextlib.contextmanager
-def release_tree(commit: str, where: Path) -> Iterator[Path]:
-    """The release's code in a detached `git worktree` at `where`, removed afterwards."""
-    subprocess.run(["git", "-C", str(REPOSITORY), "worktree", "add", "--detach", "--force", str(where), commit],
-                   check=True, capture_output=True)
-    try:
-        yield where
-    finally:
-        subprocess.run(["git", "-C", str(REPOSITORY), "worktree", "remove", "--force", str(where)], capture_output=True)
-        subprocess.run(["git", "-C", str(REPOSITORY), "worktree", "prune"], capture_output=True)
 
 
 # --- the cluster ------------------------------------------------------------------------------
