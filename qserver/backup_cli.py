@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 from qserver.config import load_config
+from qserver.migrate_cli import fail_command
 from qserver.storage import backup as b
 
 
@@ -31,11 +31,11 @@ def add_parsers(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.config is None and args.data_dir is None:
-        return _fail(args, "E_INVALID_OPTION", f"{args.command} needs --config or --data-dir")
+        return fail_command(args, "E_INVALID_OPTION", f"{args.command} needs --config or --data-dir")
     try:
         config = load_config(args.config, data_dir=None if args.data_dir is None else str(args.data_dir))
     except (OSError, ValueError) as error:
-        return _fail(args, "E_INVALID_OPTION", str(error))
+        return fail_command(args, "E_INVALID_OPTION", str(error))
     data_dir = Path(config.data_dir)
     try:
         if args.command == "backup":
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         return _restore(args, data_dir, config.node_id if args.config is not None else None)
     except b.BackupError as error:
-        return _fail(args, error.code, error.message)
+        return fail_command(args, error.code, error.message)
 
 
 def _restore(args: argparse.Namespace, data_dir: Path, node_id: str | None) -> int:
@@ -59,7 +59,7 @@ def _restore(args: argparse.Namespace, data_dir: Path, node_id: str | None) -> i
     try:
         lock = lock_data_dir(data_dir)
     except DataDirInUse as error:
-        return _fail(args, "E_UNAVAILABLE", str(error))
+        return fail_command(args, "E_UNAVAILABLE", str(error))
     try:
         report = b.restore_backup(args.source, data_dir, node_id=node_id, force=args.force)
     except b.BackupError:
@@ -79,9 +79,3 @@ def _restore(args: argparse.Namespace, data_dir: Path, node_id: str | None) -> i
               + (f"; the old directory is now {report.moved_aside}" if report.moved_aside else ""))
     return 0
 
-
-def _fail(args: argparse.Namespace, code: str, message: str) -> int:
-    if args.json:
-        print(json.dumps({"error": {"code": code, "message": message}}))
-    print(f"qserver {args.command}: {code}: {message}", file=sys.stderr)
-    return 2

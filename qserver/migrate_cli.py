@@ -31,21 +31,21 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from qserver.node import DataDirInUse, lock_data_dir  # the node's own lock: never under a running node
     if args.config is None and args.data_dir is None:
-        return _fail(args, "E_INVALID_OPTION", "migrate needs --config or --data-dir")
+        return fail_command(args, "E_INVALID_OPTION", "migrate needs --config or --data-dir")
     try:
         config = load_config(args.config, data_dir=None if args.data_dir is None else str(args.data_dir))
     except (OSError, ValueError) as error:
-        return _fail(args, "E_INVALID_OPTION", str(error))
+        return fail_command(args, "E_INVALID_OPTION", str(error))
     data_dir = Path(config.data_dir)
     if not (data_dir / "lmdb").is_dir():
-        return _fail(args, "E_INVALID_OPTION", f"{data_dir} is not a node's data directory (no lmdb/)")
+        return fail_command(args, "E_INVALID_OPTION", f"{data_dir} is not a node's data directory (no lmdb/)")
     if not m.OLDEST_LAYOUT <= args.to <= SCHEMA_VERSION:
-        return _fail(args, "E_INVALID_OPTION", f"--to {args.to}: this release (qserver {RELEASE}) writes layouts "
+        return fail_command(args, "E_INVALID_OPTION", f"--to {args.to}: this release (qserver {RELEASE}) writes layouts "
                                                f"{m.OLDEST_LAYOUT} to {SCHEMA_VERSION}")
     try:
         lock = lock_data_dir(data_dir)
     except DataDirInUse as error:
-        return _fail(args, "E_UNAVAILABLE", str(error))
+        return fail_command(args, "E_UNAVAILABLE", str(error))
     try:
         env, dbs = m.open_environment(str(data_dir / "lmdb"), dry_run=args.dry_run)
         try:
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         finally:
             env.close()
     except m.StorageLayoutError as error:
-        return _fail(args, "E_VERSION_MISMATCH", str(error))
+        return fail_command(args, "E_VERSION_MISMATCH", str(error))
     finally:
         lock.close()
     if args.json:
@@ -67,10 +67,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fail(args: argparse.Namespace, code: str, message: str) -> int:
+def fail_command(args: argparse.Namespace, code: str, message: str) -> int:
+    """A `qserver` command's refusal: the envelope on stdout under --json, the words on stderr,
+    exit status 2 (also for qserver/backup_cli.py)."""
     if args.json:
         print(json.dumps({"error": {"code": code, "message": message}}))
-    print(f"qserver migrate: {code}: {message}", file=sys.stderr)
+    print(f"qserver {args.command}: {code}: {message}", file=sys.stderr)
     return 2
 
 
