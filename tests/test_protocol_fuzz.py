@@ -19,6 +19,7 @@ from wire.protocol import (
     INT64_MAX,
     PROTOCOL_VERSION,
     AckOp,
+    ChannelMessage,
     Closing,
     CreditOp,
     DeliveredMessage,
@@ -318,3 +319,13 @@ def test_a_malformed_server_frame_only_ever_raises_a_frame_error(rows: list[Any]
         decode_server_frame(pack([PROTOCOL_VERSION, rows]))
     except FrameError:
         pass
+
+
+@pytest.mark.parametrize("frame", [
+    [1, [[ChannelMessage.TAG, "prices", 7, 2**64 - 1, False]]],         # overflowed bytes(int): the fuzzer's find
+    [1, [[ChannelMessage.TAG, "prices", 7, 10**9, False]]],            # would have allocated a gigabyte
+    [1, [[Delivery.TAG, 1, [[5, "r", 4, 1, 10**9]]]]],                 # a delivered message's payload likewise
+], ids=["overflow", "channel-gigabyte", "delivery-gigabyte"])
+def test_a_server_frame_whose_payload_is_not_bytes_is_a_frame_error(frame: list[Any]) -> None:
+    with pytest.raises(FrameError, match="payload is bytes"):
+        decode_server_frame(msgpack.packb(frame))

@@ -595,8 +595,16 @@ def decode_client_frame(data: bytes) -> list[ClientOp | FrameError]:
 def _decode_message(row: Any) -> DeliveredMessage:
     if not isinstance(row, list) or len(row) not in (5, 6) or (len(row) == 6 and not isinstance(row[5], dict)):
         raise FrameError("a message is [id, receipt, priority, deliveries, payload, headers?]")
-    return DeliveredMessage(int(row[0]), str(row[1]), int(row[2]), int(row[3]), bytes(row[4]),
+    return DeliveredMessage(int(row[0]), str(row[1]), int(row[2]), int(row[3]), _payload(row[4]),
                             {str(k): str(v) for k, v in row[5].items()} if len(row) == 6 else None)
+
+
+def _payload(value: Any) -> bytes:
+    """A payload is msgpack bin. `bytes()` of anything else is no check: of an int it allocates
+    that many zero bytes (a frame naming 10**9 cost a gigabyte) or overflows (the fuzzer found it)."""
+    if not isinstance(value, bytes):
+        raise FrameError(f"a payload is bytes, not {type(value).__name__}")
+    return value
 
 
 def decode_server_frame(data: bytes) -> list[ServerItem]:
@@ -626,7 +634,7 @@ def _decode_server_items(rows: list[Any]) -> list[ServerItem]:
         elif tag == SubscriptionEnded.TAG:
             out.append(SubscriptionEnded(int(row[1]), str(row[2]), str(row[3])))
         elif tag == ChannelMessage.TAG:
-            out.append(ChannelMessage(str(row[1]), int(row[2]), bytes(row[3]), bool(row[4])))
+            out.append(ChannelMessage(str(row[1]), int(row[2]), _payload(row[3]), bool(row[4])))
         elif tag == ChannelEnded.TAG:
             out.append(ChannelEnded(str(row[1]), str(row[2]), str(row[3])))
         elif tag == ForwardRate.TAG:
