@@ -109,10 +109,11 @@ def test_the_gate_refuses_below_level_2_and_passes_at_it() -> None:
 def _release_0_1_0_refusal() -> str:
     """What release 0.1.0's own code says of `highest_priority` (its replication/map_entries.py
     from the repository's history, imported on its own: it imports only the standard library)."""
+    why = upgrade_support.skip_reason(RELEASE_0_1_0)
+    if why is not None:
+        pytest.skip(why)
     found = subprocess.run(["git", "-C", str(REPOSITORY), "show", f"{RELEASE_0_1_0}:replication/map_entries.py"],
-                           capture_output=True, text=True)
-    if found.returncode != 0:
-        pytest.skip(f"this clone lacks release 0.1.0's commit {RELEASE_0_1_0[:12]}: {found.stderr.strip()[:200]}")
+                           capture_output=True, text=True, check=True)
     spec = importlib.util.spec_from_loader("map_entries_0_1_0", loader=None)
     assert spec is not None
     module = importlib.util.module_from_spec(spec)
@@ -251,21 +252,6 @@ def _sync_create(cluster: Any) -> str:
     return "created"
 
 
-async def _finalize(cluster: Any, client: AsyncClient) -> str | None:
-    """Raise the cluster's feature level (H3's finalize); the reason when this checkout has none."""
-    finalize = getattr(client, "finalize_cluster", None)
-    if finalize is not None:
-        await finalize()
-        return None
-    async with raw_session() as session:
-        api = RawApi.for_credentials(session, cluster.credentials_path)
-        status, body, _ = await api.request("POST", "/v1/cluster/finalize", {})
-    if status == 404:
-        return "this checkout has no cluster finalize yet (POST /v1/cluster/finalize answers 404)"
-    assert status == 200, (status, body)
-    return None
-
-
 @pytest.mark.asyncio
 async def test_a_cluster_of_release_0_1_0_is_named_too_old_and_keeps_nothing(tmp_path: Path) -> None:
     """Three nodes of release 0.1.0 (its `git worktree`, run with this interpreter) answer this
@@ -341,9 +327,7 @@ async def test_highest_priority_across_two_masters_gated_by_the_feature_level(qc
             assert (stats["depth"], stats["in_flight"]) == (0, 0), stats
 
         # After the finalize: accepted, in the map, and the path through the macro's name.
-        reason = await _finalize(cluster, client)
-        if reason is not None:
-            pytest.skip(reason)
+        await client.finalize_cluster()
         created = await client.create_macro("hp", "round_robin", "highest_priority")
         assert created["consumer"] == "highest_priority"
         for queue in PLACEMENT:

@@ -28,7 +28,7 @@ from qserver.storage.rows import DB_NAMES, SCHEMA_VERSION, Q
 from replication.options import QueueOptions, Strength
 from replication.queue_record import QueueRecord
 from replication.queue_streams import SEQUENCE_HEADER, SEQUENCE_KEY_HEADER
-from tests.upgrade_support import previous_release, release_tree, run_qserver, skip_reason
+from tests.upgrade_support import release_tree, releases, run_qserver, skip_reason
 from wire.versions import RELEASE
 
 STREAMS: dict[str, list[Any]] = {"c-1\x1fp": [3, {3: 1, 5: 2}], "c-2\x1fother": [1, {1: 3}]}
@@ -236,14 +236,16 @@ def test_the_way_back_renumbers_to_7_and_refuses_what_7_cannot_read(tmp_path: Pa
 
 
 # --- a data directory written by release 0.1.0 itself ----------------------------------------------
-OLD = previous_release()
+# Release 0.1.0, the release of layout 7: the 7 -> 8 step is what these tests migrate (the
+# previous release, whichever it is, is tests/test_upgrade.py's).
+OLD = next((r for r in releases() if r["version"] == "0.1.0"), None)
 STREAM = {SEQUENCE_KEY_HEADER: "orders-feed"}
 
 
 @pytest.fixture(scope="module")
 def old_tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     if OLD is None:
-        pytest.skip("releases.toml names no release older than this checkout")
+        pytest.skip("releases.toml names no release 0.1.0")
     reason = skip_reason(OLD["commit"])
     if reason is not None:
         pytest.skip(reason)
