@@ -87,7 +87,9 @@ async def test_a_client_that_squats_an_alternatives_name_receives_none_of_the_re
     squatter takes nothing of `billing`."""
     cluster = qcluster_factory(3, {"billing": ["n1", "n2"], "billing-b": ["n1", "n3"], "squat": ["n1", "n2"]})
     async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as admin:
-        await admin.create_queue("billing", strength="full", fault_interval_s=1.0, visibility_timeout_s=60)
+        # A short visibility timeout: the node may read billing-a's closed socket after the
+        # invoices arrive, and what it pushed there stays leased to billing-a until it expires.
+        await admin.create_queue("billing", strength="full", fault_interval_s=1.0, visibility_timeout_s=3)
         await admin.create_queue("billing-b", strength="full")
         await admin.create_queue("squat", strength="full")
         squatter_record = await admin.register_client("squatter", [{"pattern": "squat", "privileges": ["get", "post"]}])
