@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from wire.errors import E_FEATURE_DISABLED, QueueError
 
-RELEASE = "0.2.0"
+RELEASE = "0.3.0.dev0"
 
 
 @dataclass(frozen=True, slots=True)
