@@ -33,3 +33,17 @@ ensure_java() {   # Spark 4 (qaudit) needs Java 17+; installs Debian's headless 
         && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jre-headless >> .venv/apt.log 2>&1 \
         || { cat .venv/apt.log; exit 1; }
 }
+
+ensure_debian_packages() {   # $@: "command:package" pairs; installs the packages whose command is missing
+    local missing=() pair
+    for pair in "$@"; do
+        command -v "${pair%%:*}" > /dev/null 2>&1 || missing+=("${pair#*:}")
+    done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    echo "installing ${missing[*]} from Debian's packages ..."
+    local sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq > .venv/apt.log 2>&1 \
+        && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >> .venv/apt.log 2>&1 \
+        || { cat .venv/apt.log; exit 1; }
+}
