@@ -27,6 +27,7 @@ from multidict import CIMultiDictProxy
 from yarl import URL
 
 from client.macro import cluster_too_old
+from wire.console_link import signin_link
 from wire.errors import (
     E_FORBIDDEN,
     E_INTERNAL,
@@ -146,6 +147,12 @@ class HttpClient:
                 # it those turns, or a loop that ends at once leaves the sockets open.
                 await asyncio.sleep(TLS_CLOSE_GRACE_S)
         self._session = None
+
+    def console_link(self) -> str:
+        """A one-time link that signs this client in to the node's web console, holding for a
+        minute (wire/console_link.py; docs/CONSOLE.md, "Signing in"). Minted here with the
+        client's own key: nothing is sent."""
+        return signin_link(self.url + self._path_prefix, self._signer)
 
     async def __aenter__(self) -> Self:
         return self

@@ -45,6 +45,7 @@ from client.qctl_cluster import (
     cmd_rebalance,
     cmd_status,
 )
+from client.qctl_console import add_parser as add_console_parser
 from client.qctl_definitions import add_parser as add_definitions_parser
 from client.qctl_features import (
     RECIPIENT_HELP,
@@ -376,6 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     command(client_commands, "remove", cmd_clients_remove, "remove a client").add_argument("client_id")
     add_upgrade_parser(commands, command)       # cluster versions, cluster finalize
     add_definitions_parser(commands, command)   # definitions export, definitions import
+    add_console_parser(commands, command)       # console (a sign-in link to the web console)
     return parser
 
 

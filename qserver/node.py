@@ -28,6 +28,8 @@ from qserver.api.ws_api import ClientConnection, websocket
 from qserver.assembly import build_engine
 from qserver.cluster.membership import RaftMembership, raft_limits, tick_ms
 from qserver.config import NodeConfig
+from qserver.console.app import install as install_console
+from qserver.console.frame import Console
 from qserver.core import commands as c
 from qserver.core.failstop import loop_exception_handler, stop_process
 from qserver.features.channels import api as channel_api
@@ -89,11 +91,16 @@ class Node:
         if len(config.cluster_nodes) >= 2:
             secret = (Path(config.data_dir) / "cluster.secret").read_text().strip().encode()
             self.auth.cluster_secret = secret      # nodes call members in a client's name (macro queues)
+        else:
+            # A node alone still calls itself in a client's name (its console, a definitions
+            # import): with a secret of this process, which no other process holds.
+            self.auth.cluster_secret = os.urandom(32)
         # The features reach the node through its services only (qserver/services.py).
         self.services = NodeServices(self.engine, self.storage, config, cluster_secret=secret,
                                      auth_enabled=self.auth.enabled,
                                      pass_on=lambda request, target: pass_on_to(request, self, target))
         self.macros = MacroService(self.services)
+        self.console: Console | None = None      # the web console, made with the application
         self.channels = ChannelHub(self.services)
         self.surveillance = RecipientWatch(self.services, self.macros)
         self.forward_root = ForwardRoot(self.services)
@@ -271,6 +278,8 @@ class Node:
         if closing:
             await asyncio.wait(closing, timeout=CONNECTIONS_CLOSE_S)
         await self.macros.close()
+        if self.console is not None:
+            await self.console.close()
         await self.channels.stop()
         await self.surveillance.stop()
         await self.forwarders.stop()
@@ -482,6 +491,7 @@ class Node:
         recipient_api.add_routes(app)
         forward_api.add_routes(app, self.forwarders)
         app.router.add_get("/v1/ws", websocket)
+        self.console = install_console(app, self)
         if self.peers is not None:
             app.router.add_get(PEER_PATH, self.peers.handle)
         return app

@@ -33,6 +33,10 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     # insides, the pairs, the coordinator or the storage.
     "qserver.features": ("qserver.services", "qserver.core.commands", "qserver.api.auth", "qserver.api.http_common",
                          "replication", "wire", "client", *SERVER_LEAVES),
+    # The console acts as its signed-in client, through the client library (delegated calls),
+    # and reads the node's own state only through the services door.
+    "qserver.console": ("qserver.services", "qserver.core.grants", "qserver.api.auth", "qserver.features.macro.service",
+                        "replication", "wire", "client", *SERVER_LEAVES),
     "qserver.services": ("qserver.core", "qserver.cluster", "qserver.storage", "qserver.api.auth", "replication",
                          "wire", *SERVER_LEAVES),
     "qserver.config": ("replication", "wire"),

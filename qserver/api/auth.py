@@ -41,6 +41,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from qserver.core.grants import CLUSTER_CLIENT, grants_allow
+from wire.console_link import LINK_VALID_MS, signin_message
 from wire.errors import (
     E_BAD_REQUEST,
     E_FORBIDDEN,
@@ -306,6 +307,38 @@ class Authenticator:
             raise QueueError(E_UNAUTHENTICATED, f"client {client_id} is not registered at this node (removed?)")
         self._remember_nonce("passed-on:" + from_id, nonce, timestamp_ms, now_ms, NONCES_PER_PASSING_NODE_MAX)
         return Principal(client_id, record["grants"], passed_on_by=from_id)
+
+    def take_signin_link(self, client_id: str, audience: str, stamp: str, nonce: str, signature: str) -> Principal:
+        """The principal of a console sign-in link (wire/console_link.py): signed by the client's
+        own key for this node's `audience`, within LINK_VALID_MS of its timestamp, and taken once
+        (its nonce is remembered like a request's). E_UNAUTHENTICATED, E_STALE_REQUEST or
+        E_REPLAYED_REQUEST otherwise."""
+        if not (client_id and stamp and nonce and signature) or len(client_id) > CLIENT_ID_CHARS_MAX \
+                or not (stamp.isascii() and stamp.isdigit()) or len(stamp) > TIMESTAMP_DIGITS_MAX \
+                or len(nonce) > NONCE_CHARS_MAX or len(signature) > SIGNATURE_CHARS_MAX:
+            raise QueueError(E_UNAUTHENTICATED, "not a sign-in link: `qctl console` prints one")
+        timestamp_ms, now_ms = int(stamp), int(time.time() * 1000)
+        if not -self._skew_max_ms <= now_ms - timestamp_ms <= LINK_VALID_MS:
+            raise QueueError(E_STALE_REQUEST, "the sign-in link has expired (a link holds for a minute): "
+                                              "run `qctl console` again")
+        if timestamp_ms < self.not_before_ms:
+            raise QueueError(E_STALE_REQUEST, "the sign-in link was minted before this node restarted: "
+                                              "run `qctl console` again")
+        if audience_of(audience) not in self.audiences:
+            raise QueueError(E_UNAUTHENTICATED, f"the sign-in link names {audience[:100]!r}, not this node "
+                                                f"({self.node_id})")
+        record = self._clients.get(client_id) if client_id != CLUSTER_CLIENT else None
+        if record is None or not signature.startswith(SIGNATURE_PREFIX) or not verify(
+                self._public_key(client_id, record), signature[len(SIGNATURE_PREFIX):],
+                signin_message(client_id, audience, timestamp_ms, nonce)):
+            raise QueueError(E_UNAUTHENTICATED, "unknown client or bad signature")
+        self._remember_nonce("signin:" + client_id, nonce, timestamp_ms, now_ms, NONCES_PER_CLIENT_MAX)
+        return Principal(client_id, record["grants"])
+
+    def grants_of(self, client_id: str) -> list[dict[str, Any]] | None:
+        """A registered client's grants as this node knows them now (None: not registered)."""
+        record = self._clients.get(client_id)
+        return None if record is None else record["grants"]
 
     def _public_key(self, client_id: str, record: dict[str, Any]) -> Ed25519PublicKey:
         cached = self._keys.get(client_id)

@@ -45,14 +45,15 @@ async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamR
     node = request.app[NODE]
     try:
         check_client_versions(request)      # a client sharing no protocol version: E_VERSION_MISMATCH
-        if request.path not in UNSIGNED_PATHS:
+        if node.auth.node_id != node.config.node_id:     # the addresses signatures (and sign-in links) name
+            node.auth.bind(node.config.node_id, own_addresses(node.config))
+        # The console (qserver/console/) signs its visitors in with a cookie of its own.
+        if request.path not in UNSIGNED_PATHS and not is_console_path(request.path):
             length = request.content_length
             if length is not None and length > node.config.body_bytes_max:
                 raise QueueError(e.E_PAYLOAD_TOO_LARGE, f"body over {node.config.body_bytes_max} bytes")
             body = await request.read()
             raw_path = request.raw_path.split("?", 1)[0]
-            if node.auth.node_id != node.config.node_id:
-                node.auth.bind(node.config.node_id, own_addresses(node.config))
             who = node.auth.authenticate(request.method, raw_path, request.rel_url.query.items(), request.headers,
                                          body, secure=request.secure)
             request["principal"] = who
@@ -83,6 +84,10 @@ async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamR
     except Exception:
         log.exception("unexpected error on %s %s", request.method, request.path)
         return error_response(QueueError(e.E_INTERNAL))
+
+
+def is_console_path(path: str) -> bool:
+    return path == "/console" or path.startswith("/console/")
 
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]", "0.0.0.0", "::", ""})
