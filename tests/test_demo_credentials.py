@@ -156,14 +156,25 @@ def test_the_demo_keeps_its_credential_with_its_cluster_and_takes_back_the_copy_
     assert load_credentials(copy) == load_credentials(root / "admin-credentials.json")
     assert demo.qctl_command()[1:] == []          # qctl finds the copy without flags
     assert demo.qctl("status").returncode == 0
+    # The console's address and how to sign in, among the first lines; the link qctl prints signs in.
+    n1 = node_url(base, 1)
+    assert any(line.startswith(f"web console: {n1}/console/ ") and line.endswith(
+        f"sign in with `{shlex.join(demo.qctl_command())} console`, which prints a one-time link")
+        for line in demo.first_lines[:5]), demo.first_lines[:5]
+    console = demo.qctl("--json", "console", "--no-open")
+    assert console.returncode == 0, console.stderr
+    link = json.loads(console.stdout)["url"]
+    assert link.startswith(n1 + "/console/signin?")
     handoff = demo.qctl("handoff", "orders")      # the README's first command, with --no-demo too
     assert handoff.returncode == 0, handoff.stderr
-    n1 = node_url(base, 1)
     refused = subprocess.run([*demo.qctl_command(), "--credentials", str(tmp_path / "other.json"), "--url", n1,
                               "status"], cwd=workdir, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 1 and refused.stderr.startswith("error: E_UNAUTHENTICATED: unknown client")
     assert f"the cluster at {n1} does not know the credentials file {tmp_path / 'other.json'}" in refused.stderr
     assert "/elsewhere/n1" in refused.stderr and "qserver admin-credential" in refused.stderr
+    signed_in = urllib.request.build_opener(urllib.request.HTTPCookieProcessor())
+    with signed_in.open(link, timeout=10) as answer:      # follows the redirect with the session cookie
+        assert "signed in as <b>admin</b>" in answer.read().decode(), answer.url
     with urllib.request.urlopen(n1 + "/healthz", timeout=5) as answer:
         leader = json.loads(answer.read())["membership"]["leader"]
     stopped = demo.stop()

@@ -11,6 +11,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from client import AsyncClient, QueueError
@@ -51,6 +52,21 @@ async def test_a_tls_cluster_replicates_and_serves_its_clients_over_tls(tls_clus
     assert await asyncio.to_thread(qctl, ["--credentials", str(tls_cluster.credentials_path), "--json", "status"],
                                    stdout=out) == 0
     assert json.loads(out.text)["queues"]["orders"]["in_sync"]
+
+
+async def test_the_console_signs_in_over_tls_with_a_secure_cookie(tls_cluster: Any) -> None:
+    """docs/CONSOLE.md, "Signing in": under TLS the session cookie is Secure as well."""
+    credentials = load_credentials(tls_cluster.credentials_path)
+    url = tls_cluster.urls["n2"]
+    link = HttpClient(url, credentials.signer()).console_link()
+    connector = aiohttp.TCPConnector(ssl=tls_cluster.ssl_context)
+    async with aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.CookieJar(unsafe=True)) as browser:
+        async with browser.get(link, allow_redirects=False) as answer:
+            assert answer.status == 303, await answer.text()
+            cookie = answer.headers["Set-Cookie"]
+            assert "Secure" in cookie and "HttpOnly" in cookie and "SameSite=Strict" in cookie, cookie
+        async with browser.get(url + "/console/cluster") as answer:
+            assert answer.status == 200 and "signed in as <b>admin</b>" in await answer.text()
 
 
 async def test_a_plaintext_connection_to_a_tls_node_is_refused(tls_cluster: Any) -> None:

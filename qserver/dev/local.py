@@ -484,6 +484,9 @@ def _print_first_lines(cluster: LocalCluster, access: CredentialAccess, no_demo:
     for node in cluster.ids:
         print(f"node {node} up at {cluster.urls[node]} (pid {cluster.processes[node].pid}, "
               f"log: {cluster.root / (node + '.log')})")
+    first = cluster.ids[0]
+    print(f"web console: {cluster.urls[first]}/console/ (every node serves one; docs/CONSOLE.md): sign in with "
+          f"`{access.qctl} console`, which prints a one-time link")
     print(f"admin credential of this cluster: {shown(access.own_path)} (kept with it; another: "
           f"{executable('qserver')} admin-credential --config {shown(cluster.root / 'n1.toml')} --out FILE)")
     for note in access.notes:
