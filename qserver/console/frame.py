@@ -28,6 +28,7 @@ from client.aio import AsyncClient
 from qserver.console.sessions import SESSION_IDLE_MS, Session, Sessions
 from qserver.core.grants import grants_allow
 from qserver.features.macro.service import DelegatedCredentials
+from qserver.metrics import render_family
 from wire import errors as e
 from wire import versions
 from wire.console_link import SIGNIN_PATH
@@ -89,6 +90,13 @@ class Console:
                 asyncio.get_running_loop().create_task(oldest.close())
         self._clients.move_to_end(session.client_id)
         return client
+
+    def render_metrics(self) -> list[str]:
+        return (render_family("qserver_console_sessions", "gauge", "console sessions open at this node",
+                              [({}, len(self.sessions))])
+                + render_family("qserver_console_signins_total", "counter",
+                                "console sign-in links taken (ok) or refused (by error code)",
+                                [({"outcome": outcome}, count) for outcome, count in sorted(self.signins.items())]))
 
     async def close(self) -> None:
         clients, self._clients = list(self._clients.values()), collections.OrderedDict()
