@@ -54,6 +54,13 @@ class AdminCalls:
         `after`: the previous page's `next`)."""
         return await self.http.queue_page(limit, after)
 
+    async def queue_page_around(self, limit: int = 1000, after: str | None = None, *, before: str | None = None,
+                                match: str = "") -> dict[str, Any]:
+        """One page of the queues whose name contains `match`: the first `limit` after `after`,
+        or the last before `before`; `{"queues", "next", "previous"}` (docs/PROTOCOL.md,
+        "Listings"). E_VERSION_MISMATCH from a node of 0.2.0 or older."""
+        return await self.http.queue_page_around(limit, after, before=before, match=match)
+
     async def create_macro(self, name: str, producer: str = "round_robin", consumer: str = "prioritized",
                            fastest_by: str = "response_time") -> dict[str, Any]:
         """Define a macro queue (admin; client/macro.py says what the policies do); add its
@@ -104,6 +111,16 @@ class AdminCalls:
 
     async def cluster(self) -> dict[str, Any]:
         return await self.http.cluster()
+
+    async def events(self, after: int = 0, limit: int = 100, wait_s: float = 0.0) -> dict[str, Any]:
+        """The cluster events of the node this client was given (handoffs, failovers, recipients'
+        states, nodes down and up, the membership leader, queues created and deleted) after
+        sequence number `after`, those this client's grants let it see, at most `limit` (<=
+        1000), waiting up to `wait_s` (<= 20) for one: `{"events": [{"seq", "at_ms", "kind",
+        "text", "queue"?, "node"?, ...}], "next_after", "node", "started_ms", "first_seq"}`.
+        Pass `next_after` as the next call's `after`. A node of a release without the feed
+        answers E_NOT_FOUND saying so."""
+        return await self.http.events(after, limit, wait_s)
 
     async def handoff(self, queue: str, initiator: str = "master") -> dict[str, Any]:
         return await self.http.handoff(queue, initiator)

@@ -26,14 +26,16 @@ import os
 import random
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Self, TypeVar
+from typing import Any, Self, TypeVar, overload
 
+from client import browse
 from client.admin import AdminCalls
 from client.batching import batch_bounds
 from client.channels import ChannelDelivery, ChannelInbox, channel_queue
 from client.connection import RETRIED_CODES, Headers, NodeConnection, item_error
 from client.consumer import Consumer, Message
 from client.credentials import Credentials, load_credentials
+from client.http import HttpClient
 from client.macro import MacroConsumer, MacroQueue
 from client.router import Router, retried_once
 from wire.errors import (
@@ -47,12 +49,15 @@ from wire.errors import (
 from wire.message_input import DELAY_MS_MAX, TTL_MS_MAX, VISIBILITY_MAX_S
 from wire.protocol import (
     AdvertiseOp,
+    ClientOp,
     EnqueueBatchOp,
     ForwardDataOp,
     ForwardSessionOp,
     FrameError,
+    PeekOp,
     PingOp,
     PublishOp,
+    ReadOp,
     ReceiveOp,
     ReportOp,
     messages_from_result,
@@ -194,6 +199,12 @@ class AsyncClient(AdminCalls):
         """Read the cluster map again (all of it, or `queue`'s entry): where each queue's master
         is. Concurrent callers share one reading (client/router.py, `Router.refresh_placement`)."""
         await self._router.refresh_placement(queue)
+
+    def node_http(self, url: str) -> HttpClient:
+        """The REST client of the cluster's node at `url`, on this client's credentials and its
+        connection to that node (opened on first use): a call addressed to one node in
+        particular, such as a listing of what that node masters."""
+        return self._router.route_to(url.rstrip("/")).http
 
     def _learn_macros(self, definitions: Mapping[str, Any], only: tuple[str, ...] | None = None) -> None:
         for name in [name for name in (only or self._macros) if name in self._macros and name not in definitions]:
@@ -441,8 +452,17 @@ class AsyncClient(AdminCalls):
         """Subscribed channels with unread messages."""
         return self._inbox.poll()
 
-    def read(self, channel: str) -> ChannelDelivery | None:
-        """The next unread message of a channel (under `latest`, its newest value), or None."""
+    @overload
+    def read(self, channel: str) -> ChannelDelivery | None: ...
+    @overload
+    def read(self, channel: str, message_id: int) -> Awaitable[dict[str, Any]]: ...
+
+    def read(self, channel: str, message_id: int | None = None) -> ChannelDelivery | None | Awaitable[dict[str, Any]]:
+        """`read(channel)`: the next unread message of a channel (under `latest`, its newest
+        value), or None. `await read(queue, message_id)`: one message of a queue by id, browsed
+        without taking it (`read_message`)."""
+        if message_id is not None:
+            return self.read_message(channel, message_id)
         return self._inbox.read(channel)
 
     async def next_channel_message(self) -> ChannelDelivery:
@@ -545,6 +565,42 @@ class AsyncClient(AdminCalls):
     def forget_forward(self, queue: str, forward: str) -> None:
         self._router.forward_rates.pop((queue, forward), None)
         self._forward_nodes.pop((queue, forward), None)
+
+    # --- browsing without taking (docs/PROTOCOL.md, "Browsing messages (peek)"; client/browse.py) ---
+    async def peek(self, queue: str, after: int = 0, limit: int = 100, preview: bool = False) -> dict[str, Any]:
+        """A page of `queue`'s messages in delivery order, leasing nothing and counting no
+        delivery: {"messages": [{"id", "priority", "state", "deliveries", "enqueued_at_ms",
+        "headers", "size", "payload" (bytes), "truncated"}], "next_after" (the next page's
+        `after`; None at the end), "served_by": {"node", "role"}}. `limit` 1..1000; `preview`:
+        only each payload's first KiB."""
+        page = await self._until_deadline(
+            lambda: self._browse(queue, lambda request_id: PeekOp(request_id, queue, after, limit, preview)))
+        return browse.page_from(page)
+
+    async def read_message(self, queue: str, message_id: int) -> dict[str, Any]:
+        """One message of `queue` by id, as `peek` lists it (in full) with "served_by";
+        E_UNKNOWN_MESSAGE when the queue does not hold it. Leases nothing."""
+        found = await self._until_deadline(
+            lambda: self._browse(queue, lambda request_id: ReadOp(request_id, queue, message_id)))
+        return browse.read_from(found)
+
+    async def _browse(self, queue: str, make: Callable[[int], ClientOp]) -> Any:
+        target = self._router.route(queue)
+        if target is not self._home:
+            return await self._router.via(queue, target, lambda node: self._browse_at(node, queue, make))
+        return await self._browse_at(target, queue, make)
+
+    async def _browse_at(self, node: NodeConnection, queue: str, make: Callable[[int], ClientOp]) -> Any:
+        try:
+            return await node.call(make(node.next_id()))
+        except QueueError as error:
+            too_old = browse.node_too_old(error, f"the node at {node.url}")
+            if too_old is not None:
+                raise too_old from None
+            master = await self._router.rerouted(queue, error, failed=node)
+            if master is None:
+                raise
+            return await retried_once(error, self._browse_at(master, queue, make))
 
     async def ping(self) -> None:
         """One round trip over the WebSocket (connecting first if needed)."""

@@ -26,6 +26,7 @@ import aiohttp
 from multidict import CIMultiDictProxy
 from yarl import URL
 
+from client import browse
 from client.macro import cluster_too_old
 from wire.console_link import signin_link
 from wire.errors import (
@@ -36,6 +37,7 @@ from wire.errors import (
     E_TIMEOUT,
     E_UNAUTHENTICATED,
     E_UNAVAILABLE,
+    E_VERSION_MISMATCH,
     QueueError,
 )
 from wire.http_session import signed_session
@@ -258,6 +260,21 @@ class HttpClient:
         as `after` for the page that follows."""
         return dict(await self._json("GET", "/v1/queues", query=_page_query(limit, after)))
 
+    async def queue_page_around(self, limit: int = PAGE_SIZE_MAX, after: str | None = None, *,
+                                before: str | None = None, match: str = "") -> dict[str, Any]:
+        """One page of GET /v1/queues with a filter and both cursors: the queues whose name
+        contains `match`, the first `limit` after `after` (or the last before `before`);
+        `{"queues", "next", "previous"}` (`previous`: pass it as `before` for the page before).
+        A node of release 0.2.0 or older ignores these and answers no `previous`: E_VERSION_MISMATCH
+        says the node is too old rather than showing an unfiltered page."""
+        query = _page_query(limit, after) + [("previous", "1")] + ([("before", before)] if before else []) \
+            + ([("match", match)] if match else [])
+        answer = dict(await self._json("GET", "/v1/queues", query=query))
+        if "previous" not in answer:
+            raise QueueError(E_VERSION_MISMATCH, f"the node at {self.url} (release {self.server_release or 'unknown'}) "
+                                                  "is too old to filter queues or page backwards (release 0.3.0 can)")
+        return answer
+
     async def _every_page(self, path: str, key: str, page_size: int) -> list[dict[str, Any]]:
         """A listing's items, page after page (`limit`, `after` = the previous page's `next`).
         A node from before paging answers one page holding everything, without `next`."""
@@ -462,6 +479,25 @@ class HttpClient:
                                     wait_s=wait_s)
         return None if answer.status == 204 else dict(answer.json())
 
+    async def peek(self, queue: str, after: int = 0, limit: int = 100, preview: bool = False) -> dict[str, Any]:
+        """GET /v1/queues/{q}/messages: a page of the queue's messages in delivery order, taking
+        none (client/browse.py says the shape; payloads as bytes)."""
+        query = [("after", str(after)), ("limit", str(limit))] + ([("preview", "1")] if preview else [])
+        return browse.page_from(await self._browsing(queue_path(queue, "messages"), query))
+
+    async def read_message(self, queue: str, message_id: int) -> dict[str, Any]:
+        """GET /v1/queues/{q}/messages/{id}: one message by id, without taking it."""
+        return browse.read_from(await self._browsing(queue_path(queue, "messages", message_id), []))
+
+    async def _browsing(self, path: str, query: list[tuple[str, str]]) -> Any:
+        try:
+            return await self._json("GET", path, query=query)
+        except QueueError as error:
+            too_old = browse.node_too_old(error, f"the node at {self.url}")
+            if too_old is not None:
+                raise too_old from None
+            raise
+
     async def reply(self, queue: str, message_id: int, receipt: str, body: bytes) -> None:
         await self.request("POST", queue_path(queue, "messages", message_id, "reply"),
                            query=[("receipt", receipt)], body=body, idempotent=False,
@@ -509,6 +545,12 @@ class HttpClient:
         """GET /v1/cluster?summary=1: the nodes (each with the queues it masters and
         replicates), the map's counts and the first out-of-sync queues, not every entry."""
         return dict(await self._json("GET", "/v1/cluster", query=[("summary", "1")]))
+
+    async def events(self, after: int = 0, limit: int = 100, wait_s: float = 0.0) -> dict[str, Any]:
+        """GET /v1/events: this node's cluster events after `after` that this client may see,
+        waiting up to `wait_s` (<= 20) for one (docs/PROTOCOL.md, "Events")."""
+        query = [("after", str(after)), ("limit", str(limit)), ("wait_s", query_number(wait_s))]
+        return dict(await self._json("GET", "/v1/events", query=query, wait_s=wait_s))
 
     # --- cluster operations (docs/PROTOCOL.md, REST) -------------------------------------------------------
     async def handoff(self, queue: str, initiator: str = "master") -> dict[str, Any]:

@@ -47,6 +47,7 @@ from client.qctl_cluster import (
 )
 from client.qctl_console import add_parser as add_console_parser
 from client.qctl_definitions import add_parser as add_definitions_parser
+from client.qctl_events import add_parser as add_events_parser
 from client.qctl_features import (
     RECIPIENT_HELP,
     RECIPIENT_SETUP,
@@ -72,6 +73,7 @@ from client.qctl_features import (
     cmd_recipient_list,
     cmd_recipient_remove,
 )
+from client.qctl_peek import add_parser as add_peek_parser
 from client.qctl_queues import (
     cmd_ack,
     cmd_extend,
@@ -221,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--forward-mode", choices=("adaptive", "static"),
                         help="rates by the forwarders' fill levels (adaptive, the default) or R/n (static)")
     create.add_argument("--forward-bands", type=int, help="the fill-level bands a weight counts (10)")
-    command(queue_commands, "list", cmd_queue_list, "every queue with its statistics")
+    command(queue_commands, "list", cmd_queue_list, "every queue with its statistics").add_argument(
+        "--match", default="", help="only the queues whose name contains this (filtered on the node; 0.3.0 nodes)")
     command(queue_commands, "stats", cmd_queue_stats, "one queue's statistics").add_argument("name")
     command(queue_commands, "delete", cmd_queue_delete, "delete a queue and its messages").add_argument("name")
     command(queue_commands, "purge", cmd_queue_purge,
@@ -378,6 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_upgrade_parser(commands, command)       # cluster versions, cluster finalize
     add_definitions_parser(commands, command)   # definitions export, definitions import
     add_console_parser(commands, command)       # console (a sign-in link to the web console)
+    add_peek_parser(commands, command)          # peek (browse a queue's messages without taking them)
+    add_events_parser(commands, command)        # events (the cluster event feed)
     return parser
 
 

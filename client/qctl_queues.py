@@ -43,6 +43,17 @@ def created_summary(description: dict[str, Any]) -> dict[str, Any]:
 
 
 async def cmd_queue_list(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    match = getattr(args, "match", "")
+    if match:           # filtered on the node, page after page (docs/PROTOCOL.md, "Listings")
+        queues: list[dict[str, Any]] = []
+        after: str | None = None
+        while True:
+            page = await http.queue_page_around(1000, after, match=match)
+            queues += page.get("queues", [])
+            after = page.get("next")
+            if not after:
+                break
+        return Outcome({"queues": queues}, queue_table(queues) if queues else f"no queue name contains {match!r}")
     queues = await http.list_queues()
     return Outcome({"queues": queues}, queue_table(queues) if queues else "no queues")
 

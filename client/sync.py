@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Coroutine, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Self, TypeVar
+from typing import Any, Self, TypeVar, overload
 
 from client.aio import AsyncClient, CredentialsArg
 from client.channels import ChannelDelivery
@@ -233,6 +233,11 @@ class Client:
     def queue_page(self, limit: int = 1000, after: str | None = None) -> dict[str, Any]:
         return self._run(self._async.queue_page(limit, after))
 
+    def queue_page_around(self, limit: int = 1000, after: str | None = None, *, before: str | None = None,
+                          match: str = "") -> dict[str, Any]:
+        """See AsyncClient.queue_page_around."""
+        return self._run(self._async.queue_page_around(limit, after, before=before, match=match))
+
     def create_macro(self, name: str, producer: str = "round_robin", consumer: str = "prioritized",
                      fastest_by: str = "response_time") -> dict[str, Any]:
         return self._run(self._async.create_macro(name, producer, consumer, fastest_by))
@@ -301,11 +306,29 @@ class Client:
             return self._async.poll()
         return self._run(poll())
 
-    def read(self, channel: str) -> ChannelDelivery | None:
-        """The next unread message of a channel (its `ack()` is a coroutine: use `ack_channel`)."""
+    @overload
+    def read(self, channel: str) -> ChannelDelivery | None: ...
+    @overload
+    def read(self, channel: str, message_id: int) -> dict[str, Any]: ...
+
+    def read(self, channel: str, message_id: int | None = None) -> ChannelDelivery | None | dict[str, Any]:
+        """`read(channel)`: the next unread message of a channel (its `ack()` is a coroutine: use
+        `ack_channel`). `read(queue, message_id)`: one message of a queue by id, browsed without
+        taking it (`read_message`)."""
+        if message_id is not None:
+            return self.read_message(channel, message_id)
+
         async def read() -> ChannelDelivery | None:
             return self._async.read(channel)
         return self._run(read())
+
+    def peek(self, queue: str, after: int = 0, limit: int = 100, preview: bool = False) -> dict[str, Any]:
+        """A page of `queue`'s messages in delivery order, taking none (AsyncClient.peek)."""
+        return self._run(self._async.peek(queue, after, limit, preview))
+
+    def read_message(self, queue: str, message_id: int) -> dict[str, Any]:
+        """One message of `queue` by id, without taking it (AsyncClient.read_message)."""
+        return self._run(self._async.read_message(queue, message_id))
 
     def next_channel_message(self, timeout_s: float | None = None) -> ChannelDelivery | None:
         """The first unread message across the subscribed channels; None after `timeout_s`."""
@@ -369,6 +392,10 @@ class Client:
 
     def cluster(self) -> dict[str, Any]:
         return self._run(self._async.cluster())
+
+    def events(self, after: int = 0, limit: int = 100, wait_s: float = 0.0) -> dict[str, Any]:
+        """See AsyncClient.events."""
+        return self._run(self._async.events(after, limit, wait_s))
 
     def handoff(self, queue: str, initiator: str = "master") -> dict[str, Any]:
         return self._run(self._async.handoff(queue, initiator))

@@ -26,6 +26,7 @@ from qserver.api.http_common import pass_on_to
 from qserver.api.queue_routes import REDRIVE
 from qserver.api.ws_api import ClientConnection, websocket
 from qserver.assembly import build_engine
+from qserver.cluster.events import EventFeed
 from qserver.cluster.membership import RaftMembership, raft_limits, tick_ms
 from qserver.config import NodeConfig
 from qserver.console.app import install as install_console
@@ -80,7 +81,10 @@ class Node:
                                map_size_max_bytes=config.map_size_max_bytes, disk_reserve_bytes=config.disk_reserve_bytes,
                                journal_enabled=config.journal_enabled, payload_hold_bytes=config.payload_hold_bytes)
         self.membership, self.membership_peers = self._membership()
-        self.engine = build_engine(config, self.storage, membership=self.membership, on_fatal=on_fatal)
+        # The cluster event feed (qserver/cluster/events.py): told of every map command applied here.
+        self.events = EventFeed(config.node_id, membership=self.membership)
+        self.engine = build_engine(config, self.storage, membership=self.membership, on_fatal=on_fatal,
+                                   events=self.events)
         self.peers = self._peer_transport()
         for transport in (self.peers, self.membership_peers):
             if transport is not None and self.membership is not None:
@@ -248,6 +252,8 @@ class Node:
     async def start(self) -> None:
         if self.membership is not None:
             self.membership.start()
+        # Before anything is applied: the map commands of the log replayed now are not news.
+        self.events.start()
         await self.engine.start()
         if self.journal is not None:
             self._journal_task = asyncio.get_running_loop().create_task(self._export_journal_when_due())
@@ -268,6 +274,7 @@ class Node:
         for task in (self._journal_task, self._loop_lag_task):
             if task is not None:
                 task.cancel()
+        await self.events.stop()
         COLLECTOR_PAUSES.uninstall()
         if self._export_pool is not None:
             self._export_pool.shutdown(wait=False, cancel_futures=True)
@@ -354,10 +361,16 @@ class Node:
         engine = self.engine
         per_queue: dict[str, list[tuple[dict[str, str], float]]] = {
             "depth": [], "in_flight": [], "delayed": [], "enqueued": [], "acked": [], "dead_lettered": [], "purged": [],
-            "expired": [], "redelivered": [], "overflows": []}
+            "expired": [], "redelivered": [], "overflows": [], "oldest": [], "consumers": []}
+        roles = self._queue_roles()
+        oldest = engine.registry.oldest_ages_s(list(engine.cores.values()))
         for name, core in sorted(engine.cores.items()):
-            labels = {"queue": name}
+            # Every per-queue series says which member this node is (docs/OPERATIONS.md,
+            # "Monitoring"): sum(...{role="master"}) counts each queue once.
+            labels = {"queue": name, "role": roles[name]}
             record = core.record
+            per_queue["oldest"].append((labels, oldest[name]))
+            per_queue["consumers"].append((labels, engine.registry.consumers(name)))
             per_queue["depth"].append((labels, core.depth))
             per_queue["in_flight"].append((labels, core.in_flight))
             per_queue["delayed"].append((labels, record.delayed_count))
@@ -379,6 +392,13 @@ class Node:
         lines += render_family("qserver_queue_overflows_total", "counter",
                                "enqueues refused at max_depth (E_QUEUE_FULL), decided here since the node started",
                                per_queue["overflows"])
+        lines += render_family("qserver_queue_oldest_message_age_seconds", "gauge",
+                               "seconds since the oldest message still held here (ready, leased or delayed) was "
+                               "enqueued, 0 when none (a dead-letter queue's: since it was dead-lettered)",
+                               per_queue["oldest"])
+        lines += render_family("qserver_queue_consumers", "gauge",
+                               "push subscriptions open on the queue at this node (WebSocket subscribe, recipients "
+                               "included; waiting receives and channel subscribers not)", per_queue["consumers"])
         lines += engine.commit_seconds.render()
         lines += self.loop_lag.render()
         lines += COLLECTOR_PAUSES.render()
@@ -399,8 +419,22 @@ class Node:
         lines += self.forward_root.render_metrics()
         lines += self.forwarders.render_metrics()
         lines += self._replication_metrics()
+        lines += self.events.render_metrics()
         if self.membership is not None:
             lines += self.membership.render_metrics()
+        coordinator = engine.coordinator
+        if coordinator is not None:
+            # A node without its lease acknowledges nothing and its masters fail over
+            # (docs/ARCHITECTURE.md, "Membership"); loop lag near lease_ms is the usual cause.
+            lines += render_family("qserver_node_lease_valid", "gauge",
+                                   "1 while this node holds its lease from the membership leader",
+                                   [({}, 1.0 if coordinator.lease_valid() else 0.0)])
+            lines += render_family("qserver_node_lease_lapses_total", "counter",
+                                   "times this node's lease ran out and was granted again",
+                                   [({}, coordinator.lease_lapses)])
+            lines += render_family("qserver_failovers_proposed_total", "counter",
+                                   "failovers this node proposed while it led the membership layer",
+                                   [({}, coordinator.failovers)])
         return "\n".join(lines) + "\n"
 
     def _storage_space_metrics(self) -> list[str]:
@@ -417,16 +451,36 @@ class Node:
                                      "batches that could not be stored (their commands failed, their queues were "
                                      "rebuilt from storage)", [({}, engine.batches_abandoned)])
 
+    def _queue_roles(self) -> dict[str, str]:
+        """Each queue instance's role here: "master", "replica", or "none" for an instance the
+        map gives this node no role for yet (or any more). A node outside a cluster masters all."""
+        pairs = self.engine.pairs
+        if not pairs.clustered:
+            return {name: "master" for name in self.engine.cores}
+        return {name: "master" if name in pairs.masters else "replica" if name in pairs.replicas else "none"
+                for name in self.engine.cores}
+
     def _replication_metrics(self) -> list[str]:
         pairs = self.engine.pairs
-        lag = [({"queue": name}, role.last_order - role.replica_durable) for name, role in sorted(pairs.masters.items())]
-        in_sync = [({"queue": name}, 1.0 if role.recorded_in_sync else 0.0) for name, role in sorted(pairs.masters.items())]
+        master = {"role": "master"}
+        # The master's view (what it sent that the replica does not hold durably), and the
+        # replica's own (what its master reported committed that it does not hold durably: it
+        # grows while the replica is out of sync or catching up, and is still there to read
+        # when its master is gone).
+        lag = [({"queue": name, **master}, role.last_order - role.replica_durable)
+               for name, role in sorted(pairs.masters.items())]
+        lag += [({"queue": name, "role": "replica"}, max(0, role.master_commit_order - role.durable_order))
+                for name, role in sorted(pairs.replicas.items())]
+        in_sync = [({"queue": name, **master}, 1.0 if role.recorded_in_sync else 0.0)
+                   for name, role in sorted(pairs.masters.items())]
         lines = render_family("qserver_replica_lag_operations", "gauge",
-                              "replicated operations the replica does not hold durably yet", lag)
-        lines += render_family("qserver_replica_in_sync", "gauge", "1 while the replica is recorded in sync", in_sync)
+                              "replicated operations the replica does not hold durably yet (role=master: sent by "
+                              "the master; role=replica: committed by the master, as the replica heard)", lag)
+        lines += render_family("qserver_replica_in_sync", "gauge",
+                               "1 while the replica is recorded in sync (exported by the master)", in_sync)
         lines += render_family("qserver_oplog_start_order", "gauge",
                                "the op log's first order: records below it were truncated",
-                               [({"queue": name}, role.log_start) for name, role in sorted(pairs.masters.items())])
+                               [({"queue": name, **master}, role.log_start) for name, role in sorted(pairs.masters.items())])
         lines += render_family("qserver_oplog_truncated_records_total", "counter",
                                "op-log records deleted below what every member holds",
                                [({}, self.storage.truncated_records)])

@@ -240,7 +240,9 @@ async def test_health_and_metrics_need_no_signature(api: RawApi) -> None:
     assert health["feature_levels"] == [versions.OLDEST_FEATURE_LEVEL, versions.FEATURE_LEVEL]
     status, text, _ = await api.request("GET", "/metrics", sign=False)
     text = text.decode()
-    for family in ("qserver_queue_depth{queue=\"metered\"} 1", "qserver_queue_in_flight",
+    for family in ("qserver_queue_depth{queue=\"metered\",role=\"master\"} 1", "qserver_queue_in_flight",
+                   'qserver_queue_oldest_message_age_seconds{queue="metered",role="master"} ',
+                   'qserver_queue_consumers{queue="metered",role="master"} 0',
                    "qserver_queue_enqueued_total", "qserver_queue_acked_total", "qserver_commit_seconds_bucket",
                    "qserver_commit_batch_operations_bucket", "qserver_loop_lag_seconds_bucket",
                    'qserver_gc_pause_seconds_count{generation="0"}', 'qserver_gc_pause_seconds_bucket{generation="2",'):

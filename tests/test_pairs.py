@@ -60,7 +60,8 @@ async def test_both_members_take_producers_and_each_serves_its_own_consumers(qcl
         await wait_converged(master, replica, "orders")
         with urllib.request.urlopen(cluster.urls["n1"] + "/metrics", timeout=5) as answer:
             metrics = answer.read().decode()
-        for line in ('qserver_replica_lag_operations{queue="orders"} 0', 'qserver_replica_in_sync{queue="orders"} 1',
+        for line in ('qserver_replica_lag_operations{queue="orders",role="master"} 0',
+                     'qserver_replica_in_sync{queue="orders",role="master"} 1',
                      'qserver_peer_link_up{peer="n2"} 1', "qserver_payloads_moved_total 0", "qserver_oplog_kept_bytes ",
                      "qserver_membership_term ", 'qserver_membership_index{kind="commit"} ',
                      'qserver_membership_persist_wait_seconds_bucket{le="0.01"} ', "qserver_membership_persist_seconds_count "):

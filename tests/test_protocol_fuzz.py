@@ -173,6 +173,10 @@ CLIENT_OP_STRATEGIES[protocol.ForwardDataOp] = st.builds(
     protocol.ForwardDataOp, ids, names, names, names, st.integers(0, protocol.WEIGHT_MAX), ids,
     st.lists(st.tuples(st.binary(max_size=16), st.integers(0, 9), ids, st.integers(0, protocol.TTL_MS_MAX),
                        st.none() | st.dictionaries(names, names, max_size=3)), min_size=1, max_size=4).map(tuple))
+# Browsing (tags 19 and 20, issue 35): the limit's range is the node's to check (E_INVALID_OPTION).
+CLIENT_OP_STRATEGIES[protocol.PeekOp] = st.builds(protocol.PeekOp, ids, names, st.integers(0, INT64_MAX),
+                                                  st.integers(0, INT64_MAX), st.booleans())
+CLIENT_OP_STRATEGIES[protocol.ReadOp] = st.builds(protocol.ReadOp, ids, names, ids)
 
 
 def client_ops() -> st.SearchStrategy[Any]:

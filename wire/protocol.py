@@ -238,9 +238,35 @@ class ForwardDataOp:
     items: tuple[tuple[bytes, int, int, int, dict[str, str] | None], ...]
 
 
+# --- browsing without taking (issue 35; docs/PROTOCOL.md "Browsing messages (peek)") ---
+@dataclass(frozen=True, slots=True)
+class PeekOp:
+    """A page of a queue's messages in delivery order after cursor `after` (0: the start), at
+    most `limit` (1..1000, checked by the node: E_INVALID_OPTION); `preview`: each payload's
+    first KiB only. The result: {"messages": [{"id", "priority", "state", "deliveries",
+    "enqueued_at_ms", "headers", "size", "payload", "truncated"}], "next_after", "served_by"}.
+    Leases nothing, changes nothing. A node of release 0.2.0 answers E_BAD_FRAME (unknown tag)."""
+    TAG: ClassVar[int] = 19
+    request_id: int
+    queue: str
+    after: int = 0
+    limit: int = 100
+    preview: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ReadOp:
+    """One message of a queue by id, as PeekOp lists it (in full) with "served_by";
+    E_UNKNOWN_MESSAGE when the queue does not hold it."""
+    TAG: ClassVar[int] = 20
+    request_id: int
+    queue: str
+    message_id: int
+
+
 ClientOp = (EnqueueOp | ReceiveOp | AckOp | ReleaseOp | SubscribeOp | CreditOp | UnsubscribeOp | PingOp | EnqueueBatchOp
             | AckBatchOp | ExtendOp | ChannelSubscribeOp | ChannelAckOp | PublishOp | AdvertiseOp | ReportOp
-            | ForwardSessionOp | ForwardDataOp)
+            | ForwardSessionOp | ForwardDataOp | PeekOp | ReadOp)
 CHANNELS_PER_CALL_MAX = 1_000
 BATCH_ITEMS_MAX = 10_000
 
@@ -434,7 +460,7 @@ def _str(value: Any, name: str, request_id: int, *, optional: bool = False) -> A
 INT64_MAX = 2**63 - 1
 _OP_ARITY = {1: (5, 9), 2: (3, 6), 3: (5, 5), 4: (5, 5), 5: (4, 6), 6: (4, 4), 7: (3, 3), 8: (2, 2),
              9: (5, 9), 10: (4, 4), 11: (6, 6), 12: (4, 5), 13: (4, 4), 14: (4, 5), 15: (4, 4), 16: (4, 4),
-             17: (6, 6), 18: (8, 8)}
+             17: (6, 6), 18: (8, 8), 19: (3, 6), 20: (4, 4)}
 FORWARD_ITEMS_MAX = 1_000
 WEIGHT_MAX = 100
 
@@ -522,6 +548,17 @@ def _decode_op(row: Any) -> ClientOp:
                                 _int(args[2], "weight", 0, WEIGHT_MAX, request_id), args[3])
     if tag == ForwardDataOp.TAG:
         return _decode_forward_data(request_id, args)
+    if tag == PeekOp.TAG:
+        padded = args + [None] * (4 - len(args))
+        if padded[3] is not None and type(padded[3]) is not bool:
+            raise FrameError("preview must be true or false", request_id)
+        return PeekOp(request_id, _str(padded[0], "queue", request_id),
+                      _int(0 if padded[1] is None else padded[1], "after", 0, INT64_MAX, request_id),
+                      _int(100 if padded[2] is None else padded[2], "limit", 0, INT64_MAX, request_id),
+                      bool(padded[3]))
+    if tag == ReadOp.TAG:
+        return ReadOp(request_id, _str(args[0], "queue", request_id),
+                      _int(args[1], "message_id", 1, INT64_MAX, request_id))
     if tag == PublishOp.TAG:
         if not isinstance(args[1], (bytes, bytearray)):
             raise FrameError("payload must be binary", request_id)

@@ -21,6 +21,7 @@ from qserver.api import client_routes as clients
 from qserver.api import cluster_routes as clusters
 from qserver.api import definitions_routes as definitions
 from qserver.api import drain_routes as drains
+from qserver.api import event_routes
 from qserver.api import message_routes as messages
 from qserver.api import queue_routes as queues
 from qserver.api import upgrade_routes as upgrades
@@ -176,6 +177,8 @@ def add_routes(app: web.Application) -> None:
     r.add_post("/v1/queues/{q}/redrive", queues.redrive)
     r.add_post("/v1/queues/{q}/messages/{id}/reply", messages.reply)
     r.add_get("/v1/queues/{q}/messages/{id}/status", messages.message_status)
+    r.add_get("/v1/queues/{q}/messages", messages.peek_messages)       # browse without taking
+    r.add_get("/v1/queues/{q}/messages/{id}", messages.read_message)
     r.add_post("/v1/queues/{q}/handoff", clusters.handoff)
     r.add_post("/v1/queues/{q}/move", clusters.move)
     r.add_post("/v1/queues/{q}/promote", clusters.promote)
@@ -198,3 +201,4 @@ def add_routes(app: web.Application) -> None:
     r.add_post("/v1/definitions", definitions.import_)
     r.add_get("/healthz", healthz)
     r.add_get("/metrics", metrics)
+    r.add_get("/v1/events", event_routes.events)     # the cluster event feed (qserver/api/event_routes.py)

@@ -7,12 +7,14 @@ from __future__ import annotations
 import base64
 import json
 import uuid
+from typing import Any
 
 from aiohttp import web
 
 from qserver.api.auth import refused_ack_text
 from qserver.api.http_common import NODE, call, message_id, number_param, path_name, principal, queue_name, receipt
 from qserver.core import commands as c
+from qserver.core import peek
 from qserver.core.engine import TERMINAL_STATES
 from replication.cluster_map import CHANNEL_PREFIX
 from wire import errors as e
@@ -155,3 +157,44 @@ async def message_status(request: web.Request) -> web.Response:
     if reply_payload is not None:
         result["reply_b64"] = base64.b64encode(reply_payload).decode()
     return web.json_response(result)
+
+
+# --- browsing without taking (docs/PROTOCOL.md, "Browsing messages (peek)") ----------------------
+def _integer_param(request: web.Request, name: str, default: int, low: int, high: int, text: str) -> int:
+    raw = request.rel_url.query.get(name)
+    if raw is None or raw == "":
+        return default
+    if not (raw.isascii() and raw.isdigit() and low <= int(raw) <= high):
+        raise QueueError(e.E_INVALID_OPTION, text)
+    return int(raw)
+
+
+def peeked_json(message: dict[str, Any]) -> dict[str, Any]:
+    """A browsed message in JSON: its payload in base64 as `payload_b64`, as a reply's is
+    `reply_b64` in a message's status."""
+    shown = dict(message)
+    shown["payload_b64"] = base64.b64encode(shown.pop("payload")).decode()
+    return shown
+
+
+async def peek_messages(request: web.Request) -> web.Response:
+    name = queue_name(request, "get")
+    limit = _integer_param(request, "limit", peek.LIMIT_DEFAULT, 1, peek.LIMIT_MAX,
+                           f"limit must be an integer between 1 and {peek.LIMIT_MAX}")
+    after = _integer_param(request, "after", 0, 0, peek.CURSOR_MAX,
+                           "after is the previous page's next_after (0: from the start)")
+    raw_preview = request.rel_url.query.get("preview", "0")
+    if raw_preview not in ("0", "1", "true", "false"):
+        raise QueueError(e.E_INVALID_OPTION, "preview is 1 (the first KiB of each payload) or 0")
+    preview = raw_preview in ("1", "true")
+    result = await call(request.app[NODE].engine, lambda r: c.Peek(name, after, limit, preview, 0, r))
+    result["messages"] = [peeked_json(message) for message in result["messages"]]
+    return web.json_response(result)
+
+
+async def read_message(request: web.Request) -> web.Response:
+    name = queue_name(request, "get")
+    index = message_id(request)
+    result = await call(request.app[NODE].engine, lambda r: c.Peek(name, 0, 1, False, index, r))
+    served_by = result.pop("served_by")
+    return web.json_response({**peeked_json(result), "served_by": served_by})

@@ -3,6 +3,7 @@
 """
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -68,6 +69,17 @@ async def list_queues(request: web.Request) -> web.Response:
     cluster_map = coordinator.membership.cluster_map if coordinator is not None else None
     entries = cluster_map.queues if cluster_map is not None else {}
     names = cluster_map.queue_names() if cluster_map is not None else sorted(engine.cores)
+    match, before = request.rel_url.query.get("match", ""), request.rel_url.query.get("before", "")
+    if len(match) > QUEUE_MATCH_MAX or (before and not is_valid_queue_name(before)):
+        raise QueueError(e.E_INVALID_OPTION, f"match is at most {QUEUE_MATCH_MAX} characters; before is a name")
+    if match or before or "previous" in request.rel_url.query:
+        # The console's filter and its previous page (docs/PROTOCOL.md, "GET /v1/queues"); a
+        # listing without them answers as it always did.
+        def visible(name: str) -> bool:
+            return match in name and who.may_see(name)
+        chosen, cursor, previous = page_around(names, after, before, limit, visible)
+        return web.json_response({"queues": [_listed(engine, entries, name) for name in chosen], "next": cursor,
+                                  "previous": previous, "match": match})
     chosen, cursor = page_of(names, after, limit, who.may_see)
     page: list[dict[str, Any]] = []
     for name in chosen:
@@ -81,6 +93,45 @@ async def list_queues(request: web.Request) -> web.Response:
                            "held_here": core is not None})
         page.append(listed)
     return web.json_response({"queues": page, "next": cursor})
+
+
+QUEUE_MATCH_MAX = 200      # GET /v1/queues?match=: a part of a name
+
+
+def _listed(engine: Any, entries: Any, name: str) -> dict[str, Any]:
+    """One queue of a listing: this node's description (when it holds a member) with the map's placement."""
+    core = engine.cores.get(name)
+    listed: dict[str, Any] = engine.describe(core) if core is not None else {"name": name}
+    entry = entries.get(name)
+    if entry is not None:
+        listed.update({"options": listed.get("options", entry.options), "master": entry.master,
+                       "replica": entry.replica, "epoch": entry.epoch, "in_sync": entry.in_sync,
+                       "incarnation": entry.incarnation, "last_reason": entry.last_reason,
+                       "held_here": core is not None})
+    return listed
+
+
+def page_around(names: list[str], after: str, before: str, limit: int,
+                visible: Callable[[str], bool]) -> tuple[list[str], str | None, str | None]:
+    """A page of visible names: the first `limit` after `after`, or (with `before`) the last
+    `limit` before `before`; with the cursor of the page that follows (this page's last name,
+    None when no visible name follows) and of the page that precedes (this page's first name,
+    None when no visible name precedes it). The cost is the page's and the names passed over."""
+    if before:
+        page: list[str] = []
+        position = bisect.bisect_left(names, before) - 1
+        while position >= 0 and len(page) < limit:
+            if visible(names[position]):
+                page.append(names[position])
+            position -= 1
+        page.reverse()
+        earlier = any(visible(names[p]) for p in range(position, -1, -1))
+        later = any(visible(names[p]) for p in range(bisect.bisect_left(names, before), len(names)))
+        return page, (page[-1] if page and later else None), (page[0] if page and earlier else None)
+    page, cursor = page_of(names, after, limit, visible)
+    start = bisect.bisect_left(names, page[0]) if page else 0
+    earlier = any(visible(names[p]) for p in range(start - 1, -1, -1))
+    return page, cursor, (page[0] if page and earlier else None)
 
 
 async def get_queue(request: web.Request) -> web.Response:

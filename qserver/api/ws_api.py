@@ -40,8 +40,10 @@ from wire.protocol import (
     ForwardSessionOp,
     FrameError,
     OkReply,
+    PeekOp,
     PingOp,
     PublishOp,
+    ReadOp,
     ReceiveOp,
     ReleaseOp,
     ReportOp,
@@ -275,6 +277,11 @@ class ClientConnection:
             return c.Unsubscribe(op.subscription_id, self, op.request_id)
         if kind in CHANNEL_OPS:
             return self._channel_op(op)
+        if kind is PeekOp or kind is ReadOp:       # browse without taking: grant `get`
+            self._queue(op.queue, "get", op.request_id)
+            if kind is ReadOp:
+                return c.Peek(op.queue, 0, 1, False, op.message_id, self, op.request_id)
+            return c.Peek(op.queue, op.after, op.limit, op.preview, 0, self, op.request_id)
         if kind is ForwardSessionOp:
             self._queue(op.queue, "post", op.request_id)
             self.reply(op.request_id, self.node.forward_root.session(self, op))

@@ -133,7 +133,11 @@ class Coordinator:
         ready = [sequence for needed, sequence in waiting if needed <= version]
         if ready:
             latest = max(ready)
+            now = self.monotonic_ms()
+            lapsed = 0 < self.lease.valid_until_ms <= now
             self.lease.granted(latest)          # drops the renewals sent before it
+            if lapsed and self.lease.valid(now):
+                self.lease_lapses += 1          # qserver_node_lease_lapses_total (docs/OPERATIONS.md, "Monitoring")
             kept = [(needed, sequence) for needed, sequence in waiting if sequence > latest]
             waiting.clear()
             waiting.extend(kept)

@@ -6,7 +6,7 @@ from typing import Any
 
 from aiohttp import web
 
-from qserver.console import pages_cluster
+from qserver.console import pages_actions, pages_cluster, pages_queues, pages_sections
 from qserver.console.frame import (
     CONSOLE_KEY,
     PREFIX,
@@ -20,7 +20,7 @@ from qserver.console.frame import (
 )
 from wire.console_link import SIGNIN_PATH
 
-PAGE_MODULES = (pages_cluster,)
+PAGE_MODULES = (pages_cluster, pages_actions, pages_queues, pages_sections)
 
 
 def install(app: web.Application, node: Any) -> Console:

@@ -244,8 +244,13 @@ def same_origin(request: web.Request) -> bool:
     """A browser names the page a POST came from: it must be this node (a missing Origin is a
     client that sends none, which the CSRF token alone covers)."""
     origin = request.headers.get("Origin")
-    if origin is None or origin == "null":
-        return origin is None
+    if origin == "null":
+        # Under our `Referrer-Policy: no-referrer` a browser sends `Origin: null` even for a form
+        # of this very page (the Fetch standard serializes the origin so); `Sec-Fetch-Site`,
+        # which no page's script can set, still says whether it came from this node.
+        return request.headers.get("Sec-Fetch-Site") == "same-origin"
+    if origin is None:
+        return True
     host = request.headers.get("Host", "")
     return origin.split("://", 1)[-1] == host
 

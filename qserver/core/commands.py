@@ -95,6 +95,19 @@ class Head:
 
 
 @dataclass(slots=True)
+class Peek:
+    """Browse a queue's messages without taking them (qserver/core/peek.py): a page after cursor
+    `after` (`message_id` 0), or the one message `message_id`. Changes nothing."""
+    queue: str
+    after: int
+    limit: int
+    preview: bool
+    message_id: int
+    replier: Replier
+    request_id: int = 0
+
+
+@dataclass(slots=True)
 class Ack:
     queue: str
     message_id: int
@@ -219,7 +232,7 @@ class Invoke:
     request_id: int = 0
 
 
-Command = (Enqueue | EnqueueMany | AckMany | Receive | Head | Ack | Purge | DurableSubscription | Subscribe | Credit | Unsubscribe | CreateQueue | DeleteQueue | MessageStatus | PutClient | PeerMessage | LinkChange | Invoke)
+Command = (Enqueue | EnqueueMany | AckMany | Receive | Head | Peek | Ack | Purge | DurableSubscription | Subscribe | Credit | Unsubscribe | CreateQueue | DeleteQueue | MessageStatus | PutClient | PeerMessage | LinkChange | Invoke)
 # A client's operations on a queue's messages: in a pair, routed by the queue's role here (a
 # replica passes some on to its master: qserver/cluster/relay.py).
 QUEUE_TRAFFIC = frozenset({Enqueue, EnqueueMany, Receive, Ack, AckMany, Purge, Subscribe, DurableSubscription})

@@ -274,7 +274,25 @@ class QueueRegistry:
             "overflows": core.overflows,
             "average_service_ms": (record.service_ms_total / record.service_count) if record.service_count else 0.0,
             "next_index": record.next_index, "dead_letter_of": record.dead_letter_of,
+            # Added in 0.3.0 (docs/OPERATIONS.md, "Monitoring"): what an operator alerts on.
+            "oldest_message_age_s": self.oldest_ages_s([core]).get(core.name, 0.0),
+            "consumers": self.consumers(core.name),
         }, **replication}
+
+    def oldest_ages_s(self, cores: list[QueueCore]) -> dict[str, float]:
+        """Seconds since each queue's oldest message still held was enqueued (SQS's
+        ApproximateAgeOfOldestMessage), 0 for a queue that holds none: one storage seek per
+        queue (Storage.oldest_enqueued_ms). Enqueue times are the master's wall clock: a
+        replica's clock behind it reads 0, never less."""
+        now_ms = self.clock_ms()
+        enqueued = self.storage.oldest_enqueued_ms([core.queue_id for core in cores])
+        return {core.name: max(0, now_ms - enqueued[core.queue_id]) / 1000 if core.queue_id in enqueued else 0.0
+                for core in cores}
+
+    def consumers(self, name: str) -> int:
+        """Push subscriptions open on the queue at this node (WebSocket `subscribe`, a
+        recipient's too); receives waiting for a message and channel subscribers are not counted."""
+        return len(self.listeners.subscriptions.get(name, ()))
 
 
 def dead_letter_options(options: QueueOptions) -> QueueOptions:

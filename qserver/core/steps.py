@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from qserver.config import NodeConfig
 from qserver.core import commands as c
+from qserver.core import peek
 from qserver.core.admin_steps import AdminSteps
 from qserver.core.grants import CLUSTER_CLIENT, grants_allow
 from qserver.core.listeners import Listeners
@@ -23,7 +24,7 @@ from qserver.core.registry import QueueRegistry
 from qserver.core.replication_port import HandoffGate, Pairs, Relay
 from qserver.core.space import StorageRoom
 from replication.operations import DeadLettered
-from replication.options import QueueType
+from replication.options import QueueType, base_name
 from replication.queue_core import QueueCore
 from wire.errors import E_INVALID_OPTION, E_NOT_MASTER, QueueError
 from wire.message_input import (
@@ -70,7 +71,7 @@ class CommandSteps:
             c.Subscribe: self._subscribe, c.Credit: self._credit, c.Unsubscribe: self._unsubscribe,
             c.MessageStatus: self._status, c.PeerMessage: self._peer_message, c.LinkChange: self._link_change,
             c.Invoke: self._invoke, c.Head: self._head, c.DurableSubscription: self._durable_subscription,
-            **self.admin.steps(),
+            c.Peek: self._peek, **self.admin.steps(),
         }
 
     def connect(self, pairs: Pairs, gate: HandoffGate | None, relay: Relay) -> None:
@@ -260,6 +261,29 @@ class CommandSteps:
                 self.listeners.wait(core.name, command, None)
             else:
                 command.replier.reply(command.request_id, [])
+
+    def _peek(self, command: c.Peek, now_ms: int) -> None:
+        """Browse without taking (qserver/core/peek.py): at the master, or at a `full` queue's
+        replica (it holds the same consumption state); elsewhere E_NOT_MASTER sends the caller to
+        the master. Nothing is decided, so the answer goes at once."""
+        pairs, base, role = self.pairs, base_name(command.queue), "master"
+        if pairs.clustered:
+            if base in pairs.replicas:
+                if self.registry.cores[base].options.strength.value != "full":
+                    entry = pairs.view.entry(base)
+                    raise Redirect(entry.master if entry is not None else "",
+                                   f"queue {command.queue} is browsed at its master {pairs.masters_hint(base)}")
+                role = "replica"
+            else:
+                pairs.refuse_if_not_master(base)
+        core = self._core(command.queue)
+        storage = self.registry.storage
+        if command.message_id:
+            result = peek.read(storage, core, command.message_id)
+        else:
+            result = peek.peek(storage, core, command.after, command.limit, command.preview)
+        result["served_by"] = {"node": self.config.node_id, "role": role}
+        command.replier.reply(command.request_id, result)
 
     def _ack(self, command: c.Ack, now_ms: int) -> None:
         core = self._core(command.queue)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import struct
 import time
 import weakref
 import zlib
@@ -371,6 +372,22 @@ class Storage:
         raw = self._reader().get(QI.pack(queue_id, index), db=self.db["messages"])
         return None if raw is None else int(msgpack.unpackb(raw)[1])
 
+    def oldest_enqueued_ms(self, queue_ids: list[int]) -> dict[int, int]:
+        """When each queue's oldest message still held (ready, leased or delayed) was enqueued:
+        message ids grow in enqueue order, so it is the queue's first row of `messages`, one
+        cursor seek per queue, no scan (qserver_queue_oldest_message_age_seconds, docs/OPERATIONS.md,
+        "Monitoring"). A dead-letter queue's rows carry when they were dead-lettered. Queues that
+        hold no message are left out."""
+        cursor = self._reader().cursor(db=self.db["messages"])
+        out: dict[int, int] = {}
+        for queue_id in sorted(queue_ids):
+            if not cursor.set_range(QI.pack(queue_id, 0)):
+                break
+            owner, _ = QI.unpack(cursor.key())
+            if owner == queue_id:
+                out[queue_id] = _enqueued_ms_of(cursor.value())
+        return out
+
     def producer(self, queue_id: int, index: int) -> str | None:
         """The client that enqueued a stored message (its sender), None if not stored."""
         raw = self._reader().get(QI.pack(queue_id, index), db=self.db["messages"])
@@ -511,3 +528,19 @@ def read_clients(path: str | Path) -> dict[str, dict[str, Any]]:
             return {key.decode(): json.loads(value) for key, value in txn.cursor()}
     finally:
         env.close()
+
+
+_U64 = struct.Struct(">Q")
+
+
+def _enqueued_ms_of(row: bytes | memoryview) -> int:
+    """The enqueue time of a `messages` row (msgpack [priority, enqueued_ms, ...]) without
+    unpacking its payload: a 5-array, a priority of one byte and a uint64 as a node writes
+    them (half the cost of an Unpacker, which reads anything else)."""
+    if row[0] == 0x95 and row[1] < 0x80 and row[2] == 0xCF:
+        return int(_U64.unpack_from(row, 3)[0])
+    unpacker = msgpack.Unpacker()
+    unpacker.feed(bytes(row[:32]))
+    unpacker.read_array_header()
+    unpacker.skip()
+    return int(unpacker.unpack())

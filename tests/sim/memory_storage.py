@@ -107,6 +107,15 @@ class MemoryStorage:
         message = None if queue is None else queue.messages.get(index)
         return None if message is None else message.enqueued_ms
 
+    def oldest_enqueued_ms(self, queue_ids: list[int]) -> dict[int, int]:
+        """As Storage's: the enqueue time of each queue's lowest id still held."""
+        out: dict[int, int] = {}
+        for queue_id in queue_ids:
+            queue = self.store.queues.get(queue_id)
+            if queue is not None and queue.messages:
+                out[queue_id] = queue.messages[min(queue.messages)].enqueued_ms
+        return out
+
     # --- the op log (OpLogReader) ----------------------------------------------------------
     def read(self, queue_id: int, after_order: int, limit: int, bytes_max: int = 1 << 62) -> list[tuple[int, int, bytes]]:
         return self.oplog.read(queue_id, after_order, limit, bytes_max)
