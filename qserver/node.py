@@ -420,6 +420,8 @@ class Node:
         lines += self.forwarders.render_metrics()
         lines += self._replication_metrics()
         lines += self.events.render_metrics()
+        if self.console is not None:
+            lines += self.console.render_metrics()
         if self.membership is not None:
             lines += self.membership.render_metrics()
         coordinator = engine.coordinator

@@ -70,6 +70,11 @@ async def test_a_link_signs_in_once_into_a_strict_httponly_cookie(qnode) -> None
         async with thief.get(link, allow_redirects=False) as answer:
             assert answer.status == 401 and "E_REPLAYED_REQUEST" in await answer.text()
             assert "Set-Cookie" not in answer.headers
+        async with thief.get(qnode.url + "/metrics") as answer:
+            metrics = await answer.text()
+    assert "qserver_console_sessions 1" in metrics
+    assert 'qserver_console_signins_total{outcome="ok"} 1' in metrics
+    assert 'qserver_console_signins_total{outcome="E_REPLAYED_REQUEST"} 1' in metrics
 
 
 @pytest.mark.timeout(120)
