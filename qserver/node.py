@@ -449,6 +449,8 @@ class Node:
             lines += render_family("qserver_storage_free_bytes", "gauge",
                                    "room left: on the disk (with pages free in the LMDB file) and in the map's limit",
                                    [({"where": "disk"}, space.disk_free_bytes), ({"where": "map"}, space.map_free_bytes)])
+            lines += render_family("qserver_storage_used_bytes", "gauge", "the LMDB pages the node's databases use",
+                                   [({}, space.used_bytes)])
         return lines + render_family("qserver_commits_abandoned_total", "counter",
                                      "batches that could not be stored (their commands failed, their queues were "
                                      "rebuilt from storage)", [({}, engine.batches_abandoned)])

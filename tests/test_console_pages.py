@@ -122,10 +122,10 @@ async def test_node_figures_count_each_queue_once_and_payloads_show_in_hex() -> 
         'qserver_queue_acked_total{queue="a",role="master"} 4',
         'qserver_loop_lag_max_seconds 0.012',
         'qserver_storage_free_bytes{where="disk"} 5000', 'qserver_storage_free_bytes{where="map"} 300',
-        'qserver_storage_map_bytes 1000'])
+        'qserver_storage_used_bytes 1000'])
     reading = parse_metrics(with_roles)
     assert (reading.enqueued, reading.acked, reading.loop_lag_s) == (10, 4, 0.012)
-    assert (reading.disk_free_bytes, reading.map_bytes, reading.map_free_bytes) == (5000, 1000, 300)
+    assert (reading.disk_free_bytes, reading.used_bytes, reading.map_free_bytes) == (5000, 1000, 300)
     assert parse_metrics('qserver_queue_enqueued_total{queue="a"} 3\nqserver_queue_enqueued_total{queue="b"} 4').enqueued == 7
     assert rate([(0.0, 10.0), (2.0, 30.0)]) == 10.0 and rate([(0.0, 10.0)]) is None
     shown, note = shown_payload(b"ab<\x00" * 5, "hex")

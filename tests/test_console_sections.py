@@ -9,14 +9,13 @@ from __future__ import annotations
 import asyncio
 import html
 import re
-import time
-from typing import Any
 
 import aiohttp
 import pytest
 
 from client.aio import AsyncClient
 from client.credentials import load_credentials
+from tests.test_failover import wait_for as until
 from wire.console_link import signin_link
 from wire.errors import QueueError
 from wire.signing import Signer, private_key_from_text
@@ -38,17 +37,6 @@ async def page(session: aiohttp.ClientSession, url: str) -> str:
 
 def rows(text: str, css_class: str) -> list[str]:
     return re.findall(rf'<tr class="{css_class}"[^>]*>.*?</tr>', text, re.S)
-
-
-async def until(predicate: Any, timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = await predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.1)
 
 
 @pytest.mark.timeout(180)

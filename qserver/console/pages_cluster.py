@@ -36,9 +36,7 @@ def node_row(node: dict[str, Any], health: dict[str, Any] | None, view: View) ->
     role = raft.get("role")
     if role == "follower" and (node.get("voter") is False or node["id"] in raft.get("learners", ())):
         role = "learner"        # a follower that does not vote (yet): docs/RAFT.md
-    used = None
-    if last is not None and last.map_bytes is not None and last.map_free_bytes is not None:
-        used = max(0.0, last.map_bytes - last.map_free_bytes)
+    used = None if last is None else last.used_bytes
     return {"id": node["id"], "url": node.get("url", ""), "map_state": node.get("state", "?"),
             "voter": node.get("voter"), "masters": node.get("masters"), "replicas": node.get("replicas"),
             "up": health is not None and health.get("status") == "ok",

@@ -43,7 +43,7 @@ QUEUE_SAMPLE_MIN_S = 2.0
 NODE_URLS_TTL_S = 60.0               # how long the queues page asks the nodes it knows without reading the map
 # The /metrics lines the console reads (everything else is skipped unparsed).
 WANTED = ("qserver_queue_enqueued_total", "qserver_queue_acked_total", "qserver_loop_lag_max_seconds",
-          "qserver_storage_free_bytes", "qserver_storage_map_bytes")
+          "qserver_storage_free_bytes", "qserver_storage_used_bytes")
 
 
 @dataclass
@@ -53,7 +53,7 @@ class NodeReading:
     acked: float
     loop_lag_s: float | None
     disk_free_bytes: float | None
-    map_bytes: float | None
+    used_bytes: float | None
     map_free_bytes: float | None
 
 
@@ -86,7 +86,7 @@ def parse_metrics(text: str) -> NodeReading:
     pick = 1 if roles_seen else 0
     return NodeReading(time.monotonic(), sums["qserver_queue_enqueued_total"][pick],
                        sums["qserver_queue_acked_total"][pick], single.get("qserver_loop_lag_max_seconds"),
-                       single.get("disk_free"), single.get("qserver_storage_map_bytes"), single.get("map_free"))
+                       single.get("disk_free"), single.get("qserver_storage_used_bytes"), single.get("map_free"))
 
 
 def rate(points: Iterable[tuple[float, float]]) -> float | None:

@@ -44,6 +44,7 @@ class StorageSpace:
     map_size_max_bytes)."""
     disk_free_bytes: int
     map_free_bytes: int
+    used_bytes: int = 0        # the pages the databases use (what the node stores, in LMDB's pages)
 
 
 def measure_space(env: lmdb.Environment, dbs: list[Any], path: Path, map_size_max_bytes: int) -> StorageSpace | None:
@@ -56,7 +57,7 @@ def measure_space(env: lmdb.Environment, dbs: list[Any], path: Path, map_size_ma
     except (OSError, lmdb.Error):
         return None
     used = (2 + sum(s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"] for s in stats)) * stats[0]["psize"]
-    return StorageSpace(disk_free + max(0, file_bytes - used), max(0, map_size_max_bytes - used))
+    return StorageSpace(disk_free + max(0, file_bytes - used), max(0, map_size_max_bytes - used), used)
 
 
 def disk_full(path: Path) -> bool:
