@@ -172,7 +172,8 @@ async def test_a_tampered_or_unfinished_backup_is_refused_and_changes_nothing(qc
     target = tmp_path / "restored-n3"
     secret = backup / "data" / "cluster.secret"
     original = secret.read_bytes()
-    secret.write_bytes(original[:-2] + b"0\n")
+    # One character changed (a fixed "0" left the file as it was whenever it ended in "0": 1 in 16)
+    secret.write_bytes(original[:-2] + (b"1" if original[-2:-1] == b"0" else b"0") + original[-1:])
     refused = await asyncio.to_thread(qserver, "restore", "--from", str(backup), "--data-dir", str(target))
     assert refused.returncode == 2 and "sha256" in refused.stderr
     assert not target.exists(), "a refused restore leaves nothing behind"
