@@ -14,9 +14,8 @@ from pathlib import Path
 from client.credentials import Credentials, save_credentials
 from client.http import HttpClient
 from qserver import backup_cli, migrate_cli
-from qserver.api.auth import ADMIN_GRANTS, CLUSTER_CLIENT
+from qserver.api.auth import ADMIN_GRANTS, CLUSTER_CLIENT, DelegatedSigner
 from qserver.config import NodeConfig, load_config
-from qserver.features.macro.service import DelegatedSigner
 from qserver.storage.lmdb_store import SealedBatch, Storage, read_clients
 from qserver.storage.raft_store import RaftStore
 from qserver.storage.rows import SCHEMA_VERSION

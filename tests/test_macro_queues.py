@@ -17,7 +17,7 @@ import pytest
 from client import AsyncClient, Client
 from client.macro import MacroEnqueued, MacroEnqueueError, MacroQueue, member_dedupe_id
 from client.qctl import main as qctl
-from qserver.features.macro.service import DelegatedSigner
+from qserver.api.auth import DelegatedSigner
 from replication.cluster_map import (
     AddNode,
     ClusterMap,

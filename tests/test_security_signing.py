@@ -19,9 +19,8 @@ from client import AsyncClient, QueueError
 from client.credentials import Credentials, load_credentials
 from client.http import queue_path
 from qserver.api import auth
-from qserver.api.auth import CLUSTER_CLIENT, Authenticator, pass_on_headers
+from qserver.api.auth import CLUSTER_CLIENT, Authenticator, DelegatedSigner, pass_on_headers
 from qserver.dev.devcluster import LocalCluster
-from qserver.features.macro.service import DelegatedSigner
 from tests.support import raw_session
 from wire.signing import Signer, new_private_key, private_key_from_text, public_key_text
 

@@ -23,7 +23,7 @@ import aiohttp
 import yarl
 from aiohttp import web
 
-from qserver.api.auth import delegated_signature, validate_grants
+from qserver.api.auth import DelegatedSigner, validate_grants
 from qserver.api.http_common import NODE, coordinator_of, json_body, principal
 from replication.definitions import (
     CHANNEL,
@@ -44,7 +44,7 @@ from replication.definitions import (
 from wire import errors as e
 from wire import versions
 from wire.errors import QueueError
-from wire.signing import Signer, private_key_from_text, public_key_from_text
+from wire.signing import private_key_from_text, public_key_from_text
 
 # Items of one kind created at once (each is one map command; the membership layer batches them).
 CREATES_AT_ONCE = 8
@@ -151,18 +151,6 @@ CHECKS = Checks(grants=_grants_problem, public_key=_public_key_problem, private_
 
 
 # --- creating: each item through its own REST route, in the caller's name -----------------------
-class _CallerSigner(Signer):
-    """Signs as the caller with the cluster secret (`QD2:`): the request it signs holds only at
-    this node and carries exactly the caller's grants (qserver/api/auth.py)."""
-
-    def __init__(self, client_id: str, secret: bytes) -> None:
-        self.client_id = client_id
-        self._secret = secret
-
-    def signature(self, message: bytes) -> str:
-        return delegated_signature(self._secret, message)
-
-
 def _route(step: Step) -> tuple[str, str, dict[str, Any]]:
     """The method, the (encoded) path and the body of the route that creates `step`'s item."""
     name = quote(step.name, safe="")
@@ -246,7 +234,7 @@ async def _call(node: Any, client_id: str, method: str, path: str, body: dict[st
     data = json.dumps(body).encode()
     headers = {"Content-Type": "application/json"}
     base = node.url.rstrip("/")
-    headers.update(_CallerSigner(client_id, node.auth.cluster_secret).headers(method, path, [], data, audience=base))
+    headers.update(DelegatedSigner(client_id, node.auth.cluster_secret).headers(method, path, [], data, audience=base))
     try:
         async with node.http_session().request(method, yarl.URL(base + path, encoded=True), data=data,
                                                headers=headers,

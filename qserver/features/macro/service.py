@@ -20,29 +20,15 @@ from typing import TYPE_CHECKING, Any
 from client.aio import AsyncClient, Message
 from client.credentials import Credentials
 from client.macro import MacroEnqueued
-from qserver.api.auth import delegated_signature
+from qserver.api.auth import DelegatedSigner
 from qserver.metrics import render_family
 from wire.errors import QueueError
-from wire.signing import Signer
 
 if TYPE_CHECKING:
     from qserver.services import NodeServices
 
 log = logging.getLogger("qserver.macro")
 CLIENTS_MAX = 32                # callers with a client library instance kept here (least recently used go)
-
-
-class DelegatedSigner(Signer):
-    """Signs as client `client_id` with the cluster secret (`QD2:`, qserver/api/auth.py): over the
-    QS2 canonical string, so the signature names the client and the node it is sent to and
-    holds nowhere else (docs/PROTOCOL.md, "Signing")."""
-
-    def __init__(self, client_id: str, secret: bytes) -> None:
-        self.client_id = client_id
-        self._secret = secret
-
-    def signature(self, message: bytes) -> str:
-        return delegated_signature(self._secret, message)
 
 
 @dataclass(frozen=True, slots=True)
