@@ -34,6 +34,15 @@ class AdminCalls:
     async def delete_queue(self, name: str) -> dict[str, Any]:
         return await self.http.delete_queue(name)
 
+    async def set_queue_options(self, name: str, **options: Any) -> dict[str, Any]:
+        """Change options of an existing queue (admin grant): visibility_timeout_s (new
+        leases), max_deliveries, message_ttl_s (messages enqueued from now), max_depth,
+        dead_letter, delay_s, receive_wait_s and the surveillance and forward-rate options;
+        answers the queue's options after the change (`{"name", "options", "changed"}`). Others
+        are refused with E_INVALID_OPTION; below cluster feature level 3, or against a node of
+        release 0.2.0 or older, E_FEATURE_DISABLED (docs/PROTOCOL.md, "Changing a queue's options")."""
+        return await self.http.set_queue_options(name, **options)
+
     async def purge(self, name: str) -> dict[str, Any]:
         """Take every message the queue holds now, ready or leased, out of it for good (admin
         grant): `{"queue", "purged"}`, and under `producer` `"members"`, each member's count."""
@@ -108,6 +117,22 @@ class AdminCalls:
 
     async def set_grants(self, client_id: str, grants: Iterable[Grant]) -> dict[str, Any]:
         return await self.http.set_grants(client_id, grants)
+
+    async def create_access_key(self, client_id: str) -> dict[str, Any]:
+        """A new access key of the client for the SQS gateway (admin grant; docs/PROTOCOL.md,
+        "Access keys"): `{"client", "access_key_id", "secret_access_key", "created_ms"}`, the
+        only time the secret is shown. At most 4 per client (E_INVALID_OPTION beyond);
+        E_UNKNOWN_CLIENT; E_FEATURE_DISABLED from a node of release 0.2.0 or older."""
+        return await self.http.create_access_key(client_id)
+
+    async def list_access_keys(self, client_id: str) -> list[dict[str, Any]]:
+        """The client's access keys, `[{"access_key_id", "created_ms"}]`, oldest first."""
+        return await self.http.list_access_keys(client_id)
+
+    async def revoke_access_key(self, client_id: str, key_id: str) -> dict[str, Any]:
+        """Revoke an access key (every node refuses it once the map applied the change):
+        `{"client", "revoked"}`; E_UNKNOWN_ACCESS_KEY when the client has no such key."""
+        return await self.http.revoke_access_key(client_id, key_id)
 
     async def cluster(self) -> dict[str, Any]:
         return await self.http.cluster()

@@ -24,11 +24,12 @@ import contextlib
 import itertools
 import os
 import random
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self, TypeVar, overload
 
-from client import browse
+from client import browse, tracing
 from client.admin import AdminCalls
 from client.batching import batch_bounds
 from client.channels import ChannelDelivery, ChannelInbox, channel_queue
@@ -50,6 +51,7 @@ from wire.message_input import DELAY_MS_MAX, TTL_MS_MAX, VISIBILITY_MAX_S
 from wire.protocol import (
     AdvertiseOp,
     ClientOp,
+    DeliveredMessage,
     EnqueueBatchOp,
     ForwardDataOp,
     ForwardSessionOp,
@@ -247,7 +249,11 @@ class AsyncClient(AdminCalls):
         delivered (dead-lettered if the queue has a dead-letter queue, else dropped).
         `delay_s` (at most 900): the message is delivered no sooner than that. `headers`: a
         small map of names to strings (at most 16, 4,096 characters in all) that the consumer
-        gets with the message (`Message.headers`)."""
+        gets with the message (`Message.headers`). With OpenTelemetry in use and a span current,
+        a producer span is made and its W3C context added to the headers (client/tracing.py)."""
+        if tracing.api() is not None and tracing.wants_publish(headers):
+            return await tracing.publish(queue, headers, None, lambda traced: self.enqueue(
+                queue, payload, priority, dedupe_id, ttl_s=ttl_s, delay_s=delay_s, headers=traced))
         if type(payload) is not bytes:
             payload = _as_bytes(payload)
         dedupe_id = dedupe_id or self._new_dedupe_id()
@@ -305,6 +311,9 @@ class AsyncClient(AdminCalls):
         if dedupe_ids is not None and len(dedupe_ids) != len(items):
             raise ValueError("dedupe_ids must have one id per payload")
         ids = list(dedupe_ids) if dedupe_ids is not None else [self._new_dedupe_id() for _ in items]
+        if tracing.api() is not None and tracing.wants_publish(headers):      # one producer span for the batch
+            return await tracing.publish(queue, headers, len(items), lambda traced: self.enqueue_many(
+                queue, items, priority, dedupe_ids=ids, ttl_s=ttl_s, delay_s=delay_s, headers=traced))
         if queue in self._macros:     # each message by the producer policy
             return list(await asyncio.gather(*(self.enqueue(queue, item, priority, dedupe_id, ttl_s=ttl_s,
                                                             delay_s=delay_s, headers=headers)
@@ -395,6 +404,7 @@ class AsyncClient(AdminCalls):
         if not node.has_room():
             await node.wait_for_room()
         op = ReceiveOp(node.next_id(), queue, max_messages, int(wait_s * 1000), _milliseconds(visibility_timeout_s))
+        started_ns = time.time_ns() if tracing.api() is not None else None      # a consumer span's start
         try:
             result = await node.submit(op)
         except QueueError as error:
@@ -405,9 +415,12 @@ class AsyncClient(AdminCalls):
                                                               visibility_timeout_s))
         leases = self._router.leases_for(node)      # acks go where the message was leased
         try:
-            return [Message(leases, queue, m) for m in messages_from_result(result)]
+            messages = [Message(leases, queue, m) for m in messages_from_result(result)]
         except FrameError as exc:
             raise QueueError(E_INTERNAL, f"a malformed receive answer: {exc}", outcome_unknown=True) from None
+        if started_ns is not None and messages:
+            tracing.received(queue, messages, started_ns)
+        return messages
 
     def ack(self, queue: str, message_id: int, receipt: str) -> Awaitable[None]:
         """Acknowledge (delete) a leased message; concurrent acks on a queue share one batch.
@@ -426,6 +439,19 @@ class AsyncClient(AdminCalls):
         if not 0 <= visibility_timeout_s <= VISIBILITY_MAX_S:
             raise ValueError(f"visibility_timeout_s must be in [0, {VISIBILITY_MAX_S:g}]")
         await self._router.extend(queue, message_id, receipt, visibility_timeout_s)
+
+    def lease(self, queue: str, message_id: int, receipt: str, node_url: str | None = None) -> Message:
+        """A handle on a message leased earlier, known by its id and receipt alone (as an SQS
+        receipt handle carries them): ack, release or extend it at `node_url`, the node that
+        leased it (under `producer` each member keeps its own leases), or with None wherever
+        the map says the queue's master is now. Its payload and headers are empty."""
+        router = self._router
+        leases = router if node_url is None else router.leases_for(router.route_to(node_url.rstrip("/")))
+        return Message(leases, queue, DeliveredMessage(message_id, receipt, 0, 0, b""))
+
+    def leased_at(self, message: Message) -> str:
+        """The URL of the node a received message's lease belongs to (see `lease`)."""
+        return str(getattr(message._client, "url", self._router.url))
 
     # --- channels (seed 002; client/channels.py) ----------------------------------------------
     @property

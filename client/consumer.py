@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Awaitable, Coroutine
 from typing import TYPE_CHECKING, Any, Self
 
+from client import tracing
 from client.connection import CLEANUP_TIMEOUT_S, Leases, NodeConnection, ignore_outcome
 from wire.errors import E_NOT_MASTER, E_UNAVAILABLE, QueueError
 from wire.message_input import VISIBILITY_MAX_S
@@ -55,6 +56,12 @@ class Message:
     def extend(self, visibility_timeout_s: float) -> Coroutine[Any, Any, None]:
         """Give the lease `visibility_timeout_s` from now (E_LEASE_EXPIRED if it ended)."""
         return self._client.extend(self.queue, self.id, self.receipt, visibility_timeout_s)
+
+    @property
+    def trace_context(self) -> Any:
+        """The producer's OpenTelemetry context from the message's `traceparent` header, to start
+        a handler's span in (client/tracing.py `context_of`); None without one."""
+        return tracing.context_of(self.headers)
 
     def keep_alive(self, visibility_timeout_s: float = 30.0, every_s: float | None = None) -> LeaseKeeper:
         """`async with message.keep_alive():` around a long job: the lease is extended to
@@ -244,9 +251,11 @@ class Consumer:
 
     def _on_messages(self, messages: tuple[DeliveredMessage, ...]) -> None:
         client = self._client if self._router is None else self._router.leases_for(self._client)
-        queue, buffer = self.queue, self._buffer
-        for delivered in messages:
-            buffer.append(Message(client, queue, delivered))
+        queue = self.queue
+        made = [Message(client, queue, delivered) for delivered in messages]
+        self._buffer.extend(made)
+        if tracing.api() is not None:       # a consumer span per pushed message that carries a trace context
+            tracing.received(queue, made)
         self._wake()
 
     def _on_connection_lost(self) -> None:

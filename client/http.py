@@ -30,8 +30,10 @@ from client import browse
 from client.macro import cluster_too_old
 from wire.console_link import signin_link
 from wire.errors import (
+    E_FEATURE_DISABLED,
     E_FORBIDDEN,
     E_INTERNAL,
+    E_METHOD_NOT_ALLOWED,
     E_NOT_FOUND,
     E_QUEUE_UNAVAILABLE,
     E_TIMEOUT,
@@ -241,6 +243,20 @@ class HttpClient:
 
     async def delete_queue(self, name: str) -> dict[str, Any]:
         return dict(await self._json("DELETE", queue_path(name), idempotent=False))
+
+    async def set_queue_options(self, name: str, **options: Any) -> dict[str, Any]:
+        """PATCH /v1/queues/{q}: change the named options of an existing queue (admin grant;
+        docs/PROTOCOL.md, "Changing a queue's options"); the queue's options after the change.
+        Setting the same values again changes nothing, so the call is idempotent. A node of
+        release 0.2.0 or older has no such method: E_FEATURE_DISABLED says the node is too old."""
+        try:
+            return dict(await self._json("PATCH", queue_path(name), document=dict(options)))
+        except QueueError as error:
+            if error.code != E_METHOD_NOT_ALLOWED.code:
+                raise
+            raise QueueError(E_FEATURE_DISABLED, f"the node at {self.url} (release {self.server_release or 'unknown'}) "
+                                                 "is too old to change a queue's options (release 0.3.0 can): "
+                                                 f"{error.message}") from None
 
     async def purge(self, name: str) -> dict[str, Any]:
         """Take every message the queue holds now out of it (admin grant; see docs/PROTOCOL.md)."""
@@ -534,6 +550,33 @@ class HttpClient:
         path = "/v1/clients/" + _segment(client_id) + "/grants"
         answer = await self._json("PUT", path, document={"grants": [dict(g) for g in grants]})
         return dict(answer or {})
+
+    # --- access keys (docs/PROTOCOL.md, "Access keys"): the SQS gateway's credentials ---------------
+    async def create_access_key(self, client_id: str) -> dict[str, Any]:
+        """A new access key of the client (admin grant): `{"client", "access_key_id",
+        "secret_access_key", "created_ms"}`, the only answer that holds the secret."""
+        path = "/v1/clients/" + _segment(client_id) + "/access-keys"
+        return dict(await self._access_keys_call("POST", path, idempotent=False))
+
+    async def list_access_keys(self, client_id: str) -> list[dict[str, Any]]:
+        """The client's access keys: `[{"access_key_id", "created_ms"}]` (never a secret)."""
+        answer = await self._access_keys_call("GET", "/v1/clients/" + _segment(client_id) + "/access-keys")
+        return list(answer.get("access_keys", []))
+
+    async def revoke_access_key(self, client_id: str, key_id: str) -> dict[str, Any]:
+        """Drop an access key at once, on every node: `{"client", "revoked"}`."""
+        path = "/v1/clients/" + _segment(client_id) + "/access-keys/" + _segment(key_id)
+        return dict(await self._access_keys_call("DELETE", path, idempotent=False))
+
+    async def _access_keys_call(self, method: str, path: str, *, idempotent: bool = True) -> dict[str, Any]:
+        try:
+            return dict(await self._json(method, path, idempotent=idempotent) or {})
+        except QueueError as error:
+            if error.code != E_NOT_FOUND.code:      # a node of release 0.2.0 or older has no such route
+                raise
+            raise QueueError(E_FEATURE_DISABLED, f"the node at {self.url} (release {self.server_release or 'unknown'}) "
+                                                 "is too old for access keys (release 0.3.0 has them): "
+                                                 f"{error.message}") from None
 
     async def cluster(self, queues: Iterable[str] | None = None) -> dict[str, Any]:
         """The cluster map as the node knows it; with `queues`, only those queues' entries (and

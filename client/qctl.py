@@ -27,6 +27,7 @@ from typing import Any, TextIO
 from client.credentials import explain_refusal, find_credentials, load_credentials
 from client.http import HttpClient
 from client.macro import CONSUMER_POLICIES, FASTEST_BY, PRODUCER_POLICIES
+from client.qctl_access_keys import add_parser as add_access_key_parser
 from client.qctl_cluster import (
     STATUS_QUEUES_LISTED_MAX,
     cmd_clients_add,
@@ -74,6 +75,8 @@ from client.qctl_features import (
     cmd_recipient_remove,
 )
 from client.qctl_peek import add_parser as add_peek_parser
+from client.qctl_queues import add_create_options as add_queue_create_options
+from client.qctl_queues import add_set_parser as add_queue_set_parser
 from client.qctl_queues import (
     cmd_ack,
     cmd_extend,
@@ -223,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--forward-mode", choices=("adaptive", "static"),
                         help="rates by the forwarders' fill levels (adaptive, the default) or R/n (static)")
     create.add_argument("--forward-bands", type=int, help="the fill-level bands a weight counts (10)")
+    add_queue_create_options(create)                # --delay-s, --receive-wait-s (client/qctl_queues.py)
+    add_queue_set_parser(queue_commands, command)   # queue set: change options of an existing queue
     command(queue_commands, "list", cmd_queue_list, "every queue with its statistics").add_argument(
         "--match", default="", help="only the queues whose name contains this (filtered on the node; 0.3.0 nodes)")
     command(queue_commands, "stats", cmd_queue_stats, "one queue's statistics").add_argument("name")
@@ -367,7 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     extend.add_argument("--visibility-timeout-s", type=float, required=True,
                         help="the lease's new duration, counted from now (0: give the message back)")
 
-    clients = commands.add_parser("clients", help="add, list and remove clients (key pairs and grants)")
+    clients = commands.add_parser("clients", aliases=["client"],
+                                  help="add, list and remove clients (key pairs and grants), their access keys")
     client_commands = clients.add_subparsers(dest="clients_command", required=True, metavar="ACTION")
     add = command(client_commands, "add", cmd_clients_add, "register a client with a new key pair")
     add.add_argument("name")
@@ -378,6 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("--out", type=Path, help="write the new client's credentials file here")
     command(client_commands, "list", cmd_clients_list, "registered clients and their grants")
     command(client_commands, "remove", cmd_clients_remove, "remove a client").add_argument("client_id")
+    add_access_key_parser(client_commands, command)     # clients access-key create|list|revoke
     add_upgrade_parser(commands, command)       # cluster versions, cluster finalize
     add_definitions_parser(commands, command)   # definitions export, definitions import
     add_console_parser(commands, command)       # console (a sign-in link to the web console)

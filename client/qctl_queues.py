@@ -1,4 +1,4 @@
-"""`qctl` commands of queues and their messages: queue create, list, stats, delete, purge,
+"""`qctl` commands of queues and their messages: queue create, set, list, stats, delete, purge,
 redrive, and put, get, ack, extend (with reading a payload from the command line or stdin).
 
 One of the command groups client/qctl.py's parser dispatches to (qctl_render.py renders).
@@ -11,10 +11,10 @@ from typing import Any
 
 from client.http import HttpClient
 from client.qctl_render import Outcome, format_fields, payload_fields, queue_table
-from replication.options import QueueOptions
+from replication.options import CHANGEABLE_OPTIONS, QueueOptions
 from wire.errors import E_INVALID_OPTION, QueueError
 
-DEFAULT_OPTIONS = QueueOptions().to_json()     # `queue create` shows the options that differ from these
+DEFAULT_OPTIONS = QueueOptions().to_json(every=True)     # `queue create` shows the options that differ from these
 
 
 async def cmd_queue_create(http: HttpClient, args: argparse.Namespace) -> Outcome:
@@ -24,8 +24,60 @@ async def cmd_queue_create(http: HttpClient, args: argparse.Namespace) -> Outcom
         dead_letter=args.dead_letter, min_in_sync=args.min_in_sync, message_ttl_s=args.message_ttl_s,
         fault_interval_s=args.fault_interval_s, defunct_interval_s=args.defunct_interval_s,
         message_interval_s=args.message_interval_s, forward_rate=args.forward_rate,
-        forward_interval_s=args.forward_interval_s, forward_mode=args.forward_mode, forward_bands=args.forward_bands)
+        forward_interval_s=args.forward_interval_s, forward_mode=args.forward_mode, forward_bands=args.forward_bands,
+        delay_s=getattr(args, "delay_s", None), receive_wait_s=getattr(args, "receive_wait_s", None))
     return Outcome(description, format_fields(created_summary(description)))
+
+
+# `qctl queue create` and `qctl queue set`: the options added in 0.3.0 (feature level 3).
+LEVEL3_ARGUMENTS = (
+    ("--delay-s", float, "every message put without its own delay waits this long before it is delivered "
+                         "(0-900, default 0; SQS DelaySeconds; needs cluster feature level 3)"),
+    ("--receive-wait-s", float, "a REST receive that names no wait waits this long for a message (0-20, default 0; "
+                                "SQS ReceiveMessageWaitTimeSeconds; needs cluster feature level 3)"),
+)
+# `qctl queue set`: each changeable option (replication/options.py CHANGEABLE_OPTIONS) as a flag.
+SET_ARGUMENTS = (
+    ("--visibility-timeout-s", float, "the lease of receives from now on that name none"),
+    ("--max-deliveries", int, "deliveries before a message goes to the dead-letter queue"),
+    ("--message-ttl-s", float, "the time to live of messages put from now on without their own (0: none)"),
+    ("--max-depth", int, "the most messages it holds"),
+    *LEVEL3_ARGUMENTS,
+    ("--fault-interval-s", float, "fault surveillance: a recipient idle this long while messages wait is in fault"),
+    ("--defunct-interval-s", float, "in fault this long: its subscriptions end"),
+    ("--message-interval-s", float, "a message waiting this long fails over on its own"),
+    ("--forward-rate", float, "as the root of forwards: the messages/s they share (0: no control)"),
+    ("--forward-interval-s", float, "how often the root sends their rates"),
+    ("--forward-mode", str, "adaptive or static"),
+    ("--forward-bands", int, "the fill-level bands a weight counts"),
+)
+
+
+def add_create_options(create: argparse.ArgumentParser) -> None:
+    """The options `queue create` takes beyond those client/qctl.py declares."""
+    for flag, kind, help_text in LEVEL3_ARGUMENTS:
+        create.add_argument(flag, type=kind, help=help_text)
+
+
+def add_set_parser(queue_commands: Any, command: Any) -> None:
+    """`qctl queue set NAME --option VALUE ...` (client/qctl.py's `command` adds the global options)."""
+    changer = command(queue_commands, "set", cmd_queue_set,
+                      "change options of an existing queue (PATCH /v1/queues/{q}; cluster feature level 3); "
+                      "strength, type, min_in_sync and dead_letter are fixed at creation")
+    changer.add_argument("name")
+    for flag, kind, help_text in SET_ARGUMENTS:
+        changer.add_argument(flag, type=kind, help=help_text)
+
+
+async def cmd_queue_set(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    changes = {name: getattr(args, name) for name in sorted(CHANGEABLE_OPTIONS) if getattr(args, name, None) is not None}
+    if not changes:
+        raise QueueError(E_INVALID_OPTION, "name at least one option to change, e.g. --visibility-timeout-s 60")
+    answer = await http.set_queue_options(args.name, **changes)
+    options = answer.get("options") or {}
+    shown = {"queue": answer.get("name", args.name), **{name: options.get(name) for name in changes},
+             "changed": ", ".join(answer.get("changed", [])) or "nothing: the queue had these values already"}
+    return Outcome(answer, format_fields(shown))
 
 
 def created_summary(description: dict[str, Any]) -> dict[str, Any]:

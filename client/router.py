@@ -240,6 +240,7 @@ class Router:
 
     async def _read_placement(self, scope: tuple[str, ...] | None) -> None:
         first = await self._map_at(self.home, scope)
+        home_answers = first is not None
         if first is None:
             # This client's own node is down or paused: any other node of the last map knows it.
             first = await self._cluster_from_another_node(scope)
@@ -267,11 +268,14 @@ class Router:
             if pair.get("master") not in urls:
                 continue
             # A client of either member stays with it (under `producer` each member serves
-            # its own consumers; a replica forwards what its master must order).
+            # its own consumers; a replica forwards what its master must order), while it
+            # answers: a client whose node is down goes to the master, not to the replica the
+            # map still lists its dead node as after a failover (it would wait out its deadline).
             members = {urls[pair["master"]], urls.get(pair.get("replica") or "", "")}
+            stays_home = home_answers and self.url in members
             # A queue's dead-letter queue lives in its pair (the map has no entry of its own).
             for name in (queue, queue + DEAD_LETTER_SUFFIX):
-                self._masters[name] = self.url if self.url in members else urls[pair["master"]]
+                self._masters[name] = self.url if stays_home else urls[pair["master"]]
                 self._master_urls[name] = urls[pair["master"]]
             self.has_map = True
 

@@ -46,6 +46,11 @@ class SyncMessage:
     def extend(self, visibility_timeout_s: float) -> None:
         self._client.extend(self.queue, self.id, self.receipt, visibility_timeout_s)
 
+    @property
+    def trace_context(self) -> Any:
+        """The producer's OpenTelemetry context (Message.trace_context; client/tracing.py)."""
+        return self._message.trace_context
+
     def keep_alive(self, visibility_timeout_s: float = 30.0, every_s: float | None = None) -> SyncLeaseKeeper:
         """`with message.keep_alive():` around a long job (see Message.keep_alive): the
         client's loop thread extends the lease while the block runs."""
@@ -221,6 +226,10 @@ class Client:
     def delete_queue(self, name: str) -> dict[str, Any]:
         return self._run(self._async.delete_queue(name))
 
+    def set_queue_options(self, name: str, **options: Any) -> dict[str, Any]:
+        """AsyncClient.set_queue_options (client/admin.py)."""
+        return self._run(self._async.set_queue_options(name, **options))
+
     def purge(self, name: str) -> dict[str, Any]:
         return self._run(self._async.purge(name))
 
@@ -389,6 +398,16 @@ class Client:
 
     def set_grants(self, client_id: str, grants: Iterable[Grant]) -> dict[str, Any]:
         return self._run(self._async.set_grants(client_id, list(grants)))
+
+    def create_access_key(self, client_id: str) -> dict[str, Any]:
+        """AsyncClient.create_access_key (client/admin.py)."""
+        return self._run(self._async.create_access_key(client_id))
+
+    def list_access_keys(self, client_id: str) -> list[dict[str, Any]]:
+        return self._run(self._async.list_access_keys(client_id))
+
+    def revoke_access_key(self, client_id: str, key_id: str) -> dict[str, Any]:
+        return self._run(self._async.revoke_access_key(client_id, key_id))
 
     def cluster(self) -> dict[str, Any]:
         return self._run(self._async.cluster())

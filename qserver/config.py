@@ -105,6 +105,13 @@ class NodeConfig:
     snapshot_chunk_bytes_max: int = 256 << 10
     snapshot_chunks_in_flight_max: int = 16
     sync_view_max_s: float = 60.0
+    # The node's own spans (qserver/tracing.py, docs/TRACING.md), also given as a [tracing] table
+    # (exporter, path, endpoint, service_name): "" none, "jsonl" finished spans as JSON lines to
+    # tracing_path (relative: under data_dir), "otlp" to tracing_endpoint through OpenTelemetry's SDK.
+    tracing_exporter: str = ""
+    tracing_path: str = ""
+    tracing_endpoint: str = ""
+    tracing_service_name: str = "qserver"
 
     def check(self) -> NodeConfig:
         problems = []
@@ -140,6 +147,10 @@ class NodeConfig:
             problems.append("commit_wait_max_s must be positive")
         if self.log_retain_max_bytes <= 0 or self.sync_view_max_s <= 0 or self.payload_hold_bytes < 0:
             problems.append("log_retain_max_bytes and sync_view_max_s must be positive, payload_hold_bytes not negative")
+        if self.tracing_exporter not in ("", "jsonl", "otlp"):
+            problems.append('tracing exporter must be "jsonl" or "otlp" (or "" for none)')
+        elif self.tracing_exporter == "jsonl" and not self.tracing_path:
+            problems.append('tracing exporter "jsonl" needs a path (the file finished spans are appended to)')
         if self.cluster_nodes:
             if not set(self.membership_nodes) <= set(self.cluster_nodes):
                 problems.append("every voter of [cluster.membership] must be a node of [cluster.nodes]")
@@ -214,6 +225,11 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> NodeConfig:
             values["election_timeout_ms"] = tuple(values["election_timeout_ms"])
         if "placement" in cluster:
             values["placement"] = {name: list(pair) for name, pair in cluster["placement"].items()}
+        values.pop("tracing", None)         # a file without a [node] table: its tables are here too
+        for key, value in raw.get("tracing", {}).items():       # [tracing] exporter = "jsonl", ...
+            if key not in ("exporter", "path", "endpoint", "service_name"):
+                raise ValueError(f"unknown [tracing] key: {key} (exporter, path, endpoint, service_name)")
+            values[f"tracing_{key}"] = value
         known = {f.name for f in fields(NodeConfig)}
         unknown = set(values) - known
         retired = sorted(unknown & RETIRED_KEYS.keys())

@@ -41,10 +41,12 @@ from qserver.features.forwards.root import ForwardRoot
 from qserver.features.macro import api as macro_api
 from qserver.features.macro.service import MacroService
 from qserver.features.redrive import redrive
+from qserver.features.sqs import api as sqs_api
 from qserver.features.surveillance import api as recipient_api
 from qserver.features.surveillance.watch import RecipientWatch
 from qserver.http_errors import EnvelopeAppRunner
 from qserver.metrics import COLLECTOR_PAUSES, LoopLag, render_family
+from qserver.sealing import lone_node_secret
 from qserver.services import SERVICES, NodeServices
 from qserver.storage.journal_export import (
     ExportSettings,
@@ -55,6 +57,7 @@ from qserver.storage.journal_export import (
 )
 from qserver.storage.lmdb_store import Storage
 from qserver.storage.raft_store import RaftStore
+from qserver.tracing import node_tracing
 from qserver.transport.peer_link import PEER_PATH
 from qserver.transport.peers import PeerTransport
 from qserver.transport.tls import client_context, server_context
@@ -85,6 +88,12 @@ class Node:
         self.events = EventFeed(config.node_id, membership=self.membership)
         self.engine = build_engine(config, self.storage, membership=self.membership, on_fatal=on_fatal,
                                    events=self.events)
+        # The node's own spans (qserver/tracing.py, docs/TRACING.md): None unless an exporter is
+        # configured; "otlp" without OpenTelemetry's SDK stops the start here, saying what to install.
+        self.tracing = node_tracing(config.tracing_exporter, node_id=config.node_id, path=config.tracing_path,
+                                    endpoint=config.tracing_endpoint, service_name=config.tracing_service_name,
+                                    data_dir=config.data_dir)
+        self.engine.pipeline.tracing = self.tracing
         self.peers = self._peer_transport()
         for transport in (self.peers, self.membership_peers):
             if transport is not None and self.membership is not None:
@@ -99,11 +108,16 @@ class Node:
             # A node alone still calls itself in a client's name (its console, a definitions
             # import): with a secret of this process, which no other process holds.
             self.auth.cluster_secret = os.urandom(32)
+        # What seals secrets the registry keeps (access keys, qserver/sealing.py): the cluster
+        # secret, or a node alone's, kept in its data directory so they open after a restart.
+        sealing_secret = secret or lone_node_secret(Path(config.data_dir))
         # The features reach the node through its services only (qserver/services.py).
         self.services = NodeServices(self.engine, self.storage, config, cluster_secret=secret,
-                                     auth_enabled=self.auth.enabled,
+                                     auth_enabled=self.auth.enabled, sealing_secret=sealing_secret,
                                      pass_on=lambda request, target: pass_on_to(request, self, target))
         self.macros = MacroService(self.services)
+        # The SQS endpoint (docs/SQS.md) calls in its callers' names with the secret delegated calls use here.
+        self.sqs = sqs_api.SqsGateway(self.services, lambda: self.auth.cluster_secret)
         self.console: Console | None = None      # the web console, made with the application
         self.channels = ChannelHub(self.services)
         self.surveillance = RecipientWatch(self.services, self.macros)
@@ -285,6 +299,7 @@ class Node:
         if closing:
             await asyncio.wait(closing, timeout=CONNECTIONS_CLOSE_S)
         await self.macros.close()
+        await self.sqs.close()
         if self.console is not None:
             await self.console.close()
         await self.channels.stop()
@@ -302,6 +317,8 @@ class Node:
         except OSError:
             log.exception("could not save the replay window: the next start refuses older requests")
         await self.engine.stop()
+        if self.tracing is not None:
+            self.tracing.exporter.close()       # what the exporter still holds is written
         if self.membership is not None:
             self.membership.stop()
         self.storage.close()
@@ -414,6 +431,7 @@ class Node:
         lines += render_family("qserver_storage_map_bytes", "gauge", "LMDB map size", [({}, self.storage.map_size())])
         lines += self._storage_space_metrics()
         lines += self.macros.render_metrics()
+        lines += self.sqs.render_metrics()
         lines += self.channels.render_metrics()
         lines += self.surveillance.render_metrics()
         lines += self.forward_root.render_metrics()
@@ -548,6 +566,7 @@ class Node:
         channel_api.add_routes(app, self.channels)
         recipient_api.add_routes(app)
         forward_api.add_routes(app, self.forwarders)
+        sqs_api.add_routes(app, self.sqs)
         app.router.add_get("/v1/ws", websocket)
         self.console = install_console(app, self)
         if self.peers is not None:

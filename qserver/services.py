@@ -13,6 +13,8 @@ clients) is handed to it at construction by qserver/node.py, not reached through
 """
 from __future__ import annotations
 
+import logging
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +22,7 @@ from aiohttp import web
 
 from qserver.core import commands as c
 from qserver.core.ports import Redirect
+from qserver.sealing import SealingError, is_access_key_id, open_access_key
 from wire import errors as e
 from wire import versions
 from wire.errors import QueueError
@@ -38,13 +41,15 @@ __all__ = ["SERVICES", "NodeServices", "PassOn", "Redirect"]
 PassOn = Callable[[web.Request, str], Awaitable[web.Response]]
 # finish(result) or finish(QueueError), on the engine's task (qserver/cluster/coordinator.py).
 Finish = Callable[[Any], None]
+ACCESS_KEYS_CACHED_MAX = 1_024   # opened access key secrets kept (access_key): a request then costs no AES
+log = logging.getLogger("qserver.services")
 
 
 class NodeServices:
     """What the features may do with the node. Constructed by qserver/node.py."""
 
     def __init__(self, engine: Engine, storage: Storage, config: NodeConfig, *, cluster_secret: bytes,
-                 auth_enabled: bool, pass_on: PassOn) -> None:
+                 auth_enabled: bool, pass_on: PassOn, sealing_secret: bytes = b"") -> None:
         self._engine = engine
         self._storage = storage
         self.config = config
@@ -55,6 +60,12 @@ class NodeServices:
         self.cluster_secret = cluster_secret
         self.auth_enabled = auth_enabled
         self._pass_on = pass_on
+        # What seals the secrets the map keeps (qserver/sealing.py): the cluster secret in a
+        # cluster, a lone node's own (qserver/sealing.py lone_node_secret, given by node.py) otherwise.
+        self.sealing_secret: bytes = cluster_secret or sealing_secret
+        # key id -> (client id, sealed text, secret): valid while the record still holds that text.
+        self._access_keys: OrderedDict[str, tuple[str, str, bytes]] = OrderedDict()
+        self._unopened: set[tuple[str, str]] = set()     # (key id, sealed text) warned about once
 
     # --- engine commands ----------------------------------------------------------------------
     def submit(self, command: c.Command) -> None:
@@ -165,6 +176,42 @@ class NodeServices:
         """The registry's record of a client (its key and grants), None when unknown."""
         return self._engine.clients.get(client_id)
 
+    def access_key(self, key_id: str) -> tuple[str, bytes] | None:
+        """(owning client id, secret access key as ASCII bytes) of an access key
+        (docs/PROTOCOL.md "Access keys"), from the client records the map holds; None when no
+        such key, the key is revoked or its client removed. A revocation is seen at once: the
+        cached secret counts only while the client's record holds the same sealed text."""
+        if not is_access_key_id(key_id):
+            return None
+        clients = self._engine.clients
+        cached = self._access_keys.get(key_id)
+        if cached is not None:
+            client_id, sealed, secret = cached
+            if _sealed_key(clients.get(client_id), key_id) == sealed:
+                self._access_keys.move_to_end(key_id)
+                return client_id, secret
+            del self._access_keys[key_id]
+        for client_id, record in clients.items():
+            stored = _sealed_key(record, key_id)
+            if stored is None:
+                continue
+            try:
+                secret = open_access_key(self.sealing_secret, client_id, key_id, stored)
+            except SealingError:
+                # Sealed under another secret (a lone node's key, the node since made part of
+                # another cluster) or damaged: the key does not work here. Said once per sealed
+                # text, not at every request that names it; the text itself is never logged.
+                if (key_id, stored) not in self._unopened and len(self._unopened) < ACCESS_KEYS_CACHED_MAX:
+                    self._unopened.add((key_id, stored))
+                    log.warning("access key %s of client %s does not open with this node's sealing secret",
+                                key_id, client_id)
+                return None
+            self._access_keys[key_id] = (client_id, stored, secret)
+            while len(self._access_keys) > ACCESS_KEYS_CACHED_MAX:
+                self._access_keys.popitem(last=False)
+            return client_id, secret
+        return None
+
     # --- configuration --------------------------------------------------------------------------
     def tls_ca_file(self) -> str:
         """The CA this node checks TLS peers against ("" without TLS)."""
@@ -202,6 +249,14 @@ class NodeServices:
         """The client that enqueued a stored message, None if not stored."""
         with self._storage.reads() as storage:
             return storage.producer(queue_id, message_id)
+
+
+def _sealed_key(record: dict[str, Any] | None, key_id: str) -> str | None:
+    """The sealed secret of access key `key_id` in a client record, None when it holds none."""
+    keys = record.get("access_keys") if isinstance(record, dict) else None
+    entry = keys.get(key_id) if isinstance(keys, dict) else None
+    sealed = entry.get("sealed") if isinstance(entry, dict) else None
+    return sealed if isinstance(sealed, str) else None
 
 
 SERVICES: web.AppKey[NodeServices] = web.AppKey("services", NodeServices)

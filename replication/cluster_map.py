@@ -57,6 +57,7 @@ from replication.map_commands import (
     SetAlternatives,
     SetFeatureLevel,
     SetNodeState,
+    SetQueueOptions,
     decode_command,
     encode_command,
 )
@@ -96,6 +97,7 @@ from replication.map_planning import (
     plan_rebalance,
     plan_replacements,
 )
+from replication.options import LEVEL3_OPTIONS, OptionError, changed_options
 from wire.versions import FEATURE_LEVEL, FEATURES, OLDEST_FEATURE_LEVEL, RELEASE
 
 # The map's vocabulary and decisions are re-exported: most of the project imports them from here.
@@ -107,7 +109,7 @@ __all__ = ["ALTERNATIVES_MAX", "AddNode", "CHANNEL_PREFIX", "CHANNEL_QUEUE_OPTIO
            "NoteRecipient", "Outcome", "PairState", "ProducerPolicy", "PutChannel", "PutClient", "PutForward",
            "PutMacroMember", "PutRecipient", "QueueEntry", "RECIPIENTS_MAX", "RECIPIENTS_PER_CLIENT_MAX",
            "REVOKED_CLIENTS_MAX", "Reason", "RecipientEntry", "RecipientState", "RemoveMacroMember",
-           "RemoveRecipient", "SUMMARY_NAMES_MAX", "SetAlternatives", "SetFeatureLevel", "SetNodeState", "astuple", "channel_queue",
+           "RemoveRecipient", "SUMMARY_NAMES_MAX", "SetAlternatives", "SetFeatureLevel", "SetNodeState", "SetQueueOptions", "astuple", "channel_queue",
            "choose_pair", "decode_command", "decode_map", "encode_command", "encode_map", "macro_policy_problem",
            "plan_failover", "plan_member_moves", "plan_rebalance", "plan_replacements"]
 
@@ -368,6 +370,8 @@ class ClusterMap:
             return [self._put_forward(command)]
         if isinstance(command, SetFeatureLevel):
             return [self._set_feature_level(command.level)]
+        if isinstance(command, SetQueueOptions):
+            return [self._set_queue_options(command)]
         if isinstance(command, DeleteForward):
             gone = self.forwards.pop(command.name, None)
             if gone is None:
@@ -390,6 +394,25 @@ class ClusterMap:
             return Outcome("feature_level", False, f"the cluster runs at feature level {self.feature_level} already")
         self.feature_level = level
         return Outcome("feature_level", True, f"raised to {level}")
+
+    def _set_queue_options(self, command: SetQueueOptions) -> Outcome:
+        """Change the named options of a queue's entry; its members' cores take them from the
+        entry (qserver/cluster/pairs.py, reconcile). Refused below feature level 3 on every node,
+        as a proposal that bypassed the route's gate must leave every copy of the map the same."""
+        entry = self.queues.get(command.name)
+        if entry is None or entry.incarnation != command.incarnation:
+            return Outcome(command.name, False, "no such incarnation")
+        if self.feature_level < FEATURES["queue_options_change"]:
+            return Outcome(command.name, False, f"changing a queue's options needs cluster feature level "
+                                                f"{FEATURES['queue_options_change']}")
+        try:
+            options = changed_options(entry.options, command.options)
+        except (OptionError, TypeError, ValueError, KeyError) as error:
+            return Outcome(command.name, False, str(error)[:200])
+        if options == entry.options:
+            return Outcome(command.name, True, "unchanged")
+        entry.options = options
+        return Outcome(command.name, True, "changed")
 
     def chain_binding(self, recipient: str) -> str | None:
         """The queue an administrator's chain binds `recipient` to (the first chain naming it
@@ -522,6 +545,10 @@ class ClusterMap:
                 return Outcome(command.name, False, f"node {member} is not up")
         if command.master == command.replica:
             return Outcome(command.name, False, "master and replica must be different nodes")
+        if self.feature_level < FEATURES["queue_delay_and_wait"] and any(command.options.get(name)
+                                                                          for name in LEVEL3_OPTIONS):
+            return Outcome(command.name, False, f"the options {', '.join(sorted(LEVEL3_OPTIONS))} need cluster feature "
+                                                f"level {FEATURES['queue_delay_and_wait']}")
         created = QueueEntry(command.name, dict(command.options), command.master, command.replica, 1, True,
                              command.incarnation)
         self.queues[command.name] = created

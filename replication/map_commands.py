@@ -215,15 +215,29 @@ class SetFeatureLevel:
     level: int
 
 
+@dataclass(frozen=True, slots=True)
+class SetQueueOptions:
+    """Change options of an existing queue (`PATCH /v1/queues/{q}`; docs/PROTOCOL.md, "Changing
+    a queue's options"): `options` names only those it changes, each one of
+    replication/options.py CHANGEABLE_OPTIONS; the queue's incarnation is named so that a change
+    meant for a queue deleted meanwhile never reaches one created again under its name. Applied
+    only at cluster feature level 3: release 0.2.0 does not know this tag."""
+    TAG = 21
+    name: str
+    incarnation: int
+    options: dict[str, Any]
+
+
 Command = (AddNode | SetNodeState | CreateQueue | DeleteQueue | ChangePair | ChangePairs | PutClient | SetAlternatives
            | CreateMacro | DeleteMacro | PutMacroMember | RemoveMacroMember | PutChannel | DeleteChannel | PutRecipient
-           | PutForward | DeleteForward | RemoveRecipient | NoteRecipient | SetFeatureLevel)
+           | PutForward | DeleteForward | RemoveRecipient | NoteRecipient | SetFeatureLevel | SetQueueOptions)
 COMMAND_TYPES: dict[int, type] = {kind.TAG: kind for kind in (AddNode, SetNodeState, CreateQueue, DeleteQueue,
                                                               ChangePair, ChangePairs, PutClient, SetAlternatives,
                                                               CreateMacro, DeleteMacro, PutMacroMember,
                                                               RemoveMacroMember, PutChannel, DeleteChannel,
                                                               PutRecipient, PutForward, DeleteForward,
-                                                              RemoveRecipient, NoteRecipient, SetFeatureLevel)}
+                                                              RemoveRecipient, NoteRecipient, SetFeatureLevel,
+                                                              SetQueueOptions)}
 
 
 class CommandError(ValueError):
@@ -277,6 +291,11 @@ def _from_row(row: Any) -> Command:
             if not isinstance(level, int) or isinstance(level, bool) or level < 1:
                 raise CommandError(f"a feature level is an integer from 1, not {level!r}"[:120])
             return SetFeatureLevel(level)
+        if tag == SetQueueOptions.TAG:
+            name, incarnation, options = values
+            if not isinstance(name, str) or type(incarnation) is not int or not isinstance(options, dict):
+                raise CommandError("SetQueueOptions is [tag, name, incarnation, {option: value}]")
+            return SetQueueOptions(name, incarnation, options)
         return COMMAND_TYPES[tag](*values)  # type: ignore[no-any-return]
     except (TypeError, ValueError) as exc:
         raise CommandError(str(exc)) from None

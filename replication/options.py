@@ -19,8 +19,8 @@ from typing import Any
 
 # What a message may carry is wire/message_input.py's: the queue options are bounded by the
 # same limits, and the queue core (its ready set per priority) takes PRIORITY_MAX from here.
+from wire.message_input import DELAY_MAX_S, TTL_MAX_S, VISIBILITY_MAX_S
 from wire.message_input import PRIORITY_MAX as PRIORITY_MAX
-from wire.message_input import TTL_MAX_S, VISIBILITY_MAX_S
 
 DEAD_LETTER_SUFFIX = ".dlq"
 # 196 characters, so that a queue's dead-letter queue name (+ ".dlq") stays within 200.
@@ -89,11 +89,25 @@ class QueueOptions:
     forward_interval_s: float = 2.0
     forward_mode: str = "adaptive"
     forward_bands: int = 10
+    # Added in 0.3.0 (cluster feature level 3; docs/PROTOCOL.md, "Queue options delay_s and
+    # receive_wait_s"): the delivery delay of every message enqueued without one of its own (SQS
+    # DelaySeconds), and how long a REST receive that names no `wait_s` waits (SQS
+    # ReceiveMessageWaitTimeSeconds).
+    delay_s: float = 0.0
+    receive_wait_s: float = 0.0
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, *, every: bool = False) -> dict[str, Any]:
+        """The options as stored (map entries, queue records, snapshots, the journal): the
+        options of LEVEL3_OPTIONS only when set, so that what a queue without them stores stays
+        readable by release 0.2.0, whose nodes refuse option names they do not know. `every`:
+        all of them, for an answer to show."""
         out = {name: getattr(self, name) for name in self.__slots__}
         out["strength"] = self.strength.value
         out["type"] = self.type.value
+        if not every:
+            for name in LEVEL3_OPTIONS:
+                if not out[name]:
+                    del out[name]
         return out
 
     @property
@@ -111,8 +125,16 @@ class QueueOptions:
     def message_ttl_ms(self) -> int:
         return int(self.message_ttl_s * 1000)
 
+    @property
+    def delay_ms(self) -> int:
+        return int(self.delay_s * 1000)
+
 
 OPTION_NAMES = frozenset(f.name for f in fields(QueueOptions))
+# Options release 0.2.0 does not know: set to anything but 0 only at cluster feature level 3
+# (wire/versions.py FEATURES "queue_delay_and_wait"), stored only when set (QueueOptions.to_json).
+LEVEL3_OPTIONS = frozenset({"delay_s", "receive_wait_s"})
+RECEIVE_WAIT_MAX_S = 20.0       # as SQS's ReceiveMessageWaitTimeSeconds, and our receive's wait_s
 SURVEILLANCE_OPTIONS = frozenset({"fault_interval_s", "defunct_interval_s", "message_interval_s"})
 SURVEILLANCE_INTERVAL_MAX_S = 86_400.0
 FORWARD_MODES = ("adaptive", "static")
@@ -164,6 +186,21 @@ def parse_options(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     unknown = set(raw) - OPTION_NAMES - PLACEMENT_OPTION_NAMES
     if unknown:
         raise OptionError(f"unknown options: {', '.join(sorted(unknown))}")
+    given = _values(raw)
+    fault, defunct = given.get("fault_interval_s", 0.0), given.get("defunct_interval_s", 0.0)
+    if defunct and not 0 < fault <= defunct:
+        raise OptionError("defunct_interval_s needs a fault_interval_s, and is at least as long")
+    placement = {k: raw[k] for k in raw.keys() & PLACEMENT_OPTION_NAMES}
+    if "master_required" in placement and not isinstance(placement["master_required"], bool):
+        raise OptionError("master_required must be true or false")
+    for member in ("master", "replica"):
+        if member in placement and not isinstance(placement[member], str):
+            raise OptionError(f"{member} must be a node id")
+    return given, placement
+
+
+def _values(raw: dict[str, Any]) -> dict[str, Any]:
+    """Each queue option `raw` names, validated on its own (OptionError for the first out of range)."""
     given: dict[str, Any] = {}
     for name in raw.keys() & OPTION_NAMES:
         if name == "strength":
@@ -178,6 +215,10 @@ def parse_options(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
             given[name] = float(_number(raw, name, 0.0, VISIBILITY_MAX_S, False))
         elif name == "message_ttl_s":
             given[name] = float(_number(raw, name, 0.0, TTL_MAX_S, False))
+        elif name == "delay_s":
+            given[name] = float(_number(raw, name, 0.0, DELAY_MAX_S, False))
+        elif name == "receive_wait_s":
+            given[name] = float(_number(raw, name, 0.0, RECEIVE_WAIT_MAX_S, False))
         elif name in SURVEILLANCE_OPTIONS:
             given[name] = float(_number(raw, name, 0.0, SURVEILLANCE_INTERVAL_MAX_S, False))
         elif name == "forward_rate":
@@ -196,16 +237,50 @@ def parse_options(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
             given[name] = _number(raw, name, 1, 1_000_000, True)
         else:  # min_in_sync
             given[name] = _number(raw, name, 1, 2, True)
-    fault, defunct = given.get("fault_interval_s", 0.0), given.get("defunct_interval_s", 0.0)
-    if defunct and not 0 < fault <= defunct:
-        raise OptionError("defunct_interval_s needs a fault_interval_s, and is at least as long")
-    placement = {k: raw[k] for k in raw.keys() & PLACEMENT_OPTION_NAMES}
-    if "master_required" in placement and not isinstance(placement["master_required"], bool):
-        raise OptionError("master_required must be true or false")
-    for member in ("master", "replica"):
-        if member in placement and not isinstance(placement[member], str):
-            raise OptionError(f"{member} must be a node id")
-    return given, placement
+    return given
+
+
+# What `PATCH /v1/queues/{q}` may change (docs/PROTOCOL.md, "Changing a queue's options"): what
+# the queue core reads afresh at each enqueue, lease or release, and the features at each look.
+# The others are fixed at creation: strength, type and min_in_sync shape the pair's protocol,
+# and dead_letter decides whether the queue has a dead-letter queue at all (made with it).
+CHANGEABLE_OPTIONS = frozenset({"visibility_timeout_s", "max_deliveries", "message_ttl_s", "max_depth", "delay_s",
+                                "receive_wait_s", *SURVEILLANCE_OPTIONS, "forward_rate", "forward_interval_s",
+                                "forward_mode", "forward_bands"})
+
+
+def parse_changes(raw: Any) -> dict[str, Any]:
+    """The options a change names, validated one by one (OptionError naming the first that is
+    unknown, a placement request or out of range), as JSON values. At least one. An option fixed
+    at creation may be named with the value the queue has (a caller that restates every option,
+    as the SQS endpoint's SetQueueAttributes of a RedrivePolicy does): changed_options refuses it
+    only when it would change."""
+    if not isinstance(raw, dict) or not raw:
+        raise OptionError("the body is a JSON object of the options to change, at least one")
+    placement = sorted(set(raw) & PLACEMENT_OPTION_NAMES)
+    if placement:
+        raise OptionError(f"{', '.join(placement)} cannot be changed: placement is asked of a create, or of a move")
+    unknown = sorted(set(raw) - OPTION_NAMES)
+    if unknown:
+        raise OptionError(f"unknown options: {', '.join(unknown)}")
+    # each value on its own: rules across options are checked with the queue's (changed_options)
+    return {name: getattr(value, "value", value) for name, value in _values(raw).items()}
+
+
+def changed_options(current: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """A map entry's stored options (`current`) with `changes` applied: the stored form again
+    (QueueOptions.to_json, LEVEL3_OPTIONS only when set). OptionError when an option fixed at
+    creation would change, or the result breaks a rule that spans options (a defunct interval
+    needs a fault interval no longer than it)."""
+    merged = options_from_json(current).to_json(every=True)
+    fixed = sorted(name for name in set(changes) - CHANGEABLE_OPTIONS
+                   if name not in merged or getattr(changes[name], "value", changes[name]) != merged[name])
+    if fixed:
+        raise OptionError(f"{', '.join(fixed)} cannot be changed: fixed when the queue is created (changeable: "
+                          f"{', '.join(sorted(CHANGEABLE_OPTIONS))})")
+    merged.update(changes)
+    given, _ = parse_options(merged)
+    return QueueOptions(**given).to_json()
 
 
 def _enum(kind: type[enum.Enum], value: Any, name: str) -> Any:

@@ -224,7 +224,7 @@ class QueueCore:
             self.overflows += 1
             raise QueueError(E_QUEUE_FULL, f"queue {record.name} holds {record.options.max_depth} messages")
         op = Enqueued(record.queue_id, record.next_index, priority, now_ms, dedupe_id, client, payload,
-                      ttl_ms or record.options.message_ttl_ms, delay_ms, headers)
+                      ttl_ms or record.options.message_ttl_ms, delay_ms or record.options.delay_ms, headers)
         out.append(op)
         # The master places the message exactly as every member applies its Enqueued: one
         # definition of an enqueue's effect (issue 33, item 5).

@@ -17,8 +17,9 @@ LINES_MAX = 800
 
 # Room -> the rooms it may import besides itself. A room is the longest prefix listed here.
 # Shared leaves every server room may use: qserver.config (settings), qserver.metrics, and
-# qserver.http_errors (the error envelope of every HTTP surface).
-SERVER_LEAVES = ("qserver.config", "qserver.metrics", "qserver.http_errors")
+# qserver.http_errors (the error envelope of every HTTP surface), qserver.sealing (secrets the
+# map keeps, sealed with the cluster secret).
+SERVER_LEAVES = ("qserver.config", "qserver.metrics", "qserver.http_errors", "qserver.sealing", "qserver.tracing")
 ALLOWED: dict[str, tuple[str, ...]] = {
     "wire": (),
     "replication": ("wire",),
@@ -36,12 +37,14 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     # The console acts as its signed-in client, through the client library (delegated calls),
     # and reads the node's own state only through the services door.
     "qserver.console": ("qserver.services", "qserver.core.grants", "qserver.api.auth", "qserver.features.macro.service",
-                        "replication", "wire", "client", *SERVER_LEAVES),
+                        "qserver.features.delegated", "replication", "wire", "client", *SERVER_LEAVES),
     "qserver.services": ("qserver.core", "qserver.cluster", "qserver.storage", "qserver.api.auth", "replication",
                          "wire", *SERVER_LEAVES),
     "qserver.config": ("replication", "wire"),
     "qserver.metrics": (),
     "qserver.http_errors": ("wire",),
+    "qserver.sealing": (),          # secrets at rest in the map (access keys, forwards' credentials)
+    "qserver.tracing": ("replication",),     # the node's spans (docs/TRACING.md): the batch's operations
 }
 # The top of the node: these wire the rooms together and may import anything.
 ANYTHING = ("qserver.node", "qserver.assembly", "qserver.cli", "qserver.__main__", "qserver.dev", "qserver")

@@ -204,3 +204,34 @@ async def test_a_producer_and_a_consumer_with_a_full_window_resume_within_2_s_af
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
     assert not traffic.delivered_after_ack, f"acked and delivered again: {traffic.delivered_after_ack[:10]} ({context})"
+
+
+@pytest.mark.parametrize("role", ["master", "replica"])
+@pytest.mark.timeout(90)
+async def test_a_client_whose_own_node_dies_and_stays_down_reaches_the_queue_at_its_other_member(
+        qcluster_factory: Any, role: str) -> None:
+    """Issue 36 (found by the SQS gateway's and the Celery transport's kill tests): a client
+    stays with its own node while that node is a member of the queue's pair, and after its node
+    was killed the map still lists it (as the replica after a failover, or until the replica is
+    moved), so every call went to the dead node and waited out the call's deadline (30 s). It
+    goes to the live master once its own node does not answer the map."""
+    cluster: LocalCluster = qcluster_factory(3)
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as admin:
+        await admin.create_queue(QUEUE, strength="full")
+        master, replica = await pair_of(admin)
+    victim = {"master": master, "replica": replica}[role]
+    async with AsyncClient(cluster.urls[victim], cluster.credentials_path) as client:
+        await client.refresh_placement()
+        before = await client.enqueue(QUEUE, b"before")
+        await asyncio.to_thread(cluster.kill, victim)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        after = await client.enqueue(QUEUE, b"after")
+        stored_s = loop.time() - started
+        assert stored_s < 15, f"the enqueue after the {role} {victim} (the client's node) died took {stored_s:.1f} s"
+        got: dict[bytes, Any] = {}
+        while len(got) < 2 and loop.time() - started < 30:     # a receive takes up to 2, not always both
+            got.update((m.payload, m) for m in await client.receive(QUEUE, max_messages=2, wait_s=5))
+        assert set(got) == {b"before", b"after"}, f"{before=} {after=} got {sorted(got)}"
+        for message in got.values():
+            await message.ack()

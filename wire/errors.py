@@ -48,6 +48,7 @@ E_REPLAYED_REQUEST = _kind("E_REPLAYED_REQUEST", 401, False, "this request nonce
 E_FORBIDDEN = _kind("E_FORBIDDEN", 403, False, "the client lacks the privilege for this queue")
 E_UNKNOWN_CLIENT = _kind("E_UNKNOWN_CLIENT", 404, False, "no such registered client")
 E_CLIENT_EXISTS = _kind("E_CLIENT_EXISTS", 409, False, "a client with this name is already registered")
+E_UNKNOWN_ACCESS_KEY = _kind("E_UNKNOWN_ACCESS_KEY", 404, False, "the client has no access key of that id")
 # --- queues and messages -----------------------------------------------------------------------
 E_UNKNOWN_QUEUE = _kind("E_UNKNOWN_QUEUE", 404, False, "no such queue")
 E_OPTIONS_MISMATCH = _kind("E_OPTIONS_MISMATCH", 409, False, "the queue exists with different options")

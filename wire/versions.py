@@ -64,13 +64,17 @@ SILENT_PEER = {"client": VersionRange(1, 1), "replication": VersionRange(8, 8), 
 
 # Cluster feature levels: each level names the first release that supports it.
 OLDEST_FEATURE_LEVEL = 1
-FEATURE_LEVEL = 2                  # the highest level this release can run at
-FEATURE_LEVEL_RELEASES = {1: "0.1.0", 2: "0.2.0"}
+FEATURE_LEVEL = 3                  # the highest level this release can run at
+FEATURE_LEVEL_RELEASES = {1: "0.1.0", 2: "0.2.0", 3: "0.3.0"}
 
 # Features that need a cluster feature level above the oldest, and which. A node of this release
 # refuses them with E_FEATURE_DISABLED until the map's level reaches theirs.
 FEATURES: dict[str, int] = {
     "macro_highest_priority": 2,   # the macro consumer policy `highest_priority`: a map value 0.1.0 refuses
+    # PATCH /v1/queues/{q}: a map command (SetQueueOptions) 0.2.0 cannot decode.
+    "queue_options_change": 3,
+    # The queue options delay_s and receive_wait_s set to anything but 0: names 0.2.0 refuses in a map entry.
+    "queue_delay_and_wait": 3,
 }
 
 

@@ -48,8 +48,10 @@ async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamR
         check_client_versions(request)      # a client sharing no protocol version: E_VERSION_MISMATCH
         if node.auth.node_id != node.config.node_id:     # the addresses signatures (and sign-in links) name
             node.auth.bind(node.config.node_id, own_addresses(node.config))
-        # The console (qserver/console/) signs its visitors in with a cookie of its own.
-        if request.path not in UNSIGNED_PATHS and not is_console_path(request.path):
+        # The console (qserver/console/) signs its visitors in with a cookie of its own; the
+        # SQS endpoint (qserver/features/sqs/) checks AWS Signature Version 4 itself.
+        if request.path not in UNSIGNED_PATHS and not is_console_path(request.path) \
+                and not is_sqs_path(request.path):
             length = request.content_length
             if length is not None and length > node.config.body_bytes_max:
                 raise QueueError(e.E_PAYLOAD_TOO_LARGE, f"body over {node.config.body_bytes_max} bytes")
@@ -89,6 +91,11 @@ async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamR
 
 def is_console_path(path: str) -> bool:
     return path == "/console" or path.startswith("/console/")
+
+
+def is_sqs_path(path: str) -> bool:
+    """The SQS endpoint's paths (docs/SQS.md): they answer errors in SQS's shapes, not ours."""
+    return path == "/sqs" or path.startswith("/sqs/")
 
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]", "0.0.0.0", "::", ""})
@@ -166,6 +173,7 @@ def add_routes(app: web.Application) -> None:
     r.add_put("/v1/queues/", queues.empty_queue_name)
     r.add_get("/v1/queues", queues.list_queues)
     r.add_put("/v1/queues/{q}", queues.put_queue)
+    r.add_patch("/v1/queues/{q}", queues.patch_queue)       # change options (0.3.0, feature level 3)
     r.add_get("/v1/queues/{q}", queues.get_queue)
     r.add_delete("/v1/queues/{q}", queues.delete_queue)
     r.add_post("/v1/queues/{q}/messages", messages.enqueue)
@@ -197,6 +205,9 @@ def add_routes(app: web.Application) -> None:
     r.add_get("/v1/clients", clients.list_clients)
     r.add_delete("/v1/clients/{id}", clients.remove_client)
     r.add_put("/v1/clients/{id}/grants", clients.set_grants)
+    r.add_post("/v1/clients/{id}/access-keys", clients.create_access_key)
+    r.add_get("/v1/clients/{id}/access-keys", clients.list_access_keys)
+    r.add_delete("/v1/clients/{id}/access-keys/{key}", clients.revoke_access_key)
     r.add_get("/v1/definitions", definitions.export)
     r.add_post("/v1/definitions", definitions.import_)
     r.add_get("/healthz", healthz)

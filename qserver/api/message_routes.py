@@ -13,6 +13,7 @@ from aiohttp import web
 
 from qserver.api.auth import refused_ack_text
 from qserver.api.http_common import NODE, call, message_id, number_param, path_name, principal, queue_name, receipt
+from qserver.api.queue_routes import receive_wait_s
 from qserver.core import commands as c
 from qserver.core import peek
 from qserver.core.engine import TERMINAL_STATES
@@ -45,8 +46,10 @@ async def enqueue(request: web.Request) -> web.Response:
                                            headers=headers)
         return web.json_response({"id": int(answer), "queue": answer.queue, "copies": answer.copies, "macro": name},
                                  status=201)
+    tracing = node.tracing      # an enqueue span when configured and traced (qserver/tracing.py)
     message_index, epoch = await call(
-        engine, lambda r: c.Enqueue(name, payload, priority, dedupe_id, client, r, ttl_ms=ttl_ms,
+        engine, lambda r: c.Enqueue(name, payload, priority, dedupe_id, client,
+                                    r if tracing is None else tracing.replier(r, name, headers), ttl_ms=ttl_ms,
                                     delay_ms=delay_ms, headers=headers), may_have_applied=True)
     one_way = engine.cores[name].options.type.value == "one_way" if name in engine.cores else False
     return web.json_response({"id": message_index, "epoch": epoch}, status=202 if one_way else 201)
@@ -56,6 +59,8 @@ async def receive(request: web.Request) -> web.Response:
     name = queue_name(request, "get")
     node = request.app[NODE]
     wait_s = number_param(request, "wait_s", 0.0, 0.0, node.config.receive_wait_max_s)
+    if "wait_s" not in request.rel_url.query:     # the queue's receive_wait_s (docs/PROTOCOL.md, "Queue options")
+        wait_s = min(receive_wait_s(node.engine, name), node.config.receive_wait_max_s)
     visibility_s = number_param(request, "visibility_timeout_s", -1.0, 0.0, m.VISIBILITY_MAX_S) if \
         "visibility_timeout_s" in request.rel_url.query else None
     visibility_ms = None if visibility_s is None else int(visibility_s * 1000)

@@ -15,18 +15,31 @@ from qserver.api.http_common import (
     NODE,
     PLACEMENT,
     call,
+    in_engine,
     json_body,
     number_param,
     page_of,
     page_params,
     pass_on_to,
     principal,
+    propose,
     queue_name,
 )
 from qserver.core import commands as c
 from qserver.services import SERVICES, NodeServices
-from replication.options import OptionError, is_valid_queue_name, parse_options
+from replication.cluster_map import CHANNEL_PREFIX, SetQueueOptions
+from replication.options import (
+    DEAD_LETTER_SUFFIX,
+    LEVEL3_OPTIONS,
+    OptionError,
+    changed_options,
+    is_valid_queue_name,
+    options_from_json,
+    parse_changes,
+    parse_options,
+)
 from wire import errors as e
+from wire import versions
 from wire.errors import QueueError
 
 QUEUES_PAGE_DEFAULT, QUEUES_PAGE_MAX = 100, 1000       # GET /v1/queues
@@ -43,12 +56,99 @@ async def put_queue(request: web.Request) -> web.Response:
     except OptionError as error:
         raise QueueError(e.E_INVALID_OPTION, str(error)) from None
     engine = request.app[NODE].engine
+    if any(options.get(option) for option in LEVEL3_OPTIONS):
+        # A map entry naming them is one release 0.2.0 cannot read (wire/versions.py FEATURES).
+        versions.require_feature(feature_level(engine), "queue_delay_and_wait")
     chosen = request.headers.get(PLACEMENT, "").split(",")
     if PASSED_ON_BY in request.headers and len(chosen) == 2:
         placement.setdefault("master", chosen[0])
         placement.setdefault("replica", chosen[1])
     result = await call(engine, lambda r: c.CreateQueue(name, options, placement, r))
     return web.json_response(result, status=201 if result["created"] else 200)
+
+
+def feature_level(engine: Any) -> int:
+    """The map's feature level; outside a cluster, this release's highest (nothing to keep compatible with)."""
+    coordinator = engine.coordinator
+    return versions.FEATURE_LEVEL if coordinator is None else coordinator.membership.cluster_map.feature_level
+
+
+async def patch_queue(request: web.Request) -> web.Response:
+    """PATCH /v1/queues/{q}: change options of an existing queue (docs/PROTOCOL.md, "Changing a
+    queue's options"); the queue's options after the change. In a cluster a map command
+    (SetQueueOptions) that every member's core takes from the map (qserver/cluster/pairs.py,
+    reconcile), answered once this node's map applied it; on a lone node the core's record,
+    answered once it is durable."""
+    name = queue_name(request, "admin")
+    if name.endswith(DEAD_LETTER_SUFFIX) or name.startswith(CHANNEL_PREFIX):
+        raise QueueError(e.E_RESERVED_NAME, f"{name}: a dead-letter queue's or a channel's options follow its owner's")
+    try:
+        changes = parse_changes(await json_body(request))
+    except OptionError as error:
+        raise QueueError(e.E_INVALID_OPTION, str(error)) from None
+    engine = request.app[NODE].engine
+    coordinator = engine.coordinator
+    if coordinator is None:
+        return web.json_response(await in_engine(engine, lambda finish: _change_lone(engine, name, changes, finish)))
+    versions.require_feature(coordinator.membership.cluster_map.feature_level, "queue_options_change")
+    entry = coordinator.membership.cluster_map.queues.get(name)
+    if entry is None:
+        raise QueueError(e.E_UNKNOWN_QUEUE, f"no queue named {name!r}")
+    before = options_from_json(entry.options).to_json(every=True)
+    try:
+        changed_options(entry.options, changes)       # refused here with its reason, before any proposal
+    except OptionError as error:
+        raise QueueError(e.E_INVALID_OPTION, str(error)) from None
+    outcome = await propose(request, SetQueueOptions(name, entry.incarnation, changes))
+    entry = coordinator.membership.cluster_map.queues.get(name)      # a snapshot may have replaced the map
+    if not outcome.applied or entry is None:
+        kind = e.E_UNKNOWN_QUEUE if entry is None or "incarnation" in outcome.reason else e.E_INVALID_OPTION
+        raise QueueError(kind, f"queue {name}: {outcome.reason}")
+    return web.json_response(_answer(name, before, options_from_json(entry.options).to_json(every=True)))
+
+
+def _answer(name: str, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """PATCH's answer: every option after the change, and the names whose value it changed."""
+    return {"name": name, "options": after, "changed": sorted(key for key in after if before.get(key) != after[key])}
+
+
+def _change_lone(engine: Any, name: str, changes: dict[str, Any], finish: Callable[[Any], None]) -> None:
+    """On the engine's task: a lone node's queue takes the options in its record, written with
+    the open batch (what a restart loads); answered after that batch commits."""
+    core = engine.cores.get(name)
+    if core is None:
+        finish(QueueError(e.E_UNKNOWN_QUEUE, f"no queue named {name!r}"))
+        return
+    try:
+        options = options_from_json(changed_options(core.options.to_json(), changes))
+    except OptionError as error:
+        finish(QueueError(e.E_INVALID_OPTION, str(error)))
+        return
+    answer = _answer(name, core.options.to_json(every=True), options.to_json(every=True))
+    if options == core.options:
+        finish(answer)
+        return
+    core.record.options = options
+    engine.pipeline.touch(core)
+    engine.pipeline.open.after_commit.append(lambda: finish(answer))
+
+
+def shown_options(stored: dict[str, Any]) -> dict[str, Any]:
+    """A map entry's options as an answer shows them: every one, the LEVEL3_OPTIONS it does not store at 0."""
+    return {**dict.fromkeys(sorted(LEVEL3_OPTIONS), 0.0), **stored}
+
+
+def receive_wait_s(engine: Any, name: str) -> float:
+    """How long a receive that names no wait waits on queue `name`: its option receive_wait_s
+    (0 when the map's entry or the core here does not set it; a dead-letter queue has its own,
+    0, not its queue's, whose map entry it shares)."""
+    if name.endswith(DEAD_LETTER_SUFFIX):
+        return 0.0
+    entry = engine.pairs.view.entry(name)
+    if entry is not None:
+        return float(entry.options.get("receive_wait_s", 0.0))
+    core = engine.cores.get(name)
+    return core.options.receive_wait_s if core is not None else 0.0
 
 
 async def empty_queue_name(request: web.Request) -> web.Response:
@@ -87,7 +187,7 @@ async def list_queues(request: web.Request) -> web.Response:
         listed = engine.describe(core) if core is not None else {"name": name}
         entry = entries.get(name)
         if entry is not None:            # the map's placement wins over what this node describes
-            listed.update({"options": listed.get("options", entry.options), "master": entry.master,
+            listed.update({"options": listed.get("options", shown_options(entry.options)), "master": entry.master,
                            "replica": entry.replica, "epoch": entry.epoch, "in_sync": entry.in_sync,
                            "incarnation": entry.incarnation, "last_reason": entry.last_reason,
                            "held_here": core is not None})
@@ -104,7 +204,7 @@ def _listed(engine: Any, entries: Any, name: str) -> dict[str, Any]:
     listed: dict[str, Any] = engine.describe(core) if core is not None else {"name": name}
     entry = entries.get(name)
     if entry is not None:
-        listed.update({"options": listed.get("options", entry.options), "master": entry.master,
+        listed.update({"options": listed.get("options", shown_options(entry.options)), "master": entry.master,
                        "replica": entry.replica, "epoch": entry.epoch, "in_sync": entry.in_sync,
                        "incarnation": entry.incarnation, "last_reason": entry.last_reason,
                        "held_here": core is not None})

@@ -72,6 +72,7 @@ class ClientConnection:
         self.engine = node.engine
         self._body_bytes_max = node.config.body_bytes_max
         self._pending_items_max = node.config.websocket_pending_items_max
+        self._tracing = node.tracing        # enqueue spans (qserver/tracing.py); None: not configured
         self._out: list[Any] = []
         self._sending = False
         self._closed = False
@@ -229,14 +230,17 @@ class ClientConnection:
             check_dedupe_id(op.dedupe_id)
             if op.queue not in self.queues_produced:
                 self.queues_produced.add(self._queue(op.queue, "post", op.request_id))
-            return c.Enqueue(op.queue, op.payload, op.priority, op.dedupe_id, client, self, op.request_id, op.ttl_ms,
-                             op.delay_ms, op.headers)
+            replier = self if self._tracing is None else self._tracing.replier(self, op.queue, op.headers)
+            return c.Enqueue(op.queue, op.payload, op.priority, op.dedupe_id, client, replier, op.request_id,
+                             op.ttl_ms, op.delay_ms, op.headers)
         if kind is EnqueueBatchOp:
             # Oversized payloads and bad dedupe ids fail only their own item (engine step):
             # the batch coalesces many callers' messages.
             if op.queue not in self.queues_produced:
                 self.queues_produced.add(self._queue(op.queue, "post", op.request_id))
-            return c.EnqueueMany(op.queue, op.priority, op.payloads, op.dedupe_ids, client, self, op.request_id,
+            replier = self if self._tracing is None else \
+                self._tracing.replier(self, op.queue, op.headers, len(op.payloads))
+            return c.EnqueueMany(op.queue, op.priority, op.payloads, op.dedupe_ids, client, replier, op.request_id,
                                  op.ttl_ms, op.delay_ms, op.headers)
         if kind is AckBatchOp:
             if self._refused_acks(op.queue, op.request_id, op.items, batch=True):

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from qserver.cluster.batches import PairBatches
 from qserver.cluster.holds import DeadLetterGate, HeldAnswers
 from qserver.cluster.master_effects import MasterEffects
+from qserver.cluster.options_sync import follow_entry_options
 from qserver.cluster.peer_inbox import PeerInbox
 from qserver.cluster.proposals import MapProposals
 from qserver.cluster.relay_answers import RelayAnswers
@@ -157,6 +158,7 @@ class PairDriver:
         entry = self.view.entry(core.name)
         if entry is None:
             return
+        follow_entry_options(core, entry, self.staging)     # changed while this node was away
         self._assume(core, entry, None, "create" if created else "restart")
 
     def _assume(self, core: QueueCore, entry: QueueEntry, previous: MasterRole | ReplicaRole | None,
@@ -283,6 +285,8 @@ class PairDriver:
                 self.detach(name)
             return
         entry = self.view.entry(name)
+        if entry is not None:       # the lost batch may have held the record with the map's options
+            follow_entry_options(core, entry, self.staging)
         if old is None:
             if entry is not None:
                 self._assume(core, entry, None, "reload")
@@ -362,6 +366,7 @@ class PairDriver:
                 if core.record.epoch <= entry.epoch:
                     self.instances.drop_instance(core)     # moved away from this node
                 continue
+            follow_entry_options(core, entry, self.staging)     # SetQueueOptions, or a snapshot of the map
             self._become(core, entry)
         if self.coordinator is not None:
             self.coordinator.map_changed(name)

@@ -10,9 +10,7 @@ queue's name); its result, or its `E_*` error in words, is shown on the page it 
 """
 from __future__ import annotations
 
-import asyncio
 import collections
-import contextlib
 import hmac
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -27,7 +25,7 @@ from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescap
 from client.aio import AsyncClient
 from qserver.console.sessions import SESSION_IDLE_MS, Session, Sessions
 from qserver.core.grants import grants_allow
-from qserver.features.macro.service import DelegatedCredentials
+from qserver.features.delegated import DelegatedClients
 from qserver.metrics import render_family
 from wire import errors as e
 from wire import versions
@@ -72,24 +70,13 @@ class Console:
                                      autoescape=select_autoescape(default=True, default_for_string=True),
                                      undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
         self.signins: collections.Counter[str] = collections.Counter()     # "ok" or an E_* code
-        self._clients: collections.OrderedDict[str, AsyncClient] = collections.OrderedDict()
+        self._clients = DelegatedClients(lambda: node.url, lambda: node.services.tls_ca_file(),
+                                         lambda: node.auth.cluster_secret, CLIENTS_MAX)
 
     def client_for(self, session: Session) -> AsyncClient:
         """The client library instance that calls in the session's client's name (delegated,
         with the secret of the cluster, or of this node alone: qserver/api/auth.py)."""
-        client = self._clients.get(session.client_id)
-        if client is not None and not client.usable:
-            del self._clients[session.client_id]      # its grants changed or it was removed: start afresh
-            client = None
-        if client is None:
-            credentials = DelegatedCredentials(session.client_id, "", self.node.url,
-                                               self.node.services.tls_ca_file(), self.node.auth.cluster_secret)
-            client = self._clients[session.client_id] = AsyncClient(self.node.url, credentials)
-            while len(self._clients) > CLIENTS_MAX:
-                _, oldest = self._clients.popitem(last=False)
-                asyncio.get_running_loop().create_task(oldest.close())
-        self._clients.move_to_end(session.client_id)
-        return client
+        return self._clients.client_for(session.client_id)
 
     def render_metrics(self) -> list[str]:
         return (render_family("qserver_console_sessions", "gauge", "console sessions open at this node",
@@ -99,10 +86,7 @@ class Console:
                                 [({"outcome": outcome}, count) for outcome, count in sorted(self.signins.items())]))
 
     async def close(self) -> None:
-        clients, self._clients = list(self._clients.values()), collections.OrderedDict()
-        for client in clients:
-            with contextlib.suppress(Exception):        # closing is best effort at shutdown
-                await client.close()
+        await self._clients.close()
 
     def secure(self, request: web.Request) -> bool:
         return request.secure or self.node.tls is not None

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from qserver.core.registry import QueueRegistry
     from qserver.core.replication_port import Pairs
     from qserver.core.space import StorageRoom
+    from qserver.tracing import BatchTrace, NodeTracing
     from replication.oplog import LogEntry
     from replication.replica import SnapshotInstall
     from replication.snapshot import InstalledState
@@ -77,6 +78,10 @@ class LockedWriter(Executor):
 class CommitPipeline:
     pairs: Pairs                     # given by Engine.connect
     registry: QueueRegistry          # set by the engine once made (they refer to each other)
+    # The node's spans (qserver/tracing.py; set by qserver/node.py when configured): the
+    # committing batch's traced messages, if any (not configured: a test at a batch's seal and commit).
+    tracing: NodeTracing | None = None
+    _traced: BatchTrace | None = None
 
     def __init__(self, config: NodeConfig, storage: Storage, writer: Executor, *, clock_ms: Callable[[], int],
                  monotonic_ms: Callable[[], int], listeners: Listeners, room: StorageRoom, due: DueQueues,
@@ -249,6 +254,8 @@ class CommitPipeline:
         sealed.status_retention_ms = int(self.config.status_retention_s * 1000)
         touched = batch.touched
         pairs = self.pairs
+        if self.tracing is not None:
+            self._traced = self.tracing.sealed(sealed.operations, touched)
         if self._self_checks():
             self._check_touched(batch)
         pairs.before_commit(sealed.operations, sealed.oplog_rows, self.monotonic_ms(), touched)     # send
@@ -349,7 +356,29 @@ class CommitPipeline:
         finally:
             self.storage.end_read()
         self.release(batch, result.payloads, result.headers)
+        if self._traced is not None:
+            self._trace_committed(None)
         self._wake()
+
+    def _trace_committed(self, error: BaseException | None) -> None:
+        """The committing batch's `commit` span, and on a master each traced queue's
+        `replicate` span once its commit point passes the batch (a hold that answers no one).
+        Spans are an observer's: a failing exporter is logged, never the node's failure."""
+        traced, self._traced = self._traced, None
+        assert traced is not None
+        pairs = self.pairs
+        try:
+            traced.committed(pairs.replicas, error)
+            if error is not None:
+                return
+            for queue in traced.traced:
+                master = pairs.masters.get(queue)
+                if master is not None and master.replica_id:
+                    done = functools.partial(traced.replicated, queue, master.replica_id)
+                    if not pairs.hold(queue, traced.last_index(queue), done):
+                        done()
+        except Exception:
+            log.exception("tracing a commit failed")
 
     def release(self, batch: OpenBatch, payloads: list[bytes | None], headers: list[dict[str, str] | None]) -> None:
         """Answer what this batch decided. Answers about replicated operations of a pair wait
@@ -403,6 +432,8 @@ class CommitPipeline:
         committed (the others, and their roles, go on as they are). Storage found full refuses
         new messages from now on, until there is room again (StorageRoom.check)."""
         self.batches_abandoned += 1
+        if self._traced is not None:
+            self._trace_committed(error)
         if isinstance(error, StorageFull):
             self.room.found_full(batch, error)
         later, self.open = self.open, OpenBatch()

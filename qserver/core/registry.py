@@ -261,7 +261,7 @@ class QueueRegistry:
         replication = self.pairs.describe(core.name)
         return {**{
             "name": record.name, "incarnation": record.incarnation or record.queue_id, "state": record.state.value,
-            "options": record.options.to_json(), "epoch": record.epoch,
+            "options": record.options.to_json(every=True), "epoch": record.epoch,
             "master": self.config.node_id, "replica": None, "replication_state": "unreplicated",
             "master_status": "local",
             "depth": core.depth, "in_flight": core.in_flight, "ready": record.ready_count,

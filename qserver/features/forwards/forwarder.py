@@ -27,26 +27,21 @@ reconnection, their delivery counts would grow to max_deliveries and dead-letter
 from __future__ import annotations
 
 import asyncio
-import base64
 import collections
 import contextlib
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from client.aio import AsyncClient
 from client.credentials import Credentials
 from qserver.api.auth import CLUSTER_CLIENT
 from qserver.core import commands as c
 from qserver.metrics import render_family
+from qserver.sealing import SEALED_PREFIX, open_sealed, seal
 from replication.cluster_map import ForwardEntry
 from wire import errors as e
 from wire.errors import QueueError
@@ -76,17 +71,14 @@ SESSION_ERRORS = frozenset({e.E_UNKNOWN_FORWARD.code, e.E_NOT_MASTER.code, e.E_F
 MESSAGE_ERRORS = frozenset({e.E_PAYLOAD_TOO_LARGE.code, e.E_INVALID_OPTION.code, e.E_WRONG_QUEUE_TYPE.code})
 
 
-SEALED_PREFIX = "sealed1:"       # a forward's secret as the map keeps it (seal_secret); else an old plaintext key
 FORWARD_CA_DIR = "forward-ca"    # under the data directory: each forward's own CA file, written from the map
 
 
 # --- a forward's credentials at rest (docs/PROTOCOL.md "Forwards", "The other cluster's key") --------
-def _sealing_key(cluster_secret: bytes) -> AESGCM:
-    """AES-256-GCM under a key derived (HKDF-SHA256) from the cluster secret, which every node
-    has and the map, its log and snapshots do not hold."""
-    key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=b"qcluster forward credentials v1").derive(
-        cluster_secret)
-    return AESGCM(key)
+# Sealed by qserver/sealing.py: AES-256-GCM under HKDF-SHA256(cluster secret, info b"qcluster forward
+# credentials v1"), bound to the forward's name and client id, stored as "sealed1:" + base64 (the
+# format forwards have always stored: maps written before the module existed open).
+FORWARD_SEALING_PURPOSE = "forward credentials"
 
 
 def seal_secret(cluster_secret: bytes, name: str, client_id: str, private_key: str, ca: str = "") -> str:
@@ -95,10 +87,8 @@ def seal_secret(cluster_secret: bytes, name: str, client_id: str, private_key: s
     id. Without a cluster secret (a node outside a cluster runs no forwarders) it stays as given."""
     if not cluster_secret:
         return private_key
-    nonce = os.urandom(12)
     document = json.dumps({"private_key": private_key, "ca": ca}).encode()
-    sealed = _sealing_key(cluster_secret).encrypt(nonce, document, f"{name}\x1f{client_id}".encode())
-    return SEALED_PREFIX + base64.b64encode(nonce + sealed).decode()
+    return seal(cluster_secret, FORWARD_SEALING_PURPOSE, f"{name}\x1f{client_id}", document)
 
 
 def open_secret(cluster_secret: bytes, name: str, client_id: str, stored: str) -> tuple[str, str]:
@@ -106,8 +96,7 @@ def open_secret(cluster_secret: bytes, name: str, client_id: str, stored: str) -
     before credentials were sealed holds the plain key (and no CA)."""
     if not stored.startswith(SEALED_PREFIX):
         return stored, ""
-    raw = base64.b64decode(stored[len(SEALED_PREFIX):])
-    document = json.loads(_sealing_key(cluster_secret).decrypt(raw[:12], raw[12:], f"{name}\x1f{client_id}".encode()))
+    document = json.loads(open_sealed(cluster_secret, FORWARD_SEALING_PURPOSE, f"{name}\x1f{client_id}", stored))
     return str(document["private_key"]), str(document.get("ca") or "")
 
 

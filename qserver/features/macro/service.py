@@ -10,17 +10,14 @@ names the member: acks, releases and extensions go to the member's own path.
 """
 from __future__ import annotations
 
-import asyncio
 import collections
 import logging
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from client.aio import AsyncClient, Message
-from client.credentials import Credentials
 from client.macro import MacroEnqueued
-from qserver.api.auth import DelegatedSigner
+from qserver.features.delegated import DelegatedClients
+from qserver.features.delegated import DelegatedCredentials as DelegatedCredentials
 from qserver.metrics import render_family
 from wire.errors import QueueError
 
@@ -31,19 +28,11 @@ log = logging.getLogger("qserver.macro")
 CLIENTS_MAX = 32                # callers with a client library instance kept here (least recently used go)
 
 
-@dataclass(frozen=True, slots=True)
-class DelegatedCredentials(Credentials):
-    secret: bytes = b""
-
-    def signer(self) -> DelegatedSigner:
-        return DelegatedSigner(self.client_id, self.secret)
-
-
 class MacroService:
     def __init__(self, services: NodeServices) -> None:
         self._services = services
-        self._secret = services.cluster_secret
-        self._clients: OrderedDict[str, AsyncClient] = OrderedDict()
+        self._clients = DelegatedClients(services.url, services.tls_ca_file, lambda: services.cluster_secret,
+                                         CLIENTS_MAX)
         self.calls: collections.Counter[str] = collections.Counter()    # REST calls served, by outcome
 
     def is_macro(self, name: str) -> bool:
@@ -52,19 +41,7 @@ class MacroService:
 
     def client_for(self, client_id: str) -> AsyncClient:
         """A client library instance that calls in `client_id`'s name (delegated; qserver/api/auth.py)."""
-        client = self._clients.get(client_id)
-        if client is not None and not client.usable:
-            del self._clients[client_id]         # its grants changed or it was removed: start afresh
-            client = None
-        if client is None:
-            url = self._services.url
-            credentials = DelegatedCredentials(client_id, "", url, self._services.tls_ca_file(), self._secret)
-            client = self._clients[client_id] = AsyncClient(url, credentials)
-            while len(self._clients) > CLIENTS_MAX:
-                _, oldest = self._clients.popitem(last=False)
-                asyncio.get_running_loop().create_task(oldest.close())
-        self._clients.move_to_end(client_id)
-        return client
+        return self._clients.client_for(client_id)
 
     async def enqueue(self, client_id: str, name: str, payload: bytes, priority: int, dedupe_id: str, **extra: Any
                       ) -> MacroEnqueued:
@@ -100,9 +77,4 @@ class MacroService:
                                 [({}, len(self._clients))]))
 
     async def close(self) -> None:
-        clients, self._clients = list(self._clients.values()), OrderedDict()
-        for client in clients:
-            try:
-                await client.close()
-            except Exception:   # closing is best effort at shutdown
-                log.exception("closing a macro client")
+        await self._clients.close()
