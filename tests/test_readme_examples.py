@@ -67,6 +67,8 @@ SKIPPED = (
          first_line=".venv/bin/qserver init --data-dir data/n1 --node-id n1"),
     Skip("a node by hand: `qserver run` serves until stopped, on the demo's port, and `qserver init` "
          "writes to ~/.config/qserver", heading="Running a node by hand"),
+    Skip("a Celery worker serves until stopped (tests/test_celery.py runs a real worker through a cluster)",
+         first_line=".venv/bin/celery -A tasks worker"),
     Skip("an upgrade, with a stop and an install between its lines (tests/test_node_drain.py runs the "
          "drain and undrain, tests/test_upgrade.py the whole roll and the finalize)",
          heading="Upgrading: one node at a time, then finalize"),
