@@ -117,7 +117,7 @@ class Node:
                                      pass_on=lambda request, target: pass_on_to(request, self, target))
         self.macros = MacroService(self.services)
         # The SQS endpoint (docs/SQS.md) calls in its callers' names with the secret delegated calls use here.
-        self.sqs = sqs_api.SqsGateway(self.services, lambda: self.auth.cluster_secret)
+        self.sqs = sqs_api.SqsGateway(self.services, lambda: self.auth.cluster_secret, lambda: self.auth.audiences)
         self.console: Console | None = None      # the web console, made with the application
         self.channels = ChannelHub(self.services)
         self.surveillance = RecipientWatch(self.services, self.macros)

@@ -130,6 +130,12 @@ def test_query_protocol_errors_and_presigned_requests(sqs_cluster: SqsCluster) -
         "AWS.SimpleQueueService.NonExistentQueue;Sender"
     assert answer.json()["__type"] == "com.amazonaws.sqs#QueueDoesNotExist"
     assert answer.json()["qclusterCode"] == "E_UNKNOWN_QUEUE"
+    # A request captured at one node is refused at another (its signed Host names the first),
+    # as the node's own signatures are (docs/SECURITY.md): SQS's signature binds the Host header.
+    captured = {**prepared.headers, "Host": url.split("://", 1)[1]}       # exactly as it was sent to n1
+    replayed = requests.post(sqs_cluster.url("n2") + "/sqs/", data=body, headers=captured, timeout=10)
+    assert replayed.status_code == 403 and replayed.json()["__type"] == "com.amazonaws.sqs#SignatureDoesNotMatch"
+    assert "not for this node" in replayed.json()["message"]
     # A body over the bound is refused before it is read whole.
     big = requests.post(url + "/sqs/", data=b"x" * (1 << 20 + 1), timeout=10,
                         headers={"Content-Type": "application/x-www-form-urlencoded"})

@@ -30,12 +30,14 @@ from qserver.features.sqs.errors import (
     INVALID_ACTION,
     INVALID_CLIENT_TOKEN_ID,
     REQUEST_TOO_LARGE,
+    SIGNATURE_DOES_NOT_MATCH,
     SIGV4_KINDS,
     SqsError,
     from_queue_error,
 )
 from qserver.metrics import render_family
 from wire.errors import QueueError
+from wire.signing import audience_of
 
 if TYPE_CHECKING:
     from qserver.services import NodeServices
@@ -52,8 +54,12 @@ def is_sqs_path(path: str) -> bool:
 
 
 class SqsGateway:
-    def __init__(self, services: NodeServices, delegation_secret: Callable[[], bytes]) -> None:
+    def __init__(self, services: NodeServices, delegation_secret: Callable[[], bytes],
+                 audiences: Callable[[], frozenset[str]] = frozenset) -> None:
         self._services = services
+        # This node's own addresses (host:port, qserver/api/auth.py bind): a request signed for
+        # another node's Host is refused here, as our own signatures are (docs/SECURITY.md).
+        self._audiences = audiences
         self.clients = DelegatedClients(services.url, services.tls_ca_file, delegation_secret, CLIENTS_MAX)
         self.actions = Actions(services.url, lambda: services.cluster_map)
         self.calls: collections.Counter[tuple[str, str]] = collections.Counter()   # (action, outcome)
@@ -62,10 +68,15 @@ class SqsGateway:
         self._request_numbers = itertools.count(1)
         self._placed: weakref.WeakSet[AsyncClient] = weakref.WeakSet()     # clients that read the map once
 
-    def authenticate(self, request: sigv4.Request) -> tuple[str, str]:
-        """(client id, region) of a correctly signed request, or SqsError."""
+    def authenticate(self, request: sigv4.Request, host: str = "", secure: bool = False) -> tuple[str, str]:
+        """(client id, region) of a correctly signed request, or SqsError. `host`: the signed
+        Host header, which must name this node: a request captured at one node holds only there."""
         try:
             claim = sigv4.parse(request)
+            audiences = self._audiences()
+            if audiences and audience_of(host, secure=secure) not in audiences:
+                raise SqsError(SIGNATURE_DOES_NOT_MATCH, f"the request is signed for host {host[:100]!r}, not for "
+                                                         "this node: a signature holds only at the node it names")
             found = self._services.access_key(claim.key_id)
             if found is None:
                 raise SqsError(INVALID_CLIENT_TOKEN_ID, "The security token included in the request is invalid.")
@@ -87,7 +98,7 @@ class SqsGateway:
             if json_protocol:        # named before the check, for the metrics of refused calls
                 action = request.headers["X-Amz-Target"][len(codec.TARGET_PREFIX):][:64]
             # Who it is first: nothing of an unauthenticated request is read further.
-            client_id, region = self.authenticate(signed)
+            client_id, region = self.authenticate(signed, request.headers.get("Host", ""), request.secure)
             if json_protocol:
                 action, params = codec.json_request(request.headers["X-Amz-Target"], body)
             else:
