@@ -55,6 +55,7 @@ PUSH_PREFETCH = 10
 STOP_CHECK_S = 1.0               # a push consumer waiting for a message looks at the stop this often
 CONSUMER_CLOSE_TIMEOUT_S = 3.0
 ERROR_PAUSE_S = 0.2
+CHANNEL_KNOWN_ATTEMPTS = 30      # a channel just created, asked for at its master every 0.1 s (_open_durable)
 PUSH_ERROR_PAUSE_MAX_S = 2.0     # the longest pause between errors a push consumer raises in a row
 DRAIN_BATCH = 200
 REDRIVE_LIMIT = 1000             # dead letters one redrive of the workload moves at most
@@ -240,12 +241,26 @@ class Workload:
                 for worker in range(channel.subscribers):   # durable: opened before anything is published
                     name = channel.subscription(worker)
                     if name is not None:
-                        await admin.subscribe(channel.name, durable=name)
-                        await admin.unsubscribe(channel.name)
+                        await self._open_durable(admin, channel.name, name)
             for macro in self.macros:
                 await admin.create_macro(macro.name, macro.producer, "prioritized")
                 for member in macro.members:
                     await admin.add_macro_member(macro.name, member)
+
+    @staticmethod
+    async def _open_durable(admin: AsyncClient, channel: str, name: str) -> None:
+        """Open durable subscription `name` of a channel just created. The channel's master may
+        not have applied the map command that made it yet (a node of an older release answers
+        E_UNKNOWN_CHANNEL then, seen in tests/test_upgrade.py): asked again, for a bounded while."""
+        for attempt in range(CHANNEL_KNOWN_ATTEMPTS):
+            try:
+                await admin.subscribe(channel, durable=name)
+                break
+            except QueueError as error:
+                if error.code != "E_UNKNOWN_CHANNEL" or attempt == CHANNEL_KNOWN_ATTEMPTS - 1:
+                    raise
+                await asyncio.sleep(0.1)
+        await admin.unsubscribe(channel)
 
     # --- workers -------------------------------------------------------------------------------
     def start(self, stop: asyncio.Event) -> list[asyncio.Task[None]]:
