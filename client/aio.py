@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import itertools
 import os
-import random
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -33,7 +32,7 @@ from client import browse, tracing
 from client.admin import AdminCalls
 from client.batching import batch_bounds
 from client.channels import ChannelDelivery, ChannelInbox, channel_queue
-from client.connection import RETRIED_CODES, Headers, NodeConnection, item_error
+from client.connection import RETRIED_CODES, Headers, NodeConnection, item_error, jittered
 from client.consumer import Consumer, Message
 from client.credentials import Credentials, load_credentials
 from client.http import HttpClient
@@ -345,7 +344,7 @@ class AsyncClient(AdminCalls):
                 return await attempt()
             except QueueError as error:
                 outcome_unknown = outcome_unknown or error.outcome_unknown
-                pause_s = delay_s * random.uniform(0.5, 1.0)
+                pause_s = jittered(delay_s)
                 if error.code not in RETRIED_CODES or not self.usable or loop.time() + pause_s >= deadline:
                     if outcome_unknown and not error.outcome_unknown:
                         raise QueueError(error.kind, error.message, outcome_unknown=True) from error

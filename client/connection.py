@@ -111,6 +111,16 @@ class ChannelListener(Protocol):
     def reconnected(self, node: NodeConnection) -> None: ...
 
 
+# The library's own source of backoff jitter: an application that seeds the global random
+# module (a simulation, a property test) is not disturbed by reconnects in the background.
+_JITTER = random.Random()
+
+
+def jittered(delay_s: float) -> float:
+    """A backoff pause: `delay_s` times a random factor in [0.5, 1]."""
+    return delay_s * _JITTER.uniform(0.5, 1.0)
+
+
 class Leases(Protocol):
     """Who a leased message's calls go to (client/consumer.py Message): its node's connection,
     or the router, which sends them where the cluster map says now."""
@@ -456,7 +466,7 @@ class NodeConnection:
                     self._set_fatal(error)
                     return
                 self._on_connect_failed(error)
-                await asyncio.sleep(delay_s * random.uniform(0.5, 1.0))
+                await asyncio.sleep(jittered(delay_s))
                 delay_s = min(delay_s * 2, self._reconnect_delay_max_s)
                 continue
             delay_s = self._reconnect_delay_initial_s

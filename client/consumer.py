@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 from collections import deque
 from collections.abc import Awaitable, Coroutine
 from typing import TYPE_CHECKING, Any, Self
 
 from client import tracing
-from client.connection import CLEANUP_TIMEOUT_S, Leases, NodeConnection, ignore_outcome
+from client.connection import CLEANUP_TIMEOUT_S, Leases, NodeConnection, ignore_outcome, jittered
 from wire.errors import E_NOT_MASTER, E_UNAVAILABLE, QueueError
 from wire.message_input import VISIBILITY_MAX_S
 from wire.protocol import CreditOp, DeliveredMessage, ReleaseOp, SubscribeOp, UnsubscribeOp
@@ -307,7 +306,7 @@ class Consumer:
         delay_s = RESUBSCRIBE_DELAY_INITIAL_S
         try:
             while self._needs_subscription():
-                await asyncio.sleep(delay_s * random.uniform(0.5, 1.0))
+                await asyncio.sleep(jittered(delay_s))
                 delay_s = min(delay_s * 2, RESUBSCRIBE_DELAY_MAX_S)
                 if not self._needs_subscription():
                     break

@@ -28,6 +28,8 @@ from client.aio import AsyncClient
 from client.credentials import Credentials, load_credentials
 from wire.errors import E_UNAUTHENTICATED, QueueError
 
+LINK_THREAD_NAME = "qcluster-kombu-loop"     # each link's event loop thread (one per kombu connection)
+
 T = TypeVar("T")
 SCHEMES = ("qcluster://",)
 DEFAULT_PORT = 7100
@@ -115,7 +117,7 @@ class ClusterLink:
         self._down_since: float | None = None
         self._watch: concurrent.futures.Future[None] | None = None
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run_loop, name="qcluster-kombu-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run_loop, name=LINK_THREAD_NAME, daemon=True)
         self._thread.start()
         self._closed = False
 

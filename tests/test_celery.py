@@ -12,17 +12,19 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from client import Client
 from client.credentials import Credentials, save_credentials
-from client.kombu_link import ClusterChannelError, node_urls
+from client.kombu_link import LINK_THREAD_NAME, ClusterChannelError, node_urls
 from client.kombu_transport import Transport
 from qserver.dev.devcluster import REPOSITORY, LocalCluster, free_port
 from tests.conftest import fail_on_unexpected_ends
@@ -99,8 +101,27 @@ def worker(cluster: LocalCluster) -> Iterator[Worker]:
         yield running
     finally:
         with_group_stopped(process)
+        from tests.celery_app import app as producer_app
+        close_app(producer_app)
+        # Every connection this process opened is closed: a link left open keeps its loop
+        # thread reconnecting to a cluster that is gone (and, in the suite, drew on the global
+        # random module while later tests' hypothesis strategies ran).
+        lingering = [thread.name for thread in threading.enumerate() if thread.name == LINK_THREAD_NAME]
+        assert not lingering, f"{len(lingering)} kombu links of this process were never closed"
     problems = [line for line in log.read_text().splitlines() if "Traceback" in line or "CRITICAL" in line]
     assert not problems, log.read_text()[-6000:]
+
+
+def close_app(app: Any) -> None:
+    """Close what a Celery app of this process holds open: Celery's own `close()` only drops
+    its producer pool, which leaves the pool's connections and the `rpc://` backend's consumer
+    connection (each a client-library link on a loop thread of its own) open."""
+    if app.conf.result_backend and app.conf.result_backend.startswith("rpc"):
+        consumer = app.backend.result_consumer
+        if consumer._connection is not None:       # started: it waited for a result
+            consumer.stop()
+    app.pool.force_close_all()
+    app.close()
 
 
 def with_group_stopped(process: subprocess.Popen[bytes]) -> None:
@@ -230,7 +251,7 @@ def test_a_producer_needs_only_the_grants_docs_celery_names(worker: Worker, tmp_
     try:
         assert app.send_task("tests.celery_app.add", (20, 22)).get(timeout=30) == 42
     finally:
-        app.close()
+        close_app(app)
     bare = limited_client(worker.cluster, "celery-bare", [{"pattern": "celery", "privileges": ["post"]}],
                           tmp_path / "bare.json")
     app = Celery("bare", broker=worker.broker_url, backend="rpc://")
@@ -241,7 +262,7 @@ def test_a_producer_needs_only_the_grants_docs_celery_names(worker: Worker, tmp_
             app.send_task("tests.celery_app.add", (1, 1))
         assert refused.value.code == "E_FORBIDDEN" and "grant admin" in str(refused.value)
     finally:
-        app.close()
+        close_app(app)
 
 
 def test_broker_urls_name_the_nodes() -> None:
