@@ -3,6 +3,7 @@ between limits, and the Dockerfile copies paths that exist (no Docker engine run
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,18 @@ def test_the_compose_file_names_one_configuration_per_node_and_the_dockerfile_co
     compose = (DEPLOY / "compose.yaml").read_text()
     for node in ("n1", "n2", "n3"):
         assert f"./compose/{node}.toml:/etc/qserver/node.toml" in compose
-    for source in re.findall(r"^COPY (\S+)", (DEPLOY / "Dockerfile").read_text(), flags=re.MULTILINE):
-        assert (REPOSITORY / source).exists(), source
+    copied: set[str] = set()
+    for line in re.findall(r"^COPY (.+)$", (DEPLOY / "Dockerfile").read_text(), flags=re.MULTILINE):
+        *sources, _ = line.split()
+        for source in sources:
+            assert (REPOSITORY / source).exists(), source
+            copied.add(source)
+    # What `pip install .` builds from: every package and module pyproject.toml names, and the
+    # build's own files (wire/ was missing, and the image could not import a node).
+    project = tomllib.loads((REPOSITORY / "pyproject.toml").read_text())["tool"]["setuptools"]
+    wanted = {pattern.rstrip("*") for pattern in project["packages"]["find"]["include"]}
+    wanted |= {f"{module}.py" for module in project.get("py-modules", [])} | {"pyproject.toml", "setup.py"}
+    assert wanted <= copied, f"the Dockerfile does not copy {sorted(wanted - copied)}"
 
 
 def test_every_supervisor_starts_a_node_again_after_it_fails_stop() -> None:
