@@ -26,6 +26,7 @@ from kombu.exceptions import ConnectionError as KombuConnectionError
 
 from client.aio import AsyncClient
 from client.credentials import Credentials, load_credentials
+from client.sync import loop_thread
 from wire.errors import E_UNAUTHENTICATED, QueueError
 
 LINK_THREAD_NAME = "qcluster-kombu-loop"     # each link's event loop thread (one per kombu connection)
@@ -116,18 +117,8 @@ class ClusterLink:
         self.learned_urls: list[str] = []     # every node of the cluster map, read at connect
         self._down_since: float | None = None
         self._watch: concurrent.futures.Future[None] | None = None
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run_loop, name=LINK_THREAD_NAME, daemon=True)
-        self._thread.start()
+        self._loop, self._thread = loop_thread(LINK_THREAD_NAME)
         self._closed = False
-
-    def _run_loop(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        try:
-            self._loop.run_forever()
-        finally:
-            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
-            self._loop.close()
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:

@@ -113,6 +113,25 @@ async def _next_or_none(consumer: Consumer | MacroConsumer) -> Message | None:
         return None
 
 
+def loop_thread(name: str) -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
+    """A new event loop running on a daemon thread of its own (started), for blocking callers
+    that hand it coroutines (`asyncio.run_coroutine_threadsafe`): this module's `Client` and
+    the kombu transport's link (client/kombu_link.py). `loop.call_soon_threadsafe(loop.stop)`
+    ends it: the thread closes the loop after its async generators."""
+    loop = asyncio.new_event_loop()
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_forever()
+        finally:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return loop, thread
+
+
 class Client:
     """Synchronous client: `with Client() as client: client.enqueue("orders", b"hi")`.
     Keyword options are those of `AsyncClient`."""
@@ -121,18 +140,8 @@ class Client:
         self._async = AsyncClient(url, credentials, **options)
         self.url = self._async.url
         self.client_id = self._async.client_id
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run_loop, name="qserver-client-loop", daemon=True)
-        self._thread.start()
+        self._loop, self._thread = loop_thread("qserver-client-loop")
         self._closed = False
-
-    def _run_loop(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        try:
-            self._loop.run_forever()
-        finally:
-            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
-            self._loop.close()
 
     def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine on the client's loop and wait for its result."""
