@@ -131,3 +131,25 @@ def test_signing_key_matches_the_aws_documented_example() -> None:
     # docs.aws.amazon.com "Examples of how to derive a signing key for Signature Version 4"
     key = sigv4.signing_key(b"wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", "20120215", "us-east-1", "iam")
     assert key.hex() == "f4780e2d9f65fa895f9c67b32ce1baf0b0d8a43505a000a1a9e090d414db404d"
+
+
+def test_an_action_header_left_out_of_the_signature_is_refused() -> None:
+    """X-Amz-Target names the JSON protocol's action: signed only over host and the date, a
+    captured DeleteQueue could be sent on as a PurgeQueue with the same body and signature."""
+    body = b'{"QueueUrl": "http://127.0.0.1:8080/sqs/000000000000/orders"}'
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    headers = [("Host", "127.0.0.1:8080"), ("X-Amz-Date", stamp), ("X-Amz-Target", "AmazonSQS.PurgeQueue"),
+               ("Content-Type", "application/x-amz-json-1.0")]
+    unsigned = Request.of("POST", "/sqs/", "", headers, body)
+    claim = sigv4.Claim(KEY_ID, stamp[:8], "us-east-1", "sqs", stamp, ("host", "x-amz-date"), "0" * 64)
+    made = sigv4.signature(unsigned, claim, SECRET.encode())       # a correct signature over what it names
+    authorization = (f"AWS4-HMAC-SHA256 Credential={KEY_ID}/{claim.scope}, SignedHeaders=host;x-amz-date, "
+                     f"Signature={made}")
+    request = Request.of("POST", "/sqs/", "", [*headers, ("Authorization", authorization)], body)
+    assert "x-amz-target is sent but not signed" in refused(request, "SignatureDoesNotMatch")
+    # The same request with the action signed verifies.
+    claim = sigv4.Claim(KEY_ID, stamp[:8], "us-east-1", "sqs", stamp, ("host", "x-amz-date", "x-amz-target"), "0" * 64)
+    made = sigv4.signature(unsigned, claim, SECRET.encode())
+    authorization = (f"AWS4-HMAC-SHA256 Credential={KEY_ID}/{claim.scope}, "
+                     f"SignedHeaders=host;x-amz-date;x-amz-target, Signature={made}")
+    check(Request.of("POST", "/sqs/", "", [*headers, ("Authorization", authorization)], body))

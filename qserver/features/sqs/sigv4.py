@@ -232,8 +232,17 @@ def signature(request: Request, claim: Claim, secret: bytes) -> str:
     return hmac.new(key, string_to_sign(request, claim).encode(), hashlib.sha256).hexdigest()
 
 
+# Headers that decide what a request does or when it was made: sent, they must be signed, or
+# whoever is on the path could change them under a valid signature (X-Amz-Target names the
+# action of the JSON protocol: a captured PurgeQueue's body is also a valid DeleteQueue's).
+MUST_BE_SIGNED = ("x-amz-target", "x-amz-date")
+
+
 def verify(request: Request, claim: Claim, secret: bytes, now_s: float) -> None:
     """Raise SigV4Error unless `claim` is a valid signature of `request` by `secret`, made now."""
+    for name in MUST_BE_SIGNED:
+        if name not in claim.signed_headers and request.header(name) is not None:
+            raise SigV4Error("SignatureDoesNotMatch", f"the header {name} is sent but not signed (SignedHeaders)")
     check_time(claim, now_s)
     expected = signature(request, claim, secret)
     if not hmac.compare_digest(expected, claim.signature):
