@@ -36,8 +36,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
                          "replication", "wire", "client", *SERVER_LEAVES),
     # The console acts as its signed-in client, through the client library (delegated calls),
     # and reads the node's own state only through the services door.
-    "qserver.console": ("qserver.services", "qserver.core.grants", "qserver.api.auth", "qserver.features.macro.service",
-                        "qserver.features.delegated", "replication", "wire", "client", *SERVER_LEAVES),
+    "qserver.console": ("qserver.services", "qserver.core.grants", "qserver.api.auth", "qserver.features.delegated",
+                        "replication", "wire", "client", *SERVER_LEAVES),
     "qserver.services": ("qserver.core", "qserver.cluster", "qserver.storage", "qserver.api.auth", "replication",
                          "wire", *SERVER_LEAVES),
     "qserver.config": ("replication", "wire"),

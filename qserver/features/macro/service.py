@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 from client.aio import AsyncClient, Message
 from client.macro import MacroEnqueued
 from qserver.features.delegated import DelegatedClients
-from qserver.features.delegated import DelegatedCredentials as DelegatedCredentials
 from qserver.metrics import render_family
 from wire.errors import QueueError
 
