@@ -210,7 +210,10 @@ async def test_garbage_frames_from_a_peer_close_only_its_link_which_then_reestab
     n1 = await make_node("n1", port1, {"n2": url(port2), "n3": url(port3)})
     n2 = await make_node("n2", port2, {"n1": url(port1)})
     n3 = await make_node("n3", port3, {"n1": url(port1)})
-    await eventually(lambda: n1.transport.is_up("n2") and n1.transport.is_up("n3"))
+    # Both ends of each link: n1 may count a link up a moment before n2 holds its end of it
+    # (the frame below is written on n2's end; CI once found it not there yet).
+    await eventually(lambda: n1.transport.is_up("n2") and n1.transport.is_up("n3")
+                     and n2.transport.is_up("n1") and n3.transport.is_up("n1"))
     await send_raw_frame(n2, "n1", b"\xc1 not msgpack")
     await eventually(lambda: n1.link_changes.count(("n2", True)) == 2)
     assert n1.transport.bad_frames == 1
