@@ -16,7 +16,6 @@ import json
 import os
 import re
 import stat
-import time
 from io import StringIO
 from pathlib import Path
 from types import SimpleNamespace
@@ -46,6 +45,7 @@ from qserver.sealing import (
 )
 from qserver.services import NodeServices
 from qserver.storage.lmdb_store import read_clients
+from tests.test_surveillance import until
 from wire.errors import E_NOT_FOUND, E_UNKNOWN_CLIENT
 from wire.signing import Signer, new_private_key
 
@@ -212,16 +212,6 @@ async def test_a_node_without_the_routes_is_reported_too_old(monkeypatch: pytest
 
 
 # --- a real cluster ------------------------------------------------------------------------------
-async def _until(check: Any, what: str, timeout_s: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = await check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.1)
-
-
 async def _qctl(cluster: LocalCluster, *argv: str) -> tuple[int, Any, str]:
     out, err = StringIO(), StringIO()
     code = await asyncio.to_thread(qctl_main, ["--json", "--credentials", str(cluster.credentials_path), *argv],
@@ -241,7 +231,7 @@ async def _opens_at(cluster: LocalCluster, node: str, key_id: str, expected: tup
     what its memory already holds (the routes answer from memory)."""
     async def check() -> bool:
         return _opened_at(cluster, node, key_id) == expected
-    await _until(check, f"{key_id} to open as {expected and expected[0]} at {node}")
+    await until(check, f"{key_id} to open as {expected and expected[0]} at {node}")
 
 
 @pytest.mark.asyncio
@@ -265,7 +255,7 @@ async def test_access_keys_across_a_cluster(qcluster_factory: Any, tmp_path: Pat
         key_id = made["access_key_id"]
         secrets.append(made["secret_access_key"])
         for node in cluster.ids:                    # listed at every node, as the map reaches it
-            await _until(lambda n=node: _has_key(admins[n], worker_id, key_id), f"the key listed at {node}")
+            await until(lambda n=node: _has_key(admins[n], worker_id, key_id), f"the key listed at {node}")
             await _opens_at(cluster, node, key_id, (worker_id, made["secret_access_key"].encode()))
 
         # Every record shown lists ids, never a sealed text or the secret.
@@ -286,7 +276,7 @@ async def test_access_keys_across_a_cluster(qcluster_factory: Any, tmp_path: Pat
         for node in cluster.ids:
             async def all_listed(n: str = node) -> bool:
                 return sorted(k["access_key_id"] for k in await admins[n].list_access_keys(burst["id"])) == wanted
-            await _until(all_listed, f"the four keys listed at {node}")
+            await until(all_listed, f"the four keys listed at {node}")
 
         # At most four; made at other nodes too.
         for node in ("n2", "n3", "n2"):
@@ -316,7 +306,7 @@ async def test_access_keys_across_a_cluster(qcluster_factory: Any, tmp_path: Pat
         # Revoked at n2: gone at every node.
         assert (await admins["n2"].revoke_access_key(worker_id, key_id))["revoked"] == key_id
         for node in cluster.ids:
-            await _until(lambda n=node: _lacks_key(admins[n], worker_id, key_id), f"the key gone at {node}")
+            await until(lambda n=node: _lacks_key(admins[n], worker_id, key_id), f"the key gone at {node}")
             await _opens_at(cluster, node, key_id, None)
 
         # qctl: the client by name or id, --json, --out.
@@ -347,7 +337,7 @@ async def test_access_keys_across_a_cluster(qcluster_factory: Any, tmp_path: Pat
         # Removing the client removes its keys, at every node.
         await admin.remove_client(worker_id)
         for node in cluster.ids:
-            await _until(lambda n=node: _client_gone(admins[n], worker_id), f"the client gone at {node}")
+            await until(lambda n=node: _client_gone(admins[n], worker_id), f"the client gone at {node}")
             await _opens_at(cluster, node, qctl_key, None)
         with pytest.raises(QueueError) as unknown:
             await admins["n3"].list_access_keys(worker_id)
