@@ -2,8 +2,9 @@
 hand, not in CI; loopback only; every run bounded in time).
 
     .venv/bin/python bench/bench_forward.py [--seeds 1,2,3] [--modes adaptive,static]
-        [--time-scale 10] [--start-s 2100] [--span-s 2700] [--out-dir bench/] [--quick]
-    .venv/bin/python bench/bench_forward.py --plot-only bench/results-forward-DATE.jsonl
+        [--scenario paper|all-burst] [--time-scale 10] [--start-s 2100] [--span-s 2700]
+        [--out-dir bench/] [--quick] [--estimate]
+    .venv/bin/python bench/bench_forward.py --plot-only bench/results-forward-DATE.jsonl [more.jsonl ...]
 
 The paper's case (§4.2-4.4): three client queues mq1..mq3 (here `full` queues of a 2-node
 source cluster, max_depth 200 = 1 MB / 5 KB) forward into one root queue (a `full` queue of a
@@ -14,10 +15,21 @@ the rates, Rᵢ = R·wᵢ/Σw from the fill levels the forwarders report (adapti
 0.2 s (mq3), and 0.24 s at mq2 but 0.075 s during the bursty period 2400-4200 s. An enqueue
 refused E_QUEUE_FULL is the paper's overflow.
 
+Scenarios (`--scenario`, issue 37 item 13): `paper` is §4.3 as above; `all-burst` is the
+paper's stated limitation, all three clients bursting at once: mq1 and mq3 burst with mq2's
+shape (their mean gap × 0.075/0.24) over the same period 2400-4200 s. Arrival means then:
+mq1 and mq2 0.24 s → 0.075 s (4.17 → 13.3 messages/s), mq3 0.2 s → 0.0625 s (5 → 16
+messages/s); 42.7 messages/s offered against R = 25 during the burst, so both modes must
+overflow ~17.7 messages/s in all (the fluid bound, `expected_overflows`); what is compared is
+how the overflows spread and whether adaptive loses anything to static there.
+
 Time is compressed by `--time-scale` k: every rate ×k, every duration (the gaps, T, the
 consumer's period) /k, so the queues' sizes in messages follow the paper's dynamics in
 simulated seconds (what the plots and the JSON show; wall seconds = simulated / k). k is at
-most 40 (the root's forward_interval_s is at least 0.05 s); the default 10 is what this
+most 40 (the root's forward_interval_s is at least 0.05 s), and k = 1 is the paper's own time
+scale (no compression: R = 25 messages/s, T = 2 s, one wall second per simulated second; a run
+of the default window takes span + ~15 s of wall time, 2,715 s ≈ 45 min; `--estimate` prints
+the plan's wall time without running it); the default 10 is what this
 2-core machine sustains: at k = 20 the nodes' commits slow to where a forwarder (one data
 message in flight, a token bucket of 0.1 s) falls short of its rate, and one told rate 0
 looks again only every 0.1 s wall, a whole T; both cost the adaptive mode overflows the
@@ -30,8 +42,12 @@ The generators are open loop: each arrival is sent at its own time whether or no
 enqueues before it were answered; how late the machine sent them (lag) and how long their
 answers took are recorded. Each run (mode, seed) gets two fresh clusters, killed at its end
 (also on Ctrl-C or an error). One JSON line per run goes to results-forward-DATE.jsonl in
---out-dir (with the series the plots are drawn from), and the four figures of the paper
-(9-12) to forward-fig*.png there.
+--out-dir as soon as the run ends (with the series the plots are drawn from, the scenario and
+k), and the four figures of the paper (9-12) to forward-fig*.png there. Fig. 11 draws the rate
+mq2 achieved (what its forwarder stored at the root per simulated second, 60 s average) beside
+the rate it was assigned. `--plot-only FILE...` draws from stored lines: one figure per
+scenario (the all-burst ones as forward-all-burst-fig*.png), with one panel per time scale side
+by side when the lines hold more than one (k = 1 beside k = 10, say).
 """
 from __future__ import annotations
 
@@ -69,6 +85,12 @@ INTERVAL_S = 2.0                # T: how often the root computes the rates
 BURST_S = (2400.0, 4200.0)      # pattern 2's bursty period
 MEAN_GAP_S = {"mq1": 0.24, "mq2": 0.24, "mq3": 0.2}      # patterns 1, 2, 3 (exponential gaps)
 BURST_GAP_S = {"mq2": 0.075}
+SCENARIOS = {
+    "paper": BURST_GAP_S,
+    # The paper's limitation: every client bursts at once, each with mq2's shape (its gap × 0.075/0.24).
+    "all-burst": {q: round(gap * BURST_GAP_S["mq2"] / MEAN_GAP_S["mq2"], 6) for q, gap in MEAN_GAP_S.items()},
+}
+SETUP_WALL_S = 15.0             # wall: two clusters started, the sessions open, all stopped (13-14 s measured)
 MOVING_WINDOW_S = 60.0          # Fig. 12's moving average
 QUEUES = ("mq1", "mq2", "mq3")
 ROOT = "root"
@@ -87,6 +109,7 @@ class RunConfig:
     end_s: float
     sample_s: float = INTERVAL_S          # simulated: how often the queues and rates are read
     payload_bytes: int = MESSAGE_BYTES
+    scenario: str = "paper"
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,16 +126,18 @@ QUICK = Plan(time_scale=10.0, start_s=2340.0, span_s=300.0, seeds="1")
 
 
 # --- the arrival processes (pure) -------------------------------------------------------------------
-def arrival_times(queue: str, seed: int, start_s: float, end_s: float) -> list[float]:
+def arrival_times(queue: str, seed: int, start_s: float, end_s: float, scenario: str = "paper") -> list[float]:
     """Pattern i at mqi (§4.3) within [start_s, end_s): a Poisson process whose rate changes at
-    the bursty period's edges (memoryless: a gap that crosses an edge is drawn again from it)."""
+    the bursty period's edges (memoryless: a gap that crosses an edge is drawn again from it).
+    `scenario` names which queues burst (SCENARIOS); the paper's schedule is unchanged by it."""
+    bursts = SCENARIOS[scenario]
     rng = random.Random(f"seed003:{seed}:{queue}")
-    edges = sorted(BURST_S) if queue in BURST_GAP_S else []
+    edges = sorted(BURST_S) if queue in bursts else []
     times: list[float] = []
     at = start_s
     while True:
-        bursty = queue in BURST_GAP_S and BURST_S[0] <= at < BURST_S[1]
-        mean_gap = BURST_GAP_S[queue] if bursty else MEAN_GAP_S[queue]
+        bursty = queue in bursts and BURST_S[0] <= at < BURST_S[1]
+        mean_gap = bursts[queue] if bursty else MEAN_GAP_S[queue]
         following = at + rng.expovariate(1.0 / mean_gap)
         edge = next((e for e in edges if at < e), math.inf)
         if following >= edge:
@@ -131,6 +156,32 @@ def expected_static_overflows(start_s: float, end_s: float) -> float:
     burst_s = max(0.0, min(end_s, BURST_S[1]) - max(start_s, BURST_S[0]))
     excess = 1.0 / BURST_GAP_S["mq2"] - ROOT_RATE / len(QUEUES)
     return max(0.0, excess * burst_s - CLIENT_DEPTH_MAX)
+
+
+def expected_overflows(start_s: float, end_s: float, scenario: str) -> float:
+    """The fluid lower bound for any rate control: what arrives during the burst beyond R and
+    beyond the room the client queues have (3 × 200; the root's own 800 fill too, at most)."""
+    if scenario == "paper":
+        return expected_static_overflows(start_s, end_s)
+    burst_s = max(0.0, min(end_s, BURST_S[1]) - max(start_s, BURST_S[0]))
+    offered = sum(1.0 / gap for gap in SCENARIOS[scenario].values())
+    return max(0.0, (offered - ROOT_RATE) * burst_s - len(QUEUES) * CLIENT_DEPTH_MAX - ROOT_DEPTH_MAX)
+
+
+def wall_estimate_s(span_s: float, time_scale: float, runs: int) -> float:
+    """Wall seconds a plan takes: each run's window at k, and its clusters' start and stop."""
+    return runs * (span_s / time_scale + SETUP_WALL_S)
+
+
+def achieved_rates(times: Sequence[float], stored: Sequence[int | None]) -> list[float | None]:
+    """Messages/s (simulated) a forwarder stored at the root between each sample and the one
+    before (None at the first and where a sample lacks the count): Fig. 11's achieved rate."""
+    rates: list[float | None] = [None]
+    for i in range(1, len(times)):
+        before, now = stored[i - 1], stored[i]
+        span = times[i] - times[i - 1]
+        rates.append(None if before is None or now is None or span <= 0 else (now - before) / span)
+    return rates
 
 
 def moving_average(times: Sequence[float], values: Sequence[float], window_s: float) -> list[float]:
@@ -337,7 +388,7 @@ async def measure(config: RunConfig, source_cluster: LocalCluster, root_cluster:
     async with AsyncClient(source_cluster.urls["n1"], source_cluster.credentials_path) as source, \
             AsyncClient(root_cluster.urls["n1"], root_cluster.credentials_path) as root:
         await set_up(source, root, root_cluster, config)
-        schedules = {q: arrival_times(q, config.seed, config.start_s, config.end_s) for q in QUEUES}
+        schedules = {q: arrival_times(q, config.seed, config.start_s, config.end_s, config.scenario) for q in QUEUES}
         producers = {q: Producer(q) for q in QUEUES}
         observed = Observed()
         payload = b"m" * config.payload_bytes
@@ -378,8 +429,14 @@ def summarize(config: RunConfig, producers: dict[str, Producer], observed: Obser
     lags = [lag for p in producers.values() for lag in p.send_lag_s]
     answers = [a for p in producers.values() for a in p.answer_s]
     k = config.time_scale
+    achieved = achieved_rates(times, [row.get("mq2_stored") for row in samples])
+    known = [(t, r) for t, r in zip(times, achieved, strict=True) if r is not None]
+    achieved_average = moving_average([t for t, _ in known], [r for _, r in known], MOVING_WINDOW_S)
     return {
-        "bench": "forward", "mode": config.mode, "seed": config.seed, "time_scale": k,
+        "bench": "forward", "scenario": config.scenario, "mode": config.mode, "seed": config.seed, "time_scale": k,
+        "arrival_mean_gap_s": {q: MEAN_GAP_S[q] for q in QUEUES},
+        "burst_mean_gap_s": dict(SCENARIOS[config.scenario]), "burst_s": list(BURST_S),
+        "expected_overflows": round(expected_overflows(config.start_s, config.end_s, config.scenario)),
         "start_s": config.start_s, "end_s": config.end_s, "payload_bytes": config.payload_bytes,
         "overflows": len(overflow_times),
         "overflows_by_queue": {q: len(p.overflows) for q, p in producers.items()},
@@ -401,6 +458,7 @@ def summarize(config: RunConfig, producers: dict[str, Producer], observed: Obser
                                                 min(config.end_s, BURST_S[1]))),
         "mq2_rate_mean_after_burst": _round(step_mean(changes, max(config.start_s, BURST_S[1]), config.end_s)),
         "mq2_forwarded_rate_burst": _round(forwarded_rate(in_burst, "mq2")),
+        "forwarded_rate_burst": {q: _round(forwarded_rate(in_burst, q)) for q in QUEUES},
         "send_lag_ms": _spread_ms(lags), "answer_ms": _spread_ms(answers),
         "consumer_lag_ms": _spread_ms(observed.consumer_lag_s),
         "samples": len(samples), "sample_misses": observed.sample_misses, "wall_s": round(wall_s, 1),
@@ -410,6 +468,8 @@ def summarize(config: RunConfig, producers: dict[str, Producer], observed: Obser
             "root_moving_average": [round(v, 2) for v in root_average],
             "overflows": [bisect.bisect_right(overflow_times, t) for t in times],
             "mq2_rate": [row["mq2_rate"] for row in samples], "mq2_weight": [row["mq2_weight"] for row in samples],
+            "mq2_achieved": [None if r is None else round(r, 3) for r in achieved],
+            "mq2_achieved_average": {"t": [t for t, _ in known], "rate": [round(v, 3) for v in achieved_average]},
             "mq2_rate_changes": [[at, round(rate, 3)] for at, rate in changes
                                  if config.start_s - 10 * INTERVAL_S <= at <= config.end_s],
         },
@@ -465,11 +525,13 @@ def run_one(config: RunConfig) -> dict[str, Any]:
 
 
 def run_all(seeds: Sequence[int], modes: Sequence[str], time_scale: float, start_s: float, span_s: float,
-            results_path: Path | None) -> list[dict[str, Any]]:
+            results_path: Path | None, scenario: str = "paper") -> list[dict[str, Any]]:
+    """Each run's line is appended to the results file as soon as it ends (a long plan
+    interrupted keeps the runs it finished)."""
     results = []
     for seed in seeds:
         for mode in modes:
-            config = RunConfig(seed, mode, time_scale, start_s, start_s + span_s)
+            config = RunConfig(seed, mode, time_scale, start_s, start_s + span_s, scenario=scenario)
             result = run_one(config)
             line = json.dumps(result)
             if results_path is not None:
@@ -482,18 +544,23 @@ def run_all(seeds: Sequence[int], modes: Sequence[str], time_scale: float, start
 
 # --- the table and the figures -----------------------------------------------------------------------------
 def table(results: Sequence[dict[str, Any]]) -> str:
-    """Markdown: overflows per seed and mode, and adaptive / static."""
-    by_seed: dict[int, dict[str, int]] = collections.defaultdict(dict)
+    """Markdown: overflows per scenario, time scale, seed and mode, and adaptive / static (a
+    line stored before scenarios existed is the paper's)."""
+    by_seed: dict[tuple[str, float, int], dict[str, int]] = collections.defaultdict(dict)
     for result in results:
-        by_seed[result["seed"]][result["mode"]] = result["overflows"]
-    lines = ["| seed | adaptive | static | adaptive / static |", "|---|---|---|---|"]
-    for seed, counts in sorted(by_seed.items()):
+        key = (result.get("scenario", "paper"), result["time_scale"], result["seed"])
+        by_seed[key][result["mode"]] = result["overflows"]
+    lines = ["| scenario | k | seed | adaptive | static | adaptive / static |", "|---|---|---|---|---|---|"]
+    for (scenario, k, seed), counts in sorted(by_seed.items()):
         adaptive, static = counts.get("adaptive"), counts.get("static")
         ratio = f"{adaptive / static:.3f}" if adaptive is not None and static else "-"
-        lines.append(f"| {seed} | {adaptive} | {static} | {ratio} |")
-    total = {mode: sum(c.get(mode, 0) for c in by_seed.values()) for mode in MODES}
-    if total["static"]:
-        lines.append(f"| all | {total['adaptive']} | {total['static']} | {total['adaptive'] / total['static']:.3f} |")
+        lines.append(f"| {scenario} | {k:g} | {seed} | {adaptive} | {static} | {ratio} |")
+    for scenario, k in sorted({(s, k) for s, k, _ in by_seed}):
+        group = [c for (s, kk, _), c in by_seed.items() if (s, kk) == (scenario, k)]
+        total = {mode: sum(c.get(mode, 0) for c in group) for mode in MODES}
+        if total["static"] and len(group) > 1:
+            lines.append(f"| {scenario} | {k:g} | all | {total['adaptive']} | {total['static']} | "
+                         f"{total['adaptive'] / total['static']:.3f} |")
     return "\n".join(lines)
 
 
@@ -510,33 +577,44 @@ LABELS = {"adaptive": "with control (adaptive)", "static": "without control (sta
 
 
 def plot(results: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """The paper's four figures, adaptive against static; the first seed drawn solid, the
-    others faint; x in the paper's simulated seconds."""
+    """The paper's four figures per scenario, adaptive against static; the first seed drawn
+    solid, the others faint; x in the paper's simulated seconds. Runs at several time scales
+    are drawn side by side, one panel per k (the uncompressed k = 1 beside the compressed)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    first_seed = min(r["seed"] for r in results)
     written = []
-    for name, (title, key, ylabel) in FIGURES.items():
-        figure, axes = plt.subplots(figsize=(8, 4.5))
-        axes.axvspan(*BURST_S, color="0.92", label="bursty period (mq2)")
-        for result in sorted(results, key=lambda r: (r["mode"], r["seed"])):
-            draw(axes, result, key, first=result["seed"] == first_seed)
-        if key == "mq2":
-            axes.axhline(CLIENT_DEPTH_MAX, color="0.4", linestyle=":", linewidth=1, label="max_depth 200")
-        if key == "mq2_rate":
-            axes.axhline(ROOT_RATE, color="0.4", linestyle=":", linewidth=1, label="R = 25")
-        axes.set_title(title)
-        axes.set_xlabel("simulated time (s)")
-        axes.set_ylabel(ylabel)
-        axes.set_xlim(min(r["start_s"] for r in results), max(r["end_s"] for r in results))
-        axes.legend(loc="upper left", fontsize=8)
-        figure.tight_layout()
-        path = out_dir / name
-        figure.savefig(path, dpi=110)
-        plt.close(figure)
-        written.append(path)
+    for scenario in sorted({r.get("scenario", "paper") for r in results}):
+        runs = [r for r in results if r.get("scenario", "paper") == scenario]
+        scales = sorted({r["time_scale"] for r in runs})
+        prefix = "forward-" if scenario == "paper" else f"forward-{scenario}-"
+        who = "mq2" if scenario == "paper" else "all clients"
+        for name, (title, key, ylabel) in FIGURES.items():
+            figure, panels = plt.subplots(1, len(scales), figsize=(8 * len(scales), 4.5), squeeze=False,
+                                          sharey=True)
+            for axes, k in zip(panels[0], scales, strict=True):
+                here = [r for r in runs if r["time_scale"] == k]
+                first_seed = min(r["seed"] for r in here)
+                axes.axvspan(*BURST_S, color="0.92", label=f"bursty period ({who})")
+                for result in sorted(here, key=lambda r: (r["mode"], r["seed"])):
+                    draw(axes, result, key, first=result["seed"] == first_seed)
+                if key == "mq2":
+                    axes.axhline(CLIENT_DEPTH_MAX, color="0.4", linestyle=":", linewidth=1, label="max_depth 200")
+                if key == "mq2_rate":
+                    axes.axhline(ROOT_RATE, color="0.4", linestyle=":", linewidth=1, label="R = 25")
+                scale = "paper's time scale (k = 1)" if k == 1 else f"time compressed k = {k:g}"
+                seeds = ",".join(str(s) for s in sorted({r["seed"] for r in here}))
+                axes.set_title(f"{title}\n{scenario}, {scale}, seeds {seeds}", fontsize=10)
+                axes.set_xlabel("simulated time (s)")
+                axes.set_ylabel(ylabel)
+                axes.set_xlim(min(r["start_s"] for r in here), max(r["end_s"] for r in here))
+                axes.legend(loc="upper left", fontsize=7)
+            figure.tight_layout()
+            path = out_dir / (prefix + name.removeprefix("forward-"))
+            figure.savefig(path, dpi=110)
+            plt.close(figure)
+            written.append(path)
     return written
 
 
@@ -555,7 +633,13 @@ def draw(axes: Any, result: dict[str, Any], key: str, *, first: bool) -> None:
     if first:
         axes.step(times, rates, where="post", color=style["color"], linewidth=0.5, alpha=0.3)
     axes.plot(times, moving_average(times, rates, MOVING_WINDOW_S),
-              label=None if label is None else f"{label} (60 s average)", **style)
+              label=None if label is None else f"{label}: assigned (60 s average)", **style)
+    achieved = series.get("mq2_achieved_average")
+    if achieved and achieved["t"]:
+        # What mq2's forwarder stored at the root: below the assigned rate when the machine
+        # (or an empty mq2) held it back.
+        axes.plot(achieved["t"], achieved["rate"], linestyle="--",
+                  label=None if label is None else f"{label}: achieved (60 s average)", **style)
 
 
 def rate_grid(changes: Sequence[Sequence[float]], start_s: float, end_s: float,
@@ -581,26 +665,40 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true",
                         help=f"a smoke run: k={QUICK.time_scale:g}, {QUICK.start_s:g}-"
                              f"{QUICK.start_s + QUICK.span_s:g} s, seed {QUICK.seeds}")
+    parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="paper",
+                        help="paper: mq2 bursts (§4.3); all-burst: all three burst at once (the paper's limitation)")
     parser.add_argument("--no-results", action="store_true", help="append no JSON line to the results file")
-    parser.add_argument("--plot-only", type=Path, default=None, help="draw the figures from a results file")
+    parser.add_argument("--estimate", action="store_true", help="print the plan's wall time and stop")
+    parser.add_argument("--plot-only", type=Path, nargs="+", default=None,
+                        help="draw the figures from results files (runs of several k: side by side)")
     args = parser.parse_args(argv)
     if args.plot_only is not None:
-        results = [json.loads(line) for line in args.plot_only.read_text().splitlines() if line.strip()]
+        results = [json.loads(line) for path in args.plot_only for line in path.read_text().splitlines()
+                   if line.strip()]
         results = [r for r in results if r.get("bench") == "forward"]
+        if not results:
+            parser.error("no results lines of this bench in " + ", ".join(map(str, args.plot_only)))
+        args.out_dir.mkdir(parents=True, exist_ok=True)
     else:
         plan = QUICK if args.quick else FULL
         time_scale = plan.time_scale if args.time_scale is None else args.time_scale
-        if not 0 < time_scale <= INTERVAL_S / INTERVAL_MIN_S:
-            parser.error(f"--time-scale is in (0, {INTERVAL_S / INTERVAL_MIN_S:g}]")
+        if not 1 <= time_scale <= INTERVAL_S / INTERVAL_MIN_S:
+            parser.error(f"--time-scale is in [1, {INTERVAL_S / INTERVAL_MIN_S:g}] (1: the paper's own time)")
         modes = [m for m in args.modes.split(",") if m]
         if not modes or any(m not in MODES for m in modes):
             parser.error(f"--modes are among {', '.join(MODES)}")
         seeds = [int(s) for s in (args.seeds or plan.seeds).split(",") if s]
+        span_s = plan.span_s if args.span_s is None else args.span_s
+        estimate = wall_estimate_s(span_s, time_scale, len(seeds) * len(modes))
+        print(f"plan: {len(seeds) * len(modes)} runs ({args.scenario}, k = {time_scale:g}, {span_s:g} simulated s "
+              f"each): about {estimate / 60:.0f} min of wall time", flush=True)
+        if args.estimate:
+            return
         args.out_dir.mkdir(parents=True, exist_ok=True)
         results_path = None if args.no_results else \
             args.out_dir / f"results-forward-{datetime.date.today().isoformat()}.jsonl"
         results = run_all(seeds, modes, time_scale, plan.start_s if args.start_s is None else args.start_s,
-                          plan.span_s if args.span_s is None else args.span_s, results_path)
+                          span_s, results_path, args.scenario)
     print(table(results))
     for path in plot(results, args.out_dir):
         print(f"wrote {path}")

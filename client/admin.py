@@ -13,7 +13,8 @@ from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from typing import Any, Protocol, cast
 
 from client.http import Grant, HttpClient
-from wire.errors import QueueError
+from client.views import ViewCalls
+from wire.errors import E_FEATURE_DISABLED, E_NOT_FOUND, QueueError
 
 
 class _MapReader(Protocol):
@@ -22,8 +23,9 @@ class _MapReader(Protocol):
     async def refresh_placement(self, queue: str | None = None) -> None: ...
 
 
-class AdminCalls:
-    """Admin and REST-only calls, mixed into `AsyncClient`; `http` is its REST client."""
+class AdminCalls(ViewCalls):
+    """Admin and REST-only calls, mixed into `AsyncClient`; `http` is its REST client (and the
+    virtual queues' calls: client/views.py)."""
 
     http: HttpClient
 
@@ -137,6 +139,19 @@ class AdminCalls:
     async def cluster(self) -> dict[str, Any]:
         return await self.http.cluster()
 
+    async def node_stats(self) -> dict[str, Any]:
+        """GET /v1/node: the statistics of the node this client was given, in one call: queues
+        mastered, replicated and FAILED (counts, names capped), connections and distinct
+        clients, enqueue/ack rates, storage and map use, loop lag, lease, membership, release.
+        A node of 0.2.0 or older has no such route: E_FEATURE_DISABLED says so."""
+        try:
+            return dict(await self.http._json("GET", "/v1/node"))
+        except QueueError as error:
+            if error.code == E_NOT_FOUND.code:
+                raise QueueError(E_FEATURE_DISABLED, "this node has no GET /v1/node (release 0.3.0 or later "
+                                                     "has it)") from error
+            raise
+
     async def events(self, after: int = 0, limit: int = 100, wait_s: float = 0.0) -> dict[str, Any]:
         """The cluster events of the node this client was given (handoffs, failovers, recipients'
         states, nodes down and up, the membership leader, queues created and deleted) after
@@ -238,11 +253,18 @@ class AdminCalls:
         return await self.http.set_alternatives(recipient, alternatives)
 
     async def create_forward(self, name: str, source: str, destination: str, *, urls: Sequence[str] = (),
-                             credentials: Mapping[str, str] | None = None) -> dict[str, Any]:
+                             credentials: Mapping[str, str] | None = None,
+                             control: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Store-and-forward (seed 003; admin): the master of `source` (a `full` queue here)
         moves its messages into `destination` of the cluster at `urls`, signed there with
-        `credentials` ({"client_id", "private_key"}); no urls: a queue of this cluster."""
-        return await self.http.create_forward(name, source, destination, urls=urls, credentials=credentials)
+        `credentials` ({"client_id", "private_key"}); no urls: a queue of this cluster.
+        `control`: its own {"bands", "weights", "fill_unit", "fill_bytes"} (seed 003 figure 6)."""
+        return await self.http.create_forward(name, source, destination, urls=urls, credentials=credentials,
+                                              control=control)
+
+    async def change_forward(self, name: str, control: Mapping[str, Any]) -> dict[str, Any]:
+        """Change a forward's own bands, weights, fill unit (None: back to the default)."""
+        return await self.http.change_forward(name, control)
 
     async def forwards(self) -> list[dict[str, Any]]:
         return await self.http.forwards()

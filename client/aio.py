@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, S
 from pathlib import Path
 from typing import Any, Self, TypeVar, overload
 
-from client import browse, tracing
+from client import browse, tracing, waits
 from client.admin import AdminCalls
 from client.batching import batch_bounds
 from client.channels import ChannelDelivery, ChannelInbox, channel_queue
@@ -190,6 +190,7 @@ class AsyncClient(AdminCalls):
             return
         if self._channel_inbox is not None:
             self._channel_inbox.close()
+        await waits.cancel_callbacks(self)      # pending on_complete waits: their callbacks hear "failed"
         await self._router.close()
 
     def _new_dedupe_id(self) -> str:
@@ -236,9 +237,21 @@ class AsyncClient(AdminCalls):
         return found
 
     # --- messages -----------------------------------------------------------------------------
+    @overload
+    async def enqueue(self, queue: str, payload: bytes, priority: int = 4, dedupe_id: str | None = None, *,
+                      ttl_s: float | None = None, delay_s: float | None = None,
+                      headers: Mapping[str, str] | None = None, wait: None = None, timeout_s: float | None = None,
+                      on_complete: waits.OnComplete | None = None) -> int: ...
+    @overload
+    async def enqueue(self, queue: str, payload: bytes, priority: int = 4, dedupe_id: str | None = None, *,
+                      ttl_s: float | None = None, delay_s: float | None = None,
+                      headers: Mapping[str, str] | None = None, wait: str, timeout_s: float | None = None,
+                      on_complete: waits.OnComplete | None = None) -> waits.Completion: ...
     async def enqueue(self, queue: str, payload: bytes, priority: int = 4,
                       dedupe_id: str | None = None, *, ttl_s: float | None = None,
-                      delay_s: float | None = None, headers: Mapping[str, str] | None = None) -> int:
+                      delay_s: float | None = None, headers: Mapping[str, str] | None = None,
+                      wait: str | None = None, timeout_s: float | None = None,
+                      on_complete: waits.OnComplete | None = None) -> Any:
         """Enqueue one message and return its id once it is durable on every copy the queue's
         strength asks for. Except on a `one_way` queue (seed 004 One_Way): there the answer comes
         as soon as the master accepted the message, before it is durable, and a failure of the
@@ -249,7 +262,16 @@ class AsyncClient(AdminCalls):
         `delay_s` (at most 900): the message is delivered no sooner than that. `headers`: a
         small map of names to strings (at most 16, 4,096 characters in all) that the consumer
         gets with the message (`Message.headers`). With OpenTelemetry in use and a span current,
-        a producer span is made and its W3C context added to the headers (client/tracing.py)."""
+        a producer span is made and its W3C context added to the headers (client/tracing.py).
+        `wait="ack"` (one_way_ack, two_way queues) or `"reply"` (two_way): once stored, wait up to
+        `timeout_s` (default 30) for the consumer and return a `Completion` (id, outcome, reply);
+        E_WAIT_TIMEOUT when it did not come (the message stays queued). `on_complete`: called
+        once on the client's loop with the Completion; without `wait` the id is returned at once
+        (client/waits.py; docs/PROTOCOL.md, "Producers that wait")."""
+        if wait is not None or on_complete is not None:
+            return await waits.enqueue_waiting(self, queue, 1, lambda: self.enqueue(
+                queue, payload, priority, dedupe_id, ttl_s=ttl_s, delay_s=delay_s, headers=headers),
+                wait, timeout_s, on_complete)
         if tracing.api() is not None and tracing.wants_publish(headers):
             return await tracing.publish(queue, headers, None, lambda traced: self.enqueue(
                 queue, payload, priority, dedupe_id, ttl_s=ttl_s, delay_s=delay_s, headers=traced))
@@ -301,12 +323,19 @@ class AsyncClient(AdminCalls):
 
     async def enqueue_many(self, queue: str, payloads: Iterable[bytes], priority: int = 4, *,
                            dedupe_ids: Sequence[str] | None = None, ttl_s: float | None = None,
-                           delay_s: float | None = None, headers: Mapping[str, str] | None = None) -> list[int]:
+                           delay_s: float | None = None, headers: Mapping[str, str] | None = None,
+                           wait: str | None = None, timeout_s: float | None = None,
+                           on_complete: waits.OnComplete | None = None) -> list[Any]:
         """Enqueue many messages in one batch; returns their ids in order. On an error the
         first one is raised after every answer is in (the others may be stored: pass
         `dedupe_ids` to make a retry of the whole call safe). `ttl_s`, `delay_s`, `headers`: as
-        for `enqueue`, for every message."""
+        for `enqueue`, for every message. `wait`, `timeout_s`, `on_complete`: as for `enqueue`,
+        for each message (with `wait`: their Completions, or the first wait's error)."""
         items = [_as_bytes(p) for p in payloads]
+        if wait is not None or on_complete is not None:
+            return await waits.enqueue_waiting(self, queue, len(items), lambda: self.enqueue_many(
+                queue, items, priority, dedupe_ids=dedupe_ids, ttl_s=ttl_s, delay_s=delay_s, headers=headers),
+                wait, timeout_s, on_complete)  # type: ignore[no-any-return]
         if dedupe_ids is not None and len(dedupe_ids) != len(items):
             raise ValueError("dedupe_ids must have one id per payload")
         ids = list(dedupe_ids) if dedupe_ids is not None else [self._new_dedupe_id() for _ in items]

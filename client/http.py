@@ -393,12 +393,15 @@ class HttpClient:
 
     # --- forwards (seed 003 store-and-forward) ------------------------------------------------
     async def create_forward(self, name: str, source: str, destination: str, *, urls: Sequence[str] = (),
-                             credentials: Mapping[str, str] | None = None) -> dict[str, Any]:
+                             credentials: Mapping[str, str] | None = None,
+                             control: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Forward `source` (a `full` queue of this cluster) into `destination`, a queue of the
         cluster at `urls` signed there with `credentials` ({"client_id", "private_key"}, and that
         cluster's CA as "ca" (PEM) or "ca_file", which the forward's TLS checks its nodes
         against), or of this cluster when no urls are given (admin)."""
         document: dict[str, Any] = {"name": name, "source": source, "destination": destination, "urls": list(urls)}
+        if control:         # its own bands, weights, fill unit (docs/PROTOCOL.md "Forwards"; feature level 3)
+            document["control"] = dict(control)
         if credentials is not None:
             document["credentials"] = {"client_id": credentials["client_id"],
                                        "private_key": credentials["private_key"]}
@@ -421,6 +424,11 @@ class HttpClient:
 
     async def delete_forward(self, name: str) -> dict[str, Any]:
         return dict(await self._json("DELETE", "/v1/forwards/" + _segment(name), idempotent=False))
+
+    async def change_forward(self, name: str, control: Mapping[str, Any]) -> dict[str, Any]:
+        """Change a forward's own bands, weights, fill unit (a field given as None goes back to
+        the default); its entry as the map now has it (admin; feature level 3)."""
+        return dict(await self._json("PATCH", "/v1/forwards/" + _segment(name), document={"control": dict(control)}))
 
     # --- messages ---------------------------------------------------------------------------
     async def enqueue_http(self, queue: str, payload: bytes, priority: int = 4,

@@ -52,6 +52,7 @@ from client.qctl_events import add_parser as add_events_parser
 from client.qctl_features import (
     RECIPIENT_HELP,
     RECIPIENT_SETUP,
+    add_forward_control_options,
     cmd_channel_create,
     cmd_channel_delete,
     cmd_channel_drop,
@@ -63,6 +64,7 @@ from client.qctl_features import (
     cmd_forward_create,
     cmd_forward_delete,
     cmd_forward_list,
+    cmd_forward_set,
     cmd_forward_stats,
     cmd_macro_add,
     cmd_macro_create,
@@ -74,6 +76,7 @@ from client.qctl_features import (
     cmd_recipient_list,
     cmd_recipient_remove,
 )
+from client.qctl_node import add_node_stats_parser, with_failed_queues
 from client.qctl_peek import add_parser as add_peek_parser
 from client.qctl_queues import add_create_options as add_queue_create_options
 from client.qctl_queues import add_set_parser as add_queue_set_parser
@@ -91,6 +94,7 @@ from client.qctl_queues import (
 )
 from client.qctl_render import Handler, Outcome
 from client.qctl_upgrade import add_parser as add_upgrade_parser
+from client.qctl_views import add_view_parser
 from wire import versions
 from wire.errors import QueueError
 from wire.message_input import PRIORITY_DEFAULT, PRIORITY_MAX, PRIORITY_MIN
@@ -144,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.set_defaults(handler=handler)
         return sub
 
-    status = command(commands, "status", cmd_status,
+    status = command(commands, "status", with_failed_queues(cmd_status),
                      "the cluster map: nodes, membership leader, every queue's pair and lag (on a map of more than "
                      f"{STATUS_QUEUES_LISTED_MAX} queues: counts, and `qctl queue list` lists them)")
     status.add_argument("--all", action="store_true",
@@ -194,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "end the node's maintenance (or a decommissioning drain): it may take masters again")
     node_undrain.add_argument("node_id")
     node_undrain.add_argument("--rebalance", action="store_true", help="then hand masters back to spread them evenly")
+    add_node_stats_parser(one_node, command)    # node stats (GET /v1/node, client/qctl_node.py)
     queue = commands.add_parser("queue", help="create, list, inspect and delete queues")
     queue_commands = queue.add_subparsers(dest="queue_command", required=True, metavar="ACTION")
     create = command(queue_commands, "create", cmd_queue_create, "create or open a queue")
@@ -228,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--forward-bands", type=int, help="the fill-level bands a weight counts (10)")
     add_queue_create_options(create)                # --delay-s, --receive-wait-s (client/qctl_queues.py)
     add_queue_set_parser(queue_commands, command)   # queue set: change options of an existing queue
+    add_view_parser(queue_commands, command)        # queue view create|delete|list (client/qctl_views.py)
     command(queue_commands, "list", cmd_queue_list, "every queue with its statistics").add_argument(
         "--match", default="", help="only the queues whose name contains this (filtered on the node; 0.3.0 nodes)")
     command(queue_commands, "stats", cmd_queue_stats, "one queue's statistics").add_argument("name")
@@ -338,6 +344,11 @@ def build_parser() -> argparse.ArgumentParser:
     forward_create.add_argument("--remote-url", action="append", default=[], dest="urls",
                                 help="a node of the destination's cluster (repeat for more; default: the "
                                      "credentials' url)")
+    add_forward_control_options(forward_create)
+    forward_set = command(forward_commands, "set", cmd_forward_set,
+                          "change a forward's own fill bands, weights and fill unit (seed 003 figure 6)")
+    forward_set.add_argument("name")
+    add_forward_control_options(forward_set, changing=True)
     command(forward_commands, "list", cmd_forward_list, "every forward and the node it runs on")
     command(forward_commands, "stats", cmd_forward_stats,
             "a forwarder's state, rate, weight and counts, from where it runs").add_argument("name")
@@ -353,6 +364,10 @@ def build_parser() -> argparse.ArgumentParser:
     put.add_argument("--delay-s", type=float, help="deliver it no sooner than this (at most 900)")
     put.add_argument("--header", action="append", default=[], metavar="NAME=VALUE",
                      help="a header delivered with the message (repeat for more)")
+    put.add_argument("--wait", choices=("ack", "reply"),
+                     help="then wait for the consumer: ack (one_way_ack, two_way queues) or reply (two_way)")
+    put.add_argument("--timeout-s", type=float, default=30.0,
+                     help="with --wait: give up after this long (E_WAIT_TIMEOUT; the message stays queued)")
     get = command(commands, "get", cmd_get, "lease (and with --ack delete) the next message")
     get.add_argument("queue")
     get.add_argument("--wait-s", type=float, default=0.0,
@@ -361,6 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the lease: the message is invisible this long unless acked (default: the queue's)")
     get.add_argument("--ack", action="store_true",
                      help="acknowledge the message at once (needs the delete grant; without it the lease is released)")
+    get.add_argument("--view", help="through this virtual queue of QUEUE (no --wait-s)")
     ack = command(commands, "ack", cmd_ack, "acknowledge (delete) a leased message")
     ack.add_argument("queue")
     ack.add_argument("message_id", type=int)

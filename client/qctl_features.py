@@ -15,7 +15,7 @@ from client.credentials import load_credentials
 from client.http import HttpClient
 from client.qctl_queues import read_payload
 from client.qctl_render import Outcome, format_fields, payload_fields, when_text
-from wire.errors import E_TIMEOUT, QueueError
+from wire.errors import E_INVALID_OPTION, E_TIMEOUT, QueueError
 
 
 async def cmd_forward_create(http: HttpClient, args: argparse.Namespace) -> Outcome:
@@ -25,9 +25,53 @@ async def cmd_forward_create(http: HttpClient, args: argparse.Namespace) -> Outc
         credentials = {"client_id": remote.client_id, "private_key": remote.private_key_text,
                        "ca_file": remote.ca_file}       # the other cluster's CA, for the forward's TLS
         urls = urls or [remote.url]
-    answer = await http.create_forward(args.name, args.source, args.destination, urls=urls, credentials=credentials)
+    answer = await http.create_forward(args.name, args.source, args.destination, urls=urls, credentials=credentials,
+                                       control=forward_control_args(args))
     where = f" at {', '.join(answer['urls'])} as {answer['client_id']}" if answer.get("urls") else ""
     return Outcome(answer, f"forward {args.name}: {args.source} -> {args.destination}{where}")
+
+
+def forward_control_args(args: argparse.Namespace, *, changing: bool = False) -> dict[str, Any]:
+    """--bands (a number of uniform bands, or thresholds 0.5,0.8), --weights (one per band),
+    --fill-unit, --fill-bytes: a forward's own control (docs/PROTOCOL.md "Forwards"). When
+    changing, "default" puts a field back to the root's default (None)."""
+    control: dict[str, Any] = {}
+    for field in ("bands", "weights", "fill_unit", "fill_bytes"):
+        text = getattr(args, field, None)
+        if text is None:
+            continue
+        if changing and text == "default":
+            control[field] = None
+        elif field == "fill_unit":
+            control[field] = text
+        else:
+            try:
+                values = [float(v) if "." in v else int(v) for v in str(text).split(",") if v.strip()]
+            except ValueError:
+                raise QueueError(E_INVALID_OPTION, f"--{field.replace('_', '-')} is a number or a comma list") from None
+            control[field] = values[0] if field == "fill_bytes" or (field == "bands" and "," not in str(text)) \
+                else values
+    return control
+
+
+def add_forward_control_options(parser: argparse.ArgumentParser, *, changing: bool = False) -> None:
+    default = " (\"default\": the root's)" if changing else ""
+    parser.add_argument("--bands", help="fill bands: a number of uniform bands, or thresholds as fractions of the "
+                                        "capacity, e.g. 0.5,0.8,0.95" + default)
+    parser.add_argument("--weights", help="the weight of each band, e.g. 0,1,5,20 (default: the band's number)" + default)
+    parser.add_argument("--fill-unit", choices=("messages", "bytes", *(("default",) if changing else ())),
+                        help="what the fill counts: the source's messages against its max_depth, or their bytes "
+                             "against --fill-bytes")
+    parser.add_argument("--fill-bytes", help="the capacity a fill in bytes is measured against" + default)
+
+
+async def cmd_forward_set(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    control = forward_control_args(args, changing=True)
+    if not control:
+        raise QueueError(E_INVALID_OPTION, "name what to change: --bands, --weights, --fill-unit, --fill-bytes")
+    answer = await http.change_forward(args.name, control)
+    shown = answer.get("control") or "the root's uniform bands"
+    return Outcome(answer, f"forward {args.name}: control {shown}")
 
 
 async def cmd_forward_list(http: HttpClient, args: argparse.Namespace) -> Outcome:
@@ -51,6 +95,10 @@ def forward_stats_shown(stats: dict[str, Any], now_s: float) -> dict[str, Any]:
             continue
         if key.endswith("_ms") and isinstance(value, (int, float)) and value > 0:
             shown[key.removesuffix("_ms")] = when_text(value / 1000, now_s)
+        elif key == "fill" and isinstance(value, dict):
+            # The source's fill in the forward's bands (docs/PROTOCOL.md "A forward's own bands and weights").
+            shown["fill"] = (f"{value['amount']} of {value['capacity']} {value['unit']}, band {value['band']}, "
+                             f"weight {value['weight']}" + (" (capped by the root's bands)" if value["capped"] else ""))
         elif key == "floors" and isinstance(value, dict):
             # A stream's floor: the lowest id of its priority the source still held (docs/PROTOCOL.md).
             shown["floors"] = ", ".join(f"priority {priority} from id {floor}" for priority, floor in value.items()) \

@@ -48,7 +48,11 @@ async def cmd_peek(http: HttpClient, args: argparse.Namespace) -> Outcome:
         shown["served_by"] = f"{message['served_by'].get('node')} ({message['served_by'].get('role')})"
         shown["payload"] = printable(message["payload"])
         return Outcome(shown_json(message), format_fields(shown))
-    page = await http.peek(args.queue, args.after, args.limit, args.preview)
+    if args.view is not None:            # through a virtual queue (client/qctl_views.py)
+        from client.qctl_views import peek_view_page
+        page = await peek_view_page(http, args)
+    else:
+        page = await http.peek(args.queue, args.after, args.limit, args.preview)
     document = {**page, "messages": [shown_json(message) for message in page["messages"]]}
     messages = page["messages"]
     served = page["served_by"]
@@ -72,3 +76,4 @@ def add_parser(commands: Any, command: Any) -> None:
     peek.add_argument("--limit", type=int, default=100, help="at most this many messages (1-1000, default 100)")
     peek.add_argument("--preview", action="store_true", help="only the first KiB of each payload")
     peek.add_argument("--id", type=int, help="show this one message, in full")
+    peek.add_argument("--view", help="only the messages of this virtual queue of QUEUE")

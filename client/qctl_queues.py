@@ -154,6 +154,17 @@ def read_payload(args: argparse.Namespace) -> bytes:
 
 async def cmd_put(http: HttpClient, args: argparse.Namespace) -> Outcome:
     payload = read_payload(args)
+    if getattr(args, "wait", None) is not None:        # a producer that waits (client/waits.py)
+        from client.waits import enqueue_rest_waiting
+        done = await enqueue_rest_waiting(http, args.queue, payload, args.wait, args.timeout_s, priority=args.priority,
+                                          dedupe_id=args.dedupe_id, ttl_s=args.ttl_s, delay_s=args.delay_s,
+                                          headers=_headers(args.header))
+        reply = done.pop("reply", None)
+        shown = {} if reply is None else {"reply": reply.decode(errors="replace"),
+                                          "reply_b64": payload_fields(reply)["payload_b64"]}
+        document = {"queue": args.queue, **done, **shown}
+        text = f"id: {done['id']}, {done['state']} after {done.get('deliveries', 0)} deliveries"
+        return Outcome(document, text + ("" if reply is None else f"\nreply: {reply.decode(errors='backslashreplace')}"))
     answer = await http.enqueue_answer(args.queue, payload, args.priority, args.dedupe_id, ttl_s=args.ttl_s,
                                        delay_s=args.delay_s, headers=_headers(args.header))
     if "macro" not in answer:
@@ -175,6 +186,9 @@ def _headers(given: list[str]) -> dict[str, str] | None:
 
 
 async def cmd_get(http: HttpClient, args: argparse.Namespace) -> Outcome:
+    if getattr(args, "view", None) is not None:       # through a virtual queue (client/qctl_views.py)
+        from client.qctl_views import cmd_get_view
+        return await cmd_get_view(http, args)
     found = await http.receive_from(args.queue, args.wait_s, args.visibility_timeout_s)
     if found is None:
         return Outcome(None, "no message")

@@ -17,6 +17,7 @@ from client.channels import ChannelDelivery
 from client.consumer import Consumer, LeaseKeeper, Message
 from client.http import Grant
 from client.macro import MacroConsumer
+from client.waits import Completion, OnComplete
 
 T = TypeVar("T")
 
@@ -59,6 +60,22 @@ class SyncMessage:
     def __repr__(self) -> str:
         return (f"SyncMessage(queue={self.queue!r}, id={self.id}, priority={self.priority}, "
                 f"deliveries={self.deliveries}, payload={self.payload[:32]!r})")
+
+
+class _SyncViewMessage(SyncMessage):
+    """A message received through a view: settled through the view's routes (client/views.py)."""
+    __slots__ = ()
+
+    def ack(self) -> None:
+        async def ack() -> None:
+            await self._message.ack()
+        self._client._run(ack())
+
+    def release(self) -> None:
+        self._client._run(self._message.release())
+
+    def extend(self, visibility_timeout_s: float) -> None:
+        self._client._run(self._message.extend(visibility_timeout_s))
 
 
 class SyncLeaseKeeper:
@@ -189,20 +206,39 @@ class Client:
         return self._async.cluster_feature_level
 
     # --- messages -----------------------------------------------------------------------------
+    @overload
+    def enqueue(self, queue: str, payload: bytes, priority: int = 4, dedupe_id: str | None = None, *,
+                ttl_s: float | None = None, delay_s: float | None = None, headers: Mapping[str, str] | None = None,
+                wait: None = None, timeout_s: float | None = None, on_complete: OnComplete | None = None) -> int: ...
+    @overload
+    def enqueue(self, queue: str, payload: bytes, priority: int = 4, dedupe_id: str | None = None, *,
+                ttl_s: float | None = None, delay_s: float | None = None, headers: Mapping[str, str] | None = None,
+                wait: str, timeout_s: float | None = None, on_complete: OnComplete | None = None) -> Completion: ...
     def enqueue(self, queue: str, payload: bytes, priority: int = 4, dedupe_id: str | None = None, *,
                 ttl_s: float | None = None, delay_s: float | None = None,
-                headers: Mapping[str, str] | None = None) -> int:
+                headers: Mapping[str, str] | None = None, wait: str | None = None, timeout_s: float | None = None,
+                on_complete: OnComplete | None = None) -> Any:
         """As AsyncClient.enqueue: the id once durable, except on a `one_way` queue (answered
         before it is durable); `ttl_s` the message's time to live, `delay_s` its delivery delay,
-        `headers` a small map delivered with it."""
+        `headers` a small map delivered with it. `wait="ack"|"reply"` blocks this thread until
+        the consumer acked or replied (a Completion), E_WAIT_TIMEOUT after `timeout_s`.
+        `on_complete` runs on the client's own loop thread, not the caller's: keep it short and
+        hand work to your threads (client/waits.py)."""
+        if wait is None:
+            return self._run(self._async.enqueue(queue, payload, priority, dedupe_id, ttl_s=ttl_s, delay_s=delay_s,
+                                                 headers=headers, timeout_s=timeout_s, on_complete=on_complete))
         return self._run(self._async.enqueue(queue, payload, priority, dedupe_id, ttl_s=ttl_s, delay_s=delay_s,
-                                             headers=headers))
+                                             headers=headers, wait=wait, timeout_s=timeout_s,
+                                             on_complete=on_complete))
 
     def enqueue_many(self, queue: str, payloads: Iterable[bytes], priority: int = 4, *,
                      dedupe_ids: Sequence[str] | None = None, ttl_s: float | None = None,
-                     delay_s: float | None = None, headers: Mapping[str, str] | None = None) -> list[int]:
+                     delay_s: float | None = None, headers: Mapping[str, str] | None = None,
+                     wait: str | None = None, timeout_s: float | None = None,
+                     on_complete: OnComplete | None = None) -> list[Any]:
         return self._run(self._async.enqueue_many(queue, list(payloads), priority, dedupe_ids=dedupe_ids,
-                                                  ttl_s=ttl_s, delay_s=delay_s, headers=headers))
+                                                  ttl_s=ttl_s, delay_s=delay_s, headers=headers, wait=wait,
+                                                  timeout_s=timeout_s, on_complete=on_complete))
 
     def receive(self, queue: str, max_messages: int = 1, wait_s: float = 0.0,
                 visibility_timeout_s: float | None = None) -> list[SyncMessage]:
@@ -348,6 +384,26 @@ class Client:
         """One message of `queue` by id, without taking it (AsyncClient.read_message)."""
         return self._run(self._async.read_message(queue, message_id))
 
+    # --- virtual queues (client/views.py; docs/PROTOCOL.md, "Virtual queues") -------------------
+    def create_view(self, queue: str, view: str, filter: dict[str, Any]) -> dict[str, Any]:
+        return self._run(self._async.create_view(queue, view, filter))
+
+    def delete_view(self, queue: str, view: str) -> dict[str, Any]:
+        return self._run(self._async.delete_view(queue, view))
+
+    def list_views(self, queue: str) -> dict[str, Any]:
+        return self._run(self._async.list_views(queue))
+
+    def receive_view(self, queue: str, view: str, max_messages: int = 1,
+                     visibility_timeout_s: float | None = None) -> list[SyncMessage]:
+        """AsyncClient.receive_view: each message's ack, release and extend go through the view."""
+        received = self._run(self._async.receive_view(queue, view, max_messages, visibility_timeout_s))
+        return [_SyncViewMessage(self, message) for message in received]
+
+    def peek_view(self, queue: str, view: str, after: int = 0, limit: int = 100,
+                  preview: bool = False) -> dict[str, Any]:
+        return self._run(self._async.peek_view(queue, view, after, limit, preview))
+
     def next_channel_message(self, timeout_s: float | None = None) -> ChannelDelivery | None:
         """The first unread message across the subscribed channels; None after `timeout_s`."""
         async def wait() -> ChannelDelivery | None:
@@ -370,8 +426,13 @@ class Client:
         return self._run(self._async.remove_recipient(recipient))
 
     def create_forward(self, name: str, source: str, destination: str, *, urls: Sequence[str] = (),
-                       credentials: Mapping[str, str] | None = None) -> dict[str, Any]:
-        return self._run(self._async.create_forward(name, source, destination, urls=urls, credentials=credentials))
+                       credentials: Mapping[str, str] | None = None,
+                       control: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        return self._run(self._async.create_forward(name, source, destination, urls=urls, credentials=credentials,
+                                                    control=control))
+
+    def change_forward(self, name: str, control: Mapping[str, Any]) -> dict[str, Any]:
+        return self._run(self._async.change_forward(name, control))
 
     def forwards(self) -> list[dict[str, Any]]:
         return self._run(self._async.forwards())
@@ -420,6 +481,10 @@ class Client:
 
     def cluster(self) -> dict[str, Any]:
         return self._run(self._async.cluster())
+
+    def node_stats(self) -> dict[str, Any]:
+        """See AsyncClient.node_stats (GET /v1/node)."""
+        return self._run(self._async.node_stats())
 
     def events(self, after: int = 0, limit: int = 100, wait_s: float = 0.0) -> dict[str, Any]:
         """See AsyncClient.events."""

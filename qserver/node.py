@@ -21,13 +21,16 @@ import aiohttp
 from aiohttp import web
 
 from qserver.api.auth import CLUSTER_CLIENT, Authenticator
+from qserver.api.completion_waits import CompletionWaits
 from qserver.api.http_api import NODE, add_routes, errors_and_auth
 from qserver.api.http_common import pass_on_to
+from qserver.api.node_routes import NodeRates
 from qserver.api.queue_routes import REDRIVE
 from qserver.api.ws_api import ClientConnection, websocket
 from qserver.assembly import build_engine
 from qserver.cluster.events import EventFeed
 from qserver.cluster.membership import RaftMembership, raft_limits, tick_ms
+from qserver.cluster.queue_health import QueueHealthWatch
 from qserver.config import NodeConfig
 from qserver.console.app import install as install_console
 from qserver.console.frame import Console
@@ -125,6 +128,7 @@ class Node:
         self.forwarders = Forwarders(self.services, self.macros)
         self.connections: set[ClientConnection] = set()
         self.bad_frames = 0
+        self.completion_waits = CompletionWaits()     # producers that wait (qserver/api/completion_waits.py)
         self._http_session: aiohttp.ClientSession | None = None
         self.url = config.own_url
         self.engine.on_clients_changed = self._clients_changed
@@ -132,6 +136,12 @@ class Node:
         self._journal_task: asyncio.Task[None] | None = None
         self.loop_lag = LoopLag()
         self._loop_lag_task: asyncio.Task[None] | None = None
+        # Issue 37: the FAILED state of the queues mastered here, and GET /v1/node's rates.
+        self.queue_health = QueueHealthWatch(self.engine)
+        self.engine.health_fields = self.queue_health.fields
+        self.rates = NodeRates(self.engine)
+        self.started_s = time.time()
+        self._health_task: asyncio.Task[None] | None = None
         self._export_pool: ProcessPoolExecutor | None = None
         self._nonces_path = Path(config.data_dir) / "replay-window.json"
 
@@ -272,6 +282,7 @@ class Node:
         if self.journal is not None:
             self._journal_task = asyncio.get_running_loop().create_task(self._export_journal_when_due())
         self._loop_lag_task = asyncio.get_running_loop().create_task(self.loop_lag.run())
+        self._health_task = asyncio.get_running_loop().create_task(self.queue_health.run(self.rates.sample))
         COLLECTOR_PAUSES.install()
         if self.membership is not None:
             self.surveillance.start()
@@ -285,7 +296,7 @@ class Node:
             await self.membership_peers.start()
 
     async def stop(self) -> None:
-        for task in (self._journal_task, self._loop_lag_task):
+        for task in (self._journal_task, self._loop_lag_task, self._health_task):
             if task is not None:
                 task.cancel()
         await self.events.stop()
@@ -416,6 +427,11 @@ class Node:
         lines += render_family("qserver_queue_consumers", "gauge",
                                "push subscriptions open on the queue at this node (WebSocket subscribe, recipients "
                                "included; waiting receives and channel subscribers not)", per_queue["consumers"])
+        lines += render_family("qserver_queue_views", "gauge", "virtual queues (views) defined on the queue "
+                               "(their depths: GET /v1/queues/{q}, counted within a bound)",
+                               [({"queue": name, "role": roles[name]}, len(core.options.views))
+                                for name, core in sorted(engine.cores.items()) if core.options.views])
+        lines += self.queue_health.render_metrics()
         lines += engine.commit_seconds.render()
         lines += self.loop_lag.render()
         lines += COLLECTOR_PAUSES.render()
@@ -436,6 +452,8 @@ class Node:
         lines += self.surveillance.render_metrics()
         lines += self.forward_root.render_metrics()
         lines += self.forwarders.render_metrics()
+        for name, kind, help_text, value in self.completion_waits.render():
+            lines += render_family(name, kind, help_text, [({}, value)])
         lines += self._replication_metrics()
         lines += self.events.render_metrics()
         if self.console is not None:

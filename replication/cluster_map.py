@@ -56,7 +56,9 @@ from replication.map_commands import (
     RemoveRecipient,
     SetAlternatives,
     SetFeatureLevel,
+    SetForwardControl,
     SetNodeState,
+    SetQueueHealth,
     SetQueueOptions,
     decode_command,
     encode_command,
@@ -90,6 +92,7 @@ from replication.map_entries import (
     channel_queue,
     macro_policy_problem,
 )
+from replication.map_forwards import control_refusal, set_forward_control
 from replication.map_planning import (
     choose_pair,
     plan_failover,
@@ -98,6 +101,7 @@ from replication.map_planning import (
     plan_replacements,
 )
 from replication.options import LEVEL3_OPTIONS, OptionError, changed_options
+from replication.queue_health import apply_queue_health, decode_health, encode_health, health_json
 from wire.versions import FEATURE_LEVEL, FEATURES, OLDEST_FEATURE_LEVEL, RELEASE
 
 # The map's vocabulary and decisions are re-exported: most of the project imports them from here.
@@ -109,7 +113,7 @@ __all__ = ["ALTERNATIVES_MAX", "AddNode", "CHANNEL_PREFIX", "CHANNEL_QUEUE_OPTIO
            "NoteRecipient", "Outcome", "PairState", "ProducerPolicy", "PutChannel", "PutClient", "PutForward",
            "PutMacroMember", "PutRecipient", "QueueEntry", "RECIPIENTS_MAX", "RECIPIENTS_PER_CLIENT_MAX",
            "REVOKED_CLIENTS_MAX", "Reason", "RecipientEntry", "RecipientState", "RemoveMacroMember",
-           "RemoveRecipient", "SUMMARY_NAMES_MAX", "SetAlternatives", "SetFeatureLevel", "SetNodeState", "SetQueueOptions", "astuple", "channel_queue",
+           "RemoveRecipient", "SUMMARY_NAMES_MAX", "SetAlternatives", "SetFeatureLevel", "SetForwardControl", "SetNodeState", "SetQueueOptions", "astuple", "channel_queue",
            "choose_pair", "decode_command", "decode_map", "encode_command", "encode_map", "macro_policy_problem",
            "plan_failover", "plan_member_moves", "plan_rebalance", "plan_replacements"]
 
@@ -240,6 +244,7 @@ class ClusterMap:
     channels: dict[str, ChannelEntry] = field(default_factory=dict)
     forwards: dict[str, ForwardEntry] = field(default_factory=dict)
     revoked_clients: dict[str, int] = field(default_factory=dict)   # client id -> version that removed it
+    queue_health: dict[str, tuple[str, str, int]] = field(default_factory=dict)   # FAILED queues (queue_health.py)
     version: int = 0          # commands applied; every copy agrees at the same version
     # The cluster feature level (wire/versions.py; docs/OPERATIONS.md, "The cluster feature
     # level"): raised by SetFeatureLevel, never lowered; a map that never recorded one (every
@@ -291,7 +296,8 @@ class ClusterMap:
         return {"version": self.version, "feature_level": self.feature_level,
                 "nodes": [{"id": n.node_id, "url": n.url, "state": n.state.value, "voter": n.voter}
                           for n in sorted(self.nodes.values(), key=lambda n: n.node_id)],
-                "queues": {name: entry.to_json() for name, entry in sorted(self.queues.items())},
+                "queues": {name: {**entry.to_json(), **health_json(self, name)}
+                           for name, entry in sorted(self.queues.items())},
                 "macros": {name: entry.to_json() for name, entry in sorted(self.macros.items())},
                 "alternatives": {name: list(chain) for name, chain in sorted(self.alternatives.items())},
                 "recipients": {name: entry.to_json() for name, entry in sorted(self.recipients.items())},
@@ -312,6 +318,7 @@ class ClusterMap:
             if entry is None or entry.incarnation != command.incarnation:
                 return [Outcome(command.name, False, "no such incarnation")]
             del self.queues[command.name]
+            self.queue_health.pop(command.name, None)
             index = self.index
             index.removed(entry)
             for macro_name in index.macros_of.pop(command.name, ()):    # no macro's member any more
@@ -372,6 +379,10 @@ class ClusterMap:
             return [self._set_feature_level(command.level)]
         if isinstance(command, SetQueueOptions):
             return [self._set_queue_options(command)]
+        if isinstance(command, SetQueueHealth):
+            return [apply_queue_health(self, command)]
+        if isinstance(command, SetForwardControl):
+            return [set_forward_control(self.forwards, self.feature_level, command)]
         if isinstance(command, DeleteForward):
             gone = self.forwards.pop(command.name, None)
             if gone is None:
@@ -505,9 +516,12 @@ class ClusterMap:
             return Outcome(command.name, False, f"queue {command.source} is forwarded already")
         if len(self.forwards) >= FORWARDS_MAX:
             return Outcome(command.name, False, f"the map holds {FORWARDS_MAX} forwards")
+        refusal = control_refusal(self.feature_level, command.name, command.control)
+        if refusal is not None:
+            return refusal
         self.forwards[command.name] = ForwardEntry(command.name, command.source, command.destination,
                                                    tuple(command.urls), command.client_id, command.secret,
-                                                   command.created_ms, command.token)
+                                                   command.created_ms, command.token, dict(command.control))
         _add(self.index.forwards_of, command.source, command.name)
         return Outcome(command.name, True)
 
@@ -701,14 +715,16 @@ def encode_map(cluster: ClusterMap) -> bytes:
     recipients = [[r.name, r.queue, r.state, r.since_ms, r.reason, r.owner] for r in cluster.recipients.values()]
     chains = {recipient: [list(cluster.alternative_queues.get(recipient, ())),
                           cluster.alternatives_set_by.get(recipient, "")] for recipient in cluster.alternatives}
-    forwards = [[f.name, f.source, f.destination, list(f.urls), f.client_id, f.secret, f.created_ms, f.token]
-                for f in cluster.forwards.values()]
+    forwards = [[f.name, f.source, f.destination, list(f.urls), f.client_id, f.secret, f.created_ms, f.token,
+                 *([f.control] if f.control else [])] for f in cluster.forwards.values()]    # as 0.2.0's when none
     rows = [cluster.version, nodes, queues, cluster.clients, alternatives, macros, channels, recipients, forwards,
             list(cluster.revoked_clients.items()), chains]
     if cluster.feature_level > OLDEST_FEATURE_LEVEL:
         # Only then: a map at the oldest level encodes byte for byte as release 0.1.0's does
         # (whose decoder ignores rows beyond the eleventh anyway).
         rows.append(cluster.feature_level)
+        if cluster.queue_health:             # only at level 3 (SetQueueHealth): rows 0.2.0 never sees
+            rows.append(encode_health(cluster))
     return msgpack.packb(rows, use_bin_type=True)
 
 
@@ -725,6 +741,7 @@ def decode_map(data: bytes) -> ClusterMap:
         revoked = rest[4] if len(rest) > 4 else []      # nor one from before revoked clients were kept
         chains = rest[5] if len(rest) > 5 else {}       # nor one from before chains named queues
         level = rest[6] if len(rest) > 6 else OLDEST_FEATURE_LEVEL     # nor one at the oldest feature level
+        health = decode_health(rest[7]) if len(rest) > 7 else {}        # nor one without a FAILED queue
         if not isinstance(level, int) or isinstance(level, bool) or level < OLDEST_FEATURE_LEVEL:
             raise ValueError(f"a feature level is an integer from {OLDEST_FEATURE_LEVEL}, not {level!r}"[:120])
         cluster = ClusterMap(
@@ -739,7 +756,7 @@ def decode_map(data: bytes) -> ClusterMap:
             recipients={row[0]: RecipientEntry(*row) for row in recipients},
             forwards={row[0]: ForwardEntry(row[0], row[1], row[2], tuple(row[3]), *row[4:]) for row in forwards},
             revoked_clients={str(client_id): int(at) for client_id, at in revoked}, version=version,
-            feature_level=level)
+            feature_level=level, queue_health=health)
     except Exception as exc:  # msgpack and the constructors raise several unrelated types
         raise CommandError(f"not a cluster map snapshot: {type(exc).__name__}: {exc}") from None
     check_feature_level(cluster.feature_level)      # outside the try: a broken invariant, not bad bytes

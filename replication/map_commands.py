@@ -174,6 +174,9 @@ class PutForward:
     secret: str = field(repr=False)      # sealed (qserver/features/forwards/forwarder.py seal_secret); never in a repr
     created_ms: int
     token: str = ""
+    # The forward's own bands and weights (ForwardEntry.control): encoded only when given, and
+    # proposed only at feature level 3 (FEATURES "forward_control"): 0.2.0 cannot decode it.
+    control: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,16 +231,43 @@ class SetQueueOptions:
     options: dict[str, Any]
 
 
+@dataclass(frozen=True, slots=True)
+class SetForwardControl:
+    """Replace a forward's own bands, weights and fill unit (`PATCH /v1/forwards/{f}`;
+    ForwardEntry.control, checked by the route). `created_ms` names the forward's incarnation: a
+    change meant for one deleted meanwhile never reaches one made again under its name. Applied
+    only at cluster feature level 3: release 0.2.0 does not know this tag."""
+    TAG = 26
+    name: str
+    created_ms: int
+    control: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class SetQueueHealth:
+    """A queue's master records that the queue cannot serve (`reason`, one of
+    replication/queue_health.py REASONS, with `detail` and `since_ms`, its wall time), or serves
+    again (`reason` ""), so every node's map and `qctl status` show FAILED. Named by
+    incarnation; applied only at cluster feature level 3: release 0.2.0 does not know this tag."""
+    TAG = 24
+    name: str
+    incarnation: int
+    reason: str
+    detail: str
+    since_ms: int
+
+
 Command = (AddNode | SetNodeState | CreateQueue | DeleteQueue | ChangePair | ChangePairs | PutClient | SetAlternatives
            | CreateMacro | DeleteMacro | PutMacroMember | RemoveMacroMember | PutChannel | DeleteChannel | PutRecipient
-           | PutForward | DeleteForward | RemoveRecipient | NoteRecipient | SetFeatureLevel | SetQueueOptions)
+           | PutForward | DeleteForward | RemoveRecipient | NoteRecipient | SetFeatureLevel | SetQueueOptions
+           | SetForwardControl | SetQueueHealth)
 COMMAND_TYPES: dict[int, type] = {kind.TAG: kind for kind in (AddNode, SetNodeState, CreateQueue, DeleteQueue,
                                                               ChangePair, ChangePairs, PutClient, SetAlternatives,
                                                               CreateMacro, DeleteMacro, PutMacroMember,
                                                               RemoveMacroMember, PutChannel, DeleteChannel,
                                                               PutRecipient, PutForward, DeleteForward,
                                                               RemoveRecipient, NoteRecipient, SetFeatureLevel,
-                                                              SetQueueOptions)}
+                                                              SetQueueOptions, SetForwardControl, SetQueueHealth)}
 
 
 class CommandError(ValueError):
@@ -257,8 +287,9 @@ def _row(command: Command) -> list[Any]:
     if isinstance(command, SetAlternatives):
         return [command.TAG, command.recipient, list(command.alternatives), list(command.queues), command.set_by]
     if isinstance(command, PutForward):
-        return [command.TAG, command.name, command.source, command.destination, list(command.urls),
-                command.client_id, command.secret, command.created_ms, command.token]
+        row = [command.TAG, command.name, command.source, command.destination, list(command.urls),
+               command.client_id, command.secret, command.created_ms, command.token]
+        return row + [command.control] if command.control else row
     return [command.TAG, *(getattr(command, name) for name in command.__dataclass_fields__)]
 
 
@@ -296,6 +327,17 @@ def _from_row(row: Any) -> Command:
             if not isinstance(name, str) or type(incarnation) is not int or not isinstance(options, dict):
                 raise CommandError("SetQueueOptions is [tag, name, incarnation, {option: value}]")
             return SetQueueOptions(name, incarnation, options)
+        if tag == SetForwardControl.TAG:
+            name, created_ms, control = values
+            if not isinstance(name, str) or type(created_ms) is not int or not isinstance(control, dict):
+                raise CommandError("SetForwardControl is [tag, name, created_ms, {field: value}]")
+            return SetForwardControl(name, created_ms, control)
+        if tag == SetQueueHealth.TAG:
+            name, incarnation, reason, detail, since_ms = values
+            if not (isinstance(name, str) and type(incarnation) is int and isinstance(reason, str)
+                    and isinstance(detail, str) and type(since_ms) is int):
+                raise CommandError("SetQueueHealth is [tag, name, incarnation, reason, detail, since_ms]")
+            return SetQueueHealth(name, incarnation, reason, detail, since_ms)
         return COMMAND_TYPES[tag](*values)  # type: ignore[no-any-return]
     except (TypeError, ValueError) as exc:
         raise CommandError(str(exc)) from None

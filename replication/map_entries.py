@@ -214,6 +214,9 @@ class ForwardEntry:
     secret: str = field(default="", repr=False)
     created_ms: int = 0
     token: str = ""          # random, made at creation: with the name, unique across clusters
+    # Its own fill bands, weights and fill unit (seed 003 figure 6; qserver/features/forwards/decide.py
+    # checked_control). Empty: the root's uniform bands. Set only at feature level 3 (0.2.0 cannot read it).
+    control: dict[str, Any] = field(default_factory=dict)
 
     @property
     def identity(self) -> str:
@@ -222,8 +225,11 @@ class ForwardEntry:
         return f"{self.name}.{self.token}" if self.token else self.name
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "id": self.identity, "source": self.source, "destination": self.destination,
-                "urls": list(self.urls), "client_id": self.client_id, "created_ms": self.created_ms}
+        shown = {"name": self.name, "id": self.identity, "source": self.source, "destination": self.destination,
+                 "urls": list(self.urls), "client_id": self.client_id, "created_ms": self.created_ms}
+        if self.control:
+            shown["control"] = dict(self.control)
+        return shown
 
 
 def macro_policy_problem(producer: str, consumer: str, fastest_by: str) -> str:

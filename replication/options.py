@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any
 
+from replication.views import View, ViewError, parse_views, views_json
+
 # What a message may carry is wire/message_input.py's: the queue options are bounded by the
 # same limits, and the queue core (its ready set per priority) takes PRIORITY_MAX from here.
 from wire.message_input import DELAY_MAX_S, TTL_MAX_S, VISIBILITY_MAX_S
@@ -95,6 +97,9 @@ class QueueOptions:
     # ReceiveMessageWaitTimeSeconds).
     delay_s: float = 0.0
     receive_wait_s: float = 0.0
+    # Virtual queues (replication/views.py; docs/PROTOCOL.md, "Virtual queues"): named filtered
+    # views of the queue, by name; as JSON {name: filter}. Also level 3, stored only when set.
+    views: tuple[View, ...] = ()
 
     def to_json(self, *, every: bool = False) -> dict[str, Any]:
         """The options as stored (map entries, queue records, snapshots, the journal): the
@@ -104,6 +109,7 @@ class QueueOptions:
         out = {name: getattr(self, name) for name in self.__slots__}
         out["strength"] = self.strength.value
         out["type"] = self.type.value
+        out["views"] = views_json(self.views)
         if not every:
             for name in LEVEL3_OPTIONS:
                 if not out[name]:
@@ -133,7 +139,7 @@ class QueueOptions:
 OPTION_NAMES = frozenset(f.name for f in fields(QueueOptions))
 # Options release 0.2.0 does not know: set to anything but 0 only at cluster feature level 3
 # (wire/versions.py FEATURES "queue_delay_and_wait"), stored only when set (QueueOptions.to_json).
-LEVEL3_OPTIONS = frozenset({"delay_s", "receive_wait_s"})
+LEVEL3_OPTIONS = frozenset({"delay_s", "receive_wait_s", "views"})
 RECEIVE_WAIT_MAX_S = 20.0       # as SQS's ReceiveMessageWaitTimeSeconds, and our receive's wait_s
 SURVEILLANCE_OPTIONS = frozenset({"fault_interval_s", "defunct_interval_s", "message_interval_s"})
 SURVEILLANCE_INTERVAL_MAX_S = 86_400.0
@@ -190,6 +196,11 @@ def parse_options(raw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     fault, defunct = given.get("fault_interval_s", 0.0), given.get("defunct_interval_s", 0.0)
     if defunct and not 0 < fault <= defunct:
         raise OptionError("defunct_interval_s needs a fault_interval_s, and is at least as long")
+    message = given.get("message_interval_s", 0.0)
+    if fault and message and fault < message:
+        # Seed 001: the fault interval is "equal to or greater than a message interval" (a
+        # recipient is judged over at least one message's whole deadline).
+        raise OptionError("fault_interval_s is at least as long as message_interval_s")
     placement = {k: raw[k] for k in raw.keys() & PLACEMENT_OPTION_NAMES}
     if "master_required" in placement and not isinstance(placement["master_required"], bool):
         raise OptionError("master_required must be true or false")
@@ -219,6 +230,11 @@ def _values(raw: dict[str, Any]) -> dict[str, Any]:
             given[name] = float(_number(raw, name, 0.0, DELAY_MAX_S, False))
         elif name == "receive_wait_s":
             given[name] = float(_number(raw, name, 0.0, RECEIVE_WAIT_MAX_S, False))
+        elif name == "views":
+            try:
+                given[name] = parse_views(raw[name])
+            except ViewError as error:
+                raise OptionError(str(error)) from None
         elif name in SURVEILLANCE_OPTIONS:
             given[name] = float(_number(raw, name, 0.0, SURVEILLANCE_INTERVAL_MAX_S, False))
         elif name == "forward_rate":
@@ -245,7 +261,7 @@ def _values(raw: dict[str, Any]) -> dict[str, Any]:
 # The others are fixed at creation: strength, type and min_in_sync shape the pair's protocol,
 # and dead_letter decides whether the queue has a dead-letter queue at all (made with it).
 CHANGEABLE_OPTIONS = frozenset({"visibility_timeout_s", "max_deliveries", "message_ttl_s", "max_depth", "delay_s",
-                                "receive_wait_s", *SURVEILLANCE_OPTIONS, "forward_rate", "forward_interval_s",
+                                "receive_wait_s", "views", *SURVEILLANCE_OPTIONS, "forward_rate", "forward_interval_s",
                                 "forward_mode", "forward_bands"})
 
 
@@ -264,7 +280,8 @@ def parse_changes(raw: Any) -> dict[str, Any]:
     if unknown:
         raise OptionError(f"unknown options: {', '.join(unknown)}")
     # each value on its own: rules across options are checked with the queue's (changed_options)
-    return {name: getattr(value, "value", value) for name, value in _values(raw).items()}
+    return {name: views_json(value) if name == "views" else getattr(value, "value", value)
+            for name, value in _values(raw).items()}
 
 
 def changed_options(current: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
@@ -293,7 +310,13 @@ def _enum(kind: type[enum.Enum], value: Any, name: str) -> Any:
 
 def options_from_json(raw: dict[str, Any]) -> QueueOptions:
     """Rebuild stored options (already validated when the queue was created)."""
-    return QueueOptions(**{**raw, "strength": Strength(raw["strength"]), "type": QueueType(raw["type"])})
+    return QueueOptions(**{**raw, "strength": Strength(raw["strength"]), "type": QueueType(raw["type"]),
+                           "views": _stored_views(raw.get("views"))})
+
+
+def _stored_views(raw: Any) -> tuple[View, ...]:
+    """Views as stored (JSON), or already built (a member following its entry's options)."""
+    return raw if isinstance(raw, tuple) else parse_views(raw or {})
 
 
 def mismatched_options(existing: QueueOptions, given: dict[str, Any]) -> list[str]:

@@ -59,6 +59,17 @@ class ReadySet:
 
     def make_ready(self, index: int, priority: int, deliveries: int) -> None:
         """A message ready again (a lease ended without an ack) or at last (its delay ran out)."""
+        if index in self._removed:
+            # Taken out of order (a lease through a virtual queue, a member's apply): no longer
+            # to be skipped. Where its copy is still in the heap it is live again as it is: a
+            # second copy would be skipped in its place, and were it taken out of order again
+            # (one mark in the set) the other copy would be delivered while it is leased.
+            self._removed.discard(index)
+            if index >= self.boundary or index <= self._loaded_upto[priority] or index in self._pushed_beyond[priority]:
+                if deliveries:
+                    self.deliveries[index] = deliveries
+                return
+            # Its page is not loaded: the copy pushed below is the one, and the page skips its row.
         heapq.heappush(self.heaps[priority], index)
         if self._loaded_upto[priority] < index < self.boundary:
             # A pre-restart message whose page is not loaded yet: the page load must skip it,

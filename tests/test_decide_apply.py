@@ -35,6 +35,7 @@ from replication.queue_core import (
 )
 from replication.queue_subscriptions import subscription_floor
 from replication.store import MemoryStore
+from replication.view_lease import lease_matching
 from wire.errors import QueueError
 
 QUEUE_ID, DEAD_LETTER_QUEUE_ID = 1, 2
@@ -185,6 +186,10 @@ class Pair:
             return "enqueue", self.enqueue()
         if roll < 0.5:
             count, visibility = rng.randrange(1, 6), rng.choice((None, 80, 300, 1_000))
+            if rng.random() < 0.4:       # through a virtual queue (issue 37 item 5): from the middle of the heaps
+                residue = rng.randrange(3)
+                return "view lease", lambda core, out: lease_matching(
+                    core, lambda index: index % 3 == residue, count, visibility, "consumer", now, out)
             return "lease", lambda core, out: core.lease(count, visibility, "consumer", now, out)
         lease = self.a_lease()
         if roll < 0.85 and lease is not None:

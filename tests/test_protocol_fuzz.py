@@ -177,6 +177,15 @@ CLIENT_OP_STRATEGIES[protocol.ForwardDataOp] = st.builds(
 CLIENT_OP_STRATEGIES[protocol.PeekOp] = st.builds(protocol.PeekOp, ids, names, st.integers(0, INT64_MAX),
                                                   st.integers(0, INT64_MAX), st.booleans())
 CLIENT_OP_STRATEGIES[protocol.ReadOp] = st.builds(protocol.ReadOp, ids, names, ids)
+# Virtual queues (tags 23 and 24, issue 37 item 5; wire/view_ops.py).
+CLIENT_OP_STRATEGIES[protocol.ViewReceiveOp] = st.builds(protocol.ViewReceiveOp, ids, names, names,
+                                                         st.integers(1, 10_000), visibility)
+CLIENT_OP_STRATEGIES[protocol.ViewPeekOp] = st.builds(protocol.ViewPeekOp, ids, names, names, st.integers(0, INT64_MAX),
+                                                      st.integers(0, INT64_MAX), st.booleans())
+# Producer waits (tag 21, issue 37 item 1; client/waits.py).
+CLIENT_OP_STRATEGIES[protocol.CompletionWaitOp] = st.builds(protocol.CompletionWaitOp, ids, names,
+                                                            st.integers(1, INT64_MAX), st.integers(0, INT64_MAX),
+                                                            st.sampled_from(["ack", "reply"]))
 
 
 def client_ops() -> st.SearchStrategy[Any]:

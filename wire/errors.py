@@ -110,6 +110,15 @@ E_DRAIN_REFUSED = _kind("E_DRAIN_REFUSED", 409, False,
                         "draining the node now would leave a queue without an in-sync copy (the message names them)")
 E_INVALID_DEFINITIONS = _kind("E_INVALID_DEFINITIONS", 400, False,
                               "the definitions document is malformed or inconsistent; nothing was changed")
+# --- virtual queues (docs/PROTOCOL.md, "Virtual queues") -------------------------------------------
+E_UNKNOWN_VIEW = _kind("E_UNKNOWN_VIEW", 404, False, "the queue has no virtual queue (view) of that name")
+E_VIEWS_FULL = _kind("E_VIEWS_FULL", 409, False, "the queue has the most virtual queues (views) it may have")
+# --- producers that wait (docs/PROTOCOL.md, "Producers that wait") ----------------------------------
+E_WAIT_UNSUPPORTED = _kind("E_WAIT_UNSUPPORTED", 409, False,
+                           "the queue's type keeps no completion to wait for: `ack` needs one_way_ack or two_way, "
+                           "`reply` needs two_way")
+E_WAIT_TIMEOUT = _kind("E_WAIT_TIMEOUT", 504, False,
+                       "the message was stored but not completed within the wait; it stays in the queue")
 
 
 def kind_of(code: str) -> ErrorKind:

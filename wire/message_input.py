@@ -45,7 +45,8 @@ FAILED_OVER_FROM = "x-failed-over-from"
 RETURNED_FROM = "x-returned-from"
 FAULT = "x-fault"
 ORIGIN_PRODUCER = "x-origin-producer"      # the client that enqueued a message the cluster moved
-RESERVED_HEADERS = frozenset({FAILED_OVER_FROM, RETURNED_FROM, FAULT, ORIGIN_PRODUCER})
+FAILED_OVER_TRIED = "x-failed-over-tried"  # the recipients a moved message was at, in order ("a,b")
+RESERVED_HEADERS = frozenset({FAILED_OVER_FROM, RETURNED_FROM, FAULT, ORIGIN_PRODUCER, FAILED_OVER_TRIED})
 REPLY_TO = "reply-to"                      # the queue a message returns to (its producer must be allowed to post there)
 
 PRIORITY_TEXTS = frozenset(str(p) for p in range(PRIORITY_MIN, PRIORITY_MAX + 1))

@@ -23,6 +23,7 @@ from wire.message_input import (
     TTL_MS_MAX,
     VISIBILITY_MS_MAX,
 )
+from wire.view_ops import VIEW_OP_ARITY, ViewPeekOp, ViewReceiveOp, decode_view_op
 
 PROTOCOL_VERSION = 1
 FRAME_ITEMS_MAX = 10_000
@@ -264,9 +265,24 @@ class ReadOp:
     message_id: int
 
 
+@dataclass(frozen=True, slots=True)
+class CompletionWaitOp:
+    """Wait (at most `wait_ms`, capped by the node at 60 s) for a message the caller enqueued to
+    complete (docs/PROTOCOL.md, "Producers that wait"): the node answers once the message is
+    acked, replied, dead-lettered, purged or expired, with {"id", "state", "deliveries",
+    "reply"?}, or at the end of the wait with its state then. `kind` "ack" or "reply" (which the
+    queue's type must keep: E_WAIT_UNSUPPORTED). A 0.2.0 node answers E_BAD_FRAME (unknown tag)."""
+    TAG: ClassVar[int] = 21
+    request_id: int
+    queue: str
+    message_id: int
+    wait_ms: int
+    kind: str
+
+
 ClientOp = (EnqueueOp | ReceiveOp | AckOp | ReleaseOp | SubscribeOp | CreditOp | UnsubscribeOp | PingOp | EnqueueBatchOp
             | AckBatchOp | ExtendOp | ChannelSubscribeOp | ChannelAckOp | PublishOp | AdvertiseOp | ReportOp
-            | ForwardSessionOp | ForwardDataOp | PeekOp | ReadOp)
+            | ForwardSessionOp | ForwardDataOp | PeekOp | ReadOp | ViewReceiveOp | ViewPeekOp | CompletionWaitOp)
 CHANNELS_PER_CALL_MAX = 1_000
 BATCH_ITEMS_MAX = 10_000
 
@@ -460,7 +476,8 @@ def _str(value: Any, name: str, request_id: int, *, optional: bool = False) -> A
 INT64_MAX = 2**63 - 1
 _OP_ARITY = {1: (5, 9), 2: (3, 6), 3: (5, 5), 4: (5, 5), 5: (4, 6), 6: (4, 4), 7: (3, 3), 8: (2, 2),
              9: (5, 9), 10: (4, 4), 11: (6, 6), 12: (4, 5), 13: (4, 4), 14: (4, 5), 15: (4, 4), 16: (4, 4),
-             17: (6, 6), 18: (8, 8), 19: (3, 6), 20: (4, 4)}
+             17: (6, 6), 18: (8, 8), 19: (3, 6), 20: (4, 4), 21: (6, 6)}
+_OP_ARITY.update(VIEW_OP_ARITY)       # 23, 24: virtual queues (wire/view_ops.py)
 FORWARD_ITEMS_MAX = 1_000
 WEIGHT_MAX = 100
 
@@ -548,6 +565,8 @@ def _decode_op(row: Any) -> ClientOp:
                                 _int(args[2], "weight", 0, WEIGHT_MAX, request_id), args[3])
     if tag == ForwardDataOp.TAG:
         return _decode_forward_data(request_id, args)
+    if tag in VIEW_OP_ARITY:
+        return decode_view_op(tag, request_id, args, _str, _int, FrameError)
     if tag == PeekOp.TAG:
         padded = args + [None] * (4 - len(args))
         if padded[3] is not None and type(padded[3]) is not bool:
@@ -559,6 +578,10 @@ def _decode_op(row: Any) -> ClientOp:
     if tag == ReadOp.TAG:
         return ReadOp(request_id, _str(args[0], "queue", request_id),
                       _int(args[1], "message_id", 1, INT64_MAX, request_id))
+    if tag == CompletionWaitOp.TAG:
+        return CompletionWaitOp(request_id, _str(args[0], "queue", request_id),
+                                _int(args[1], "message_id", 1, INT64_MAX, request_id),
+                                _int(args[2], "wait_ms", 0, INT64_MAX, request_id), _str(args[3], "kind", request_id))
     if tag == PublishOp.TAG:
         if not isinstance(args[1], (bytes, bytearray)):
             raise FrameError("payload must be binary", request_id)

@@ -75,6 +75,17 @@ FEATURES: dict[str, int] = {
     "queue_options_change": 3,
     # The queue options delay_s and receive_wait_s set to anything but 0: names 0.2.0 refuses in a map entry.
     "queue_delay_and_wait": 3,
+    # Virtual queues (docs/PROTOCOL.md, "Virtual queues"): the queue option `views`, a name 0.2.0
+    # refuses in a map entry, and client ops 23-24, which 0.2.0 cannot decode.
+    "virtual_queues": 3,
+    # Producers that wait (docs/PROTOCOL.md, "Producers that wait"): client op 21, which 0.2.0 cannot decode.
+    "producer_waits": 3,
+    # A forward's own bands, weights and fill unit (docs/PROTOCOL.md "Forwards"): a field of
+    # PutForward and the map command SetForwardControl (tag 26), which 0.2.0 cannot decode.
+    "forward_control": 3,
+    # A queue's FAILED state in the map (docs/PROTOCOL.md, "Queue state FAILED"): the map command
+    # SetQueueHealth (tag 24), which 0.2.0 cannot decode. Below it: statistics and metrics only.
+    "queue_health": 3,
 }
 
 

@@ -21,7 +21,7 @@ from qserver.api import client_routes as clients
 from qserver.api import cluster_routes as clusters
 from qserver.api import definitions_routes as definitions
 from qserver.api import drain_routes as drains
-from qserver.api import event_routes
+from qserver.api import event_routes, node_routes, view_routes
 from qserver.api import message_routes as messages
 from qserver.api import queue_routes as queues
 from qserver.api import upgrade_routes as upgrades
@@ -187,6 +187,7 @@ def add_routes(app: web.Application) -> None:
     r.add_get("/v1/queues/{q}/messages/{id}/status", messages.message_status)
     r.add_get("/v1/queues/{q}/messages", messages.peek_messages)       # browse without taking
     r.add_get("/v1/queues/{q}/messages/{id}", messages.read_message)
+    view_routes.add_routes(app)      # virtual queues: /v1/queues/{q}/virtual/... (qserver/api/view_routes.py)
     r.add_post("/v1/queues/{q}/handoff", clusters.handoff)
     r.add_post("/v1/queues/{q}/move", clusters.move)
     r.add_post("/v1/queues/{q}/promote", clusters.promote)
@@ -200,6 +201,7 @@ def add_routes(app: web.Application) -> None:
     r.add_post("/v1/journal/export", clusters.export_journal)
     r.add_get("/v1/cluster", clusters.cluster)
     r.add_get("/v1/cluster/versions", upgrades.cluster_versions)
+    node_routes.add_routes(app)      # GET /v1/node, /v1/node/clients (qserver/api/node_routes.py)
     r.add_post("/v1/cluster/finalize", upgrades.finalize)
     r.add_post("/v1/clients", clients.register_client)
     r.add_get("/v1/clients", clients.list_clients)

@@ -11,6 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
+from qserver.api import completion_waits
 from qserver.api.auth import refused_ack_text
 from qserver.api.http_common import NODE, call, message_id, number_param, path_name, principal, queue_name, receipt
 from qserver.api.queue_routes import receive_wait_s
@@ -39,7 +40,10 @@ async def enqueue(request: web.Request) -> web.Response:
     node = request.app[NODE]
     engine = node.engine
     client = principal(request).client_id
+    waiting = completion_waits.rest_wait_params(request, engine)     # wait=ack|reply&wait_s=
     if node.macros.is_macro(name):
+        if waiting is not None:
+            raise QueueError(e.E_WAIT_UNSUPPORTED, f"{name} is a macro queue: wait on the member it chose")
         # Its producer policy picks the member(s); each copy keeps its member's guarantees.
         answer = await node.macros.enqueue(client, name, payload, priority, dedupe_id or uuid.uuid4().hex,
                                            ttl_s=ttl_ms / 1000 or None, delay_s=delay_ms / 1000 or None,
@@ -52,6 +56,9 @@ async def enqueue(request: web.Request) -> web.Response:
                                     r if tracing is None else tracing.replier(r, name, headers), ttl_ms=ttl_ms,
                                     delay_ms=delay_ms, headers=headers), may_have_applied=True)
     one_way = engine.cores[name].options.type.value == "one_way" if name in engine.cores else False
+    if waiting is not None:
+        return web.json_response(await completion_waits.rest_wait(request, node, name, message_index, *waiting,
+                                                                  {"id": message_index, "epoch": epoch}), status=201)
     return web.json_response({"id": message_index, "epoch": epoch}, status=202 if one_way else 201)
 
 

@@ -25,7 +25,9 @@ from qserver.api.http_common import (
     propose,
     queue_name,
 )
+from qserver.api.node_routes import cluster_client_counts
 from qserver.core import commands as c
+from qserver.core import view_scan
 from qserver.services import SERVICES, NodeServices
 from replication.cluster_map import CHANNEL_PREFIX, SetQueueOptions
 from replication.options import (
@@ -38,6 +40,7 @@ from replication.options import (
     parse_changes,
     parse_options,
 )
+from replication.queue_health import health_json
 from wire import errors as e
 from wire import versions
 from wire.errors import QueueError
@@ -135,7 +138,7 @@ def _change_lone(engine: Any, name: str, changes: dict[str, Any], finish: Callab
 
 def shown_options(stored: dict[str, Any]) -> dict[str, Any]:
     """A map entry's options as an answer shows them: every one, the LEVEL3_OPTIONS it does not store at 0."""
-    return {**dict.fromkeys(sorted(LEVEL3_OPTIONS), 0.0), **stored}
+    return {**dict.fromkeys(sorted(LEVEL3_OPTIONS), 0.0), "views": {}, **stored}
 
 
 def receive_wait_s(engine: Any, name: str) -> float:
@@ -191,6 +194,8 @@ async def list_queues(request: web.Request) -> web.Response:
                            "replica": entry.replica, "epoch": entry.epoch, "in_sync": entry.in_sync,
                            "incarnation": entry.incarnation, "last_reason": entry.last_reason,
                            "held_here": core is not None})
+            if "failed_reason" not in listed:      # not its master here: the map's record (queue_health.py)
+                listed.update(health_json(cluster_map, name))
         page.append(listed)
     return web.json_response({"queues": page, "next": cursor})
 
@@ -208,6 +213,8 @@ def _listed(engine: Any, entries: Any, name: str) -> dict[str, Any]:
                        "replica": entry.replica, "epoch": entry.epoch, "in_sync": entry.in_sync,
                        "incarnation": entry.incarnation, "last_reason": entry.last_reason,
                        "held_here": core is not None})
+        if "failed_reason" not in listed:          # not its master here: the map's record (queue_health.py)
+            listed.update(health_json(engine.coordinator.membership.cluster_map, name))
     return listed
 
 
@@ -246,7 +253,9 @@ async def get_queue(request: web.Request) -> web.Response:
         engine.pairs.refuse_if_not_master(name)    # in a cluster, another node may hold it
         raise QueueError(e.E_UNKNOWN_QUEUE, f"no queue named {name!r}")
     stats = engine.describe(core)
-    stats.update(request.app[NODE].client_counts(name))
+    stats.update(await cluster_client_counts(request, name))    # every node's clients of it (node_routes.py)
+    if core.options.views:       # virtual queues: each view's depth, counted within a bound (view_scan.py)
+        stats["views"] = view_scan.view_depths(engine.registry.storage, core)
     sessions = request.app[NODE].forward_root.sessions_of(name)
     if sessions:                  # the root of forwards (seed 003): their sessions here
         stats["forward_sessions"] = sessions

@@ -14,6 +14,7 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 
+from qserver.api import view_routes
 from qserver.api.auth import CLUSTER_CLIENT, Principal, refused_ack_text
 from qserver.api.http_common import NODE
 from qserver.core import commands as c
@@ -29,6 +30,7 @@ from wire.protocol import (
     ChannelAckOp,
     ChannelSubscribeOp,
     Closing,
+    CompletionWaitOp,
     CreditOp,
     DeliveredMessage,
     Delivery,
@@ -53,6 +55,7 @@ from wire.protocol import (
     decode_client_frame,
     encode_frame,
 )
+from wire.view_ops import ViewPeekOp, ViewReceiveOp
 
 log = logging.getLogger("qserver.ws")
 CHANNEL_OPS = frozenset({PublishOp, ChannelSubscribeOp, ChannelAckOp, AdvertiseOp, ReportOp})
@@ -84,6 +87,7 @@ class ClientConnection:
         self.advertised: set[str] = set()        # channels it may publish to
         self.durable: dict[str, str] = {}        # channel -> the durable subscription read on this connection
         self.recipients: dict[str, str] = {}     # queue -> the recipient this connection consumes it as
+        self.waits_asked = False                  # it asked a producer wait (op 21): dropped at close
         self._loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task[None]] = set()   # held until done (the loop keeps weak references)
 
@@ -185,6 +189,9 @@ class ClientConnection:
             for subscription_id in list(self.subscriptions):
                 self.engine.submit(c.Unsubscribe(subscription_id, None))
             self.subscriptions.clear()
+            if self.waits_asked:        # producer waits it held (qserver/api/completion_waits.py)
+                listeners = self.engine.listeners
+                self.engine.submit(c.Invoke(lambda now_ms: listeners.drop_connection_status_waiters(self)))
             self.node.channels.connection_closed(self)
             self.node.forward_root.connection_closed(self)
 
@@ -281,11 +288,18 @@ class ClientConnection:
             return c.Unsubscribe(op.subscription_id, self, op.request_id)
         if kind in CHANNEL_OPS:
             return self._channel_op(op)
+        if kind is ViewReceiveOp or kind is ViewPeekOp:     # through a virtual queue (qserver/api/view_routes.py)
+            return view_routes.ws_command(self.principal, op, self)
         if kind is PeekOp or kind is ReadOp:       # browse without taking: grant `get`
             self._queue(op.queue, "get", op.request_id)
             if kind is ReadOp:
                 return c.Peek(op.queue, 0, 1, False, op.message_id, self, op.request_id)
             return c.Peek(op.queue, op.after, op.limit, op.preview, 0, self, op.request_id)
+        if kind is CompletionWaitOp:       # a producer waiting for its message (qserver/api/completion_waits.py)
+            self._queue(op.queue, "post", op.request_id)
+            self.waits_asked = True
+            return self.node.completion_waits.command(self.engine, op.queue, op.message_id, op.wait_ms, op.kind, client,
+                                                      self.principal.allows("admin", op.queue), self, op.request_id)
         if kind is ForwardSessionOp:
             self._queue(op.queue, "post", op.request_id)
             self.reply(op.request_id, self.node.forward_root.session(self, op))

@@ -38,6 +38,7 @@ from replication.cluster_map import (
     SetFeatureLevel,
     SetNodeState,
 )
+from replication.map_commands import SetQueueHealth
 
 EVENTS_KEPT = 1_000          # the ring: older events are dropped (a follower that lags sees a gap)
 LEADER_CHECK_S = 0.25        # how often the feed asks the membership layer who leads
@@ -49,7 +50,7 @@ NODE_KINDS = {NodeState.DOWN.value: "node_down", NodeState.UP.value: "node_up"}
 # Every kind the feed produces (docs/PROTOCOL.md, "Events").
 KINDS = ("handoff", "failover", "move", "in_sync", "master_restarted", "queue_created", "queue_deleted",
          "recipient_state", "node_added", "node_lost_data", "node_down", "node_up", "node_state",
-         "leader", "feature_level", "map_replaced")
+         "leader", "feature_level", "map_replaced", "queue_failed", "queue_open")
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +114,13 @@ def events_of(command: Any, outcomes: list[Outcome]) -> list[Noted]:
         found.append(("recipient_state", f"recipient {command.name} of {command.queue} is {command.state}{why}",
                       command.queue, None, {"recipient": command.name, "state": command.state,
                                             "since_ms": command.since_ms}))
+    elif isinstance(command, SetQueueHealth) and outcomes and outcomes[0].applied:
+        # A queue's master recorded that it cannot serve, or serves again (replication/queue_health.py).
+        if command.reason:
+            found.append(("queue_failed", f"queue {command.name} FAILED ({command.reason}): {command.detail}",
+                          command.name, None, {"reason": command.reason, "since_ms": command.since_ms}))
+        else:
+            found.append(("queue_open", f"queue {command.name} serves again (OPEN)", command.name, None, {}))
     elif isinstance(command, SetFeatureLevel) and outcomes and outcomes[0].applied:
         found.append(("feature_level", f"the cluster feature level is now {command.level}", None, None,
                       {"level": command.level}))

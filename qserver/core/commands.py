@@ -82,6 +82,7 @@ class Receive:
     client: str
     replier: Replier
     request_id: int = 0
+    view: str | None = None      # through this virtual queue only (qserver/core/view_scan.py)
 
 
 @dataclass(slots=True)
@@ -105,6 +106,7 @@ class Peek:
     message_id: int
     replier: Replier
     request_id: int = 0
+    view: str | None = None      # the page through this virtual queue (qserver/core/view_scan.py)
 
 
 @dataclass(slots=True)
@@ -195,6 +197,9 @@ class MessageStatus:
     admin: bool
     replier: Replier
     request_id: int = 0
+    # A producer's wait (docs/PROTOCOL.md, "Producers that wait"): "ack" or "reply", refused
+    # with E_WAIT_UNSUPPORTED on a queue whose type keeps no such completion; None: a status look.
+    completion: str | None = None
 
 
 @dataclass(slots=True)

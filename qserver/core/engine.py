@@ -142,6 +142,8 @@ class Engine(Generic[P, G]):
         self._timer: asyncio.TimerHandle | None = None
         self._stopping = False
         self.rejected = collections.Counter[str]()
+        # A queue's FAILED state and reason, judged by the cluster side (set by the node).
+        self.health_fields: Callable[[str], dict[str, Any]] = lambda name: {}
 
     def connect(self, pairs: P, coordinator: G | None, relay: Relay) -> None:
         """The cluster side: the pair driver (every node has one; outside a cluster it holds no
@@ -412,7 +414,9 @@ class Engine(Generic[P, G]):
         return self.registry.cores
 
     def describe(self, core: QueueCore) -> dict[str, Any]:
-        return self.registry.describe(core)
+        described = self.registry.describe(core)
+        described.update(self.health_fields(core.name))    # FAILED and why (qserver/cluster/queue_health.py)
+        return described
 
     @property
     def on_clients_changed(self) -> Callable[[], None]:

@@ -22,7 +22,15 @@ from qserver.core.batch import Messages
 from qserver.storage.lmdb_store import Storage
 from replication.operations import Leased, Operation, SubscriptionDropped, SubscriptionOpened
 from replication.queue_core import QueueCore
-from wire.errors import E_NOT_MASTER, E_OVERLOADED, E_SHUTTING_DOWN, E_UNKNOWN_MESSAGE, E_UNKNOWN_QUEUE, QueueError
+from wire.errors import (
+    E_NOT_MASTER,
+    E_OVERLOADED,
+    E_SHUTTING_DOWN,
+    E_UNKNOWN_MESSAGE,
+    E_UNKNOWN_QUEUE,
+    E_WAIT_UNSUPPORTED,
+    QueueError,
+)
 
 if TYPE_CHECKING:
     from qserver.core.pipeline import CommitPipeline
@@ -96,6 +104,19 @@ class StatusWaiter:
     tracks_status: bool = False      # the queue keeps completion statuses (QueueOptions.tracks_status)
 
 
+def check_completion_kind(core: QueueCore, kind: str) -> None:
+    """A producer may wait for an ack only where acks leave a completion (one_way_ack, two_way:
+    QueueOptions.tracks_status; on queued_ack and one_way an acked message simply goes), and for
+    a reply only on two_way (seed 004 One_Way_Acknowledged, Two_Way)."""
+    queue_type = core.options.type.value
+    if kind == "reply" and queue_type != "two_way":
+        raise QueueError(E_WAIT_UNSUPPORTED, f"queue {core.name} is {queue_type}: only a two_way queue's consumers "
+                                             "reply")
+    if kind == "ack" and not core.options.tracks_status:
+        raise QueueError(E_WAIT_UNSUPPORTED, f"queue {core.name} is {queue_type}, which keeps no completion of its "
+                                             "messages: wait for an ack on a one_way_ack or two_way queue")
+
+
 def no_status(command: c.MessageStatus) -> QueueError:
     """One answer for an id never issued, a status no longer kept and another producer's
     message (docs/PROTOCOL.md, "Grants"): the caller learns nothing about ids not its own."""
@@ -140,7 +161,8 @@ class Listeners:
         (issue 32, item 11: one client held every turn of the node). A waiting request's
         replier becomes a Listening, which gives the place back with its answer."""
         listening, config = self._listening, self.config
-        connection = ("connection", id(command.replier))
+        # A wrapped replier (a producer wait's, qserver/api/completion_waits.py) names its connection.
+        connection = ("connection", id(getattr(command.replier, "connection", command.replier)))
         if listening.get(connection, 0) >= config.listeners_per_connection_max:
             raise QueueError(E_OVERLOADED, f"this connection holds {config.listeners_per_connection_max} waiting "
                                            "receives, status waits and subscriptions, the most a connection may")
@@ -191,6 +213,8 @@ class Listeners:
     def wait_for_status(self, core: QueueCore, command: c.MessageStatus) -> None:
         """A status look (or wait): read after the batch in flight lands, so the answer never
         shows uncommitted state."""
+        if command.completion is not None:
+            check_completion_kind(core, command.completion)
         if not 1 <= command.message_id < core.record.next_index:
             raise no_status(command)
         if command.wait_ms > 0:
@@ -245,8 +269,33 @@ class Listeners:
         """This node stopped mastering a `full` queue: its waiters and subscribers go to the
         new master (the client follows E_NOT_MASTER)."""
         if core.options.strength.value == "full":
-            self.drop_queue_listeners(core.name, QueueError(E_NOT_MASTER, f"queue {core.name} is now mastered by "
-                                                                          f"{new_master}"))
+            moved = QueueError(E_NOT_MASTER, f"queue {core.name} is now mastered by {new_master}")
+            self.drop_queue_listeners(core.name, moved)
+            self.drop_status_waiters(core.queue_id, moved)
+
+    def drop_connection_status_waiters(self, connection: Any) -> None:
+        """A closed connection's producer waits (their replier wraps it: qserver/api/completion_waits.py)
+        go now, giving back their places under the listener bounds; answered into the closed
+        socket, which drops the answer."""
+        for key in list(self.status_waiters):
+            held = self.status_waiters[key]
+            gone = [w for w in held  # a held wait's replier is a Listening around the wait's own
+                    if getattr(getattr(w.command.replier, "inner", w.command.replier), "connection", None) is connection]
+            if not gone:
+                continue
+            for waiter in gone:
+                held.remove(waiter)
+                waiter.command.replier.fail(waiter.command.request_id, QueueError(E_SHUTTING_DOWN, "connection closed"))
+            if not held:
+                del self.status_waiters[key]
+
+    def drop_status_waiters(self, queue_id: int, error: QueueError) -> None:
+        """Status waits (a producer waiting for its message's completion) on a queue this node
+        stopped mastering: the completion will be decided at the new master, where the client
+        registers the wait again (client/waits.py). Their deadline heap entries go as they come up."""
+        for key in [key for key in self.status_waiters if key[0] == queue_id]:
+            for status_waiter in self.status_waiters.pop(key):
+                status_waiter.command.replier.fail(status_waiter.command.request_id, error)
 
     def fail_on_stop(self) -> None:
         for name in list(self.waiters):
@@ -312,7 +361,8 @@ class Listeners:
                     if not leased:
                         break
                     subscription.credit -= len(leased)
-                    if subscription.recipient is not None and core.options.fault_interval_s:
+                    if subscription.recipient is not None and (core.options.fault_interval_s
+                                                               or core.options.message_interval_s):
                         subscription.pushed.update((op.index, op.receipt) for op in leased)
                     self._push(core, subscription, leased)
         if self.to_serve:

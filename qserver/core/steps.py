@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from qserver.config import NodeConfig
 from qserver.core import commands as c
-from qserver.core import peek
+from qserver.core import peek, view_scan
 from qserver.core.admin_steps import AdminSteps
 from qserver.core.grants import CLUSTER_CLIENT, grants_allow
 from qserver.core.listeners import Listeners
@@ -117,6 +117,9 @@ class CommandSteps:
         full = self.registry.cores[queue].options.strength.value == "full"
         if type(command) is c.Subscribe and full:
             raise QueueError(E_NOT_MASTER, f"subscribe to {queue} at its master {self.pairs.masters_hint(queue)}")
+        if full and type(command) is c.Receive and command.view is not None:    # a relay carries no view
+            raise QueueError(E_NOT_MASTER, f"receive through a view of {queue} at its master "
+                                           f"{self.pairs.masters_hint(queue)}")
         if type(command) not in c.WRITES and not full:
             return False
         self.pairs.refuse_relay_when_full(queue)
@@ -236,11 +239,28 @@ class CommandSteps:
     def _receive(self, command: c.Receive, now_ms: int) -> None:
         core = self._core(command.queue)
         listeners = self.listeners
+        if command.view is not None:
+            self._receive_through_view(core, command, now_ms)
+            return
         leased = listeners.lease(core, command.max_messages, command.visibility_ms, command.client, now_ms)
         if leased:
             listeners.answer_with_messages(core, command.replier, command.request_id, leased)
         elif command.wait_ms > 0:
             listeners.wait(core.name, command, command.client)
+        else:
+            command.replier.reply(command.request_id, [])
+
+    def _receive_through_view(self, core: QueueCore, command: c.Receive, now_ms: int) -> None:
+        """A receive through a virtual queue (qserver/core/view_scan.py): what it finds now,
+        never a wait (a wait would need its own wake-ups per view: refused at the surfaces)."""
+        operations = self.pipeline.open.sealed.operations
+        mark = len(operations)
+        leased = view_scan.lease_through_view(self.registry.storage, core, command.view or "", command.max_messages,
+                                              command.visibility_ms, command.client, now_ms, operations)
+        if len(operations) - mark > len(leased):      # messages past their time to live, expired on the way
+            self.pipeline.decided(core, operations[mark:])
+        if leased:
+            self.listeners.answer_with_messages(core, command.replier, command.request_id, leased)
         else:
             command.replier.reply(command.request_id, [])
 
@@ -278,7 +298,9 @@ class CommandSteps:
                 pairs.refuse_if_not_master(base)
         core = self._core(command.queue)
         storage = self.registry.storage
-        if command.message_id:
+        if command.view is not None:
+            result = view_scan.peek_view(storage, core, command.view, command.after, command.limit, command.preview)
+        elif command.message_id:
             result = peek.read(storage, core, command.message_id)
         else:
             result = peek.peek(storage, core, command.after, command.limit, command.preview)

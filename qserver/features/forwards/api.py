@@ -11,9 +11,10 @@ import time
 from aiohttp import web
 
 from qserver.api.http_common import PASSED_ON_BY, json_body, path_name, principal, propose
+from qserver.features.forwards.decide import ControlProblem, checked_control, merged_control
 from qserver.features.forwards.forwarder import Forwarders, seal_secret
-from qserver.services import SERVICES
-from replication.cluster_map import DeleteForward, PutForward
+from qserver.services import SERVICES, NodeServices
+from replication.cluster_map import DeleteForward, PutForward, SetForwardControl
 from replication.options import is_valid_queue_name
 from wire import errors as e
 from wire.errors import QueueError
@@ -42,16 +43,32 @@ def forward_name(request: web.Request) -> str:
     return path_name(request, "f", "forward")
 
 
+def _control(services: NodeServices, raw: object) -> dict[str, object]:
+    """A forward's own bands, weights and fill unit (decide.py checked_control), refused with
+    E_INVALID_OPTION when malformed and E_FEATURE_DISABLED below feature level 3 (0.2.0 nodes
+    could not decode the map entry)."""
+    try:
+        control = checked_control(raw)
+    except ControlProblem as problem:
+        raise QueueError(e.E_INVALID_OPTION, str(problem)) from None
+    if control:
+        services.require_feature("forward_control")
+    return control
+
+
 async def create_forward(request: web.Request) -> web.Response:
     """{"name", "source", "destination", "urls": [...], "credentials": {"client_id",
     "private_key", "ca"?}}: forward `source` (a `full` queue here) into `destination` of the
     cluster at `urls` signed with those credentials, checking its nodes' TLS certificates
     against `ca` (PEM; none: this cluster's CA) (no urls: a queue of this cluster, sent by the
-    cluster itself). Admin only: the credentials act in another cluster."""
+    cluster itself). Admin only: the credentials act in another cluster. "control" (optional):
+    its own bands, weights and fill unit (docs/PROTOCOL.md "Forwards", "A forward's own bands
+    and weights")."""
     principal(request).require("admin", "*")
     body = await json_body(request)
     if not isinstance(body, dict):
         raise QueueError(e.E_INVALID_OPTION, "the body is a JSON object")
+    control = _control(request.app[SERVICES], body.get("control"))
     for field in ("name", "source", "destination"):
         if not isinstance(body.get(field), str) or not is_valid_queue_name(body[field]):
             raise QueueError(e.E_INVALID_OPTION, f"{field} must be a valid name")
@@ -80,7 +97,8 @@ async def create_forward(request: web.Request) -> web.Response:
     elif source == destination:
         raise QueueError(e.E_INVALID_OPTION, "a forward into its own source")
     outcome = await propose(request, PutForward(name, source, destination, tuple(u.rstrip("/") for u in urls),
-                                                client_id, secret, int(time.time() * 1000), os.urandom(8).hex()))
+                                                client_id, secret, int(time.time() * 1000), os.urandom(8).hex(),
+                                                control))
     if not outcome.applied:
         if outcome.reason.startswith("no queue"):
             raise QueueError(e.E_UNKNOWN_QUEUE, outcome.reason)
@@ -121,6 +139,30 @@ async def forward_stats(request: web.Request) -> web.StreamResponse:
                               "error": "its source's master has not started it (yet)"})
 
 
+async def change_forward(request: web.Request) -> web.Response:
+    """{"control": {field: value or null}}: change a forward's own bands, weights and fill unit
+    (a null field goes back to the default; new bands without weights drop the old weights).
+    Admin only. The forwarder reports its weight by the new control from its next report."""
+    principal(request).require("admin", "*")
+    name = forward_name(request)
+    services = request.app[SERVICES]
+    body = await json_body(request)
+    if not isinstance(body, dict) or not isinstance(body.get("control"), dict) or set(body) - {"control"}:
+        raise QueueError(e.E_INVALID_OPTION, 'the body is {"control": {"bands", "weights", "fill_unit", "fill_bytes"}}')
+    entry = services.require_cluster_map().forwards.get(name)
+    if entry is None:
+        raise QueueError(e.E_UNKNOWN_FORWARD, f"no forward {name}")
+    control = _control(services, merged_control(dict(entry.control), body["control"]))
+    services.require_feature("forward_control")
+    outcome = await propose(request, SetForwardControl(name, entry.created_ms, control))
+    if not outcome.applied and outcome.reason != "unchanged":
+        if outcome.reason == "no such forward":
+            raise QueueError(e.E_UNKNOWN_FORWARD, f"no forward {name}")
+        raise QueueError(e.E_FORWARD_REFUSED, outcome.reason)
+    changed = services.require_cluster_map().forwards.get(name)
+    return web.json_response(changed.to_json() if changed is not None else {"name": name})
+
+
 async def delete_forward(request: web.Request) -> web.Response:
     principal(request).require("admin", "*")
     name = forward_name(request)
@@ -136,4 +178,5 @@ def add_routes(app: web.Application, forwarders: Forwarders) -> None:
     r.add_post("/v1/forwards", create_forward)
     r.add_get("/v1/forwards", list_forwards)
     r.add_get("/v1/forwards/{f}", forward_stats)
+    r.add_patch("/v1/forwards/{f}", change_forward)
     r.add_delete("/v1/forwards/{f}", delete_forward)

@@ -40,6 +40,7 @@ from client.aio import AsyncClient
 from client.credentials import Credentials
 from qserver.api.auth import CLUSTER_CLIENT
 from qserver.core import commands as c
+from qserver.features.forwards.decide import Fill, fill_of
 from qserver.metrics import render_family
 from qserver.sealing import SEALED_PREFIX, open_sealed, seal
 from replication.cluster_map import ForwardEntry
@@ -63,6 +64,11 @@ BACKOFF_MAX_S = 5.0              # between attempts at a session
 BURST_S = 0.1                    # a token bucket holds at least this long's worth of its rate ...
 CYCLE_SPAN_MAX_S = 2.0           # ... and at most this long's (a send cycle's, when longer)
 TRACE_MAX = 2_000                # rate changes kept per forwarder (stats)
+# A fill in bytes (a forward's control `fill_unit: bytes`) is measured by browsing the source
+# (qserver/core/peek.py: one page, its scan bounded to ~3 ms of the loop) at most this often:
+# the sizes of the page's messages, and their mean for any beyond it (exact up to a page).
+BYTES_MEASURE_S = 0.5
+BYTES_PAGE = 1_000
 # Item errors that end the session (the whole forward cannot go on there) rather than the item.
 SESSION_ERRORS = frozenset({e.E_UNKNOWN_FORWARD.code, e.E_NOT_MASTER.code, e.E_FORBIDDEN.code,
                             e.E_UNKNOWN_QUEUE.code, e.E_UNAUTHENTICATED.code})
@@ -195,6 +201,9 @@ class Forwarder:
         self.rate: float | None = None
         self.terms: dict[str, Any] = {}
         self.weight = 0
+        self.fill: Fill | None = None
+        self._queue_bytes = 0
+        self._bytes_measured = float("-inf")
         self.sent = self.stored = self.refused = self.sessions = 0
         self.trace: collections.deque[tuple[float, float | None, int]] = collections.deque(maxlen=TRACE_MAX)
         self._bucket = TokenBucket(0.0)
@@ -217,10 +226,34 @@ class Forwarder:
             raise QueueError(e.E_NOT_MASTER, f"this node is not the master of {self.entry.source}")
         return core
 
-    def _weight(self) -> int:
+    async def _weight(self) -> int:
+        """The weight to report: the source's fill in the forward's own bands and weights (its
+        control, seed 003 figure 6), else in the root's uniform bands; capped by the root's
+        ceiling (bands - 1). 0 until a session told the root's bands."""
         core = self._core()
-        self.weight = 0 if self._bands is None else weight_of(core.depth, core.options.max_depth, self._bands)
+        control = self.entry.control
+        if control.get("fill_unit") == "bytes":
+            await self._measure_bytes(core)
+        if self._bands is None:
+            self.weight = 0
+            return 0
+        self.fill = fill_of(control, core.depth, core.options.max_depth, self._queue_bytes, self._bands)
+        self.weight = self.fill.weight
         return self.weight
+
+    async def _measure_bytes(self, core: QueueCore) -> None:
+        now = time.monotonic()
+        if now - self._bytes_measured < BYTES_MEASURE_S:
+            return
+        self._bytes_measured = now
+        depth = core.depth
+        if depth == 0:
+            self._queue_bytes = 0
+            return
+        page = await self._services.call(lambda r: c.Peek(self.entry.source, 0, BYTES_PAGE, True, 0, r))
+        sizes = [int(m["size"]) for m in page["messages"]]
+        seen = sum(sizes)
+        self._queue_bytes = seen + (max(0, depth - len(sizes)) * seen // len(sizes) if sizes else 0)
 
     def _set_rate(self, rate: float | None) -> None:
         if rate != self.rate or not self.trace:
@@ -297,13 +330,14 @@ class Forwarder:
     async def _session(self) -> None:
         client = self._destination()
         entry = self.entry
-        terms = await client.forward_session(entry.destination, entry.identity, self._weight(), open=True,
+        terms = await client.forward_session(entry.destination, entry.identity, await self._weight(), open=True,
                                              on_rate=self._set_rate)
         self.terms = dict(terms)
         self._bands = max(1, int(terms.get("bands") or 10))
         self.sessions += 1
         self.state, self.error = "open", ""
         self._set_rate(terms.get("rate"))
+        await self._weight()          # in the root's bands, now known: reported from the next message
         log.info("forward %s: session open with the root of %s (rate %s)", entry.name, entry.destination, self.rate)
         pump = asyncio.get_running_loop().create_task(self._pump(client))
         keeper = asyncio.get_running_loop().create_task(
@@ -324,7 +358,7 @@ class Forwarder:
             await asyncio.sleep(every_s)
             try:
                 rate = await asyncio.wait_for(client.forward_session(
-                    self.entry.destination, self.entry.identity, self._weight(), open=False), hold_s)
+                    self.entry.destination, self.entry.identity, await self._weight(), open=False), hold_s)
             except TimeoutError:
                 raise QueueError(e.E_UNAVAILABLE, f"the root did not answer for {hold_s:g} s") from None
             self._set_rate(rate)
@@ -357,7 +391,7 @@ class Forwarder:
                 by_priority.setdefault(message.priority, []).append(message)
             # Read before the acks below: once they are committed, so is every removal before.
             candidates = {priority: self._core().lowest_index(priority) for priority in by_priority}
-            weight = self._weight()
+            weight = await self._weight()
             self.sent += len(held)
             answers = await asyncio.gather(*(client.forward_data(
                 entry.destination, entry.identity, f"{entry.identity}@{incarnation}/p{priority}", weight,
@@ -447,6 +481,7 @@ class Forwarder:
         core = self._services.held_core(self.entry.source)
         return {**self.entry.to_json(), "node": self._services.node_id, "state": self.state, "error": self.error,
                 "rate": self.rate, "weight": self.weight, "terms": self.terms, "sent": self.sent,
+                "fill": self.fill._asdict() if self.fill is not None else None,
                 "stored": self.stored, "refused": self.refused, "sessions": self.sessions, "held": len(self._held),
                 "floors": {str(priority): floor for priority, floor in sorted(self._floors.items())},
                 "source_depth": core.depth if core is not None else None,
@@ -486,6 +521,8 @@ class Forwarders:
             if entry is None or entry.created_ms != forwarder.entry.created_ms or task.done():
                 task.cancel()
                 del self.running[name]
+            else:
+                forwarder.entry = entry     # its control may have changed (SetForwardControl): used from the next report
         for name, entry in wanted.items():
             if name not in self.running:
                 forwarder = Forwarder(self._services, self._macros, entry)
@@ -502,6 +539,13 @@ class Forwarders:
                               [({"forward": n}, -1 if f.rate is None else f.rate) for n, f in rows])
                 + render_family("qserver_forward_weight", "gauge", "each forwarder's last reported weight",
                                 [({"forward": n}, f.weight) for n, f in rows])
+                + render_family("qserver_forward_band", "gauge", "the fill band each forwarder's source is in",
+                                [({"forward": n}, f.fill.band) for n, f in rows if f.fill is not None])
+                + render_family("qserver_forward_fill", "gauge",
+                                "each forwarder's source fill (messages or bytes, its fill_unit) against its capacity",
+                                [({"forward": n, "unit": f.fill.unit, "of": which},
+                                  f.fill.amount if which == "amount" else f.fill.capacity)
+                                 for n, f in rows if f.fill is not None for which in ("amount", "capacity")])
                 + render_family("qserver_forward_stored_total", "counter",
                                 "messages each forwarder had stored at its destination and acked here",
                                 [({"forward": n}, f.stored) for n, f in rows])
