@@ -27,6 +27,7 @@ pending ops with its code, and E_UNAUTHENTICATED or E_FORBIDDEN stops reconnecti
 from __future__ import annotations
 
 import asyncio
+import collections
 import heapq
 import itertools
 import random
@@ -114,6 +115,7 @@ class ChannelListener(Protocol):
 # The library's own source of backoff jitter: an application that seeds the global random
 # module (a simulation, a property test) is not disturbed by reconnects in the background.
 _JITTER = random.Random()
+_LET_GO_KEPT = 256      # subscriptions let go of whose queue is remembered (_on_delivery)
 
 
 def jittered(delay_s: float) -> float:
@@ -229,6 +231,8 @@ class NodeConnection:
         # and by the request id of their subscribe while it is unanswered.
         self.consumers: set[Consumer] = set()
         self._consumers_by_subscription: dict[int, Consumer] = {}
+        # Queues of subscriptions let go of lately: a push on its way for one is released at once.
+        self._let_go: collections.OrderedDict[int, str] = collections.OrderedDict()
         self.subscribing: dict[int, Consumer] = {}
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -683,20 +687,27 @@ class NodeConnection:
         consumer = self._consumers_by_subscription.get(delivery.subscription_id)
         if consumer is None or consumer.closed:
             # Pushed after we let go of the subscription: hand the leases straight back.
-            if consumer is not None and self._ws is not None:
+            queue = consumer.queue if consumer is not None else self._let_go.get(delivery.subscription_id)
+            if queue is not None and self._ws is not None:
                 for delivered in delivery.messages:
-                    self.submit_quietly(ReleaseOp(next(self._ids), consumer.queue, delivered.message_id,
-                                                  delivered.receipt))
+                    self.submit_quietly(ReleaseOp(next(self._ids), queue, delivered.message_id, delivered.receipt))
             return
         consumer._on_messages(delivery.messages)
 
-    def _end_subscription(self, subscription_id: int, error: QueueError) -> None:
+    def _end_subscription(self, subscription_id: int, error: QueueError | None) -> None:  # None: let go of
         consumer = self._consumers_by_subscription.pop(subscription_id, None)
         if consumer is not None:
-            consumer._on_subscription_ended(error)
+            self._remember_let_go(subscription_id, consumer.queue)
+            if error is not None:
+                consumer._on_subscription_ended(error)
 
     def forget_subscription(self, subscription_id: int) -> None:
-        self._consumers_by_subscription.pop(subscription_id, None)
+        self._end_subscription(subscription_id, None)
+
+    def _remember_let_go(self, subscription_id: int, queue: str) -> None:
+        self._let_go[subscription_id] = queue
+        if len(self._let_go) > _LET_GO_KEPT:
+            self._let_go.popitem(last=False)
 
     # --- losing the connection --------------------------------------------------------------------
     def _on_connection_lost(self, cause: QueueError) -> None:
@@ -718,6 +729,7 @@ class NodeConnection:
         self._outgoing = resend + [op for op in self._outgoing if op.request_id in self._pending]
         self.subscribing.clear()
         self._consumers_by_subscription.clear()
+        self._let_go.clear()          # subscription ids are the socket's
         for consumer in self.consumers:
             consumer._on_connection_lost()
         if self.channel_listener is not None and self.channels_here:

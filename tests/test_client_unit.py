@@ -697,6 +697,23 @@ async def test_closing_a_consumer_releases_what_it_buffered(fake_node: FakeNode,
 
 
 @pytest.mark.asyncio
+async def test_a_push_that_arrives_after_the_consumer_let_go_of_its_subscription_is_released(
+        fake_node: FakeNode, client: AsyncClient) -> None:
+    """The node may push for a subscription in the moment the consumer unsubscribes: the
+    connection no longer maps its id to a consumer, yet hands the lease back at once rather
+    than leave the message leased until its visibility timeout."""
+    fake_node.ready = ready_messages(1)
+    consumer = client.consume("orders", prefetch=1)
+    assert (await consumer.__anext__()).id == 1
+    connection, subscription_id = consumer._client, consumer._subscription_id
+    assert subscription_id is not None
+    await consumer.close()
+    connection._on_delivery(Delivery(subscription_id, (DeliveredMessage(7, "r7", 4, 1, b"late"),)))
+    await eventually(lambda: [op.message_id for op in fake_node.ops_of(ReleaseOp)] == [7])
+    assert fake_node.ops_of(ReleaseOp)[0].queue == "orders"
+
+
+@pytest.mark.asyncio
 async def test_consume_resubscribes_after_reconnect_with_the_credit_still_owed(
         fake_node: FakeNode, client: AsyncClient) -> None:
     fake_node.ready = ready_messages(3)
