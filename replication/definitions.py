@@ -62,7 +62,7 @@ ITEM_KEYS: dict[str, frozenset[str]] = {
     "channels": frozenset({"name", "class", "resend_interval_s"}),
     "macros": frozenset({"name", "producer", "consumer", "fastest_by", "members"}),
     "recipients": frozenset({"name", "alternatives"}),
-    "forwards": frozenset({"name", "source", "destination", "urls", "client_id", "credentials"}),
+    "forwards": frozenset({"name", "source", "destination", "urls", "client_id", "credentials", "control"}),
     "clients": frozenset({"name", "public_key", "grants"}),
 }
 
@@ -116,7 +116,8 @@ def export_definitions(cluster: ClusterMap, clients: Mapping[str, Mapping[str, A
                                                   for other, queue in _chain(cluster, name)]}
                   for name in sorted(cluster.alternatives)]
     forwards = [{"name": name, "source": entry.source, "destination": entry.destination, "urls": list(entry.urls),
-                 "client_id": entry.client_id} for name, entry in sorted(cluster.forwards.items())]
+                 "client_id": entry.client_id, **({"control": dict(entry.control)} if entry.control else {})}
+                for name, entry in sorted(cluster.forwards.items())]
     listed = [{"name": str(record.get("name", "")), "public_key": str(record.get("public_key", "")),
                "grants": [dict(grant) for grant in record.get("grants", [])]}
               for record in clients.values()]
@@ -428,7 +429,10 @@ class _Planner:
     def _forward(self, where: str, item: dict[str, Any]) -> None:
         name = item["name"]
         source, destination = item.get("source"), item.get("destination")
-        urls, client_id = item.get("urls", []), item.get("client_id", "")
+        urls, client_id, control = item.get("urls", []), item.get("client_id", ""), item.get("control", {})
+        if not isinstance(control, dict):      # its fields are checked where the forward is created
+            self.problem(where, 'control is {"bands", "weights", "fill_unit", "fill_bytes"} (PROTOCOL.md "Forwards")')
+            return
         for value, what in ((source, "source"), (destination, "destination")):
             if not isinstance(value, str) or not is_valid_queue_name(value):
                 self.problem(where, f"{what} must be a valid queue name")
@@ -445,8 +449,8 @@ class _Planner:
         urls = [url.rstrip("/") for url in urls]
         existing = self.cluster.forwards.get(name)
         if existing is not None:
-            if (existing.source, existing.destination, list(existing.urls), existing.client_id) == \
-                    (source, destination, urls, client_id or existing.client_id):
+            if (existing.source, existing.destination, list(existing.urls), existing.client_id, existing.control) == \
+                    (source, destination, urls, client_id or existing.client_id, control):
                 self.steps.append(Step(FORWARD, name, UNCHANGED))
             else:
                 self.steps.append(Step(FORWARD, name, CONFLICT, f"exists as {existing.source} -> "
@@ -466,7 +470,8 @@ class _Planner:
         if source in self.forwarded:
             self.problem(where, f"queue {source} is forwarded already, by {self.forwarded[source]}")
             return
-        body: dict[str, Any] = {"name": name, "source": source, "destination": destination, "urls": urls}
+        body: dict[str, Any] = {"name": name, "source": source, "destination": destination, "urls": urls,
+                                **({"control": control} if control else {})}
         if not urls:
             if destination == source:
                 self.problem(where, "a forward into its own source")

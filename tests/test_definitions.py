@@ -173,6 +173,28 @@ def test_a_forward_to_another_cluster_takes_its_credentials_at_import_and_only_w
     assert problems == [] and steps[0].action == UNCHANGED     # it exists: no key needed
 
 
+def test_a_forwards_own_bands_and_weights_travel_in_the_document() -> None:
+    """A forward's control (issue 37 item 12) is exported, compared and passed to the create
+    route, which checks its fields and the feature level; a control that is no object is refused."""
+    cluster, clients = a_map()
+    control = {"bands": [0.5, 0.9], "weights": [1, 2, 6], "fill_unit": "messages"}
+    cluster.feature_level = 3
+    cluster.apply(PutForward("graded", "alt-q", "archive", (), "", "", 1, "t", control))
+    document = export_definitions(cluster, clients, release="9.9.9", now_ms=7)
+    assert [f.get("control") for f in document["forwards"]] == [control, None]
+    steps, problems = plan_import(document, cluster, clients, CHECKS)
+    assert problems == [] and {s.name: s.action for s in steps if s.kind == "forward"} == {"graded": UNCHANGED,
+                                                                                          "keep": UNCHANGED}
+    other = {**document["forwards"][0], "control": {**control, "weights": [1, 1, 1]}}
+    steps, problems = plan_import({"format": 1, "forwards": [other]}, cluster, clients, CHECKS)
+    assert problems == [] and steps[0].action == CONFLICT
+    bare, _ = a_map()
+    steps, problems = plan_import({"format": 1, "forwards": [document["forwards"][0]]}, bare, clients, CHECKS)
+    assert problems == [] and steps[0].action == CREATE and steps[0].body["control"] == control
+    _, problems = plan_import({"format": 1, "forwards": [{**other, "control": [1]}]}, bare, clients, CHECKS)
+    assert len(problems) == 1 and "control is" in problems[0]
+
+
 def test_a_chain_says_whom_it_rebinds_and_a_gated_policy_waits_for_the_feature_level() -> None:
     cluster, clients = a_map()
     cluster.apply(PutRecipient("billing-c", "jobs-a", "ok", 0, owner="c-1"))
