@@ -11,7 +11,6 @@ import json
 import re
 import threading
 import time
-from collections.abc import Awaitable, Callable
 from io import StringIO
 from typing import Any
 
@@ -23,19 +22,10 @@ from client.qctl import main as qctl_main
 from client.waits import Completion
 from qserver.dev.devcluster import LocalCluster
 from tests.support import raw_session
+from tests.test_surveillance import until
 from wire.protocol import CompletionWaitOp
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
-
-
-async def until(check: Callable[[], Awaitable[Any]], what: str, timeout_s: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = await check()
-        if found:
-            return found
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 async def metric(url: str, name: str) -> float:

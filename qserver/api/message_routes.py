@@ -189,8 +189,8 @@ def peeked_json(message: dict[str, Any]) -> dict[str, Any]:
     return shown
 
 
-async def peek_messages(request: web.Request) -> web.Response:
-    name = queue_name(request, "get")
+def peek_params(request: web.Request) -> tuple[int, int, bool]:
+    """`after`, `limit` and `preview` of a page of messages (GET .../messages, of a queue or a view)."""
     limit = _integer_param(request, "limit", peek.LIMIT_DEFAULT, 1, peek.LIMIT_MAX,
                            f"limit must be an integer between 1 and {peek.LIMIT_MAX}")
     after = _integer_param(request, "after", 0, 0, peek.CURSOR_MAX,
@@ -198,7 +198,12 @@ async def peek_messages(request: web.Request) -> web.Response:
     raw_preview = request.rel_url.query.get("preview", "0")
     if raw_preview not in ("0", "1", "true", "false"):
         raise QueueError(e.E_INVALID_OPTION, "preview is 1 (the first KiB of each payload) or 0")
-    preview = raw_preview in ("1", "true")
+    return after, limit, raw_preview in ("1", "true")
+
+
+async def peek_messages(request: web.Request) -> web.Response:
+    name = queue_name(request, "get")
+    after, limit, preview = peek_params(request)
     result = await call(request.app[NODE].engine, lambda r: c.Peek(name, after, limit, preview, 0, r))
     result["messages"] = [peeked_json(message) for message in result["messages"]]
     return web.json_response(result)

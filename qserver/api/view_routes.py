@@ -32,10 +32,10 @@ from qserver.api.http_common import (
     propose,
     receipt,
 )
-from qserver.api.message_routes import _integer_param, peeked_json
+from qserver.api.message_routes import peek_params, peeked_json
 from qserver.api.queue_routes import _change_lone
 from qserver.core import commands as c
-from qserver.core import peek, view_scan
+from qserver.core import view_scan
 from replication.cluster_map import CHANNEL_PREFIX, SetQueueOptions
 from replication.options import DEAD_LETTER_SUFFIX, is_valid_queue_name, options_from_json
 from replication.views import (
@@ -201,15 +201,8 @@ async def receive(request: web.Request) -> web.Response:
 
 async def peek_messages(request: web.Request) -> web.Response:
     name, view_name = _names(request, "get")
-    limit = _integer_param(request, "limit", peek.LIMIT_DEFAULT, 1, peek.LIMIT_MAX,
-                           f"limit must be an integer between 1 and {peek.LIMIT_MAX}")
-    after = _integer_param(request, "after", 0, 0, peek.CURSOR_MAX,
-                           "after is the previous page's next_after (0: from the start)")
-    raw_preview = request.rel_url.query.get("preview", "0")
-    if raw_preview not in ("0", "1", "true", "false"):
-        raise QueueError(e.E_INVALID_OPTION, "preview is 1 (the first KiB of each payload) or 0")
-    result = await call(request.app[NODE].engine,
-                        lambda r: c.Peek(name, after, limit, raw_preview in ("1", "true"), 0, r, view=view_name))
+    after, limit, preview = peek_params(request)
+    result = await call(request.app[NODE].engine, lambda r: c.Peek(name, after, limit, preview, 0, r, view=view_name))
     result["messages"] = [peeked_json(message) for message in result["messages"]]
     return web.json_response(result)
 
