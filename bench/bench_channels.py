@@ -3,6 +3,12 @@
 a `durable` channel to 1, 8 and 64 durable subscriptions, each acknowledging what it reads.
 
     .venv/bin/python bench/bench_channels.py [--seconds 5] [--subscribers 1,100,1000] [--durable 1,8,64]
+                                             [--mechanisms]
+
+`--mechanisms` (issue 37 item 10) runs, on a cluster at feature level 3, each mechanism a
+channel's master can choose beside the single stored path the same data took before: 100-byte
+values to 1 and 100 subscribers (best_effort against replicated), 256 KiB values to 16 subscribers
+(staged against replicated) and to one (point_to_point against replicated).
 
 Each subscriber is its own client with its own WebSocket to the channel's master (the
 subscribers run in this one process, next to the publisher, on the same 2 cores as the
@@ -144,7 +150,71 @@ async def durable_round(cluster: LocalCluster, subscriptions: int, seconds: floa
             "every_backlog_drained": drained}
 
 
-async def main_async(seconds: float, counts: list[int], durable: list[int]) -> None:
+# (label, channel attributes, subscribers, payload bytes); the attributes {} is today's single path.
+MECHANISM_ROUNDS: list[tuple[str, dict[str, Any], int, int]] = [
+    ("small_replicated_1", {}, 1, 100),
+    ("small_best_effort_1", {"size_bytes": 100, "per_second": 1000.0, "loss_tolerant": True}, 1, 100),
+    ("small_replicated_100", {}, 100, 100),
+    ("small_best_effort_100", {"size_bytes": 100, "per_second": 1000.0, "loss_tolerant": True}, 100, 100),
+    ("large_replicated_16", {}, 16, 256 * 1024),
+    ("large_staged_16", {"size_bytes": 256 * 1024}, 16, 256 * 1024),
+    ("large_replicated_1", {}, 1, 256 * 1024),
+    ("large_point_to_point_1", {"size_bytes": 256 * 1024}, 1, 256 * 1024),
+]
+
+
+def last_seen(reader: AsyncClient, channel: str) -> int:
+    inbox = reader._channel_inbox
+    assert inbox is not None
+    return max(inbox._seen.get(channel, 0), inbox._volatile_seen.get(channel, 0))
+
+
+async def mechanism_round(cluster: LocalCluster, label: str, attributes: dict[str, Any], subscribers: int,
+                          size: int, seconds: float) -> dict[str, Any]:
+    """Publishes/s and each publish's latency (10 in flight), deliveries/s and how many
+    subscribers ended on the last value, for one channel characterized with `attributes`."""
+    channel = f"m-{label}"
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as admin:
+        created = await admin.create_channel(channel, **attributes)
+        master_url = cluster.urls[created["master"]]
+        readers = [AsyncClient(master_url, cluster.credentials_path) for _ in range(subscribers)]
+        try:
+            await asyncio.gather(*(r.subscribe(channel) for r in readers))
+            mechanism = (await readers[0].typeof(channel))["mechanism"]
+            async with AsyncClient(master_url, cluster.credentials_path) as publisher:
+                await publisher.advertise(channel)
+                delivered_before = metric(master_url, "qserver_channel_deliveries_total")
+                latencies: list[float] = []
+                last = 0
+                stop_at = time.perf_counter() + seconds
+                payload = b"p" * size
+
+                async def publish() -> None:
+                    nonlocal last
+                    while time.perf_counter() < stop_at:
+                        began = time.perf_counter()
+                        last = max(last, await publisher.publish(channel, payload))
+                        latencies.append(time.perf_counter() - began)
+                started = time.perf_counter()
+                await asyncio.gather(*(publish() for _ in range(PUBLISHERS_IN_FLIGHT)))
+                elapsed = time.perf_counter() - started
+                delivered = metric(master_url, "qserver_channel_deliveries_total") - delivered_before
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline and any(last_seen(r, channel) != last for r in readers):
+                    await asyncio.sleep(0.1)
+                caught_up = sum(last_seen(r, channel) == last for r in readers)
+        finally:
+            await asyncio.gather(*(r.close() for r in readers), return_exceptions=True)
+        await admin.delete_channel(channel)
+    latencies.sort()
+    return {"workload": f"mechanism_{label}", "mechanism": mechanism, "subscribers": subscribers, "payload_bytes": size,
+            "publishes_per_s": round(len(latencies) / elapsed, 1),
+            "publish_p50_ms": round(1000 * latencies[len(latencies) // 2], 2),
+            "publish_p99_ms": round(1000 * latencies[int(len(latencies) * 0.99)], 2),
+            "deliveries_per_s": round(delivered / elapsed, 1), "subscribers_on_the_last_value": caught_up}
+
+
+async def main_async(seconds: float, counts: list[int], durable: list[int], mechanisms: bool = False) -> None:
     with tempfile.TemporaryDirectory(prefix="qbench-channels-") as root:
         cluster = LocalCluster(Path(root), 3)
         cluster.start_all()
@@ -153,6 +223,12 @@ async def main_async(seconds: float, counts: list[int], durable: list[int]) -> N
                 print(json.dumps(await one_round(cluster, count, seconds)), flush=True)
             for count in durable:
                 print(json.dumps(await durable_round(cluster, count, seconds)), flush=True)
+            if mechanisms:
+                async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as admin:
+                    await admin.finalize_cluster()
+                for label, attributes, subscribers, size in MECHANISM_ROUNDS:
+                    print(json.dumps(await mechanism_round(cluster, label, attributes, subscribers, size, seconds)),
+                          flush=True)
         finally:
             for node in list(cluster.processes):
                 cluster.kill(node)
@@ -163,9 +239,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--subscribers", default="1,100,1000", help="latest rounds ('' for none)")
     parser.add_argument("--durable", default="1,8,64", help="durable rounds ('' for none)")
+    parser.add_argument("--mechanisms", action="store_true", help="each mechanism against the stored path")
     args = parser.parse_args()
     asyncio.run(main_async(args.seconds, [int(n) for n in args.subscribers.split(",") if n],
-                           [int(n) for n in args.durable.split(",") if n]))
+                           [int(n) for n in args.durable.split(",") if n], args.mechanisms))
 
 
 if __name__ == "__main__":

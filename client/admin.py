@@ -216,15 +216,24 @@ class AdminCalls(ViewCalls):
         return result
 
     # --- channels, recipients and forwards (seeds 001-003) ----------------------------------------
-    async def create_channel(self, name: str, delivery_class: str = "latest",
-                             resend_interval_s: float = 0.0) -> dict[str, Any]:
-        """Define a channel (admin): `latest` or `acked`; `resend_interval_s` > 0 sends the last
-        value again after that long without a publish."""
-        return await self._changed_map(self.http.put_channel(name, delivery_class, resend_interval_s))
+    async def create_channel(self, name: str, delivery_class: str = "latest", resend_interval_s: float = 0.0,
+                             **attributes: Any) -> dict[str, Any]:
+        """Define a channel (admin): `latest`, `acked` or `durable`; `resend_interval_s` > 0 sends
+        the last value again after that long without a publish; `attributes` as `characterize`'s."""
+        return await self._changed_map(self.http.put_channel(name, delivery_class, resend_interval_s, **attributes))
 
-    async def characterize(self, name: str, delivery_class: str) -> dict[str, Any]:
-        """Change a channel's delivery class (from its next publish)."""
-        return await self._changed_map(self.http.put_channel(name, delivery_class))
+    async def characterize(self, name: str, delivery_class: str | None = None, *, size_bytes: int | None = None,
+                           per_second: float | None = None, loss_tolerant: bool | None = None,
+                           skip_last_value: bool | None = None) -> dict[str, Any]:
+        """Change a channel's delivery class, and say what its data is like: the typical
+        payload's `size_bytes`, how many publishes `per_second`, whether it is `loss_tolerant`;
+        the channel's master chooses how each message travels from them (typeof's
+        `mechanism`; docs/PROTOCOL.md "How a channel's messages travel"). `skip_last_value`:
+        subscribing does not send the last value. What is not given keeps its value; all apply
+        from the next publish (attributes need cluster feature level 3)."""
+        return await self._changed_map(self.http.put_channel(
+            name, delivery_class, size_bytes=size_bytes, per_second=per_second, loss_tolerant=loss_tolerant,
+            skip_last_value=skip_last_value))
 
     async def set_resend_interval(self, name: str, seconds: float) -> dict[str, Any]:
         return await self._changed_map(self.http.put_channel(name, resend_interval_s=seconds))

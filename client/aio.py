@@ -39,9 +39,11 @@ from client.http import HttpClient
 from client.macro import MacroConsumer, MacroQueue
 from client.router import Router, retried_once
 from wire.errors import (
+    E_FEATURE_DISABLED,
     E_INTERNAL,
     E_MACRO_QUEUE,
     E_NOT_ADVERTISED,
+    E_STANDBY,
     E_UNKNOWN_FORWARD,
     E_UNKNOWN_MACRO,
     QueueError,
@@ -63,6 +65,7 @@ from wire.protocol import (
     ReportOp,
     messages_from_result,
 )
+from wire.versions import FEATURES
 
 CredentialsArg = Credentials | str | Path | None
 _T = TypeVar("_T")
@@ -140,6 +143,7 @@ class AsyncClient(AdminCalls):
         # client advertised (each node's connection keeps those advertised through it).
         self._channel_inbox: ChannelInbox | None = None
         self._advertised: set[str] = set()
+        self._leading: set[str] = set()           # of them, those it advertised as their leader
         self._forward_nodes: dict[tuple[str, str], NodeConnection] = {}   # the node each forward session is open at
         # A dedupe id is a random 80-bit prefix per client plus a counter: unique like a
         # uuid4 hex (same 32 hex characters) for a fraction of the cost per message.
@@ -523,16 +527,28 @@ class AsyncClient(AdminCalls):
         """The first unread message across the subscribed channels, waiting for one."""
         return await self._inbox.next()
 
-    async def advertise(self, *channels: str) -> None:
+    async def advertise(self, *channels: str, leader: bool = False) -> None:
         """Declare that this client publishes to these channels (seed 002: a publish to a
-        channel not advertised is refused, E_NOT_ADVERTISED). Several producers may."""
+        channel not advertised is refused, E_NOT_ADVERTISED). Several producers may: the
+        earliest still advertising leads, and a standby's publish is refused E_STANDBY;
+        `leader` takes the lead (at cluster feature level 3), kept wherever the channel moves."""
+        if leader and (self.cluster_feature_level or 1) < FEATURES["channel_attributes"]:
+            raise QueueError(E_FEATURE_DISABLED, "advertising as a channel's leader needs cluster feature level "
+                                                 f"{FEATURES['channel_attributes']} (qctl cluster finalize)")
         self._advertised.update(channels)
+        if leader:
+            self._leading.update(channels)
         for channel in channels:
-            target = self._router.route(channel_queue(channel))
+            if not self._router.knows_master(channel_queue(channel)):   # its master keeps who leads
+                with contextlib.suppress(QueueError):
+                    await self._router.refresh_placement(channel_queue(channel))
+            target = self._router.consume_target(channel_queue(channel))   # the master (route: maybe the replica)
             await self._advertise_at(target, channel)
 
     async def unadvertise(self, *channels: str) -> None:
+        """Withdraw: the next advertiser leads, and this client's publishes are refused."""
         self._advertised.difference_update(channels)
+        self._leading.difference_update(channels)
         for channel in channels:
             target = self._router.route(channel_queue(channel))
             target.advertised_here.discard(channel)
@@ -540,7 +556,7 @@ class AsyncClient(AdminCalls):
                 await target.call(AdvertiseOp(target.next_id(), (channel,), False))
 
     async def _advertise_at(self, node: NodeConnection, channel: str) -> None:
-        await node.call(AdvertiseOp(node.next_id(), (channel,), True))
+        await node.call(AdvertiseOp(node.next_id(), (channel,), True, channel in self._leading))
         node.advertised_here.add(channel)
 
     async def publish(self, channel: str, payload: bytes, dedupe_id: str | None = None) -> int:
@@ -548,7 +564,7 @@ class AsyncClient(AdminCalls):
         (and sent to the channel's subscribers). A dedupe id makes a retry publish it once."""
         dedupe_id = dedupe_id or self._new_dedupe_id()
         queue = channel_queue(channel)
-        target = self._router.route(queue)
+        target = self._router.consume_target(queue)       # its master: a channel's replica does not pass it on
         try:
             return await self._publish_at(target, channel, payload, dedupe_id)
         except QueueError as error:
@@ -561,7 +577,14 @@ class AsyncClient(AdminCalls):
     async def _publish_at(self, node: NodeConnection, channel: str, payload: bytes, dedupe_id: str) -> int:
         if channel in self._advertised and channel not in node.advertised_here:
             await self._advertise_at(node, channel)      # the channel's master is this node now
-        result = await node.call(PublishOp(node.next_id(), channel, _as_bytes(payload), dedupe_id))
+        try:
+            result = await node.call(PublishOp(node.next_id(), channel, _as_bytes(payload), dedupe_id))
+        except QueueError as error:
+            if error.code != E_STANDBY.code or channel not in self._leading:
+                raise
+            # A new socket (its node forgets the old one's lead) advertised again without it.
+            await self._advertise_at(node, channel)
+            result = await node.call(PublishOp(node.next_id(), channel, _as_bytes(payload), dedupe_id))
         return int(result[0])
 
     async def report(self, channel: str, message_id: int) -> dict[str, Any]:

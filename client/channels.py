@@ -13,6 +13,14 @@ order (up to ACKED_BUFFER_MAX; acknowledge each with `ChannelDelivery.ack()`). N
 older than one already seen on its channel is handed out (ids are the channel queue's ordering
 indices, which only grow, across failovers too).
 
+How a message travels is the node's choice (docs/PROTOCOL.md, "How a channel's messages
+travel"), and at cluster feature level 3 this client takes every kind (it asks for offers on
+each connection before subscribing there): a message not stored (best effort, or relayed point
+to point) has an id of its own kind, not an ordering index, ordered apart from stored ones; a
+relay's receipt is acknowledged at once (its publisher is waiting for it); a reference to a
+staged message is fetched, in order, before it is handed out (under `latest` only the newest
+reference is fetched).
+
 Under `durable` the client reads a durable subscription by its name: the node sends its
 backlog a window at a time and resends what stays unacknowledged, so a message may come again
 (after a resend, a failover, a subscribe again) until `ack()` is answered — at least once, in
@@ -28,13 +36,22 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from wire.errors import E_NOT_MASTER, E_SUBSCRIPTION_TAKEN, E_UNAVAILABLE, E_UNKNOWN_SUBSCRIPTION, QueueError
+from wire.channel_ops import ChannelFetchOp, ChannelOffer, ChannelOffersOp, OfferKind
+from wire.errors import (
+    E_NOT_MASTER,
+    E_SUBSCRIPTION_TAKEN,
+    E_UNAVAILABLE,
+    E_UNKNOWN_MESSAGE,
+    E_UNKNOWN_SUBSCRIPTION,
+    QueueError,
+)
 from wire.protocol import ChannelAckOp, ChannelEnded, ChannelMessage, ChannelSubscribeOp, ClientOp
 
 CHANNEL_PREFIX = "channel:"      # replication/cluster_map.py CHANNEL_PREFIX
 ACKED_BUFFER_MAX = 10_000        # unread messages of an `acked` channel kept (the oldest go first)
 FOLLOW_PAUSE_S = (0.05, 2.0)     # between attempts to subscribe again where a channel went
 FOLLOW_ATTEMPT_S = 2.0           # one such attempt (a node that is down does not answer)
+OFFERS_LEVEL = 3                 # the cluster feature level from which nodes send offers (wire/versions.py)
 
 
 def channel_queue(channel: str) -> str:
@@ -54,6 +71,8 @@ class ChannelNode(Protocol):
 class ChannelRouter(Protocol):
     """The cluster map as the inbox uses it (client/router.py Router): where a channel's queue
     is served, and the channel's delivery class."""
+
+    feature_level: int
 
     @property
     def closed(self) -> bool: ...
@@ -77,8 +96,10 @@ class ChannelDelivery:
     async def ack(self) -> None:
         """Acknowledge it: an `acked` channel's report counts it (at the node that sent it); a
         durable subscription's backlog loses it once this returns (at the node reading the
-        subscription now; after a failover the message may come again first)."""
-        await self._inbox.ack(self)
+        subscription now; after a failover the message may come again first). A message not
+        stored (best effort, relayed) has nothing to acknowledge: a relay's receipt was already."""
+        if self._inbox is not None:
+            await self._inbox.ack(self)
 
 
 class ChannelInbox:
@@ -94,6 +115,11 @@ class ChannelInbox:
         self._waiters: list[asyncio.Future[None]] = []
         self._following: dict[str, asyncio.Task[None]] = {}
         self._durable: dict[str, str] = {}               # channel -> the durable subscription read
+        self._volatile_seen: dict[str, int] = {}          # channel -> the highest id not stored handed in
+        self._offers_asked: set[ChannelNode] = set()      # connections told that this client takes offers
+        self._references: dict[str, deque[tuple[ChannelOffer, ChannelNode]]] = {}   # waiting to be fetched
+        self._fetching: dict[str, asyncio.Task[None]] = {}     # channel -> its references' fetcher
+        self._receipts: set[asyncio.Task[None]] = set()          # relays' receipts being sent (held until done)
 
     @property
     def channels(self) -> list[str]:
@@ -148,6 +174,9 @@ class ChannelInbox:
         if len(durable) > 1:
             raise ValueError("subscribe to durable and live channels in separate calls")
         try:
+            if node not in self._offers_asked and self._router.feature_level >= OFFERS_LEVEL:
+                await node.call(ChannelOffersOp(node.next_id()))
+                self._offers_asked.add(node)
             answer = await node.call(ChannelSubscribeOp(node.next_id(), tuple(names), True, durable.pop()))
         except BaseException as error:
             self._unregister(names)
@@ -188,9 +217,12 @@ class ChannelInbox:
                 await node.call(ChannelSubscribeOp(node.next_id(), tuple(names), False))
 
     # --- what the nodes send ------------------------------------------------------------------
-    def deliver(self, item: ChannelMessage, node: ChannelNode) -> None:
+    def deliver(self, item: ChannelMessage | ChannelOffer, node: ChannelNode) -> None:
         if self._serving.get(item.channel) is not node:
             return                          # not ours (any more)
+        if isinstance(item, ChannelOffer):
+            self._offered(item, node)
+            return
         if item.channel in self._durable:
             self._deliver_durable(item, node)
             return
@@ -199,13 +231,62 @@ class ChannelInbox:
         # The same id again is the last value resent (at the resend interval, or on subscribing
         # again after a failover): handed out again, as the channel asks.
         self._seen[item.channel] = item.message_id
-        unread = self._unread.setdefault(item.channel, deque())
-        if self._router.channel_class(item.channel) == "latest":
+        self._hand_out(item.channel, ChannelDelivery(item.channel, item.message_id, item.payload, item.resent,
+                                                     node, self))
+
+    def _offered(self, item: ChannelOffer, node: ChannelNode) -> None:
+        if item.kind == OfferKind.REFERENCE:
+            references = self._references.setdefault(item.channel, deque())
+            if self._router.channel_class(item.channel) == "latest":
+                references.clear()          # only the newest value is fetched
+            elif len(references) >= ACKED_BUFFER_MAX:
+                references.popleft()
+            references.append((item, node))
+            if item.channel not in self._fetching:
+                self._fetching[item.channel] = asyncio.get_running_loop().create_task(self._fetch(item.channel))
+            return
+        if item.kind == OfferKind.RELAY:     # its publisher waits for this receipt
+            task = asyncio.get_running_loop().create_task(self._receipt(node, item))
+            self._receipts.add(task)
+            task.add_done_callback(self._receipts.discard)
+        if item.message_id < self._volatile_seen.get(item.channel, 0):
+            return
+        self._volatile_seen[item.channel] = item.message_id
+        self._hand_out(item.channel, ChannelDelivery(item.channel, item.message_id, item.payload, item.resent,
+                                                     None, None))
+
+    async def _receipt(self, node: ChannelNode, item: ChannelOffer) -> None:
+        with contextlib.suppress(QueueError):  # unanswered, the node stores it instead: it comes again
+            await node.call(ChannelAckOp(node.next_id(), item.channel, item.message_id))
+
+    async def _fetch(self, channel: str) -> None:
+        """Fetch the channel's waiting references one at a time, in order, from the node that
+        sent each; each is then handed in as a stored message."""
+        try:
+            references = self._references.get(channel)
+            while references:
+                item, node = references.popleft()
+                if self._serving.get(channel) is not node:
+                    continue
+                try:
+                    payload = await node.call(ChannelFetchOp(node.next_id(), channel, item.message_id))
+                except QueueError as error:
+                    if error.code != E_UNKNOWN_MESSAGE.code:
+                        raise
+                    continue                # replaced by newer values meanwhile: one of them comes
+                self.deliver(ChannelMessage(channel, item.message_id, bytes(payload), item.resent), node)
+        except QueueError:
+            self._references.pop(channel, None)   # the node went: subscribing again sends the last value
+        finally:
+            self._fetching.pop(channel, None)
+
+    def _hand_out(self, channel: str, delivery: ChannelDelivery) -> None:
+        unread = self._unread.setdefault(channel, deque())
+        if self._router.channel_class(channel) == "latest":
             unread.clear()                  # only the newest value waits
         elif len(unread) >= ACKED_BUFFER_MAX:
             unread.popleft()
-        unread.append((next(self._arrivals), ChannelDelivery(item.channel, item.message_id, item.payload,
-                                                             item.resent, node, self)))
+        unread.append((next(self._arrivals), delivery))
         self._wake()
 
     def _deliver_durable(self, item: ChannelMessage, node: ChannelNode) -> None:
@@ -256,6 +337,7 @@ class ChannelInbox:
     def reconnected(self, node: ChannelNode) -> None:
         """The node's socket dropped or came back (a node forgets a socket's subscriptions):
         subscribe again there, or where the map says once it no longer serves them."""
+        self._offers_asked.discard(node)     # a new socket: asked again before subscribing there
         for name in [n for n, serving in self._serving.items() if serving is node]:
             self._follow(name)
 
@@ -284,9 +366,10 @@ class ChannelInbox:
         """The client closes: nothing is followed any more."""
         self._wanted.clear()
         self._durable.clear()
-        for task in self._following.values():
+        for task in [*self._following.values(), *self._fetching.values(), *self._receipts]:
             task.cancel()
         self._following.clear()
+        self._fetching.clear()
 
     # --- reading --------------------------------------------------------------------------------
     def poll(self) -> list[str]:

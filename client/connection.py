@@ -62,6 +62,7 @@ from wire.protocol import (
     AdvertiseOp,
     ChannelEnded,
     ChannelMessage,
+    ChannelOffer,
     ClientOp,
     Closing,
     CreditOp,
@@ -106,8 +107,7 @@ Headers = tuple[tuple[str, str], ...]      # a message's headers as a batch key 
 
 class ChannelListener(Protocol):
     """What a connection tells about the channels subscribed through it (client/channels.py)."""
-
-    def deliver(self, item: ChannelMessage, node: NodeConnection) -> None: ...
+    def deliver(self, item: ChannelMessage | ChannelOffer, node: NodeConnection) -> None: ...
     def ended(self, item: ChannelEnded, node: NodeConnection) -> None: ...
     def reconnected(self, node: NodeConnection) -> None: ...
 
@@ -599,7 +599,7 @@ class NodeConnection:
                 self._end_subscription(item.subscription_id, QueueError(item.code, item.message))
             elif kind is Delivery:
                 self._on_delivery(item)
-            elif kind is ChannelMessage:
+            elif kind is ChannelMessage or kind is ChannelOffer:
                 if self.channel_listener is not None:
                     self.channel_listener.deliver(item, self)
             elif kind is ChannelEnded:

@@ -342,10 +342,11 @@ class HttpClient:
 
     # --- channels (seed 002; subscribing and publishing are on the WebSocket: client/channels.py) ---
     async def put_channel(self, name: str, delivery_class: str | None = None,
-                          resend_interval_s: float | None = None) -> dict[str, Any]:
-        """Create a channel, or change what is named (admin)."""
-        document = {key: value for key, value in (("class", delivery_class), ("resend_interval_s", resend_interval_s))
-                    if value is not None}
+                          resend_interval_s: float | None = None, **attributes: Any) -> dict[str, Any]:
+        """Create a channel, or change what is named (admin): its class, resend interval and
+        attributes (size_bytes, per_second, loss_tolerant, skip_last_value)."""
+        document = {key: value for key, value in (("class", delivery_class), ("resend_interval_s", resend_interval_s),
+                                                  *attributes.items()) if value is not None}
         return dict(await self._json("PUT", channel_path(name), document=document))
 
     async def channel(self, name: str) -> dict[str, Any]:

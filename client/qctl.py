@@ -280,12 +280,19 @@ def build_parser() -> argparse.ArgumentParser:
     channel = commands.add_parser("channel", help="publish/subscribe channels: define, publish, listen")
     channel_commands = channel.add_subparsers(dest="channel_command", required=True, metavar="ACTION")
     channel_create = command(channel_commands, "create", cmd_channel_create,
-                             "define a channel, or change its class or resend interval")
+                             "define a channel, or change its class, resend interval or attributes")
     channel_create.add_argument("name")
     channel_create.add_argument("--class", dest="delivery_class", choices=("latest", "acked", "durable"),
                                 help="latest (default): the last value, best effort; acked: subscribers acknowledge")
     channel_create.add_argument("--resend-interval-s", type=float,
                                 help="send the last value again after this long without a publish (0: never)")
+    # What the data is like (seed 002 characterize): the channel's master chooses how it travels.
+    channel_create.add_argument("--size-bytes", type=int, help="the typical payload's size")
+    channel_create.add_argument("--per-second", type=float, help="how many publishes a second")
+    channel_create.add_argument("--loss-tolerant", action=argparse.BooleanOptionalAction, default=None,
+                                help="a lost message is replaced by the next one soon enough")
+    channel_create.add_argument("--skip-last-value", action=argparse.BooleanOptionalAction, default=None,
+                                help="subscribing does not send the last value")
     command(channel_commands, "list", cmd_channel_list, "every channel")
     command(channel_commands, "typeof", cmd_channel_typeof, "a channel's class, resend interval and master"
             ).add_argument("name")

@@ -168,7 +168,9 @@ async def cmd_recipient_remove(http: HttpClient, args: argparse.Namespace) -> Ou
 
 
 async def cmd_channel_create(http: HttpClient, args: argparse.Namespace) -> Outcome:
-    answer = await http.put_channel(args.name, args.delivery_class, args.resend_interval_s)
+    answer = await http.put_channel(args.name, args.delivery_class, args.resend_interval_s, size_bytes=args.size_bytes,
+                                    per_second=args.per_second, loss_tolerant=args.loss_tolerant,
+                                    skip_last_value=args.skip_last_value)
     return Outcome(answer, _channel_text(answer))
 
 
@@ -228,8 +230,10 @@ async def cmd_channel_drop(http: HttpClient, args: argparse.Namespace) -> Outcom
 
 def _channel_text(channel: dict[str, Any]) -> str:
     resend = f", resent every {channel['resend_interval_s']:g} s" if channel.get("resend_interval_s") else ""
-    return (f"{channel['name']}: {channel['class']}{resend}, master {channel.get('master', '?')}, "
-            f"replica {channel.get('replica', '?')}")
+    attributes = "".join(f", {name} {value}" for name, value in channel.get("attributes", {}).items())
+    mechanism = f", travels {channel['mechanism']}" if "mechanism" in channel else ""
+    return (f"{channel['name']}: {channel['class']}{resend}{attributes}{mechanism}, master "
+            f"{channel.get('master', '?')}, replica {channel.get('replica', '?')}")
 
 
 async def cmd_macro_create(http: HttpClient, args: argparse.Namespace) -> Outcome:

@@ -139,6 +139,7 @@ class Router:
         self._master_urls: dict[str, str] = {}    # queue -> its master's node
         self.has_map = False                       # a reading has named a master (until then: all to home)
         self._channel_classes: dict[str, str] = {}
+        self.feature_level = 1        # the cluster's, as the newest map read said (wire/versions.py FEATURES)
         self._others: dict[str, NodeConnection] = {}
         self._closed = False
         # See refresh_placement: the reading that still takes names, and the last one begun.
@@ -253,6 +254,7 @@ class Router:
         others = await asyncio.gather(*(self._map_at(self.route_to(url), scope) for url in self._node_urls))
         maps = [first] + [cluster_map for cluster_map in others if cluster_map is not None]
         newest_map = max(maps, key=lambda cluster_map: cluster_map.get("version", 0))
+        self.feature_level = int(newest_map.get("feature_level", 1))
         if scope is None:
             self._learn_macros(newest_map.get("macros", {}), None)
             self._channel_classes = {name: channel.get("class", "latest")

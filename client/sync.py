@@ -312,12 +312,12 @@ class Client:
         return self._run(self._async.describe_macro(name))
 
     # --- channels (seed 002) --------------------------------------------------------------------
-    def create_channel(self, name: str, delivery_class: str = "latest", resend_interval_s: float = 0.0
-                       ) -> dict[str, Any]:
-        return self._run(self._async.create_channel(name, delivery_class, resend_interval_s))
+    def create_channel(self, name: str, delivery_class: str = "latest", resend_interval_s: float = 0.0,
+                       **attributes: Any) -> dict[str, Any]:
+        return self._run(self._async.create_channel(name, delivery_class, resend_interval_s, **attributes))
 
-    def characterize(self, name: str, delivery_class: str) -> dict[str, Any]:
-        return self._run(self._async.characterize(name, delivery_class))
+    def characterize(self, name: str, delivery_class: str | None = None, **attributes: Any) -> dict[str, Any]:
+        return self._run(self._async.characterize(name, delivery_class, **attributes))
 
     def set_resend_interval(self, name: str, seconds: float) -> dict[str, Any]:
         return self._run(self._async.set_resend_interval(name, seconds))
@@ -331,8 +331,8 @@ class Client:
     def list_channels(self) -> list[dict[str, Any]]:
         return self._run(self._async.list_channels())
 
-    def advertise(self, *channels: str) -> None:
-        self._run(self._async.advertise(*channels))
+    def advertise(self, *channels: str, leader: bool = False) -> None:
+        self._run(self._async.advertise(*channels, leader=leader))
 
     def unadvertise(self, *channels: str) -> None:
         self._run(self._async.unadvertise(*channels))

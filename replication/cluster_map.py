@@ -32,6 +32,7 @@ from typing import Any
 import msgpack
 
 from replication.invariants import InvariantViolation
+from replication.map_channels import set_channel_attributes
 from replication.map_commands import (
     ALTERNATIVES_MAX,
     AddNode,
@@ -55,6 +56,7 @@ from replication.map_commands import (
     RemoveMacroMember,
     RemoveRecipient,
     SetAlternatives,
+    SetChannelAttributes,
     SetFeatureLevel,
     SetForwardControl,
     SetNodeState,
@@ -113,7 +115,7 @@ __all__ = ["ALTERNATIVES_MAX", "AddNode", "CHANNEL_PREFIX", "CHANNEL_QUEUE_OPTIO
            "NoteRecipient", "Outcome", "PairState", "ProducerPolicy", "PutChannel", "PutClient", "PutForward",
            "PutMacroMember", "PutRecipient", "QueueEntry", "RECIPIENTS_MAX", "RECIPIENTS_PER_CLIENT_MAX",
            "REVOKED_CLIENTS_MAX", "Reason", "RecipientEntry", "RecipientState", "RemoveMacroMember",
-           "RemoveRecipient", "SUMMARY_NAMES_MAX", "SetAlternatives", "SetFeatureLevel", "SetForwardControl", "SetNodeState", "SetQueueOptions", "astuple", "channel_queue",
+           "RemoveRecipient", "SUMMARY_NAMES_MAX", "SetAlternatives", "SetChannelAttributes", "SetFeatureLevel", "SetForwardControl", "SetNodeState", "SetQueueOptions", "astuple", "channel_queue",
            "choose_pair", "decode_command", "decode_map", "encode_command", "encode_map", "macro_policy_problem",
            "plan_failover", "plan_member_moves", "plan_rebalance", "plan_replacements"]
 
@@ -383,6 +385,8 @@ class ClusterMap:
             return [apply_queue_health(self, command)]
         if isinstance(command, SetForwardControl):
             return [set_forward_control(self.forwards, self.feature_level, command)]
+        if isinstance(command, SetChannelAttributes):
+            return [set_channel_attributes(self.channels, self.feature_level, command)]
         if isinstance(command, DeleteForward):
             gone = self.forwards.pop(command.name, None)
             if gone is None:
@@ -711,7 +715,8 @@ def encode_map(cluster: ClusterMap) -> bytes:
     alternatives = {recipient: list(names) for recipient, names in cluster.alternatives.items()}
     macros = [[m.name, m.producer, m.consumer, m.fastest_by, [[x.queue, x.priority, x.weight] for x in m.members]]
               for m in cluster.macros.values()]
-    channels = [[c.name, c.delivery_class, c.resend_interval_s] for c in cluster.channels.values()]
+    channels = [[c.name, c.delivery_class, c.resend_interval_s, *([c.attributes] if c.attributes else [])]
+                for c in cluster.channels.values()]                                   # as 0.2.0's when none
     recipients = [[r.name, r.queue, r.state, r.since_ms, r.reason, r.owner] for r in cluster.recipients.values()]
     chains = {recipient: [list(cluster.alternative_queues.get(recipient, ())),
                           cluster.alternatives_set_by.get(recipient, "")] for recipient in cluster.alternatives}
@@ -752,7 +757,7 @@ def decode_map(data: bytes) -> ClusterMap:
             alternatives_set_by={recipient: str(chain[1]) for recipient, chain in chains.items()},
             macros={row[0]: MacroEntry(row[0], row[1], row[2], row[3], [MacroMember(*member) for member in row[4]])
                     for row in macros},
-            channels={row[0]: ChannelEntry(row[0], row[1], row[2]) for row in channels},
+            channels={row[0]: ChannelEntry(row[0], row[1], row[2], *row[3:4]) for row in channels},
             recipients={row[0]: RecipientEntry(*row) for row in recipients},
             forwards={row[0]: ForwardEntry(row[0], row[1], row[2], tuple(row[3]), *row[4:]) for row in forwards},
             revoked_clients={str(client_id): int(at) for client_id, at in revoked}, version=version,

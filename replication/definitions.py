@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from replication.map_channels import attributes_problem, normalized
 from replication.map_commands import ALTERNATIVES_MAX
 from replication.map_entries import (
     CHANNEL_PREFIX,
@@ -59,7 +60,7 @@ QUEUE, CHANNEL, MACRO, MACRO_MEMBER, RECIPIENT, FORWARD, CLIENT = (
 
 ITEM_KEYS: dict[str, frozenset[str]] = {
     "queues": frozenset({"name", "options"}),
-    "channels": frozenset({"name", "class", "resend_interval_s"}),
+    "channels": frozenset({"name", "class", "resend_interval_s", "attributes"}),
     "macros": frozenset({"name", "producer", "consumer", "fastest_by", "members"}),
     "recipients": frozenset({"name", "alternatives"}),
     "forwards": frozenset({"name", "source", "destination", "urls", "client_id", "credentials", "control"}),
@@ -107,7 +108,8 @@ def export_definitions(cluster: ClusterMap, clients: Mapping[str, Mapping[str, A
     key (the registry holds none)."""
     queues = [{"name": name, "options": dict(entry.options)} for name, entry in sorted(cluster.queues.items())
               if not name.startswith(CHANNEL_PREFIX)]
-    channels = [{"name": name, "class": entry.delivery_class, "resend_interval_s": entry.resend_interval_s}
+    channels = [{"name": name, "class": entry.delivery_class, "resend_interval_s": entry.resend_interval_s,
+                 **({"attributes": dict(entry.attributes)} if entry.attributes else {})}
                 for name, entry in sorted(cluster.channels.items())]
     macros = [{"name": name, "producer": entry.producer, "consumer": entry.consumer, "fastest_by": entry.fastest_by,
                "members": [{"queue": m.queue, "priority": m.priority, "weight": m.weight} for m in entry.members]}
@@ -272,6 +274,12 @@ class _Planner:
         name = item["name"]
         delivery_class = item.get("class", DeliveryClass.LATEST.value)
         resend = item.get("resend_interval_s", 0.0)
+        attributes = item.get("attributes", {})
+        problem = attributes_problem(attributes)
+        if problem is not None:
+            self.problem(where, problem)
+            return
+        attributes = normalized(attributes)
         if name.endswith(DEAD_LETTER_SUFFIX):
             self.problem(where, f"channel names may not end {DEAD_LETTER_SUFFIX}")
             return
@@ -285,9 +293,10 @@ class _Planner:
             if channel_queue(name) in self.cluster.queues:
                 self.problem(where, f"{channel_queue(name)} exists as a queue (E_RESERVED_NAME)")
                 return
-            self.steps.append(Step(CHANNEL, name, CREATE,
-                                   body={"class": delivery_class, "resend_interval_s": float(resend)}))
-        elif (existing.delivery_class, existing.resend_interval_s) == (delivery_class, float(resend)):
+            self.steps.append(Step(CHANNEL, name, CREATE, body={"class": delivery_class, "resend_interval_s": float(resend),
+                                                                **attributes}))
+        elif (existing.delivery_class, existing.resend_interval_s, existing.attributes) == \
+                (delivery_class, float(resend), attributes):
             self.steps.append(Step(CHANNEL, name, UNCHANGED))
         else:
             self.steps.append(Step(CHANNEL, name, CONFLICT, f"exists as {existing.delivery_class}, resend every "

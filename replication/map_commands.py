@@ -232,6 +232,16 @@ class SetQueueOptions:
 
 
 @dataclass(frozen=True, slots=True)
+class SetChannelAttributes:
+    """Replace a channel's attributes (replication/map_channels.py ATTRIBUTES: what its data is
+    like, and whether subscribing sends the last value). Applied only at cluster feature level
+    3: release 0.2.0 does not know this tag."""
+    TAG = 23
+    name: str
+    attributes: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
 class SetForwardControl:
     """Replace a forward's own bands, weights and fill unit (`PATCH /v1/forwards/{f}`;
     ForwardEntry.control, checked by the route). `created_ms` names the forward's incarnation: a
@@ -260,14 +270,15 @@ class SetQueueHealth:
 Command = (AddNode | SetNodeState | CreateQueue | DeleteQueue | ChangePair | ChangePairs | PutClient | SetAlternatives
            | CreateMacro | DeleteMacro | PutMacroMember | RemoveMacroMember | PutChannel | DeleteChannel | PutRecipient
            | PutForward | DeleteForward | RemoveRecipient | NoteRecipient | SetFeatureLevel | SetQueueOptions
-           | SetForwardControl | SetQueueHealth)
+           | SetForwardControl | SetQueueHealth | SetChannelAttributes)
 COMMAND_TYPES: dict[int, type] = {kind.TAG: kind for kind in (AddNode, SetNodeState, CreateQueue, DeleteQueue,
                                                               ChangePair, ChangePairs, PutClient, SetAlternatives,
                                                               CreateMacro, DeleteMacro, PutMacroMember,
                                                               RemoveMacroMember, PutChannel, DeleteChannel,
                                                               PutRecipient, PutForward, DeleteForward,
                                                               RemoveRecipient, NoteRecipient, SetFeatureLevel,
-                                                              SetQueueOptions, SetForwardControl, SetQueueHealth)}
+                                                              SetQueueOptions, SetForwardControl, SetQueueHealth,
+                                                              SetChannelAttributes)}
 
 
 class CommandError(ValueError):
@@ -332,6 +343,11 @@ def _from_row(row: Any) -> Command:
             if not isinstance(name, str) or type(created_ms) is not int or not isinstance(control, dict):
                 raise CommandError("SetForwardControl is [tag, name, created_ms, {field: value}]")
             return SetForwardControl(name, created_ms, control)
+        if tag == SetChannelAttributes.TAG:
+            name, attributes = values
+            if not isinstance(name, str) or not isinstance(attributes, dict):
+                raise CommandError("SetChannelAttributes is [tag, name, {attribute: value}]")
+            return SetChannelAttributes(name, attributes)
         if tag == SetQueueHealth.TAG:
             name, incarnation, reason, detail, since_ms = values
             if not (isinstance(name, str) and type(incarnation) is int and isinstance(reason, str)

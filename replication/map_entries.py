@@ -165,10 +165,13 @@ class ChannelEntry:
     name: str
     delivery_class: str
     resend_interval_s: float = 0.0      # `latest`: the last value is sent again after this long without a publish
+    # What its data is like and how subscribing behaves (replication/map_channels.py ATTRIBUTES;
+    # only those that differ from 0/false; set at cluster feature level 3).
+    attributes: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "class": self.delivery_class, "resend_interval_s": self.resend_interval_s,
-                "queue": channel_queue(self.name)}
+                "queue": channel_queue(self.name), "attributes": dict(self.attributes)}
 
 
 CHANNEL_QUEUE_OPTIONS = {"strength": "full", "dead_letter": False, "type": "queued_ack", "max_depth": 100_000}

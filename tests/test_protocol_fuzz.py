@@ -153,7 +153,7 @@ CLIENT_OP_STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     protocol.ChannelSubscribeOp: st.builds(protocol.ChannelSubscribeOp, ids,
                                            st.lists(names, min_size=1, max_size=4).map(tuple), st.booleans()),
     protocol.AdvertiseOp: st.builds(protocol.AdvertiseOp, ids, st.lists(names, min_size=1, max_size=4).map(tuple),
-                                    st.booleans()),
+                                    st.booleans(), st.booleans()),
     protocol.ChannelAckOp: st.builds(protocol.ChannelAckOp, ids, names, ids),
     protocol.ReportOp: st.builds(protocol.ReportOp, ids, names, ids),
     protocol.PublishOp: st.builds(protocol.PublishOp, ids, names, st.binary(max_size=64), st.none() | names),
@@ -187,6 +187,10 @@ CLIENT_OP_STRATEGIES[protocol.CompletionWaitOp] = st.builds(protocol.CompletionW
                                                             st.integers(1, INT64_MAX), st.integers(0, INT64_MAX),
                                                             st.sampled_from(["ack", "reply"]))
 
+# Channel mechanisms (tags 25 and 26, issue 37 item 10; wire/channel_ops.py).
+CLIENT_OP_STRATEGIES[protocol.ChannelFetchOp] = st.builds(protocol.ChannelFetchOp, ids, names, st.integers(1, INT64_MAX))
+CLIENT_OP_STRATEGIES[protocol.ChannelOffersOp] = st.builds(protocol.ChannelOffersOp, ids)
+
 
 def client_ops() -> st.SearchStrategy[Any]:
     return st.one_of(*CLIENT_OP_STRATEGIES.values())
@@ -210,7 +214,9 @@ server_items = st.one_of(
     st.builds(Closing, st.sampled_from(["E_SHUTTING_DOWN", "E_FORBIDDEN"]), names),
     st.builds(protocol.ChannelMessage, names, ids, st.binary(max_size=64), st.booleans()),
     st.builds(protocol.ChannelEnded, names, st.sampled_from(["E_NOT_MASTER", "E_UNKNOWN_CHANNEL"]), names),
-    st.builds(protocol.ForwardRate, names, names, st.none() | st.floats(0, 1e6)))
+    st.builds(protocol.ForwardRate, names, names, st.none() | st.floats(0, 1e6)),
+    st.builds(protocol.ChannelOffer, names, ids, st.sampled_from(["volatile", "reference", "relay"]),
+              st.integers(0, 2**40), st.binary(max_size=64), st.booleans()))
 
 
 @pytest.mark.parametrize("op", [EnqueueOp(1, "q", b"x"), EnqueueOp(2, "q", b"", 9, "d"), ReceiveOp(3, "q"),
@@ -264,7 +270,8 @@ def wrong_type(row: list[Any]) -> list[Any]:
 
 
 def fields_missing(row: list[Any]) -> list[Any]:
-    return [PingOp.TAG, row[1], 0] if row[0] == PingOp.TAG else row[:2]
+    # Ops with nothing past the request id cannot lose a field: one too many breaks them instead.
+    return [row[0], row[1], 0] if row[0] in (PingOp.TAG, protocol.ChannelOffersOp.TAG) else row[:2]
 
 
 # (how to break an item, whether its request id can still be read)

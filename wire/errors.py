@@ -84,6 +84,9 @@ E_FORWARD_REFUSED = _kind("E_FORWARD_REFUSED", 409, False,
                           "the forward was refused: the name is taken, the source is not a `full` queue, or is "
                           "forwarded already")
 E_NOT_ADVERTISED = _kind("E_NOT_ADVERTISED", 409, False, "publish to a channel this connection has advertised")
+E_STANDBY = _kind("E_STANDBY", 409, False, "another advertiser leads this channel: a standby's publish is "
+                  "neither stored nor sent")
+E_ADVERTISERS_FULL = _kind("E_ADVERTISERS_FULL", 409, False, "the channel has the most advertisers it may have")
 E_MACRO_EMPTY = _kind("E_MACRO_EMPTY", 409, False, "the macro queue has no member that could take the message")
 # --- node and cluster ---------------------------------------------------------------------------
 E_STORAGE_FULL = _kind("E_STORAGE_FULL", 507, True, "the node's storage is full; nothing was stored")

@@ -13,6 +13,15 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from wire.channel_ops import (
+    CHANNEL_OP_ARITY,
+    ChannelFetchOp,
+    ChannelOffer,
+    ChannelOffersOp,
+    decode_channel_op,
+    decode_offer,
+)
+
 # The limits of what a message carries are wire/message_input.py's; a frame outside them is
 # refused here (E_BAD_FRAME), before it becomes a command.
 from wire.message_input import (
@@ -191,11 +200,13 @@ class PublishOp:
 
 @dataclass(frozen=True, slots=True)
 class AdvertiseOp:
-    """Declare (or with `advertise` false, withdraw) that this connection publishes to channels."""
+    """Declare (or with `advertise` false, withdraw) that this connection publishes to channels;
+    `leader` (0.3.0, sent only when true): it takes the lead among their advertisers."""
     TAG: ClassVar[int] = 15
     request_id: int
     channels: tuple[str, ...]
     advertise: bool = True
+    leader: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,7 +293,8 @@ class CompletionWaitOp:
 
 ClientOp = (EnqueueOp | ReceiveOp | AckOp | ReleaseOp | SubscribeOp | CreditOp | UnsubscribeOp | PingOp | EnqueueBatchOp
             | AckBatchOp | ExtendOp | ChannelSubscribeOp | ChannelAckOp | PublishOp | AdvertiseOp | ReportOp
-            | ForwardSessionOp | ForwardDataOp | PeekOp | ReadOp | ViewReceiveOp | ViewPeekOp | CompletionWaitOp)
+            | ForwardSessionOp | ForwardDataOp | PeekOp | ReadOp | ViewReceiveOp | ViewPeekOp | CompletionWaitOp
+            | ChannelFetchOp | ChannelOffersOp)
 CHANNELS_PER_CALL_MAX = 1_000
 BATCH_ITEMS_MAX = 10_000
 
@@ -373,7 +385,7 @@ class ForwardRate:
 
 
 ServerItem = (OkReply | ErrorReply | Delivery | Closing | SubscriptionEnded | ChannelMessage | ChannelEnded
-              | ForwardRate)
+              | ForwardRate | ChannelOffer)
 
 
 # --- encoding --------------------------------------------------------------------------------
@@ -400,9 +412,10 @@ def _encode_item(item: ClientOp | ServerItem) -> list[Any]:
                 [list(row) for row in item.items]]
     if isinstance(item, ChannelSubscribeOp) and item.durable is not None:
         return [item.TAG, item.request_id, list(item.channels), item.subscribe, item.durable]
-    if isinstance(item, ChannelSubscribeOp | AdvertiseOp):
-        return [item.TAG, item.request_id, list(item.channels),
-                item.subscribe if isinstance(item, ChannelSubscribeOp) else item.advertise]
+    if isinstance(item, AdvertiseOp):
+        return [item.TAG, item.request_id, list(item.channels), item.advertise, *([True] if item.leader else [])]
+    if isinstance(item, ChannelSubscribeOp):
+        return [item.TAG, item.request_id, list(item.channels), item.subscribe]
     return [item.TAG, *(getattr(item, name) for name in item.__slots__)]  # type: ignore[union-attr]
 
 
@@ -475,9 +488,10 @@ def _str(value: Any, name: str, request_id: int, *, optional: bool = False) -> A
 
 INT64_MAX = 2**63 - 1
 _OP_ARITY = {1: (5, 9), 2: (3, 6), 3: (5, 5), 4: (5, 5), 5: (4, 6), 6: (4, 4), 7: (3, 3), 8: (2, 2),
-             9: (5, 9), 10: (4, 4), 11: (6, 6), 12: (4, 5), 13: (4, 4), 14: (4, 5), 15: (4, 4), 16: (4, 4),
+             9: (5, 9), 10: (4, 4), 11: (6, 6), 12: (4, 5), 13: (4, 4), 14: (4, 5), 15: (4, 5), 16: (4, 4),
              17: (6, 6), 18: (8, 8), 19: (3, 6), 20: (4, 4), 21: (6, 6)}
 _OP_ARITY.update(VIEW_OP_ARITY)       # 23, 24: virtual queues (wire/view_ops.py)
+_OP_ARITY.update(CHANNEL_OP_ARITY)    # 25, 26: channel mechanisms (wire/channel_ops.py)
 FORWARD_ITEMS_MAX = 1_000
 WEIGHT_MAX = 100
 
@@ -553,7 +567,10 @@ def _decode_op(row: Any) -> ClientOp:
         if tag == ChannelSubscribeOp.TAG:
             durable = _str(args[2], "durable", request_id, optional=True) if len(args) > 2 else None
             return ChannelSubscribeOp(request_id, tuple(channels), on, durable)
-        return AdvertiseOp(request_id, tuple(channels), on)
+        leader = args[2] if len(args) > 2 else False
+        if type(leader) is not bool:
+            raise FrameError("leader must be true or false", request_id)
+        return AdvertiseOp(request_id, tuple(channels), on, leader)
     if tag in (ChannelAckOp.TAG, ReportOp.TAG):
         kind = ChannelAckOp if tag == ChannelAckOp.TAG else ReportOp
         return kind(request_id, _str(args[0], "channel", request_id),
@@ -567,6 +584,8 @@ def _decode_op(row: Any) -> ClientOp:
         return _decode_forward_data(request_id, args)
     if tag in VIEW_OP_ARITY:
         return decode_view_op(tag, request_id, args, _str, _int, FrameError)
+    if tag in CHANNEL_OP_ARITY:
+        return decode_channel_op(tag, request_id, args, _str, _int)
     if tag == PeekOp.TAG:
         padded = args + [None] * (4 - len(args))
         if padded[3] is not None and type(padded[3]) is not bool:
@@ -697,6 +716,8 @@ def _decode_server_items(rows: list[Any]) -> list[ServerItem]:
             out.append(ChannelMessage(str(row[1]), int(row[2]), _payload(row[3]), bool(row[4])))
         elif tag == ChannelEnded.TAG:
             out.append(ChannelEnded(str(row[1]), str(row[2]), str(row[3])))
+        elif tag == ChannelOffer.TAG:
+            out.append(decode_offer(row, _payload))
         elif tag == ForwardRate.TAG:
             out.append(ForwardRate(str(row[1]), str(row[2]), None if row[3] is None else float(row[3])))
         else:

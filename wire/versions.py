@@ -86,6 +86,9 @@ FEATURES: dict[str, int] = {
     # A queue's FAILED state in the map (docs/PROTOCOL.md, "Queue state FAILED"): the map command
     # SetQueueHealth (tag 24), which 0.2.0 cannot decode. Below it: statistics and metrics only.
     "queue_health": 3,
+    # A channel's attributes (size, frequency, loss tolerance, skip_last_value: map tag 23, which
+    # 0.2.0 cannot decode) and the mechanisms chosen from them (client ops 25-26, push 110).
+    "channel_attributes": 3,
 }
 
 

@@ -21,6 +21,7 @@ from qserver.core import commands as c
 from replication.cluster_map import CHANNEL_PREFIX
 from replication.options import is_valid_queue_name
 from wire import errors as e
+from wire.channel_ops import ChannelFetchOp, ChannelOffersOp
 from wire.errors import QueueError
 from wire.message_input import check_dedupe_id, check_payload
 from wire.protocol import (
@@ -58,7 +59,8 @@ from wire.protocol import (
 from wire.view_ops import ViewPeekOp, ViewReceiveOp
 
 log = logging.getLogger("qserver.ws")
-CHANNEL_OPS = frozenset({PublishOp, ChannelSubscribeOp, ChannelAckOp, AdvertiseOp, ReportOp})
+CHANNEL_OPS = frozenset({PublishOp, ChannelSubscribeOp, ChannelAckOp, AdvertiseOp, ReportOp, ChannelFetchOp,
+                         ChannelOffersOp})
 # The largest client frame, in maximal messages plus room for the ops around them (issue 32,
 # item 10): the client library cuts its frames at 1 MiB of payloads or one message alone.
 # Larger, aiohttp closes the socket with 1009 (message too big) before reading the frame.
@@ -86,6 +88,7 @@ class ClientConnection:
         self.channels: set[str] = set()          # channels subscribed on this connection (qserver/features/channels/hub.py)
         self.advertised: set[str] = set()        # channels it may publish to
         self.durable: dict[str, str] = {}        # channel -> the durable subscription read on this connection
+        self.takes_offers = False                # it asked for ChannelOffer pushes (op 26; qserver/features/channels/mechanisms.py)
         self.recipients: dict[str, str] = {}     # queue -> the recipient this connection consumes it as
         self.waits_asked = False                  # it asked a producer wait (op 21): dropped at close
         self._loop = asyncio.get_running_loop()
@@ -329,9 +332,14 @@ class ClientConnection:
                 return None
             hub.unsubscribe(self, op.channels)
         elif kind is AdvertiseOp:
-            hub.advertise(self, op.channels, op.advertise)
+            hub.advertise(self, op.channels, op.advertise, op.leader)
         elif kind is ChannelAckOp:
             return hub.ack(self, op.channel, op.message_id, op.request_id)
+        elif kind is ChannelFetchOp:
+            self.reply(op.request_id, hub.mechanisms.fetch(self.principal, op.channel, op.message_id))
+            return None
+        elif kind is ChannelOffersOp:
+            self.takes_offers = True
         else:
             # A delivery report tells who took a message: for those who may publish to the
             # channel, as a message's status is for its queue's producers (issue 32, Low).

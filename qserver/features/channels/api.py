@@ -3,11 +3,14 @@ interval, typeof, delete, list) and publishing one message. Subscribing is a str
 the WebSocket (docs/PROTOCOL.md, "Channels"), where the client library does it."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Any
 
 from aiohttp import web
 
 from qserver.api.http_common import (
+    ENGINE_ANSWER_GRACE_S,
     NAMES_PAGE_DEFAULT,
     NAMES_PAGE_MAX,
     PASSED_ON_BY,
@@ -19,22 +22,25 @@ from qserver.api.http_common import (
     propose,
 )
 from qserver.core import commands as c
-from qserver.features.channels.hub import ChannelHub, PublishReplier
+from qserver.features.channels import transport
+from qserver.features.channels.hub import ChannelHub
 from qserver.services import SERVICES
 from replication.cluster_map import (
     CHANNEL_RESEND_MAX_S,
     DeleteChannel,
     DeliveryClass,
     PutChannel,
+    SetChannelAttributes,
     channel_queue,
     choose_pair,
 )
+from replication.map_channels import ATTRIBUTES, attributes_problem, normalized
 from replication.options import DEAD_LETTER_SUFFIX, is_valid_queue_name
-from replication.queue_core import SUBSCRIPTION_PRIORITY
 from wire import errors as e
 from wire.errors import QueueError
 from wire.message_input import check_dedupe_id
 
+TYPEOF_AT_MASTER_S = 1.0      # how long typeof waits for the channel's master before answering itself
 HUB: web.AppKey[ChannelHub] = web.AppKey("channel_hub", ChannelHub)     # this node's channel hub
 
 
@@ -58,6 +64,11 @@ def describe(request: web.Request, name: str) -> dict[str, Any]:
         described.update({"master": pair.master, "replica": pair.replica, "epoch": pair.epoch})
     hub = request.app[HUB]
     described["subscribers_here"] = len(hub.subscribers.get(name, ()))
+    if pair is not None and pair.master == request.app[SERVICES].node_id:
+        # How its next publish travels, and who publishes: only its master knows (typeof).
+        described["mechanism"] = hub.mechanisms.current(name).value
+        described["advertisers"] = hub.publishers.count(name)
+        described["leader"] = hub.leader_client(name)
     return described
 
 
@@ -68,9 +79,15 @@ async def put_channel(request: web.Request) -> web.Response:
     services = request.app[SERVICES]
     cluster = services.require_cluster_map()
     body = await json_body(request)
-    if not isinstance(body, dict) or set(body) - {"class", "resend_interval_s"}:
+    if not isinstance(body, dict) or set(body) - {"class", "resend_interval_s", *ATTRIBUTES}:
         raise QueueError(e.E_INVALID_OPTION, 'the body is {"class": "latest"|"acked"|"durable", '
-                                             '"resend_interval_s": seconds}')
+                                             f'"resend_interval_s": seconds, and attributes {", ".join(ATTRIBUTES)}}}')
+    attributes = {key: value for key, value in body.items() if key in ATTRIBUTES}
+    if attributes:
+        problem = attributes_problem(attributes)
+        if problem is not None:
+            raise QueueError(e.E_INVALID_OPTION, problem)
+        services.require_feature("channel_attributes")
     existing = cluster.channels.get(name)
     delivery_class = body.get("class", existing.delivery_class if existing else DeliveryClass.LATEST.value)
     resend = body.get("resend_interval_s", existing.resend_interval_s if existing else 0.0)
@@ -88,6 +105,15 @@ async def put_channel(request: web.Request) -> web.Response:
     outcome = await propose(request, command)
     if not outcome.applied:
         raise QueueError(e.E_INVALID_OPTION, f"channel {name}: {outcome.reason}")
+    if attributes:
+        # A second map command (tag 23, level 3): the attributes given replace those of an
+        # existing channel one by one; the others keep their values.
+        current = cluster.channels[name].attributes
+        wanted = normalized({**current, **attributes})
+        if wanted != current:
+            changed = await propose(request, SetChannelAttributes(name, wanted))
+            if not changed.applied:
+                raise QueueError(e.E_INVALID_OPTION, f"channel {name}: {changed.reason}")
     return web.json_response(describe(request, name), status=201 if outcome.reason == "created" else 200)
 
 
@@ -106,6 +132,16 @@ async def get_channel(request: web.Request) -> web.Response:
     name = request.match_info["c"]
     if not principal(request).may_see(name):
         raise QueueError(e.E_FORBIDDEN, f"no grant covers {name}")
+    services = request.app[SERVICES]
+    entry = services.entry(channel_queue(name))
+    if entry is not None and entry.master != services.node_id and PASSED_ON_BY not in request.headers \
+            and name in services.require_cluster_map().channels:
+        # Its master answers: only it knows the subscribers that decide how the next publish
+        # travels ("mechanism"). Unreachable or slow, this node answers without it.
+        with contextlib.suppress(QueueError, TimeoutError):
+            answer = await asyncio.wait_for(services.pass_on(request, entry.master), TYPEOF_AT_MASTER_S)
+            if answer.status < 500:
+                return answer
     return web.json_response(describe(request, name))
 
 
@@ -129,12 +165,28 @@ async def publish(request: web.Request) -> web.Response:
         return await services.pass_on(request, entry.master)
     payload = await request.read()
     client = principal(request).client_id
+    hub.check_rest_publisher(name, client)
+    mechanism = hub.mechanisms.current(name).value
+    replier = c.FutureReplier()
+    command = hub.mechanisms.route(replier, name, payload, dedupe_id, client, 0)
+    if command is not None:
+        services.submit(command)
+    try:                          # a relay waits for its subscriber's receipt, then perhaps for storing
+        message_id, epoch = await asyncio.wait_for(replier.future, transport.RELAY_ACK_S + ENGINE_ANSWER_GRACE_S)
+    except TimeoutError:
+        raise QueueError(e.E_TIMEOUT, "the node did not answer in time", outcome_unknown=True) from None
+    return web.json_response({"channel": name, "id": message_id, "epoch": epoch, "mechanism": mechanism}, status=201)
 
-    def command(replier: c.FutureReplier) -> c.Enqueue:
-        return c.Enqueue(channel_queue(name), payload, SUBSCRIPTION_PRIORITY, dedupe_id, client,
-                         PublishReplier(hub, replier, name, payload))
-    message_id, epoch = await call(services, command, may_have_applied=True)
-    return web.json_response({"channel": name, "id": message_id, "epoch": epoch}, status=201)
+
+async def fetch_message(request: web.Request) -> web.Response:
+    """A staged message's payload by the id its reference named (either member of the channel's
+    pair answers: the payload is stored on both)."""
+    name = channel_name(request, "get")
+    raw = request.match_info["id"]
+    if not (raw.isascii() and raw.isdigit() and 0 < int(raw) < 2**63):
+        raise QueueError(e.E_INVALID_OPTION, "a message id is a positive integer")
+    payload = request.app[HUB].mechanisms.fetch(principal(request), name, int(raw))
+    return web.Response(body=payload, content_type="application/octet-stream")
 
 
 async def _at_master(request: web.Request, name: str) -> web.Response | None:
@@ -181,5 +233,6 @@ def add_routes(app: web.Application, hub: ChannelHub) -> None:
     r.add_get("/v1/channels/{c}", get_channel)
     r.add_delete("/v1/channels/{c}", delete_channel)
     r.add_post("/v1/channels/{c}/messages", publish)
+    r.add_get("/v1/channels/{c}/messages/{id}", fetch_message)
     r.add_get("/v1/channels/{c}/subscriptions", list_subscriptions)
     r.add_delete("/v1/channels/{c}/subscriptions/{s}", drop_subscription)

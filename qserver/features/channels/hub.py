@@ -33,6 +33,9 @@ from typing import TYPE_CHECKING, Any
 from qserver.core import commands as c
 from qserver.features.channels import decide
 from qserver.features.channels.decide import Offer
+from qserver.features.channels.mechanisms import Mechanisms
+from qserver.features.channels.publishers import ADVERTISERS_PER_CHANNEL_MAX, Publishers
+from qserver.features.channels.transport import Mechanism
 from qserver.metrics import render_family
 from qserver.services import Redirect
 from replication.cluster_map import ChannelEntry, DeliveryClass, channel_queue
@@ -53,33 +56,24 @@ WATCH_INTERVAL_S = 0.25          # how often resends are due and masters checked
 
 @dataclass(slots=True)
 class Report:
-    """What became of one published message (seed 002 CCIClient_report)."""
+    """What became of one published message (seed 002 CCIClient_report), judged by the class
+    the channel had when it was published (a later characterize does not change it)."""
+    delivery_class: str
     subscribers: set[Any]                 # the connections it was sent to
     acked: set[Any] = field(default_factory=set)
     failed: set[Any] = field(default_factory=set)   # left (unsubscribed, disconnected) before acking
+    late: set[Any] = field(default_factory=set)     # subscribed after, and were sent it as the last value
+    late_acked: bool = False              # one of those acknowledged it
 
-    def state(self, delivery_class: str) -> str:
-        if delivery_class != DeliveryClass.ACKED:
+    def state(self) -> str:
+        if self.delivery_class != DeliveryClass.ACKED:
             return "delivered"             # sent to every subscriber there was (best effort)
         if self.failed:
-            return "failed"
+            # Seed 002: "if the message was not delivered successfully the first time and the
+            # joining of a new subscriber triggers a successful delivery, the status changes
+            # to successfully delivered".
+            return "delivered" if self.late_acked else "failed"
         return "delivered" if self.acked >= self.subscribers else "pending_ack"
-
-
-class PublishReplier:
-    """Answers a publish once its enqueue is committed, and fans it out then."""
-    __slots__ = ("channel", "connection", "hub", "payload")
-
-    def __init__(self, hub: ChannelHub, connection: Any, channel: str, payload: bytes) -> None:
-        self.hub, self.connection, self.channel, self.payload = hub, connection, channel, payload
-
-    def reply(self, request_id: int, result: Any) -> None:
-        message_id, _ = result
-        self.hub.published(self.channel, int(message_id), self.payload)
-        self.connection.reply(request_id, result)
-
-    def fail(self, request_id: int, error: QueueError) -> None:
-        self.connection.fail(request_id, error)
 
 
 @dataclass(slots=True, eq=False)
@@ -134,6 +128,8 @@ class ChannelHub:
         self.published_total = 0
         self.delivered_total = 0
         self._task: asyncio.Task[None] | None = None
+        self.mechanisms = Mechanisms(self, services, clock)     # how each publish travels (transport.py)
+        self.publishers = Publishers()                          # who advertised each channel, who leads
 
     # --- the map ----------------------------------------------------------------------------
     def entry(self, channel: str) -> ChannelEntry:
@@ -154,8 +150,7 @@ class ChannelHub:
         raise Redirect(entry.master, f"channel {channel} is served by its master {entry.master}")
 
     # --- subscriptions ------------------------------------------------------------------------
-    def subscribe(self, connection: Any, channels: tuple[str, ...]) -> tuple[dict[str, int | None],
-                                                                              list[ChannelMessage]]:
+    def subscribe(self, connection: Any, channels: tuple[str, ...]) -> tuple[dict[str, int | None], list[Any]]:
         """All or none: every channel exists, the caller may read it and this node serves it.
         Returns the answer (each channel's last id) and the last values to send after it."""
         for channel in channels:
@@ -164,29 +159,43 @@ class ChannelHub:
                 raise QueueError(e.E_FORBIDDEN, f"client {connection.principal.client_id} may not get on {channel}")
             self._served_here(channel)
         answer: dict[str, int | None] = {}
-        lasts = []
+        lasts: list[Any] = []
         for channel in dict.fromkeys(channels):
             self.subscribers.setdefault(channel, {})[connection] = None
             connection.channels.add(channel)
             last = self._last_value(channel)
             answer[channel] = None if last is None else last[0]
-            if last is not None:         # the last value on subscribe (seed 002)
-                lasts.append(ChannelMessage(channel, last[0], last[1], True))
+            if self.entry(channel).attributes.get("skip_last_value"):
+                continue                 # seed 002: "perhaps make it a channel attribute"
+            items = self.mechanisms.last_items(connection, channel, last)   # the last value on subscribe (seed 002)
+            lasts.extend(items)
+            report = self._reports.get(channel, {}).get(items[0].message_id) if items else None
+            if report is not None:
+                report.late.add(connection)      # its ack may turn a failed report into delivered
         self._start()
         return answer, lasts
 
-    def advertise(self, connection: Any, channels: tuple[str, ...], on: bool) -> None:
+    def advertise(self, connection: Any, channels: tuple[str, ...], on: bool, leader: bool = False) -> None:
         """A producer declares (or withdraws) that it publishes to these channels (seed 002
-        advertise); several producers may advertise one channel. All or none."""
+        advertise); several producers may advertise one channel, one leads (publishers.py;
+        `leader`: this connection takes the lead). All or none."""
+        if leader and on:
+            self._services.require_feature("channel_attributes")
         for channel in channels:
             self.entry(channel)
             if not connection.principal.allows("post", channel):
                 raise QueueError(e.E_FORBIDDEN, f"client {connection.principal.client_id} may not post on {channel}")
+            if on and channel not in connection.advertised \
+                    and self.publishers.count(channel) >= ADVERTISERS_PER_CHANNEL_MAX:
+                raise QueueError(e.E_ADVERTISERS_FULL, f"channel {channel} has {ADVERTISERS_PER_CHANNEL_MAX} "
+                                                       "advertisers at its master")
         for channel in channels:
             if on:
                 connection.advertised.add(channel)
+                self.publishers.advertise(channel, connection, leader=leader)
             else:
                 connection.advertised.discard(channel)
+                self.publishers.withdraw(channel, connection)
 
     def unsubscribe(self, connection: Any, channels: tuple[str, ...]) -> None:
         for channel in channels:
@@ -195,6 +204,8 @@ class ChannelHub:
     def connection_closed(self, connection: Any) -> None:
         for channel in list(connection.channels):
             self._drop(connection, channel)
+        for channel in list(connection.advertised):
+            self.publishers.withdraw(channel, connection)
         for channel in list(connection.durable):
             self._detach(connection, channel)
 
@@ -391,6 +402,7 @@ class ChannelHub:
 
     def _drop(self, connection: Any, channel: str) -> None:
         connection.channels.discard(channel)
+        self.mechanisms.left(connection, channel)
         subscribers = self.subscribers.get(channel)
         if subscribers is not None:
             subscribers.pop(connection, None)
@@ -402,15 +414,33 @@ class ChannelHub:
 
     # --- publishing ---------------------------------------------------------------------------
     def publish_command(self, connection: Any, channel: str, payload: bytes, dedupe_id: str | None,
-                        request_id: int) -> c.Enqueue:
+                        request_id: int) -> c.Enqueue | None:
         self.entry(channel)
         if channel not in connection.advertised:
             raise QueueError(e.E_NOT_ADVERTISED, f"advertise channel {channel} on this connection before publishing")
+        if not self.publishers.may_publish(channel, connection):
+            raise self._standby(channel)
         self._served_here(channel)
-        return c.Enqueue(channel_queue(channel), payload, SUBSCRIPTION_PRIORITY, dedupe_id, connection.principal.client_id,
-                         PublishReplier(self, connection, channel, payload), request_id)
+        return self.mechanisms.route(connection, channel, payload, dedupe_id, connection.principal.client_id, request_id)
 
-    def published(self, channel: str, message_id: int, payload: bytes) -> None:
+    def leader_client(self, channel: str) -> str | None:
+        """The client id of the connection leading the channel's advertisers here (None: none)."""
+        leader = self.publishers.leader(channel)
+        return None if leader is None else str(leader.principal.client_id)
+
+    def check_rest_publisher(self, channel: str, client_id: str) -> None:
+        """A REST publish declares its publisher by itself: it goes out while nobody advertised
+        the channel, or when the caller is the leading advertiser's client."""
+        leader = self.leader_client(channel)
+        if leader is not None and leader != client_id:
+            raise self._standby(channel)
+
+    def _standby(self, channel: str) -> QueueError:
+        return QueueError(e.E_STANDBY, f"channel {channel} is published by its leading advertiser (client "
+                                       f"{self.leader_client(channel)}): this publish was neither stored nor sent")
+
+    def published(self, channel: str, message_id: int, payload: bytes,
+                  mechanism: Mechanism = Mechanism.REPLICATED) -> None:
         """A publish is committed: every subscriber here gets it (and nothing older after it)."""
         last = self._last.get(channel)
         if last is not None and last[0] >= message_id:
@@ -424,37 +454,50 @@ class ChannelHub:
         self.published_total += 1
         subscribers = list(self.subscribers.get(channel, ()))
         item = ChannelMessage(channel, message_id, payload, False)
+        staged = mechanism is Mechanism.STAGED      # subscribers that take offers are sent a reference
         for connection in subscribers:
-            connection.emit(item)
+            connection.emit(self.mechanisms.stored_item(connection, channel, message_id, payload, True, False)
+                            if staged else item)
         self.delivered_total += len(subscribers)
         if channel in self.durable:
             self._publish_durable(channel, message_id, payload)
+        self.record_report(channel, message_id, subscribers)
+        self._trim(channel, message_id)
+
+    def record_report(self, channel: str, message_id: int, subscribers: list[Any], acked: tuple[Any, ...] = ()) -> None:
+        """Keep what `report` will tell of a message just sent, under the channel's class now."""
         try:
             delivery_class = self.entry(channel).delivery_class
         except QueueError:
             return
         reports = self._reports.setdefault(channel, collections.OrderedDict())
-        reports[message_id] = Report(set(subscribers) if delivery_class == DeliveryClass.ACKED else set())
+        reports[message_id] = Report(delivery_class, set(subscribers) if delivery_class == DeliveryClass.ACKED else set(),
+                                     set(acked))
         while len(reports) > REPORTS_KEPT:
             reports.popitem(last=False)
-        self._trim(channel, message_id)
 
     def ack(self, connection: Any, channel: str, message_id: int, request_id: int) -> c.Command | None:
         """A subscriber's acknowledgement: of its durable subscription's message (a replicated
         step, answered once committed: the command), or of an `acked` channel's (answered here)."""
+        if self.mechanisms.received(connection, channel, message_id):     # a relay's receipt
+            connection.reply(request_id, None)
+            return None
         if channel in connection.durable:
             return self._ack_durable(connection, channel, message_id, request_id)
         reports = self._reports.get(channel)
         report = None if reports is None else reports.get(message_id)
-        if report is None or connection not in report.subscribers:
+        if report is None or (connection not in report.subscribers and connection not in report.late):
             raise QueueError(e.E_UNKNOWN_MESSAGE, f"channel {channel}: message {message_id} was not sent to you "
                                                   "(or is too old to track)")
-        report.acked.add(connection)
+        if connection in report.subscribers:
+            report.acked.add(connection)
+        else:
+            report.late_acked = True
         connection.reply(request_id, None)
         return None
 
     def report(self, channel: str, message_id: int) -> dict[str, Any]:
-        delivery_class = self.entry(channel).delivery_class
+        self.entry(channel)
         self._served_here(channel)
         core = self._core(channel)
         if core is not None and core.record.subscriptions:
@@ -467,7 +510,7 @@ class ChannelHub:
                 return {"id": message_id, "state": "queued"}   # not committed yet (or never published)
             raise QueueError(e.E_UNKNOWN_MESSAGE, f"channel {channel}: no report for message {message_id} "
                                                   "(too old, or published before this node served the channel)")
-        return {"id": message_id, "state": report.state(delivery_class), "subscribers": len(report.subscribers),
+        return {"id": message_id, "state": report.state(), "subscribers": len(report.subscribers),
                 "acked": len(report.acked), "failed": len(report.failed)}
 
     def _durable_report(self, core: QueueCore, channel: str, message_id: int) -> dict[str, Any]:
@@ -509,6 +552,7 @@ class ChannelHub:
         while self.subscribers or self.durable:
             await asyncio.sleep(WATCH_INTERVAL_S)
             now = self._clock()
+            self.mechanisms.overdue(now)
             for channel in list(dict.fromkeys([*self.subscribers, *self.durable])):
                 try:
                     entry = self.entry(channel)
@@ -525,13 +569,11 @@ class ChannelHub:
         now = self._clock()
         if not decide.last_value_due(entry.resend_interval_s, self._last_sent_at.get(channel, 0.0), now):
             return
-        last = self._last_value(channel)
-        if last is None:
-            return
         self._last_sent_at[channel] = now
-        item = ChannelMessage(channel, last[0], last[1], True)
+        last = self._last_value(channel)
         for connection in list(self.subscribers.get(channel, ())):
-            connection.emit(item)
+            for item in self.mechanisms.last_items(connection, channel, last):
+                connection.emit(item)
 
     def _end(self, channel: str, error: QueueError) -> None:
         """This node no longer serves the channel: its subscribers subscribe again elsewhere."""
@@ -543,6 +585,7 @@ class ChannelHub:
             reader.connection.emit(ChannelEnded(channel, error.code, error.message))
         for kept in (self._last, self._last_sent_at, self._reports):
             kept.pop(channel, None)
+        self.mechanisms.ended(channel)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -555,6 +598,13 @@ class ChannelHub:
                               [({"channel": name}, len(subs)) for name, subs in sorted(self.subscribers.items())])
                 + render_family("qserver_channel_published_total", "counter", "publishes fanned out here",
                                 [({}, self.published_total)])
+                + render_family("qserver_channel_publishes_total", "counter",
+                                "publishes at this node by how they traveled (docs/PROTOCOL.md, \"How a channel's "
+                                "messages travel\")",
+                                [({"mechanism": name}, count) for name, count in self.mechanisms.counts.items()])
+                + render_family("qserver_channel_advertisers", "gauge", "connections advertising a channel here",
+                                [({"channel": name}, len(publishers.advertisers))
+                                 for name, publishers in sorted(self.publishers.channels.items())])
                 + render_family("qserver_channel_deliveries_total", "counter",
                                 "channel messages sent to subscribers here", [({}, self.delivered_total)])
                 + render_family("qserver_channel_durable_unacknowledged", "gauge",
