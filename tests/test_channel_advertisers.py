@@ -1,0 +1,118 @@
+"""Several advertisers of one channel where the client library's routing matters (issue 37 item
+11; seed 002 advertise/unadvertise; docs/PROTOCOL.md "Channels"), on a real 3-node cluster.
+
+tests/test_channel_publishers.py has the rules themselves; here: an unadvertise from a client
+whose own node is the channel's replica reaches the master (the lead passes on, the client's
+publishes are refused), an unadvertise of an unknown channel is refused with its code, a node
+below feature level 3 refuses the override itself, and after the master dies each advertiser
+advertises again at the new master as it publishes, the override's flag included."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from client import AsyncClient
+from tests.support import RawApi, raw_session
+from wire.errors import QueueError
+from wire.protocol import AdvertiseOp, ErrorReply, decode_server_frame, encode_frame
+
+
+async def code_of(call: Any) -> str:
+    with pytest.raises(QueueError) as raised:
+        await call
+    return raised.value.code
+
+
+async def next_message(client: AsyncClient, timeout_s: float = 15.0) -> Any:
+    return await asyncio.wait_for(client.next_channel_message(), timeout_s)
+
+
+async def until(condition: Any, timeout_s: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await condition():
+        assert asyncio.get_running_loop().time() < deadline, "the condition did not come true in time"
+        await asyncio.sleep(0.1)
+
+
+async def advertisers(admin: AsyncClient, channel: str) -> tuple[int, str | None]:
+    described = await admin.typeof(channel)
+    return described.get("advertisers", -1), described.get("leader")
+
+
+@pytest.mark.asyncio
+async def test_unadvertise_reaches_the_master_from_the_replicas_node(qcluster_factory: Any) -> None:
+    cluster = qcluster_factory(3)
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as admin:
+        await admin.create_channel("feed")
+        described = await admin.typeof("feed")
+        master, replica = described["master"], described["replica"]
+        # Below level 3 the node itself refuses the override (a client that skips its own check).
+        async with raw_session() as session:
+            raw = RawApi(session, cluster.urls[master], RawApi.for_credentials(session, cluster.credentials_path).signer)
+            ws = await raw.ws()
+            await ws.send_bytes(encode_frame([AdvertiseOp(1, ("feed",), True, True)]))
+            [refused] = decode_server_frame(await ws.receive_bytes())
+            assert isinstance(refused, ErrorReply) and refused.code == "E_FEATURE_DISABLED"
+            await ws.close()
+        assert await advertisers(admin, "feed") == (0, None)      # the refusal changed nothing
+        await admin.finalize_cluster()
+        third = next(node for node in cluster.urls if node not in (master, replica))
+        async with AsyncClient(cluster.urls[replica], cluster.credentials_path) as first, \
+                AsyncClient(cluster.urls[third], cluster.credentials_path) as second, \
+                AsyncClient(cluster.urls[third], cluster.credentials_path) as reader:
+            await reader.subscribe("feed")
+            await first.advertise("feed")                 # its own node is the replica: sent to the master
+            await second.advertise("feed")
+            assert (await advertisers(admin, "feed"))[0] == 2
+            assert (await next_message(reader)).id == await first.publish("feed", b"first leads")
+            assert await code_of(second.publish("feed", b"standby")) == "E_STANDBY"
+            await first.unadvertise("feed")
+            assert (await advertisers(admin, "feed"))[0] == 1
+            sent = await second.publish("feed", b"second leads")     # the lead passed on
+            assert (await next_message(reader)).id == sent
+            assert await code_of(first.publish("feed", b"withdrawn")) == "E_NOT_ADVERTISED"
+            await first.unadvertise("feed")                   # not advertised any more: nothing happens
+            assert await code_of(first.unadvertise("nothing")) == "E_UNKNOWN_CHANNEL"
+            assert (await advertisers(admin, "feed"))[0] == 1
+
+
+@pytest.mark.asyncio
+async def test_after_a_failover_the_override_takes_the_lead_again_at_the_new_master(qcluster_factory: Any) -> None:
+    cluster = qcluster_factory(3)
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as admin:
+        await admin.finalize_cluster()
+        await admin.create_channel("state")
+        master = (await admin.typeof("state"))["master"]
+        others = [node for node in cluster.urls if node != master]
+        async with AsyncClient(cluster.urls[others[0]], cluster.credentials_path) as earliest, \
+                AsyncClient(cluster.urls[others[1]], cluster.credentials_path) as override, \
+                AsyncClient(cluster.urls[others[1]], cluster.credentials_path) as reader:
+            await reader.subscribe("state")
+            await earliest.advertise("state")
+            await override.advertise("state", leader=True)
+            assert (await next_message(reader)).id == await override.publish("state", b"before")
+            assert await code_of(earliest.publish("state", b"standby")) == "E_STANDBY"
+            await asyncio.to_thread(cluster.kill, master)
+            await until(lambda: _moved(admin, "state", master))
+            # The new master knows no advertiser until each publishes there: the earliest gets there
+            # first and leads, until the override's next publish advertises it again, flag included.
+            after = await earliest.publish("state", b"earliest, alone at the new master")
+            taken = await override.publish("state", b"the override again")
+            assert taken > after
+            assert await code_of(earliest.publish("state", b"standby again")) == "E_STANDBY"
+            seen = [(await next_message(reader)).payload]
+            while seen[-1] != b"the override again":
+                seen.append((await next_message(reader)).payload)
+            assert b"standby again" not in seen
+            count, leader = await advertisers(admin, "state")
+            assert count == 2 and leader is not None
+        await asyncio.to_thread(cluster.start, master)
+
+
+async def _moved(admin: AsyncClient, channel: str, old_master: str) -> bool:
+    try:
+        return bool((await admin.typeof(channel))["master"] != old_master)
+    except QueueError:
+        return False
