@@ -44,6 +44,7 @@ from wire.errors import (
     E_MACRO_QUEUE,
     E_NOT_ADVERTISED,
     E_STANDBY,
+    E_UNAVAILABLE,
     E_UNKNOWN_FORWARD,
     E_UNKNOWN_MACRO,
     QueueError,
@@ -532,9 +533,9 @@ class AsyncClient(AdminCalls):
         channel not advertised is refused, E_NOT_ADVERTISED). Several producers may: the
         earliest still advertising leads, and a standby's publish is refused E_STANDBY;
         `leader` takes the lead (at cluster feature level 3), kept wherever the channel moves."""
-        if leader and (self.cluster_feature_level or 1) < FEATURES["channel_attributes"]:
+        if leader and (self.cluster_feature_level or 1) < FEATURES["channel_advertisers"]:
             raise QueueError(E_FEATURE_DISABLED, "advertising as a channel's leader needs cluster feature level "
-                                                 f"{FEATURES['channel_attributes']} (qctl cluster finalize)")
+                                                 f"{FEATURES['channel_advertisers']} (qctl cluster finalize)")
         self._advertised.update(channels)
         if leader:
             self._leading.update(channels)
@@ -546,14 +547,22 @@ class AsyncClient(AdminCalls):
             await self._advertise_at(target, channel)
 
     async def unadvertise(self, *channels: str) -> None:
-        """Withdraw: the next advertiser leads, and this client's publishes are refused."""
+        """Withdraw: the next advertiser leads, and this client's publishes are refused (an
+        unknown channel: E_UNKNOWN_CHANNEL). Sent to the channel's master, which keeps who
+        advertised (`route` may be this client's own node, the replica: it would withdraw
+        nothing there), and to the routed node too if it was advertised through it."""
         self._advertised.difference_update(channels)
         self._leading.difference_update(channels)
         for channel in channels:
-            target = self._router.route(channel_queue(channel))
-            target.advertised_here.discard(channel)
-            with contextlib.suppress(QueueError):
-                await target.call(AdvertiseOp(target.next_id(), (channel,), False))
+            master = self._router.consume_target(channel_queue(channel))
+            routed = self._router.route(channel_queue(channel))
+            for target in [master] + ([routed] if routed is not master and channel in routed.advertised_here else []):
+                target.advertised_here.discard(channel)
+                try:
+                    await target.call(AdvertiseOp(target.next_id(), (channel,), False))
+                except QueueError as error:
+                    if error.code != E_UNAVAILABLE.code:    # a node not reached forgot it with the socket
+                        raise
 
     async def _advertise_at(self, node: NodeConnection, channel: str) -> None:
         await node.call(AdvertiseOp(node.next_id(), (channel,), True, channel in self._leading))

@@ -89,6 +89,9 @@ FEATURES: dict[str, int] = {
     # A channel's attributes (size, frequency, loss tolerance, skip_last_value: map tag 23, which
     # 0.2.0 cannot decode) and the mechanisms chosen from them (client ops 25-26, push 110).
     "channel_attributes": 3,
+    # A channel's leading advertiser by override (docs/PROTOCOL.md "Channels"): op 15's trailing
+    # `leader` field, which 0.2.0 refuses (an advertise of 0.2.0's shape needs no level).
+    "channel_advertisers": 3,
 }
 
 

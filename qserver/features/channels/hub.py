@@ -75,6 +75,21 @@ class Report:
             return "delivered" if self.late_acked else "failed"
         return "delivered" if self.acked >= self.subscribers else "pending_ack"
 
+    def acknowledged(self, connection: Any) -> None:
+        """`connection` (one it was sent to, or a late subscriber: in `late`) acknowledged it."""
+        if connection in self.late and (connection in self.failed or connection not in self.subscribers):
+            self.late_acked = True       # sent it as the last value on (re)subscribing: seed 002's late delivery
+        else:
+            self.acked.add(connection)
+
+    def left(self, connection: Any) -> None:
+        """`connection` unsubscribed or went: unacknowledged, it fails the message."""
+        if connection in self.subscribers and connection not in self.acked:
+            self.failed.add(connection)
+        # A late subscriber that leaves unacknowledged changes nothing, and is not kept: a quiet
+        # channel's last report would otherwise hold every connection that came and went.
+        self.late.discard(connection)
+
 
 @dataclass(slots=True, eq=False)
 class DurableReader:
@@ -180,7 +195,7 @@ class ChannelHub:
         advertise); several producers may advertise one channel, one leads (publishers.py;
         `leader`: this connection takes the lead). All or none."""
         if leader and on:
-            self._services.require_feature("channel_attributes")
+            self._services.require_feature("channel_advertisers")
         for channel in channels:
             self.entry(channel)
             if not connection.principal.allows("post", channel):
@@ -409,8 +424,7 @@ class ChannelHub:
             if not subscribers:
                 del self.subscribers[channel]
         for report in self._reports.get(channel, {}).values():
-            if connection in report.subscribers and connection not in report.acked:
-                report.failed.add(connection)
+            report.left(connection)
 
     # --- publishing ---------------------------------------------------------------------------
     def publish_command(self, connection: Any, channel: str, payload: bytes, dedupe_id: str | None,
@@ -489,10 +503,7 @@ class ChannelHub:
         if report is None or (connection not in report.subscribers and connection not in report.late):
             raise QueueError(e.E_UNKNOWN_MESSAGE, f"channel {channel}: message {message_id} was not sent to you "
                                                   "(or is too old to track)")
-        if connection in report.subscribers:
-            report.acked.add(connection)
-        else:
-            report.late_acked = True
+        report.acknowledged(connection)
         connection.reply(request_id, None)
         return None
 

@@ -87,9 +87,8 @@ class Mechanisms:
         committed), or None when it was sent (best effort: answered already) or relayed (answered
         once received, or stored after all)."""
         mechanism = self.current(channel)
-        if mechanism is Mechanism.POINT_TO_POINT and len(self.relays.get(channel, ())) >= \
-                transport.RELAYS_PER_CHANNEL_MAX:
-            mechanism = Mechanism.STAGED
+        if mechanism is Mechanism.POINT_TO_POINT and self._relays_full(channel, len(payload)):
+            mechanism = Mechanism.STAGED         # what waits for receipts is bounded: stored instead
         self.counts[mechanism.value] += 1
         if mechanism is Mechanism.BEST_EFFORT:
             message_id = self._volatile(channel, payload)
@@ -108,6 +107,11 @@ class Mechanisms:
         self._volatile_last.pop(channel, None)       # a stored message is newer than any volatile one
         return c.Enqueue(channel_queue(channel), payload, SUBSCRIPTION_PRIORITY, dedupe_id, client,
                          PublishReplier(self._hub, replier, channel, payload, mechanism), request_id)
+
+    def _relays_full(self, channel: str, size: int) -> bool:
+        relays = self.relays.get(channel, {})
+        return len(relays) >= transport.RELAYS_PER_CHANNEL_MAX or \
+            size + sum(len(relay.payload) for relay in relays.values()) > transport.RELAY_BYTES_PER_CHANNEL_MAX
 
     def _volatile(self, channel: str, payload: bytes) -> int:
         self._last_volatile_id = transport.volatile_id(self._last_volatile_id, self._wall_us())

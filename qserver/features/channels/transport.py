@@ -35,6 +35,7 @@ BEST_EFFORT_RATE_MIN = 1.0           # publishes a second: "frequent" (a newer v
 STAGE_FROM = 64 * 1024               # bytes: "voluminous"
 RELAY_ACK_S = 5.0                    # a point-to-point relay not acknowledged by then is stored instead
 RELAYS_PER_CHANNEL_MAX = 256         # relays awaiting receipt; beyond, a publish takes the stored path
+RELAY_BYTES_PER_CHANNEL_MAX = 32 * 1024 * 1024   # and their payloads, held in the master's memory
 
 
 class Mechanism(enum.StrEnum):
