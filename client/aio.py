@@ -43,7 +43,6 @@ from wire.errors import (
     E_INTERNAL,
     E_MACRO_QUEUE,
     E_NOT_ADVERTISED,
-    E_STANDBY,
     E_UNAVAILABLE,
     E_UNKNOWN_FORWARD,
     E_UNKNOWN_MACRO,
@@ -557,7 +556,7 @@ class AsyncClient(AdminCalls):
             master = self._router.consume_target(channel_queue(channel))
             routed = self._router.route(channel_queue(channel))
             for target in [master] + ([routed] if routed is not master and channel in routed.advertised_here else []):
-                target.advertised_here.discard(channel)
+                target.advertised_here.pop(channel, None)
                 try:
                     await target.call(AdvertiseOp(target.next_id(), (channel,), False))
                 except QueueError as error:
@@ -566,7 +565,7 @@ class AsyncClient(AdminCalls):
 
     async def _advertise_at(self, node: NodeConnection, channel: str) -> None:
         await node.call(AdvertiseOp(node.next_id(), (channel,), True, channel in self._leading))
-        node.advertised_here.add(channel)
+        node.advertised_here[channel] = channel in self._leading
 
     async def publish(self, channel: str, payload: bytes, dedupe_id: str | None = None) -> int:
         """Publish one message to an advertised channel; returns its id once it is committed
@@ -586,14 +585,7 @@ class AsyncClient(AdminCalls):
     async def _publish_at(self, node: NodeConnection, channel: str, payload: bytes, dedupe_id: str) -> int:
         if channel in self._advertised and channel not in node.advertised_here:
             await self._advertise_at(node, channel)      # the channel's master is this node now
-        try:
-            result = await node.call(PublishOp(node.next_id(), channel, _as_bytes(payload), dedupe_id))
-        except QueueError as error:
-            if error.code != E_STANDBY.code or channel not in self._leading:
-                raise
-            # A new socket (its node forgets the old one's lead) advertised again without it.
-            await self._advertise_at(node, channel)
-            result = await node.call(PublishOp(node.next_id(), channel, _as_bytes(payload), dedupe_id))
+        result = await node.call(PublishOp(node.next_id(), channel, _as_bytes(payload), dedupe_id))
         return int(result[0])
 
     async def report(self, channel: str, message_id: int) -> dict[str, Any]:

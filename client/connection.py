@@ -126,7 +126,6 @@ def jittered(delay_s: float) -> float:
 class Leases(Protocol):
     """Who a leased message's calls go to (client/consumer.py Message): its node's connection,
     or the router, which sends them where the cluster map says now."""
-
     def ack(self, queue: str, message_id: int, receipt: str) -> Awaitable[None]: ...
     async def release(self, queue: str, message_id: int, receipt: str) -> None: ...
     async def extend(self, queue: str, message_id: int, receipt: str, visibility_timeout_s: float) -> None: ...
@@ -201,7 +200,7 @@ class NodeConnection:
         # the channels subscribed and advertised through this socket.
         self.channel_listener: ChannelListener | None = None
         self.channels_here: set[str] = set()
-        self.advertised_here: set[str] = set()
+        self.advertised_here: dict[str, bool] = {}     # channel -> advertised as its leader
         self.sessions = 0                          # sockets opened so far
         # Every call over the WebSocket has a deadline (see _track): (when, request id), a heap
         # with answered calls left in it until they reach its top.
@@ -516,8 +515,9 @@ class NodeConnection:
         self.sessions += 1
         for consumer in list(self.consumers):
             consumer._subscribe()
-        if self.advertised_here:          # a new socket: the node knows nothing of the old one's
-            self.submit_quietly(AdvertiseOp(next(self._ids), tuple(sorted(self.advertised_here)), True))
+        for leads in sorted(set(self.advertised_here.values())):   # a new socket: the node forgot the old one's
+            names = tuple(sorted(name for name, lead in self.advertised_here.items() if lead == leads))
+            self.submit_quietly(AdvertiseOp(next(self._ids), names, True, leads))
         if self.sessions > 1 and self.channel_listener is not None and self.channels_here:
             self.channel_listener.reconnected(self)
         reader = loop.create_task(self._read_loop(ws))

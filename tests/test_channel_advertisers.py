@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 
 from client import AsyncClient
+from client.channels import channel_queue
+from client.credentials import Credentials, load_credentials
 from qserver.features.channels.hub import Report
 from qserver.features.channels.publishers import ADVERTISERS_PER_CHANNEL_MAX
 from tests.support import RawApi, raw_session
@@ -195,3 +197,33 @@ async def test_a_subscriber_that_comes_back_and_acks_turns_failed_into_delivered
 
 async def _state(producer: AsyncClient, channel: str, message_id: int, state: str) -> bool:
     return bool((await producer.report(channel, message_id))["state"] == state)
+
+
+@pytest.mark.asyncio
+async def test_the_override_survives_its_socket_being_replaced(qcluster_factory: Any) -> None:
+    """Sessions end every 1.5 s (E_SESSION_EXPIRED): each client's socket is replaced, and the
+    library advertises again on the new one, the override's `leader` flag included."""
+    cluster = qcluster_factory(3, None, {"websocket_session_max_s": 1.5})
+    async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as admin:
+        await admin.finalize_cluster()
+        await admin.create_channel("lead")
+        grants = [{"pattern": "lead", "privileges": ["post", "get"]}]
+        a, b = await admin.register_client("instance-a", grants), await admin.register_client("instance-b", grants)
+        async with _as(cluster, a) as earliest, _as(cluster, b) as override:
+            await earliest.advertise("lead")
+            await override.advertise("lead", leader=True)
+            socket = override._router.consume_target(channel_queue("lead"))
+            first_session = socket.sessions
+            await until(lambda: _replaced_and_leading(admin, socket, first_session, b["id"]))
+            assert await code_of(earliest.publish("lead", b"standby")) == "E_STANDBY"
+            await override.publish("lead", b"still the leader")
+
+
+async def _replaced_and_leading(admin: AsyncClient, socket: Any, first_session: int, leader: str) -> bool:
+    return socket.sessions > first_session and await advertisers(admin, "lead") == (2, leader)
+
+
+def _as(cluster: Any, record: dict[str, Any]) -> AsyncClient:
+    url = cluster.urls["n1"]
+    return AsyncClient(url, Credentials(record["id"], record["private_key"], url,
+                                        load_credentials(cluster.credentials_path).ca_file))
