@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +71,7 @@ from replication.queue_streams import (
 from replication.queue_subscriptions import (
     SUBSCRIPTION_PRIORITY,
     SUBSCRIPTIONS_MAX,
+    acknowledge_run,
     apply_subscription_step,
     subscription_floor,
 )
@@ -345,28 +346,21 @@ class QueueCore:
         apply_subscription_step(self.record, op)     # as every member applies it
         out.append(op)
 
+    def subscriber_acks(self, name: str, indices: Sequence[int], client: str, now_ms: int,
+                        out: list[Operation]) -> list[bool | QueueError]:
+        """A durable subscription acknowledges a run of its backlog's messages: per message True,
+        False (acknowledged before) or its refusal (replication/queue_subscriptions.py)."""
+        return acknowledge_run(self.record, self.queue_id, name, indices, client, now_ms, out,
+                               lambda after, before, limit: self._reader.ready_page(
+                                   self.queue_id, SUBSCRIPTION_PRIORITY, after, before, limit),
+                               self._consumption_order)
+
     def subscriber_ack(self, name: str, index: int, client: str, now_ms: int, out: list[Operation]) -> bool:
-        """A durable subscription acknowledges message `index` of its backlog; False when it
-        had already (an ack repeated after a lost answer). The floor moves over every
-        acknowledged message it now has below it, walking the stored messages above it."""
-        state = self.record.subscriptions.get(name)
-        if state is None:
-            raise QueueError(E_UNKNOWN_SUBSCRIPTION, f"{self.name} has no durable subscription {name!r}")
-        floor, acked = state
-        if index <= floor or index in acked:
-            return False
-        if not self._reader.ready_page(self.queue_id, SUBSCRIPTION_PRIORITY, index - 1, index + 1, 1):
-            raise QueueError(E_UNKNOWN_MESSAGE, f"{self.name}: no message {index} in subscription {name}'s backlog")
-        done = {index, *acked}
-        rows = self._reader.ready_page(self.queue_id, SUBSCRIPTION_PRIORITY, floor, 2**63, len(done) + 1)
-        for stored, _ in rows:
-            if stored not in done:
-                break
-            floor = stored
-        op = SubscriberAcked(self.queue_id, name, index, floor, client, now_ms, self._consumption_order())
-        apply_subscription_step(self.record, op)     # as every member applies it
-        out.append(op)
-        return True
+        """One message: False when it had already (an ack repeated after a lost answer)."""
+        outcome = self.subscriber_acks(name, [index], client, now_ms, out)[0]
+        if isinstance(outcome, QueueError):
+            raise outcome
+        return outcome
 
     def purge(self, upto: int, limit: int, now_ms: int, out: list[Operation]) -> tuple[int, bool]:
         """Take up to `limit` messages with index <= `upto` out of the queue, leased ones

@@ -959,6 +959,42 @@ def test_durable_subscriptions_keep_their_backlogs_and_a_replica_applies_the_sam
     assert master._run(lambda out: master.core.purge(ids[-1], 100, master.now_ms, out), True)[0] == 2
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_a_run_of_acks_ends_where_the_same_acks_one_by_one_end(seed: int) -> None:
+    """A reader's acks committed as one run (hub.py batches them) leave the subscription, the
+    operations' messages and a replica as acking each alone would, each refused or repeated ack
+    answered on its own. Replay: this seed."""
+    assert _acks_pass(seed, batched=True) == _acks_pass(seed, batched=False), f"seed {seed}"
+
+
+def _acks_pass(seed: int, *, batched: bool) -> tuple[Any, list[Any], list[int]]:
+    rng = random.Random(seed)
+    master = Driver(QueueOptions(strength=Strength.FULL), with_dead_letter_queue=False)
+    master._run(lambda out: master.core.open_subscription("s", "c", master.now_ms, out), True)
+    ids = [master.enqueue(b"m%d" % n) for n in range(12)]
+    runs = [[rng.choice(ids + [ids[-1] + 50]) for _ in range(rng.randint(1, 6))] for _ in range(6)]
+    outcomes: list[Any] = []
+    for run in runs:
+        if batched:
+            result = master._run(lambda out, run=run: master.core.subscriber_acks("s", run, "c", master.now_ms, out), True)
+            outcomes += [o.code if isinstance(o, QueueError) else o for o in result]
+            continue
+        for index in run:
+            try:
+                outcomes.append(master._run(lambda out, index=index: master.core.subscriber_ack(
+                    "s", index, "c", master.now_ms, out), True))
+            except QueueError as error:
+                outcomes.append(error.code)
+    replica = Driver(QueueOptions(strength=Strength.FULL), with_dead_letter_queue=False)
+    for op in master.committed:
+        replica.core.apply(op)
+        replica.staged.append(op)
+    replica.commit()
+    assert replica.core.record.subscriptions == master.core.record.subscriptions, f"seed {seed}"
+    acked = sorted(op.index for op in master.committed if type(op).__name__ == "SubscriberAcked")
+    return master.core.record.subscriptions, outcomes, acked
+
+
 def test_a_numbered_stream_stores_each_number_once_however_long_after() -> None:
     """x-sequence-key / x-sequence: a repeat (the same number or a lower one) answers with the
     stream's last stored id and stores nothing, long past the dedupe window; a replica keeps

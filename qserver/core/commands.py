@@ -135,7 +135,8 @@ class Purge:
 @dataclass(slots=True)
 class DurableSubscription:
     """A durable subscription's replicated step on a channel's queue: `open` it (idempotent),
-    `ack` message `message_id` of its backlog, or `drop` it for good (qserver/features/channels/hub.py)."""
+    `ack` message `message_id` of its backlog, `acks` a run of them (`message_ids`: answered
+    with each one's outcome), or `drop` it for good (qserver/features/channels/hub.py)."""
     queue: str
     action: str
     subscription: str
@@ -143,6 +144,7 @@ class DurableSubscription:
     client: str
     replier: Replier
     request_id: int = 0
+    message_ids: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)

@@ -341,6 +341,8 @@ class CommandSteps:
             result: Any = core.open_subscription(command.subscription, command.client, now_ms, operations)
         elif command.action == "ack":
             result = core.subscriber_ack(command.subscription, command.message_id, command.client, now_ms, operations)
+        elif command.action == "acks":
+            result = core.subscriber_acks(command.subscription, command.message_ids, command.client, now_ms, operations)
         else:
             core.drop_subscription(command.subscription, command.client, now_ms, operations)
             result = None

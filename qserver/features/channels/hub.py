@@ -52,6 +52,8 @@ log = logging.getLogger("qserver.features.channels.hub")
 TRIM_ABOVE = 64                  # a channel's queue is trimmed to its newest message past this depth
 REPORTS_KEPT = 10_000            # per channel: the newest publishes whose state `report` can tell
 WATCH_INTERVAL_S = 0.25          # how often resends are due and masters checked
+ACK_RUN_MAX = 1_024              # a durable reader's acks committed as one run, at most
+ACKS_WAITING_MAX = 4 * decide.DURABLE_WINDOW   # acks waiting for the run in flight (a reader holds 256 unacked)
 
 
 @dataclass(slots=True)
@@ -100,6 +102,10 @@ class DurableReader:
     sent: dict[int, float] = field(default_factory=dict)  # unacknowledged id -> when last sent (monotonic)
     cursor: int = 0            # every backlog message up to this id was sent
     caught_up: bool = False    # the last read reached the backlog's end: new publishes go straight out
+    # Its acks: those that came while a run of them was being committed wait here and go as the
+    # next run, one engine step (qserver/core/steps.py, `acks`) instead of one each.
+    acks_waiting: list[tuple[int, int]] = field(default_factory=list)   # (message id, request id)
+    acking: bool = False
 
 
 class _Step:
@@ -350,8 +356,16 @@ class ChannelHub:
             else:
                 reader.caught_up = False        # read from storage once the window has room
 
-    def _ack_durable(self, connection: Any, channel: str, message_id: int, request_id: int) -> c.Command:
+    def _ack_durable(self, connection: Any, channel: str, message_id: int, request_id: int) -> c.Command | None:
         name = connection.durable[channel]
+        reader = self.durable.get(channel, {}).get(name)
+        if reader is not None and reader.connection is connection:
+            if len(reader.acks_waiting) >= ACKS_WAITING_MAX:
+                raise QueueError(e.E_OVERLOADED, f"durable subscription {name} has {ACKS_WAITING_MAX} acks waiting")
+            reader.acks_waiting.append((message_id, request_id))
+            if not reader.acking:
+                self._ack_run(reader)
+            return None
 
         def done(result: Any) -> None:
             reader = self.durable.get(channel, {}).get(name)
@@ -362,6 +376,37 @@ class ChannelHub:
             connection.reply(request_id, None)
         return c.DurableSubscription(channel_queue(channel), "ack", name, message_id, connection.principal.client_id,
                                      _Step(done, lambda error: connection.fail(request_id, error)))
+
+    def _ack_run(self, reader: DurableReader) -> None:
+        """Commit the reader's waiting acks as one run (the first ack goes alone, those that come
+        meanwhile go together next), answering each with its own outcome."""
+        run, reader.acks_waiting = reader.acks_waiting[:ACK_RUN_MAX], reader.acks_waiting[ACK_RUN_MAX:]
+        reader.acking = True
+        connection = reader.connection
+
+        def next_run() -> None:
+            reader.acking = False
+            if reader.acks_waiting and self.durable.get(reader.channel, {}).get(reader.name) is reader:
+                self._ack_run(reader)
+
+        def done(outcomes: list[Any]) -> None:
+            for (message_id, request_id), outcome in zip(run, outcomes, strict=True):
+                if isinstance(outcome, QueueError):
+                    connection.fail(request_id, outcome)
+                    continue
+                reader.sent.pop(message_id, None)
+                connection.reply(request_id, None)
+            if not reader.caught_up and self.durable.get(reader.channel, {}).get(reader.name) is reader:
+                self._fill(reader)
+            next_run()
+
+        def failed(error: QueueError) -> None:
+            for _, request_id in run:
+                connection.fail(request_id, error)
+            next_run()
+        self._services.submit(c.DurableSubscription(
+            channel_queue(reader.channel), "acks", reader.name, 0, connection.principal.client_id, _Step(done, failed),
+            message_ids=tuple(message_id for message_id, _ in run)))
 
     def drop_subscription_command(self, channel: str, name: str, client: str, replier: Any) -> c.DurableSubscription:
         """End a durable subscription for good (its reader, if any, is told)."""
