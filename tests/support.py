@@ -1,5 +1,5 @@
 """Raw signed HTTP and WebSocket access for tests that must send what a client library never
-would (bad signatures, garbage frames, replays)."""
+would (bad signatures, garbage frames, replays), and small waits the integration tests share."""
 from __future__ import annotations
 
 import asyncio
@@ -7,10 +7,11 @@ import contextlib
 import io
 import json
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import pytest
 
 from client.credentials import load_credentials
 from client.http import TLS_CLOSE_GRACE_S
@@ -66,3 +67,23 @@ class RawApi:
 
 def error_code(body: Any) -> str:
     return str(body["error"]["code"])
+
+
+async def code_of(call: Awaitable[Any]) -> str:
+    """The E_* code the call raises (it must raise a QueueError)."""
+    from wire.errors import QueueError
+    with pytest.raises(QueueError) as raised:
+        await call
+    return raised.value.code
+
+
+async def until(condition: Callable[[], Awaitable[bool]], timeout_s: float = 20.0) -> None:
+    """Wait for a condition the test cannot be told of, asking it every 50 ms."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await condition():
+        assert asyncio.get_running_loop().time() < deadline, "the condition did not come true in time"
+        await asyncio.sleep(0.05)
+
+
+async def next_channel_message(client: Any, timeout_s: float = 15.0) -> Any:
+    return await asyncio.wait_for(client.next_channel_message(), timeout_s)

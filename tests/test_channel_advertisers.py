@@ -20,26 +20,9 @@ from client.channels import channel_queue
 from client.credentials import Credentials, load_credentials
 from qserver.features.channels.hub import Report
 from qserver.features.channels.publishers import ADVERTISERS_PER_CHANNEL_MAX
-from tests.support import RawApi, raw_session
+from tests.support import RawApi, code_of, next_channel_message, raw_session, until
 from wire.errors import QueueError
 from wire.protocol import AdvertiseOp, ErrorReply, OkReply, decode_server_frame, encode_frame
-
-
-async def code_of(call: Any) -> str:
-    with pytest.raises(QueueError) as raised:
-        await call
-    return raised.value.code
-
-
-async def next_message(client: AsyncClient, timeout_s: float = 15.0) -> Any:
-    return await asyncio.wait_for(client.next_channel_message(), timeout_s)
-
-
-async def until(condition: Any, timeout_s: float = 30.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not await condition():
-        assert asyncio.get_running_loop().time() < deadline, "the condition did not come true in time"
-        await asyncio.sleep(0.1)
 
 
 async def advertisers(admin: AsyncClient, channel: str) -> tuple[int, str | None]:
@@ -94,12 +77,12 @@ async def test_unadvertise_reaches_the_master_from_the_replicas_node(qcluster_fa
             await second.advertise("feed")
             assert (await advertisers(admin, "feed"))[0] == 2
             sent = await first.publish("feed", b"first leads")
-            assert (await next_message(reader)).id == sent
+            assert (await next_channel_message(reader)).id == sent
             assert await code_of(second.publish("feed", b"standby")) == "E_STANDBY"
             await first.unadvertise("feed")
             assert (await advertisers(admin, "feed"))[0] == 1
             sent = await second.publish("feed", b"second leads")     # the lead passed on
-            assert (await next_message(reader)).id == sent
+            assert (await next_channel_message(reader)).id == sent
             assert await code_of(first.publish("feed", b"withdrawn")) == "E_NOT_ADVERTISED"
             await first.unadvertise("feed")                   # not advertised any more: nothing happens
             assert await code_of(first.unadvertise("nothing")) == "E_UNKNOWN_CHANNEL"
@@ -139,7 +122,7 @@ async def test_after_a_failover_the_override_takes_the_lead_again_at_the_new_mas
             await earliest.advertise("state")
             await override.advertise("state", leader=True)
             before = await override.publish("state", b"before")
-            assert (await next_message(reader)).id == before
+            assert (await next_channel_message(reader)).id == before
             assert await code_of(earliest.publish("state", b"standby")) == "E_STANDBY"
             await asyncio.to_thread(cluster.kill, master)
             await until(lambda: _moved(earliest, "state", master))     # (admin's node may be the one killed)
@@ -149,9 +132,9 @@ async def test_after_a_failover_the_override_takes_the_lead_again_at_the_new_mas
             taken = await override.publish("state", b"the override again")
             assert taken > after
             assert await code_of(earliest.publish("state", b"standby again")) == "E_STANDBY"
-            seen = [(await next_message(reader)).payload]
+            seen = [(await next_channel_message(reader)).payload]
             while seen[-1] != b"the override again":
-                seen.append((await next_message(reader)).payload)
+                seen.append((await next_channel_message(reader)).payload)
             assert b"standby again" not in seen
             count, leader = await advertisers(earliest, "state")
             assert count == 2 and leader is not None
@@ -179,17 +162,17 @@ async def test_a_subscriber_that_comes_back_and_acks_turns_failed_into_delivered
             await producer.advertise("orders")
             await subscriber.subscribe("orders")
             sent = await producer.publish("orders", b"order 1")
-            assert (await next_message(subscriber)).id == sent
+            assert (await next_channel_message(subscriber)).id == sent
             await subscriber.unsubscribe("orders")           # left without acknowledging: failed
             await until(lambda: _state(producer, "orders", sent, "failed"))
             # A late subscriber that leaves without acknowledging changes nothing.
             async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as passing:
                 await passing.subscribe("orders")
-                assert (await next_message(passing)).id == sent
+                assert (await next_channel_message(passing)).id == sent
             assert (await producer.report("orders", sent))["state"] == "failed"
             # The same connection subscribes again, is sent it as the last value and acks it.
             await subscriber.subscribe("orders")
-            again = await next_message(subscriber)
+            again = await next_channel_message(subscriber)
             assert (again.id, again.resent) == (sent, True)
             await again.ack()
             assert (await producer.report("orders", sent))["state"] == "delivered"

@@ -30,9 +30,8 @@ from qserver.features.channels.transport import (
 from replication.cluster_map import ChannelEntry, ClusterMap, PutChannel, decode_map, encode_map
 from replication.map_channels import attributes_problem, normalized, set_channel_attributes
 from replication.map_commands import SetChannelAttributes, decode_command, encode_command
-from tests.support import RawApi, error_code, raw_session
+from tests.support import RawApi, code_of, error_code, next_channel_message, raw_session
 from wire.channel_ops import ChannelOffer, ChannelOffersOp
-from wire.errors import QueueError
 from wire.protocol import (
     AdvertiseOp,
     ChannelMessage,
@@ -111,14 +110,6 @@ async def run_qctl(url: str, credentials: Any, *argv: str) -> tuple[int, Any]:
     return code, json.loads(out.getvalue() or err.getvalue() or "null")
 
 
-async def code_of(call: Any) -> str:
-    with pytest.raises(QueueError) as raised:
-        await call
-    return raised.value.code
-
-
-async def next_message(client: AsyncClient, timeout_s: float = 10.0) -> Any:
-    return await asyncio.wait_for(client.next_channel_message(), timeout_s)
 
 
 async def master_client(admin: AsyncClient, cluster: Any, channel: str) -> tuple[str, str]:
@@ -157,19 +148,19 @@ async def test_each_mechanism_on_a_real_cluster(qcluster_factory: Any) -> None:
             await producer.advertise("ticks")
             await reader.subscribe("ticks")
             sent = await producer.publish("ticks", b"1.01")
-            got = await next_message(reader)
+            got = await next_channel_message(reader)
             assert (got.id, got.payload) == (sent, b"1.01") and sent > 10**12    # not an ordering index
             assert (await admin.queue_stats("channel:ticks"))["depth"] == 0      # not stored anywhere
             await got.ack()                                                      # nothing to acknowledge: no error
             # A late subscriber gets the last value from the master's memory.
             async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as late:
                 await late.subscribe("ticks")
-                last = await next_message(late)
+                last = await next_channel_message(late)
                 assert (last.id, last.payload, last.resent) == (sent, b"1.01", True)
             # Characterized again (loss no longer tolerated): stored, with a smaller id, still handed out.
             await admin.characterize("ticks", loss_tolerant=False)
             stored = await producer.publish("ticks", b"1.02")
-            got = await next_message(reader)
+            got = await next_channel_message(reader)
             assert (got.id, got.payload) == (stored, b"1.02") and stored < sent
             assert (await admin.queue_stats("channel:ticks"))["depth"] >= 1
 
@@ -184,7 +175,7 @@ async def test_each_mechanism_on_a_real_cluster(qcluster_factory: Any) -> None:
                 big = bytes(range(256)) * (STAGE_FROM // 128)
                 first = await producer.publish("maps", big)
                 for client in (reader, other):
-                    got = await next_message(client)
+                    got = await next_channel_message(client)
                     assert (got.channel, got.id, got.payload) == ("maps", first, big)
                     await got.ack()
                 assert (await producer.report("maps", first))["state"] == "delivered"
@@ -209,7 +200,7 @@ async def test_each_mechanism_on_a_real_cluster(qcluster_factory: Any) -> None:
                 assert (await at_master.typeof("maps"))["mechanism"] == "point_to_point"
             depth = (await admin.queue_stats("channel:maps"))["depth"]
             relayed = await producer.publish("maps", big[::-1])
-            got = await next_message(reader)
+            got = await next_channel_message(reader)
             assert (got.id, got.payload) == (relayed, big[::-1]) and relayed > 10**12
             assert (await admin.queue_stats("channel:maps"))["depth"] == depth
 

@@ -9,7 +9,6 @@ the bound and the feature gate; a late subscriber that acks turns `failed` into 
 report keeps the class its message was published under; skip_last_value."""
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import msgpack
@@ -19,8 +18,7 @@ from client import AsyncClient
 from client.credentials import Credentials, load_credentials
 from qserver.features.channels.hub import Report
 from qserver.features.channels.publishers import ADVERTISERS_PER_CHANNEL_MAX, Publishers
-from tests.support import RawApi, raw_session
-from wire.errors import QueueError
+from tests.support import RawApi, code_of, next_channel_message, raw_session, until
 from wire.protocol import AdvertiseOp, ErrorReply, OkReply, decode_server_frame, encode_frame
 
 
@@ -71,21 +69,7 @@ def test_a_report_is_judged_by_its_class_and_a_late_ack_turns_failed_into_delive
 
 
 # --- a real cluster ------------------------------------------------------------------------------------
-async def code_of(call: Any) -> str:
-    with pytest.raises(QueueError) as raised:
-        await call
-    return raised.value.code
 
-
-async def next_message(client: AsyncClient, timeout_s: float = 10.0) -> Any:
-    return await asyncio.wait_for(client.next_channel_message(), timeout_s)
-
-
-async def until(condition: Any, timeout_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not await condition():
-        assert asyncio.get_running_loop().time() < deadline, "the condition did not come true in time"
-        await asyncio.sleep(0.05)
 
 
 @pytest.mark.asyncio
@@ -106,11 +90,11 @@ async def test_one_advertiser_leads_and_a_standby_takes_over(qcluster_factory: A
             described = await admin.typeof("mapping")
             assert described["advertisers"] == 2 and described["leader"] is not None
             sent = await first.publish("mapping", b"from the leader")
-            assert (await next_message(reader)).id == sent
+            assert (await next_channel_message(reader)).id == sent
             assert await code_of(second.publish("mapping", b"standby")) == "E_STANDBY"
             # REST declares its publisher by itself: the leader's client goes out, another is a standby.
             answered = await admin.http.publish_http("mapping", b"by rest")
-            assert (await next_message(reader)).id == answered["id"]
+            assert (await next_channel_message(reader)).id == answered["id"]
             record = await admin.register_client("other", [{"pattern": "mapping", "privileges": ["post"]}])
             async with as_client(cluster, record) as other:
                 assert await code_of(other.http.publish_http("mapping", b"not the leader")) == "E_STANDBY"
@@ -118,20 +102,20 @@ async def test_one_advertiser_leads_and_a_standby_takes_over(qcluster_factory: A
             # The override: the second takes the lead; the first is a standby now.
             await second.advertise("mapping", leader=True)
             overridden = await second.publish("mapping", b"override")
-            assert (await next_message(reader)).payload == b"override" and overridden > sent
+            assert (await next_channel_message(reader)).payload == b"override" and overridden > sent
             assert await code_of(first.publish("mapping", b"now standby")) == "E_STANDBY"
             # The leader withdraws: the first leads again at once.
             await second.unadvertise("mapping")
             assert await code_of(second.publish("mapping", b"withdrawn")) == "E_NOT_ADVERTISED"
             await first.publish("mapping", b"leading again")
-            assert (await next_message(reader)).payload == b"leading again"
+            assert (await next_channel_message(reader)).payload == b"leading again"
             await second.unadvertise("mapping")               # not advertised: nothing happens
             # The leader's connection is lost: the standby leads.
             await second.advertise("mapping")
             await first.close()
             await until(lambda: _leader_count(admin, "mapping", 1))
             await second.publish("mapping", b"after the leader left")
-            assert (await next_message(reader)).payload == b"after the leader left"
+            assert (await next_channel_message(reader)).payload == b"after the leader left"
 
         # Raw frames: leader must be a boolean; an unknown channel is refused with its code.
         async with raw_session() as session:
@@ -174,13 +158,13 @@ async def test_reports_by_the_published_class_and_a_late_subscriber(qcluster_fac
         leaver = await AsyncClient(cluster.urls["n3"], cluster.credentials_path).__aenter__()
         await leaver.subscribe("orders")
         sent = await producer.publish("orders", b"order 1")
-        await next_message(leaver)
+        await next_channel_message(leaver)
         await leaver.close()                                # left without acknowledging: failed
         await until(lambda: _state(producer, "orders", sent, "failed"))
         # A subscriber joining later gets it as the last value; its ack turns failed into delivered.
         async with AsyncClient(cluster.urls["n1"], cluster.credentials_path) as late:
             await late.subscribe("orders")
-            last = await next_message(late)
+            last = await next_channel_message(late)
             assert (last.id, last.resent) == (sent, True)
             await last.ack()
             assert (await producer.report("orders", sent))["state"] == "delivered"
@@ -199,7 +183,7 @@ async def test_reports_by_the_published_class_and_a_late_subscriber(qcluster_fac
             answer = await quiet.subscribe("orders")
             assert answer == {"orders": later}
             fresh = await producer.publish("orders", b"order 4")
-            assert (await next_message(quiet)).id == fresh
+            assert (await next_channel_message(quiet)).id == fresh
 
 
 async def _state(producer: AsyncClient, channel: str, message_id: int, state: str) -> bool:
