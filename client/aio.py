@@ -39,6 +39,7 @@ from client.http import HttpClient
 from client.macro import MacroConsumer, MacroQueue
 from client.router import Router, retried_once
 from wire.errors import (
+    E_BAD_FRAME,
     E_FEATURE_DISABLED,
     E_INTERNAL,
     E_MACRO_QUEUE,
@@ -529,12 +530,9 @@ class AsyncClient(AdminCalls):
 
     async def advertise(self, *channels: str, leader: bool = False) -> None:
         """Declare that this client publishes to these channels (seed 002: a publish to a
-        channel not advertised is refused, E_NOT_ADVERTISED). Several producers may: the
-        earliest still advertising leads, and a standby's publish is refused E_STANDBY;
-        `leader` takes the lead (at cluster feature level 3), kept wherever the channel moves."""
-        if leader and (self.cluster_feature_level or 1) < FEATURES["channel_advertisers"]:
-            raise QueueError(E_FEATURE_DISABLED, "advertising as a channel's leader needs cluster feature level "
-                                                 f"{FEATURES['channel_advertisers']} (qctl cluster finalize)")
+        channel not advertised is refused, E_NOT_ADVERTISED). Several producers may; `leader`
+        takes the lead (at cluster feature level 3, kept wherever the channel moves): while it
+        leads, the others' publishes are refused E_STANDBY."""
         self._advertised.update(channels)
         if leader:
             self._leading.update(channels)
@@ -543,7 +541,13 @@ class AsyncClient(AdminCalls):
                 with contextlib.suppress(QueueError):
                     await self._router.refresh_placement(channel_queue(channel))
             target = self._router.consume_target(channel_queue(channel))   # the master (route: maybe the replica)
-            await self._advertise_at(target, channel)
+            try:
+                await self._advertise_at(target, channel)
+            except QueueError as error:
+                if leader and error.code == E_BAD_FRAME.code:      # a node of 0.2.0: op 15 has no `leader`
+                    raise QueueError(E_FEATURE_DISABLED, "advertising as a channel's leader needs cluster feature "
+                                                         f"level {FEATURES['channel_advertisers']} (0.3.0)") from None
+                raise
 
     async def unadvertise(self, *channels: str) -> None:
         """Withdraw: the next advertiser leads, and this client's publishes are refused (an

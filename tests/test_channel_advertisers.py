@@ -73,7 +73,7 @@ async def test_unadvertise_reaches_the_master_from_the_replicas_node(qcluster_fa
                 AsyncClient(cluster.urls[third], cluster.credentials_path) as second, \
                 AsyncClient(cluster.urls[third], cluster.credentials_path) as reader:
             await reader.subscribe("feed")
-            await first.advertise("feed")                 # its own node is the replica: sent to the master
+            await first.advertise("feed", leader=True)    # its own node is the replica: sent to the master
             await second.advertise("feed")
             assert (await advertisers(admin, "feed"))[0] == 2
             sent = await first.publish("feed", b"first leads")
@@ -99,7 +99,7 @@ async def test_unadvertise_reaches_the_master_from_the_replicas_node(qcluster_fa
                     assert isinstance(answer, OkReply), answer
                 else:
                     assert isinstance(answer, ErrorReply) and answer.code == "E_ADVERTISERS_FULL"
-            assert await advertisers(admin, "feed") == (ADVERTISERS_PER_CHANNEL_MAX, admin.client_id)
+            assert await advertisers(admin, "feed") == (ADVERTISERS_PER_CHANNEL_MAX, None)    # none claimed the lead
             await sockets[0].send_bytes(encode_frame([AdvertiseOp(2, ("feed",), True, True)]))   # again: fine
             assert isinstance(decode_server_frame(await sockets[0].receive_bytes())[0], OkReply)
             for ws in sockets:
@@ -126,8 +126,8 @@ async def test_after_a_failover_the_override_takes_the_lead_again_at_the_new_mas
             assert await code_of(earliest.publish("state", b"standby")) == "E_STANDBY"
             await asyncio.to_thread(cluster.kill, master)
             await until(lambda: _moved(earliest, "state", master))     # (admin's node may be the one killed)
-            # The new master knows no advertiser until each publishes there: the earliest gets there
-            # first and leads, until the override's next publish advertises it again, flag included.
+            # The new master knows no advertiser until each publishes there: none leads, so the
+            # earliest publishes, until the override's next publish advertises it again, flag included.
             after = await earliest.publish("state", b"earliest, alone at the new master")
             taken = await override.publish("state", b"the override again")
             assert taken > after

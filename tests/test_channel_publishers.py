@@ -23,24 +23,24 @@ from wire.protocol import AdvertiseOp, ErrorReply, OkReply, decode_server_frame,
 
 
 # --- units ------------------------------------------------------------------------------------------
-def test_the_earliest_advertiser_leads_until_an_override_and_the_lead_passes_on() -> None:
+def test_an_override_leads_and_without_one_every_advertiser_publishes() -> None:
     publishers = Publishers()
     assert publishers.leader("c") is None and publishers.may_publish("c", "a")    # nobody advertised
     publishers.advertise("c", "a")
     publishers.advertise("c", "b")
-    assert publishers.leader("c") == "a" and not publishers.may_publish("c", "b")
+    assert publishers.leader("c") is None and publishers.may_publish("c", "b")     # none leads: as 0.2.0
     publishers.advertise("c", "a")                          # again: no ill effect (seed 002)
-    assert publishers.leader("c") == "a" and publishers.count("c") == 2
+    assert publishers.count("c") == 2
     publishers.advertise("c", "b", leader=True)             # the override
     assert publishers.leader("c") == "b" and not publishers.may_publish("c", "a")
     publishers.advertise("c", "d")
-    publishers.withdraw("c", "b")                           # the leader goes: the earliest left leads
-    assert publishers.leader("c") == "a"
+    publishers.withdraw("c", "b")                           # the leader goes: none leads, all publish
+    assert publishers.leader("c") is None and publishers.may_publish("c", "a")
     publishers.advertise("c", "d", leader=True)
     publishers.advertise("c", "a", leader=True)             # the most recent override wins
-    assert publishers.leader("c") == "a"
+    assert publishers.leader("c") == "a" and not publishers.may_publish("c", "d")
     publishers.withdraw("c", "a")
-    assert publishers.leader("c") == "d"
+    assert publishers.leader("c") is None
     publishers.withdraw("c", "d")
     publishers.withdraw("c", "nobody")
     assert publishers.channels == {}
@@ -85,7 +85,7 @@ async def test_one_advertiser_leads_and_a_standby_takes_over(qcluster_factory: A
                 AsyncClient(cluster.urls["n3"], cluster.credentials_path) as second, \
                 AsyncClient(cluster.urls["n1"], cluster.credentials_path) as reader:
             await reader.subscribe("mapping")
-            await first.advertise("mapping")
+            await first.advertise("mapping", leader=True)
             await second.advertise("mapping")
             described = await admin.typeof("mapping")
             assert described["advertisers"] == 2 and described["leader"] is not None
@@ -104,14 +104,16 @@ async def test_one_advertiser_leads_and_a_standby_takes_over(qcluster_factory: A
             overridden = await second.publish("mapping", b"override")
             assert (await next_channel_message(reader)).payload == b"override" and overridden > sent
             assert await code_of(first.publish("mapping", b"now standby")) == "E_STANDBY"
-            # The leader withdraws: the first leads again at once.
+            # The leader withdraws: none leads, the first publishes again at once.
             await second.unadvertise("mapping")
             assert await code_of(second.publish("mapping", b"withdrawn")) == "E_NOT_ADVERTISED"
             await first.publish("mapping", b"leading again")
             assert (await next_channel_message(reader)).payload == b"leading again"
             await second.unadvertise("mapping")               # not advertised: nothing happens
-            # The leader's connection is lost: the standby leads.
+            # The leader's connection is lost: the standby publishes.
             await second.advertise("mapping")
+            await first.advertise("mapping", leader=True)
+            assert await code_of(second.publish("mapping", b"standby")) == "E_STANDBY"
             await first.close()
             await until(lambda: _leader_count(admin, "mapping", 1))
             await second.publish("mapping", b"after the leader left")

@@ -5,10 +5,12 @@ The seed lets several instances of an application advertise one channel for faul
 one producing at a time: "a leader instance periodically announces the channels it is
 producing ... the leader will override secondary instance announcement and subscribers will
 sooner or later end up getting their data from the leader". Here the leader is the connection
-that advertised with `leader` most recently while still advertising (the override), else the
-earliest advertiser still advertising. A publish from any other advertiser is a standby's: it
-is refused (E_STANDBY), neither stored nor sent, so subscribers get the leader's data only.
-When the leader withdraws or its connection goes, the next one leads at once.
+that advertised with `leader` most recently while still advertising (the override). While one
+leads, a publish from any other advertiser is a standby's: it is refused (E_STANDBY), neither
+stored nor sent, so subscribers get the leader's data only. While none leads (none claimed it,
+or the leader withdrew or its connection went) every advertiser publishes, as before release
+0.3.0: an application of 0.2.0 with several publishers on one channel keeps working through the
+upgrade, and the standbys of a leader that died go on publishing until one claims the lead.
 
 Pure bookkeeping (connections are opaque keys): the hub calls it, tests/test_channel_publishers.py
 runs it deterministically.
@@ -28,9 +30,7 @@ class ChannelPublishers:
     override: Any | None = None
 
     def leader(self) -> Any | None:
-        if self.override is not None and self.override in self.advertisers:
-            return self.override
-        return next(iter(self.advertisers), None)
+        return self.override if self.override is not None and self.override in self.advertisers else None
 
 
 class Publishers:
@@ -65,7 +65,7 @@ class Publishers:
         return None if publishers is None else publishers.leader()
 
     def may_publish(self, channel: str, connection: Any) -> bool:
-        """Whether an advertiser's publish goes out: it leads (or nobody advertised)."""
+        """Whether an advertiser's publish goes out: it leads, or none leads."""
         leader = self.leader(channel)
         return leader is None or leader is connection
 
