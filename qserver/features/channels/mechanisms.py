@@ -211,6 +211,3 @@ class Mechanisms:
         self._services.submit(c.Enqueue(channel_queue(channel), relay.payload, SUBSCRIPTION_PRIORITY, relay.dedupe_id,
                                         relay.client, PublishReplier(self._hub, relay.replier, channel, relay.payload,
                                                                      Mechanism.STAGED), relay.request_id))
-
-    def forget(self, channel: str) -> None:
-        self._volatile_last.pop(channel, None)

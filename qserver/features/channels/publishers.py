@@ -25,7 +25,7 @@ ADVERTISERS_PER_CHANNEL_MAX = 64         # connections advertising one channel a
 
 @dataclass(slots=True)
 class ChannelPublishers:
-    """One channel's advertisers, earliest first, and its override."""
+    """One channel's advertising connections and its override (the leader)."""
     advertisers: dict[Any, None] = field(default_factory=dict)
     override: Any | None = None
 
