@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import struct
 import threading
@@ -72,8 +71,6 @@ from replication.store import StoredLease
 # slots (READERS_MAX): a node that many replicas open at once (its peer back after a failover
 # of hundreds of queues) sends this many at a time, the others open again shortly (issue 31:
 # 660 at once took every slot, and the engine died on MDB_READERS_FULL).
-log = logging.getLogger("qserver.storage")
-
 READERS_MAX = 256
 SNAPSHOT_VIEWS_MAX = 64
 
@@ -116,9 +113,6 @@ class Storage:
         self._written_since_checkpoint = False
         self.checkpoints = 0
         self.replayed = self._replay(rewound) if rewound is not None else 0
-        if rewound is not None:
-            log.warning("storage %s: not stopped cleanly; back to its checkpoint of generation %d, replayed %d "
-                        "write(s) of the write-ahead log", self.path, rewound.generation, self.replayed)
         self.snapshot_views_open = 0        # loop thread (open_snapshot, LmdbSnapshotView.close)
         self.snapshot_views_deferred = 0
         self.snapshot_views_lost = 0        # views a map growth ended (their transfers start over)
