@@ -603,17 +603,9 @@ def test_a_full_map_grows_once_then_refuses_and_loses_nothing(tmp_path: Path) ->
                 assert storage.read_client_payload(QUEUE, index) is None, "a refused batch left a trace"
                 storage.end_read()
                 if growths == 1:
-                    # At the limit, a checkpoint first: the last one's snapshot held the pages
-                    # freed since (qserver/storage/wal.py), which LMDB may reuse after it.
-                    assert storage.grow_map() == limit
-                    try:
-                        storage.commit(batch)
-                    except MapGrowthNeeded:
-                        with pytest.raises(StorageFull):
-                            storage.grow_map()      # nothing written since the checkpoint: refused
-                        break
-                    committed[index] = payload
-                    continue
+                    with pytest.raises(StorageFull):
+                        storage.grow_map()
+                    break
                 assert storage.grow_map() == 2 * initial
                 growths += 1
                 storage.commit(batch)

@@ -118,20 +118,17 @@ class JournalSource:
     """The journal and meta databases of one LMDB environment (a node's, or opened offline)."""
 
     def __init__(self, env: lmdb.Environment, journal_db: Any, meta_db: Any, node_id: str, *,
-                 writable: bool, write_transaction: Any = None) -> None:
+                 writable: bool) -> None:
         self.env, self.journal_db, self.meta_db = env, journal_db, meta_db
         self.node_id = node_id
         self.writable = writable
-        # The node's Storage.write_transaction: a prune is durable by the node's write-ahead log.
-        self.write_transaction = write_transaction
         self._journal_id: str | None = None
         self._owned = False
 
     @classmethod
     def from_storage(cls, storage: Any) -> JournalSource:
         """The node's open `qserver.storage.lmdb_store.Storage`."""
-        return cls(storage.env, storage.db["journal"], storage.db["meta"], storage.node_id, writable=True,
-                   write_transaction=storage.write_transaction)
+        return cls(storage.env, storage.db["journal"], storage.db["meta"], storage.node_id, writable=True)
 
     @classmethod
     def open(cls, path: str | Path) -> JournalSource:
@@ -425,14 +422,14 @@ class JournalExporter:
         """One short write transaction of `prune` (at most prune_keys_per_txn_max records):
         a node runs each as its own job of the writer thread, so commits go between them.
         Returns (records deleted, whether the prune is done)."""
-        if not self.source.writable or self.source.write_transaction is None:
+        if not self.source.writable:
             raise PermissionError("this journal source is read-only")
         with self._lock:
             return self._prune_batch(min(self.exported_through, safe_sequence), now_ms - self.settings.retention_ms)
 
     def _prune_batch(self, bound: int, cutoff_ms: int) -> tuple[int, bool]:
         count = 0
-        with self.source.write_transaction(self.source.journal_db) as txn:
+        with self.source.env.begin(write=True, db=self.source.journal_db) as txn:
             cursor = txn.cursor()
             if not cursor.last():
                 return 0, True

@@ -18,13 +18,12 @@ import contextlib
 import json
 import os
 import struct
-import threading
 import time
 import weakref
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import lmdb
 import msgpack
@@ -51,16 +50,6 @@ from qserver.storage.rows import (
 )
 from qserver.storage.snapshot_view import LmdbSnapshotView
 from qserver.storage.space import MapGrowthNeeded, StorageFull, StorageSpace, disk_full, grown_map_size, measure_space
-from qserver.storage.wal import (
-    CHECKPOINT_LOG_BYTES,
-    CHECKPOINT_S,
-    Checkpoint,
-    RecordingTransaction,
-    WalError,
-    WriteAheadLog,
-    apply_writes,
-    encode_writes,
-)
 from replication.digest import DIGEST_BYTES, EMPTY_DIGEST
 from replication.invariants import InvariantViolation
 from replication.journal import is_run, run_rows
@@ -96,23 +85,12 @@ class Storage:
         self.map_size_max_bytes = map_size_max_bytes
         self.journal_enabled = journal_enabled
         self.disk_reserve_bytes = disk_reserve_bytes
-        # Durability is the write-ahead log's (wal.py): LMDB commits without flushing, and is
-        # rewound to the last checkpoint and brought forward from the log after an unclean stop.
-        self._wal = WriteAheadLog(self.path / "wal")
-        rewound = self._rewind()
         self.env = lmdb.open(str(self.path), map_size=min(map_size_bytes, map_size_max_bytes),
-                             max_dbs=len(DB_NAMES) + 2, sync=False, metasync=False, writemap=False,
+                             max_dbs=len(DB_NAMES) + 2, sync=True, metasync=True, writemap=False,
                              max_readers=READERS_MAX, readahead=False, mode=0o600)
         for name in ("data.mdb", "lock.mdb"):       # created before 0600 was asked for
             _owner_only(self.path / name, 0o600)
         self.db = {name: self.env.open_db(name.encode()) for name in DB_NAMES}
-        self._numbers = {handle: number for number, handle in enumerate(self.db.values())}
-        self._write_lock = threading.Lock()     # one write transaction and its log record at a time
-        self._checkpoint_reader: lmdb.Transaction | None = None     # keeps the checkpoint's pages
-        self._checkpoint_at = 0.0
-        self._written_since_checkpoint = False
-        self.checkpoints = 0
-        self.replayed = self._replay(rewound) if rewound is not None else 0
         self.snapshot_views_open = 0        # loop thread (open_snapshot, LmdbSnapshotView.close)
         self.snapshot_views_deferred = 0
         self.snapshot_views_lost = 0        # views a map growth ended (their transfers start over)
@@ -129,12 +107,8 @@ class Storage:
         self._read_txn: lmdb.Transaction | None = None
         try:
             self._check_schema()
-            with self._write_lock:
-                self._checkpoint(clean=False)       # what opening wrote and replayed is flushed
         except BaseException:       # refused or failed: the environment is not left open in this process
-            self._release_checkpoint_reader()
             self.env.close()
-            self._wal.close()
             raise
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -174,82 +148,7 @@ class Storage:
 
     def close(self) -> None:
         self.end_read()
-        with self._write_lock:
-            self._checkpoint(clean=True)        # the next open has nothing to rewind or replay
-            self._release_checkpoint_reader()
         self.env.close()
-        self._wal.close()
-
-    # --- durability (wal.py) -----------------------------------------------------------------
-    def _rewind(self) -> Checkpoint | None:
-        """Before LMDB opens: after an unclean stop, write back the meta pages of the last
-        checkpoint. Returns the checkpoint whose log records are to be applied again."""
-        checkpoint = self._wal.last_checkpoint()
-        data = self.path / "data.mdb"
-        if checkpoint is None or checkpoint.clean:
-            return None
-        if not data.exists():
-            raise WalError(f"{data} is gone but {self.path / 'wal'} holds writes after an unclean stop")
-        descriptor = os.open(data, os.O_RDWR)
-        try:
-            os.pwrite(descriptor, checkpoint.meta_pages, 0)
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
-        return checkpoint
-
-    def _replay(self, checkpoint: Checkpoint) -> int:
-        """Apply the log's records written after `checkpoint` again, each in its own transaction."""
-        databases = list(self.db.values())
-        count = 0
-        for _, writes in self._wal.records(checkpoint):
-            with self.env.begin(write=True) as txn:
-                apply_writes(txn, databases, writes)
-            count += 1
-        return count
-
-    def _checkpoint(self, *, clean: bool) -> None:
-        """Flush LMDB, save its meta pages and start the log over (under the write lock)."""
-        self.env.sync(True)
-        page = int(self.env.stat()["psize"])
-        data = self.path / "data.mdb"
-        descriptor = os.open(data, os.O_RDONLY)
-        try:
-            meta_pages = os.pread(descriptor, 2 * page, 0)
-        finally:
-            os.close(descriptor)
-        self._wal.save_checkpoint(Checkpoint(self._wal.generation + 1, self._wal.sequence, meta_pages, clean))
-        # Hold the checkpoint's snapshot: LMDB reuses no page of it until the next checkpoint.
-        held = self.env.begin()
-        self._release_checkpoint_reader()
-        self._checkpoint_reader = held
-        self._checkpoint_at = time.monotonic()
-        self._written_since_checkpoint = False
-        self.checkpoints += 1
-
-    def _release_checkpoint_reader(self) -> None:
-        if self._checkpoint_reader is not None:
-            self._checkpoint_reader.abort()
-            self._checkpoint_reader = None
-
-    @contextlib.contextmanager
-    def write_transaction(self, db: Any = None) -> Iterator[lmdb.Transaction]:
-        """The one way to write (any thread): an LMDB write transaction whose changes are
-        durable when this returns, by their log record or a checkpoint. Raises MapGrowthNeeded
-        or StorageFull (nothing stored) like `space_errors`."""
-        with self._write_lock:
-            with self.space_errors(), self.env.begin(write=True, db=db) as txn:
-                recording = RecordingTransaction(txn, self._numbers, db)
-                yield cast(lmdb.Transaction, recording)     # the same methods, each change noted
-            if not recording.writes:
-                return
-            writes = encode_writes(recording.writes)
-            self._written_since_checkpoint = True
-            if self._wal.fits(len(writes)) and self._wal.used_bytes < CHECKPOINT_LOG_BYTES and \
-                    time.monotonic() - self._checkpoint_at < CHECKPOINT_S:
-                self._wal.append(writes)
-            else:
-                self._checkpoint(clean=False)       # flushes this transaction with the rest
 
     # --- room (space.py) -------------------------------------------------------------------
     def map_size(self) -> int:
@@ -279,15 +178,7 @@ class Storage:
     def grow_map(self) -> int:
         """Double the map (loop thread, no transaction open), or grow it as far as the disk
         allows beside its reserve. Raises StorageFull when it cannot grow at all."""
-        try:
-            target = grown_map_size(self.map_size(), self.map_size_max_bytes, self.path, self.disk_reserve_bytes)
-        except StorageFull:
-            with self._write_lock:
-                if not self._written_since_checkpoint:
-                    raise
-                # The checkpoint's snapshot kept the pages freed since: a new one lets LMDB reuse them.
-                self._checkpoint(clean=False)
-            return self.map_size()
+        target = grown_map_size(self.map_size(), self.map_size_max_bytes, self.path, self.disk_reserve_bytes)
         # py-lmdb ends every transaction of the environment when the map is resized: the cached
         # read goes (the next read opens a new one), and each snapshot view being sent is lost
         # (issue 32, item 8: its next chunk raised lmdb.Error in the engine, and the node exited).
@@ -297,10 +188,7 @@ class Storage:
             view.lose()
             self.snapshot_views_lost += 1
         self._views.clear()
-        with self._write_lock:      # no write between letting the checkpoint's snapshot go and the next
-            self._release_checkpoint_reader()
-            self.env.set_mapsize(target)
-            self._checkpoint(clean=False)
+        self.env.set_mapsize(target)
         return target
 
     # --- loading at start ------------------------------------------------------------------
@@ -557,7 +445,7 @@ class Storage:
         started = time.perf_counter()
         saved = self._log_bound.saved()
         try:
-            with self.write_transaction() as txn:
+            with self.space_errors(), self.env.begin(write=True) as txn:
                 writer = BatchWriter(txn, batch, db=self.db, pack=self._pack, node_id=self.node_id,
                                      journal_enabled=self.journal_enabled, journal_sequence=self._journal_sequence,
                                      log_bound=self._log_bound, housekeeper=self._housekeeper)

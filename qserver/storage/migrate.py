@@ -29,14 +29,12 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import lmdb
 import msgpack
 
 from qserver.storage.rows import DB_NAMES
-from qserver.storage.wal import stopped_cleanly
 from replication.queue_record import QueueRecord, sequences_from_json
 from wire.versions import RELEASE
 
@@ -342,9 +340,6 @@ def open_environment(path: str, *, dry_run: bool) -> tuple[lmdb.Environment, dic
     creates nothing in it). StorageLayoutError when `path` holds none."""
     if not os.path.exists(os.path.join(path, "data.mdb")):
         raise StorageLayoutError(f"{path} holds no node storage (no data.mdb): nothing to migrate")
-    if not stopped_cleanly(Path(path) / "wal"):
-        raise StorageLayoutError(f"the node of {path} did not stop cleanly: start it once (it replays its "
-                                 "write-ahead log and migrates as it opens) or stop it cleanly, then run this again")
     size = os.path.getsize(os.path.join(path, "data.mdb"))
     env = lmdb.open(path, map_size=max(1 << 30, size + (256 << 20)), max_dbs=len(DB_NAMES) + 2, sync=True,
                     metasync=True, readahead=False, create=False, mode=0o600)

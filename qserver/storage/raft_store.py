@@ -84,7 +84,7 @@ class RaftStore:
         if not self.is_empty():
             raise RuntimeError("this node already holds membership state")
         state = _founding_state(node_id, storage_id)
-        with self._storage.write_transaction() as txn:
+        with self._env.begin(write=True) as txn:
             txn.put(_HARD, encode_hard_state(state.hard_state), db=self._state)
             for entry in state.entries:
                 txn.put(_INDEX.pack(entry.index), encode_entry(entry), db=self._log)
@@ -93,7 +93,7 @@ class RaftStore:
         """Writer thread: what `ready` says must be durable before its messages are sent.
         Raises MapGrowthNeeded or StorageFull (qserver/storage/lmdb_store.py) when there is no room:
         nothing was written, and the same Ready may be persisted again."""
-        with self._storage.write_transaction() as txn:
+        with self._storage.space_errors(), self._env.begin(write=True) as txn:
             if ready.install_snapshot is not None:
                 txn.drop(self._log, delete=False)
                 txn.put(_SNAPSHOT, encode_snapshot(ready.install_snapshot), db=self._state)
