@@ -64,9 +64,9 @@ from replication.queue_streams import (
     SEQUENCE_HEADER,
     SEQUENCE_KEY_HEADER,
     DedupeIds,
+    StreamFences,
     forget_numbers_after,
     note_sequence,
-    sequence_repeat,
 )
 from replication.queue_subscriptions import (
     SUBSCRIPTION_PRIORITY,
@@ -130,6 +130,7 @@ class QueueCore:
         # Enqueues refused because the queue was at max_depth, on this member since it started
         # (seed 003's overflows: the master decides, so only the master's count grows).
         self.overflows = 0
+        self.stream_fences = StreamFences()     # the deciding member's only (queue_streams.py)
         self._lease_deadlines: list[tuple[int, int, str]] = []
         for stored in leases:      # from storage, after a restart: inherited now
             self._inherit(stored.index, stored.priority, stored.receipt, stored.visibility_ms,
@@ -183,9 +184,8 @@ class QueueCore:
             if earlier is not None:
                 return earlier, True
         if headers is not None and SEQUENCE_HEADER in headers:
-            earlier = sequence_repeat(self.record, headers, client)
-            if earlier is not None:
-                return earlier, True
+            return self.stream_fences.enqueue(self.record, headers, client, lambda: self._place(
+                payload, priority, dedupe_id, client, now_ms, out, ttl_ms, delay_ms, headers))
         return self._place(payload, priority, dedupe_id, client, now_ms, out, ttl_ms, delay_ms, headers), False
 
     def enqueue_many(self, payloads: list[bytes], priority: int, dedupe_ids: list[str | None], client: str,
@@ -202,12 +202,14 @@ class QueueCore:
             if len(payloads) != 1:       # one number names one message
                 return [QueueError(E_INVALID_OPTION, f"{SEQUENCE_HEADER} numbers one message: enqueue them one "
                                                      "at a time")] * len(payloads)
+            def dedupe_or_place() -> int:
+                earlier = find(keys[0], now_ms, stored) if keys[0] is not None else None
+                return earlier if earlier is not None else place(payloads[0], priority, dedupe_ids[0], client, now_ms,
+                                                                 out, ttl_ms, delay_ms, headers)
             try:
-                earlier = sequence_repeat(self.record, headers, client)
+                return [self.stream_fences.enqueue(self.record, headers, client, dedupe_or_place)[0]]
             except QueueError as error:
                 return [error]
-            if earlier is not None:
-                return [earlier]
         for payload, dedupe_id, key in zip(payloads, dedupe_ids, keys, strict=True):
             if key is not None and (earlier := find(key, now_ms, stored)) is not None:
                 outcomes.append(earlier)

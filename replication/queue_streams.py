@@ -11,6 +11,8 @@ record and the ids, no heaps, leases or clocks.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from replication.options import producer_key
 from replication.queue_record import QueueRecord
 from replication.store import StoreReader
@@ -108,6 +110,45 @@ def sequence_repeat(record: QueueRecord, headers: dict[str, str], client: str) -
         raise QueueError(E_OVERLOADED, f"client {client} holds {SEQUENCE_NUMBERS_PER_PRODUCER_MAX} numbers above "
                                        f"its streams' floors in queue {record.name}: retry once its floors move")
     return None
+
+
+class StreamFences:
+    """Nothing later in a stream is stored after one of its numbers was refused (issue 38): a
+    producer that keeps several data messages in flight (a forwarder's pipeline) sends numbers
+    beyond one the queue is refusing at this moment (its window full, the queue at max_depth),
+    and those must wait for it. The master that decides enqueues keeps, per stream, the lowest
+    number it refused; a later number is refused too (E_OVERLOADED) until that one is stored or
+    repeated, or the producer's declared floor passes it (the source no longer holds it). Kept
+    on the deciding member only, in memory: a new master knows none, and a forwarder opens its
+    session there again and sends what it holds, lowest first."""
+    __slots__ = ("_refused",)
+
+    def __init__(self) -> None:
+        self._refused: dict[str, int] = {}
+
+    def enqueue(self, record: QueueRecord, headers: dict[str, str], client: str,
+                place: Callable[[], int]) -> tuple[int, bool]:
+        """A numbered enqueue: (message id, whether it repeats a stored number)."""
+        key, number, declared = _sequence_of(headers, client)
+        fence = self._refused.get(key)
+        if fence is not None and declared > fence:
+            del self._refused[key]          # settled at the source: the stream goes on without it
+            fence = None
+        if fence is not None and number > fence:
+            raise QueueError(E_OVERLOADED, f"stream {key} of queue {record.name}: number {fence} was refused, "
+                                           "and nothing later in the stream is stored before it")
+        try:
+            earlier = sequence_repeat(record, headers, client)
+            placed = earlier if earlier is not None else place()
+        except QueueError:
+            if fence is None and (key in record.sequences or len(self._refused) < SEQUENCE_KEYS_MAX):
+                self._refused[key] = number
+            elif fence is not None:
+                self._refused[key] = min(fence, number)
+            raise
+        if fence == number:
+            del self._refused[key]
+        return placed, earlier is not None
 
 
 def note_sequence(record: QueueRecord, headers: dict[str, str], client: str, index: int) -> None:

@@ -1073,6 +1073,37 @@ def test_a_stream_with_a_declared_floor_takes_numbers_out_of_order_and_each_once
     assert queue_core.sequences_from_json({"k": [4, 17]}) == {"k": [4, {4: 17}]}
 
 
+def test_nothing_later_in_a_stream_is_stored_after_one_of_its_numbers_was_refused() -> None:
+    """A forwarder keeps several data messages in flight (issue 38): once the master refused a
+    number of a stream (the queue at max_depth here), every later number is refused too until
+    that one is stored or passed by the declared floor; lower numbers go on."""
+    master = Driver(QueueOptions(strength=Strength.FULL, max_depth=4), with_dead_letter_queue=False)
+
+    def send(number: int, floor: int = 1) -> tuple[int, bool]:
+        headers = {queue_core.SEQUENCE_KEY_HEADER: "fw:p@4", queue_core.SEQUENCE_HEADER: str(number),
+                   queue_core.SEQUENCE_FLOOR_HEADER: str(floor)}
+        return master._run(lambda out: master.core.enqueue(b"m%d" % number, 4, None, "forwarder", master.now_ms,
+                                                           out, headers=headers), True)
+
+    def consume(count: int) -> None:
+        for lease in master.lease(count):
+            master.ack(lease)
+    for number in (2, 3, 4, 5):
+        send(number)
+    assert error_code(lambda: send(6)) == "E_QUEUE_FULL"           # the queue is full: 6 refused
+    consume(3)                                                      # room again ...
+    assert error_code(lambda: send(7)) == "E_OVERLOADED"           # ... but 7 waits for 6
+    assert send(1)[1] is False                                      # a lower number goes on
+    assert send(6)[1] is False and send(7)[1] is False              # 6 stored: the stream goes on
+    assert master.core.depth == 4
+    # The floor passing a refused number (gone from the source) lets the stream go on without it.
+    assert error_code(lambda: send(8)) == "E_QUEUE_FULL"
+    consume(1)
+    assert error_code(lambda: send(9)) == "E_OVERLOADED"
+    assert send(9, floor=9)[1] is False and master.core.depth == 4
+    assert master.core.stream_fences._refused == {}
+
+
 def test_a_record_stored_with_the_retired_in_sync_field_still_loads_and_is_written_without_it() -> None:
     """Issue 33: `QueueRecord.in_sync` was stored and never read; records on disk still carry it."""
     record = QueueRecord(QUEUE_ID, "orders", QueueOptions(), START_MS, next_index=7, total_enqueued=6)

@@ -55,7 +55,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("qserver.features.forwards.forwarder")
 RECONCILE_INTERVAL_S = 0.5       # how often a node looks for forwards to start or stop
-BATCH_MAX = 100                  # messages received at a time (one data message per priority among them)
+BATCH_MAX = 250                  # messages received at a time (one data message per priority among them ...
+DATA_BYTES_MAX = 1 << 20         # ... or more: a data message holds at most this many payload bytes, or one message
+PIPELINE_DEPTH = 4               # batches sent and not yet answered (issue 38; bench/bench_forward_pipeline.py)
 HELD_MAX = 1_000                 # messages held while the destination's stream window is full
 RECEIVE_WAIT_MS = 500            # an idle source is waited on this long per receive
 VISIBILITY_MS = 10_000           # the forwarder's lease on what it sends; extended while held
@@ -211,6 +213,8 @@ class Forwarder:
         # docs/PROTOCOL.md "Forwards"); until a session told them (None) the open reports 0.
         self._bands: int | None = None
         self._held: list[DeliveredMessage] = []      # leased at the source, not yet stored at the destination
+        self._resend: list[DeliveredMessage] = []    # of them, those the root did not take: sent again
+        self._kept_codes: dict[int, str] = {}         # ... and the code each was refused with
         self._leased_at = 0.0
         # Per priority (each its own stream: the source hands out a priority in id order, so
         # only delays and redeliveries reorder one): every id below it settled, and committed.
@@ -364,71 +368,162 @@ class Forwarder:
             self._set_rate(rate)
 
     async def _pump(self, client: AsyncClient) -> None:
-        services, entry = self._services, self.entry
+        """A pipeline (issue 38): while up to PIPELINE_DEPTH data messages are in flight, the
+        next batch is being taken from the source and the answered ones acked there; data
+        messages are settled in the order sent. A number the root refuses holds back every
+        later one of its stream there (the queue's stream fences: replication/queue_streams.py),
+        so what the pipeline sent past a refusal is refused too; all of it is sent again, lowest
+        first, once nothing is in flight."""
         core = self._core()
         incarnation = core.record.incarnation or core.queue_id
-        while True:
-            if self._window_full and len(self._held) >= HELD_MAX:
-                await self._make_room()
-            if not self._held or (self._window_full and len(self._held) < HELD_MAX):
-                # Held messages the destination's stream window refused wait for their floor to
-                # rise: the message holding it down (delayed until now, say) is taken meanwhile.
-                wanted = await self._bucket.acquire(BATCH_MAX)
-                wait_ms = 0 if self._held else RECEIVE_WAIT_MS
-                got = await services.call(_receive(entry.source, wanted, wait_ms))
-                self._bucket.give_back(wanted - len(got))
-                if not got and not self._held:
+        loop = asyncio.get_running_loop()
+        pending: collections.deque[tuple[list[DeliveredMessage], asyncio.Task[list[Any]], float]] = collections.deque()
+        taking: asyncio.Task[list[DeliveredMessage]] | None = None
+        acking: set[asyncio.Task[None]] = set()
+        self._resend = sorted(self._held, key=_in_stream_order)      # held over from the last session
+        try:
+            while True:
+                batch: list[DeliveredMessage] = []
+                if self._resend and not pending and taking is None and not acking:
+                    batch = await self._again()
+                elif taking is None and not self._resend and len(pending) < PIPELINE_DEPTH:
+                    taking = loop.create_task(self._take(waiting=bool(pending) or bool(acking)))
+                if batch:
+                    self._start_send(client, incarnation, await self._weight(), batch, pending)
                     continue
-                if not self._held:
-                    self._leased_at = time.monotonic()
-                self._held = self._held + list(got)
+                waited = {task for task in (taking, pending[0][1] if pending else None) if task is not None} | acking
+                if not waited:
+                    continue
+                await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
+                for acked in [ack for ack in acking if ack.done()]:
+                    acking.discard(acked)
+                    acked.result()                  # an ack that failed ends the session
+                if taking is not None and taking.done():
+                    got, taking = taking.result(), None
+                    if got:
+                        self._start_send(client, incarnation, await self._weight(), got, pending)
+                while pending and pending[0][1].done():
+                    messages, answered, sent_at = pending.popleft()
+                    self._settle(messages, answered.result(), sent_at, acking)
+        finally:
+            # What is in flight stays held (leased at the source) and is sent again next session.
+            in_flight: list[asyncio.Task[Any]] = [sending for _, sending, _ in pending]
+            for left in [*in_flight, *acking, *([taking] if taking else [])]:
+                left.cancel()
+                left.add_done_callback(lambda done: done.cancelled() or done.exception())
+
+    def _start_send(self, client: AsyncClient, incarnation: int, weight: int, batch: list[DeliveredMessage],
+                    pending: collections.deque[tuple[list[DeliveredMessage], asyncio.Task[list[Any]], float]]) -> None:
+        self.sent += len(batch)
+        task = asyncio.get_running_loop().create_task(self._send(client, incarnation, weight, batch))
+        pending.append((batch, task, time.monotonic()))
+
+    async def _take(self, *, waiting: bool) -> list[DeliveredMessage]:
+        """The next batch from the source; `waiting`: other work is due, so nothing is waited for."""
+        await self._keep_leases()
+        wanted = self._bucket.take(BATCH_MAX) if waiting else await self._bucket.acquire(BATCH_MAX)
+        if wanted == 0:
+            return []
+        got = await self._services.call(_receive(self.entry.source, wanted, 0 if waiting else RECEIVE_WAIT_MS))
+        self._bucket.give_back(wanted - len(got))
+        if got:
+            if not self._held:
+                self._leased_at = time.monotonic()
+            self._held = self._held + list(got)
+        return list(got)
+
+    async def _again(self) -> list[DeliveredMessage]:
+        """What the root refused, to send again (the pipeline is empty: `_held` is all of it),
+        with more from the source while a stream's window is full: the message holding its
+        floor down may be among them."""
+        await asyncio.sleep(RETRY_PAUSE_S)
+        # Why a stream was refused is what its lowest refused number was told: the later ones
+        # were held back behind it (E_OVERLOADED from the stream's fence, whatever the cause).
+        lowest: dict[int, DeliveredMessage] = {}
+        for message in self._resend:
+            if message.priority not in lowest or message.message_id < lowest[message.priority].message_id:
+                lowest[message.priority] = message
+        self._window_full = any(self._kept_codes.get(m.message_id) == e.E_OVERLOADED.code for m in lowest.values())
+        self._kept_codes = {}
+        if self._window_full and len(self._held) >= HELD_MAX:
+            await self._make_room()
+        elif self._window_full:
+            wanted = self._bucket.take(BATCH_MAX)
+            got = await self._services.call(_receive(self.entry.source, wanted, 0)) if wanted else []
+            self._bucket.give_back(wanted - len(got))
+            self._held = self._held + list(got)
+        await self._keep_leases()
+        self._resend = []
+        return sorted(self._held, key=_in_stream_order)
+
+    async def _send(self, client: AsyncClient, incarnation: int, weight: int,
+                    batch: list[DeliveredMessage]) -> list[Any]:
+        """Data messages per priority (each its own stream), each of at most BATCH_MAX messages
+        within DATA_BYTES_MAX (or one message), all sent at once; outcomes in `batch`'s order."""
+        entry = self.entry
+        by_priority: dict[int, list[DeliveredMessage]] = {}
+        for message in batch:
+            by_priority.setdefault(message.priority, []).append(message)
+        parts: list[tuple[int, list[DeliveredMessage]]] = []
+        for priority, messages in by_priority.items():
+            part: list[DeliveredMessage] = []
+            size = 0
+            for message in messages:
+                if part and (size + len(message.payload) > DATA_BYTES_MAX or len(part) >= BATCH_MAX):
+                    parts.append((priority, part))
+                    part, size = [], 0
+                part.append(message)
+                size += len(message.payload)
+            parts.append((priority, part))
+        answers = await asyncio.gather(*(client.forward_data(
+            entry.destination, entry.identity, f"{entry.identity}@{incarnation}/p{priority}", weight,
+            self._floors.get(priority, 1), [(m.payload, m.priority, m.message_id, 0, m.headers) for m in part])
+            for priority, part in parts))
+        outcome = {m.message_id: result for (_, part), results in zip(parts, answers, strict=True)
+                   for m, result in zip(part, results, strict=True)}
+        return [outcome[m.message_id] for m in batch]
+
+    def _settle(self, batch: list[DeliveredMessage], outcomes: list[Any], sent_at: float,
+                acking: set[asyncio.Task[None]]) -> None:
+        """A data message answered: ack at the source what the root stored (a task: the
+        pipeline goes on meanwhile), give back what it refused for good, keep the rest to send again."""
+        # Read before the acks: once they are committed, so is every removal before.
+        candidates = {priority: self._core().lowest_index(priority) for priority in {m.priority for m in batch}}
+        stored, kept, refused = [], [], []
+        failure: QueueError | None = None
+        for message, outcome in zip(batch, outcomes, strict=True):
+            if not isinstance(outcome, QueueError):
+                stored.append(message)
+            elif outcome.code in MESSAGE_ERRORS and not outcome.outcome_unknown:
+                refused.append((message, outcome))
             else:
-                await self._keep_leases()
-            held = self._held
-            cycle_started = time.monotonic()
-            by_priority: dict[int, list[DeliveredMessage]] = {}
-            for message in held:
-                by_priority.setdefault(message.priority, []).append(message)
-            # Read before the acks below: once they are committed, so is every removal before.
-            candidates = {priority: self._core().lowest_index(priority) for priority in by_priority}
-            weight = await self._weight()
-            self.sent += len(held)
-            answers = await asyncio.gather(*(client.forward_data(
-                entry.destination, entry.identity, f"{entry.identity}@{incarnation}/p{priority}", weight,
-                self._floors.get(priority, 1), [(m.payload, m.priority, m.message_id, 0, m.headers) for m in messages])
-                for priority, messages in by_priority.items()))
-            stored, kept, refused = [], [], []
-            failure: QueueError | None = None
-            self._window_full = False
-            for messages, outcomes in zip(by_priority.values(), answers, strict=True):
-                for message, outcome in zip(messages, outcomes, strict=True):
-                    if not isinstance(outcome, QueueError):
-                        stored.append(message)
-                    elif outcome.code in MESSAGE_ERRORS and not outcome.outcome_unknown:
-                        refused.append((message, outcome))
-                    else:
-                        kept.append(message)
-                        self._window_full |= outcome.code == e.E_OVERLOADED.code
-                        if outcome.code in SESSION_ERRORS:
-                            failure = failure or outcome
-            if stored:
-                # An ack refused (its lease ran out) leaves the message to be sent again: a repeat there.
-                acks = tuple((m.message_id, m.receipt) for m in stored)
-                await services.call(_ack_many(entry.source, acks))
-                self.stored += len(stored)
-                for priority in {m.priority for m in stored}:
-                    self._floors[priority] = max(self._floors.get(priority, 1), candidates[priority])
-            for message, error in refused:
-                log.warning("forward %s: the destination refused message %d: %s", entry.name, message.message_id, error)
-                self.refused += 1
-                with contextlib.suppress(QueueError):
-                    await self._release(message)
-            self._held = kept
-            self._bucket.span_s = min(CYCLE_SPAN_MAX_S, max(BURST_S, time.monotonic() - cycle_started))
-            if failure is not None:
-                raise failure
-            if kept:
-                await asyncio.sleep(RETRY_PAUSE_S)
+                kept.append(message)
+                self._kept_codes[message.message_id] = outcome.code
+                if outcome.code in SESSION_ERRORS:
+                    failure = failure or outcome
+        settled = {m.message_id for m in stored} | {m.message_id for m, _ in refused}
+        self._held = [m for m in self._held if m.message_id not in settled]
+        if stored or refused:
+            acking.add(asyncio.get_running_loop().create_task(self._ack(stored, refused, candidates)))
+        self._resend.extend(kept)
+        self._bucket.span_s = min(CYCLE_SPAN_MAX_S, max(BURST_S, time.monotonic() - sent_at))
+        if failure is not None:
+            raise failure
+
+    async def _ack(self, stored: list[DeliveredMessage], refused: list[tuple[DeliveredMessage, QueueError]],
+                   candidates: dict[int, int]) -> None:
+        entry = self.entry
+        if stored:
+            # An ack refused (its lease ran out) leaves the message to be sent again: a repeat there.
+            await self._services.call(_ack_many(entry.source, tuple((m.message_id, m.receipt) for m in stored)))
+            self.stored += len(stored)
+            for priority in {m.priority for m in stored}:
+                self._floors[priority] = max(self._floors.get(priority, 1), candidates[priority])
+        for message, error in refused:
+            log.warning("forward %s: the destination refused message %d: %s", entry.name, message.message_id, error)
+            self.refused += 1
+            with contextlib.suppress(QueueError):
+                await self._release(message)
 
     async def _make_room(self) -> None:
         """As many held as may be, their streams' windows full: once the message holding a
@@ -458,16 +553,18 @@ class Forwarder:
         later, a repeat at the destination if it got there)."""
         if not self._held or time.monotonic() - self._leased_at < VISIBILITY_MS / 2000:
             return
-        kept = []
-        for message in self._held:
+        self._leased_at = time.monotonic()
+        expired = set()
+        for message in list(self._held):       # the pipeline may settle some meanwhile
             try:
                 await self._services.call(_extend(self.entry.source, message))
-                kept.append(message)
             except QueueError as error:
                 if error.code != e.E_LEASE_EXPIRED.code:
                     raise
-        self._held = kept
-        self._leased_at = time.monotonic()
+                expired.add(message.message_id)
+        if expired:
+            self._held = [m for m in self._held if m.message_id not in expired]
+            self._resend = [m for m in self._resend if m.message_id not in expired]
 
     async def _give_back(self) -> None:
         """The forwarder stops here (the source's master moved, the forward was deleted): what
@@ -488,6 +585,10 @@ class Forwarder:
                 "source_max_depth": core.options.max_depth if core is not None else None,
                 "overflows": core.overflows if core is not None else None,
                 "rate_trace": [[round(at, 3), rate, weight] for at, rate, weight in list(self.trace)[-50:]]}
+
+
+def _in_stream_order(message: DeliveredMessage) -> tuple[int, int]:
+    return message.priority, message.message_id
 
 
 class Forwarders:
