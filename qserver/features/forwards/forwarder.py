@@ -381,13 +381,18 @@ class Forwarder:
         taking: asyncio.Task[list[DeliveredMessage]] | None = None
         acking: set[asyncio.Task[None]] = set()
         self._resend = sorted(self._held, key=_in_stream_order)      # held over from the last session
+        found_none = False      # the last take, made while answers were due, found nothing
         try:
             while True:
                 batch: list[DeliveredMessage] = []
-                if self._resend and not pending and taking is None and not acking:
+                busy = bool(pending) or bool(acking)
+                if self._resend and not busy and taking is None:
                     batch = await self._again()
-                elif taking is None and not self._resend and len(pending) < PIPELINE_DEPTH:
-                    taking = loop.create_task(self._take(waiting=bool(pending) or bool(acking)))
+                elif taking is None and not self._resend and len(pending) < PIPELINE_DEPTH and \
+                        not (busy and (found_none or self._bucket.wait_s() > 0)):
+                    # While answers are due a take waits for nothing: neither the source (an empty
+                    # one is asked again once something settled) nor the rate's next token.
+                    taking = loop.create_task(self._take(waiting=busy))
                 if batch:
                     self._start_send(client, incarnation, await self._weight(), batch, pending)
                     continue
@@ -398,13 +403,16 @@ class Forwarder:
                 for acked in [ack for ack in acking if ack.done()]:
                     acking.discard(acked)
                     acked.result()                  # an ack that failed ends the session
+                    found_none = False
                 if taking is not None and taking.done():
                     got, taking = taking.result(), None
+                    found_none = not got
                     if got:
                         self._start_send(client, incarnation, await self._weight(), got, pending)
                 while pending and pending[0][1].done():
                     messages, answered, sent_at = pending.popleft()
                     self._settle(messages, answered.result(), sent_at, acking)
+                    found_none = False
         finally:
             # What is in flight stays held (leased at the source) and is sent again next session.
             in_flight: list[asyncio.Task[Any]] = [sending for _, sending, _ in pending]
