@@ -85,5 +85,14 @@ async def until(condition: Callable[[], Awaitable[bool]], timeout_s: float = 20.
         await asyncio.sleep(0.05)
 
 
+async def replica_in_sync(client: Any, queue: str, timeout_s: float = 20.0) -> None:
+    """Wait until the map records `queue`'s replica in sync: an operator's handoff is refused
+    (E_HANDOFF_REFUSED) while it is not, and a node stalled > 2 s on a loaded machine (CI's
+    2 cores) is recorded out of sync for a moment."""
+    async def in_sync() -> bool:
+        return bool((await client.cluster())["queues"][queue].get("in_sync"))
+    await until(in_sync, timeout_s)
+
+
 async def next_channel_message(client: Any, timeout_s: float = 15.0) -> Any:
     return await asyncio.wait_for(client.next_channel_message(), timeout_s)

@@ -17,6 +17,7 @@ from replication.options import Strength
 from replication.queue_core import QueueCore
 from replication.snapshot import InstalledState, memory_rows
 from replication.store import MemoryStore
+from tests.support import replica_in_sync
 from tests.test_audit_checks import Journal, audit
 from tests.test_client_integration import run_qctl
 from tests.test_message_ttl import commit, core_on
@@ -149,6 +150,7 @@ async def test_a_delayed_message_waits_on_a_real_cluster_and_both_members_agree(
         assert second.id == later and time.monotonic() - sent >= 0.6
         await second.ack()
         await client.enqueue("mail", b"pending", delay_s=600)
+        await replica_in_sync(client, "mail")
         await client.handoff("mail")                   # the replica holds it delayed too
         stats = await client.queue_stats("mail")
         assert (stats["delayed"], stats["ready"], stats["depth"]) == (1, 0, 1)
