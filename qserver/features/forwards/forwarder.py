@@ -456,10 +456,7 @@ class Forwarder:
         if self._window_full and len(self._held) >= HELD_MAX:
             await self._make_room()
         elif self._window_full:
-            wanted = self._bucket.take(BATCH_MAX)
-            got = await self._services.call(_receive(self.entry.source, wanted, 0)) if wanted else []
-            self._bucket.give_back(wanted - len(got))
-            self._held = self._held + list(got)
+            await self._take(waiting=True)          # held with the rest, sent below
         await self._keep_leases()
         self._resend = []
         return sorted(self._held, key=_in_stream_order)
