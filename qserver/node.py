@@ -445,6 +445,9 @@ class Node:
                                + [({"code": "E_BAD_FRAME"}, self.bad_frames)]
                                + [({"code": "E_OVERLOADED"}, engine.rejected["overloaded"])])
         lines += render_family("qserver_storage_map_bytes", "gauge", "LMDB map size", [({}, self.storage.map_size())])
+        lines += render_family("qserver_housekeeping_behind", "gauge",
+                               "1 while pruning passes run every 50 ms to catch up with expired dedupe ids, statuses or deleted queues",
+                               [({}, int(self.storage.housekeeping_behind))])
         lines += self._storage_space_metrics()
         lines += self.macros.render_metrics()
         lines += self.sqs.render_metrics()

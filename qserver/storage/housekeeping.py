@@ -16,6 +16,18 @@ from qserver.storage.rows import EXPIRY, EXPIRY_STATUS, QI, Q, queue_prefix
 
 ERASE_KEYS_PER_BATCH_MAX = 5_000
 PRUNE_KEYS_PER_BATCH_MAX = 5_000
+# A pass that ends on its budget leaves a backlog: the engine runs the next one this soon
+# instead of a housekeeping interval later (qserver/core/engine.py). At one pass a second,
+# 5,000 keys a second is less than a windowed producer writes dedupe ids (every client
+# enqueue has one): the rows outlived their window for as long as the load lasted, without
+# bound. Twenty passes a second look at 100,000 keys a second, each pass still one bounded step.
+CATCH_UP_INTERVAL_MS = 50
+# The dedupe sweep walks the ids in key order, and a client's ids grow (a prefix and a
+# counter): new rows land ahead of the sweep, which one pass a second never overtook under
+# load, so it never came back to the expired rows behind it. It catches up whenever its walk
+# through the table has taken longer than half the window (at least this long): an id then
+# stays at most about one and a half windows.
+DEDUPE_CYCLE_MIN_MS = 1_000
 # The databases whose rows of a deleted incarnation are erased (keyed by queue id first).
 _ERASED = ("messages", "ready", "leases", "status", "dedupe", "oplog", "ttl", "delayed", "headers", "streams")
 
@@ -24,6 +36,10 @@ class Housekeeper:
     def __init__(self, db: dict[str, Any]) -> None:
         self._db = db
         self._dedupe_sweep_from = b""     # where the next dedupe sweep resumes (writer thread)
+        self._dedupe_cycle_from_ms: int | None = None   # when the sweep last started from the first id
+        # Written by the writer thread after each pass, read by the engine's loop when it
+        # schedules the next one: the last pass stopped on a budget with more left to do.
+        self.behind = False
 
     def run(self, txn: lmdb.Transaction, now_ms: int, dedupe_window_ms: int, status_retention_ms: int) -> None:
         """Completion statuses past their retention (oldest first, from the expiry index),
@@ -40,14 +56,21 @@ class Housekeeper:
                 txn.delete(Q.pack(EXPIRY.unpack_from(key)[2]) + key[EXPIRY.size:], db=self._db["status"])
                 cursor.delete()
                 pruned += 1
-        self._sweep_dedupe(txn, now_ms - dedupe_window_ms)
-        self._erase_doomed(txn)
+        statuses_behind = pruned == PRUNE_KEYS_PER_BATCH_MAX
+        dedupe_behind = self._sweep_dedupe(txn, now_ms, dedupe_window_ms)
+        erase_behind = self._erase_doomed(txn)
+        self.behind = statuses_behind or dedupe_behind or erase_behind
 
-    def _sweep_dedupe(self, txn: lmdb.Transaction, horizon_ms: int) -> None:
+    def _sweep_dedupe(self, txn: lmdb.Transaction, now_ms: int, window_ms: int) -> bool:
+        """Returns whether the sweep's walk through the table has taken longer than half the
+        window without reaching its end (DEDUPE_CYCLE_MIN_MS)."""
         cursor = txn.cursor(db=self._db["dedupe"])
+        if not self._dedupe_sweep_from or self._dedupe_cycle_from_ms is None:
+            self._dedupe_cycle_from_ms = now_ms
         if not (cursor.set_range(self._dedupe_sweep_from) if self._dedupe_sweep_from else cursor.first()):
             self._dedupe_sweep_from = b""
-            return
+            return False
+        horizon_ms = now_ms - window_ms
         for _ in range(PRUNE_KEYS_PER_BATCH_MAX):
             key = cursor.key()
             if not key:
@@ -57,11 +80,15 @@ class Housekeeper:
             elif not cursor.next():
                 break
         self._dedupe_sweep_from = bytes(cursor.key())
+        if not self._dedupe_sweep_from:
+            return False             # the walk reached the end: the next pass starts another
+        return now_ms - self._dedupe_cycle_from_ms >= max(DEDUPE_CYCLE_MIN_MS, window_ms // 2)
 
-    def _erase_doomed(self, txn: lmdb.Transaction) -> None:
+    def _erase_doomed(self, txn: lmdb.Transaction) -> bool:
+        """Returns whether rows of a deleted incarnation are left for the next pass."""
         doomed = txn.cursor(db=self._db["doomed"])
         if not doomed.first():
-            return
+            return False
         queue_id = Q.unpack(doomed.key())[0]
         prefix = queue_prefix(queue_id)
         budget = ERASE_KEYS_PER_BATCH_MAX
@@ -73,5 +100,6 @@ class Housekeeper:
                 cursor.delete()
                 budget -= 1
             if budget == 0:
-                return
+                return True
         doomed.delete()
+        return doomed.first()        # another deleted incarnation waits

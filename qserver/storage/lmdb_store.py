@@ -223,6 +223,11 @@ class Storage:
             raw = txn.get(b"next_queue_id")
         return Q.unpack(raw)[0] if raw else 1
 
+    @property
+    def housekeeping_behind(self) -> bool:
+        """The last housekeeping pass stopped on its budget with more to prune (housekeeping.py)."""
+        return self._housekeeper.behind
+
     # --- committed reads (loop thread) -----------------------------------------------------
     def begin_read(self) -> None:
         """Open the read transaction that reads use until `end_read` (one per step cycle)."""

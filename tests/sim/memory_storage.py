@@ -42,6 +42,7 @@ class MemoryStorage:
         self._next_queue_id = 1
         self._reading = False
         self.commits = 0
+        self.housekeeping_behind = False     # nothing here is pruned in steps (Storage's, housekeeping.py)
 
     # --- lifecycle and loading -------------------------------------------------------------
     def close(self) -> None:
