@@ -138,7 +138,7 @@ class Engine(Generic[P, G]):
         self._lease: LeaseCheck | None = None    # the coordinator's lease (full_master_may_decide)
         self._may_decide_time = True             # full_master_may_decide() as of the last turn
         self._next_housekeeping_ms = 0
-        self._next_catch_up_ms = 0               # a pass that left a backlog asks for the next one sooner
+        self._next_catch_up_ms = 0               # a pass that is behind asks for the next one sooner
         self._next_replication_tick_ms = 0
         self._task: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -273,8 +273,8 @@ class Engine(Generic[P, G]):
                 # so a change that woke nothing delays a delivery by one interval at most.
                 listeners.to_serve.update(listeners.listened())
             elif mono_ms >= self._next_catch_up_ms and self.storage.housekeeping_behind:
-                # The last pass stopped on its budget with more to prune: another one soon,
-                # without the interval's other chores (storage/housekeeping.py, CATCH_UP_INTERVAL_MS).
+                # The last pass left more to prune than a pass does: another one soon, without
+                # the interval's other chores (storage/housekeeping.py, CATCH_UP_INTERVAL_MS).
                 pipeline.open.sealed.housekeeping_ms = now_ms
                 self._next_catch_up_ms = mono_ms + CATCH_UP_INTERVAL_MS
             if pipeline.committing is None and not pipeline.open.empty():

@@ -16,8 +16,8 @@ from qserver.storage.rows import EXPIRY, EXPIRY_STATUS, QI, Q, queue_prefix
 
 ERASE_KEYS_PER_BATCH_MAX = 5_000
 PRUNE_KEYS_PER_BATCH_MAX = 5_000
-# A pass that ends on its budget leaves a backlog: the engine runs the next one this soon
-# instead of a housekeeping interval later (qserver/core/engine.py). At one pass a second,
+# A pass that is behind (`Housekeeper.run`) has the engine run the next one this soon instead
+# of a housekeeping interval later (qserver/core/engine.py). At one pass a second,
 # 5,000 keys a second is less than a windowed producer writes dedupe ids (every client
 # enqueue has one): the rows outlived their window for as long as the load lasted, without
 # bound. Twenty passes a second look at 100,000 keys a second, each pass still one bounded step.
@@ -38,13 +38,14 @@ class Housekeeper:
         self._dedupe_sweep_from = b""     # where the next dedupe sweep resumes (writer thread)
         self._dedupe_cycle_from_ms: int | None = None   # when the sweep last started from the first id
         # Written by the writer thread after each pass, read by the engine's loop when it
-        # schedules the next one: the last pass stopped on a budget with more left to do.
+        # schedules the next one: the last pass left more to do than one pass does.
         self.behind = False
 
     def run(self, txn: lmdb.Transaction, now_ms: int, dedupe_window_ms: int, status_retention_ms: int) -> None:
         """Completion statuses past their retention (oldest first, from the expiry index),
         dedupe ids past the window (an incremental sweep, so enqueues need no second index),
-        and the records of deleted queue incarnations, a few thousand keys at a time."""
+        and the records of deleted queue incarnations, a few thousand keys at a time. Behind:
+        the statuses or the erase ended on their budget, or the sweep is slow (_sweep_dedupe)."""
         cursor = txn.cursor(db=self._db["expiry"])
         horizon = now_ms - status_retention_ms
         pruned = 0
