@@ -225,7 +225,7 @@ class Storage:
 
     @property
     def housekeeping_behind(self) -> bool:
-        """The last housekeeping pass stopped on its budget with more to prune (housekeeping.py)."""
+        """The last housekeeping pass left more to prune than a pass does (housekeeping.py)."""
         return self._housekeeper.behind
 
     # --- committed reads (loop thread) -----------------------------------------------------
