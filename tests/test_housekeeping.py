@@ -13,10 +13,10 @@ import pytest
 
 from client import AsyncClient
 from qserver.storage import housekeeping
-from qserver.storage.housekeeping import CATCH_UP_INTERVAL_MS, PRUNE_KEYS_PER_BATCH_MAX
+from qserver.storage.housekeeping import CATCH_UP_INTERVAL_MS, PRUNE_KEYS_PER_BATCH_MAX, PassSchedule
 from qserver.storage.lmdb_store import SealedBatch, Storage
 from qserver.storage.space import database_usage
-from replication.operations import Acked, Enqueued
+from replication.operations import Acked, Enqueued, Operation
 from tests.support import RawApi, raw_session
 
 QUEUE = 1
@@ -64,26 +64,23 @@ def test_a_pass_that_stops_on_its_budget_says_so_and_the_passes_after_it_prune_e
 def test_the_dedupe_sweep_keeps_up_with_ids_written_ahead_of_it(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """A client's dedupe ids grow, so every new row lands ahead of the sweep. Scaled down (a
-    budget of 500 keys a pass, 2,000 ids a second, a 5 s window, passes scheduled as the engine
-    does: one a second, one every 50 ms while the last says it is behind), the table stays near
+    budget of 500 keys a pass, 2,000 ids a second, a 5 s window, passes asked for by the engine's
+    PassSchedule: one a second, one every 50 ms while the last was behind), the table stays near
     what one and a half windows write; at one pass a second it grew for as long as the writes went
     on (to ~100,000 in these 60 simulated seconds)."""
     monkeypatch.setattr(housekeeping, "PRUNE_KEYS_PER_BATCH_MAX", 500)
     storage = Storage(tmp_path / "lmdb", node_id="n1", map_size_bytes=256 << 20)
     rate, window_ms, step_ms = 2_000, 5_000, CATCH_UP_INTERVAL_MS
-    now_ms, next_pass_ms, next_catch_up_ms, index, largest = AT_MS, AT_MS, AT_MS, 0, 0
+    schedule = PassSchedule(interval_ms=1_000)
+    now_ms, index, largest = AT_MS, 0, 0
     try:
         for _ in range(60_000 // step_ms):
             now_ms += step_ms
             count = rate * step_ms // 1_000
-            ops = [Enqueued(QUEUE, index + n, 4, now_ms, f"p-{index + n:012x}", "producer", b"")
+            ops: list[Operation] = [Enqueued(QUEUE, index + n, 4, now_ms, f"p-{index + n:012x}", "producer", b"")
                    for n in range(1, count + 1)]
             index += count
-            pass_ms = None
-            if now_ms >= next_pass_ms:
-                pass_ms, next_pass_ms, next_catch_up_ms = now_ms, now_ms + 1_000, now_ms + CATCH_UP_INTERVAL_MS
-            elif now_ms >= next_catch_up_ms and storage.housekeeping_behind:
-                pass_ms, next_catch_up_ms = now_ms, now_ms + CATCH_UP_INTERVAL_MS
+            pass_ms = now_ms if schedule.due(now_ms, storage.housekeeping_behind) else None
             storage.commit(SealedBatch(operations=ops, housekeeping_ms=pass_ms, dedupe_window_ms=window_ms))
             largest = max(largest, entries(storage, "dedupe"))
         in_window = rate * window_ms // 1_000
@@ -97,7 +94,7 @@ async def test_a_node_prunes_a_burst_of_expired_dedupe_ids_in_seconds_not_one_pa
         qnode_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """100,000 enqueues with a dedupe window of 1 s: at 5,000 ids a pass and one pass a second
     the ids left after the burst took 10 s and more to go; passing again every 50 ms while a pass
-    ends on its budget takes them in a few hundred milliseconds (8 s allows a loaded machine)."""
+    is behind takes them in a few hundred milliseconds (8 s allows a loaded machine)."""
     config = tmp_path / "node.toml"
     config.write_text("[node]\ndedupe_window_s = 1.0\n")
     node = qnode_factory("n1", ["--config", str(config)])

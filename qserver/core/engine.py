@@ -36,7 +36,7 @@ from qserver.core.replication_port import HandoffGate, LeaseCheck, Pairs, Relay
 from qserver.core.space import StorageRoom
 from qserver.core.steps import CommandSteps
 from qserver.metrics import Histogram
-from qserver.storage.housekeeping import CATCH_UP_INTERVAL_MS
+from qserver.storage.housekeeping import PassSchedule
 from qserver.storage.lmdb_store import Storage, StorageSpace
 from replication.invariants import InvariantViolation
 from replication.master import MasterRole
@@ -137,8 +137,7 @@ class Engine(Generic[P, G]):
         self.coordinator = None
         self._lease: LeaseCheck | None = None    # the coordinator's lease (full_master_may_decide)
         self._may_decide_time = True             # full_master_may_decide() as of the last turn
-        self._next_housekeeping_ms = 0
-        self._next_catch_up_ms = 0               # a pass that is behind asks for the next one sooner
+        self._housekeeping = PassSchedule(config.housekeeping_interval_ms)
         self._next_replication_tick_ms = 0
         self._task: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -262,21 +261,16 @@ class Engine(Generic[P, G]):
                 self.room.check(mono_ms)
             finally:
                 self.storage.end_read()
-            if mono_ms >= self._next_housekeeping_ms:
+            housekeeping = self._housekeeping.due(mono_ms, self.storage.housekeeping_behind)
+            if housekeeping is not None:
                 pipeline.open.sealed.housekeeping_ms = now_ms      # what is older than this is pruned
-                self._next_housekeeping_ms = mono_ms + self.config.housekeeping_interval_ms
-                self._next_catch_up_ms = mono_ms + CATCH_UP_INTERVAL_MS
+            if housekeeping == "interval":       # a catch-up pass (storage/housekeeping.py) only prunes
                 for core in self.pairs.commit_points_to_record():
                     pipeline.touch(core)
                 # Listeners are served when their queue's role moves (listeners_may_see_more);
                 # once a housekeeping interval, every listened queue is looked at all the same,
                 # so a change that woke nothing delays a delivery by one interval at most.
                 listeners.to_serve.update(listeners.listened())
-            elif mono_ms >= self._next_catch_up_ms and self.storage.housekeeping_behind:
-                # The last pass left more to prune than a pass does: another one soon, without
-                # the interval's other chores (storage/housekeeping.py, CATCH_UP_INTERVAL_MS).
-                pipeline.open.sealed.housekeeping_ms = now_ms
-                self._next_catch_up_ms = mono_ms + CATCH_UP_INTERVAL_MS
             if pipeline.committing is None and not pipeline.open.empty():
                 pipeline.start_commit()
             if self._stopping and not self._inbox and pipeline.committing is None:
@@ -310,9 +304,7 @@ class Engine(Generic[P, G]):
             self._wake.set()   # more to do: come back after this batch goes to disk
 
     def _arm_timer(self, now_ms: int) -> None:
-        deadlines = [self._next_housekeeping_ms]
-        if self.storage.housekeeping_behind:
-            deadlines.append(self._next_catch_up_ms)
+        deadlines = [self._housekeeping.deadline(self.storage.housekeeping_behind)]
         if self.pairs.clustered:
             deadlines.append(self._next_replication_tick_ms)
         may_decide, deadlines_of = self._deadlines_asked()

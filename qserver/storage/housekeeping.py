@@ -8,6 +8,7 @@ store).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import lmdb
@@ -28,6 +29,32 @@ CATCH_UP_INTERVAL_MS = 50
 # through the table has taken longer than half the window (at least this long): an id then
 # stays at most about one and a half windows.
 DEDUPE_CYCLE_MIN_MS = 1_000
+
+
+@dataclass(slots=True)
+class PassSchedule:
+    """When the engine's loop asks for a pass (it marks the open batch; the writer runs it): one
+    every `interval_ms` with the interval's other chores, and one every CATCH_UP_INTERVAL_MS
+    between them while the last pass was behind."""
+    interval_ms: int
+    next_pass_ms: int = 0
+    next_catch_up_ms: int = 0
+
+    def due(self, mono_ms: int, behind: bool) -> str | None:
+        """"interval", "catch_up" or None (no pass now)."""
+        if mono_ms >= self.next_pass_ms:
+            self.next_pass_ms = mono_ms + self.interval_ms
+            self.next_catch_up_ms = mono_ms + CATCH_UP_INTERVAL_MS
+            return "interval"
+        if behind and mono_ms >= self.next_catch_up_ms:
+            self.next_catch_up_ms = mono_ms + CATCH_UP_INTERVAL_MS
+            return "catch_up"
+        return None
+
+    def deadline(self, behind: bool) -> int:
+        return min(self.next_pass_ms, self.next_catch_up_ms) if behind else self.next_pass_ms
+
+
 # The databases whose rows of a deleted incarnation are erased (keyed by queue id first).
 _ERASED = ("messages", "ready", "leases", "status", "dedupe", "oplog", "ttl", "delayed", "headers", "streams")
 
@@ -36,7 +63,7 @@ class Housekeeper:
     def __init__(self, db: dict[str, Any]) -> None:
         self._db = db
         self._dedupe_sweep_from = b""     # where the next dedupe sweep resumes (writer thread)
-        self._dedupe_cycle_from_ms: int | None = None   # when the sweep last started from the first id
+        self._dedupe_cycle_from_ms = 0    # when the sweep last started from the first id
         # Written by the writer thread after each pass, read by the engine's loop when it
         # schedules the next one: the last pass left more to do than one pass does.
         self.behind = False
@@ -66,7 +93,7 @@ class Housekeeper:
         """Returns whether the sweep's walk through the table has taken longer than half the
         window without reaching its end (DEDUPE_CYCLE_MIN_MS)."""
         cursor = txn.cursor(db=self._db["dedupe"])
-        if not self._dedupe_sweep_from or self._dedupe_cycle_from_ms is None:
+        if not self._dedupe_sweep_from:
             self._dedupe_cycle_from_ms = now_ms
         if not (cursor.set_range(self._dedupe_sweep_from) if self._dedupe_sweep_from else cursor.first()):
             self._dedupe_sweep_from = b""
